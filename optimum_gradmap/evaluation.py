@@ -1,0 +1,79 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""Evaluation of pruned models.
+
+Perplexity follows the paper's protocol: the evaluation text is tokenized into one stream, cut
+into non-overlapping segments of `seq_len` tokens (128 in the paper; 2048 in many other papers),
+and perplexity is exp of the mean next-token negative log-likelihood over every predicted token of
+every segment. Always report the protocol (segment length) and the dataset with the number.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+from transformers.utils import logging
+
+from .data import load_text, tokenize_text
+
+logger = logging.get_logger(__name__)
+
+
+def evaluation_segments(token_ids: torch.LongTensor, seq_len: int, max_segments: int | None = None) -> torch.LongTensor:
+    """Cuts a token stream into non-overlapping `seq_len` segments (the incomplete tail is dropped)."""
+    num_segments = token_ids.numel() // seq_len
+    if max_segments is not None:
+        num_segments = min(num_segments, max_segments)
+    if num_segments < 1:
+        raise ValueError(f"The evaluation text has {token_ids.numel()} tokens, fewer than one segment of {seq_len}.")
+    return token_ids[: num_segments * seq_len].view(num_segments, seq_len)
+
+
+def load_evaluation_segments(
+    dataset: str,
+    tokenizer: PreTrainedTokenizerBase,
+    seq_len: int = 128,
+    max_segments: int | None = None,
+) -> torch.LongTensor:
+    """Held-out evaluation segments of a named dataset (see [`optimum_gradmap.data.load_text`]).
+
+    For `"wikipedia"` these come from the held-out articles that calibration never uses.
+    """
+    return evaluation_segments(tokenize_text(load_text(dataset, "evaluation"), tokenizer), seq_len, max_segments)
+
+
+@torch.no_grad()
+def perplexity(
+    model: nn.Module,
+    segments: torch.LongTensor,
+    batch_size: int = 8,
+    progress_bar: bool = True,
+) -> float:
+    """Perplexity of `model` on pre-cut segments: exp(mean next-token NLL over all predicted tokens).
+
+    Args:
+        model (`nn.Module`): A causal LM.
+        segments (`torch.LongTensor` of shape `(num_segments, seq_len)`): From [`load_evaluation_segments`].
+        batch_size (`int`, defaults to 8): Segments per forward pass.
+        progress_bar (`bool`, defaults to `True`): Show a progress bar.
+    """
+    was_training = model.training
+    model.eval()
+    device = model.get_input_embeddings().weight.device
+    total_nll = 0.0
+    total_tokens = 0
+    try:
+        starts = range(0, segments.shape[0], batch_size)
+        for start in logging.tqdm(starts, desc="Perplexity", leave=False, disable=not progress_bar):
+            batch = segments[start : start + batch_size].to(device)
+            logits = model(input_ids=batch, use_cache=False).logits[:, :-1, :].float()
+            labels = batch[:, 1:].to(logits.device)
+            total_nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum").item()
+            total_tokens += labels.numel()
+    finally:
+        model.train(was_training)
+    return math.exp(total_nll / total_tokens)

@@ -1,0 +1,241 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""Layer importance metrics.
+
+GradMAP's Stage 1 metric (Eq. 5 of the paper) is the trace of a layer's empirical Fisher:
+
+    s_i = 1/N sum_j sum_{theta in W_i} || dL(x_j, y_j) / d theta ||_2^2
+
+that is, for every calibration sample j separately, the squared L2 norm of the loss gradient over
+all parameters of layer i, averaged over samples. It is a per-sample quantity: the norm of the
+gradient of a batch is a different (smaller) number.
+
+[`gradient_importance`] computes it exactly in batched passes without ever storing parameter
+gradients: model parameters are frozen, the backward pass computes only input gradients, and each
+parameter-holding module's per-sample gradient norm is computed from its captured input and output
+gradient:
+
+- `nn.Linear` y = W a over the T tokens of sample j has weight gradient G_j = sum_t g_t a_t^T with
+  ||G_j||_F^2 = sum_{t,s} (g_t . g_s)(a_t . a_s) (the "ghost norm"); the Gram form costs
+  T^2 (d_in + d_out) per sample, forming G_j costs T d_in d_out, and the cheaper one is used.
+  The bias gradient is sum_t g_t.
+- any other module with parameters (RMSNorm, LayerNorm, ...) gets its exact per-sample parameter
+  gradient from `torch.func.vjp` under `torch.func.vmap`; these modules are small.
+
+The per-sample loss is the mean next-token cross-entropy of the sample (what
+`model(input_ids, labels=input_ids).loss` returns for one sequence): the paper's Eq. 4 sums
+instead of averaging, which multiplies every score by the same constant (T-1)^2 and so does not
+change which layers are removed.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+# Forming per-sample weight gradients of a linear map is done in chunks of at most this many elements.
+_MAX_MATERIALISED_ELEMENTS = 2**26
+
+
+@contextmanager
+def frozen_for_scoring(model: nn.Module) -> Iterator[None]:
+    """Puts `model` in eval mode with frozen parameters, and restores both on exit.
+
+    Freezing makes the backward pass compute only input gradients: no `.grad` buffer is ever
+    allocated for a model parameter, and the weights are never updated.
+    """
+    was_training = model.training
+    requires_grad = {name: parameter.requires_grad for name, parameter in model.named_parameters()}
+    model.eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(requires_grad.get(name, parameter.requires_grad))
+        model.train(was_training)
+
+
+def per_sample_causal_lm_loss(logits: torch.Tensor, input_ids: torch.LongTensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of each sequence, in float32.
+
+    Args:
+        logits (`torch.Tensor` of shape `(batch, seq_len, vocab)`): Model outputs.
+        input_ids (`torch.LongTensor` of shape `(batch, seq_len)`): The tokens, also the labels.
+
+    Returns:
+        `torch.Tensor` of shape `(batch,)`.
+    """
+    shift_logits = logits[:, :-1, :].float()
+    labels = input_ids[:, 1:].to(shift_logits.device)
+    token_losses = F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), labels.reshape(-1), reduction="none")
+    return token_losses.view(labels.shape).mean(dim=1)
+
+
+def linear_per_sample_sq_norms(inputs: torch.Tensor, output_grads: torch.Tensor, has_bias: bool) -> torch.Tensor:
+    """Per-sample squared Frobenius norm of the gradient of `nn.Linear` weight (and bias).
+
+    Args:
+        inputs (`torch.Tensor` of shape `(batch, ..., d_in)`): The linear map's inputs.
+        output_grads (`torch.Tensor` of shape `(batch, ..., d_out)`): Loss gradient of its outputs.
+        has_bias (`bool`): Whether to add the bias gradient's squared norm.
+
+    Returns:
+        `torch.Tensor` of shape `(batch,)`, float32.
+    """
+    batch = inputs.shape[0]
+    a = inputs.reshape(batch, -1, inputs.shape[-1]).float()
+    g = output_grads.reshape(batch, -1, output_grads.shape[-1]).float()
+    tokens, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
+    if tokens * (d_in + d_out) <= d_in * d_out:
+        sq_norms = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum(dim=(1, 2))
+    else:
+        chunk = max(1, _MAX_MATERIALISED_ELEMENTS // (d_in * d_out))
+        sq_norms = torch.cat(
+            [torch.bmm(g[i : i + chunk].transpose(1, 2), a[i : i + chunk]).pow(2).sum(dim=(1, 2)) for i in range(0, batch, chunk)]
+        )
+    if has_bias:
+        sq_norms = sq_norms + g.sum(dim=1).pow(2).sum(dim=-1)
+    return sq_norms
+
+
+def module_per_sample_sq_norms(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output_grads: torch.Tensor
+) -> torch.Tensor:
+    """Per-sample squared norm of the gradient of `module`'s own parameters, for any module.
+
+    Positional tensor arguments whose first dimension is the batch are treated as per-sample;
+    other arguments are shared. Used for norms and other small parameter-holding modules.
+    """
+    batch = output_grads.shape[0]
+    params = {name: parameter.detach() for name, parameter in module.named_parameters(recurse=False)}
+    batched = [isinstance(arg, torch.Tensor) and arg.dim() > 0 and arg.shape[0] == batch for arg in args]
+    in_dims = (tuple(0 if is_batched else None for is_batched in batched), 0)
+
+    def sample_sq_norm(sample_args: tuple[Any, ...], sample_grad: torch.Tensor) -> torch.Tensor:
+        call_args = tuple(arg.unsqueeze(0) if is_batched else arg for arg, is_batched in zip(sample_args, batched))
+
+        def forward(parameters: dict[str, torch.Tensor]) -> torch.Tensor:
+            return torch.func.functional_call(module, parameters, call_args, kwargs)
+
+        _, vjp_fn = torch.func.vjp(forward, params)
+        (param_grads,) = vjp_fn(sample_grad.unsqueeze(0).to(dtype=next(iter(params.values())).dtype))
+        return sum(grad.float().pow(2).sum() for grad in param_grads.values())
+
+    return torch.func.vmap(sample_sq_norm, in_dims=in_dims)(tuple(args), output_grads)
+
+
+class PerSampleGradientNorms:
+    """Hooks that accumulate, for each given layer, the per-sample squared norm of the loss gradient
+    over all the layer's parameters, during ordinary batched forward/backward passes.
+
+    Use as a context manager around the passes; call [`~PerSampleGradientNorms.start_batch`] before
+    each forward and read [`~PerSampleGradientNorms.batch_sq_norms`] after its backward.
+
+    Args:
+        layers (`Sequence[nn.Module]`): The decoder layers to score.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module]):
+        self.layers = list(layers)
+        self._handles: list[Any] = []
+        self._batch_size = 0
+        self._recomputing = False
+        self.batch_sq_norms: torch.Tensor | None = None
+
+    def __enter__(self) -> "PerSampleGradientNorms":
+        for layer_position, layer in enumerate(self.layers):
+            for module in layer.modules():
+                if next(module.parameters(recurse=False), None) is None:
+                    continue
+                hook = partial(self._forward_hook, layer_position)
+                self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def start_batch(self, batch_size: int) -> None:
+        self._batch_size = batch_size
+        self.batch_sq_norms = torch.zeros(len(self.layers), batch_size, dtype=torch.float64)
+
+    def _forward_hook(self, layer_position: int, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._recomputing:  # our own per-sample re-evaluation of a module, see `_backward_hook`
+            return
+        if not isinstance(output, torch.Tensor):
+            raise NotImplementedError(
+                f"{type(module).__name__} holds parameters and returns {type(output).__name__}: per-sample "
+                "gradient norms need modules with one tensor output. Describe this family in an adapter."
+            )
+        if not output.requires_grad:
+            return
+        if output.shape[0] != self._batch_size:
+            raise NotImplementedError(
+                f"{type(module).__name__} sees a batch of {output.shape[0]} rows for {self._batch_size} samples "
+                "(tokens were regrouped across samples), so its per-sample gradients cannot be separated."
+            )
+        saved_args = tuple(arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args)
+        output.register_hook(partial(self._backward_hook, layer_position, module, saved_args, kwargs))
+
+    def _backward_hook(self, layer_position: int, module: nn.Module, args: tuple, kwargs: dict, grad: torch.Tensor) -> None:
+        if isinstance(module, nn.Linear):
+            with torch.no_grad():
+                sq_norms = linear_per_sample_sq_norms(args[0], grad, module.bias is not None)
+        else:
+            self._recomputing = True
+            try:
+                sq_norms = module_per_sample_sq_norms(module, args, kwargs, grad)
+            finally:
+                self._recomputing = False
+        self.batch_sq_norms[layer_position] += sq_norms.to(device="cpu", dtype=torch.float64)
+
+
+def gradient_importance(
+    model: nn.Module,
+    layers: Sequence[nn.Module],
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    progress_bar: bool = True,
+    description: str = "Scoring layers",
+) -> torch.Tensor:
+    """GradMAP's Stage 1 score (Eq. 5) of each layer in `layers`.
+
+    Args:
+        model (`nn.Module`): A causal LM whose decoder stack contains `layers`.
+        layers (`Sequence[nn.Module]`): The decoder layers to score.
+        input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
+        batch_size (`int`): Sequences per forward/backward pass.
+        progress_bar (`bool`, defaults to `True`): Show a progress bar over batches.
+        description (`str`): Progress bar label.
+
+    Returns:
+        `torch.Tensor` of shape `(len(layers),)`, float64: the mean over samples of the per-sample
+        squared gradient norm over all parameters of each layer.
+    """
+    embeddings = model.get_input_embeddings()
+    device = embeddings.weight.device
+    totals = torch.zeros(len(layers), dtype=torch.float64)
+    batches = range(0, input_ids.shape[0], batch_size)
+    with frozen_for_scoring(model), PerSampleGradientNorms(layers) as collector:
+        for start in logging.tqdm(batches, desc=description, leave=False, disable=not progress_bar):
+            batch = input_ids[start : start + batch_size].to(device)
+            collector.start_batch(batch.shape[0])
+            with torch.enable_grad():
+                inputs_embeds = embeddings(batch).detach().requires_grad_(True)
+                logits = model(inputs_embeds=inputs_embeds, use_cache=False).logits
+                loss = per_sample_causal_lm_loss(logits, batch).sum()
+                del logits
+                torch.autograd.grad(loss, inputs_embeds)
+            totals += collector.batch_sq_norms.sum(dim=1)
+    return totals / input_ids.shape[0]

@@ -1,0 +1,404 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""The GradMAP pruner: Stage 1 (gradient-based layer selection, Algorithm 1) and Stage 2
+(projection compensation), orchestrated on any model that has an architecture adapter."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging
+
+from .adapters import DecoderAdapter, LayerSnapshot, get_adapter
+from .compensation import (
+    compensation_statistics,
+    fold_into_linear,
+    hidden_state_means,
+    record_layer_outputs,
+    solve_adam,
+    solve_closed_form,
+)
+from .configuration import GradMAPConfig
+from .data import CalibrationData, is_text_data, prepare_calibration_data
+from .hub import REPORT_NAME
+from .importance import gradient_importance
+
+logger = logging.get_logger(__name__)
+
+@dataclass
+class PruningResult:
+    """What a GradMAP run did. Layer indices are always indices in the original (dense) model.
+
+    Args:
+        model (`PreTrainedModel`): The pruned model (the same object that was passed in, changed in place).
+        original_num_layers (`int`): Decoder layers before pruning.
+        num_layers_to_prune (`int`): K, the number of layers removed.
+        removed_layers (`list[int]`): Removed layers, in removal order.
+        kept_layers (`list[int]`): Layers that remain, in model order.
+        compensated_layers (`list[int]`): Layers whose down projection received a compensation matrix W'.
+        scores (`list[dict[int, float]]`): Stage 1 scores of the layers present in each round.
+        drift (`dict[int, float]`): Mean drift (Eq. 10) of each kept layer before compensation.
+        compensation_objective (`dict[int, dict[str, float]]`): For each compensated layer, the Stage 2
+            objective at W' = I and at the learned W'.
+        timings (`dict[str, float]`): Seconds spent in each stage.
+        calibration_ids (`torch.LongTensor`): The calibration sequences used.
+    """
+
+    model: PreTrainedModel
+    original_num_layers: int
+    num_layers_to_prune: int
+    removed_layers: list[int] = field(default_factory=list)
+    kept_layers: list[int] = field(default_factory=list)
+    compensated_layers: list[int] = field(default_factory=list)
+    scores: list[dict[int, float]] = field(default_factory=list)
+    drift: dict[int, float] = field(default_factory=dict)
+    compensation_objective: dict[int, dict[str, float]] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    calibration_ids: torch.LongTensor | None = field(default=None, repr=False)
+    snapshot: LayerSnapshot | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable summary (no model, no tensors)."""
+        return {
+            "original_num_layers": self.original_num_layers,
+            "num_layers_to_prune": self.num_layers_to_prune,
+            "removed_layers": self.removed_layers,
+            "kept_layers": self.kept_layers,
+            "compensated_layers": self.compensated_layers,
+            "scores": [{str(index): score for index, score in round_scores.items()} for round_scores in self.scores],
+            "drift": {str(index): value for index, value in self.drift.items()},
+            "compensation_objective": {str(index): values for index, values in self.compensation_objective.items()},
+            "timings": self.timings,
+        }
+
+
+class GradMAPPruner:
+    """Removes whole decoder layers with GradMAP and repairs what the removal breaks.
+
+    Args:
+        config (`GradMAPConfig`): What to do.
+        model (`PreTrainedModel`, *optional*): The model to prune when `prune` is called without one.
+        tokenizer (`PreTrainedTokenizerBase`, *optional*): Used to tokenize calibration text.
+        progress_bar (`bool`, defaults to `True`): Show tqdm progress bars.
+
+    Example:
+
+    ```python
+    >>> from optimum_gradmap import GradMAPConfig, GradMAPPruner
+    >>> pruner = GradMAPPruner.from_pretrained("HuggingFaceTB/SmolLM2-135M", GradMAPConfig(pruning_ratio=0.25))
+    >>> result = pruner.prune()
+    >>> result.removed_layers
+    >>> pruner.save_pretrained("smollm2-gradmap-25")
+    ```
+    """
+
+    def __init__(
+        self,
+        config: GradMAPConfig,
+        model: PreTrainedModel | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        progress_bar: bool = True,
+    ):
+        if not isinstance(config, GradMAPConfig):
+            raise TypeError(f"`config` must be a GradMAPConfig, got {type(config).__name__}.")
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.progress_bar = progress_bar
+        self.result: PruningResult | None = None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_name_or_path: str | os.PathLike,
+        config: GradMAPConfig,
+        tokenizer: PreTrainedTokenizerBase | str | None = None,
+        **model_kwargs: Any,
+    ) -> "GradMAPPruner":
+        """Loads a causal LM and its tokenizer (from the Hub or a local folder) into a new pruner.
+
+        Args:
+            model_name_or_path (`str` or `os.PathLike`): Hub model id or local checkpoint folder.
+            config (`GradMAPConfig`): What to do.
+            tokenizer (`PreTrainedTokenizerBase` or `str`, *optional*): A tokenizer, or where to load
+                it from; defaults to `model_name_or_path`.
+            model_kwargs: Passed to `AutoModelForCausalLM.from_pretrained` (`dtype`, `device_map`, `revision`, ...).
+        """
+        model = AutoModelForCausalLM.from_pretrained(model_name_or_path, **model_kwargs)
+        if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer or model_name_or_path)
+        return cls(config, model=model, tokenizer=tokenizer)
+
+    # ----------------------------------------------------------------------------------------- API
+    def prune(
+        self,
+        model: PreTrainedModel | None = None,
+        calibration_data: CalibrationData = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> PruningResult:
+        """Prunes `model` in place: Stage 1, then Stage 2 if `config.compensation`.
+
+        Args:
+            model (`PreTrainedModel`, *optional*): Defaults to the pruner's model.
+            calibration_data: `None` (use `config.dataset`), a dataset name, a list of strings, a
+                list of token-id lists, or a `LongTensor` of shape `(N, T)`.
+            tokenizer (`PreTrainedTokenizerBase`, *optional*): For text; defaults to the pruner's
+                tokenizer, else the one saved with the model.
+
+        Returns:
+            [`PruningResult`]: `result.model` is the pruned model.
+
+        Raises:
+            ValueError: for a model or data that cannot be pruned as configured; the model is left untouched.
+        """
+        result = self.select_layers(model, calibration_data, tokenizer)
+        if self.config.compensation:
+            self.compensate(result)
+        result.snapshot = None  # release the removed layers
+        return result
+
+    def select_layers(
+        self,
+        model: PreTrainedModel | None = None,
+        calibration_data: CalibrationData = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> PruningResult:
+        """Stage 1 alone: scores layers by Eq. 5 and removes K of them (Algorithm 1).
+
+        The returned result keeps the removed layers in memory so that [`~GradMAPPruner.compensate`]
+        can compare against the dense model; `prune` runs both and releases them.
+        """
+        model = self._resolve_model(model)
+        adapter = get_adapter(model)
+        num_layers = adapter.num_layers(model)
+        num_to_prune = self._check_plan(num_layers)
+        calibration_ids = self._calibration_ids(model, calibration_data, tokenizer)
+
+        snapshot = adapter.snapshot(model)
+        result = PruningResult(
+            model=model,
+            original_num_layers=num_layers,
+            num_layers_to_prune=num_to_prune,
+            kept_layers=list(range(num_layers)),
+            calibration_ids=calibration_ids,
+            snapshot=snapshot,
+        )
+        self.result = result
+        start = time.perf_counter()
+        try:
+            self._run_stage1(model, adapter, result)
+        except BaseException:
+            adapter.keep_layers(model, snapshot, list(range(num_layers)))
+            raise
+        result.timings["stage1"] = time.perf_counter() - start
+        logger.info(
+            f"Stage 1 removed layers {result.removed_layers} of {num_layers} in {result.timings['stage1']:.1f}s; "
+            f"{len(result.kept_layers)} remain."
+        )
+        return result
+
+    def compensate(self, result: PruningResult) -> PruningResult:
+        """Stage 2 on a model pruned by [`~GradMAPPruner.select_layers`]: measures the mean drift of every
+        kept layer (Eq. 10), learns W' for the `num_compensated_layers` layers with the largest drift
+        (Eq. 12-14) and folds it into their down projections (Eq. 15)."""
+        if result.snapshot is None:
+            raise ValueError(
+                "This result no longer holds the dense model's layers (Stage 2 compares against them): "
+                "run `select_layers` then `compensate`, or `prune` with compensation=True."
+            )
+        if result.compensated_layers:
+            raise ValueError(f"Layers {result.compensated_layers} are already compensated.")
+        start = time.perf_counter()
+        self._run_stage2(result.model, get_adapter(result.model), result)
+        result.timings["stage2"] = time.perf_counter() - start
+        logger.info(f"Stage 2 compensated layer(s) {result.compensated_layers} in {result.timings['stage2']:.1f}s.")
+        return result
+
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        model: PreTrainedModel | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        **save_kwargs: Any,
+    ) -> str:
+        """Writes a standard checkpoint that plain `AutoModelForCausalLM.from_pretrained` loads: model,
+        tokenizer, `gradmap_config.json` and `pruning_report.json`.
+
+        Args:
+            save_directory (`str` or `os.PathLike`): Output folder.
+            model (`PreTrainedModel`, *optional*): Defaults to the last pruned model.
+            tokenizer (`PreTrainedTokenizerBase`, *optional*): Defaults to the pruner's tokenizer.
+            save_kwargs: Passed to the model's `save_pretrained`.
+
+        Returns:
+            `str`: The folder.
+        """
+        from .hub import save_checkpoint
+
+        model = model or (self.result.model if self.result is not None else self.model)
+        if model is None:
+            raise ValueError("No model to save: pass `model=` or call `prune` first.")
+        report = self.result.to_dict() if self.result is not None and self.result.model is model else None
+        return save_checkpoint(save_directory, model, tokenizer or self.tokenizer, self.config, report, **save_kwargs)
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        model: PreTrainedModel | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        private: bool | None = None,
+        token: str | bool | None = None,
+        commit_message: str | None = None,
+    ) -> str:
+        """Saves the checkpoint (as [`~GradMAPPruner.save_pretrained`]) and uploads it to the Hub.
+
+        Returns:
+            `str`: The URL of the commit.
+        """
+        import tempfile
+
+        from .hub import upload_checkpoint
+
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder, model=model, tokenizer=tokenizer)
+            message = commit_message or self._commit_message()
+            return upload_checkpoint(folder, repo_id, private=private, token=token, commit_message=message)
+
+    # ----------------------------------------------------------------------------------- internals
+    def _resolve_model(self, model: PreTrainedModel | None) -> PreTrainedModel:
+        model = model if model is not None else self.model
+        if model is None:
+            raise ValueError("No model to prune: pass one to `prune(model, ...)` or build the pruner with `from_pretrained`.")
+        if self.model is None:
+            self.model = model
+        return model
+
+    def _check_plan(self, num_layers: int) -> int:
+        num_to_prune = self.config.num_layers_to_remove(num_layers)
+        if num_to_prune < 1:
+            raise ValueError(
+                f"pruning_ratio={self.config.pruning_ratio} of {num_layers} layers rounds to 0 layers: "
+                "raise the ratio or give `num_layers_to_prune`."
+            )
+        if num_to_prune >= num_layers:
+            raise ValueError(
+                f"Cannot remove {num_to_prune} of the model's {num_layers} decoder layers: at least one must "
+                f"remain. Choose num_layers_to_prune <= {num_layers - 1}."
+            )
+        if self.config.compensation and self.config.num_compensated_layers > num_layers - num_to_prune:
+            raise ValueError(
+                f"num_compensated_layers={self.config.num_compensated_layers} exceeds the {num_layers - num_to_prune} "
+                "layers that remain after pruning."
+            )
+        return num_to_prune
+
+    def _calibration_ids(
+        self, model: PreTrainedModel, calibration_data: CalibrationData, tokenizer: PreTrainedTokenizerBase | None
+    ) -> torch.LongTensor:
+        tokenizer = tokenizer or self.tokenizer
+        if tokenizer is None and is_text_data(calibration_data):
+            name = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
+            if not name:
+                raise ValueError("Calibration text needs a tokenizer: pass `tokenizer=` (the model has no name to load one from).")
+            tokenizer = AutoTokenizer.from_pretrained(name)
+            self.tokenizer = tokenizer
+        config = self.config
+        ids = prepare_calibration_data(
+            calibration_data, tokenizer, config.num_samples, config.seq_len, config.seed, config.dataset
+        )
+        vocab_size = model.get_input_embeddings().weight.shape[0]
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+            raise ValueError(f"Calibration token ids must lie in [0, {vocab_size}), the model's vocabulary.")
+        return ids
+
+    def _run_stage1(self, model: PreTrainedModel, adapter: DecoderAdapter, result: PruningResult) -> None:
+        config = self.config
+        num_rounds = result.num_layers_to_prune if config.iterative else 1
+        rounds = logging.tqdm(range(num_rounds), desc="GradMAP stage 1", disable=not self.progress_bar)
+        for round_index in rounds:
+            kept = result.kept_layers
+            layer_scores = gradient_importance(
+                model,
+                adapter.get_layers(model),
+                result.calibration_ids,
+                config.batch_size,
+                progress_bar=self.progress_bar,
+                description=f"Round {round_index + 1}/{num_rounds}",
+            )
+            round_scores = {original: float(score) for original, score in zip(kept, layer_scores.tolist())}
+            result.scores.append(round_scores)
+            ranked = sorted(kept, key=lambda index: (round_scores[index], index))
+            to_remove = ranked[:1] if config.iterative else ranked[: result.num_layers_to_prune]
+            result.removed_layers.extend(to_remove)
+            result.kept_layers = [index for index in kept if index not in to_remove]
+            adapter.keep_layers(model, result.snapshot, result.kept_layers)
+            for index in to_remove:
+                logger.info(f"Round {round_index + 1}/{num_rounds}: removed layer {index} (score {round_scores[index]:.6g})")
+
+    def _run_stage2(self, model: PreTrainedModel, adapter: DecoderAdapter, result: PruningResult) -> None:
+        config = self.config
+        snapshot, kept, ids = result.snapshot, result.kept_layers, result.calibration_ids
+        progress = self.progress_bar
+
+        with _dense(model, adapter, snapshot, kept):
+            dense_means = hidden_state_means(model, snapshot.layers, ids, config.batch_size, progress, "Dense hidden states")
+        pruned_means = hidden_state_means(model, adapter.get_layers(model), ids, config.batch_size, progress, "Pruned hidden states")
+        result.drift = {
+            original: float((dense_means[original] - pruned_means[position]).norm())
+            for position, original in enumerate(kept)
+        }
+        ranked = sorted(kept, key=lambda index: -result.drift[index])
+        targets = sorted(ranked[: config.num_compensated_layers])  # fit in forward order
+        with _dense(model, adapter, snapshot, kept):
+            originals = record_layer_outputs(model, [snapshot.layers[t] for t in targets], ids, config.batch_size, progress)
+
+        for target, original_outputs in zip(targets, originals):
+            layer = snapshot.layers[target]
+            statistics = compensation_statistics(model, adapter, layer, original_outputs, ids, config.batch_size, progress)
+            if config.solver == "closed_form":
+                matrix = solve_closed_form(statistics, config.reg_lambda)
+            else:
+                matrix = solve_adam(statistics, config.reg_lambda, config.adam_lr, config.adam_steps, progress)
+            identity = torch.eye(matrix.shape[0], dtype=torch.float64)
+            result.compensation_objective[target] = {
+                "identity": float(statistics.objective(identity, config.reg_lambda)),
+                "fitted": float(statistics.objective(matrix, config.reg_lambda)),
+            }
+            for linear in adapter.get_down_projections(layer):
+                fold_into_linear(linear, matrix)
+            result.compensated_layers.append(target)
+            logger.info(
+                f"Compensated layer {target} (drift {result.drift[target]:.4g}): objective "
+                f"{result.compensation_objective[target]['identity']:.6g} -> {result.compensation_objective[target]['fitted']:.6g}"
+            )
+
+    def _commit_message(self) -> str:
+        if self.result is None:
+            return "Upload model pruned with GradMAP"
+        return (
+            f"GradMAP: remove {len(self.result.removed_layers)} of {self.result.original_num_layers} layers "
+            f"{self.result.removed_layers}, compensate {self.result.compensated_layers}"
+        )
+
+
+@contextmanager
+def _dense(model: PreTrainedModel, adapter: DecoderAdapter, snapshot: LayerSnapshot, kept: list[int]) -> Iterator[None]:
+    """Temporarily restores the dense layer stack, then re-applies the pruning."""
+    adapter.keep_layers(model, snapshot, list(range(snapshot.num_layers)))
+    try:
+        yield
+    finally:
+        adapter.keep_layers(model, snapshot, kept)
+
+
+def load_report(directory: str | os.PathLike) -> dict[str, Any]:
+    """Reads the `pruning_report.json` written next to a GradMAP checkpoint."""
+    with open(os.path.join(directory, REPORT_NAME), encoding="utf-8") as file:
+        return json.load(file)
