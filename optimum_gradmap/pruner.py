@@ -354,8 +354,11 @@ class GradMAPPruner:
             original: float((dense_means[original] - pruned_means[position]).norm())
             for position, original in enumerate(kept)
         }
-        ranked = sorted(kept, key=lambda index: -result.drift[index])
+        ranked = sorted((index for index in kept if result.drift[index] > 0), key=lambda index: -result.drift[index])
         targets = sorted(ranked[: config.num_compensated_layers])  # fit in forward order
+        if not targets:
+            logger.warning("No kept layer drifted (only layers after every kept layer were removed): nothing to compensate.")
+            return
         with _dense(model, adapter, snapshot, kept):
             originals = record_layer_outputs(model, [snapshot.layers[t] for t in targets], ids, config.batch_size, progress)
 

@@ -1,0 +1,116 @@
+"""Held-out perplexity of GradMAP on a real model: dense, Stage 1 only, Stage 1 + Stage 2 with each
+solver, and the same number of layers removed at random.
+
+One Stage 1 run serves every row: Stage 2 is applied with each solver in turn on the same pruned
+model (the compensated weights are restored in between), and the random rows reuse the dense
+layers the pruner keeps.
+
+    python benchmarks/quality.py --model smollm2-135m --ratio 0.25
+
+Prints a table and writes benchmarks/results/quality-<model>-<ratio>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import time
+
+import torch
+
+from optimum_gradmap import GradMAPConfig, GradMAPPruner, load_evaluation_segments, perplexity
+from optimum_gradmap.adapters import get_adapter
+from optimum_gradmap.assets import MODEL_ASSETS, load_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_ASSETS), help="offline model asset")
+    parser.add_argument("--ratio", type=float, default=0.25, help="pruning ratio (default 0.25)")
+    parser.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default 128)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per calibration sequence (default 128)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--adam-steps", type=int, default=2000)
+    parser.add_argument("--random-seeds", type=int, default=3, help="number of random-removal baselines (default 3)")
+    parser.add_argument("--max-eval-segments", type=int, default=None, help="cap on 128-token evaluation segments (default: all)")
+    parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model, tokenizer = load_model(args.model)
+    segments = load_evaluation_segments("wikipedia", tokenizer, seq_len=128, max_segments=args.max_eval_segments)
+    print(f"{args.model}: {model.config.num_hidden_layers} layers; evaluation: {segments.shape[0]} segments x 128 tokens of held-out Wikipedia")
+
+    rows: dict[str, float] = {}
+    rows["dense"] = perplexity(model, segments)
+    print(f"dense: {rows['dense']:.3f}")
+
+    config = GradMAPConfig(
+        pruning_ratio=args.ratio, num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size, adam_steps=args.adam_steps
+    )
+    pruner = GradMAPPruner(config, tokenizer=tokenizer)
+    result = pruner.select_layers(model, "wikipedia")
+    rows["stage1"] = perplexity(model, segments)
+    print(f"stage 1 only (removed {result.removed_layers}): {rows['stage1']:.3f}  [{result.timings['stage1']:.1f}s]")
+
+    adapter = get_adapter(model)
+    originals = {
+        index: [linear.weight.detach().clone() for linear in adapter.get_down_projections(result.snapshot.layers[index])]
+        for index in result.kept_layers
+    }
+    solvers: dict[str, dict] = {}
+    for solver in ("closed_form", "adam"):
+        pruner.config = GradMAPConfig(**{**config.to_dict(), "solver": solver})
+        result.compensated_layers, result.compensation_objective = [], {}
+        pruner.compensate(result)
+        rows[f"stage1+2 ({solver})"] = perplexity(model, segments)
+        solvers[solver] = {
+            "compensated_layers": list(result.compensated_layers),
+            "objective": {str(k): v for k, v in result.compensation_objective.items()},
+            "stage2_seconds": result.timings["stage2"],
+        }
+        print(f"stage 1 + 2, {solver} (layer {result.compensated_layers}): {rows[f'stage1+2 ({solver})']:.3f}  [{result.timings['stage2']:.1f}s]")
+        for index, weights in originals.items():
+            for linear, weight in zip(adapter.get_down_projections(result.snapshot.layers[index]), weights):
+                linear.weight.data.copy_(weight)
+
+    random_rows = []
+    for seed in range(args.random_seeds):
+        removed = sorted(random.Random(seed).sample(range(result.original_num_layers), result.num_layers_to_prune))
+        adapter.keep_layers(model, result.snapshot, [i for i in range(result.original_num_layers) if i not in removed])
+        value = perplexity(model, segments)
+        random_rows.append({"seed": seed, "removed_layers": removed, "perplexity": value})
+        print(f"random removal, seed {seed} {removed}: {value:.3f}")
+
+    report = {
+        "model": args.model,
+        "ratio": args.ratio,
+        "calibration": {"dataset": "wikipedia (calibration articles)", "num_samples": args.num_samples, "seq_len": args.seq_len},
+        "evaluation": {"dataset": "wikipedia (held-out articles)", "protocol": "non-overlapping 128-token segments", "segments": int(segments.shape[0])},
+        "removed_layers": result.removed_layers,
+        "scores": [{str(k): v for k, v in s.items()} for s in result.scores],
+        "drift": {str(k): v for k, v in result.drift.items()},
+        "perplexity": rows,
+        "solvers": solvers,
+        "random_removal": random_rows,
+        "stage1_seconds": result.timings["stage1"],
+        "environment": {"torch": torch.__version__, "platform": platform.platform(), "threads": torch.get_num_threads()},
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    os.makedirs(args.output_dir, exist_ok=True)
+    path = os.path.join(args.output_dir, f"quality-{args.model}-{args.ratio}.json")
+    with open(path, "w") as file:
+        json.dump(report, file, indent=2)
+    print("\n| model | perplexity (held-out Wikipedia, 128-token segments) |\n|---|---|")
+    for name, value in rows.items():
+        print(f"| {name} | {value:.3f} |")
+    for row in random_rows:
+        print(f"| random {row['removed_layers']} | {row['perplexity']:.3f} |")
+    print(f"\nwritten to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+import json
+
+import pytest
+
+from optimum_gradmap import GradMAPConfig
+from optimum_gradmap.configuration import CONFIG_NAME
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({}, "exactly one of `pruning_ratio`"),
+        ({"pruning_ratio": 0.25, "num_layers_to_prune": 8}, "exactly one of `pruning_ratio`"),
+        ({"pruning_ratio": 0.0}, "strictly between 0 and 1"),
+        ({"pruning_ratio": 1.0}, "strictly between 0 and 1"),
+        ({"pruning_ratio": 1.5}, "strictly between 0 and 1"),
+        ({"pruning_ratio": -0.1}, "strictly between 0 and 1"),
+        ({"pruning_ratio": "0.25"}, "must be a number"),
+        ({"num_layers_to_prune": 0}, "`num_layers_to_prune` must be an integer >= 1"),
+        ({"num_layers_to_prune": 2.5}, "`num_layers_to_prune` must be an integer >= 1"),
+        ({"pruning_ratio": 0.25, "reg_lambda": -1e-3}, "`reg_lambda` must be a finite number >= 0"),
+        ({"pruning_ratio": 0.25, "reg_lambda": float("nan")}, "`reg_lambda` must be a finite number >= 0"),
+        ({"pruning_ratio": 0.25, "solver": "sgd"}, "`solver` must be one of"),
+        ({"pruning_ratio": 0.25, "num_compensated_layers": 0}, "`num_compensated_layers` must be an integer >= 1"),
+        ({"pruning_ratio": 0.25, "seq_len": 1}, "`seq_len` must be an integer >= 2"),
+        ({"pruning_ratio": 0.25, "batch_size": 0}, "`batch_size` must be an integer >= 1"),
+        ({"pruning_ratio": 0.25, "adam_lr": 0}, "`adam_lr` must be a finite number > 0"),
+        ({"pruning_ratio": 0.25, "dataset": ""}, "`dataset` must be a dataset name"),
+    ],
+)
+def test_invalid_values_are_refused_with_a_clear_message(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        GradMAPConfig(**kwargs)
+
+
+def test_defaults_follow_the_paper():
+    config = GradMAPConfig(pruning_ratio=0.25)
+    assert (config.num_samples, config.seq_len, config.reg_lambda, config.adam_lr) == (128, 128, 1e-3, 1e-3)
+    assert config.iterative and config.compensation and config.num_compensated_layers == 1
+    assert config.dataset == "wikipedia"
+
+
+@pytest.mark.parametrize(
+    "ratio, num_layers, expected",
+    [(0.25, 30, 8), (0.25, 32, 8), (0.25, 24, 6), (0.25, 10, 3), (0.125, 4, 1), (0.1, 4, 0), (0.4063, 32, 13)],
+)
+def test_ratio_rounds_to_nearest_with_halves_up(ratio, num_layers, expected):
+    assert GradMAPConfig(pruning_ratio=ratio).num_layers_to_remove(num_layers) == expected
+
+
+def test_explicit_count_is_used_as_is():
+    assert GradMAPConfig(num_layers_to_prune=5).num_layers_to_remove(30) == 5
+
+
+def test_json_round_trip(tmp_path):
+    config = GradMAPConfig(num_layers_to_prune=3, iterative=False, solver="adam", reg_lambda=0.5, seed=7, dataset="c4")
+    assert GradMAPConfig.from_dict(json.loads(config.to_json_string())) == config
+    path = config.save_pretrained(tmp_path)
+    assert path.endswith(CONFIG_NAME)
+    assert GradMAPConfig.from_pretrained(tmp_path) == config
+
+
+def test_unknown_keys_and_missing_file_are_reported(tmp_path):
+    with pytest.raises(ValueError, match="Unknown GradMAPConfig fields: \\['ratio'\\]"):
+        GradMAPConfig.from_dict({"ratio": 0.25})
+    with pytest.raises(FileNotFoundError, match=CONFIG_NAME):
+        GradMAPConfig.from_pretrained(tmp_path)

@@ -1,0 +1,74 @@
+"""Stage 1: the batched, gradient-free-of-buffers score equals the naive per-sample definition."""
+
+import pytest
+import torch
+
+from optimum_gradmap.importance import gradient_importance, linear_per_sample_sq_norms
+
+from .conftest import ARCHITECTURES, random_ids, tiny_model
+
+
+def naive_scores(model, input_ids):
+    """Eq. 5 by definition: one backward per sample, summing the squared norms of every `p.grad` of each layer."""
+    layers = list(model.model.layers)
+    totals = torch.zeros(len(layers), dtype=torch.float64)
+    for sample in input_ids:
+        model.zero_grad(set_to_none=True)
+        batch = sample.unsqueeze(0)
+        model(batch, labels=batch).loss.backward()
+        for position, layer in enumerate(layers):
+            totals[position] += sum(p.grad.double().pow(2).sum() for p in layer.parameters())
+    model.zero_grad(set_to_none=True)
+    return totals / input_ids.shape[0]
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_scores_equal_naive_per_sample_reference(model_type):
+    model = tiny_model(model_type, attention_bias=(model_type == "llama"))
+    ids = random_ids(num_samples=6, seq_len=12)
+    fast = gradient_importance(model, list(model.model.layers), ids, batch_size=4, progress_bar=False)
+    reference = naive_scores(model, ids)
+    relative = ((fast - reference).abs() / reference).max().item()
+    assert relative < 1e-4, (fast, reference)
+
+
+def test_score_is_per_sample_not_the_batch_gradient():
+    model = tiny_model("llama")
+    ids = random_ids(num_samples=6, seq_len=12)
+    fast = gradient_importance(model, list(model.model.layers), ids, batch_size=6, progress_bar=False)
+    model.zero_grad(set_to_none=True)
+    # squared norm of the gradient of the mean loss over the batch: a different quantity
+    losses = [model(s.unsqueeze(0), labels=s.unsqueeze(0)).loss for s in ids]
+    torch.stack(losses).mean().backward()
+    batch_norms = torch.tensor([sum(p.grad.double().pow(2).sum() for p in layer.parameters()) for layer in model.model.layers])
+    assert torch.all(fast > batch_norms * 1.5)
+
+
+def test_batch_size_does_not_change_scores():
+    model = tiny_model("qwen2")
+    ids = random_ids(num_samples=6, seq_len=12)
+    one = gradient_importance(model, list(model.model.layers), ids, batch_size=1, progress_bar=False)
+    all_at_once = gradient_importance(model, list(model.model.layers), ids, batch_size=6, progress_bar=False)
+    torch.testing.assert_close(one, all_at_once, rtol=1e-5, atol=0)
+
+
+def test_no_parameter_gradients_weights_mode_and_flags_untouched():
+    model = tiny_model("llama")
+    model.train()
+    model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    gradient_importance(model, list(model.model.layers), random_ids(4, 10), batch_size=2, progress_bar=False)
+    assert model.training
+    assert all(p.grad is None for p in model.parameters())
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
+    assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("tokens, d_in, d_out", [(4, 16, 24), (32, 4, 6)])  # Gram form, then materialised form
+def test_linear_norms_match_explicit_per_sample_gradients(tokens, d_in, d_out):
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(3, tokens, d_in, generator=generator)
+    g = torch.randn(3, tokens, d_out, generator=generator)
+    explicit = torch.stack([(g[j].T @ a[j]).pow(2).sum() + g[j].sum(0).pow(2).sum() for j in range(3)])
+    torch.testing.assert_close(linear_per_sample_sq_norms(a, g, has_bias=True), explicit, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,247 @@
+"""GradMAPPruner end to end on tiny models: both stages, results, errors, checkpoints."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, BloomConfig, BloomForCausalLM
+
+from optimum_gradmap import GradMAPConfig, GradMAPPruner, UnsupportedArchitectureError, load_report
+from optimum_gradmap.importance import gradient_importance
+
+from .conftest import ARCHITECTURES, random_ids, small_config, tiny_model
+
+
+def state_copy(model):
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def dense_name(result, name):
+    """The dense model's state-dict key of a pruned model's key."""
+    parts = name.split(".")
+    if name.startswith("model.layers."):
+        parts[2] = str(result.kept_layers[int(parts[2])])
+    return ".".join(parts)
+
+
+def assert_untouched(model, state, num_layers):
+    assert len(model.model.layers) == num_layers and model.config.num_hidden_layers == num_layers
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_prune_runs_both_stages_and_reports_original_indices(model_type):
+    model = tiny_model(model_type, num_layers=6)
+    original_layers = list(model.model.layers)
+    ids = random_ids(8, 16)
+    result = GradMAPPruner(small_config(), progress_bar=False).prune(model, ids)
+
+    assert result.model is model
+    assert result.num_layers_to_prune == 2 and len(result.removed_layers) == 2
+    assert sorted(result.removed_layers + result.kept_layers) == list(range(6))
+    assert [id(layer) for layer in model.model.layers] == [id(original_layers[i]) for i in result.kept_layers]
+    assert model.config.num_hidden_layers == 4
+    # Algorithm 1: each round removes the lowest-scoring layer present in that round
+    assert len(result.scores) == 2
+    assert set(result.scores[0]) == set(range(6))
+    assert set(result.scores[1]) == set(range(6)) - {result.removed_layers[0]}
+    for round_scores, removed in zip(result.scores, result.removed_layers):
+        assert removed == min(round_scores, key=round_scores.get)
+    # Stage 2: the most drifted kept layer got W', which lowered its objective
+    assert set(result.drift) == set(result.kept_layers)
+    assert result.compensated_layers == [max(result.drift, key=result.drift.get)]
+    objective = result.compensation_objective[result.compensated_layers[0]]
+    assert objective["fitted"] < objective["identity"]
+    assert set(result.timings) == {"stage1", "stage2"}
+
+
+def test_iterative_rescoring_matches_scores_of_the_pruned_model():
+    model = tiny_model("llama", num_layers=6)
+    ids = random_ids(8, 16)
+    result = GradMAPPruner(small_config(compensation=False), progress_bar=False).prune(model, ids)
+    # the final round's scores are those of the model with the first removed layer gone: recompute them
+    check = tiny_model("llama", num_layers=6)
+    from optimum_gradmap import remove_layers
+
+    remove_layers(check, [result.removed_layers[0]])
+    rescored = gradient_importance(check, list(check.model.layers), ids, batch_size=4, progress_bar=False)
+    expected = dict(zip([i for i in range(6) if i != result.removed_layers[0]], rescored.tolist()))
+    assert result.scores[1] == pytest.approx(expected, rel=1e-6)
+
+
+def test_one_shot_removes_the_k_lowest_first_round_scores():
+    model = tiny_model("qwen2", num_layers=6)
+    result = GradMAPPruner(small_config(iterative=False, num_layers_to_prune=3, compensation=False), progress_bar=False).prune(
+        model, random_ids(8, 16)
+    )
+    assert len(result.scores) == 1
+    assert result.removed_layers == sorted(result.scores[0], key=result.scores[0].get)[:3]
+    assert result.compensated_layers == [] and "stage2" not in result.timings
+
+
+def test_stage1_never_changes_the_weights_of_kept_layers_and_keeps_mode_and_flags():
+    model = tiny_model("llama", num_layers=6)
+    model.train()
+    model.lm_head.weight.requires_grad_(False)
+    state = state_copy(model)
+    result = GradMAPPruner(small_config(compensation=False), progress_bar=False).prune(model, random_ids(8, 16))
+    assert model.training and not model.lm_head.weight.requires_grad
+    assert all(p.requires_grad for n, p in model.named_parameters() if n != "lm_head.weight")
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(tensor, state[dense_name(result, name)]) for name, tensor in model.state_dict().items())
+
+
+def test_stage2_only_changes_the_down_projection_of_the_compensated_layer():
+    model = tiny_model("qwen2", num_layers=6)
+    state = state_copy(model)
+    result = GradMAPPruner(small_config(), progress_bar=False).prune(model, random_ids(8, 16))
+    (target,) = result.compensated_layers
+    changed = {
+        dense_name(result, name) for name, tensor in model.state_dict().items() if not torch.equal(tensor, state[dense_name(result, name)])
+    }
+    assert changed == {f"model.layers.{target}.mlp.down_proj.weight"}
+
+
+def test_stage2_lowers_the_calibration_loss_gap_and_select_then_compensate_equals_prune():
+    ids = random_ids(8, 16)
+    first = tiny_model("llama", num_layers=6)
+    pruner = GradMAPPruner(small_config(), progress_bar=False)
+    result = pruner.select_layers(first, ids)
+    assert result.snapshot is not None and result.compensated_layers == []
+    pruner.compensate(result)
+    second = tiny_model("llama", num_layers=6)
+    other = GradMAPPruner(small_config(), progress_bar=False).prune(second, ids)
+    assert (result.removed_layers, result.compensated_layers) == (other.removed_layers, other.compensated_layers)
+    with torch.no_grad():
+        torch.testing.assert_close(first(ids).logits, second(ids).logits)
+    assert other.snapshot is None  # prune releases the removed layers
+    with pytest.raises(ValueError, match="already compensated"):
+        pruner.compensate(result)
+
+
+def test_ratio_is_turned_into_a_layer_count():
+    model = tiny_model("llama", num_layers=6)
+    result = GradMAPPruner(small_config(num_layers_to_prune=None, pruning_ratio=0.25, compensation=False), progress_bar=False).prune(
+        model, random_ids(8, 16)
+    )
+    assert result.num_layers_to_prune == 2  # 6 x 0.25 = 1.5 rounds half up
+
+
+@pytest.mark.parametrize(
+    "config_kwargs, data, message",
+    [
+        ({"num_layers_to_prune": 6}, None, "Cannot remove 6 of the model's 6 decoder layers"),
+        ({"num_layers_to_prune": 9}, None, "Cannot remove 9 of the model's 6 decoder layers"),
+        ({"num_layers_to_prune": None, "pruning_ratio": 0.05}, None, "rounds to 0 layers"),
+        ({"num_layers_to_prune": 3, "num_compensated_layers": 4}, None, "exceeds the 3 layers that remain"),
+        ({}, [""], "calibration text is empty"),
+        ({}, [], "`calibration_data` must be"),
+        ({}, [[1, 2, 3], [4, 5]], "same length"),
+        ({}, torch.full((2, 8), 999), "vocabulary"),
+        ({}, torch.zeros(8, dtype=torch.long), "shape \\(N, T\\)"),
+    ],
+)
+def test_bad_input_raises_before_the_model_is_changed(config_kwargs, data, message, byte_tokenizer):
+    model = tiny_model("llama", num_layers=6)
+    state = state_copy(model)
+    data = random_ids(8, 16) if data is None else data
+    with pytest.raises(ValueError, match=message):
+        GradMAPPruner(small_config(**config_kwargs), tokenizer=byte_tokenizer, progress_bar=False).prune(model, data)
+    assert_untouched(model, state, 6)
+
+
+def test_unsupported_architecture_is_refused_before_anything_changes():
+    model = BloomForCausalLM(BloomConfig(vocab_size=256, hidden_size=16, n_layer=4, n_head=2))
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(UnsupportedArchitectureError, match="Supported model types: llama, mistral, qwen2"):
+        GradMAPPruner(small_config(), progress_bar=False).prune(model, random_ids(8, 16))
+    assert len(model.transformer.h) == 4 and model.config.n_layer == 4
+    assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
+
+
+def test_a_failure_during_stage1_restores_the_dense_model():
+    model = tiny_model("llama", num_layers=6)
+    state = state_copy(model)
+    pruner = GradMAPPruner(small_config(num_layers_to_prune=3), progress_bar=False)
+    calls = {"n": 0}
+    original_forward = model.forward
+
+    def failing_forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 3:  # fail in the second round, after one layer was removed
+            raise RuntimeError("out of memory (simulated)")
+        return original_forward(*args, **kwargs)
+
+    model.forward = failing_forward
+    with pytest.raises(RuntimeError, match="simulated"):
+        pruner.prune(model, random_ids(8, 16))
+    assert_untouched(model, state, 6)
+    assert [layer.self_attn.layer_idx for layer in model.model.layers] == list(range(6))
+
+
+def test_calibration_text_uses_the_given_tokenizer(byte_tokenizer):
+    model = tiny_model("mistral", num_layers=4)
+    text = ["GradMAP removes whole decoder layers. " * 20, "It repairs what the removal breaks. " * 20]
+    config = small_config(num_layers_to_prune=1, num_samples=4, seq_len=32)
+    result = GradMAPPruner(config, tokenizer=byte_tokenizer, progress_bar=False).prune(model, text)
+    assert tuple(result.calibration_ids.shape) == (4, 32)
+    joined = byte_tokenizer("\n\n".join(text), add_special_tokens=False)["input_ids"]
+    windows = {tuple(joined[i : i + 32]) for i in range(len(joined) - 31)}
+    assert all(tuple(row.tolist()) in windows for row in result.calibration_ids)
+
+
+def test_token_id_lists_are_used_as_given():
+    model = tiny_model("llama", num_layers=4)
+    ids = random_ids(4, 10).tolist()
+    result = GradMAPPruner(small_config(num_layers_to_prune=1), progress_bar=False).prune(model, ids)
+    assert result.calibration_ids.tolist() == ids
+
+
+def test_save_pretrained_writes_a_plain_checkpoint_with_config_and_report(tmp_path, byte_tokenizer):
+    model = tiny_model("qwen2", num_layers=6)
+    config = small_config()
+    pruner = GradMAPPruner(config, tokenizer=byte_tokenizer, progress_bar=False)
+    result = pruner.prune(model, random_ids(8, 16))
+    pruner.save_pretrained(tmp_path)
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = random_ids(2, 16, seed=5)
+    with torch.no_grad():
+        assert (model(ids).logits - reloaded(ids).logits).abs().max().item() < 1e-5
+    assert reloaded.config.num_hidden_layers == 4 and reloaded.config.layer_types == model.config.layer_types
+    assert GradMAPConfig.from_pretrained(tmp_path) == config
+    report = load_report(tmp_path)
+    assert report["removed_layers"] == result.removed_layers and report["compensated_layers"] == result.compensated_layers
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())
+
+
+def test_push_to_hub_uploads_the_saved_folder(monkeypatch, byte_tokenizer):
+    calls = []
+
+    class FakeApi:
+        def __init__(self, token=None):
+            calls.append(("init", token))
+
+        def create_repo(self, repo_id, private=None, repo_type=None, exist_ok=False):
+            calls.append(("create_repo", repo_id, private, exist_ok))
+
+        def upload_folder(self, repo_id, folder_path, repo_type, commit_message):
+            import os
+
+            calls.append(("upload_folder", repo_id, sorted(os.listdir(folder_path)), commit_message))
+            return type("Commit", (), {"commit_url": f"https://huggingface.co/{repo_id}/commit/abc"})()
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    model = tiny_model("llama", num_layers=4)
+    pruner = GradMAPPruner(small_config(num_layers_to_prune=1), tokenizer=byte_tokenizer, progress_bar=False)
+    result = pruner.prune(model, random_ids(8, 16))
+    url = pruner.push_to_hub("user/tiny-gradmap", private=True, token="hf_secret")
+    assert url == "https://huggingface.co/user/tiny-gradmap/commit/abc"
+    assert calls[0] == ("init", "hf_secret")
+    assert calls[1] == ("create_repo", "user/tiny-gradmap", True, True)
+    _, repo, files, message = calls[2]
+    assert {"config.json", "model.safetensors", "gradmap_config.json", "pruning_report.json", "tokenizer.json"} <= set(files)
+    assert f"remove 1 of 4 layers {result.removed_layers}" in message

@@ -1,0 +1,95 @@
+"""Layer surgery through the adapters: the pruned model is a correct, self-describing model."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, BloomConfig, BloomForCausalLM
+
+from optimum_gradmap import UnsupportedArchitectureError, remove_layers, supported_model_types
+from optimum_gradmap.adapters import get_adapter
+
+from .conftest import ARCHITECTURES, random_ids, tiny_model
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_surgery_keeps_exactly_the_kept_layers_and_fixes_the_config(model_type):
+    model = tiny_model(model_type, num_layers=6)
+    original_layers = list(model.model.layers)
+    original_types = list(model.config.layer_types) if getattr(model.config, "layer_types", None) else None
+
+    kept = remove_layers(model, [1, 4])
+
+    assert kept == [0, 2, 3, 5]
+    assert [id(layer) for layer in model.model.layers] == [id(original_layers[i]) for i in kept]
+    assert model.config.num_hidden_layers == 4
+    assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1, 2, 3]
+    if original_types is not None:
+        assert model.config.layer_types == [original_types[i] for i in kept]
+
+
+def test_qwen2_sliding_window_split_is_preserved():
+    model = tiny_model("qwen2", num_layers=6)  # max_window_layers=3: layers 3, 4, 5 slide
+    assert model.config.layer_types == ["full_attention"] * 3 + ["sliding_attention"] * 3
+    remove_layers(model, [1, 4])
+    assert model.config.layer_types == ["full_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    assert model.config.max_window_layers == 2
+    # a config rebuilt from the saved dict re-derives the same pattern
+    rebuilt = type(model.config).from_dict({**model.config.to_dict(), "layer_types": None})
+    assert rebuilt.layer_types == model.config.layer_types
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_generation_with_cache_equals_without(model_type):
+    model = tiny_model(model_type, num_layers=6)
+    remove_layers(model, [0, 3])
+    prompt = random_ids(num_samples=1, seq_len=12, seed=3)  # longer than qwen2's sliding window of 8 with the new tokens
+    common = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with_cache = model.generate(prompt, use_cache=True, **common)
+    without_cache = model.generate(prompt, use_cache=False, **common)
+    assert torch.equal(with_cache, without_cache)
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_save_and_plain_reload_give_identical_logits(model_type, tmp_path):
+    model = tiny_model(model_type, num_layers=6)
+    remove_layers(model, [2, 5])
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert reloaded.config.num_hidden_layers == 4
+    ids = random_ids(num_samples=2, seq_len=16)
+    with torch.no_grad():
+        difference = (model(ids).logits - reloaded(ids).logits).abs().max().item()
+    assert difference < 1e-5
+
+
+def test_surgery_is_reversible_from_the_snapshot():
+    model = tiny_model("llama", num_layers=5)
+    ids = random_ids(num_samples=2, seq_len=10)
+    with torch.no_grad():
+        dense_logits = model(ids).logits
+    adapter = get_adapter(model)
+    snapshot = adapter.snapshot(model)
+    adapter.keep_layers(model, snapshot, [0, 2, 4])
+    adapter.keep_layers(model, snapshot, [0, 1, 2, 3, 4])
+    assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1, 2, 3, 4]
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, dense_logits)
+
+
+def test_unsupported_architecture_is_refused_and_untouched():
+    model = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=16, n_layer=3, n_head=2))
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(UnsupportedArchitectureError) as error:
+        remove_layers(model, [1])
+    message = str(error.value)
+    assert "'bloom'" in message and all(t in message for t in supported_model_types()) and "register_adapter" in message
+    assert model.config.n_layer == 3 and len(model.transformer.h) == 3
+    assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
+
+
+def test_bad_layer_indices_are_refused():
+    model = tiny_model("llama", num_layers=4)
+    with pytest.raises(ValueError, match=r"Layer indices must lie in \[0, 4\)"):
+        remove_layers(model, [4])
+    with pytest.raises(ValueError, match="At least one decoder layer must be kept"):
+        remove_layers(model, [0, 1, 2, 3])
+    assert len(model.model.layers) == 4 and model.config.num_hidden_layers == 4
