@@ -5,6 +5,7 @@
 from .adapters import DecoderAdapter, UnsupportedArchitectureError, register_adapter, remove_layers, supported_model_types
 from .configuration import GradMAPConfig
 from .evaluation import load_evaluation_segments, perplexity
+from .hub import InvalidCheckpointError, validate_checkpoint
 from .pruner import GradMAPPruner, PruningResult, load_report
 
 __version__ = "0.1.0"
@@ -13,6 +14,7 @@ __all__ = [
     "DecoderAdapter",
     "GradMAPConfig",
     "GradMAPPruner",
+    "InvalidCheckpointError",
     "PruningResult",
     "UnsupportedArchitectureError",
     "load_evaluation_segments",
@@ -21,4 +23,5 @@ __all__ = [
     "register_adapter",
     "remove_layers",
     "supported_model_types",
+    "validate_checkpoint",
 ]

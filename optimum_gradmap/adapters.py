@@ -59,6 +59,15 @@ class LayerSnapshot:
         return len(self.layers)
 
 
+def _has_submodule(root: nn.Module, path: str) -> bool:
+    module = root
+    for name in path.split("."):
+        if not hasattr(module, name):
+            return False
+        module = getattr(module, name)
+    return True
+
+
 def _get_submodule(root: nn.Module, path: str) -> nn.Module:
     module = root
     for name in path.split("."):
@@ -80,11 +89,19 @@ class DecoderAdapter:
         layer_count_field (`str`):
             Name of the config field that holds the number of decoder layers.
         mlp_path (`str`):
-            Dotted path, inside one decoder layer, of the module whose output the layer adds to the
-            residual stream after attention (the MLP). Stage 2 fits its matrix on this output.
+            Dotted path, inside one decoder layer, of the MLP: the module whose output Y Stage 2
+            multiplies by W'.
+        mlp_output_norm_path (`str`, *optional*):
+            Dotted path of a norm applied to the MLP output before the residual add (Gemma2/3's and
+            OLMo2's `post_feedforward_layernorm`). Stage 2 then fits W' with this norm in the loop.
         down_projection_paths (`tuple[str, ...]`):
-            Dotted paths, inside one decoder layer, of the last linear maps of the MLP: the MLP's
-            output is linear in their outputs, so Stage 2 folds its matrix into each of them.
+            Candidate dotted paths, inside one decoder layer, of the last linear maps of the MLP (an
+            `nn.Linear`, a transformers `Conv1D`, or a 3D expert weight of shape (experts, d, k)). The
+            MLP output is linear in their outputs, so Stage 2 folds W' into each of those present.
+        per_sample_units (`tuple[str, ...]`):
+            Dotted paths of modules that Stage 1 scores as a whole (their parameters' per-sample
+            gradients computed together), for blocks that regroup tokens across samples, such as
+            mixture-of-experts blocks.
         layer_index_attributes (`tuple[str, ...]`):
             Attribute names that modules inside a layer use to know their position (the attention's
             `layer_idx`, used to address the KV cache). Every module of a kept layer that has one
@@ -93,15 +110,21 @@ class DecoderAdapter:
             Integer config fields meaning "layers with an index below this value behave one way,
             the others another way" (Qwen2's `max_window_layers`). Surgery rewrites them to the
             number of kept layers that were below the threshold, so the split is preserved.
+        index_config_fields (`tuple[str, ...]`):
+            Other config fields that depend on layer indices (lists of indices, periods); the
+            adapter's [`~DecoderAdapter.update_config`] rewrites them.
     """
 
     model_types: tuple[str, ...] = ()
     layers_path: str = "model.layers"
     layer_count_field: str = "num_hidden_layers"
     mlp_path: str = "mlp"
+    mlp_output_norm_path: str | None = None
     down_projection_paths: tuple[str, ...] = ("mlp.down_proj",)
+    per_sample_units: tuple[str, ...] = ()
     layer_index_attributes: tuple[str, ...] = ("layer_idx",)
     threshold_config_fields: tuple[str, ...] = ()
+    index_config_fields: tuple[str, ...] = ()
 
     # ----------------------------------------------------------------------------------------- access
     def get_layers(self, model: nn.Module) -> nn.ModuleList:
@@ -116,12 +139,27 @@ class DecoderAdapter:
         return len(self.get_layers(model))
 
     def get_mlp(self, layer: nn.Module) -> nn.Module:
-        """Returns the module of `layer` whose output is added to the residual stream after attention."""
+        """Returns the MLP of `layer`, whose output Y Stage 2 multiplies by W'."""
         return _get_submodule(layer, self.mlp_path)
 
-    def get_down_projections(self, layer: nn.Module) -> list[nn.Linear]:
-        """Returns the linear maps of `layer` whose output the MLP adds to the residual stream."""
-        return [_get_submodule(layer, path) for path in self.down_projection_paths]
+    def get_mlp_output_norm(self, layer: nn.Module) -> nn.Module | None:
+        """Returns the norm applied to the MLP output before the residual add, if the family has one."""
+        return _get_submodule(layer, self.mlp_output_norm_path) if self.mlp_output_norm_path else None
+
+    def get_down_projections(self, layer: nn.Module) -> list[nn.Module | nn.Parameter]:
+        """Returns the last linear maps of `layer`'s MLP, into which Stage 2 folds W'."""
+        found = [_get_submodule(layer, path) for path in self.down_projection_paths if _has_submodule(layer, path)]
+        if not found:
+            raise AttributeError(f"{type(layer).__name__} has none of the down projections {self.down_projection_paths}.")
+        return found
+
+    def get_per_sample_units(self, layer: nn.Module) -> list[nn.Module]:
+        """Returns the modules of `layer` that Stage 1 scores as a whole."""
+        return [_get_submodule(layer, path) for path in self.per_sample_units if _has_submodule(layer, path)]
+
+    def check_supported(self, model: PreTrainedModel, compensation: bool) -> None:
+        """Raises [`UnsupportedArchitectureError`] for configurations of the family that cannot be
+        pruned (or compensated) correctly. Called before the model is changed."""
 
     def get_text_config(self, model: PreTrainedModel) -> PretrainedConfig:
         """Returns the config that describes the decoder stack."""
@@ -138,14 +176,22 @@ class DecoderAdapter:
         return [
             name
             for name, value in vars(config).items()
-            if isinstance(value, (list, tuple)) and len(value) == num_layers and not name.startswith("_")
+            if isinstance(value, (list, tuple))
+            and len(value) == num_layers
+            and not name.startswith("_")
+            and name not in self.index_config_fields
         ]
 
     def snapshot(self, model: PreTrainedModel) -> LayerSnapshot:
         """Records the decoder stack and every config field that surgery will rewrite."""
         config = self.get_text_config(model)
         layers = list(self.get_layers(model))
-        fields = [self.layer_count_field, *self.threshold_config_fields, *self.per_layer_config_fields(config, len(layers))]
+        fields = [
+            self.layer_count_field,
+            *self.threshold_config_fields,
+            *self.index_config_fields,
+            *self.per_layer_config_fields(config, len(layers)),
+        ]
         values = {name: copy.deepcopy(getattr(config, name)) for name in fields if hasattr(config, name)}
         device_map = copy.deepcopy(getattr(model, "hf_device_map", None))
         return LayerSnapshot(layers=layers, config_values=values, device_map=device_map)
@@ -233,6 +279,11 @@ def supported_model_types() -> list[str]:
     return sorted(_ADAPTERS)
 
 
+def adapter_for_model_type(model_type: str) -> DecoderAdapter | None:
+    """Returns the adapter registered for `model_type`, or `None`."""
+    return _ADAPTERS[model_type]() if model_type in _ADAPTERS else None
+
+
 def get_adapter(model: PreTrainedModel) -> DecoderAdapter:
     """Returns the adapter for `model`'s family.
 
@@ -251,16 +302,93 @@ def get_adapter(model: PreTrainedModel) -> DecoderAdapter:
     return _ADAPTERS[model_type]()
 
 
-@register_adapter("llama", "mistral")
+@register_adapter("llama", "mistral", "phi3")
 class LlamaAdapter(DecoderAdapter):
-    """Llama and Mistral: `model.layers`, `mlp.down_proj`, per-layer `layer_types`."""
+    """Llama, Mistral and Phi-3 (fused `gate_up_proj`, same `mlp.down_proj`): the default layout."""
 
 
-@register_adapter("qwen2")
+@register_adapter("qwen2", "qwen3")
 class Qwen2Adapter(DecoderAdapter):
-    """Qwen2: the Llama layout with q/k/v biases and the `max_window_layers` threshold."""
+    """Qwen2 (q/k/v biases) and Qwen3 (q/k norms): the Llama layout plus the `max_window_layers` threshold."""
 
     threshold_config_fields = ("max_window_layers",)
+
+
+@register_adapter("gemma2", "gemma3_text", "olmo2")
+class PostNormAdapter(DecoderAdapter):
+    """Gemma2, Gemma3 and OLMo2: a norm (`post_feedforward_layernorm`) follows the MLP."""
+
+    mlp_output_norm_path = "post_feedforward_layernorm"
+
+
+@register_adapter("opt")
+class OPTAdapter(DecoderAdapter):
+    """OPT: layers under `model.decoder`, the MLP is `fc1` -> activation -> `fc2` (with bias) inline."""
+
+    layers_path = "model.decoder.layers"
+    mlp_path = "fc2"
+    down_projection_paths = ("fc2",)
+
+    def check_supported(self, model: PreTrainedModel, compensation: bool) -> None:
+        if compensation and not self.get_text_config(model).do_layer_norm_before:
+            raise UnsupportedArchitectureError(
+                "This OPT model normalises after the residual add (do_layer_norm_before=False, as OPT-350m), "
+                "so a map folded into fc2 does not act on the layer output linearly. Prune it with "
+                "compensation=False."
+            )
+
+
+@register_adapter("gpt2")
+class GPT2Adapter(DecoderAdapter):
+    """GPT-2: layers in `transformer.h`, `n_layer`, Conv1D weights stored transposed."""
+
+    layers_path = "transformer.h"
+    layer_count_field = "n_layer"
+    down_projection_paths = ("mlp.c_proj",)
+
+    def check_supported(self, model: PreTrainedModel, compensation: bool) -> None:
+        if getattr(self.get_text_config(model), "scale_attn_by_inverse_layer_idx", False):
+            raise UnsupportedArchitectureError(
+                "This GPT-2 model scales attention by 1/(layer index + 1) (scale_attn_by_inverse_layer_idx=True): "
+                "a layer's computation depends on its position, so no checkpoint of the pruned stack would "
+                "reproduce it."
+            )
+
+
+@register_adapter("gpt_neox")
+class GPTNeoXAdapter(DecoderAdapter):
+    """GPT-NeoX / Pythia: layers in `gpt_neox.layers`, MLP output `mlp.dense_4h_to_h` (parallel residual or not)."""
+
+    layers_path = "gpt_neox.layers"
+    down_projection_paths = ("mlp.dense_4h_to_h",)
+
+
+@register_adapter("mixtral")
+class MixtralAdapter(DecoderAdapter):
+    """Mixtral: every MLP is a mixture of experts with fused 3D expert weights. W' is folded into every
+    expert's down projection (it commutes with the routing-weighted sum)."""
+
+    down_projection_paths = ("mlp.experts.down_proj",)
+    per_sample_units = ("mlp",)
+
+
+@register_adapter("qwen2_moe", "qwen3_moe")
+class QwenMoeAdapter(Qwen2Adapter):
+    """Qwen2-MoE and Qwen3-MoE: sparse layers (experts, plus a gated shared expert in Qwen2-MoE) and
+    dense layers chosen by `mlp_only_layers` and `decoder_sparse_step`."""
+
+    down_projection_paths = ("mlp.experts.down_proj", "mlp.shared_expert.down_proj", "mlp.down_proj")
+    per_sample_units = ("mlp",)
+    index_config_fields = ("mlp_only_layers", "decoder_sparse_step")
+
+    def update_config(self, config: PretrainedConfig, snapshot: LayerSnapshot, kept: Sequence[int]) -> None:
+        super().update_config(config, snapshot, kept)
+        mlp_only = set(snapshot.config_values.get("mlp_only_layers") or [])
+        step = snapshot.config_values.get("decoder_sparse_step") or 1
+        sparse = [index not in mlp_only and config.num_experts > 0 and (index + 1) % step == 0 for index in kept]
+        # step 1 plus an explicit list of dense layers describes any pattern exactly
+        config.decoder_sparse_step = 1
+        config.mlp_only_layers = [position for position, is_sparse in enumerate(sparse) if not is_sparse]
 
 
 def remove_layers(model: PreTrainedModel, layer_indices: Sequence[int]) -> list[int]:

@@ -28,13 +28,17 @@ pruned model costs nothing extra at inference (Eq. 15).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging
 
 from .adapters import DecoderAdapter
+
+if TYPE_CHECKING:
+    from .configuration import GradMAPConfig
 
 logger = logging.get_logger(__name__)
 
@@ -134,7 +138,45 @@ class CompensationStatistics:
         return squared_error / self.num_sequences + reg_lambda * (matrix - identity).pow(2).sum()
 
 
-@torch.no_grad()
+def _compensation_batches(
+    model: nn.Module,
+    adapter: DecoderAdapter,
+    layer: nn.Module,
+    original_outputs: torch.Tensor,
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    progress_bar: bool,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Runs the pruned model and yields, per batch, the MLP output Y and the target R = X_O - X_F of
+    the MLP's residual contribution, each flattened to `(tokens, d)` in float64."""
+    captured: dict[str, torch.Tensor] = {}
+    mlp = adapter.get_mlp(layer)
+    contribution = adapter.get_mlp_output_norm(layer) or mlp  # what the layer adds to the residual stream
+    handles = [
+        mlp.register_forward_hook(lambda m, a, o: captured.__setitem__("mlp_output", _hidden(o))),
+        contribution.register_forward_hook(lambda m, a, o: captured.__setitem__("contribution", _hidden(o))),
+        layer.register_forward_hook(lambda m, a, o: captured.__setitem__("layer_output", _hidden(o))),
+    ]
+    hidden_size = original_outputs.shape[-1]
+    device = model.get_input_embeddings().weight.device
+    try:
+        start = 0
+        with torch.no_grad():
+            for batch in _batches(input_ids, batch_size, "Collecting compensation data", progress_bar):
+                model(input_ids=batch.to(device), use_cache=False)
+                layer_output = captured["layer_output"].double()
+                # some families run the MLP on token-flattened rows: align with the layer output
+                contribution = captured["contribution"].double().reshape(layer_output.shape)
+                ffn_input = layer_output - contribution  # X_F
+                original = original_outputs[start : start + batch.shape[0]].to(ffn_input)
+                start += batch.shape[0]
+                target = (original - ffn_input).reshape(-1, hidden_size)  # R = X_O - X_F
+                yield captured["mlp_output"].double().reshape(-1, hidden_size), target
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def compensation_statistics(
     model: nn.Module,
     adapter: DecoderAdapter,
@@ -155,33 +197,14 @@ def compensation_statistics(
         input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
         batch_size (`int`): Sequences per forward pass.
     """
-    captured: dict[str, torch.Tensor] = {}
-    mlp = adapter.get_mlp(layer)
-    handles = [
-        mlp.register_forward_hook(lambda m, a, o: captured.__setitem__("mlp_output", _hidden(o))),
-        layer.register_forward_hook(lambda m, a, o: captured.__setitem__("layer_output", _hidden(o))),
-    ]
     hidden_size = original_outputs.shape[-1]
     gram = torch.zeros(hidden_size, hidden_size, dtype=torch.float64)
     cross = torch.zeros(hidden_size, hidden_size, dtype=torch.float64)
     target_energy = 0.0
-    device = model.get_input_embeddings().weight.device
-    try:
-        start = 0
-        for batch in _batches(input_ids, batch_size, "Collecting compensation statistics", progress_bar):
-            model(input_ids=batch.to(device), use_cache=False)
-            mlp_output = captured["mlp_output"].double()
-            ffn_input = captured["layer_output"].double() - mlp_output  # X_F: residual stream entering the MLP
-            original = original_outputs[start : start + batch.shape[0]].to(mlp_output)
-            start += batch.shape[0]
-            target = (original - ffn_input).reshape(-1, hidden_size)  # R = X_O - X_F
-            mlp_output = mlp_output.reshape(-1, hidden_size)
-            gram += (mlp_output.T @ mlp_output).cpu()
-            cross += (target.T @ mlp_output).cpu()
-            target_energy += target.pow(2).sum().item()
-    finally:
-        for handle in handles:
-            handle.remove()
+    for mlp_output, target in _compensation_batches(model, adapter, layer, original_outputs, input_ids, batch_size, progress_bar):
+        gram += (mlp_output.T @ mlp_output).cpu()
+        cross += (target.T @ mlp_output).cpu()
+        target_energy += target.pow(2).sum().item()
     return CompensationStatistics(gram, cross, target_energy, int(input_ids.shape[0]))
 
 
@@ -218,11 +241,121 @@ def solve_adam(
     return matrix.detach()
 
 
+def fit_through_norm(
+    mlp_outputs: torch.Tensor,
+    targets: torch.Tensor,
+    norm: nn.Module,
+    num_sequences: int,
+    reg_lambda: float,
+    learning_rate: float,
+    num_steps: int,
+    progress_bar: bool = True,
+) -> tuple[torch.Tensor, float, float]:
+    """Stage 2 when a norm follows the MLP (Gemma2/3, OLMo2): minimises, with Adam from W' = I,
+
+        1/N sum_j || norm(W' Y_j) - R_j ||_F^2 + lambda || W' - I ||_F^2
+
+    on the stored activations. The norm is not linear, so there is no closed form.
+
+    Returns:
+        `tuple[torch.Tensor, float, float]`: W', and the objective at W' = I and at W'.
+    """
+    size = mlp_outputs.shape[-1]
+    frozen = {name: parameter.detach() for name, parameter in norm.named_parameters()}
+    dtype = next(iter(frozen.values())).dtype if frozen else mlp_outputs.dtype
+    identity = torch.eye(size, dtype=torch.float64, device=mlp_outputs.device)
+
+    def objective(matrix: torch.Tensor) -> torch.Tensor:
+        mapped = (mlp_outputs @ matrix.T).to(dtype)
+        contribution = torch.func.functional_call(norm, frozen, (mapped,)).double()
+        return (contribution - targets).pow(2).sum() / num_sequences + reg_lambda * (matrix - identity).pow(2).sum()
+
+    matrix = identity.clone().requires_grad_(True)
+    optimizer = torch.optim.Adam([matrix], lr=learning_rate)
+    with torch.enable_grad():
+        for _ in logging.tqdm(range(num_steps), desc="Fitting W' through the norm (Adam)", leave=False, disable=not progress_bar):
+            optimizer.zero_grad(set_to_none=True)
+            objective(matrix).backward()
+            optimizer.step()
+    with torch.no_grad():
+        return matrix.detach(), float(objective(identity)), float(objective(matrix))
+
+
+@dataclass
+class CompensationFit:
+    """A learned compensation matrix and the Stage 2 objective before and after.
+
+    Args:
+        matrix (`torch.Tensor` of shape `(d, d)`): W', float64.
+        objective_identity (`float`): The objective at W' = I (no compensation).
+        objective_fitted (`float`): The objective at W'.
+    """
+
+    matrix: torch.Tensor
+    objective_identity: float
+    objective_fitted: float
+
+
+def learn_compensation(
+    model: nn.Module,
+    adapter: DecoderAdapter,
+    layer: nn.Module,
+    original_outputs: torch.Tensor,
+    input_ids: torch.LongTensor,
+    config: "GradMAPConfig",
+    progress_bar: bool = True,
+) -> CompensationFit:
+    """Learns W' for one kept layer of the pruned `model` (Eq. 12-14) with the configured solver.
+
+    Where the MLP output reaches the residual stream directly, the objective is quadratic and is
+    solved from its sufficient statistics (`config.solver`: exact closed form, or Adam). Where a
+    norm follows the MLP, W' is fitted by Adam with the norm in the loop, whatever the solver.
+    """
+    norm = adapter.get_mlp_output_norm(layer)
+    if norm is not None:
+        pairs = list(_compensation_batches(model, adapter, layer, original_outputs, input_ids, config.batch_size, progress_bar))
+        mlp_outputs, targets = (torch.cat(parts) for parts in zip(*pairs))
+        matrix, at_identity, fitted = fit_through_norm(
+            mlp_outputs, targets, norm, int(input_ids.shape[0]), config.reg_lambda, config.adam_lr, config.adam_steps, progress_bar
+        )
+        return CompensationFit(matrix.cpu(), at_identity, fitted)
+
+    statistics = compensation_statistics(model, adapter, layer, original_outputs, input_ids, config.batch_size, progress_bar)
+    if config.solver == "closed_form":
+        matrix = solve_closed_form(statistics, config.reg_lambda)
+    else:
+        matrix = solve_adam(statistics, config.reg_lambda, config.adam_lr, config.adam_steps, progress_bar)
+    identity = torch.eye(matrix.shape[0], dtype=torch.float64)
+    return CompensationFit(
+        matrix, float(statistics.objective(identity, config.reg_lambda)), float(statistics.objective(matrix, config.reg_lambda))
+    )
+
+
+def apply_compensation(adapter: DecoderAdapter, layer: nn.Module, matrix: torch.Tensor) -> None:
+    """Folds W' into every down projection of `layer` (Eq. 15)."""
+    for target in adapter.get_down_projections(layer):
+        fold_into(target, matrix)
+
+
 @torch.no_grad()
-def fold_into_linear(linear: nn.Linear, matrix: torch.Tensor) -> None:
-    """Folds W' into a linear map in place: W <- W' W and b <- W' b, on its device and in its dtype."""
-    weight = linear.weight
-    matrix = matrix.to(device=weight.device, dtype=torch.float64)
-    weight.copy_((matrix @ weight.double()).to(weight.dtype))
-    if linear.bias is not None:
-        linear.bias.copy_((matrix @ linear.bias.double()).to(linear.bias.dtype))
+def fold_into(target: nn.Module | nn.Parameter, matrix: torch.Tensor) -> None:
+    """Folds W' into a linear map in place, on its device and in its dtype (computed in float64).
+
+    - `nn.Linear` (weight `(d, k)`): W <- W' W and b <- W' b;
+    - transformers' `Conv1D` (weight stored transposed, `(k, d)`): W <- W W'^T and b <- W' b;
+    - a 3D expert weight `(experts, d, k)`: every expert's W_e <- W' W_e.
+    """
+    if isinstance(target, Conv1D):
+        weight, bias = target.weight, target.bias
+        new_weight = weight.double() @ matrix.to(weight.device, torch.float64).T
+    elif isinstance(target, nn.Linear):
+        weight, bias = target.weight, target.bias
+        new_weight = matrix.to(weight.device, torch.float64) @ weight.double()
+    elif isinstance(target, torch.Tensor) and target.dim() == 3:
+        weight, bias = target, None
+        new_weight = matrix.to(weight.device, torch.float64) @ weight.double()
+    else:
+        raise TypeError(f"Cannot fold a compensation matrix into {type(target).__name__}.")
+    weight.copy_(new_weight.to(weight.dtype))
+    if bias is not None:
+        bias.copy_((matrix.to(bias.device, torch.float64) @ bias.double()).to(bias.dtype))

@@ -19,8 +19,12 @@ gradient:
   ||G_j||_F^2 = sum_{t,s} (g_t . g_s)(a_t . a_s) (the "ghost norm"); the Gram form costs
   T^2 (d_in + d_out) per sample, forming G_j costs T d_in d_out, and the cheaper one is used.
   The bias gradient is sum_t g_t.
+  transformers' `Conv1D` (GPT-2) is the same map with its weight stored transposed.
 - any other module with parameters (RMSNorm, LayerNorm, ...) gets its exact per-sample parameter
   gradient from `torch.func.vjp` under `torch.func.vmap`; these modules are small.
+- blocks that regroup tokens across samples (mixture-of-experts routing) are scored as a unit: each
+  sample's tokens are run through the block again and `torch.func.vjp` gives the gradient of all
+  its parameters for that sample. Exact, but it forms one sample's gradient of the block at a time.
 
 The per-sample loss is the mean next-token cross-entropy of the sample (what
 `model(input_ids, labels=input_ids).loss` returns for one sequence): the paper's Eq. 4 sums
@@ -37,6 +41,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -81,18 +86,22 @@ def per_sample_causal_lm_loss(logits: torch.Tensor, input_ids: torch.LongTensor)
     return token_losses.view(labels.shape).mean(dim=1)
 
 
-def linear_per_sample_sq_norms(inputs: torch.Tensor, output_grads: torch.Tensor, has_bias: bool) -> torch.Tensor:
+def linear_per_sample_sq_norms(
+    inputs: torch.Tensor, output_grads: torch.Tensor, has_bias: bool, batch_size: int | None = None
+) -> torch.Tensor:
     """Per-sample squared Frobenius norm of the gradient of `nn.Linear` weight (and bias).
 
     Args:
-        inputs (`torch.Tensor` of shape `(batch, ..., d_in)`): The linear map's inputs.
-        output_grads (`torch.Tensor` of shape `(batch, ..., d_out)`): Loss gradient of its outputs.
+        inputs (`torch.Tensor` of shape `(batch, ..., d_in)` or `(batch * tokens, d_in)`): The linear
+            map's inputs, with the rows of each sample contiguous.
+        output_grads (`torch.Tensor`, same leading shape, last dimension `d_out`): Loss gradient of its outputs.
         has_bias (`bool`): Whether to add the bias gradient's squared norm.
+        batch_size (`int`, *optional*): Number of samples; defaults to the leading dimension.
 
     Returns:
         `torch.Tensor` of shape `(batch,)`, float32.
     """
-    batch = inputs.shape[0]
+    batch = batch_size or inputs.shape[0]
     a = inputs.reshape(batch, -1, inputs.shape[-1]).float()
     g = output_grads.reshape(batch, -1, output_grads.shape[-1]).float()
     tokens, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
@@ -109,29 +118,61 @@ def linear_per_sample_sq_norms(inputs: torch.Tensor, output_grads: torch.Tensor,
 
 
 def module_per_sample_sq_norms(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output_grads: torch.Tensor
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output_grads: torch.Tensor, batch_size: int
 ) -> torch.Tensor:
     """Per-sample squared norm of the gradient of `module`'s own parameters, for any module.
 
-    Positional tensor arguments whose first dimension is the batch are treated as per-sample;
-    other arguments are shared. Used for norms and other small parameter-holding modules.
+    Positional tensor arguments with the same leading dimension as the output are per-sample (rows
+    are samples, or the tokens of the samples one after the other); other arguments are shared.
+    Used for norms and other small parameter-holding modules.
     """
-    batch = output_grads.shape[0]
+    rows = output_grads.shape[0]
+    flattened = rows != batch_size  # (batch * tokens, ...) rows: each sample is a block of rows
+
+    def per_sample(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.reshape(batch_size, -1, *tensor.shape[1:]) if flattened else tensor
+
     params = {name: parameter.detach() for name, parameter in module.named_parameters(recurse=False)}
-    batched = [isinstance(arg, torch.Tensor) and arg.dim() > 0 and arg.shape[0] == batch for arg in args]
+    batched = [isinstance(arg, torch.Tensor) and arg.dim() > 0 and arg.shape[0] == rows for arg in args]
+    args = tuple(per_sample(arg) if is_batched else arg for arg, is_batched in zip(args, batched))
     in_dims = (tuple(0 if is_batched else None for is_batched in batched), 0)
 
     def sample_sq_norm(sample_args: tuple[Any, ...], sample_grad: torch.Tensor) -> torch.Tensor:
-        call_args = tuple(arg.unsqueeze(0) if is_batched else arg for arg, is_batched in zip(sample_args, batched))
+        def restore(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor if flattened else tensor.unsqueeze(0)
+
+        call_args = tuple(restore(arg) if is_batched else arg for arg, is_batched in zip(sample_args, batched))
 
         def forward(parameters: dict[str, torch.Tensor]) -> torch.Tensor:
             return torch.func.functional_call(module, parameters, call_args, kwargs)
 
         _, vjp_fn = torch.func.vjp(forward, params)
-        (param_grads,) = vjp_fn(sample_grad.unsqueeze(0).to(dtype=next(iter(params.values())).dtype))
+        (param_grads,) = vjp_fn(restore(sample_grad).to(dtype=next(iter(params.values())).dtype))
         return sum(grad.float().pow(2).sum() for grad in param_grads.values())
 
-    return torch.func.vmap(sample_sq_norm, in_dims=in_dims)(tuple(args), output_grads)
+    return torch.func.vmap(sample_sq_norm, in_dims=in_dims)(args, per_sample(output_grads))
+
+
+def unit_per_sample_sq_norms(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output_grads: torch.Tensor
+) -> torch.Tensor:
+    """Per-sample squared norm of the gradient of all parameters of `module` (recursively), one
+    sample at a time. For blocks whose forward cannot be vectorised (data-dependent routing)."""
+    batch = output_grads.shape[0]
+    params = {name: parameter.detach() for name, parameter in module.named_parameters()}
+    batched = [isinstance(arg, torch.Tensor) and arg.dim() > 0 and arg.shape[0] == batch for arg in args]
+    sq_norms = []
+    for sample in range(batch):
+        call_args = tuple(arg[sample : sample + 1] if is_batched else arg for arg, is_batched in zip(args, batched))
+
+        def forward(parameters: dict[str, torch.Tensor]) -> torch.Tensor:
+            output = torch.func.functional_call(module, parameters, call_args, kwargs)
+            return output[0] if isinstance(output, (tuple, list)) else output
+
+        _, vjp_fn = torch.func.vjp(forward, params)
+        (param_grads,) = vjp_fn(output_grads[sample : sample + 1].to(dtype=next(iter(params.values())).dtype))
+        sq_norms.append(sum(grad.float().pow(2).sum() for grad in param_grads.values()))
+    return torch.stack(sq_norms)
 
 
 class PerSampleGradientNorms:
@@ -143,19 +184,28 @@ class PerSampleGradientNorms:
 
     Args:
         layers (`Sequence[nn.Module]`): The decoder layers to score.
+        units (`Sequence[nn.Module]`, *optional*): Modules inside the layers scored as a whole
+            (see [`unit_per_sample_sq_norms`]); their submodules get no hooks of their own.
     """
 
-    def __init__(self, layers: Sequence[nn.Module]):
+    def __init__(self, layers: Sequence[nn.Module], units: Sequence[nn.Module] = ()):
         self.layers = list(layers)
+        self.units = set(units)
         self._handles: list[Any] = []
         self._batch_size = 0
+        self._seq_len = 0
         self._recomputing = False
         self.batch_sq_norms: torch.Tensor | None = None
 
     def __enter__(self) -> "PerSampleGradientNorms":
         for layer_position, layer in enumerate(self.layers):
+            inside_unit: set[nn.Module] = set()
             for module in layer.modules():
-                if next(module.parameters(recurse=False), None) is None:
+                if module in inside_unit:
+                    continue
+                if module in self.units:
+                    inside_unit.update(module.modules())
+                elif next(module.parameters(recurse=False), None) is None:
                     continue
                 hook = partial(self._forward_hook, layer_position)
                 self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
@@ -166,13 +216,16 @@ class PerSampleGradientNorms:
             handle.remove()
         self._handles.clear()
 
-    def start_batch(self, batch_size: int) -> None:
+    def start_batch(self, batch_size: int, seq_len: int) -> None:
         self._batch_size = batch_size
+        self._seq_len = seq_len
         self.batch_sq_norms = torch.zeros(len(self.layers), batch_size, dtype=torch.float64)
 
     def _forward_hook(self, layer_position: int, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self._recomputing:  # our own per-sample re-evaluation of a module, see `_backward_hook`
             return
+        if module in self.units and isinstance(output, (tuple, list)):
+            output = output[0]
         if not isinstance(output, torch.Tensor):
             raise NotImplementedError(
                 f"{type(module).__name__} holds parameters and returns {type(output).__name__}: per-sample "
@@ -180,22 +233,26 @@ class PerSampleGradientNorms:
             )
         if not output.requires_grad:
             return
-        if output.shape[0] != self._batch_size:
+        if output.shape[0] not in (self._batch_size, self._batch_size * self._seq_len):
             raise NotImplementedError(
-                f"{type(module).__name__} sees a batch of {output.shape[0]} rows for {self._batch_size} samples "
-                "(tokens were regrouped across samples), so its per-sample gradients cannot be separated."
+                f"{type(module).__name__} sees {output.shape[0]} rows for {self._batch_size} samples of "
+                f"{self._seq_len} tokens (tokens were regrouped across samples), so its per-sample gradients "
+                "cannot be separated. Declare the enclosing block in the adapter's `per_sample_units`."
             )
         saved_args = tuple(arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args)
         output.register_hook(partial(self._backward_hook, layer_position, module, saved_args, kwargs))
 
     def _backward_hook(self, layer_position: int, module: nn.Module, args: tuple, kwargs: dict, grad: torch.Tensor) -> None:
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, Conv1D)) and module not in self.units:
             with torch.no_grad():
-                sq_norms = linear_per_sample_sq_norms(args[0], grad, module.bias is not None)
+                sq_norms = linear_per_sample_sq_norms(args[0], grad, module.bias is not None, self._batch_size)
         else:
             self._recomputing = True
             try:
-                sq_norms = module_per_sample_sq_norms(module, args, kwargs, grad)
+                if module in self.units:
+                    sq_norms = unit_per_sample_sq_norms(module, args, kwargs, grad)
+                else:
+                    sq_norms = module_per_sample_sq_norms(module, args, kwargs, grad, self._batch_size)
             finally:
                 self._recomputing = False
         self.batch_sq_norms[layer_position] += sq_norms.to(device="cpu", dtype=torch.float64)
@@ -208,6 +265,7 @@ def gradient_importance(
     batch_size: int,
     progress_bar: bool = True,
     description: str = "Scoring layers",
+    units: Sequence[nn.Module] = (),
 ) -> torch.Tensor:
     """GradMAP's Stage 1 score (Eq. 5) of each layer in `layers`.
 
@@ -218,6 +276,7 @@ def gradient_importance(
         batch_size (`int`): Sequences per forward/backward pass.
         progress_bar (`bool`, defaults to `True`): Show a progress bar over batches.
         description (`str`): Progress bar label.
+        units (`Sequence[nn.Module]`, *optional*): Modules scored as a whole (mixture-of-experts blocks).
 
     Returns:
         `torch.Tensor` of shape `(len(layers),)`, float64: the mean over samples of the per-sample
@@ -227,10 +286,10 @@ def gradient_importance(
     device = embeddings.weight.device
     totals = torch.zeros(len(layers), dtype=torch.float64)
     batches = range(0, input_ids.shape[0], batch_size)
-    with frozen_for_scoring(model), PerSampleGradientNorms(layers) as collector:
+    with frozen_for_scoring(model), PerSampleGradientNorms(layers, units) as collector:
         for start in logging.tqdm(batches, desc=description, leave=False, disable=not progress_bar):
             batch = input_ids[start : start + batch_size].to(device)
-            collector.start_batch(batch.shape[0])
+            collector.start_batch(batch.shape[0], batch.shape[1])
             with torch.enable_grad():
                 inputs_embeds = embeddings(batch).detach().requires_grad_(True)
                 logits = model(inputs_embeds=inputs_embeds, use_cache=False).logits

