@@ -34,6 +34,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per calibration sequence (default 128)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--adam-steps", type=int, default=2000)
+    parser.add_argument("--reg-lambdas", type=float, nargs="+", default=[1e-3], help="Stage 2 lambda values to compare (default: 1e-3)")
+    parser.add_argument("--solvers", nargs="+", default=["closed_form", "adam"], choices=["closed_form", "adam"])
+    parser.add_argument("--layers", type=int, nargs="+", default=None, help="remove these layers instead of running Stage 1")
     parser.add_argument("--random-seeds", type=int, default=3, help="number of random-removal baselines (default 3)")
     parser.add_argument("--max-eval-segments", type=int, default=None, help="cap on 128-token evaluation segments (default: all)")
     parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -48,13 +51,16 @@ def main() -> None:
     rows["dense"] = perplexity(model, segments)
     print(f"dense: {rows['dense']:.3f}")
 
+    selection = {"layers_to_prune": args.layers} if args.layers else {"pruning_ratio": args.ratio}
     config = GradMAPConfig(
-        pruning_ratio=args.ratio, num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size, adam_steps=args.adam_steps
+        **selection, num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size, adam_steps=args.adam_steps
     )
     pruner = GradMAPPruner(config, tokenizer=tokenizer)
     result = pruner.select_layers(model, "wikipedia")
     rows["stage1"] = perplexity(model, segments)
     print(f"stage 1 only (removed {result.removed_layers}): {rows['stage1']:.3f}  [{result.timings['stage1']:.1f}s]")
+    if args.layers:
+        print("(layers given with --layers: Stage 1 scoring skipped)")
 
     adapter = get_adapter(model)
     originals = {
@@ -62,20 +68,22 @@ def main() -> None:
         for index in result.kept_layers
     }
     solvers: dict[str, dict] = {}
-    for solver in ("closed_form", "adam"):
-        pruner.config = GradMAPConfig(**{**config.to_dict(), "solver": solver})
-        result.compensated_layers, result.compensation_objective = [], {}
-        pruner.compensate(result)
-        rows[f"stage1+2 ({solver})"] = perplexity(model, segments)
-        solvers[solver] = {
-            "compensated_layers": list(result.compensated_layers),
-            "objective": {str(k): v for k, v in result.compensation_objective.items()},
-            "stage2_seconds": result.timings["stage2"],
-        }
-        print(f"stage 1 + 2, {solver} (layer {result.compensated_layers}): {rows[f'stage1+2 ({solver})']:.3f}  [{result.timings['stage2']:.1f}s]")
-        for index, weights in originals.items():
-            for linear, weight in zip(adapter.get_down_projections(result.snapshot.layers[index]), weights):
-                linear.weight.data.copy_(weight)
+    for solver in args.solvers:
+        for reg_lambda in args.reg_lambdas:
+            name = f"stage1+2 ({solver}, lambda={reg_lambda:g})"
+            pruner.config = GradMAPConfig(**{**config.to_dict(), "solver": solver, "reg_lambda": reg_lambda})
+            result.compensated_layers, result.compensation_objective = [], {}
+            pruner.compensate(result)
+            rows[name] = perplexity(model, segments)
+            solvers[name] = {
+                "compensated_layers": list(result.compensated_layers),
+                "objective": {str(k): v for k, v in result.compensation_objective.items()},
+                "stage2_seconds": result.timings["stage2"],
+            }
+            print(f"{name}, layer {result.compensated_layers}: {rows[name]:.3f}  [{result.timings['stage2']:.1f}s]")
+            for index, weights in originals.items():
+                for linear, weight in zip(adapter.get_down_projections(result.snapshot.layers[index]), weights):
+                    linear.weight.data.copy_(weight)
 
     random_rows = []
     for seed in range(args.random_seeds):
@@ -101,7 +109,8 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
     }
     os.makedirs(args.output_dir, exist_ok=True)
-    path = os.path.join(args.output_dir, f"quality-{args.model}-{args.ratio}.json")
+    suffix = "layers-" + "-".join(map(str, args.layers)) if args.layers else str(args.ratio)
+    path = os.path.join(args.output_dir, f"quality-{args.model}-{suffix}.json")
     with open(path, "w") as file:
         json.dump(report, file, indent=2)
     print("\n| model | perplexity (held-out Wikipedia, 128-token segments) |\n|---|---|")

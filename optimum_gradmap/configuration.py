@@ -18,7 +18,7 @@ SOLVERS = ("closed_form", "adam")
 class GradMAPConfig:
     """Everything that defines a GradMAP run (paper: "GradMAP", Method section).
 
-    Exactly one of `pruning_ratio` and `num_layers_to_prune` must be given. Values are validated
+    Exactly one of `pruning_ratio`, `num_layers_to_prune` and `layers_to_prune` must be given. Values are validated
     when the config is built; what depends on the model (the number of layers to prune against its
     layer count) is checked by [`GradMAPPruner.prune`] before the model is changed.
 
@@ -28,6 +28,9 @@ class GradMAPConfig:
             `ratio x layer count` rounded to the nearest whole number, halves up (30 layers at 0.25 -> 8).
         num_layers_to_prune (`int`, *optional*):
             Number K of decoder layers to remove.
+        layers_to_prune (`list[int]`, *optional*):
+            Remove exactly these layers (indices in the dense model) and skip Stage 1's scoring.
+            Stage 2 still applies.
         iterative (`bool`, defaults to `True`):
             Algorithm 1: re-score the remaining layers after every removal. `False` scores once and
             removes the K lowest-scoring layers.
@@ -59,6 +62,7 @@ class GradMAPConfig:
 
     pruning_ratio: float | None = None
     num_layers_to_prune: int | None = None
+    layers_to_prune: list[int] | None = None
     iterative: bool = True
     compensation: bool = True
     num_compensated_layers: int = 1
@@ -73,12 +77,19 @@ class GradMAPConfig:
     dataset: str = "wikipedia"
 
     def __post_init__(self) -> None:
-        if (self.pruning_ratio is None) == (self.num_layers_to_prune is None):
+        given = [self.pruning_ratio is not None, self.num_layers_to_prune is not None, self.layers_to_prune is not None]
+        if sum(given) != 1:
             raise ValueError(
-                "Give exactly one of `pruning_ratio` (a fraction of the layers, e.g. 0.25) and "
-                f"`num_layers_to_prune` (a count, e.g. 8); got pruning_ratio={self.pruning_ratio!r}, "
-                f"num_layers_to_prune={self.num_layers_to_prune!r}."
+                "Give exactly one of `pruning_ratio` (a fraction of the layers, e.g. 0.25), "
+                "`num_layers_to_prune` (a count, e.g. 8) and `layers_to_prune` (explicit layers, e.g. [20, 21]); "
+                f"got pruning_ratio={self.pruning_ratio!r}, num_layers_to_prune={self.num_layers_to_prune!r}, "
+                f"layers_to_prune={self.layers_to_prune!r}."
             )
+        if self.layers_to_prune is not None:
+            layers = list(self.layers_to_prune)
+            if not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers) or len(set(layers)) != len(layers):
+                raise ValueError(f"`layers_to_prune` must be a non-empty list of distinct layer indices >= 0, got {self.layers_to_prune!r}.")
+            self.layers_to_prune = layers
         if self.pruning_ratio is not None:
             if isinstance(self.pruning_ratio, bool) or not isinstance(self.pruning_ratio, (int, float)):
                 raise ValueError(f"`pruning_ratio` must be a number in (0, 1), got {self.pruning_ratio!r}.")
@@ -111,6 +122,8 @@ class GradMAPConfig:
         """Returns K for a model with `num_layers` decoder layers (ratio rounded half up)."""
         if self.num_layers_to_prune is not None:
             return self.num_layers_to_prune
+        if self.layers_to_prune is not None:
+            return len(self.layers_to_prune)
         return int(math.floor(self.pruning_ratio * num_layers + 0.5))
 
     # ------------------------------------------------------------------------------ serialisation

@@ -281,6 +281,11 @@ class GradMAPPruner:
                 f"pruning_ratio={self.config.pruning_ratio} of {num_layers} layers rounds to 0 layers: "
                 "raise the ratio or give `num_layers_to_prune`."
             )
+        if self.config.layers_to_prune is not None and max(self.config.layers_to_prune) >= num_layers:
+            raise ValueError(
+                f"layers_to_prune={self.config.layers_to_prune} names layers the model does not have: "
+                f"it has {num_layers} decoder layers, indexed 0 to {num_layers - 1}."
+            )
         if num_to_prune >= num_layers:
             raise ValueError(
                 f"Cannot remove {num_to_prune} of the model's {num_layers} decoder layers: at least one must "
@@ -314,6 +319,11 @@ class GradMAPPruner:
 
     def _run_stage1(self, model: PreTrainedModel, adapter: DecoderAdapter, result: PruningResult) -> None:
         config = self.config
+        if config.layers_to_prune is not None:  # explicit layers: no scoring
+            result.removed_layers = list(config.layers_to_prune)
+            result.kept_layers = [index for index in result.kept_layers if index not in config.layers_to_prune]
+            adapter.keep_layers(model, result.snapshot, result.kept_layers)
+            return
         num_rounds = result.num_layers_to_prune if config.iterative else 1
         rounds = logging.tqdm(range(num_rounds), desc="GradMAP stage 1", disable=not self.progress_bar)
         for round_index in rounds:

@@ -11,6 +11,10 @@ from optimum_gradmap.configuration import CONFIG_NAME
     [
         ({}, "exactly one of `pruning_ratio`"),
         ({"pruning_ratio": 0.25, "num_layers_to_prune": 8}, "exactly one of `pruning_ratio`"),
+        ({"pruning_ratio": 0.25, "layers_to_prune": [3]}, "exactly one of `pruning_ratio`"),
+        ({"layers_to_prune": []}, "non-empty list of distinct layer indices"),
+        ({"layers_to_prune": [2, 2]}, "non-empty list of distinct layer indices"),
+        ({"layers_to_prune": [-1]}, "non-empty list of distinct layer indices"),
         ({"pruning_ratio": 0.0}, "strictly between 0 and 1"),
         ({"pruning_ratio": 1.0}, "strictly between 0 and 1"),
         ({"pruning_ratio": 1.5}, "strictly between 0 and 1"),
@@ -50,6 +54,7 @@ def test_ratio_rounds_to_nearest_with_halves_up(ratio, num_layers, expected):
 
 def test_explicit_count_is_used_as_is():
     assert GradMAPConfig(num_layers_to_prune=5).num_layers_to_remove(30) == 5
+    assert GradMAPConfig(layers_to_prune=[4, 9]).num_layers_to_remove(30) == 2
 
 
 def test_json_round_trip(tmp_path):

@@ -120,6 +120,14 @@ def test_stage2_lowers_the_calibration_loss_gap_and_select_then_compensate_equal
         pruner.compensate(result)
 
 
+def test_explicit_layers_skip_scoring_and_are_still_compensated():
+    model = tiny_model("qwen2", num_layers=6)
+    result = GradMAPPruner(small_config(num_layers_to_prune=None, layers_to_prune=[4, 1]), progress_bar=False).prune(model, random_ids(8, 16))
+    assert result.removed_layers == [4, 1] and result.kept_layers == [0, 2, 3, 5]
+    assert result.scores == [] and len(result.compensated_layers) == 1
+    assert model.config.num_hidden_layers == 4
+
+
 def test_ratio_is_turned_into_a_layer_count():
     model = tiny_model("llama", num_layers=6)
     result = GradMAPPruner(small_config(num_layers_to_prune=None, pruning_ratio=0.25, compensation=False), progress_bar=False).prune(
@@ -135,6 +143,7 @@ def test_ratio_is_turned_into_a_layer_count():
         ({"num_layers_to_prune": 9}, None, "Cannot remove 9 of the model's 6 decoder layers"),
         ({"num_layers_to_prune": None, "pruning_ratio": 0.05}, None, "rounds to 0 layers"),
         ({"num_layers_to_prune": 3, "num_compensated_layers": 4}, None, "exceeds the 3 layers that remain"),
+        ({"num_layers_to_prune": None, "layers_to_prune": [2, 6]}, None, "names layers the model does not have"),
         ({}, [""], "calibration text is empty"),
         ({}, [], "`calibration_data` must be"),
         ({}, [[1, 2, 3], [4, 5]], "same length"),
