@@ -196,6 +196,7 @@ class PerSampleGradientNorms:
         self._seq_len = 0
         self._recomputing = False
         self.batch_sq_norms: torch.Tensor | None = None
+        self.layers_seen: set[int] = set()
 
     def __enter__(self) -> "PerSampleGradientNorms":
         for layer_position, layer in enumerate(self.layers):
@@ -224,6 +225,7 @@ class PerSampleGradientNorms:
     def _forward_hook(self, layer_position: int, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self._recomputing:  # our own per-sample re-evaluation of a module, see `_backward_hook`
             return
+        self.layers_seen.add(layer_position)
         if module in self.units and isinstance(output, (tuple, list)):
             output = output[0]
         if not isinstance(output, torch.Tensor):
@@ -296,5 +298,8 @@ def gradient_importance(
                 loss = per_sample_causal_lm_loss(logits, batch).sum()
                 del logits
                 torch.autograd.grad(loss, inputs_embeds)
+            if len(collector.layers_seen) != len(layers):
+                missing = sorted(set(range(len(layers))) - collector.layers_seen)
+                raise ValueError(f"Layers at positions {missing} of `layers` did not run in the model's forward pass: pass the model's own layers.")
             totals += collector.batch_sq_norms.sum(dim=1)
     return totals / input_ids.shape[0]

@@ -72,3 +72,9 @@ def test_linear_norms_match_explicit_per_sample_gradients(tokens, d_in, d_out):
     g = torch.randn(3, tokens, d_out, generator=generator)
     explicit = torch.stack([(g[j].T @ a[j]).pow(2).sum() + g[j].sum(0).pow(2).sum() for j in range(3)])
     torch.testing.assert_close(linear_per_sample_sq_norms(a, g, has_bias=True), explicit, rtol=1e-5, atol=1e-5)
+
+
+def test_layers_of_another_model_are_refused():
+    model, other = tiny_model("llama"), tiny_model("llama")
+    with pytest.raises(ValueError, match="did not run in the model's forward pass"):
+        gradient_importance(model, list(other.model.layers), random_ids(4, 10), batch_size=2, progress_bar=False)
