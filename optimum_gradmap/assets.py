@@ -170,7 +170,7 @@ def get_text_path(name: str) -> str:
     return fetch(TEXT_ASSETS[name])
 
 
-def get_model_path(name: str) -> str:
+def get_model_path(name: str, architecture: str | None = None) -> str:
     """Path of a plain safetensors checkpoint (config, weights, tokenizer) of an offline model.
 
     The GGUF file is fetched and converted the first time; later calls return the cached folder.
@@ -178,16 +178,45 @@ def get_model_path(name: str) -> str:
 
     Args:
         name (`str`): `"smollm2-135m"` or `"qwen2.5-coder-0.5b"`.
+        architecture (`str`, *optional*): Another `model_type` whose classes compute the same
+            function with the same weight names, e.g. `"mistral"` for SmolLM2 (a Llama model with no
+            sliding window). The checkpoint then carries that family's config.
     """
     if name not in MODEL_ASSETS:
         raise ValueError(f"Unknown model asset {name!r}. Available: {', '.join(MODEL_ASSETS)}.")
     asset = MODEL_ASSETS[name]
     checkpoint = os.path.join(cache_dir(), "checkpoints", f"{name}-{asset.sha256[:16]}")
-    if os.path.isfile(os.path.join(checkpoint, "config.json")):
+    if not os.path.isfile(os.path.join(checkpoint, "config.json")):
+        _convert_gguf(fetch(asset), checkpoint)
+    if architecture is None:
         return checkpoint
-    gguf_path = fetch(asset)
-    _convert_gguf(gguf_path, checkpoint)
-    return checkpoint
+    variant = f"{checkpoint}-as-{architecture}"
+    if not os.path.isfile(os.path.join(variant, "config.json")):
+        _write_variant(checkpoint, variant, architecture)
+    return variant
+
+
+def _write_variant(checkpoint: str, variant: str, architecture: str) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    source = AutoConfig.from_pretrained(checkpoint)
+    settings = {key: value for key, value in source.to_dict().items() if key not in ("model_type", "architectures", "transformers_version")}
+    config = AutoConfig.for_model(architecture, **settings)
+    if hasattr(config, "sliding_window"):
+        config.sliding_window = None
+    staging = variant + ".partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    config.save_pretrained(staging)
+    for filename in os.listdir(checkpoint):
+        if filename.endswith(".safetensors") or filename == "generation_config.json":
+            try:  # same weights: share the file where the file system allows it
+                os.link(os.path.join(checkpoint, filename), os.path.join(staging, filename))
+            except OSError:
+                shutil.copy2(os.path.join(checkpoint, filename), os.path.join(staging, filename))
+    AutoTokenizer.from_pretrained(checkpoint).save_pretrained(staging)
+    shutil.rmtree(variant, ignore_errors=True)
+    os.replace(staging, variant)
 
 
 def _convert_gguf(gguf_path: str, checkpoint: str) -> None:
@@ -213,12 +242,13 @@ def _convert_gguf(gguf_path: str, checkpoint: str) -> None:
     os.replace(staging, checkpoint)
 
 
-def load_model(name: str, dtype: "torch.dtype | None" = None, **kwargs):
+def load_model(name: str, dtype: "torch.dtype | None" = None, architecture: str | None = None, **kwargs):
     """Loads an offline model asset and its tokenizer.
 
     Args:
         name (`str`): `"smollm2-135m"` or `"qwen2.5-coder-0.5b"`.
         dtype (`torch.dtype`, *optional*): Defaults to float32.
+        architecture (`str`, *optional*): See [`get_model_path`].
         kwargs: Passed to `AutoModelForCausalLM.from_pretrained` (e.g. `device_map`).
 
     Returns:
@@ -227,7 +257,7 @@ def load_model(name: str, dtype: "torch.dtype | None" = None, **kwargs):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = get_model_path(name)
+    path = get_model_path(name, architecture)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

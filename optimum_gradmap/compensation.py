@@ -11,14 +11,17 @@ with H_i the output of layer i in the original model and H'_i in the pruned one,
 calibration tokens. For the layer(s) with the largest drift a d x d matrix W' is learned so that
 the pruned layer's output matches the original one (Eq. 12-14):
 
-    min_W'  1/N sum_j || W' Y_j + X_F,j - X_O,j ||_F^2  +  lambda || W' - I ||_F^2
+    min_W'  MSE(W' Y + X_F, X_O)  +  lambda || W' - I ||_F^2
 
-with, for calibration sequence j, Y_j = W_down X_down (the MLP's output, bias included),
-X_F the residual stream entering the MLP and X_O the original model's output of that layer.
-The objective only needs the sufficient statistics A = sum Y Y^T, C = sum R Y^T and sum ||R||^2
-(R = X_O - X_F) over all calibration tokens, so both solvers work on d x d matrices:
+with Y = W_down X_down the MLP's output (bias included), X_F the residual stream entering the MLP
+and X_O the original model's output of that layer, over all calibration tokens. The paper calls
+the first term the mean squared error; like `torch.nn.MSELoss` it is the mean over all M = tokens x d
+elements, which sets the strength of lambda (measured: this reading, not a per-sequence sum,
+makes Stage 2 help on SmolLM2; docs/results.md). The objective only needs the sufficient
+statistics A = sum y y^T, C = sum r y^T and sum ||r||^2 (r = x_O - x_F) over all calibration
+tokens, so both solvers work on d x d matrices:
 
-- `"closed_form"`: the exact minimiser W' = (C + N lambda I)(A + N lambda I)^-1, in float64;
+- `"closed_form"`: the exact minimiser W' = (C + M lambda I)(A + M lambda I)^-1, in float64;
 - `"adam"`: the paper's optimiser, full-batch Adam from W' = I on the same objective.
 
 W' is then folded into the down projection, W_down <- W' W_down and b_down <- W' b_down, so the
@@ -122,20 +125,25 @@ class CompensationStatistics:
         gram (`torch.Tensor` of shape `(d, d)`): A = sum over tokens of y y^T, y the MLP output.
         cross (`torch.Tensor` of shape `(d, d)`): C = sum over tokens of r y^T, r = x_O - x_F.
         target_energy (`float`): sum over tokens of ||r||^2.
-        num_sequences (`int`): N, the number of calibration sequences.
+        num_tokens (`int`): The number of calibration tokens.
     """
 
     gram: torch.Tensor
     cross: torch.Tensor
     target_energy: float
-    num_sequences: int
+    num_tokens: int
+
+    @property
+    def num_elements(self) -> int:
+        """M = tokens x hidden size, the number of terms the mean squared error averages."""
+        return self.num_tokens * self.gram.shape[0]
 
     def objective(self, matrix: torch.Tensor, reg_lambda: float) -> torch.Tensor:
-        """Value of the Eq. 12 objective, 1/N sum_j ||W' Y_j - R_j||^2 + lambda ||W' - I||^2, at `matrix`."""
+        """Value of the Eq. 12 objective, mean((W' y - r)^2) + lambda ||W' - I||^2, at `matrix`."""
         matrix = matrix.to(self.gram)
         squared_error = (matrix @ self.gram * matrix).sum() - 2 * (matrix * self.cross).sum() + self.target_energy
         identity = torch.eye(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)
-        return squared_error / self.num_sequences + reg_lambda * (matrix - identity).pow(2).sum()
+        return squared_error / self.num_elements + reg_lambda * (matrix - identity).pow(2).sum()
 
 
 def _compensation_batches(
@@ -205,12 +213,12 @@ def compensation_statistics(
         gram += (mlp_output.T @ mlp_output).cpu()
         cross += (target.T @ mlp_output).cpu()
         target_energy += target.pow(2).sum().item()
-    return CompensationStatistics(gram, cross, target_energy, int(input_ids.shape[0]))
+    return CompensationStatistics(gram, cross, target_energy, int(input_ids.numel()))
 
 
 def solve_closed_form(statistics: CompensationStatistics, reg_lambda: float) -> torch.Tensor:
-    """Exact minimiser of the Stage 2 objective, W' = (C + N lambda I)(A + N lambda I)^-1, in float64."""
-    ridge = statistics.num_sequences * reg_lambda
+    """Exact minimiser of the Stage 2 objective, W' = (C + M lambda I)(A + M lambda I)^-1, in float64."""
+    ridge = statistics.num_elements * reg_lambda
     identity = torch.eye(statistics.gram.shape[0], dtype=torch.float64)
     lhs = statistics.gram + ridge * identity
     rhs = statistics.cross + ridge * identity
@@ -245,7 +253,6 @@ def fit_through_norm(
     mlp_outputs: torch.Tensor,
     targets: torch.Tensor,
     norm: nn.Module,
-    num_sequences: int,
     reg_lambda: float,
     learning_rate: float,
     num_steps: int,
@@ -253,7 +260,7 @@ def fit_through_norm(
 ) -> tuple[torch.Tensor, float, float]:
     """Stage 2 when a norm follows the MLP (Gemma2/3, OLMo2): minimises, with Adam from W' = I,
 
-        1/N sum_j || norm(W' Y_j) - R_j ||_F^2 + lambda || W' - I ||_F^2
+        mean((norm(W' y) - r)^2) + lambda || W' - I ||_F^2
 
     on the stored activations. The norm is not linear, so there is no closed form.
 
@@ -268,7 +275,7 @@ def fit_through_norm(
     def objective(matrix: torch.Tensor) -> torch.Tensor:
         mapped = (mlp_outputs @ matrix.T).to(dtype)
         contribution = torch.func.functional_call(norm, frozen, (mapped,)).double()
-        return (contribution - targets).pow(2).sum() / num_sequences + reg_lambda * (matrix - identity).pow(2).sum()
+        return (contribution - targets).pow(2).mean() + reg_lambda * (matrix - identity).pow(2).sum()
 
     matrix = identity.clone().requires_grad_(True)
     optimizer = torch.optim.Adam([matrix], lr=learning_rate)
@@ -316,7 +323,7 @@ def learn_compensation(
         pairs = list(_compensation_batches(model, adapter, layer, original_outputs, input_ids, config.batch_size, progress_bar))
         mlp_outputs, targets = (torch.cat(parts) for parts in zip(*pairs))
         matrix, at_identity, fitted = fit_through_norm(
-            mlp_outputs, targets, norm, int(input_ids.shape[0]), config.reg_lambda, config.adam_lr, config.adam_steps, progress_bar
+            mlp_outputs, targets, norm, config.reg_lambda, config.adam_lr, config.adam_steps, progress_bar
         )
         return CompensationFit(matrix.cpu(), at_identity, fitted)
 

@@ -58,3 +58,34 @@ def test_gradmap_prunes_a_real_model_far_better_than_removing_its_first_layer(sm
     with_cache = reloaded.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=True)
     without_cache = reloaded.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=False)
     assert torch.equal(with_cache, without_cache)
+
+
+@pytest.mark.parametrize("asset, architecture", [("smollm2-135m", "mistral"), ("qwen2.5-coder-0.5b", None)])
+def test_other_real_families_prune_compensate_save_reload_and_generate(asset, architecture, tmp_path):
+    from optimum_gradmap.assets import get_model_path
+
+    path = get_model_path(asset, architecture)
+    model = load(path)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if architecture == "mistral":  # the same weights in another family's classes compute the same function
+        reference = load(get_model_path(asset))
+        ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, reference(ids).logits)
+        del reference
+    num_layers = model.config.num_hidden_layers
+    config = GradMAPConfig(num_layers_to_prune=2, num_samples=8, seq_len=64, batch_size=8)
+    pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
+    result = pruner.prune(model, "wikipedia")
+    assert 0 not in result.removed_layers and len(result.compensated_layers) == 1
+    pruner.save_pretrained(tmp_path)
+    reloaded = load(tmp_path)
+    assert type(reloaded) is type(model) and reloaded.config.num_hidden_layers == num_layers - 2
+    prompt = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert (model(prompt).logits - reloaded(prompt).logits).abs().max().item() < 1e-4
+    with_cache = reloaded.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=True)
+    without_cache = reloaded.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=False)
+    assert torch.equal(with_cache, without_cache)
