@@ -34,7 +34,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per calibration sequence (default 128)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--adam-steps", type=int, default=2000)
-    parser.add_argument("--reg-lambdas", type=float, nargs="+", default=[1e-3], help="Stage 2 lambda values to compare (default: 1e-3)")
+    parser.add_argument(
+        "--reg-lambdas", type=float, nargs="+", default=[1e-3], help="Stage 2 lambda values to compare (default: 1e-3)"
+    )
     parser.add_argument("--solvers", nargs="+", default=["closed_form", "adam"], choices=["closed_form", "adam"])
     parser.add_argument("--layers", type=int, nargs="+", default=None, help="remove these layers instead of running Stage 1")
     parser.add_argument("--random-seeds", type=int, default=3, help="number of random-removal baselines (default 3)")
@@ -45,7 +47,10 @@ def main() -> None:
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model)
     segments = load_evaluation_segments("wikipedia", tokenizer, seq_len=128, max_segments=args.max_eval_segments)
-    print(f"{args.model}: {model.config.num_hidden_layers} layers; evaluation: {segments.shape[0]} segments x 128 tokens of held-out Wikipedia")
+    print(
+        f"{args.model}: {model.config.num_hidden_layers} layers; "
+        f"evaluation: {segments.shape[0]} segments x 128 tokens of held-out Wikipedia"
+    )
 
     rows: dict[str, float] = {}
     rows["dense"] = perplexity(model, segments)
@@ -97,7 +102,11 @@ def main() -> None:
         "model": args.model,
         "ratio": args.ratio,
         "calibration": {"dataset": "wikipedia (calibration articles)", "num_samples": args.num_samples, "seq_len": args.seq_len},
-        "evaluation": {"dataset": "wikipedia (held-out articles)", "protocol": "non-overlapping 128-token segments", "segments": int(segments.shape[0])},
+        "evaluation": {
+            "dataset": "wikipedia (held-out articles)",
+            "protocol": "non-overlapping 128-token segments",
+            "segments": int(segments.shape[0]),
+        },
         "removed_layers": result.removed_layers,
         "scores": [{str(k): v for k, v in s.items()} for s in result.scores],
         "drift": {str(k): v for k, v in result.drift.items()},

@@ -26,13 +26,26 @@ from optimum_gradmap.assets import MODEL_ASSETS, load_model
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m", help=f"offline asset ({', '.join(MODEL_ASSETS)}), Hub id or folder (default: smollm2-135m)")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help=f"offline asset ({', '.join(MODEL_ASSETS)}), Hub id or folder (default: smollm2-135m)",
+    )
     parser.add_argument("--ratio", type=float, default=0.25, help="fraction of decoder layers to remove (default: 0.25)")
-    parser.add_argument("--solver", default="closed_form", choices=["closed_form", "adam"], help="Stage 2 solver (default: closed_form)")
+    parser.add_argument(
+        "--solver", default="closed_form", choices=["closed_form", "adam"], help="Stage 2 solver (default: closed_form)"
+    )
     parser.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default: 128, as in the paper)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per calibration sequence (default: 128)")
-    parser.add_argument("--max-eval-segments", type=int, default=None, help="cap on 128-token evaluation segments (default: all held-out articles)")
-    parser.add_argument("--output", default="out/smollm2-135m-gradmap", help="checkpoint folder (default: out/smollm2-135m-gradmap)")
+    parser.add_argument(
+        "--max-eval-segments",
+        type=int,
+        default=None,
+        help="cap on 128-token evaluation segments (default: all held-out articles)",
+    )
+    parser.add_argument(
+        "--output", default="out/smollm2-135m-gradmap", help="checkpoint folder (default: out/smollm2-135m-gradmap)"
+    )
     args = parser.parse_args()
 
     if args.model in MODEL_ASSETS:

@@ -22,12 +22,12 @@ class MyModelAdapter(DecoderAdapter):
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
-import torch
 from torch import nn
-from transformers import PreTrainedModel, PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -297,7 +297,7 @@ def get_adapter(model: PreTrainedModel) -> DecoderAdapter:
             f"GradMAP has no adapter for model type {model_type!r} ({type(model).__name__}). "
             f"Supported model types: {', '.join(supported_model_types())}. "
             "To add a family, subclass `optimum_gradmap.adapters.DecoderAdapter` and register it with "
-            "`@register_adapter(\"<model_type>\")` (see docs/adapters.md)."
+            '`@register_adapter("<model_type>")` (see docs/adapters.md).'
         )
     return _ADAPTERS[model_type]()
 
@@ -409,4 +409,3 @@ def remove_layers(model: PreTrainedModel, layer_indices: Sequence[int]) -> list[
     kept = [index for index in range(snapshot.num_layers) if index not in removed]
     adapter.keep_layers(model, snapshot, kept)
     return kept
-

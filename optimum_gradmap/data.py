@@ -16,7 +16,8 @@ pruning papers load them: `"wikitext2"`, `"c4"`, `"ptb"`.
 from __future__ import annotations
 
 import re
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -128,7 +129,11 @@ def is_text_data(calibration_data: CalibrationData) -> bool:
     """Whether `calibration_data` is text (or a dataset name), which needs a tokenizer."""
     if calibration_data is None or isinstance(calibration_data, str):
         return True
-    return isinstance(calibration_data, Sequence) and bool(calibration_data) and all(isinstance(item, str) for item in calibration_data)
+    return (
+        isinstance(calibration_data, Sequence)
+        and bool(calibration_data)
+        and all(isinstance(item, str) for item in calibration_data)
+    )
 
 
 def prepare_calibration_data(
@@ -159,7 +164,11 @@ def prepare_calibration_data(
             raise ValueError("Calibration text needs a tokenizer: pass `tokenizer=` or a model whose name points to one.")
         text = load_text(calibration_data, "calibration") if isinstance(calibration_data, str) else "\n\n".join(calibration_data)
         return sample_sequences(tokenize_text(text, tokenizer), num_samples, seq_len, seed)
-    elif isinstance(calibration_data, Sequence) and calibration_data and all(isinstance(item, Sequence) for item in calibration_data):
+    elif (
+        isinstance(calibration_data, Sequence)
+        and calibration_data
+        and all(isinstance(item, Sequence) for item in calibration_data)
+    ):
         lengths = {len(item) for item in calibration_data}
         if len(lengths) != 1:
             raise ValueError(f"Token-id sequences must all have the same length, got lengths {sorted(lengths)}.")

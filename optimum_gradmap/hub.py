@@ -135,7 +135,10 @@ def save_checkpoint(
         `str`: The folder.
     """
     quantization = getattr(model.config, "quantization_config", None)
-    if quantization is not None and (getattr(quantization, "quant_method", None) == "gguf" or (isinstance(quantization, dict) and quantization.get("quant_method") == "gguf")):
+    if quantization is not None and (
+        getattr(quantization, "quant_method", None) == "gguf"
+        or (isinstance(quantization, dict) and quantization.get("quant_method") == "gguf")
+    ):
         raise ValueError(
             "This model was loaded from a GGUF file and transformers cannot save it back. Convert it first "
             "(see `optimum_gradmap.assets.get_model_path`, which does this for the offline models)."

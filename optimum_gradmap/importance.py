@@ -34,9 +34,10 @@ change which layers are removed.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -165,7 +166,7 @@ def unit_per_sample_sq_norms(
     for sample in range(batch):
         call_args = tuple(arg[sample : sample + 1] if is_batched else arg for arg, is_batched in zip(args, batched))
 
-        def forward(parameters: dict[str, torch.Tensor]) -> torch.Tensor:
+        def forward(parameters: dict[str, torch.Tensor], call_args: tuple[Any, ...] = call_args) -> torch.Tensor:
             output = torch.func.functional_call(module, parameters, call_args, kwargs)
             return output[0] if isinstance(output, (tuple, list)) else output
 
@@ -300,6 +301,9 @@ def gradient_importance(
                 torch.autograd.grad(loss, inputs_embeds)
             if len(collector.layers_seen) != len(layers):
                 missing = sorted(set(range(len(layers))) - collector.layers_seen)
-                raise ValueError(f"Layers at positions {missing} of `layers` did not run in the model's forward pass: pass the model's own layers.")
+                raise ValueError(
+                    f"Layers at positions {missing} of `layers` did not run in the model's forward pass: "
+                    "pass the model's own layers."
+                )
             totals += collector.batch_sq_norms.sum(dim=1)
     return totals / input_ids.shape[0]

@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -24,6 +25,7 @@ from .hub import REPORT_NAME
 from .importance import gradient_importance
 
 logger = logging.get_logger(__name__)
+
 
 @dataclass
 class PruningResult:
@@ -305,7 +307,9 @@ class GradMAPPruner:
         if tokenizer is None and is_text_data(calibration_data):
             name = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
             if not name:
-                raise ValueError("Calibration text needs a tokenizer: pass `tokenizer=` (the model has no name to load one from).")
+                raise ValueError(
+                    "Calibration text needs a tokenizer: pass `tokenizer=` (the model has no name to load one from)."
+                )
             tokenizer = AutoTokenizer.from_pretrained(name)
             self.tokenizer = tokenizer
         config = self.config
@@ -355,10 +359,11 @@ class GradMAPPruner:
 
         with _dense(model, adapter, snapshot, kept):
             dense_means = hidden_state_means(model, snapshot.layers, ids, config.batch_size, progress, "Dense hidden states")
-        pruned_means = hidden_state_means(model, adapter.get_layers(model), ids, config.batch_size, progress, "Pruned hidden states")
+        pruned_means = hidden_state_means(
+            model, adapter.get_layers(model), ids, config.batch_size, progress, "Pruned hidden states"
+        )
         result.drift = {
-            original: float((dense_means[original] - pruned_means[position]).norm())
-            for position, original in enumerate(kept)
+            original: float((dense_means[original] - pruned_means[position]).norm()) for position, original in enumerate(kept)
         }
         ranked = sorted((index for index in kept if result.drift[index] > 0), key=lambda index: -result.drift[index])
         targets = sorted(ranked[: config.num_compensated_layers])  # fit in forward order

@@ -31,7 +31,9 @@ TINY_SETTINGS = {
     "gpt2": dict(n_embd=32, n_head=4, n_positions=128),
     "gpt_neox": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=128),
     "mixtral": dict(_DECODER, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
-    "qwen2_moe": dict(_DECODER, **_MOE, num_experts=4, shared_expert_intermediate_size=32, decoder_sparse_step=2, mlp_only_layers=[4]),
+    "qwen2_moe": dict(
+        _DECODER, **_MOE, num_experts=4, shared_expert_intermediate_size=32, decoder_sparse_step=2, mlp_only_layers=[4]
+    ),
     "qwen3_moe": dict(_DECODER, **_MOE, num_experts=4, head_dim=8, mlp_only_layers=[1]),
 }
 ARCHITECTURES = ["llama", "mistral", "qwen2"]  # the first three families, used where one of each layout suffices

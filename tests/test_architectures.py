@@ -13,19 +13,7 @@ from optimum_gradmap.compensation import apply_compensation
 from optimum_gradmap.importance import gradient_importance
 
 from .conftest import FAMILIES, random_ids, small_config, tiny_model
-
-
-def naive_scores(model, layers, input_ids):
-    """Eq. 5 by definition: one backward per sample, summing the squared norms of every `p.grad`."""
-    totals = torch.zeros(len(layers), dtype=torch.float64)
-    for sample in input_ids:
-        model.zero_grad(set_to_none=True)
-        batch = sample.unsqueeze(0)
-        model(batch, labels=batch).loss.backward()
-        for position, layer in enumerate(layers):
-            totals[position] += sum(p.grad.double().pow(2).sum() for p in layer.parameters() if p.grad is not None)
-    model.zero_grad(set_to_none=True)
-    return totals / input_ids.shape[0]
+from .reference import naive_layer_scores
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -36,7 +24,7 @@ def test_stage1_scores_equal_the_naive_reference(model_type):
     ids = random_ids(num_samples=5, seq_len=12)
     units = [unit for layer in layers for unit in adapter.get_per_sample_units(layer)]
     fast = gradient_importance(model, layers, ids, batch_size=3, progress_bar=False, units=units)
-    reference = naive_scores(model, layers, ids)
+    reference = naive_layer_scores(model, layers, ids)
     assert ((fast - reference).abs() / reference).max().item() < 1e-4, (fast, reference)
 
 
@@ -91,7 +79,9 @@ def test_prune_generate_save_validate_and_reload(model_type, tmp_path, byte_toke
     with torch.no_grad():
         assert (model(ids).logits - reloaded(ids).logits).abs().max().item() < 1e-5
     reloaded_layers = get_adapter(reloaded).get_layers(reloaded)
-    assert [type(adapter.get_mlp(layer)) for layer in reloaded_layers] == [type(adapter.get_mlp(layer)) for layer in adapter.get_layers(model)]
+    assert [type(adapter.get_mlp(layer)) for layer in reloaded_layers] == [
+        type(adapter.get_mlp(layer)) for layer in adapter.get_layers(model)
+    ]
 
 
 def test_moe_dense_and_sparse_layers_survive_pruning(tmp_path):

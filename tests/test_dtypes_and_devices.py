@@ -25,7 +25,10 @@ def test_half_precision_model_prunes_and_reloads(dtype, tmp_path):
     # scores are accumulated in float32 from half-precision activations: close to the float32 model's
     assert ((first_round - reference).abs() / reference).max().item() < 0.1
     (target,) = result.compensated_layers
-    assert get_adapter(model).get_down_projections(result.model.model.layers[result.kept_layers.index(target)])[0].weight.dtype == dtype
+    assert (
+        get_adapter(model).get_down_projections(result.model.model.layers[result.kept_layers.index(target)])[0].weight.dtype
+        == dtype
+    )
     assert all(p.dtype == dtype for p in model.parameters())
     pruner.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval()

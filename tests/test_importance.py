@@ -6,20 +6,7 @@ import torch
 from optimum_gradmap.importance import gradient_importance, linear_per_sample_sq_norms
 
 from .conftest import ARCHITECTURES, random_ids, tiny_model
-
-
-def naive_scores(model, input_ids):
-    """Eq. 5 by definition: one backward per sample, summing the squared norms of every `p.grad` of each layer."""
-    layers = list(model.model.layers)
-    totals = torch.zeros(len(layers), dtype=torch.float64)
-    for sample in input_ids:
-        model.zero_grad(set_to_none=True)
-        batch = sample.unsqueeze(0)
-        model(batch, labels=batch).loss.backward()
-        for position, layer in enumerate(layers):
-            totals[position] += sum(p.grad.double().pow(2).sum() for p in layer.parameters())
-    model.zero_grad(set_to_none=True)
-    return totals / input_ids.shape[0]
+from .reference import naive_layer_scores
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
@@ -27,7 +14,7 @@ def test_scores_equal_naive_per_sample_reference(model_type):
     model = tiny_model(model_type, attention_bias=(model_type == "llama"))
     ids = random_ids(num_samples=6, seq_len=12)
     fast = gradient_importance(model, list(model.model.layers), ids, batch_size=4, progress_bar=False)
-    reference = naive_scores(model, ids)
+    reference = naive_layer_scores(model, list(model.model.layers), ids)
     relative = ((fast - reference).abs() / reference).max().item()
     assert relative < 1e-4, (fast, reference)
 

@@ -98,7 +98,9 @@ def test_stage2_only_changes_the_down_projection_of_the_compensated_layer():
     result = GradMAPPruner(small_config(), progress_bar=False).prune(model, random_ids(8, 16))
     (target,) = result.compensated_layers
     changed = {
-        dense_name(result, name) for name, tensor in model.state_dict().items() if not torch.equal(tensor, state[dense_name(result, name)])
+        dense_name(result, name)
+        for name, tensor in model.state_dict().items()
+        if not torch.equal(tensor, state[dense_name(result, name)])
     }
     assert changed == {f"model.layers.{target}.mlp.down_proj.weight"}
 
@@ -122,7 +124,9 @@ def test_stage2_lowers_the_calibration_loss_gap_and_select_then_compensate_equal
 
 def test_explicit_layers_skip_scoring_and_are_still_compensated():
     model = tiny_model("qwen2", num_layers=6)
-    result = GradMAPPruner(small_config(num_layers_to_prune=None, layers_to_prune=[4, 1]), progress_bar=False).prune(model, random_ids(8, 16))
+    result = GradMAPPruner(small_config(num_layers_to_prune=None, layers_to_prune=[4, 1]), progress_bar=False).prune(
+        model, random_ids(8, 16)
+    )
     assert result.removed_layers == [4, 1] and result.kept_layers == [0, 2, 3, 5]
     assert result.scores == [] and len(result.compensated_layers) == 1
     assert model.config.num_hidden_layers == 4
@@ -130,9 +134,9 @@ def test_explicit_layers_skip_scoring_and_are_still_compensated():
 
 def test_ratio_is_turned_into_a_layer_count():
     model = tiny_model("llama", num_layers=6)
-    result = GradMAPPruner(small_config(num_layers_to_prune=None, pruning_ratio=0.25, compensation=False), progress_bar=False).prune(
-        model, random_ids(8, 16)
-    )
+    result = GradMAPPruner(
+        small_config(num_layers_to_prune=None, pruning_ratio=0.25, compensation=False), progress_bar=False
+    ).prune(model, random_ids(8, 16))
     assert result.num_layers_to_prune == 2  # 6 x 0.25 = 1.5 rounds half up
 
 

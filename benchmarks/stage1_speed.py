@@ -1,0 +1,194 @@
+"""Cost of one Stage 1 round on a real model, against a plain forward pass and the naive per-sample
+implementation (one backward pass per sample, parameter gradients materialised).
+
+    python benchmarks/stage1_speed.py                              # SmolLM2-135M, fp32, CPU, 128 x 128 calibration
+    python benchmarks/stage1_speed.py --device cuda --dtype bfloat16
+
+Each measurement runs in a fresh subprocess so that its peak memory is its own. Prints four
+figures and writes benchmarks/results/stage1_speed-<model>-<device>-<dtype>.json:
+
+- round_time / forward_time: one Stage 1 round (all layers scored) over one plain forward pass
+  over the same calibration set (goal <= 2.5);
+- speed-up of the fast path over the naive one, per round (each round scores every remaining
+  layer the same way, so the whole of Stage 1 scales alike);
+- (peak memory during the round - memory before it) / the model's weight bytes (goal <= 0.5);
+  on CPU, resident memory sampled every 5 ms; on CUDA, torch's peak allocated memory;
+- agreement of the scores (max relative difference, goal <= 1e-4) and of the layers removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class PeakMemory:
+    """Peak memory above the level at entry: CUDA's allocator statistics, or sampled resident memory."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.extra = 0
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as file:
+            return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.base = self._rss()
+            self.peak = self.base
+            self.running = True
+            self.thread = threading.Thread(target=self._sample, daemon=True)
+            self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.005)
+
+    def __exit__(self, *exc_info) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.extra = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self.running = False
+            self.thread.join()
+            self.extra = max(self.peak, self._rss()) - self.base
+
+
+def worker(args: argparse.Namespace) -> dict:
+    sys.path.insert(0, ROOT)
+    from optimum_gradmap.adapters import get_adapter
+    from optimum_gradmap.assets import load_model
+    from optimum_gradmap.data import prepare_calibration_data
+    from optimum_gradmap.importance import gradient_importance
+    from tests.reference import naive_layer_scores
+
+    device = torch.device(args.device)
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+    model.to(device).eval()
+    ids = prepare_calibration_data("wikipedia", tokenizer, args.num_samples, args.seq_len, seed=0, default_dataset="wikipedia")
+    layers = list(get_adapter(model).get_layers(model))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def forward() -> None:
+        with torch.no_grad():
+            for start in range(0, ids.shape[0], args.batch_size):
+                model(input_ids=ids[start : start + args.batch_size].to(device), use_cache=False)
+
+    if args.worker == "forward":
+        forward()  # warm-up
+        run = forward
+    elif args.worker == "fast":
+        gradient_importance(model, layers, ids[: args.batch_size], args.batch_size, progress_bar=False)  # warm-up
+        run = lambda: gradient_importance(model, layers, ids, args.batch_size, progress_bar=False)  # noqa: E731
+    else:
+        run = lambda: naive_layer_scores(model, layers, ids)  # noqa: E731
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    with PeakMemory(device) as memory:
+        start = time.perf_counter()
+        scores = run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    return {
+        "seconds": seconds,
+        "peak_extra_bytes": memory.extra,
+        "weight_bytes": weight_bytes,
+        "scores": scores.tolist() if scores is not None else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--num-samples", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument(
+        "--num-layers-to-prune", type=int, default=8, help="K, for comparing which layers a one-shot selection removes"
+    )
+    parser.add_argument("--worker", choices=["forward", "fast", "naive"], help=argparse.SUPPRESS)
+    parser.add_argument("--output-dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    args = parser.parse_args()
+
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+
+    results = {}
+    for kind in ("forward", "fast", "naive"):
+        command = [sys.executable, __file__, "--worker", kind] + [
+            f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items() if name not in ("worker", "output_dir")
+        ]
+        completed = subprocess.run(command, capture_output=True, text=True, check=True)
+        results[kind] = json.loads(completed.stdout.strip().splitlines()[-1])
+        print(f"{kind}: {results[kind]['seconds']:.1f} s, peak extra memory {results[kind]['peak_extra_bytes'] / 2**20:.0f} MiB")
+
+    fast, naive = torch.tensor(results["fast"]["scores"]), torch.tensor(results["naive"]["scores"])
+    k = args.num_layers_to_prune
+    figures = {
+        "round_time_over_forward_time": results["fast"]["seconds"] / results["forward"]["seconds"],
+        "speedup_over_naive": results["naive"]["seconds"] / results["fast"]["seconds"],
+        "peak_memory_over_weight_bytes": results["fast"]["peak_extra_bytes"] / results["fast"]["weight_bytes"],
+        "naive_peak_memory_over_weight_bytes": results["naive"]["peak_extra_bytes"] / results["naive"]["weight_bytes"],
+        "max_relative_score_difference": float(((fast - naive).abs() / naive).max()),
+        "same_first_removal": int(fast.argmin()) == int(naive.argmin()),
+        "same_k_lowest": sorted(fast.argsort()[:k].tolist()) == sorted(naive.argsort()[:k].tolist()),
+    }
+    report = {
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        "calibration": f"{args.num_samples} x {args.seq_len} tokens, batch size {args.batch_size}",
+        "figures": figures,
+        "seconds": {kind: results[kind]["seconds"] for kind in results},
+        "peak_extra_bytes": {kind: results[kind]["peak_extra_bytes"] for kind in results},
+        "weight_bytes": results["fast"]["weight_bytes"],
+        "environment": {
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+            "cpu_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+        },
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    os.makedirs(args.output_dir, exist_ok=True)
+    path = os.path.join(args.output_dir, f"stage1_speed-{args.model}-{args.device.split(':')[0]}-{args.dtype}.json")
+    with open(path, "w") as file:
+        json.dump(report, file, indent=2)
+    print()
+    print(f"round time / forward time:        {figures['round_time_over_forward_time']:.2f}   (goal <= 2.5)")
+    print(f"speed-up over naive per-sample:   {figures['speedup_over_naive']:.2f}x")
+    print(
+        f"peak memory / weight bytes:       {figures['peak_memory_over_weight_bytes']:.2f}   "
+        f"(goal <= 0.5; naive: {figures['naive_peak_memory_over_weight_bytes']:.2f})"
+    )
+    print(
+        f"max relative score difference:    {figures['max_relative_score_difference']:.2e} (goal <= 1e-4); "
+        f"same first removal: {figures['same_first_removal']}; same {k} lowest: {figures['same_k_lowest']}"
+    )
+    print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()
