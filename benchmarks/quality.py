@@ -29,6 +29,7 @@ from optimum_gradmap.assets import MODEL_ASSETS, load_model
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_ASSETS), help="offline model asset")
+    parser.add_argument("--architecture", default=None, help="load the asset with another family's classes, e.g. mistral")
     parser.add_argument("--ratio", type=float, default=0.25, help="pruning ratio (default 0.25)")
     parser.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default 128)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per calibration sequence (default 128)")
@@ -45,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, architecture=args.architecture)
     segments = load_evaluation_segments("wikipedia", tokenizer, seq_len=128, max_segments=args.max_eval_segments)
     print(
         f"{args.model}: {model.config.num_hidden_layers} layers; "
@@ -100,6 +101,7 @@ def main() -> None:
 
     report = {
         "model": args.model,
+        "architecture": type(model).__name__,
         "ratio": args.ratio,
         "calibration": {"dataset": "wikipedia (calibration articles)", "num_samples": args.num_samples, "seq_len": args.seq_len},
         "evaluation": {
@@ -119,7 +121,8 @@ def main() -> None:
     }
     os.makedirs(args.output_dir, exist_ok=True)
     suffix = "layers-" + "-".join(map(str, args.layers)) if args.layers else str(args.ratio)
-    path = os.path.join(args.output_dir, f"quality-{args.model}-{suffix}.json")
+    name = args.model + (f"-as-{args.architecture}" if args.architecture else "")
+    path = os.path.join(args.output_dir, f"quality-{name}-{suffix}.json")
     with open(path, "w") as file:
         json.dump(report, file, indent=2)
     print("\n| model | perplexity (held-out Wikipedia, 128-token segments) |\n|---|---|")

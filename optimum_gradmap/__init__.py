@@ -5,8 +5,8 @@
 from .adapters import DecoderAdapter, UnsupportedArchitectureError, register_adapter, remove_layers, supported_model_types
 from .configuration import GradMAPConfig
 from .evaluation import load_evaluation_segments, perplexity
-from .hub import InvalidCheckpointError, validate_checkpoint
-from .pruner import GradMAPPruner, PruningResult, load_report
+from .hub import InvalidCheckpointError, load_report, validate_checkpoint
+from .pruner import GradMAPPruner, PruningResult
 
 __version__ = "0.1.0"
 

@@ -177,3 +177,9 @@ def upload_checkpoint(
     commit = api.upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model", commit_message=commit_message)
     logger.info(f"Uploaded {folder} to https://huggingface.co/{repo_id}")
     return getattr(commit, "commit_url", str(commit))
+
+
+def load_report(directory: str | os.PathLike) -> dict[str, Any]:
+    """Reads the `pruning_report.json` written next to a GradMAP checkpoint."""
+    with open(os.path.join(directory, REPORT_NAME), encoding="utf-8") as file:
+        return json.load(file)

@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
-import json
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +21,7 @@ from .adapters import DecoderAdapter, LayerSnapshot, get_adapter
 from .compensation import apply_compensation, hidden_state_means, learn_compensation, record_layer_outputs
 from .configuration import GradMAPConfig
 from .data import CalibrationData, is_text_data, prepare_calibration_data
-from .hub import REPORT_NAME
+from .hub import save_checkpoint, upload_checkpoint
 from .importance import gradient_importance
 
 logger = logging.get_logger(__name__)
@@ -236,9 +236,8 @@ class GradMAPPruner:
         Returns:
             `str`: The folder.
         """
-        from .hub import save_checkpoint
-
-        model = model or (self.result.model if self.result is not None else self.model)
+        if model is None:
+            model = self.result.model if self.result is not None else self.model
         if model is None:
             raise ValueError("No model to save: pass `model=` or call `prune` first.")
         report = self.result.to_dict() if self.result is not None and self.result.model is model else None
@@ -258,10 +257,6 @@ class GradMAPPruner:
         Returns:
             `str`: The URL of the commit.
         """
-        import tempfile
-
-        from .hub import upload_checkpoint
-
         with tempfile.TemporaryDirectory() as folder:
             self.save_pretrained(folder, model=model, tokenizer=tokenizer)
             message = commit_message or self._commit_message()
@@ -401,9 +396,3 @@ def _dense(model: PreTrainedModel, adapter: DecoderAdapter, snapshot: LayerSnaps
         yield
     finally:
         adapter.keep_layers(model, snapshot, kept)
-
-
-def load_report(directory: str | os.PathLike) -> dict[str, Any]:
-    """Reads the `pruning_report.json` written next to a GradMAP checkpoint."""
-    with open(os.path.join(directory, REPORT_NAME), encoding="utf-8") as file:
-        return json.load(file)
