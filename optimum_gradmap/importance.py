@@ -87,6 +87,17 @@ def per_sample_causal_lm_loss(logits: torch.Tensor, input_ids: torch.LongTensor)
     return token_losses.view(labels.shape).mean(dim=1)
 
 
+def _uses_gram_form(tokens: int, d_in: int, d_out: int) -> bool:
+    """Whether the Gram ("ghost norm") form is cheaper than forming per-sample weight gradients."""
+    return tokens * (d_in + d_out) <= d_in * d_out
+
+
+def per_sample_gram(tensor: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """The `(batch, T, T)` float32 Gram matrices of each sample's rows of `tensor` (`(batch, T, d)` or `(batch * T, d)`)."""
+    rows = tensor.reshape(batch_size, -1, tensor.shape[-1]).float()
+    return torch.bmm(rows, rows.transpose(1, 2))
+
+
 def linear_per_sample_sq_norms(
     inputs: torch.Tensor, output_grads: torch.Tensor, has_bias: bool, batch_size: int | None = None
 ) -> torch.Tensor:
@@ -106,8 +117,8 @@ def linear_per_sample_sq_norms(
     a = inputs.reshape(batch, -1, inputs.shape[-1]).float()
     g = output_grads.reshape(batch, -1, output_grads.shape[-1]).float()
     tokens, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
-    if tokens * (d_in + d_out) <= d_in * d_out:
-        sq_norms = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum(dim=(1, 2))
+    if _uses_gram_form(tokens, d_in, d_out):
+        sq_norms = (per_sample_gram(a, batch) * per_sample_gram(g, batch)).sum(dim=(1, 2))
     else:
         chunk = max(1, _MAX_MATERIALISED_ELEMENTS // (d_in * d_out))
         sq_norms = torch.cat(
@@ -154,6 +165,25 @@ def module_per_sample_sq_norms(
     return torch.func.vmap(sample_sq_norm, in_dims=in_dims)(args, per_sample(output_grads))
 
 
+def broadcast_per_sample_sq_norms(
+    module: nn.Module, inputs: torch.Tensor, output_grads: torch.Tensor, batch_size: int
+) -> torch.Tensor:
+    """Per-sample squared gradient norm of a module whose parameters are all vectors over the last
+    dimension (RMSNorm and the like): each parameter is broadcast to one copy per sample, shape
+    `(batch, 1, d)`, and one backward pass gives every sample's gradient. Much cheaper than `vmap`;
+    [`PerSampleGradientNorms`] checks it against [`module_per_sample_sq_norms`] once per module class."""
+    x = inputs.reshape(batch_size, -1, inputs.shape[-1]).detach()
+    grads = output_grads.reshape(batch_size, -1, output_grads.shape[-1])
+    copies = {
+        name: parameter.detach().reshape(1, 1, -1).expand(batch_size, 1, -1).clone().requires_grad_(True)
+        for name, parameter in module.named_parameters(recurse=False)
+    }
+    with torch.enable_grad():
+        output = torch.func.functional_call(module, copies, (x,))
+        per_sample = torch.autograd.grad(output, list(copies.values()), grads.to(output.dtype))
+    return sum(grad.float().pow(2).sum(dim=(1, 2)) for grad in per_sample)
+
+
 def unit_per_sample_sq_norms(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output_grads: torch.Tensor
 ) -> torch.Tensor:
@@ -196,6 +226,9 @@ class PerSampleGradientNorms:
         self._batch_size = 0
         self._seq_len = 0
         self._recomputing = False
+        self._broadcast_ok: dict[type, bool] = {}  # module classes where `broadcast_per_sample_sq_norms` is exact
+        self._last_input: torch.Tensor | None = None  # consecutive maps often share an input (q/k/v, gate/up)
+        self._last_gram: torch.Tensor | None = None
         self.batch_sq_norms: torch.Tensor | None = None
         self.layers_seen: set[int] = set()
 
@@ -221,6 +254,7 @@ class PerSampleGradientNorms:
     def start_batch(self, batch_size: int, seq_len: int) -> None:
         self._batch_size = batch_size
         self._seq_len = seq_len
+        self._last_input = self._last_gram = None
         self.batch_sq_norms = torch.zeros(len(self.layers), batch_size, dtype=torch.float64)
 
     def _forward_hook(self, layer_position: int, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -242,8 +276,54 @@ class PerSampleGradientNorms:
                 f"{self._seq_len} tokens (tokens were regrouped across samples), so its per-sample gradients "
                 "cannot be separated. Declare the enclosing block in the adapter's `per_sample_units`."
             )
+        if isinstance(module, (nn.Linear, Conv1D)) and module not in self.units:
+            inputs = args[0]
+            if _uses_gram_form(inputs.numel() // (self._batch_size * inputs.shape[-1]), inputs.shape[-1], output.shape[-1]):
+                # Keep only the small (batch, T, T) Gram of the inputs until the backward pass.
+                if inputs is not self._last_input:
+                    self._last_input, self._last_gram = inputs, per_sample_gram(inputs.detach(), self._batch_size)
+                bias = module.bias is not None
+                output.register_hook(partial(self._gram_backward_hook, layer_position, self._last_gram, bias))
+                return
         saved_args = tuple(arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args)
         output.register_hook(partial(self._backward_hook, layer_position, module, saved_args, kwargs))
+
+    @staticmethod
+    def _may_broadcast(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+        params = list(module.parameters(recurse=False))
+        return (
+            len(args) == 1
+            and not kwargs
+            and isinstance(args[0], torch.Tensor)
+            and all(p.dim() == 1 and p.shape[0] == args[0].shape[-1] for p in params)
+        )
+
+    def _broadcast_or_check(self, module: nn.Module, args: tuple, kwargs: dict, grad: torch.Tensor) -> torch.Tensor:
+        reference = (
+            None
+            if type(module) in self._broadcast_ok
+            else module_per_sample_sq_norms(module, args, kwargs, grad, self._batch_size)
+        )
+        try:
+            sq_norms = broadcast_per_sample_sq_norms(module, args[0], grad, self._batch_size)
+        except RuntimeError:
+            sq_norms = None
+        if reference is not None:  # first use for this module class: keep the fast path only if it is exact
+            exact = (
+                sq_norms is not None
+                and sq_norms.shape == reference.shape
+                and torch.allclose(sq_norms, reference, rtol=1e-4, atol=1e-12)
+            )
+            self._broadcast_ok[type(module)] = exact
+            return reference
+        return sq_norms
+
+    def _gram_backward_hook(self, layer_position: int, input_gram: torch.Tensor, has_bias: bool, grad: torch.Tensor) -> None:
+        with torch.no_grad():
+            sq_norms = (input_gram * per_sample_gram(grad, self._batch_size)).sum(dim=(1, 2))
+            if has_bias:
+                sq_norms = sq_norms + grad.reshape(self._batch_size, -1, grad.shape[-1]).float().sum(dim=1).pow(2).sum(dim=-1)
+        self.batch_sq_norms[layer_position] += sq_norms.to(device="cpu", dtype=torch.float64)
 
     def _backward_hook(self, layer_position: int, module: nn.Module, args: tuple, kwargs: dict, grad: torch.Tensor) -> None:
         if isinstance(module, (nn.Linear, Conv1D)) and module not in self.units:
@@ -254,6 +334,10 @@ class PerSampleGradientNorms:
             try:
                 if module in self.units:
                     sq_norms = unit_per_sample_sq_norms(module, args, kwargs, grad)
+                elif self._broadcast_ok.get(type(module)) or (
+                    type(module) not in self._broadcast_ok and self._may_broadcast(module, args, kwargs)
+                ):
+                    sq_norms = self._broadcast_or_check(module, args, kwargs, grad)
                 else:
                     sq_norms = module_per_sample_sq_norms(module, args, kwargs, grad, self._batch_size)
             finally:

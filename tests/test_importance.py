@@ -65,3 +65,24 @@ def test_layers_of_another_model_are_refused():
     model, other = tiny_model("llama"), tiny_model("llama")
     with pytest.raises(ValueError, match="did not run in the model's forward pass"):
         gradient_importance(model, list(other.model.layers), random_ids(4, 10), batch_size=2, progress_bar=False)
+
+
+def test_broadcast_path_is_exact_for_rms_norms_and_checked_before_use():
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from optimum_gradmap.importance import PerSampleGradientNorms, broadcast_per_sample_sq_norms, module_per_sample_sq_norms
+
+    generator = torch.Generator().manual_seed(0)
+    x, g = torch.randn(3, 7, 16, generator=generator), torch.randn(3, 7, 16, generator=generator)
+    for norm in (LlamaRMSNorm(16), Gemma2RMSNorm(16)):
+        torch.nn.init.normal_(norm.weight, generator=generator)
+        torch.testing.assert_close(broadcast_per_sample_sq_norms(norm, x, g, 3), module_per_sample_sq_norms(norm, (x,), {}, g, 3))
+    # LayerNorm takes no per-sample weights: the collector falls back to vmap for the class after one check
+    collector = PerSampleGradientNorms([])
+    collector._batch_size = 3
+    layer_norm = torch.nn.LayerNorm(16)
+    expected = module_per_sample_sq_norms(layer_norm, (x,), {}, g, 3)
+    torch.testing.assert_close(collector._broadcast_or_check(layer_norm, (x,), {}, g), expected)
+    assert collector._broadcast_ok[torch.nn.LayerNorm] is False
+    assert collector._broadcast_ok.get(LlamaRMSNorm) is None
