@@ -74,7 +74,9 @@ def test_prune_generate_save_validate_and_reload(model_type, tmp_path, byte_toke
 
     pruner.save_pretrained(tmp_path)  # validates the checkpoint
     assert validate_checkpoint(tmp_path)["num_layers"] == 4
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    reloaded, loading = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(loading[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), loading
+    reloaded.eval()
     ids = random_ids(2, 16, seed=5)
     with torch.no_grad():
         assert (model(ids).logits - reloaded(ids).logits).abs().max().item() < 1e-5
@@ -112,3 +114,19 @@ def test_validator_names_every_problem(tmp_path):
     assert "auto_map" in message
     assert "missing tensor model.layers.4.self_attn.q_proj.weight" in message
     assert "weight names number layers [0, 1, 2, 3], but num_hidden_layers=5" in message
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma2"])
+def test_tied_embeddings_stay_tied(model_type, tmp_path):
+    model = tiny_model(model_type, tie_word_embeddings=True)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    pruner = GradMAPPruner(small_config(adam_steps=50), progress_bar=False)
+    pruner.prune(model, random_ids(8, 16))
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    pruner.save_pretrained(tmp_path)
+    reloaded, loading = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"]
+    assert reloaded.get_output_embeddings().weight is reloaded.get_input_embeddings().weight
+    ids = random_ids(2, 16, seed=5)
+    with torch.no_grad():
+        assert (model(ids).logits - reloaded.eval()(ids).logits).abs().max().item() < 1e-5
