@@ -160,10 +160,10 @@ def _compensation_batches(
     the MLP's residual contribution, each flattened to `(tokens, d)` in float64."""
     captured: dict[str, torch.Tensor] = {}
     mlp = adapter.get_mlp(layer)
-    contribution = adapter.get_mlp_output_norm(layer) or mlp  # what the layer adds to the residual stream
+    contribution_module = adapter.get_mlp_output_norm(layer) or mlp  # its output is what the layer adds to the residual
     handles = [
         mlp.register_forward_hook(lambda m, a, o: captured.__setitem__("mlp_output", _hidden(o))),
-        contribution.register_forward_hook(lambda m, a, o: captured.__setitem__("contribution", _hidden(o))),
+        contribution_module.register_forward_hook(lambda m, a, o: captured.__setitem__("contribution", _hidden(o))),
         layer.register_forward_hook(lambda m, a, o: captured.__setitem__("layer_output", _hidden(o))),
     ]
     hidden_size = original_outputs.shape[-1]
