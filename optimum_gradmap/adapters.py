@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
@@ -156,6 +157,21 @@ class DecoderAdapter:
     def get_per_sample_units(self, layer: nn.Module) -> list[nn.Module]:
         """Returns the modules of `layer` that Stage 1 scores as a whole."""
         return [_get_submodule(layer, path) for path in self.per_sample_units if _has_submodule(layer, path)]
+
+    def get_decoder(self, model: PreTrainedModel) -> nn.Module:
+        """Returns the part of the model that maps `inputs_embeds` to the final hidden states (the
+        input of the language-model head)."""
+        return model.base_model
+
+    def compute_logits(self, model: PreTrainedModel, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Maps final hidden states to logits, as the model's own forward does: the output embedding,
+        then `final_logit_softcapping` where the config sets it (Gemma2). Stage 1 applies it to a few
+        tokens at a time, so the logits of a whole batch never exist at once."""
+        logits = model.get_output_embeddings()(hidden_states)
+        softcap = getattr(self.get_text_config(model), "final_logit_softcapping", None)
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
 
     def check_supported(self, model: PreTrainedModel, compensation: bool) -> None:
         """Raises [`UnsupportedArchitectureError`] for configurations of the family that cannot be

@@ -34,7 +34,7 @@ change which layers are removed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -45,10 +45,14 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging
 
+from optimum_gradmap.adapters import DecoderAdapter, adapter_for_model_type
+
 logger = logging.get_logger(__name__)
 
 # Forming per-sample weight gradients of a linear map is done in chunks of at most this many elements.
 _MAX_MATERIALISED_ELEMENTS = 2**26
+# Stage 1's loss forms at most this many logits at once.
+_MAX_LOGIT_ELEMENTS = 2**22
 
 
 @contextmanager
@@ -71,20 +75,40 @@ def frozen_for_scoring(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-def per_sample_causal_lm_loss(logits: torch.Tensor, input_ids: torch.LongTensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of each sequence, in float32.
+def causal_lm_loss_gradient(
+    hidden_states: torch.Tensor,
+    input_ids: torch.LongTensor,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    vocab_size: int,
+) -> torch.Tensor:
+    """Gradient, with respect to the final hidden states, of the sum over samples of each sample's
+    mean next-token cross-entropy (computed in float32).
+
+    The logits are formed a few rows at a time (at most `2**22` logits at once) and dropped as soon as
+    their rows' gradient is known, so a batch's `(batch, seq_len, vocab)` logits, their log-softmax
+    and their gradient never exist at once.
 
     Args:
-        logits (`torch.Tensor` of shape `(batch, seq_len, vocab)`): Model outputs.
+        hidden_states (`torch.Tensor` of shape `(batch, seq_len, hidden)`): Input of the language-model head.
         input_ids (`torch.LongTensor` of shape `(batch, seq_len)`): The tokens, also the labels.
+        compute_logits (`Callable`): Maps hidden states to logits.
+        vocab_size (`int`): Width of the logits, to size the chunks.
 
     Returns:
-        `torch.Tensor` of shape `(batch,)`.
+        `torch.Tensor` shaped like `hidden_states` (zero at the last position, which predicts nothing).
     """
-    shift_logits = logits[:, :-1, :].float()
-    labels = input_ids[:, 1:].to(shift_logits.device)
-    token_losses = F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), labels.reshape(-1), reduction="none")
-    return token_losses.view(labels.shape).mean(dim=1)
+    batch, seq_len, width = hidden_states.shape
+    rows = hidden_states[:, :-1].detach().reshape(-1, width)
+    labels = input_ids[:, 1:].reshape(-1).to(hidden_states.device)
+    row_grads = torch.empty_like(rows)
+    chunk = max(1, _MAX_LOGIT_ELEMENTS // vocab_size)
+    for start in range(0, rows.shape[0], chunk):
+        with torch.enable_grad():
+            chunk_rows = rows[start : start + chunk].requires_grad_(True)
+            logits = compute_logits(chunk_rows).float()
+            loss = F.cross_entropy(logits, labels[start : start + chunk], reduction="sum") / (seq_len - 1)
+            (row_grads[start : start + chunk],) = torch.autograd.grad(loss, chunk_rows)
+    return F.pad(row_grads.view(batch, seq_len - 1, width), (0, 0, 0, 1))
 
 
 def _uses_gram_form(tokens: int, d_in: int, d_out: int) -> bool:
@@ -345,6 +369,47 @@ class PerSampleGradientNorms:
         self.batch_sq_norms[layer_position] += sq_norms.to(device="cpu", dtype=torch.float64)
 
 
+def split_at_lm_head(
+    model: nn.Module, adapter: DecoderAdapter, input_ids: torch.LongTensor
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor], int]:
+    """Splits a causal LM into the decoder (input embeddings to final hidden states) and the head
+    (hidden states to logits), as the adapter describes them, and checks on a few tokens of
+    `input_ids` that the two together give the model's own logits. Where they do not (a head the
+    adapter does not know), the decoder is the whole model and the head is the identity: exact
+    still, only the whole batch's logits are then formed at once.
+
+    Returns:
+        `(decoder, head, width)`: the two maps and the width of the head's output.
+    """
+    decoder_module = adapter.get_decoder(model)
+
+    def decoder(inputs_embeds: torch.Tensor) -> torch.Tensor:
+        return decoder_module(inputs_embeds=inputs_embeds, use_cache=False)[0]
+
+    def head(hidden_states: torch.Tensor) -> torch.Tensor:
+        return adapter.compute_logits(model, hidden_states)
+
+    def whole_model(inputs_embeds: torch.Tensor) -> torch.Tensor:
+        return model(inputs_embeds=inputs_embeds, use_cache=False).logits
+
+    with torch.no_grad():
+        inputs_embeds = model.get_input_embeddings()(input_ids[:1, :16].to(model.get_input_embeddings().weight.device))
+        expected = whole_model(inputs_embeds)
+        try:
+            logits = head(decoder(inputs_embeds))
+        except Exception as error:  # noqa: BLE001 - any failure means: do not split this model
+            logger.warning(f"Scoring with the whole model's logits: splitting off its head failed ({error}).")
+            return whole_model, nn.Identity(), expected.shape[-1]
+    tolerance = 1e-4 if expected.dtype == torch.float32 else 1e-2
+    if logits.shape != expected.shape or (logits - expected).abs().max() > tolerance * expected.abs().max():
+        logger.warning(
+            f"Scoring with the whole model's logits: `{type(adapter).__name__}.compute_logits` does not reproduce "
+            f"{type(model).__name__}'s logits. Override it to score with less memory."
+        )
+        return whole_model, nn.Identity(), expected.shape[-1]
+    return decoder, head, expected.shape[-1]
+
+
 def gradient_importance(
     model: nn.Module,
     layers: Sequence[nn.Module],
@@ -353,41 +418,54 @@ def gradient_importance(
     progress_bar: bool = True,
     description: str = "Scoring layers",
     units: Sequence[nn.Module] = (),
+    adapter: DecoderAdapter | None = None,
 ) -> torch.Tensor:
     """GradMAP's Stage 1 score (Eq. 5) of each layer in `layers`.
+
+    One batched forward pass and one backward pass that computes only input gradients per batch:
+    hooks turn each module's captured inputs and output gradients into per-sample squared gradient
+    norms (see [`PerSampleGradientNorms`]), and the loss gradient is formed a few logits at a time
+    ([`causal_lm_loss_gradient`]).
 
     Args:
         model (`nn.Module`): A causal LM whose decoder stack contains `layers`.
         layers (`Sequence[nn.Module]`): The decoder layers to score.
         input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
-        batch_size (`int`): Sequences per forward/backward pass.
+        batch_size (`int`): Sequences per forward/backward pass. Memory grows with it (the
+            activations autograd keeps for the backward pass); time per sample falls with it
+            until the device is busy.
         progress_bar (`bool`, defaults to `True`): Show a progress bar over batches.
         description (`str`): Progress bar label.
         units (`Sequence[nn.Module]`, *optional*): Modules scored as a whole (mixture-of-experts blocks).
+        adapter (`DecoderAdapter`, *optional*): How to split the model at its head; by default the
+            adapter registered for its `model_type`, else the generic one.
 
     Returns:
         `torch.Tensor` of shape `(len(layers),)`, float64: the mean over samples of the per-sample
         squared gradient norm over all parameters of each layer.
     """
+    if adapter is None:
+        adapter = adapter_for_model_type(getattr(model.config, "model_type", "")) or DecoderAdapter()
     embeddings = model.get_input_embeddings()
     device = embeddings.weight.device
     totals = torch.zeros(len(layers), dtype=torch.float64)
     batches = range(0, input_ids.shape[0], batch_size)
-    with frozen_for_scoring(model), PerSampleGradientNorms(layers, units) as collector:
-        for start in logging.tqdm(batches, desc=description, leave=False, disable=not progress_bar):
-            batch = input_ids[start : start + batch_size].to(device)
-            collector.start_batch(batch.shape[0], batch.shape[1])
-            with torch.enable_grad():
-                inputs_embeds = embeddings(batch).detach().requires_grad_(True)
-                logits = model(inputs_embeds=inputs_embeds, use_cache=False).logits
-                loss = per_sample_causal_lm_loss(logits, batch).sum()
-                del logits
-                torch.autograd.grad(loss, inputs_embeds)
-            if len(collector.layers_seen) != len(layers):
-                missing = sorted(set(range(len(layers))) - collector.layers_seen)
-                raise ValueError(
-                    f"Layers at positions {missing} of `layers` did not run in the model's forward pass: "
-                    "pass the model's own layers."
-                )
-            totals += collector.batch_sq_norms.sum(dim=1)
+    with frozen_for_scoring(model):
+        decoder, head, width = split_at_lm_head(model, adapter, input_ids)
+        with PerSampleGradientNorms(layers, units) as collector:
+            for start in logging.tqdm(batches, desc=description, leave=False, disable=not progress_bar):
+                batch = input_ids[start : start + batch_size].to(device)
+                collector.start_batch(batch.shape[0], batch.shape[1])
+                with torch.enable_grad():
+                    inputs_embeds = embeddings(batch).detach().requires_grad_(True)
+                    hidden_states = decoder(inputs_embeds)
+                    hidden_grads = causal_lm_loss_gradient(hidden_states, batch, head, width)
+                    torch.autograd.grad(hidden_states, inputs_embeds, hidden_grads)
+                if len(collector.layers_seen) != len(layers):
+                    missing = sorted(set(range(len(layers))) - collector.layers_seen)
+                    raise ValueError(
+                        f"Layers at positions {missing} of `layers` did not run in the model's forward pass: "
+                        "pass the model's own layers."
+                    )
+                totals += collector.batch_sq_norms.sum(dim=1)
     return totals / input_ids.shape[0]

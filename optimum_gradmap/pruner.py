@@ -340,6 +340,7 @@ class GradMAPPruner:
                 progress_bar=self.progress_bar,
                 description=f"Round {round_index + 1}/{num_rounds}",
                 units=[unit for layer in layers for unit in adapter.get_per_sample_units(layer)],
+                adapter=adapter,
             )
             round_scores = {original: float(score) for original, score in zip(kept, layer_scores.tolist())}
             result.scores.append(round_scores)

@@ -130,3 +130,18 @@ def test_tied_embeddings_stay_tied(model_type, tmp_path):
     ids = random_ids(2, 16, seed=5)
     with torch.no_grad():
         assert (model(ids).logits - reloaded.eval()(ids).logits).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_stage1_splits_every_family_at_its_head(model_type):
+    """Stage 1 forms logits a few rows at a time only where decoder + head reproduce the model's logits."""
+    from optimum_gradmap.importance import split_at_lm_head
+
+    model = tiny_model(model_type).eval()
+    ids = random_ids(num_samples=2, seq_len=10)
+    decoder, head, width = split_at_lm_head(model, get_adapter(model), ids)
+    assert not isinstance(head, torch.nn.Identity)
+    embeds = model.get_input_embeddings()(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(head(decoder(embeds)), model(inputs_embeds=embeds).logits)
+    assert width == model.config.get_text_config().vocab_size

@@ -10,6 +10,33 @@ from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.importance import gradient_importance
 
 from .conftest import random_ids, small_config, tiny_model
+from .reference import naive_layer_scores
+
+
+def _max_relative_error(scores, exact):
+    return ((scores - exact).abs() / exact).max().item()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_scores_are_as_accurate_as_the_naive_reference_in_that_precision(model_type, dtype):
+    """The tolerance, justified: the exact score of a half-precision model is the score of its
+    weights computed in float32. Any computation in half precision perturbs every activation and
+    gradient by about the unit roundoff (2**-8 for bfloat16, 2**-11 for float16), so no
+    half-precision method is exact; the naive per-sample reference run in the same precision
+    measures how far that noise moves this model's scores. The fast path (which accumulates Gram
+    matrices and norms in float32) must be no further from the exact scores than twice that, and
+    well inside the 5% a ranking of layers can tolerate."""
+    half = tiny_model(model_type).to(dtype)
+    exact_model = tiny_model(model_type).to(dtype).float()  # the same half-precision weights, computed in float32
+    ids = random_ids(8, 16)
+    exact = naive_layer_scores(exact_model, list(exact_model.model.layers), ids)
+    naive = naive_layer_scores(half, list(half.model.layers), ids)
+    fast = gradient_importance(half, list(half.model.layers), ids, 4, progress_bar=False)
+    assert torch.isfinite(fast).all() and fast.dtype == torch.float64
+    naive_error, fast_error = _max_relative_error(naive, exact), _max_relative_error(fast, exact)
+    assert fast_error <= 2 * naive_error, (fast_error, naive_error)
+    assert fast_error < 0.05, fast_error
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -22,8 +49,8 @@ def test_half_precision_model_prunes_and_reloads(dtype, tmp_path):
     result = pruner.prune(model, ids)
     first_round = torch.tensor([result.scores[0][i] for i in range(6)], dtype=torch.float64)
     assert torch.isfinite(first_round).all()
-    # scores are accumulated in float32 from half-precision activations: close to the float32 model's
-    assert ((first_round - reference).abs() / reference).max().item() < 0.1
+    # half-precision weights and activations move the scores by a few percent at most (see the test above)
+    assert _max_relative_error(first_round, reference) < 0.1
     (target,) = result.compensated_layers
     assert (
         get_adapter(model).get_down_projections(result.model.model.layers[result.kept_layers.index(target)])[0].weight.dtype

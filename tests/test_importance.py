@@ -86,3 +86,38 @@ def test_broadcast_path_is_exact_for_rms_norms_and_checked_before_use():
     torch.testing.assert_close(collector._broadcast_or_check(layer_norm, (x,), {}, g), expected)
     assert collector._broadcast_ok[torch.nn.LayerNorm] is False
     assert collector._broadcast_ok.get(LlamaRMSNorm) is None
+
+
+def test_loss_gradient_in_chunks_equals_autograd_of_the_per_sample_mean_loss(monkeypatch):
+    import optimum_gradmap.importance as importance
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 9, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    head = torch.nn.Linear(8, 11, dtype=torch.float64)
+    ids = torch.randint(0, 11, (3, 9), generator=generator)
+    per_sample = torch.nn.functional.cross_entropy(head(hidden[:, :-1]).transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+    (expected,) = torch.autograd.grad(per_sample.sum(), hidden)
+    monkeypatch.setattr(importance, "_MAX_LOGIT_ELEMENTS", 5 * 11)  # chunks of 5 rows, across sample boundaries
+    chunked = importance.causal_lm_loss_gradient(hidden.detach(), ids, head, vocab_size=11)
+    torch.testing.assert_close(chunked.double(), expected)
+    assert torch.all(chunked[:, -1] == 0)
+
+
+def test_a_head_the_adapter_does_not_reproduce_falls_back_to_the_whole_model(caplog):
+    """Gemma2 caps its logits; an adapter that forgets it must not change the scores, only the memory."""
+    from optimum_gradmap.adapters import DecoderAdapter
+    from optimum_gradmap.importance import split_at_lm_head
+
+    class UncappedHead(DecoderAdapter):
+        def compute_logits(self, model, hidden_states):
+            return model.get_output_embeddings()(hidden_states)
+
+    model = tiny_model("gemma2", final_logit_softcapping=0.5)
+    layers = list(model.model.layers)
+    ids = random_ids(num_samples=4, seq_len=10)
+    with caplog.at_level("WARNING"):
+        _, head, _ = split_at_lm_head(model, UncappedHead(), ids)
+    assert isinstance(head, torch.nn.Identity) and "does not reproduce" in caplog.text
+    fallback = gradient_importance(model, layers, ids, batch_size=2, progress_bar=False, adapter=UncappedHead())
+    reference = naive_layer_scores(model, layers, ids)
+    assert ((fallback - reference).abs() / reference).max().item() < 1e-4
