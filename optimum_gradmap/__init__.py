@@ -4,7 +4,7 @@
 
 from .adapters import DecoderAdapter, UnsupportedArchitectureError, register_adapter, remove_layers, supported_model_types
 from .configuration import GradMAPConfig
-from .evaluation import load_evaluation_segments, perplexity
+from .evaluation import EvaluationResult, PerplexityResult, evaluate, load_evaluation_segments, perplexity
 from .hub import InvalidCheckpointError, load_report, validate_checkpoint
 from .pruner import GradMAPPruner, PruningResult
 
@@ -12,11 +12,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DecoderAdapter",
+    "EvaluationResult",
     "GradMAPConfig",
     "GradMAPPruner",
     "InvalidCheckpointError",
+    "PerplexityResult",
     "PruningResult",
     "UnsupportedArchitectureError",
+    "evaluate",
     "load_evaluation_segments",
     "load_report",
     "perplexity",

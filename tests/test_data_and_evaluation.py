@@ -7,7 +7,7 @@ import torch
 
 from optimum_gradmap import perplexity
 from optimum_gradmap.data import load_text, prepare_calibration_data, sample_sequences, wikipedia_documents
-from optimum_gradmap.evaluation import evaluation_segments
+from optimum_gradmap.evaluation import evaluation_segments, load_evaluation_segments
 
 from .conftest import random_ids, tiny_model
 
@@ -59,3 +59,19 @@ def test_perplexity_matches_a_hand_computation():
         losses = [model(segment.unsqueeze(0), labels=segment.unsqueeze(0)).loss.item() for segment in segments]
     expected = math.exp(sum(losses) / len(losses))  # equal-length segments: mean of per-segment mean NLL
     assert perplexity(model, segments, batch_size=4, progress_bar=False) == pytest.approx(expected, rel=1e-5)
+
+
+def test_evaluate_names_dataset_protocol_and_counts_and_round_trips_through_json(byte_tokenizer, tmp_path):
+    import json
+
+    from optimum_gradmap.evaluation import EvaluationResult, evaluate
+
+    model = tiny_model("llama")
+    result = evaluate(model, byte_tokenizer, ("wikipedia",), seq_len=32, max_segments=3, progress_bar=False)
+    (entry,) = result.perplexities
+    segments = load_evaluation_segments("wikipedia", byte_tokenizer, seq_len=32, max_segments=3)
+    assert entry.perplexity == perplexity(model, segments, progress_bar=False)
+    assert (entry.dataset, entry.seq_len, entry.num_segments, entry.num_predicted_tokens) == ("wikipedia", 32, 3, 93)
+    assert entry.protocol == "non-overlapping 32-token segments"
+    result.to_json(tmp_path / "evaluation.json")
+    assert EvaluationResult.from_dict(json.loads((tmp_path / "evaluation.json").read_text())) == result
