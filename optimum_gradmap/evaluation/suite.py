@@ -1,0 +1,129 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""One call that evaluates a model on a chosen set of measurements, and its JSON-serialisable result."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+from transformers.utils import logging
+
+from .perplexity import PerplexityResult, load_evaluation_segments, perplexity, protocol_name
+from .speed import SpeedResult, inference_speed
+from .zero_shot import ZeroShotResult, zero_shot_accuracy
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass
+class EvaluationResult:
+    """Everything measured about one model, serialisable to JSON.
+
+    Attributes:
+        model (`str`): A name for the model (path, Hub id, or a label such as "GradMAP 25%").
+        perplexities (`list[PerplexityResult]`): One entry per dataset and protocol.
+        zero_shot ([`ZeroShotResult`], *optional*): Zero-shot task accuracies, when run.
+        speed ([`SpeedResult`], *optional*): Inference speed, when measured.
+    """
+
+    model: str
+    perplexities: list[PerplexityResult] = field(default_factory=list)
+    zero_shot: ZeroShotResult | None = None
+    speed: SpeedResult | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, path: str | None = None) -> str:
+        """Returns the result as JSON, and writes it to `path` if given."""
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as file:
+                file.write(text + "\n")
+        return text
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "EvaluationResult":
+        values = dict(values)
+        values["perplexities"] = [PerplexityResult(**entry) for entry in values.get("perplexities", [])]
+        if values.get("zero_shot") is not None:
+            values["zero_shot"] = ZeroShotResult.from_dict(values["zero_shot"])
+        if values.get("speed") is not None:
+            values["speed"] = SpeedResult(**values["speed"])
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, path: str) -> "EvaluationResult":
+        """Reads a result written by [`to_json`]."""
+        with open(path, encoding="utf-8") as file:
+            return cls.from_dict(json.load(file))
+
+
+def evaluate(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    perplexity_datasets: Sequence[str] = ("wikipedia", "web_text"),
+    seq_len: int = 128,
+    max_segments: int | None = None,
+    tasks: Sequence[str] = (),
+    task_limit: int | None = None,
+    task_data: str = "offline",
+    speed: bool = False,
+    batch_size: int = 8,
+    model_name: str | None = None,
+    progress_bar: bool = True,
+) -> EvaluationResult:
+    """Evaluates an in-memory model on a chosen set of perplexities, zero-shot tasks and speed.
+
+    Args:
+        model (`nn.Module`): A causal LM (dense, or pruned in place; no save/reload needed).
+        tokenizer (`PreTrainedTokenizerBase`): Its tokenizer.
+        perplexity_datasets (`Sequence[str]`, defaults to `("wikipedia", "web_text")`): Names accepted by
+            [`optimum_gradmap.data.load_text`]; `()` for none.
+        seq_len (`int`, defaults to 128): Perplexity segment length: 128 is the paper's protocol, 2048
+            the common one in other pruning papers.
+        max_segments (`int`, *optional*): Evaluate only the first segments, for quick runs; stated
+            in the result through `num_segments`.
+        tasks (`Sequence[str]`, defaults to `()`): Zero-shot tasks (see [`zero_shot_accuracy`]), e.g.
+            `PAPER_TASKS` for the paper's seven.
+        task_limit (`int`, *optional*): Questions per task, for quick runs (stated in the result).
+        task_data (`str`, defaults to `"offline"`): `"offline"` or `"hub"`, see [`zero_shot_accuracy`].
+        speed (`bool`, defaults to `False`): Also measure inference speed with
+            [`inference_speed`]'s defaults.
+        batch_size (`int`, defaults to 8): Segments or requests per forward pass.
+        model_name (`str`, *optional*): Label stored in the result; defaults to the model's name.
+        progress_bar (`bool`, defaults to `True`): Show progress bars.
+
+    Returns:
+        [`EvaluationResult`].
+    """
+    name = model_name or getattr(model, "name_or_path", "") or type(model).__name__
+    result = EvaluationResult(model=name)
+    for dataset in perplexity_datasets:
+        segments = load_evaluation_segments(dataset, tokenizer, seq_len, max_segments)
+        value = perplexity(model, segments, batch_size=batch_size, progress_bar=progress_bar)
+        result.perplexities.append(
+            PerplexityResult(
+                dataset=dataset,
+                protocol=protocol_name(seq_len),
+                seq_len=seq_len,
+                num_segments=segments.shape[0],
+                num_predicted_tokens=segments.shape[0] * (seq_len - 1),
+                perplexity=value,
+            )
+        )
+        logger.info(f"{name}: {dataset} perplexity {value:.3f} ({protocol_name(seq_len)}, {segments.shape[0]} segments)")
+    if tasks:
+        result.zero_shot = zero_shot_accuracy(
+            model, tokenizer, tasks, limit=task_limit, task_data=task_data, batch_size=batch_size, progress_bar=progress_bar
+        )
+        logger.info(f"{name}: zero-shot average accuracy {result.zero_shot.average_acc:.4f} over {len(tasks)} tasks")
+    if speed:
+        result.speed = inference_speed(model)
+        logger.info(f"{name}: decoding {result.speed.decode_tokens_per_second:.1f} tokens/s")
+    return result
