@@ -55,7 +55,12 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.25, help="pruning ratio (default 0.25)")
     parser.add_argument("--task-limit", type=int, default=200, help="questions per zero-shot task (default 200)")
     parser.add_argument("--tasks", nargs="+", default=list(PAPER_TASKS), choices=PAPER_TASKS)
-    parser.add_argument("--max-eval-segments", type=int, default=None, help="cap on perplexity segments (default: all)")
+    parser.add_argument(
+        "--max-eval-segments",
+        type=int,
+        default=392,
+        help="perplexity segments per dataset (default 392: all of held-out Wikipedia, the first 392 of web text)",
+    )
     parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
 
@@ -89,7 +94,10 @@ def main() -> None:
     os.makedirs(args.output_dir, exist_ok=True)
     path = os.path.join(args.output_dir, f"evaluation-{args.model}-{args.ratio}-limit{args.task_limit}.json")
     record = {
-        "command": f"python benchmarks/evaluation.py --model {args.model} --ratio {args.ratio} --task-limit {args.task_limit}",
+        "command": (
+            f"python benchmarks/evaluation.py --model {args.model} --ratio {args.ratio} "
+            f"--task-limit {args.task_limit} --max-eval-segments {args.max_eval_segments}"
+        ),
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
         "pruning": pruning.to_dict(),
         "rows": [row.to_dict() for row in rows],

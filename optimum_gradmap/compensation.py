@@ -30,8 +30,7 @@ pruned model costs nothing extra at inference (Eq. 15).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,38 +40,12 @@ from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging
 
 from .adapters import DecoderAdapter
+from .hooks import forward_hooks, layer_output, run_batches
 
 if TYPE_CHECKING:
     from .configuration import GradMAPConfig
 
 logger = logging.get_logger(__name__)
-
-
-def _hidden(output: object) -> torch.Tensor:
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
-@contextmanager
-def _forward_hooks(hooks: Sequence[tuple[nn.Module, Callable]]) -> Iterator[None]:
-    """Registers `(module, hook)` forward hooks for the duration of the block."""
-    handles = [module.register_forward_hook(hook) for module, hook in hooks]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _run_batches(
-    model: nn.Module, input_ids: torch.LongTensor, batch_size: int, description: str, progress_bar: bool
-) -> Iterator[torch.LongTensor]:
-    """Runs `model` (no cache) on `input_ids` batch by batch, yielding each batch after its forward pass."""
-    device = model.get_input_embeddings().weight.device
-    starts = range(0, input_ids.shape[0], batch_size)
-    for start in logging.tqdm(starts, desc=description, leave=False, disable=not progress_bar):
-        batch = input_ids[start : start + batch_size]
-        model(input_ids=batch.to(device), use_cache=False)
-        yield batch
 
 
 @torch.no_grad()
@@ -92,12 +65,12 @@ def hidden_state_means(
     sums: list[torch.Tensor | None] = [None] * len(layers)
 
     def accumulate(position: int, module: nn.Module, args: tuple, output: object) -> None:
-        hidden = _hidden(output)
+        hidden = layer_output(output)
         total = hidden.reshape(-1, hidden.shape[-1]).sum(dim=0, dtype=torch.float64).cpu()
         sums[position] = total if sums[position] is None else sums[position] + total
 
-    with _forward_hooks([(layer, lambda m, a, o, p=p: accumulate(p, m, a, o)) for p, layer in enumerate(layers)]):
-        for _ in _run_batches(model, input_ids, batch_size, description, progress_bar):
+    with forward_hooks([(layer, lambda m, a, o, p=p: accumulate(p, m, a, o)) for p, layer in enumerate(layers)]):
+        for _ in run_batches(model, input_ids, batch_size, description, progress_bar):
             pass
     return torch.stack(sums) / input_ids.numel()
 
@@ -117,9 +90,9 @@ def record_layer_outputs(
         `list[torch.Tensor]`, one tensor of shape `(num_samples, seq_len, hidden_size)` per layer.
     """
     outputs: list[list[torch.Tensor]] = [[] for _ in layers]
-    hooks = [(layer, lambda m, a, o, p=p: outputs[p].append(_hidden(o).float().cpu())) for p, layer in enumerate(layers)]
-    with _forward_hooks(hooks):
-        for _ in _run_batches(model, input_ids, batch_size, description, progress_bar):
+    hooks = [(layer, lambda m, a, o, p=p: outputs[p].append(layer_output(o).float().cpu())) for p, layer in enumerate(layers)]
+    with forward_hooks(hooks):
+        for _ in run_batches(model, input_ids, batch_size, description, progress_bar):
             pass
     return [torch.cat(chunks) for chunks in outputs]
 
@@ -168,18 +141,18 @@ def _compensation_batches(
     mlp = adapter.get_mlp(layer)
     contribution_module = adapter.get_mlp_output_norm(layer) or mlp  # its output is what the layer adds to the residual
     hooks = [
-        (mlp, lambda m, a, o: captured.__setitem__("mlp_output", _hidden(o))),
-        (contribution_module, lambda m, a, o: captured.__setitem__("contribution", _hidden(o))),
-        (layer, lambda m, a, o: captured.__setitem__("layer_output", _hidden(o))),
+        (mlp, lambda m, a, o: captured.__setitem__("mlp_output", layer_output(o))),
+        (contribution_module, lambda m, a, o: captured.__setitem__("contribution", layer_output(o))),
+        (layer, lambda m, a, o: captured.__setitem__("layer_output", layer_output(o))),
     ]
     hidden_size = original_outputs.shape[-1]
     start = 0
-    with _forward_hooks(hooks), torch.no_grad():
-        for batch in _run_batches(model, input_ids, batch_size, "Collecting compensation data", progress_bar):
-            layer_output = captured["layer_output"].double()
+    with forward_hooks(hooks), torch.no_grad():
+        for batch in run_batches(model, input_ids, batch_size, "Collecting compensation data", progress_bar):
+            pruned_output = captured["layer_output"].double()
             # some families run the MLP on token-flattened rows: align with the layer output
-            contribution = captured["contribution"].double().reshape(layer_output.shape)
-            ffn_input = layer_output - contribution  # X_F
+            contribution = captured["contribution"].double().reshape(pruned_output.shape)
+            ffn_input = pruned_output - contribution  # X_F
             original = original_outputs[start : start + batch.shape[0]].to(ffn_input)
             start += batch.shape[0]
             target = (original - ffn_input).reshape(-1, hidden_size)  # R = X_O - X_F

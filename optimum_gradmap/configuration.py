@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 CONFIG_NAME = "gradmap_config.json"
+IMPORTANCE_METRICS = ("gradmap", "block_influence", "sleb", "taylor", "relative_magnitude", "random")
 SOLVERS = ("closed_form", "adam")
 
 
@@ -31,9 +32,14 @@ class GradMAPConfig:
         layers_to_prune (`list[int]`, *optional*):
             Remove exactly these layers (indices in the dense model) and skip Stage 1's scoring.
             Stage 2 still applies.
-        iterative (`bool`, defaults to `True`):
-            Algorithm 1: re-score the remaining layers after every removal. `False` scores once and
-            removes the K lowest-scoring layers.
+        importance (`str`, defaults to `"gradmap"`):
+            Which layer-importance metric Stage 1 uses: `"gradmap"` (Eq. 5), `"block_influence"`
+            (ShortGPT), `"sleb"` (SLEB), `"taylor"` (Shortened LLaMA's Taylor+), `"relative_magnitude"`
+            (Subcloning) or `"random"` (seeded with `seed`). See [`optimum_gradmap.importance.metrics`].
+        iterative (`bool`, *optional*):
+            Re-score the remaining layers after every removal (Algorithm 1) when `True`; score once and
+            remove the K lowest-scoring layers when `False`. Defaults to what the metric's paper does:
+            iterative for `"gradmap"` and `"sleb"`, one-shot for the others.
         compensation (`bool`, defaults to `True`):
             Run Stage 2 (projection compensation matrix, Eq. 10-15).
         num_compensated_layers (`int`, defaults to 1):
@@ -63,7 +69,8 @@ class GradMAPConfig:
     pruning_ratio: float | None = None
     num_layers_to_prune: int | None = None
     layers_to_prune: list[int] | None = None
-    iterative: bool = True
+    importance: str = "gradmap"
+    iterative: bool | None = None
     compensation: bool = True
     num_compensated_layers: int = 1
     solver: str = "closed_form"
@@ -110,6 +117,10 @@ class GradMAPConfig:
         self._check_int("seq_len", minimum=2)
         self._check_int("batch_size", minimum=1)
         self._check_int("seed", minimum=0)
+        if self.importance not in IMPORTANCE_METRICS:
+            raise ValueError(f"`importance` must be one of {IMPORTANCE_METRICS}, got {self.importance!r}.")
+        if self.iterative is not None and not isinstance(self.iterative, bool):
+            raise ValueError(f"`iterative` must be True, False or None (the metric's own choice), got {self.iterative!r}.")
         if self.solver not in SOLVERS:
             raise ValueError(f"`solver` must be one of {SOLVERS}, got {self.solver!r}.")
         if not isinstance(self.reg_lambda, (int, float)) or not math.isfinite(self.reg_lambda) or self.reg_lambda < 0:

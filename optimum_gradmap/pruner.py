@@ -22,7 +22,7 @@ from .compensation import apply_compensation, hidden_state_means, learn_compensa
 from .configuration import GradMAPConfig
 from .data import CalibrationData, is_text_data, prepare_calibration_data
 from .hub import save_checkpoint, upload_checkpoint
-from .importance import gradient_importance
+from .importance import get_importance_metric
 
 logger = logging.get_logger(__name__)
 
@@ -169,7 +169,7 @@ class GradMAPPruner:
         calibration_data: CalibrationData = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> PruningResult:
-        """Stage 1 alone: scores layers by Eq. 5 and removes K of them (Algorithm 1).
+        """Stage 1 alone: scores layers with `config.importance` (Eq. 5 by default) and removes K of them (Algorithm 1).
 
         The returned result keeps the removed layers in memory so that [`~GradMAPPruner.compensate`]
         can compare against the dense model; `prune` runs both and releases them.
@@ -327,25 +327,31 @@ class GradMAPPruner:
             result.kept_layers = [index for index in result.kept_layers if index not in config.layers_to_prune]
             adapter.keep_layers(model, result.snapshot, result.kept_layers)
             return
-        num_rounds = result.num_layers_to_prune if config.iterative else 1
-        rounds = logging.tqdm(range(num_rounds), desc="GradMAP stage 1", disable=not self.progress_bar)
+        metric = get_importance_metric(config.importance, seed=config.seed)
+        iterative = metric.iterative if config.iterative is None else config.iterative
+        protected = metric.protected_layers(result.original_num_layers)
+        candidates = [index for index in result.kept_layers if index not in protected]
+        if len(candidates) < result.num_layers_to_prune:
+            raise ValueError(
+                f"importance={config.importance!r} never removes layers {sorted(protected)}, which leaves "
+                f"{len(candidates)} candidates for {result.num_layers_to_prune} removals: prune fewer layers."
+            )
+        num_rounds = result.num_layers_to_prune if iterative else 1
+        rounds = logging.tqdm(range(num_rounds), desc=f"Stage 1 ({config.importance})", disable=not self.progress_bar)
         for round_index in rounds:
             kept = result.kept_layers
-            layers = adapter.get_layers(model)
-            layer_scores = gradient_importance(
+            layer_scores = metric.score(
                 model,
-                layers,
+                adapter,
                 result.calibration_ids,
                 config.batch_size,
                 progress_bar=self.progress_bar,
                 description=f"Round {round_index + 1}/{num_rounds}",
-                units=[unit for layer in layers for unit in adapter.get_per_sample_units(layer)],
-                adapter=adapter,
             )
-            round_scores = {original: float(score) for original, score in zip(kept, layer_scores.tolist())}
+            round_scores = {original: float(score) for original, score in zip(kept, layer_scores)}
             result.scores.append(round_scores)
-            ranked = sorted(kept, key=lambda index: (round_scores[index], index))
-            to_remove = ranked[:1] if config.iterative else ranked[: result.num_layers_to_prune]
+            ranked = sorted((index for index in kept if index not in protected), key=lambda index: (round_scores[index], index))
+            to_remove = ranked[:1] if iterative else ranked[: result.num_layers_to_prune]
             result.removed_layers.extend(to_remove)
             result.kept_layers = [index for index in kept if index not in to_remove]
             adapter.keep_layers(model, result.snapshot, result.kept_layers)

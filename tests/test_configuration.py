@@ -40,7 +40,8 @@ def test_invalid_values_are_refused_with_a_clear_message(kwargs, message):
 def test_defaults_follow_the_paper():
     config = GradMAPConfig(pruning_ratio=0.25)
     assert (config.num_samples, config.seq_len, config.reg_lambda, config.adam_lr) == (128, 128, 1e-3, 1e-3)
-    assert config.iterative and config.compensation and config.num_compensated_layers == 1
+    assert config.importance == "gradmap" and config.iterative is None  # None: the metric's own choice (GradMAP: iterative)
+    assert config.compensation and config.num_compensated_layers == 1
     assert config.dataset == "wikipedia"
 
 

@@ -89,7 +89,7 @@ def test_broadcast_path_is_exact_for_rms_norms_and_checked_before_use():
 
 
 def test_loss_gradient_in_chunks_equals_autograd_of_the_per_sample_mean_loss(monkeypatch):
-    import optimum_gradmap.importance as importance
+    import optimum_gradmap.importance.gradient as importance
 
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 9, 8, generator=generator, dtype=torch.float64, requires_grad=True)

@@ -1,6 +1,6 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""Layer importance metrics.
+"""GradMAP's layer importance: per-sample gradient norms.
 
 GradMAP's Stage 1 metric (Eq. 5 of the paper) is the trace of a layer's empirical Fisher:
 
@@ -45,7 +45,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging
 
-from optimum_gradmap.adapters import DecoderAdapter, adapter_for_model_type
+from ..adapters import DecoderAdapter, adapter_for_model_type
 
 logger = logging.get_logger(__name__)
 

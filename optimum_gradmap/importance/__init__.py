@@ -1,0 +1,52 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""Layer importance: which decoder layers Stage 1 removes.
+
+- [`metrics`]: the interface ([`ImportanceMetric`]) and every metric (GradMAP, ShortGPT's Block
+  Influence, SLEB, Taylor+, relative magnitude, random), selected by `GradMAPConfig(importance=...)`.
+- [`gradient`]: GradMAP's exact per-sample gradient norms in batched passes (Eq. 5).
+"""
+
+from .gradient import (
+    PerSampleGradientNorms,
+    broadcast_per_sample_sq_norms,
+    causal_lm_loss_gradient,
+    frozen_for_scoring,
+    gradient_importance,
+    linear_per_sample_sq_norms,
+    module_per_sample_sq_norms,
+    split_at_lm_head,
+)
+from .metrics import (
+    IMPORTANCE_METRICS,
+    BlockInfluence,
+    GradMAPImportance,
+    ImportanceMetric,
+    RandomImportance,
+    RelativeMagnitude,
+    SLEBImportance,
+    TaylorImportance,
+    calibration_loss,
+    get_importance_metric,
+)
+
+__all__ = [
+    "IMPORTANCE_METRICS",
+    "BlockInfluence",
+    "GradMAPImportance",
+    "ImportanceMetric",
+    "PerSampleGradientNorms",
+    "RandomImportance",
+    "RelativeMagnitude",
+    "SLEBImportance",
+    "TaylorImportance",
+    "broadcast_per_sample_sq_norms",
+    "calibration_loss",
+    "causal_lm_loss_gradient",
+    "frozen_for_scoring",
+    "get_importance_metric",
+    "gradient_importance",
+    "linear_per_sample_sq_norms",
+    "module_per_sample_sq_norms",
+    "split_at_lm_head",
+]

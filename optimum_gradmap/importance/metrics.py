@@ -1,0 +1,295 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""Layer-importance metrics behind one interface, selected by `GradMAPConfig(importance=...)`.
+
+Every metric scores the decoder layers currently in the model; Stage 1 removes the lowest-scoring
+layer (and re-scores, for iterative metrics) until K layers are gone. Each follows its paper:
+
+| name | method | score of layer i | iterative |
+|---|---|---|---|
+| `"gradmap"` | GradMAP, Eq. 5 | mean over samples of the squared norm of the per-sample gradient of its weights | yes |
+| `"block_influence"` | ShortGPT (Men et al., 2024), Eq. 1 | 1 - mean over tokens of cos(x_i, x_{i+1}) | no |
+| `"sleb"` | SLEB (Song et al., 2024), Sec. 4 | calibration loss of the model without layer i | yes |
+| `"taylor"` | Shortened LLaMA (Kim et al., 2024), Sec. 3.2, Taylor+ | sum over the layer's weights of abs(w * dL/dw) | no |
+| `"relative_magnitude"` | Subcloning (Samragh et al., 2023), Sec. 3 | mean over tokens of norm(f(x)) / norm(x + f(x)) | no |
+| `"random"` | baseline | seeded uniform random numbers | no |
+
+`GradMAPConfig(iterative=...)` overrides the method's own choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.utils import logging
+
+from ..adapters import DecoderAdapter
+from ..hooks import forward_hooks, forward_pre_hooks, layer_input, layer_output, run_batches
+from .gradient import causal_lm_loss_gradient, frozen_for_scoring, gradient_importance, split_at_lm_head
+
+logger = logging.get_logger(__name__)
+
+
+class ImportanceMetric:
+    """Scores the decoder layers currently in a model; the lowest-scoring layers are removed first.
+
+    Subclasses set `name`, `iterative` (whether their paper re-scores after each removal) and
+    implement [`~ImportanceMetric.score`].
+
+    Args:
+        seed (`int`, defaults to 0): For metrics that draw random numbers.
+    """
+
+    name: ClassVar[str]
+    iterative: ClassVar[bool] = False
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def score(
+        self,
+        model: PreTrainedModel,
+        adapter: DecoderAdapter,
+        input_ids: torch.LongTensor,
+        batch_size: int,
+        progress_bar: bool = True,
+        description: str = "Scoring layers",
+    ) -> list[float]:
+        """Scores every layer of `adapter.get_layers(model)`, in model order.
+
+        Args:
+            model (`PreTrainedModel`): The model as it is now (some layers may already be removed).
+            adapter (`DecoderAdapter`): Its architecture adapter.
+            input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
+            batch_size (`int`): Sequences per forward pass.
+            progress_bar (`bool`, defaults to `True`): Show a progress bar.
+            description (`str`): Progress bar label.
+
+        Returns:
+            `list[float]`: One score per layer; lower means less important.
+        """
+        raise NotImplementedError
+
+    def protected_layers(self, num_layers: int) -> set[int]:
+        """Layers (original indices) the method never removes. None by default."""
+        return set()
+
+
+class GradMAPImportance(ImportanceMetric):
+    """GradMAP, Eq. 5: the trace of each layer's empirical Fisher, i.e. the mean over calibration
+    samples of the squared L2 norm of the per-sample loss gradient over all the layer's parameters.
+    Iterative (Algorithm 1). See [`gradient_importance`]."""
+
+    name = "gradmap"
+    iterative = True
+
+    def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
+        layers = adapter.get_layers(model)
+        units = [unit for layer in layers for unit in adapter.get_per_sample_units(layer)]
+        scores = gradient_importance(model, layers, input_ids, batch_size, progress_bar, description, units, adapter)
+        return scores.tolist()
+
+
+def _mean_over_tokens(
+    model: PreTrainedModel,
+    layers: Sequence[nn.Module],
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    per_token: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    progress_bar: bool,
+    description: str,
+) -> list[float]:
+    """Mean over all calibration tokens of `per_token(layer_input, layer_output)` for each layer."""
+    inputs: dict[int, torch.Tensor] = {}
+    sums = torch.zeros(len(layers), dtype=torch.float64)
+
+    def remember_input(position: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        inputs[position] = layer_input(args, kwargs)
+
+    def accumulate(position: int, module: nn.Module, args: tuple, output: object) -> None:
+        values = per_token(inputs.pop(position).double(), layer_output(output).double())
+        sums[position] += values.sum().item()
+
+    pre_hooks = [(layer, lambda m, a, k, p=p: remember_input(p, m, a, k)) for p, layer in enumerate(layers)]
+    hooks = [(layer, lambda m, a, o, p=p: accumulate(p, m, a, o)) for p, layer in enumerate(layers)]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), forward_pre_hooks(pre_hooks), forward_hooks(hooks):
+            for _ in run_batches(model, input_ids, batch_size, description, progress_bar):
+                pass
+    finally:
+        model.train(was_training)
+    return (sums / input_ids.numel()).tolist()
+
+
+class BlockInfluence(ImportanceMetric):
+    """ShortGPT's Block Influence (Men et al., 2024, "ShortGPT: Layers in Large Language Models are
+    More Redundant Than You Expect", Eq. 1):
+
+        BI_i = 1 - E_{X, t} [ X_{i,t}^T X_{i+1,t} / (||X_{i,t}||_2 ||X_{i+1,t}||_2) ]
+
+    where X_{i,t} is the hidden state entering layer i at token t and X_{i+1,t} the one leaving it;
+    the expectation runs over every calibration token. Scored once (one-shot), as in the paper.
+    """
+
+    name = "block_influence"
+
+    def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
+        def influence(hidden_in: torch.Tensor, hidden_out: torch.Tensor) -> torch.Tensor:
+            return 1.0 - F.cosine_similarity(hidden_in, hidden_out, dim=-1)
+
+        layers = adapter.get_layers(model)
+        return _mean_over_tokens(model, layers, input_ids, batch_size, influence, progress_bar, description)
+
+
+class RelativeMagnitude(ImportanceMetric):
+    """Relative magnitude of a layer's update (Samragh et al., 2023, "Weight subcloning: direct
+    initialization of transformers using larger pretrained ones", Sec. 3):
+
+        score_i = E_{X, t} [ ||f_i(x_t)||_2 / ||x_t + f_i(x_t)||_2 ]
+
+    where x_t is the hidden state entering layer i and x_t + f_i(x_t) the one leaving it (the
+    residual stream), so f_i(x_t) is what the layer adds. Scored once (one-shot).
+    """
+
+    name = "relative_magnitude"
+
+    def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
+        def magnitude(hidden_in: torch.Tensor, hidden_out: torch.Tensor) -> torch.Tensor:
+            return (hidden_out - hidden_in).norm(dim=-1) / hidden_out.norm(dim=-1).clamp_min(1e-12)
+
+        layers = adapter.get_layers(model)
+        return _mean_over_tokens(model, layers, input_ids, batch_size, magnitude, progress_bar, description)
+
+
+class TaylorImportance(ImportanceMetric):
+    """Taylor+ from Shortened LLaMA (Kim et al., 2024, "Shortened LLaMA: Depth Pruning for LLMs with
+    Comparison of Retraining Methods", Sec. 3.2): the first-order Taylor estimate of the loss change
+    when a block's weights are zeroed,
+
+        I_i = sum_{W in block i} sum_k | W_k * dL/dW_k |
+
+    with L the calibration loss (mean next-token cross-entropy over all calibration sequences) and
+    the gradient of that loss over the whole set. "+": the first `protect_first` (4) and last
+    `protect_last` (2) blocks are never removed, which the paper found necessary because Taylor
+    scores rank the early blocks low although removing them is harmful. Scored once (one-shot).
+
+    Args:
+        seed (`int`, defaults to 0): Unused.
+        protect_first (`int`, defaults to 4), protect_last (`int`, defaults to 2): Blocks kept out of the candidates.
+    """
+
+    name = "taylor"
+
+    def __init__(self, seed: int = 0, protect_first: int = 4, protect_last: int = 2):
+        super().__init__(seed)
+        self.protect_first = protect_first
+        self.protect_last = protect_last
+
+    def protected_layers(self, num_layers: int) -> set[int]:
+        return set(range(min(self.protect_first, num_layers))) | set(range(max(0, num_layers - self.protect_last), num_layers))
+
+    def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
+        layers = list(adapter.get_layers(model))
+        parameters = [[p for p in layer.parameters()] for layer in layers]
+        embeddings = model.get_input_embeddings()
+        device = embeddings.weight.device
+        num_samples = input_ids.shape[0]
+        with frozen_for_scoring(model):
+            decoder, head, width = split_at_lm_head(model, adapter, input_ids)
+            saved_grads = {id(p): p.grad for group in parameters for p in group}
+            for group in parameters:
+                for parameter in group:
+                    parameter.grad = None
+                    parameter.requires_grad_(True)
+            try:
+                starts = range(0, num_samples, batch_size)
+                for start in logging.tqdm(starts, desc=description, leave=False, disable=not progress_bar):
+                    batch = input_ids[start : start + batch_size].to(device)
+                    with torch.enable_grad():
+                        hidden_states = decoder(embeddings(batch).detach())
+                        # the gradient of the sum of per-sample mean losses; / num_samples below gives the mean
+                        hidden_states.backward(causal_lm_loss_gradient(hidden_states, batch, head, width))
+                scores = [
+                    sum((p.detach().double() * p.grad.double()).abs().sum().item() for p in group if p.grad is not None)
+                    / num_samples
+                    for group in parameters
+                ]
+            finally:
+                for group in parameters:
+                    for parameter in group:
+                        parameter.grad = saved_grads[id(parameter)]
+        return scores
+
+
+class SLEBImportance(ImportanceMetric):
+    """SLEB (Song et al., 2024, "SLEB: Streamlining LLMs through Redundancy Verification and
+    Elimination of Transformer Blocks", Sec. 4 and Algorithm 1): the score of block i is the
+    calibration loss (mean next-token cross-entropy over all calibration tokens, the log of the
+    perplexity SLEB measures) of the current model with block i removed; the block whose removal
+    raises the loss least goes first, and every block is re-verified after each removal (iterative).
+    Costs one forward pass over the calibration set per remaining layer and round.
+    """
+
+    name = "sleb"
+    iterative = True
+
+    def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
+        snapshot = adapter.snapshot(model)
+        everything = list(range(snapshot.num_layers))
+        scores = []
+        candidates = logging.tqdm(everything, desc=description, leave=False, disable=not progress_bar)
+        try:
+            for candidate in candidates:
+                adapter.keep_layers(model, snapshot, [index for index in everything if index != candidate])
+                scores.append(calibration_loss(model, input_ids, batch_size))
+        finally:
+            adapter.keep_layers(model, snapshot, everything)
+        return scores
+
+
+@torch.no_grad()
+def calibration_loss(model: PreTrainedModel, input_ids: torch.LongTensor, batch_size: int) -> float:
+    """Mean next-token cross-entropy of `model` over every predicted token of `input_ids`."""
+    was_training = model.training
+    model.eval()
+    device = model.get_input_embeddings().weight.device
+    total = 0.0
+    try:
+        for start in range(0, input_ids.shape[0], batch_size):
+            batch = input_ids[start : start + batch_size].to(device)
+            logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum").item()
+    finally:
+        model.train(was_training)
+    return total / (input_ids.shape[0] * (input_ids.shape[1] - 1))
+
+
+class RandomImportance(ImportanceMetric):
+    """Random layer selection (a baseline): uniform random scores from a generator seeded with
+    `GradMAPConfig.seed`, so a run is reproducible. Scored once."""
+
+    name = "random"
+
+    def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
+        generator = torch.Generator().manual_seed(self.seed)
+        return torch.rand(adapter.num_layers(model), generator=generator, dtype=torch.float64).tolist()
+
+
+IMPORTANCE_METRICS: dict[str, type[ImportanceMetric]] = {
+    metric.name: metric
+    for metric in (GradMAPImportance, BlockInfluence, SLEBImportance, TaylorImportance, RelativeMagnitude, RandomImportance)
+}
+
+
+def get_importance_metric(name: str, seed: int = 0) -> ImportanceMetric:
+    """The metric registered under `name` (see `IMPORTANCE_METRICS`)."""
+    if name not in IMPORTANCE_METRICS:
+        raise ValueError(f"Unknown importance metric {name!r}. Available: {', '.join(IMPORTANCE_METRICS)}.")
+    return IMPORTANCE_METRICS[name](seed=seed)
