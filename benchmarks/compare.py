@@ -1,0 +1,196 @@
+"""Layer-pruning methods side by side: every importance metric, with and without GradMAP's Stage 2,
+on the same model, ratio and calibration set (the paper's: 128 random sequences of 128 tokens of
+the calibration Wikipedia articles).
+
+For each metric: Stage 1 on a fresh copy of the dense model, evaluation, Stage 2 on that pruned
+model, evaluation again. Each row reports the removed layers, held-out perplexities (Wikipedia and
+web text, 128-token protocol), the zero-shot average (stated sample limit) and the time of each
+stage. Also plots which layers each method removed and the per-layer drift (Eq. 10) after Stage 1.
+
+    python benchmarks/compare.py --model smollm2-135m --ratio 0.25
+    python benchmarks/compare.py --model smollm2-135m --ratio 0.25 --metrics gradmap block_influence --task-limit 50
+
+Writes benchmarks/results/compare-<model>-<ratio>.{json,md} and compare-<model>-<ratio>-{layers,drift}.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+
+import torch
+
+from optimum_gradmap import GradMAPConfig, GradMAPPruner
+from optimum_gradmap.assets import MODEL_ASSETS, load_model
+from optimum_gradmap.evaluation import PAPER_TASKS, evaluate
+from optimum_gradmap.importance import IMPORTANCE_METRICS
+
+
+def markdown(record: dict) -> str:
+    """The comparison as a Markdown table."""
+    rows = record["rows"]
+    datasets = [entry["dataset"] for entry in rows[0]["evaluation"]["perplexities"]]
+    header = ["method", "Stage 2", "removed layers", *[f"{name} ppl" for name in datasets], "zero-shot avg"]
+    header += ["Stage 1 s", "Stage 2 s"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        evaluation = row["evaluation"]
+        zero_shot = evaluation["zero_shot"]
+        cells = [
+            row["method"],
+            "yes" if row["stage2"] else "no",
+            " ".join(str(index) for index in row["removed_layers"]) or "-",
+            *[f"{entry['perplexity']:.2f}" for entry in evaluation["perplexities"]],
+            f"{zero_shot['average_acc']:.4f}" if zero_shot else "-",
+            f"{row['stage1_seconds']:.1f}" if row["stage1_seconds"] is not None else "-",
+            f"{row['stage2_seconds']:.1f}" if row["stage2_seconds"] is not None else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(record: dict, prefix: str) -> list[str]:
+    """Which layers each method removed, and the per-layer drift after its Stage 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    num_layers = record["num_layers"]
+    pruned = [row for row in record["rows"] if row["method"] != "dense" and not row["stage2"]]
+    figure, axis = plt.subplots(figsize=(max(6, num_layers * 0.3), 0.5 * len(pruned) + 1.2))
+    for position, row in enumerate(pruned):
+        for order, index in enumerate(row["removed_layers"]):
+            axis.scatter(index, position, s=120, color="tab:red", marker="s")
+            if row["method"] in ("gradmap", "sleb"):  # iterative: show the removal order
+                axis.annotate(str(order + 1), (index, position), ha="center", va="center", fontsize=7, color="white")
+    axis.set_yticks(range(len(pruned)), [row["method"] for row in pruned])
+    axis.set_xticks(range(num_layers))
+    axis.set_xlim(-0.5, num_layers - 0.5)
+    axis.set_xlabel("layer index (dense model)")
+    axis.set_title(f"Layers removed from {record['model']} at {record['ratio']:.0%} (numbers: removal order)")
+    axis.grid(axis="x", alpha=0.3)
+    figure.tight_layout()
+    layers_path = f"{prefix}-layers.png"
+    figure.savefig(layers_path, dpi=120)
+    plt.close(figure)
+
+    figure, axis = plt.subplots(figsize=(8, 4))
+    for row in pruned:
+        drift = {int(index): value for index, value in row["drift"].items() if value > 0}
+        if drift:
+            indices = sorted(drift)
+            axis.plot(indices, [drift[index] for index in indices], marker="o", markersize=3, label=row["method"])
+    axis.set_xlabel("kept layer index (dense model)")
+    axis.set_ylabel("mean drift ||mean H - mean H'|| (Eq. 10)")
+    axis.set_yscale("log")
+    axis.set_title(
+        f"Drift of each kept layer after Stage 1, {record['model']} at {record['ratio']:.0%}\n"
+        "(layers before the first removed one do not drift and are not drawn)",
+        fontsize=10,
+    )
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    drift_path = f"{prefix}-drift.png"
+    figure.savefig(drift_path, dpi=120)
+    plt.close(figure)
+    return [layers_path, drift_path]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_ASSETS), help="offline model asset")
+    parser.add_argument("--ratio", type=float, default=0.25, help="pruning ratio (default 0.25)")
+    parser.add_argument("--metrics", nargs="+", default=list(IMPORTANCE_METRICS), choices=list(IMPORTANCE_METRICS))
+    parser.add_argument("--task-limit", type=int, default=100, help="questions per zero-shot task (default 100; 0: no tasks)")
+    parser.add_argument("--max-eval-segments", type=int, default=128, help="perplexity segments per dataset (default 128)")
+    parser.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default 128, as in the paper)")
+    parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+
+    dense, tokenizer = load_model(args.model)
+    tasks = PAPER_TASKS if args.task_limit > 0 else ()
+
+    def measure(model, label):
+        return evaluate(
+            model,
+            tokenizer,
+            ("wikipedia", "web_text"),
+            seq_len=128,
+            max_segments=args.max_eval_segments,
+            tasks=tasks,
+            task_limit=args.task_limit or None,
+            model_name=label,
+            progress_bar=False,
+        ).to_dict()
+
+    record = {
+        "command": (
+            f"python benchmarks/compare.py --model {args.model} --ratio {args.ratio} --metrics {' '.join(args.metrics)} "
+            f"--task-limit {args.task_limit} --max-eval-segments {args.max_eval_segments} --num-samples {args.num_samples}"
+        ),
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
+        "model": args.model,
+        "ratio": args.ratio,
+        "num_layers": dense.config.num_hidden_layers,
+        "calibration": f"{args.num_samples} x 128 tokens of the calibration Wikipedia articles, seed 0, for every method",
+        "rows": [],
+    }
+    os.makedirs(args.output_dir, exist_ok=True)
+    prefix = os.path.join(args.output_dir, f"compare-{args.model}-{args.ratio}")
+
+    def save() -> None:
+        with open(f"{prefix}.json", "w", encoding="utf-8") as file:
+            json.dump(record, file, indent=2)
+        with open(f"{prefix}.md", "w", encoding="utf-8") as file:
+            file.write(f"`{record['command']}`\n\n{markdown(record)}\n")
+
+    dense_row = {"method": "dense", "stage2": False, "removed_layers": [], "stage1_seconds": None, "stage2_seconds": None}
+    record["rows"].append({**dense_row, "drift": {}, "evaluation": measure(dense, "dense")})
+    save()
+    calibration = None
+    for metric in args.metrics:
+        model = copy.deepcopy(dense)
+        config = GradMAPConfig(pruning_ratio=args.ratio, importance=metric, num_samples=args.num_samples)
+        pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
+        result = pruner.select_layers(model, "wikipedia")
+        if calibration is None:
+            calibration = result.calibration_ids
+        assert torch.equal(calibration, result.calibration_ids), "every method must see the same calibration set"
+        stage1 = {"method": metric, "removed_layers": result.removed_layers, "stage1_seconds": result.timings["stage1"]}
+        stage1_evaluation = measure(model, metric)
+        pruner.compensate(result)
+        drift = {str(index): value for index, value in result.drift.items()}
+        record["rows"].append(
+            {**stage1, "stage2": False, "stage2_seconds": None, "drift": drift, "evaluation": stage1_evaluation}
+        )
+        record["rows"].append(
+            {
+                **stage1,
+                "stage2": True,
+                "stage2_seconds": result.timings["stage2"],
+                "compensated_layers": result.compensated_layers,
+                "drift": drift,
+                "evaluation": measure(model, f"{metric} + Stage 2"),
+            }
+        )
+        save()
+        print(markdown(record).splitlines()[-2:], flush=True)
+        del model
+
+    times = {row["method"]: row["stage1_seconds"] for row in record["rows"] if row["stage1_seconds"] is not None}
+    if "gradmap" in times and "sleb" in times:
+        record["sleb_over_gradmap_stage1_time"] = times["sleb"] / times["gradmap"]
+    record["plots"] = plot(record, prefix)
+    save()
+    print(markdown(record))
+    if "sleb_over_gradmap_stage1_time" in record:
+        print(f"Stage 1 time, SLEB / GradMAP: {record['sleb_over_gradmap_stage1_time']:.2f}x")
+    print(f"saved {prefix}.json, {prefix}.md and the plots")
+
+
+if __name__ == "__main__":
+    main()
