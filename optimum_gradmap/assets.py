@@ -60,6 +60,8 @@ class Asset:
         sha256 (`str`): SHA-256 of the assembled file.
         size (`int`): Size in bytes of the assembled file.
         description (`str`): What the asset is, with its license.
+        hub_id (`str`): For models, the Hugging Face Hub id of the original model.
+        license (`str`): For models, the license identifier, as the Hub writes it.
     """
 
     name: str
@@ -68,6 +70,8 @@ class Asset:
     sha256: str
     size: int
     description: str
+    hub_id: str = ""
+    license: str = ""
 
 
 MODEL_ASSETS: dict[str, Asset] = {
@@ -78,6 +82,8 @@ MODEL_ASSETS: dict[str, Asset] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98_362_432,
         description="HuggingFaceTB/SmolLM2-135M-Instruct (llama, 30 layers, hidden 576), Q4_1 GGUF, Apache-2.0",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        license="apache-2.0",
     ),
     "qwen2.5-coder-0.5b": Asset(
         name="qwen2.5-coder-0.5b",
@@ -89,6 +95,8 @@ MODEL_ASSETS: dict[str, Asset] = {
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         size=491_400_064,
         description="Qwen/Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, hidden 896, qkv bias), GGUF, Apache-2.0",
+        hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        license="apache-2.0",
     ),
 }
 

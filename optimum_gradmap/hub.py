@@ -22,6 +22,7 @@ from transformers.utils import logging
 
 from .adapters import DecoderAdapter, adapter_for_model_type
 from .configuration import GradMAPConfig
+from .report import build_model_card, write_pictures
 
 logger = logging.get_logger(__name__)
 
@@ -127,9 +128,20 @@ def save_checkpoint(
     tokenizer: PreTrainedTokenizerBase | None,
     config: GradMAPConfig,
     report: dict[str, Any] | None = None,
+    repo_id: str | None = None,
     **save_kwargs: Any,
 ) -> str:
-    """Writes model, tokenizer, `gradmap_config.json` and (if given) `pruning_report.json`.
+    """Writes model, tokenizer, `gradmap_config.json` and, if a report is given, `pruning_report.json`,
+    its pictures and a model card (`README.md`), see [`optimum_gradmap.report`].
+
+    Args:
+        save_directory (`str` or `os.PathLike`): Output folder.
+        model (`PreTrainedModel`): The pruned model.
+        tokenizer (`PreTrainedTokenizerBase`, *optional*): Its tokenizer.
+        config ([`GradMAPConfig`]): The configuration it was pruned with.
+        report (`dict`, *optional*): From [`optimum_gradmap.report.build_report`].
+        repo_id (`str`, *optional*): The Hub repository the model card should name in its examples.
+        save_kwargs: Passed to the model's `save_pretrained`.
 
     Returns:
         `str`: The folder.
@@ -151,6 +163,9 @@ def save_checkpoint(
     if report is not None:
         with open(os.path.join(save_directory, REPORT_NAME), "w", encoding="utf-8") as file:
             json.dump(report, file, indent=2)
+        pictures = write_pictures(report, save_directory)
+        title = repo_id or os.path.basename(os.path.abspath(save_directory))
+        build_model_card(report, pictures, repo_id, title).save(os.path.join(save_directory, "README.md"))
     validate_checkpoint(save_directory)
     logger.info(f"Saved pruned checkpoint to {save_directory}")
     return str(save_directory)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -23,6 +23,10 @@ from .configuration import GradMAPConfig
 from .data import CalibrationData, is_text_data, prepare_calibration_data
 from .hub import save_checkpoint, upload_checkpoint
 from .importance import get_importance_metric
+from .report import build_report
+
+if TYPE_CHECKING:
+    from .evaluation import EvaluationResult
 
 logger = logging.get_logger(__name__)
 
@@ -44,6 +48,8 @@ class PruningResult:
         compensated_layers (`list[int]`): Layers whose down projection received a compensation matrix W'.
         scores (`list[dict[int, float]]`): Stage 1 scores of the layers present in each round.
         drift (`dict[int, float]`): Mean drift (Eq. 10) of each kept layer before compensation.
+        drift_after_compensation (`dict[int, float]`): The same, measured again after Stage 2.
+        original_num_parameters (`int`): Parameters of the dense model.
         compensation_objective (`dict[int, dict[str, float]]`): For each compensated layer, the Stage 2
             objective at W' = I and at the learned W'.
         timings (`dict[str, float]`): Seconds spent in each stage.
@@ -58,6 +64,8 @@ class PruningResult:
     compensated_layers: list[int] = field(default_factory=list)
     scores: list[dict[int, float]] = field(default_factory=list)
     drift: dict[int, float] = field(default_factory=dict)
+    drift_after_compensation: dict[int, float] = field(default_factory=dict)
+    original_num_parameters: int = 0
     compensation_objective: dict[int, dict[str, float]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     calibration_ids: torch.LongTensor | None = field(default=None, repr=False)
@@ -73,6 +81,9 @@ class PruningResult:
             "compensated_layers": self.compensated_layers,
             "scores": [{str(index): score for index, score in round_scores.items()} for round_scores in self.scores],
             "drift": {str(index): value for index, value in self.drift.items()},
+            "drift_after_compensation": {str(index): value for index, value in self.drift_after_compensation.items()},
+            "original_num_parameters": self.original_num_parameters,
+            "num_parameters": self.model.num_parameters(),
             "compensation_objective": {str(index): values for index, values in self.compensation_objective.items()},
             "timings": self.timings,
         }
@@ -187,6 +198,7 @@ class GradMAPPruner:
             original_num_layers=num_layers,
             num_layers_to_prune=num_to_prune,
             kept_layers=list(range(num_layers)),
+            original_num_parameters=model.num_parameters(),
             calibration_ids=calibration_ids,
             snapshot=snapshot,
         )
@@ -226,15 +238,24 @@ class GradMAPPruner:
         save_directory: str | os.PathLike,
         model: PreTrainedModel | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        evaluation: EvaluationResult | None = None,
+        base_model: str | None = None,
+        license: str | None = None,
+        repo_id: str | None = None,
         **save_kwargs: Any,
     ) -> str:
         """Writes a standard checkpoint that plain `AutoModelForCausalLM.from_pretrained` loads: model,
-        tokenizer, `gradmap_config.json` and `pruning_report.json`.
+        tokenizer, `gradmap_config.json`, and for a model this pruner pruned, `pruning_report.json`
+        with its pictures and a model card (see [`optimum_gradmap.report`]).
 
         Args:
             save_directory (`str` or `os.PathLike`): Output folder.
             model (`PreTrainedModel`, *optional*): Defaults to the last pruned model.
             tokenizer (`PreTrainedTokenizerBase`, *optional*): Defaults to the pruner's tokenizer.
+            evaluation ([`EvaluationResult`], *optional*): Evaluation results for the report and the card.
+            base_model (`str`, *optional*): Hub id of the dense model, when its `name_or_path` is a local folder.
+            license (`str`, *optional*): The base model's license (the pruned weights inherit it).
+            repo_id (`str`, *optional*): Hub repository named in the model card's examples.
             save_kwargs: Passed to the model's `save_pretrained`.
 
         Returns:
@@ -244,8 +265,12 @@ class GradMAPPruner:
             model = self.result.model if self.result is not None else self.model
         if model is None:
             raise ValueError("No model to save: pass `model=` or call `prune` first.")
-        report = self.result.to_dict() if self.result is not None and self.result.model is model else None
-        return save_checkpoint(save_directory, model, tokenizer or self.tokenizer, self.config, report, **save_kwargs)
+        report = None
+        if self.result is not None and self.result.model is model:
+            report = build_report(self.result, self.config, base_model, license=license, evaluation=evaluation)
+        return save_checkpoint(
+            save_directory, model, tokenizer or self.tokenizer, self.config, report, repo_id=repo_id, **save_kwargs
+        )
 
     def push_to_hub(
         self,
@@ -255,14 +280,22 @@ class GradMAPPruner:
         private: bool | None = None,
         token: str | bool | None = None,
         commit_message: str | None = None,
+        **save_kwargs: Any,
     ) -> str:
-        """Saves the checkpoint (as [`~GradMAPPruner.save_pretrained`]) and uploads it to the Hub.
+        """Saves the checkpoint (as [`~GradMAPPruner.save_pretrained`], which takes `save_kwargs`) into a
+        temporary folder and uploads it to the Hub with `huggingface_hub.HfApi` in one commit.
+
+        Args:
+            repo_id (`str`): `user/name` or `org/name`; created if missing.
+            private (`bool`, *optional*): Visibility of a new repository (the Hub's default if `None`).
+            token (`str` or `bool`, *optional*): Defaults to the usual places (`HF_TOKEN`, `hf auth login`); never printed.
+            commit_message (`str`, *optional*): Defaults to one that says which layers were removed.
 
         Returns:
             `str`: The URL of the commit.
         """
         with tempfile.TemporaryDirectory() as folder:
-            self.save_pretrained(folder, model=model, tokenizer=tokenizer)
+            self.save_pretrained(folder, model=model, tokenizer=tokenizer, repo_id=repo_id, **save_kwargs)
             message = commit_message or self._commit_message()
             return upload_checkpoint(folder, repo_id, private=private, token=token, commit_message=message)
 
@@ -396,12 +429,20 @@ class GradMAPPruner:
                 f"Compensated layer {target} (drift {result.drift[target]:.4g}): objective "
                 f"{fit.objective_identity:.6g} -> {fit.objective_fitted:.6g}"
             )
+        compensated_means = hidden_state_means(
+            model, adapter.get_layers(model), ids, config.batch_size, progress, "Compensated hidden states"
+        )
+        result.drift_after_compensation = {
+            original: float((dense_means[original] - compensated_means[position]).norm())
+            for position, original in enumerate(kept)
+        }
 
     def _commit_message(self) -> str:
         if self.result is None:
             return "Upload model pruned with GradMAP"
         return (
-            f"GradMAP: remove {len(self.result.removed_layers)} of {self.result.original_num_layers} layers "
+            f"GradMAP ({self.config.importance}): remove {len(self.result.removed_layers)} of "
+            f"{self.result.original_num_layers} layers "
             f"{self.result.removed_layers}, compensate {self.result.compensated_layers}"
         )
 

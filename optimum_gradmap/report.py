@@ -1,0 +1,240 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""The pruning report written beside every checkpoint: `pruning_report.json`, two pictures and a
+model card (`README.md`).
+
+- `pruning_report.json`: base model and revision, library versions, the GradMAP config, removed /
+  kept / compensated layers (original indices), Stage 1 scores of every round, drift per layer
+  before and after compensation, timings, environment, and evaluation results when run.
+- `importance.png`: each layer's Stage 1 score in every round; `drift.png`: each kept layer's mean
+  drift (Eq. 10) before and after compensation. They need matplotlib (`pip install matplotlib`);
+  without it the report and the model card are written without pictures.
+- `README.md`: a Hub model card (`huggingface_hub.ModelCard`) that says what was removed, what it
+  cost, and how to load the model.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+import transformers
+from transformers import PreTrainedModel
+from transformers.utils import logging
+
+from .configuration import GradMAPConfig
+
+if TYPE_CHECKING:
+    from .evaluation import EvaluationResult
+    from .pruner import PruningResult
+
+logger = logging.get_logger(__name__)
+
+IMPORTANCE_PICTURE = "importance.png"
+DRIFT_PICTURE = "drift.png"
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def build_report(
+    result: PruningResult,
+    config: GradMAPConfig,
+    base_model: str | None = None,
+    base_model_revision: str | None = None,
+    license: str | None = None,
+    evaluation: EvaluationResult | None = None,
+) -> dict[str, Any]:
+    """The content of `pruning_report.json`.
+
+    Args:
+        result ([`PruningResult`]): What the pruner did.
+        config ([`GradMAPConfig`]): How it was configured.
+        base_model (`str`, *optional*): Hub id (or path) of the dense model; defaults to the model's `name_or_path`.
+        base_model_revision (`str`, *optional*): Its revision; defaults to the commit it was loaded from, if known.
+        license (`str`, *optional*): The base model's license, inherited by the pruned model.
+        evaluation ([`EvaluationResult`], *optional*): Evaluation results to include.
+
+    Returns:
+        `dict`: JSON-serialisable.
+    """
+    model: PreTrainedModel = result.model
+    return {
+        "base_model": base_model or getattr(model, "name_or_path", "") or None,
+        "base_model_revision": base_model_revision or getattr(model.config, "_commit_hash", None),
+        "license": license,
+        "model_type": model.config.model_type,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gradmap_config": config.to_dict(),
+        **result.to_dict(),
+        "evaluation": evaluation.to_dict() if evaluation is not None else None,
+        "environment": {
+            "optimum_gradmap": _version("optimum-gradmap"),
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "device": str(model.get_input_embeddings().weight.device),
+            "dtype": str(model.get_input_embeddings().weight.dtype).replace("torch.", ""),
+        },
+    }
+
+
+def write_pictures(report: dict[str, Any], directory: str | os.PathLike) -> list[str]:
+    """Draws `importance.png` and `drift.png` into `directory`.
+
+    Returns:
+        `list[str]`: The file names written; empty when matplotlib is not installed (logged).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: the pruning report has no pictures (`pip install matplotlib`).")
+        return []
+    written = []
+    num_layers = report["original_num_layers"]
+    removed = report["removed_layers"]
+    metric = report["gradmap_config"].get("importance", "gradmap")
+    if report["scores"]:
+        figure, axis = plt.subplots(figsize=(9, 4.5))
+        colours = plt.cm.viridis([i / max(1, len(report["scores"]) - 1) for i in range(len(report["scores"]))])
+        for round_index, (round_scores, colour) in enumerate(zip(report["scores"], colours)):
+            indices = sorted(int(index) for index in round_scores)
+            values = [round_scores[str(index)] for index in indices]
+            label = f"round {round_index + 1}: removed {removed[round_index]}" if len(report["scores"]) > 1 else "scores"
+            axis.plot(indices, values, marker="o", markersize=3, color=colour, label=label)
+        for index in removed:
+            axis.axvline(index, color="tab:red", alpha=0.25, linewidth=3)
+        axis.set_yscale("log" if all(v > 0 for r in report["scores"] for v in r.values()) else "linear")
+        axis.set_xlim(-0.5, num_layers - 0.5)
+        axis.set_xlabel("layer index in the dense model (red bands: removed layers)")
+        axis.set_ylabel(f"importance score ({metric}; lower is removed first)")
+        axis.set_title(f"Stage 1 importance of each layer, every round ({len(removed)} of {num_layers} layers removed)")
+        axis.legend(fontsize=7, ncol=2)
+        figure.tight_layout()
+        figure.savefig(os.path.join(directory, IMPORTANCE_PICTURE), dpi=110)
+        plt.close(figure)
+        written.append(IMPORTANCE_PICTURE)
+    if report["drift"]:
+        figure, axis = plt.subplots(figsize=(9, 4.5))
+        indices = sorted(int(index) for index in report["drift"])
+        axis.plot(indices, [report["drift"][str(i)] for i in indices], marker="o", markersize=4, label="after Stage 1 (pruned)")
+        if report["drift_after_compensation"]:
+            after = [report["drift_after_compensation"][str(i)] for i in indices]
+            axis.plot(indices, after, marker="s", markersize=4, label="after Stage 2 (compensated)")
+        for index in report["compensated_layers"]:
+            axis.axvline(index, color="tab:green", alpha=0.3, linewidth=3, label=f"compensated layer {index}")
+        axis.set_xlim(-0.5, num_layers - 0.5)
+        axis.set_xlabel("kept layer index in the dense model")
+        axis.set_ylabel("drift: L2 norm of the mean hidden-state shift (Eq. 10)")
+        axis.set_title("Drift of each kept layer's mean output from the dense model's")
+        axis.legend(fontsize=8)
+        figure.tight_layout()
+        figure.savefig(os.path.join(directory, DRIFT_PICTURE), dpi=110)
+        plt.close(figure)
+        written.append(DRIFT_PICTURE)
+    return written
+
+
+def _cost_table(report: dict[str, Any]) -> str:
+    rows = [
+        ("decoder layers", report["original_num_layers"], len(report["kept_layers"])),
+        ("parameters", f"{report['original_num_parameters']:,}", f"{report['num_parameters']:,}"),
+    ]
+    evaluation = report.get("evaluation") or {}
+    for entry in evaluation.get("perplexities", []):
+        rows.append((f"{entry['dataset']} perplexity ({entry['protocol']})", "", f"{entry['perplexity']:.3f}"))
+    if evaluation.get("zero_shot"):
+        zero_shot = evaluation["zero_shot"]
+        limit = f", {zero_shot['limit']} questions per task" if zero_shot.get("limit") else ""
+        rows.append(
+            (f"zero-shot average accuracy ({len(zero_shot['tasks'])} tasks{limit})", "", f"{zero_shot['average_acc']:.4f}")
+        )
+    lines = ["| | dense | pruned |", "|---|---|---|"] + [f"| {name} | {dense} | {pruned} |" for name, dense, pruned in rows]
+    return "\n".join(lines)
+
+
+def build_model_card(report: dict[str, Any], pictures: list[str], repo_id: str | None = None, title: str | None = None):
+    """A `huggingface_hub.ModelCard` for the pruned checkpoint.
+
+    Args:
+        report (`dict`): From [`build_report`].
+        pictures (`list[str]`): File names of the pictures beside the card.
+        repo_id (`str`, *optional*): The Hub repository, named in the loading examples.
+        title (`str`, *optional*): The card's heading; defaults to `repo_id`'s name.
+
+    The metadata names the base model but no `base_model_relation`: the Hub's vocabulary (adapter,
+    merge, quantized, finetune) has no word for removing layers, and none of those is true.
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    base_model = report.get("base_model")
+    on_hub = bool(base_model) and not os.path.isabs(base_model) and base_model.count("/") == 1
+    data = ModelCardData(
+        base_model=base_model if on_hub else None,
+        library_name="transformers",
+        license=report.get("license"),
+        pipeline_tag="text-generation",
+        tags=["gradmap", "layer-pruning", "pruned", "optimum"],
+    )
+    name = repo_id or "path/to/this/checkpoint"
+    removed, num_layers = report["removed_layers"], report["original_num_layers"]
+    metric = report["gradmap_config"].get("importance", "gradmap")
+    stage2 = (
+        f"Stage 2 compensated layer(s) {report['compensated_layers']} (a matrix folded into the MLP down projection, "
+        "so inference costs nothing extra)."
+        if report["compensated_layers"]
+        else "Stage 2 (compensation) was not run."
+    )
+    picture_lines = "\n\n".join(f"![{picture}]({picture})" for picture in pictures)
+    timings = ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in report["timings"].items())
+    content = f"""---
+{data.to_yaml()}
+---
+
+# {title or os.path.basename(name.rstrip("/"))}
+
+{"[" + base_model + "](https://huggingface.co/" + base_model + ")" if on_hub else (base_model or "A model")} with
+{len(removed)} of its {num_layers} decoder layers removed with optimum-gradmap, an implementation of GradMAP
+("GradMAP: Faster Layer Pruning with Gradient Metric and Projection Compensation"); importance metric:
+`{metric}`. {stage2}
+
+Removed layers (indices in the dense model, in removal order): {removed}.
+Kept layers: {report["kept_layers"]}.
+
+## What it cost
+
+{_cost_table(report)}
+
+Pruning time: {timings}. Every figure comes from `pruning_report.json` in this repository, which
+also holds the importance scores of every round and the drift of every layer.
+
+{picture_lines}
+
+## How to use
+
+A plain transformers checkpoint: no custom code.
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{name}")
+tokenizer = AutoTokenizer.from_pretrained("{name}")
+```
+
+With vLLM: `vllm serve {name}`.
+"""
+    return ModelCard(content)

@@ -1,0 +1,169 @@
+"""The command line (`optimum-gradmap` and `optimum-cli gradmap`), the pruning report, its pictures
+and the model card, and the Hub upload (checked by recording the exact `HfApi` calls and the
+uploaded folder: tests cannot reach the Hub)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from optimum_gradmap import load_report
+from optimum_gradmap.cli import main
+
+from .conftest import tiny_model
+
+CHECKPOINT_FILES = {"config.json", "model.safetensors", "gradmap_config.json", "pruning_report.json", "README.md"}
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path, byte_tokenizer):
+    """A dense tiny Llama saved as a normal checkpoint folder, with a tokenizer."""
+    folder = tmp_path / "dense"
+    model = tiny_model("llama", num_layers=6)
+    model.save_pretrained(folder)
+    byte_tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _prune_args(source: str, output: str, *extra: str) -> list[str]:
+    return ["prune", source, "--num-layers", "2", "--num-samples", "24", "--seq-len", "16", "--output", output, "-q", *extra]
+
+
+def test_prune_writes_checkpoint_report_pictures_and_card(tiny_checkpoint, tmp_path, capsys):
+    output = str(tmp_path / "pruned")
+    assert main(_prune_args(tiny_checkpoint, output, "--evaluate", "--max-eval-segments", "4")) == 0
+    assert CHECKPOINT_FILES | {"importance.png", "drift.png"} <= set(os.listdir(output))
+    report = load_report(output)
+    assert report["original_num_layers"] == 6 and len(report["removed_layers"]) == 2
+    assert sorted(report["removed_layers"] + report["kept_layers"]) == list(range(6))
+    assert len(report["scores"]) == 2 and set(report["drift"]) == set(report["drift_after_compensation"])
+    compensated = str(report["compensated_layers"][0])
+    assert report["drift_after_compensation"][compensated] < report["drift"][compensated]
+    assert report["evaluation"]["perplexities"][0]["protocol"] == "non-overlapping 128-token segments"
+    assert report["environment"]["transformers"] and report["gradmap_config"]["num_samples"] == 24
+    assert AutoModelForCausalLM.from_pretrained(output).config.num_hidden_layers == 4
+    card = open(os.path.join(output, "README.md"), encoding="utf-8").read()
+    assert "library_name: transformers" in card and "base_model_relation" not in card
+    assert f"{report['removed_layers']}" in card and "![importance.png](importance.png)" in card
+    printed = capsys.readouterr().out
+    assert f"Removed layers {report['removed_layers']} of 6" in printed
+
+
+def test_inspect_prints_the_report(tiny_checkpoint, tmp_path, capsys):
+    output = str(tmp_path / "pruned")
+    assert main(_prune_args(tiny_checkpoint, output, "--no-compensation")) == 0
+    capsys.readouterr()
+    assert main(["inspect", output]) == 0
+    printed = capsys.readouterr().out
+    report = load_report(output)
+    assert f"removed (in order):  {report['removed_layers']}" in printed and "compensated:         none" in printed
+    assert main(["inspect", output, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == report
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["prune", "MODEL", "--ratio", "1.5", "--output", "OUT"], "`pruning_ratio` must lie strictly between 0 and 1"),
+        (["prune", "MODEL", "--layers", "2", "9", "--output", "OUT"], "it has 6 decoder layers, indexed 0 to 5"),
+        (["prune", "MODEL", "--num-layers", "1", "--output", "OUT", "--private"], "--private only applies with --push-to-hub"),
+        (["prune", "./no/such/folder", "--num-layers", "1", "--output", "OUT"], "is not a folder"),
+        (["inspect", "MODEL"], "has no pruning_report.json"),
+        (["evaluate", "MODEL", "--datasets", "--tasks", "mmlu"], "Unknown task(s) mmlu"),
+    ],
+)
+def test_bad_input_exits_with_2_and_says_what_to_fix(tiny_checkpoint, tmp_path, capsys, argv, message):
+    argv = [tiny_checkpoint if arg == "MODEL" else str(tmp_path / "out") if arg == "OUT" else arg for arg in argv]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_missing_required_option_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["prune", "smollm2-135m", "--output", "out"])
+    assert exit_info.value.code == 2
+    assert "one of the arguments --ratio --num-layers --layers is required" in capsys.readouterr().err
+
+
+def test_every_option_has_help_with_its_default(capsys):
+    for command in ("prune", "evaluate"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "(default: 128, as in the paper)" in text or command == "evaluate"
+        assert "(default: float32)" in text
+
+
+def test_evaluate_command_writes_json(tiny_checkpoint, tmp_path, capsys):
+    output = str(tmp_path / "evaluation.json")
+    argv = ["evaluate", tiny_checkpoint, "--datasets", "wikipedia", "--seq-len", "32", "--max-segments", "2", "-o", output, "-q"]
+    assert main(argv) == 0
+    assert "wikipedia perplexity:" in capsys.readouterr().out
+    assert json.load(open(output))["perplexities"][0]["num_segments"] == 2
+
+
+def test_push_to_hub_makes_the_exact_calls_and_uploads_the_whole_report(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    calls, uploaded = [], {}
+
+    class RecordingApi:
+        def __init__(self, token=None):
+            calls.append(("init", token))
+
+        def create_repo(self, repo_id, private=None, repo_type=None, exist_ok=False):
+            calls.append(("create_repo", repo_id, private, repo_type, exist_ok))
+
+        def upload_folder(self, repo_id, folder_path, repo_type, commit_message):
+            calls.append(("upload_folder", repo_id, repo_type, commit_message))
+            shutil.copytree(folder_path, tmp_path / "uploaded")
+            uploaded["files"] = set(os.listdir(folder_path))
+            return type("Commit", (), {"commit_url": f"https://huggingface.co/{repo_id}/commit/0123"})()
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
+    monkeypatch.setenv("HF_TOKEN", "hf_do_not_print_me")
+    output = str(tmp_path / "pruned")
+    assert main(_prune_args(tiny_checkpoint, output, "--push-to-hub", "me/tiny-gradmap", "--private")) == 0
+    assert calls[0] == ("init", None)  # the token comes from the usual places, never from us
+    assert calls[1] == ("create_repo", "me/tiny-gradmap", True, "model", True)
+    report = load_report(output)
+    assert calls[2][:3] == ("upload_folder", "me/tiny-gradmap", "model")
+    assert f"GradMAP (gradmap): remove 2 of 6 layers {report['removed_layers']}" in calls[2][3]
+    assert CHECKPOINT_FILES | {"importance.png", "drift.png", "tokenizer.json"} <= uploaded["files"]
+    assert 'from_pretrained("me/tiny-gradmap")' in (tmp_path / "uploaded" / "README.md").read_text()
+    printed = capsys.readouterr()
+    assert "https://huggingface.co/me/tiny-gradmap/commit/0123" in printed.out
+    assert "hf_do_not_print_me" not in printed.out + printed.err
+
+
+def test_report_without_matplotlib_has_no_pictures_but_a_card(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    output = str(tmp_path / "pruned")
+    assert main(_prune_args(tiny_checkpoint, output)) == 0
+    files = set(os.listdir(output))
+    assert CHECKPOINT_FILES <= files and not {"importance.png", "drift.png"} & files
+    assert "![" not in open(os.path.join(output, "README.md"), encoding="utf-8").read()
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("command", [["optimum-gradmap"], ["optimum-cli", "gradmap"]])
+def test_both_console_commands_prune_the_offline_smollm2(smollm2, tmp_path, command):
+    executable = os.path.join(os.path.dirname(sys.executable), command[0])
+    output = str(tmp_path / "out")
+    argv = [*command[1:], "prune", "smollm2-135m", "--ratio", "0.25", "--num-samples", "4", "--seq-len", "32"]
+    completed = subprocess.run([executable, *argv, "--output", output, "-q"], capture_output=True, text=True, timeout=900)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "Removed layers [" in completed.stdout
+    report = load_report(output)
+    assert report["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and report["license"] == "apache-2.0"
+    assert len(report["removed_layers"]) == 8
+    assert CHECKPOINT_FILES | {"importance.png", "drift.png"} <= set(os.listdir(output))
+    inspected = subprocess.run([executable, *command[1:], "inspect", output], capture_output=True, text=True, timeout=300)
+    assert inspected.returncode == 0 and "layers:              30 -> 22" in inspected.stdout
