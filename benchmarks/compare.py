@@ -109,6 +109,9 @@ def main() -> None:
     parser.add_argument("--max-eval-segments", type=int, default=128, help="perplexity segments per dataset (default 128)")
     parser.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default 128, as in the paper)")
     parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument(
+        "--save-checkpoints", default=None, help="save each method's final checkpoint (with report) under this folder"
+    )
     args = parser.parse_args()
 
     dense, tokenizer = load_model(args.model)
@@ -179,6 +182,10 @@ def main() -> None:
         )
         save()
         print(markdown(record).splitlines()[-2:], flush=True)
+        if args.save_checkpoints:
+            asset = MODEL_ASSETS[args.model]
+            folder = os.path.join(args.save_checkpoints, f"{args.model}-{metric}-{args.ratio}")
+            pruner.save_pretrained(folder, base_model=asset.hub_id, license=asset.license)
         del model
 
     times = {row["method"]: row["stage1_seconds"] for row in record["rows"] if row["stage1_seconds"] is not None}
