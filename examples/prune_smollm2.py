@@ -61,7 +61,10 @@ def main() -> None:
     result = pruner.select_layers(model, "wikipedia")  # Stage 1
     stage1 = perplexity(model, segments)
     pruner.compensate(result)  # Stage 2
-    pruner.save_pretrained(args.output)
+    asset = MODEL_ASSETS.get(args.model)
+    pruner.save_pretrained(  # checkpoint + pruning_report.json + pictures + model card
+        args.output, base_model=asset.hub_id if asset else args.model, license=asset.license if asset else None
+    )
 
     reloaded = AutoModelForCausalLM.from_pretrained(args.output, dtype=torch.float32)
     final = perplexity(reloaded, segments)
