@@ -247,6 +247,13 @@ class DecoderAdapter:
         if snapshot.device_map is not None:
             model.hf_device_map = self._renumber_device_map(snapshot.device_map, kept)
 
+    def restore(self, model: PreTrainedModel, snapshot: LayerSnapshot) -> None:
+        """Puts back every layer of `snapshot` and the exact config values it recorded."""
+        self.keep_layers(model, snapshot, list(range(snapshot.num_layers)))
+        config = self.get_text_config(model)
+        for name, value in snapshot.config_values.items():
+            setattr(config, name, copy.deepcopy(value))
+
     def update_config(self, config: PretrainedConfig, snapshot: LayerSnapshot, kept: Sequence[int]) -> None:
         """Rewrites the layer-dependent config fields for the kept layers."""
         original_count = snapshot.num_layers

@@ -88,7 +88,7 @@ def test_taylor_is_the_sum_of_abs_weight_times_gradient_of_the_calibration_loss(
     assert all(p.grad is None and p.requires_grad for p in model.parameters())  # nothing left behind
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("model_type", FAMILIES + ["gemma2", "opt", "qwen2_moe"])
 def test_sleb_is_the_calibration_loss_without_each_layer(model_type):
     model, ids = tiny_model(model_type, num_layers=4), random_ids(5, 12)
     expected = []
@@ -97,8 +97,11 @@ def test_sleb_is_the_calibration_loss_without_each_layer(model_type):
         remove_layers(without, [layer])
         with torch.no_grad():
             expected.append(without(ids, labels=ids, use_cache=False).loss.item())
+    before = copy.deepcopy(model.config.to_dict())
     assert _score("sleb", model, ids) == pytest.approx(expected, rel=1e-5)
-    assert get_adapter(model).num_layers(model) == 4  # every layer is back
+    layers = get_adapter(model).get_layers(model)
+    assert len(layers) == 4 and all(type(layer).__name__ != "_ReplayedPrefix" for layer in layers)  # every layer is back
+    assert model.config.to_dict() == before
 
 
 def test_gradmap_metric_is_eq5():

@@ -26,7 +26,6 @@ from .metrics import (
     RelativeMagnitude,
     SLEBImportance,
     TaylorImportance,
-    calibration_loss,
     get_importance_metric,
 )
 
@@ -41,7 +40,6 @@ __all__ = [
     "SLEBImportance",
     "TaylorImportance",
     "broadcast_per_sample_sq_norms",
-    "calibration_loss",
     "causal_lm_loss_gradient",
     "frozen_for_scoring",
     "get_importance_metric",
