@@ -207,7 +207,7 @@ class GradMAPPruner:
         try:
             self._run_stage1(model, adapter, result)
         except BaseException:
-            adapter.keep_layers(model, snapshot, list(range(num_layers)))
+            adapter.restore(model, snapshot)
             raise
         result.timings["stage1"] = time.perf_counter() - start
         logger.info(
