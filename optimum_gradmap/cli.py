@@ -158,8 +158,14 @@ def _load(args: argparse.Namespace):
         asset = MODEL_ASSETS[args.model]
         path = get_model_path(args.model)
         base_model, license = asset.hub_id, asset.license
-    elif not os.path.isdir(args.model) and (args.model.startswith((".", "/", "~")) or args.model.count("/") > 1):
-        raise InputError(f"{args.model} is not a folder. Give a Hub model id (org/name), a checkpoint folder or an asset name.")
+    elif not os.path.isdir(args.model):
+        if args.model.startswith((".", "/", "~")) or args.model.count("/") > 1:
+            raise InputError(
+                f"{args.model} is not a folder. Give a Hub model id (org/name), a checkpoint folder or an asset name."
+            )
+        from .hub import base_model_license
+
+        base_model, license = args.model, base_model_license(args.model, args.revision)
     kwargs = {"dtype": dtype, "revision": args.revision} if args.revision else {"dtype": dtype}
     if args.device_map:
         kwargs["device_map"] = args.device_map

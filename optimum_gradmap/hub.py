@@ -194,6 +194,19 @@ def upload_checkpoint(
     return getattr(commit, "commit_url", str(commit))
 
 
+def base_model_license(repo_id: str, revision: str | None = None) -> str | None:
+    """The license a Hub model declares in its model card, or `None` when it declares none or the Hub
+    cannot be reached (the pruned model inherits it; say so rather than guess)."""
+    from huggingface_hub import HfApi
+
+    try:
+        card_data = HfApi().model_info(repo_id, revision=revision).card_data
+    except Exception as error:  # noqa: BLE001 - offline, private, gated or missing: no license is known
+        logger.info(f"Could not read the license of {repo_id} from the Hub ({type(error).__name__}); the model card omits it.")
+        return None
+    return getattr(card_data, "license", None) if card_data is not None else None
+
+
 def load_report(directory: str | os.PathLike) -> dict[str, Any]:
     """Reads the `pruning_report.json` written next to a GradMAP checkpoint."""
     with open(os.path.join(directory, REPORT_NAME), encoding="utf-8") as file:

@@ -167,3 +167,22 @@ def test_both_console_commands_prune_the_offline_smollm2(smollm2, tmp_path, comm
     assert CHECKPOINT_FILES | {"importance.png", "drift.png"} <= set(os.listdir(output))
     inspected = subprocess.run([executable, *command[1:], "inspect", output], capture_output=True, text=True, timeout=300)
     assert inspected.returncode == 0 and "layers:              30 -> 22" in inspected.stdout
+
+
+def test_license_is_read_from_the_base_models_card_or_left_out(monkeypatch):
+    import huggingface_hub
+
+    from optimum_gradmap.hub import base_model_license
+
+    class CardApi:
+        def model_info(self, repo_id, revision=None):
+            return type("Info", (), {"card_data": huggingface_hub.ModelCardData(license="llama3.1")})()
+
+    class OfflineApi:
+        def model_info(self, repo_id, revision=None):
+            raise ConnectionError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", CardApi)
+    assert base_model_license("meta-llama/Llama-3.1-8B") == "llama3.1"
+    monkeypatch.setattr(huggingface_hub, "HfApi", OfflineApi)
+    assert base_model_license("meta-llama/Llama-3.1-8B") is None
