@@ -61,6 +61,13 @@ def main() -> None:
         default=392,
         help="perplexity segments per dataset (default 392: all 385 held-out Wikipedia segments for SmolLM2, 392 of web text)",
     )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        nargs="+",
+        default=None,
+        help="remove these layers instead of running Stage 1 (e.g. the ones a GradMAP run already selected)",
+    )
     parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
 
@@ -83,27 +90,38 @@ def main() -> None:
         print(f"{label}: evaluated in {time.perf_counter() - start:.0f} s", flush=True)
         return result
 
-    rows = [measure(f"dense ({num_layers} layers)")]
-    pruner = GradMAPPruner(GradMAPConfig(pruning_ratio=args.ratio), tokenizer=tokenizer)
-    pruning = pruner.select_layers(model, "wikipedia")
-    kept = len(pruning.kept_layers)
-    rows.append(measure(f"GradMAP {args.ratio:.0%}, Stage 1 only ({kept} layers)"))
-    pruner.compensate(pruning)
-    rows.append(measure(f"GradMAP {args.ratio:.0%}, both stages ({kept} layers)"))
-
     os.makedirs(args.output_dir, exist_ok=True)
     path = os.path.join(args.output_dir, f"evaluation-{args.model}-{args.ratio}-limit{args.task_limit}.json")
+    command = (
+        f"python benchmarks/evaluation.py --model {args.model} --ratio {args.ratio} "
+        f"--task-limit {args.task_limit} --max-eval-segments {args.max_eval_segments}"
+        + (f" --layers {' '.join(map(str, args.layers))}" if args.layers else "")
+    )
     record = {
-        "command": (
-            f"python benchmarks/evaluation.py --model {args.model} --ratio {args.ratio} "
-            f"--task-limit {args.task_limit} --max-eval-segments {args.max_eval_segments}"
-        ),
+        "command": command,
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
-        "pruning": pruning.to_dict(),
-        "rows": [row.to_dict() for row in rows],
+        "rows": [],
     }
-    with open(path, "w", encoding="utf-8") as file:
-        json.dump(record, file, indent=2)
+
+    def save(row: EvaluationResult) -> None:  # after every row: a late failure loses nothing measured
+        record["rows"].append(row.to_dict())
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(record, file, indent=2)
+
+    rows = [measure(f"dense ({num_layers} layers)")]
+    save(rows[-1])
+    selection = {"layers_to_prune": args.layers} if args.layers else {"pruning_ratio": args.ratio}
+    pruner = GradMAPPruner(GradMAPConfig(**selection), tokenizer=tokenizer)
+    pruning = pruner.select_layers(model, "wikipedia")
+    kept = len(pruning.kept_layers)
+    stage1 = "given layers" if args.layers else "Stage 1"
+    rows.append(measure(f"GradMAP {args.ratio:.0%}, {stage1} only ({kept} layers)"))
+    save(rows[-1])
+    pruner.compensate(pruning)
+    rows.append(measure(f"GradMAP {args.ratio:.0%}, {stage1} + Stage 2 ({kept} layers)"))
+    record["pruning"] = pruning.to_dict()
+    save(rows[-1])
+
     print()
     print(f"removed layers {pruning.removed_layers}, compensated {pruning.compensated_layers}")
     print(f"expected decoding speed-up L/(L-K) = {num_layers}/{kept} = {num_layers / kept:.3f}")
