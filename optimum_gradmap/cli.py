@@ -210,7 +210,9 @@ def run_prune(args: argparse.Namespace) -> int:
         evaluation = evaluate(
             model, tokenizer, ("wikipedia", "web_text"), seq_len=128, max_segments=args.max_eval_segments, progress_bar=progress
         )
-    pruner.save_pretrained(args.output, evaluation=evaluation, base_model=base_model or args.model, license=license)
+    pruner.save_pretrained(
+        args.output, evaluation=evaluation, base_model=base_model or args.model, license=license, repo_id=args.push_to_hub
+    )
     print(
         f"Removed layers {result.removed_layers} of {result.original_num_layers} (in removal order); kept {result.kept_layers}."
     )
@@ -220,10 +222,12 @@ def run_prune(args: argparse.Namespace) -> int:
         print(f"{entry.dataset} perplexity: {entry.perplexity:.3f} ({entry.protocol}, {entry.num_segments} segments)")
     print(f"Saved the checkpoint, pruning_report.json, pictures and model card to {os.path.abspath(args.output)}")
     if args.push_to_hub:
-        url = pruner.push_to_hub(
-            args.push_to_hub, private=args.private or None, evaluation=evaluation, base_model=base_model or args.model,
-            license=license,
-        )  # fmt: skip
+        from .hub import upload_checkpoint
+
+        # the folder just written is the upload: no second save
+        url = upload_checkpoint(
+            args.output, args.push_to_hub, private=args.private or None, commit_message=pruner.commit_message()
+        )
         print(f"Uploaded to {url}")
     return 0
 

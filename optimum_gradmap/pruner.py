@@ -296,7 +296,7 @@ class GradMAPPruner:
         """
         with tempfile.TemporaryDirectory() as folder:
             self.save_pretrained(folder, model=model, tokenizer=tokenizer, repo_id=repo_id, **save_kwargs)
-            message = commit_message or self._commit_message()
+            message = commit_message or self.commit_message()
             return upload_checkpoint(folder, repo_id, private=private, token=token, commit_message=message)
 
     # ----------------------------------------------------------------------------------- internals
@@ -437,7 +437,8 @@ class GradMAPPruner:
             for position, original in enumerate(kept)
         }
 
-    def _commit_message(self) -> str:
+    def commit_message(self) -> str:
+        """The Hub commit message for the last pruning: which layers were removed and compensated."""
         if self.result is None:
             return "Upload model pruned with GradMAP"
         return (
