@@ -11,15 +11,20 @@ stage. Also plots which layers each method removed and the per-layer drift (Eq. 
     python benchmarks/compare.py --model smollm2-135m --ratio 0.25 --metrics gradmap block_influence --task-limit 50
 
 Writes benchmarks/results/compare-<model>-<ratio>.{json,md} and compare-<model>-<ratio>-{layers,drift}.png.
+With `--resume`, methods already in that JSON are kept (the dense row too) and only the others run,
+so a long comparison can be split over several invocations; the settings must match, and the
+calibration set is checked to be the same one (by its SHA-256).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import os
 import platform
+import time
 
 import torch
 
@@ -109,6 +114,7 @@ def main() -> None:
     parser.add_argument("--max-eval-segments", type=int, default=128, help="perplexity segments per dataset (default 128)")
     parser.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default 128, as in the paper)")
     parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--resume", action="store_true", help="keep the methods already in the JSON, run the others")
     parser.add_argument(
         "--save-checkpoints", default=None, help="save each method's final checkpoint (with report) under this folder"
     )
@@ -118,7 +124,8 @@ def main() -> None:
     tasks = PAPER_TASKS if args.task_limit > 0 else ()
 
     def measure(model, label):
-        return evaluate(
+        started = time.perf_counter()
+        evaluation = evaluate(
             model,
             tokenizer,
             ("wikipedia", "web_text"),
@@ -129,40 +136,64 @@ def main() -> None:
             model_name=label,
             progress_bar=False,
         ).to_dict()
+        evaluation["seconds"] = time.perf_counter() - started
+        return evaluation
 
-    record = {
-        "command": (
-            f"python benchmarks/compare.py --model {args.model} --ratio {args.ratio} --metrics {' '.join(args.metrics)} "
-            f"--task-limit {args.task_limit} --max-eval-segments {args.max_eval_segments} --num-samples {args.num_samples}"
-        ),
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
+    command = (
+        f"python benchmarks/compare.py --model {args.model} --ratio {args.ratio} --metrics {' '.join(args.metrics)} "
+        f"--task-limit {args.task_limit} --max-eval-segments {args.max_eval_segments} --num-samples {args.num_samples}"
+    )
+    settings = {
         "model": args.model,
         "ratio": args.ratio,
-        "num_layers": dense.config.num_hidden_layers,
-        "calibration": f"{args.num_samples} x 128 tokens of the calibration Wikipedia articles, seed 0, for every method",
-        "rows": [],
+        "task_limit": args.task_limit,
+        "max_eval_segments": args.max_eval_segments,
+        "num_samples": args.num_samples,
     }
     os.makedirs(args.output_dir, exist_ok=True)
     prefix = os.path.join(args.output_dir, f"compare-{args.model}-{args.ratio}")
+    if args.resume and os.path.exists(f"{prefix}.json"):
+        with open(f"{prefix}.json", encoding="utf-8") as file:
+            record = json.load(file)
+        different = {key: (record["settings"][key], value) for key, value in settings.items() if record["settings"][key] != value}
+        if different:
+            raise SystemExit(f"--resume: settings differ from {prefix}.json (saved, asked): {different}")
+        record["commands"].append(command + " --resume")
+    else:
+        record = {
+            "commands": [command],
+            "settings": settings,
+            "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
+            "model": args.model,
+            "ratio": args.ratio,
+            "num_layers": dense.config.num_hidden_layers,
+            "calibration": f"{args.num_samples} x 128 tokens of the calibration Wikipedia articles, seed 0, for every method",
+            "rows": [],
+        }
 
     def save() -> None:
         with open(f"{prefix}.json", "w", encoding="utf-8") as file:
             json.dump(record, file, indent=2)
         with open(f"{prefix}.md", "w", encoding="utf-8") as file:
-            file.write(f"`{record['command']}`\n\n{markdown(record)}\n")
+            commands = "\n".join(f"`{command}`  " for command in record["commands"])
+            file.write(f"{commands}\n\n{markdown(record)}\n")
 
-    dense_row = {"method": "dense", "stage2": False, "removed_layers": [], "stage1_seconds": None, "stage2_seconds": None}
-    record["rows"].append({**dense_row, "drift": {}, "evaluation": measure(dense, "dense")})
-    save()
-    calibration = None
+    done = {row["method"] for row in record["rows"]}
+    if "dense" not in done:
+        dense_row = {"method": "dense", "stage2": False, "removed_layers": [], "stage1_seconds": None, "stage2_seconds": None}
+        record["rows"].append({**dense_row, "drift": {}, "evaluation": measure(dense, "dense")})
+        save()
     for metric in args.metrics:
+        if metric in done:
+            print(f"{metric}: already in {prefix}.json, kept", flush=True)
+            continue
         model = copy.deepcopy(dense)
         config = GradMAPConfig(pruning_ratio=args.ratio, importance=metric, num_samples=args.num_samples)
         pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
         result = pruner.select_layers(model, "wikipedia")
-        if calibration is None:
-            calibration = result.calibration_ids
-        assert torch.equal(calibration, result.calibration_ids), "every method must see the same calibration set"
+        calibration = hashlib.sha256(result.calibration_ids.numpy().tobytes()).hexdigest()
+        record.setdefault("calibration_sha256", calibration)
+        assert record["calibration_sha256"] == calibration, "every method must see the same calibration set"
         stage1 = {"method": metric, "removed_layers": result.removed_layers, "stage1_seconds": result.timings["stage1"]}
         stage1_evaluation = measure(model, metric)
         pruner.compensate(result)
