@@ -70,13 +70,15 @@ def plot(record: dict, prefix: str) -> list[str]:
     for position, row in enumerate(pruned):
         for order, index in enumerate(row["removed_layers"]):
             axis.scatter(index, position, s=120, color="tab:red", marker="s")
-            if row["method"] in ("gradmap", "sleb"):  # iterative: show the removal order
+            if IMPORTANCE_METRICS[row["method"]].iterative:  # re-scored after each removal: the order means something
                 axis.annotate(str(order + 1), (index, position), ha="center", va="center", fontsize=7, color="white")
     axis.set_yticks(range(len(pruned)), [row["method"] for row in pruned])
     axis.set_xticks(range(num_layers))
     axis.set_xlim(-0.5, num_layers - 0.5)
     axis.set_xlabel("layer index (dense model)")
-    axis.set_title(f"Layers removed from {record['model']} at {record['ratio']:.0%} (numbers: removal order)")
+    axis.set_title(
+        f"Layers removed from {record['settings']['model']} at {record['settings']['ratio']:.0%} (numbers: removal order)"
+    )
     axis.grid(axis="x", alpha=0.3)
     figure.tight_layout()
     layers_path = f"{prefix}-layers.png"
@@ -93,7 +95,7 @@ def plot(record: dict, prefix: str) -> list[str]:
     axis.set_ylabel("mean drift ||mean H - mean H'|| (Eq. 10)")
     axis.set_yscale("log")
     axis.set_title(
-        f"Drift of each kept layer after Stage 1, {record['model']} at {record['ratio']:.0%}\n"
+        f"Drift of each kept layer after Stage 1, {record['settings']['model']} at {record['settings']['ratio']:.0%}\n"
         "(layers before the first removed one do not drift and are not drawn)",
         fontsize=10,
     )
@@ -164,8 +166,6 @@ def main() -> None:
             "commands": [command],
             "settings": settings,
             "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
-            "model": args.model,
-            "ratio": args.ratio,
             "num_layers": dense.config.num_hidden_layers,
             "calibration": f"{args.num_samples} x 128 tokens of the calibration Wikipedia articles, seed 0, for every method",
             "rows": [],
