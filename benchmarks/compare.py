@@ -13,7 +13,9 @@ stage. Also plots which layers each method removed and the per-layer drift (Eq. 
 Writes benchmarks/results/compare-<model>-<ratio>.{json,md} and compare-<model>-<ratio>-{layers,drift}.png.
 With `--resume`, methods already in that JSON are kept (the dense row too) and only the others run,
 so a long comparison can be split over several invocations; the settings must match, and the
-calibration set is checked to be the same one (by its SHA-256).
+calibration set is checked to be the same one (by its SHA-256). Stage 1 saves its progress after
+every round in compare-<model>-<ratio>-<metric>-stage1.json (deleted once the method's rows are
+written); `--resume` goes on from there, so a stopped iterative run (SLEB) loses at most one round.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import copy
 import hashlib
 import json
+import logging
 import os
 import platform
 import time
@@ -121,6 +124,8 @@ def main() -> None:
         "--save-checkpoints", default=None, help="save each method's final checkpoint (with report) under this folder"
     )
     args = parser.parse_args()
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("optimum_gradmap").setLevel(logging.INFO)  # one line per Stage 1 round
 
     dense, tokenizer = load_model(args.model)
     tasks = PAPER_TASKS if args.task_limit > 0 else ()
@@ -190,11 +195,16 @@ def main() -> None:
         model = copy.deepcopy(dense)
         config = GradMAPConfig(pruning_ratio=args.ratio, importance=metric, num_samples=args.num_samples)
         pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
-        result = pruner.select_layers(model, "wikipedia")
+        stage1_checkpoint = f"{prefix}-{metric}-stage1.json"
+        if not args.resume and os.path.exists(stage1_checkpoint):
+            os.remove(stage1_checkpoint)  # a fresh comparison starts Stage 1 from scratch
+        result = pruner.select_layers(model, "wikipedia", stage1_checkpoint=stage1_checkpoint)
         calibration = hashlib.sha256(result.calibration_ids.numpy().tobytes()).hexdigest()
         record.setdefault("calibration_sha256", calibration)
         assert record["calibration_sha256"] == calibration, "every method must see the same calibration set"
         stage1 = {"method": metric, "removed_layers": result.removed_layers, "stage1_seconds": result.timings["stage1"]}
+        if "stage1_resumed" in result.timings:  # part of Stage 1 ran in an earlier invocation
+            stage1["stage1_seconds_in_earlier_invocations"] = result.timings["stage1_resumed"]
         stage1_evaluation = measure(model, metric)
         pruner.compensate(result)
         drift = {str(index): value for index, value in result.drift.items()}
@@ -212,6 +222,7 @@ def main() -> None:
             }
         )
         save()
+        os.remove(stage1_checkpoint)
         print(markdown(record).splitlines()[-2:], flush=True)
         if args.save_checkpoints:
             asset = MODEL_ASSETS[args.model]

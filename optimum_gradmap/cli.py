@@ -79,6 +79,12 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for drawing calibration sequences (default: 0)")
     parser.add_argument("--output", "-o", required=True, help="folder for the pruned checkpoint, report and model card")
     parser.add_argument(
+        "--stage1-checkpoint",
+        metavar="FILE",
+        default=None,
+        help="save Stage 1's progress to this JSON file after every round, and resume from it when it exists",
+    )
+    parser.add_argument(
         "--evaluate",
         action="store_true",
         help="also measure held-out Wikipedia and web-text perplexity (128-token protocol) for the report",
@@ -204,7 +210,7 @@ def run_prune(args: argparse.Namespace) -> int:
         raise InputError("--private only applies with --push-to-hub REPO.")
     model, tokenizer, base_model, license = _load(args)
     pruner = GradMAPPruner(config, model=model, tokenizer=tokenizer, progress_bar=progress)
-    result = pruner.prune()
+    result = pruner.prune(stage1_checkpoint=args.stage1_checkpoint)
     evaluation = None
     if args.evaluate:
         evaluation = evaluate(

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tempfile
 import time
@@ -152,6 +154,7 @@ class GradMAPPruner:
         model: PreTrainedModel | None = None,
         calibration_data: CalibrationData = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        stage1_checkpoint: str | os.PathLike | None = None,
     ) -> PruningResult:
         """Prunes `model` in place: Stage 1, then Stage 2 if `config.compensation`.
 
@@ -161,6 +164,9 @@ class GradMAPPruner:
                 list of token-id lists, or a `LongTensor` of shape `(N, T)`.
             tokenizer (`PreTrainedTokenizerBase`, *optional*): For text; defaults to the pruner's
                 tokenizer, else the one saved with the model.
+            stage1_checkpoint (`str` or `os.PathLike`, *optional*): A JSON file where Stage 1 saves
+                its progress after every round, and from which an interrupted run resumes (see
+                [`~GradMAPPruner.select_layers`]).
 
         Returns:
             [`PruningResult`]: `result.model` is the pruned model.
@@ -168,7 +174,7 @@ class GradMAPPruner:
         Raises:
             ValueError: for a model or data that cannot be pruned as configured; the model is left untouched.
         """
-        result = self.select_layers(model, calibration_data, tokenizer)
+        result = self.select_layers(model, calibration_data, tokenizer, stage1_checkpoint)
         if self.config.compensation:
             self.compensate(result)
         result.snapshot = None  # release the removed layers
@@ -179,11 +185,25 @@ class GradMAPPruner:
         model: PreTrainedModel | None = None,
         calibration_data: CalibrationData = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        stage1_checkpoint: str | os.PathLike | None = None,
     ) -> PruningResult:
         """Stage 1 alone: scores layers with `config.importance` (Eq. 5 by default) and removes K of them (Algorithm 1).
 
         The returned result keeps the removed layers in memory so that [`~GradMAPPruner.compensate`]
         can compare against the dense model; `prune` runs both and releases them.
+
+        Args:
+            model, calibration_data, tokenizer: As in [`~GradMAPPruner.prune`].
+            stage1_checkpoint (`str` or `os.PathLike`, *optional*): A JSON file where Stage 1 saves each
+                finished round (its scores, the layer it removed, its seconds). When the file exists, the
+                rounds it holds are replayed from their saved scores and scoring goes on from the next
+                one, so a long iterative run (SLEB, or GradMAP on a large model) that was interrupted
+                loses at most the round in progress. The file must come from the same run: same model
+                shape, metric, number of layers to remove and calibration set, else a `ValueError`
+                says what differs. `result.timings["stage1"]` includes the resumed rounds' seconds.
+
+        Returns:
+            [`PruningResult`]: The model has lost its K layers; Stage 2 has not run.
         """
         model = self._resolve_model(model)
         adapter = get_adapter(model)
@@ -191,6 +211,11 @@ class GradMAPPruner:
         num_layers = adapter.num_layers(model)
         num_to_prune = self._check_plan(num_layers)
         calibration_ids = self._calibration_ids(model, calibration_data, tokenizer)
+        checkpoint = None
+        if stage1_checkpoint is not None:
+            if self.config.layers_to_prune is not None:
+                raise ValueError("`stage1_checkpoint` has nothing to save: with `layers_to_prune`, Stage 1 does no scoring.")
+            checkpoint = Stage1Checkpoint(stage1_checkpoint, self._stage1_fingerprint(model, num_to_prune, calibration_ids))
 
         snapshot = adapter.snapshot(model)
         result = PruningResult(
@@ -205,11 +230,13 @@ class GradMAPPruner:
         self.result = result
         start = time.perf_counter()
         try:
-            self._run_stage1(model, adapter, result)
+            resumed_seconds = self._run_stage1(model, adapter, result, checkpoint)
         except BaseException:
             adapter.restore(model, snapshot)
             raise
-        result.timings["stage1"] = time.perf_counter() - start
+        result.timings["stage1"] = time.perf_counter() - start + resumed_seconds
+        if resumed_seconds:
+            result.timings["stage1_resumed"] = resumed_seconds
         logger.info(
             f"Stage 1 removed layers {result.removed_layers} of {num_layers} in {result.timings['stage1']:.1f}s; "
             f"{len(result.kept_layers)} remain."
@@ -353,13 +380,35 @@ class GradMAPPruner:
             raise ValueError(f"Calibration token ids must lie in [0, {vocab_size}), the model's vocabulary.")
         return ids
 
-    def _run_stage1(self, model: PreTrainedModel, adapter: DecoderAdapter, result: PruningResult) -> None:
+    def _stage1_fingerprint(self, model: PreTrainedModel, num_to_prune: int, calibration_ids: torch.LongTensor) -> dict[str, Any]:
+        """What must be the same for a saved Stage 1 round to be valid in this run."""
+        config = self.config
+        metric = get_importance_metric(config.importance, seed=config.seed)
+        return {
+            "model_type": model.config.model_type,
+            "num_layers": get_adapter(model).num_layers(model),
+            "hidden_size": model.get_input_embeddings().weight.shape[1],
+            "importance": config.importance,
+            "iterative": metric.iterative if config.iterative is None else config.iterative,
+            "seed": config.seed,
+            "num_layers_to_prune": num_to_prune,
+            "calibration_sha256": hashlib.sha256(calibration_ids.cpu().numpy().tobytes()).hexdigest(),
+        }
+
+    def _run_stage1(
+        self,
+        model: PreTrainedModel,
+        adapter: DecoderAdapter,
+        result: PruningResult,
+        checkpoint: Stage1Checkpoint | None = None,
+    ) -> float:
+        """Removes the K layers; returns the seconds of the rounds replayed from `checkpoint`."""
         config = self.config
         if config.layers_to_prune is not None:  # explicit layers: no scoring
             result.removed_layers = list(config.layers_to_prune)
             result.kept_layers = [index for index in result.kept_layers if index not in config.layers_to_prune]
             adapter.keep_layers(model, result.snapshot, result.kept_layers)
-            return
+            return 0.0
         metric = get_importance_metric(config.importance, seed=config.seed)
         iterative = metric.iterative if config.iterative is None else config.iterative
         protected = metric.protected_layers(result.original_num_layers)
@@ -370,26 +419,38 @@ class GradMAPPruner:
                 f"{len(candidates)} candidates for {result.num_layers_to_prune} removals: prune fewer layers."
             )
         num_rounds = result.num_layers_to_prune if iterative else 1
+        saved_rounds = checkpoint.rounds if checkpoint is not None else []
+        if saved_rounds:
+            logger.info(f"Resuming Stage 1 from {checkpoint.path}: {len(saved_rounds)} of {num_rounds} rounds are done.")
+        resumed_seconds = 0.0
         rounds = logging.tqdm(range(num_rounds), desc=f"Stage 1 ({config.importance})", disable=not self.progress_bar)
         for round_index in rounds:
+            started = time.perf_counter()
             kept = result.kept_layers
-            layer_scores = metric.score(
-                model,
-                adapter,
-                result.calibration_ids,
-                config.batch_size,
-                progress_bar=self.progress_bar,
-                description=f"Round {round_index + 1}/{num_rounds}",
-            )
-            round_scores = {original: float(score) for original, score in zip(kept, layer_scores)}
+            if round_index < len(saved_rounds):
+                round_scores = {int(index): score for index, score in saved_rounds[round_index]["scores"].items()}
+                resumed_seconds += saved_rounds[round_index]["seconds"]
+            else:
+                layer_scores = metric.score(
+                    model,
+                    adapter,
+                    result.calibration_ids,
+                    config.batch_size,
+                    progress_bar=self.progress_bar,
+                    description=f"Round {round_index + 1}/{num_rounds}",
+                )
+                round_scores = {original: float(score) for original, score in zip(kept, layer_scores)}
             result.scores.append(round_scores)
             ranked = sorted((index for index in kept if index not in protected), key=lambda index: (round_scores[index], index))
             to_remove = ranked[:1] if iterative else ranked[: result.num_layers_to_prune]
             result.removed_layers.extend(to_remove)
             result.kept_layers = [index for index in kept if index not in to_remove]
             adapter.keep_layers(model, result.snapshot, result.kept_layers)
+            if checkpoint is not None and round_index >= len(saved_rounds):
+                checkpoint.save_round(round_scores, to_remove, time.perf_counter() - started)
             for index in to_remove:
                 logger.info(f"Round {round_index + 1}/{num_rounds}: removed layer {index} (score {round_scores[index]:.6g})")
+        return resumed_seconds
 
     def _run_stage2(self, model: PreTrainedModel, adapter: DecoderAdapter, result: PruningResult) -> None:
         config = self.config
@@ -456,3 +517,52 @@ def _dense(model: PreTrainedModel, adapter: DecoderAdapter, snapshot: LayerSnaps
         yield
     finally:
         adapter.keep_layers(model, snapshot, kept)
+
+
+class Stage1Checkpoint:
+    """Stage 1's progress in a JSON file: the scores, removed layers and seconds of each finished round,
+    with the fingerprint of the run that wrote them (model shape, metric, K, calibration set).
+
+    Args:
+        path (`str` or `os.PathLike`): The file; read now if it exists, rewritten after every round.
+        fingerprint (`dict`): What this run is; a file written by another run is refused.
+
+    Raises:
+        ValueError: the file is not a Stage 1 checkpoint, or comes from a different run.
+    """
+
+    def __init__(self, path: str | os.PathLike, fingerprint: dict[str, Any]):
+        self.path = os.fspath(path)
+        self.fingerprint = fingerprint
+        self.rounds: list[dict[str, Any]] = []
+        if os.path.exists(self.path):
+            try:
+                with open(self.path, encoding="utf-8") as file:
+                    saved = json.load(file)
+                saved_fingerprint, self.rounds = saved["fingerprint"], list(saved["rounds"])
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                raise ValueError(
+                    f"{self.path} is not a Stage 1 checkpoint ({error}): delete it, or pass another `stage1_checkpoint`."
+                ) from error
+            different = {
+                key: (saved_fingerprint.get(key), value)
+                for key, value in fingerprint.items()
+                if saved_fingerprint.get(key) != value
+            }
+            if different:
+                details = ", ".join(f"{key}: saved {saved!r}, now {now!r}" for key, (saved, now) in different.items())
+                raise ValueError(
+                    f"{self.path} was written by a different Stage 1 run ({details}). Delete it to start over, "
+                    "or pass another `stage1_checkpoint`."
+                )
+
+    def save_round(self, scores: dict[int, float], removed: list[int], seconds: float) -> None:
+        """Appends a finished round and rewrites the file (atomically: a crash leaves the old one)."""
+        self.rounds.append(
+            {"scores": {str(index): score for index, score in scores.items()}, "removed": removed, "seconds": seconds}
+        )
+        directory = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False, encoding="utf-8") as file:
+            json.dump({"fingerprint": self.fingerprint, "rounds": self.rounds}, file, indent=1)
+        os.replace(file.name, self.path)

@@ -36,13 +36,18 @@ def _prune_args(source: str, output: str, *extra: str) -> list[str]:
 
 
 def test_prune_writes_checkpoint_report_pictures_and_card(tiny_checkpoint, tmp_path, capsys):
-    output = str(tmp_path / "pruned")
-    assert main(_prune_args(tiny_checkpoint, output, "--evaluate", "--max-eval-segments", "4")) == 0
+    output, progress = str(tmp_path / "pruned"), tmp_path / "stage1.json"
+    assert (
+        main(_prune_args(tiny_checkpoint, output, "--evaluate", "--max-eval-segments", "4", "--stage1-checkpoint", str(progress)))
+        == 0
+    )
     assert CHECKPOINT_FILES | {"importance.png", "drift.png"} <= set(os.listdir(output))
     report = load_report(output)
     assert report["original_num_layers"] == 6 and len(report["removed_layers"]) == 2
     assert sorted(report["removed_layers"] + report["kept_layers"]) == list(range(6))
     assert len(report["scores"]) == 2 and set(report["drift"]) == set(report["drift_after_compensation"])
+    saved_rounds = json.loads(progress.read_text())["rounds"]
+    assert [index for saved in saved_rounds for index in saved["removed"]] == report["removed_layers"]
     compensated = str(report["compensated_layers"][0])
     assert report["drift_after_compensation"][compensated] < report["drift"][compensated]
     assert report["evaluation"]["perplexities"][0]["protocol"] == "non-overlapping 128-token segments"

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, BloomConfig, BloomForCausalLM
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner, UnsupportedArchitectureError, load_report, supported_model_types
-from optimum_gradmap.importance import gradient_importance
+from optimum_gradmap.importance import get_importance_metric, gradient_importance
 
 from .conftest import ARCHITECTURES, random_ids, small_config, tiny_model
 
@@ -190,6 +190,70 @@ def test_a_failure_during_stage1_restores_the_dense_model():
         pruner.prune(model, random_ids(8, 16))
     assert_untouched(model, state, 6)
     assert [layer.self_attn.layer_idx for layer in model.model.layers] == list(range(6))
+
+
+@pytest.mark.parametrize("importance", ["gradmap", "sleb"])
+def test_stage1_checkpoint_resumes_an_interrupted_run_with_the_same_result(tmp_path, monkeypatch, importance):
+    ids = random_ids(8, 16)
+    config = small_config(num_layers_to_prune=3, importance=importance, compensation=False)
+    uninterrupted = GradMAPPruner(config, progress_bar=False).select_layers(tiny_model("llama", num_layers=6), ids)
+
+    metric_class = type(get_importance_metric(importance))
+    real_score = metric_class.score
+    calls = []
+
+    def interrupted_score(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the third round is cut short
+        return real_score(self, *args, **kwargs)
+
+    monkeypatch.setattr(metric_class, "score", interrupted_score)
+    model = tiny_model("llama", num_layers=6)
+    state = state_copy(model)
+    path = tmp_path / "stage1.json"
+    with pytest.raises(KeyboardInterrupt):
+        GradMAPPruner(config, progress_bar=False).select_layers(model, ids, stage1_checkpoint=path)
+    assert_untouched(model, state, 6)
+    saved = json.loads(path.read_text())
+    assert [saved_round["removed"] for saved_round in saved["rounds"]] == [[index] for index in uninterrupted.removed_layers[:2]]
+
+    calls.clear()
+    resumed = GradMAPPruner(config, progress_bar=False).select_layers(model, ids, stage1_checkpoint=path)
+    assert len(calls) == 1  # only the unfinished round is scored
+    assert resumed.removed_layers == uninterrupted.removed_layers
+    assert resumed.kept_layers == uninterrupted.kept_layers == [i for i in range(6) if i not in resumed.removed_layers]
+    assert len(model.model.layers) == 3
+    assert len(resumed.scores) == len(uninterrupted.scores) == 3
+    for resumed_round, uninterrupted_round in zip(resumed.scores, uninterrupted.scores):
+        assert resumed_round == pytest.approx(uninterrupted_round)
+    saved_seconds = sum(saved_round["seconds"] for saved_round in saved["rounds"])
+    assert resumed.timings["stage1_resumed"] == pytest.approx(saved_seconds)
+    assert resumed.timings["stage1"] > saved_seconds
+    assert len(json.loads(path.read_text())["rounds"]) == 3
+
+
+def test_a_stage1_checkpoint_from_another_run_is_refused_before_the_model_changes(tmp_path):
+    path = tmp_path / "stage1.json"
+    GradMAPPruner(small_config(compensation=False), progress_bar=False).select_layers(
+        tiny_model("llama", num_layers=6), random_ids(8, 16), stage1_checkpoint=path
+    )
+    model = tiny_model("llama", num_layers=6)
+    state = state_copy(model)
+    with pytest.raises(ValueError, match="calibration_sha256: saved '[0-9a-f]+', now '[0-9a-f]+'"):
+        GradMAPPruner(small_config(), progress_bar=False).prune(model, random_ids(8, 16, seed=1), stage1_checkpoint=path)
+    with pytest.raises(ValueError, match="importance: saved 'gradmap', now 'block_influence'"):
+        GradMAPPruner(small_config(importance="block_influence"), progress_bar=False).prune(
+            model, random_ids(8, 16), stage1_checkpoint=path
+        )
+    path.write_text("not json")
+    with pytest.raises(ValueError, match="is not a Stage 1 checkpoint"):
+        GradMAPPruner(small_config(), progress_bar=False).prune(model, random_ids(8, 16), stage1_checkpoint=path)
+    with pytest.raises(ValueError, match="nothing to save"):
+        GradMAPPruner(GradMAPConfig(layers_to_prune=[2]), progress_bar=False).prune(
+            model, random_ids(8, 16), stage1_checkpoint=tmp_path / "other.json"
+        )
+    assert_untouched(model, state, 6)
 
 
 def test_calibration_text_uses_the_given_tokenizer(byte_tokenizer):
