@@ -539,7 +539,7 @@ class Stage1Checkpoint:
             try:
                 with open(self.path, encoding="utf-8") as file:
                     saved = json.load(file)
-                saved_fingerprint, self.rounds = saved["fingerprint"], list(saved["rounds"])
+                saved_fingerprint, self.rounds = dict(saved["fingerprint"]), list(saved["rounds"])
             except (OSError, ValueError, KeyError, TypeError) as error:
                 raise ValueError(
                     f"{self.path} is not a Stage 1 checkpoint ({error}): delete it, or pass another `stage1_checkpoint`."

@@ -246,9 +246,10 @@ def test_a_stage1_checkpoint_from_another_run_is_refused_before_the_model_change
         GradMAPPruner(small_config(importance="block_influence"), progress_bar=False).prune(
             model, random_ids(8, 16), stage1_checkpoint=path
         )
-    path.write_text("not json")
-    with pytest.raises(ValueError, match="is not a Stage 1 checkpoint"):
-        GradMAPPruner(small_config(), progress_bar=False).prune(model, random_ids(8, 16), stage1_checkpoint=path)
+    for garbage in ("not json", '{"fingerprint": [1, 2], "rounds": []}'):
+        path.write_text(garbage)
+        with pytest.raises(ValueError, match="is not a Stage 1 checkpoint"):
+            GradMAPPruner(small_config(), progress_bar=False).prune(model, random_ids(8, 16), stage1_checkpoint=path)
     with pytest.raises(ValueError, match="nothing to save"):
         GradMAPPruner(GradMAPConfig(layers_to_prune=[2]), progress_bar=False).prune(
             model, random_ids(8, 16), stage1_checkpoint=tmp_path / "other.json"
