@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import json
 import logging
 import os
@@ -33,6 +32,7 @@ import torch
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.assets import MODEL_ASSETS, load_model
+from optimum_gradmap.data import calibration_sha256
 from optimum_gradmap.evaluation import PAPER_TASKS, evaluate
 from optimum_gradmap.importance import IMPORTANCE_METRICS
 
@@ -199,7 +199,7 @@ def main() -> None:
         if not args.resume and os.path.exists(stage1_checkpoint):
             os.remove(stage1_checkpoint)  # a fresh comparison starts Stage 1 from scratch
         result = pruner.select_layers(model, "wikipedia", stage1_checkpoint=stage1_checkpoint)
-        calibration = hashlib.sha256(result.calibration_ids.numpy().tobytes()).hexdigest()
+        calibration = calibration_sha256(result.calibration_ids)
         record.setdefault("calibration_sha256", calibration)
         assert record["calibration_sha256"] == calibration, "every method must see the same calibration set"
         stage1 = {"method": metric, "removed_layers": result.removed_layers, "stage1_seconds": result.timings["stage1"]}

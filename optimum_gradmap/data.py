@@ -15,6 +15,7 @@ pruning papers load them: `"wikitext2"`, `"c4"`, `"ptb"`.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 from typing import Union
@@ -123,6 +124,11 @@ def sample_sequences(token_ids: torch.LongTensor, num_samples: int, seq_len: int
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, token_ids.numel() - seq_len + 1, (num_samples,), generator=generator)
     return torch.stack([token_ids[start : start + seq_len] for start in starts.tolist()])
+
+
+def calibration_sha256(calibration_ids: torch.LongTensor) -> str:
+    """The SHA-256 of a calibration set's token ids: equal for the same sequences in the same order."""
+    return hashlib.sha256(calibration_ids.cpu().numpy().tobytes()).hexdigest()
 
 
 def is_text_data(calibration_data: CalibrationData) -> bool:

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -22,9 +21,9 @@ from transformers.utils import logging
 from .adapters import DecoderAdapter, LayerSnapshot, get_adapter
 from .compensation import apply_compensation, hidden_state_means, learn_compensation, record_layer_outputs
 from .configuration import GradMAPConfig
-from .data import CalibrationData, is_text_data, prepare_calibration_data
+from .data import CalibrationData, calibration_sha256, is_text_data, prepare_calibration_data
 from .hub import save_checkpoint, upload_checkpoint
-from .importance import get_importance_metric
+from .importance import ImportanceMetric, get_importance_metric
 from .report import build_report
 
 if TYPE_CHECKING:
@@ -215,7 +214,8 @@ class GradMAPPruner:
         if stage1_checkpoint is not None:
             if self.config.layers_to_prune is not None:
                 raise ValueError("`stage1_checkpoint` has nothing to save: with `layers_to_prune`, Stage 1 does no scoring.")
-            checkpoint = Stage1Checkpoint(stage1_checkpoint, self._stage1_fingerprint(model, num_to_prune, calibration_ids))
+            fingerprint = self._stage1_fingerprint(model, num_layers, num_to_prune, calibration_ids)
+            checkpoint = Stage1Checkpoint(stage1_checkpoint, fingerprint)
 
         snapshot = adapter.snapshot(model)
         result = PruningResult(
@@ -380,19 +380,24 @@ class GradMAPPruner:
             raise ValueError(f"Calibration token ids must lie in [0, {vocab_size}), the model's vocabulary.")
         return ids
 
-    def _stage1_fingerprint(self, model: PreTrainedModel, num_to_prune: int, calibration_ids: torch.LongTensor) -> dict[str, Any]:
+    def _stage1_metric(self) -> tuple[ImportanceMetric, bool]:
+        """The configured importance metric, and whether it re-scores after every removal."""
+        metric = get_importance_metric(self.config.importance, seed=self.config.seed)
+        return metric, metric.iterative if self.config.iterative is None else self.config.iterative
+
+    def _stage1_fingerprint(
+        self, model: PreTrainedModel, num_layers: int, num_to_prune: int, calibration_ids: torch.LongTensor
+    ) -> dict[str, Any]:
         """What must be the same for a saved Stage 1 round to be valid in this run."""
-        config = self.config
-        metric = get_importance_metric(config.importance, seed=config.seed)
         return {
             "model_type": model.config.model_type,
-            "num_layers": get_adapter(model).num_layers(model),
+            "num_layers": num_layers,
             "hidden_size": model.get_input_embeddings().weight.shape[1],
-            "importance": config.importance,
-            "iterative": metric.iterative if config.iterative is None else config.iterative,
-            "seed": config.seed,
+            "importance": self.config.importance,
+            "iterative": self._stage1_metric()[1],
+            "seed": self.config.seed,
             "num_layers_to_prune": num_to_prune,
-            "calibration_sha256": hashlib.sha256(calibration_ids.cpu().numpy().tobytes()).hexdigest(),
+            "calibration_sha256": calibration_sha256(calibration_ids),
         }
 
     def _run_stage1(
@@ -409,8 +414,7 @@ class GradMAPPruner:
             result.kept_layers = [index for index in result.kept_layers if index not in config.layers_to_prune]
             adapter.keep_layers(model, result.snapshot, result.kept_layers)
             return 0.0
-        metric = get_importance_metric(config.importance, seed=config.seed)
-        iterative = metric.iterative if config.iterative is None else config.iterative
+        metric, iterative = self._stage1_metric()
         protected = metric.protected_layers(result.original_num_layers)
         candidates = [index for index in result.kept_layers if index not in protected]
         if len(candidates) < result.num_layers_to_prune:
