@@ -80,7 +80,9 @@ def plot(record: dict, prefix: str) -> list[str]:
     axis.set_xlim(-0.5, num_layers - 0.5)
     axis.set_xlabel("layer index (dense model)")
     axis.set_title(
-        f"Layers removed from {record['settings']['model']} at {record['settings']['ratio']:.0%} (numbers: removal order)"
+        f"Layers removed from {record['settings']['model']} at {record['settings']['ratio']:.0%}\n"
+        "(numbers: removal order, for the iterative methods)",
+        fontsize=10,
     )
     axis.grid(axis="x", alpha=0.3)
     figure.tight_layout()
