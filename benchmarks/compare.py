@@ -34,7 +34,7 @@ from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.assets import MODEL_ASSETS, load_model
 from optimum_gradmap.data import calibration_sha256
 from optimum_gradmap.evaluation import PAPER_TASKS, evaluate
-from optimum_gradmap.importance import IMPORTANCE_METRICS
+from optimum_gradmap.importance import IMPORTANCE_METRICS, importance_metric_names
 
 
 def markdown(record: dict) -> str:
@@ -116,7 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_ASSETS), help="offline model asset")
     parser.add_argument("--ratio", type=float, default=0.25, help="pruning ratio (default 0.25)")
-    parser.add_argument("--metrics", nargs="+", default=list(IMPORTANCE_METRICS), choices=list(IMPORTANCE_METRICS))
+    parser.add_argument("--metrics", nargs="+", default=importance_metric_names(), choices=importance_metric_names())
     parser.add_argument("--task-limit", type=int, default=100, help="questions per zero-shot task (default 100; 0: no tasks)")
     parser.add_argument("--max-eval-segments", type=int, default=128, help="perplexity segments per dataset (default 128)")
     parser.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default 128, as in the paper)")
@@ -137,11 +137,12 @@ def main() -> None:
         evaluation = evaluate(
             model,
             tokenizer,
-            ("wikipedia", "web_text"),
+            ("offline:wikipedia", "offline:web_text"),
             seq_len=128,
             max_segments=args.max_eval_segments,
             tasks=tasks,
             task_limit=args.task_limit or None,
+            task_data="offline",
             model_name=label,
             progress_bar=False,
         ).to_dict()
@@ -200,7 +201,7 @@ def main() -> None:
         stage1_checkpoint = f"{prefix}-{metric}-stage1.json"
         if not args.resume and os.path.exists(stage1_checkpoint):
             os.remove(stage1_checkpoint)  # a fresh comparison starts Stage 1 from scratch
-        result = pruner.select_layers(model, "wikipedia", stage1_checkpoint=stage1_checkpoint)
+        result = pruner.select_layers(model, "offline:wikipedia", stage1_checkpoint=stage1_checkpoint)
         calibration = calibration_sha256(result.calibration_ids)
         record.setdefault("calibration_sha256", calibration)
         assert record["calibration_sha256"] == calibration, "every method must see the same calibration set"

@@ -79,11 +79,12 @@ def main() -> None:
         result = evaluate(
             model,
             tokenizer,
-            perplexity_datasets=("wikipedia", "web_text"),
+            perplexity_datasets=("offline:wikipedia", "offline:web_text"),
             seq_len=128,
             max_segments=args.max_eval_segments,
             tasks=args.tasks,
             task_limit=args.task_limit,
+            task_data="offline",
             speed=True,
             model_name=label,
         )
@@ -112,7 +113,7 @@ def main() -> None:
     save(rows[-1])
     selection = {"layers_to_prune": args.layers} if args.layers else {"pruning_ratio": args.ratio}
     pruner = GradMAPPruner(GradMAPConfig(**selection), tokenizer=tokenizer)
-    pruning = pruner.select_layers(model, "wikipedia")
+    pruning = pruner.select_layers(model, "offline:wikipedia")
     kept = len(pruning.kept_layers)
     stage1 = "given layers" if args.layers else "Stage 1"
     rows.append(measure(f"GradMAP {args.ratio:.0%}, {stage1} only ({kept} layers)"))

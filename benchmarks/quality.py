@@ -1,9 +1,9 @@
 """Held-out perplexity of GradMAP on a real model: dense, Stage 1 only, Stage 1 + Stage 2 with each
 solver, and the same number of layers removed at random.
 
-One Stage 1 run serves every row: Stage 2 is applied with each solver in turn on the same pruned
-model (the compensated weights are restored in between), and the random rows reuse the dense
-layers the pruner keeps.
+One Stage 1 run serves every row: Stage 2 is run with each solver in turn on the same Stage 1 result
+(`pruner.compensate(result, solver=...)` replaces the previous fit), and the random rows run the
+dense model's layers through `surgery.temporarily`.
 
     python benchmarks/quality.py --model smollm2-135m --ratio 0.25
 
@@ -21,8 +21,7 @@ import time
 
 import torch
 
-from optimum_gradmap import GradMAPConfig, GradMAPPruner, load_evaluation_segments, perplexity
-from optimum_gradmap.adapters import get_adapter
+from optimum_gradmap import GradMAPConfig, GradMAPPruner, load_evaluation_segments, perplexity, surgery
 from optimum_gradmap.assets import MODEL_ASSETS, load_model
 
 
@@ -47,7 +46,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model, architecture=args.architecture)
-    segments = load_evaluation_segments("wikipedia", tokenizer, seq_len=128, max_segments=args.max_eval_segments)
+    segments = load_evaluation_segments("offline:wikipedia", tokenizer, seq_len=128, max_segments=args.max_eval_segments)
     print(
         f"{args.model}: {model.config.num_hidden_layers} layers; "
         f"evaluation: {segments.shape[0]} segments x 128 tokens of held-out Wikipedia"
@@ -61,25 +60,29 @@ def main() -> None:
     config = GradMAPConfig(
         **selection, num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size, adam_steps=args.adam_steps
     )
+    num_layers = model.config.num_hidden_layers
+    num_to_prune = config.num_layers_to_remove(num_layers)
+    dense = surgery.snapshot(model)
+    random_rows = []
+    for seed in range(args.random_seeds):
+        removed = sorted(random.Random(seed).sample(range(num_layers), num_to_prune))
+        with surgery.temporarily(model, dense, [i for i in range(num_layers) if i not in removed]):
+            value = perplexity(model, segments)
+        random_rows.append({"seed": seed, "removed_layers": removed, "perplexity": value})
+        print(f"random removal, seed {seed} {removed}: {value:.3f}")
+
     pruner = GradMAPPruner(config, tokenizer=tokenizer)
-    result = pruner.select_layers(model, "wikipedia")
+    result = pruner.select_layers(model, "offline:wikipedia")
     rows["stage1"] = perplexity(model, segments)
     print(f"stage 1 only (removed {result.removed_layers}): {rows['stage1']:.3f}  [{result.timings['stage1']:.1f}s]")
     if args.layers:
         print("(layers given with --layers: Stage 1 scoring skipped)")
 
-    adapter = get_adapter(model)
-    originals = {
-        index: [linear.weight.detach().clone() for linear in adapter.get_down_projections(result.snapshot.layers[index])]
-        for index in result.kept_layers
-    }
     solvers: dict[str, dict] = {}
     for solver in args.solvers:
         for reg_lambda in args.reg_lambdas:
             name = f"stage1+2 ({solver}, lambda={reg_lambda:g})"
-            pruner.config = GradMAPConfig(**{**config.to_dict(), "solver": solver, "reg_lambda": reg_lambda})
-            result.compensated_layers, result.compensation_objective = [], {}
-            pruner.compensate(result)
+            pruner.compensate(result, solver=solver, reg_lambda=reg_lambda)  # replaces the previous fit
             rows[name] = perplexity(model, segments)
             solvers[name] = {
                 "compensated_layers": list(result.compensated_layers),
@@ -87,17 +90,6 @@ def main() -> None:
                 "stage2_seconds": result.timings["stage2"],
             }
             print(f"{name}, layer {result.compensated_layers}: {rows[name]:.3f}  [{result.timings['stage2']:.1f}s]")
-            for index, weights in originals.items():
-                for linear, weight in zip(adapter.get_down_projections(result.snapshot.layers[index]), weights):
-                    linear.weight.data.copy_(weight)
-
-    random_rows = []
-    for seed in range(args.random_seeds):
-        removed = sorted(random.Random(seed).sample(range(result.original_num_layers), result.num_layers_to_prune))
-        adapter.keep_layers(model, result.snapshot, [i for i in range(result.original_num_layers) if i not in removed])
-        value = perplexity(model, segments)
-        random_rows.append({"seed": seed, "removed_layers": removed, "perplexity": value})
-        print(f"random removal, seed {seed} {removed}: {value:.3f}")
 
     report = {
         "model": args.model,

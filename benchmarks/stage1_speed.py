@@ -83,13 +83,16 @@ def worker(args: argparse.Namespace) -> dict:
     from optimum_gradmap.adapters import get_adapter
     from optimum_gradmap.assets import load_model
     from optimum_gradmap.data import prepare_calibration_data
-    from optimum_gradmap.importance import causal_lm_loss_gradient, frozen_for_scoring, gradient_importance, split_at_lm_head
-    from tests.reference import naive_layer_scores
+    from optimum_gradmap.importance import causal_lm_loss_gradient, gradient_importance, split_at_lm_head
+    from optimum_gradmap.passes import calibration_batches
+    from optimum_gradmap.testing import naive_layer_scores
 
     device = torch.device(args.device)
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     model.to(device).eval()
-    ids = prepare_calibration_data("wikipedia", tokenizer, args.num_samples, args.seq_len, seed=0, default_dataset="wikipedia")
+    ids = prepare_calibration_data(
+        "offline:wikipedia", tokenizer, args.num_samples, args.seq_len, seed=0, default_dataset="offline:wikipedia"
+    )
     if args.memory_run:  # the peak is reached within a batch; two batches show it
         ids = ids[: 2 * args.batch_size]
     layers = list(get_adapter(model).get_layers(model))
@@ -105,14 +108,12 @@ def worker(args: argparse.Namespace) -> dict:
         input-gradient backward (the output gradient of every linear map), no per-sample work."""
         adapter = get_adapter(model)
         embeddings = model.get_input_embeddings()
-        with frozen_for_scoring(model):
+        with calibration_batches(model, ids, args.batch_size, progress_bar=False, grad=True, freeze_parameters=True) as batches:
             decoder, head, width = split_at_lm_head(model, adapter, ids)
-            for start in range(0, ids.shape[0], args.batch_size):
-                batch = ids[start : start + args.batch_size].to(device)
-                with torch.enable_grad():
-                    inputs_embeds = embeddings(batch).detach().requires_grad_(True)
-                    hidden_states = decoder(inputs_embeds)
-                    torch.autograd.grad(hidden_states, inputs_embeds, causal_lm_loss_gradient(hidden_states, batch, head, width))
+            for batch in batches:
+                inputs_embeds = embeddings(batch).detach().requires_grad_(True)
+                hidden_states = decoder(inputs_embeds)
+                torch.autograd.grad(hidden_states, inputs_embeds, causal_lm_loss_gradient(hidden_states, batch, head, width))
 
     if args.worker == "forward":
         forward()  # warm-up

@@ -53,12 +53,12 @@ def main() -> None:
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-    segments = load_evaluation_segments("wikipedia", tokenizer, seq_len=128, max_segments=args.max_eval_segments)
+    segments = load_evaluation_segments("offline:wikipedia", tokenizer, seq_len=128, max_segments=args.max_eval_segments)
     dense = perplexity(model, segments)
 
     config = GradMAPConfig(pruning_ratio=args.ratio, solver=args.solver, num_samples=args.num_samples, seq_len=args.seq_len)
     pruner = GradMAPPruner(config, tokenizer=tokenizer)
-    result = pruner.select_layers(model, "wikipedia")  # Stage 1
+    result = pruner.select_layers(model, "offline:wikipedia")  # Stage 1, on the offline copy of Wikipedia
     stage1 = perplexity(model, segments)
     pruner.compensate(result)  # Stage 2
     asset = MODEL_ASSETS.get(args.model)

@@ -1,10 +1,11 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""Architecture adapters: how each model family exposes its decoder layers and what must change in its config.
+"""Architecture adapters: how each model family exposes its decoder layers and which config fields
+depend on them.
 
-Everything the pruning algorithm needs to know about a model family lives here, behind
-[`DecoderAdapter`]. The algorithm itself (importance scoring, compensation, orchestration) never
-looks at `model_type`.
+Everything the library needs to know about a model family lives here, as declarations on a
+[`DecoderAdapter`]. The algorithm (importance scoring, compensation, orchestration) and the layer
+surgery ([`optimum_gradmap.surgery`]) read them and never look at `model_type`.
 
 Adding a family means adding one small adapter and registering it:
 
@@ -21,9 +22,8 @@ class MyModelAdapter(DecoderAdapter):
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,32 +32,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 
 class UnsupportedArchitectureError(ValueError):
-    """Raised when a model's family has no registered adapter."""
-
-
-@dataclass
-class LayerSnapshot:
-    """The decoder stack of a model as it was before any layer was removed.
-
-    Surgery is always expressed as "keep these original layers", so the dense model can be restored
-    exactly (Stage 2 compares the pruned model against it) and repeated surgery never compounds.
-
-    Args:
-        layers (`list[nn.Module]`):
-            The original decoder layers, indexed by their original position.
-        config_values (`dict[str, Any]`):
-            Deep copies of the original values of every config field that surgery rewrites.
-        device_map (`dict[str, Any]`, *optional*):
-            The model's `hf_device_map` (accelerate dispatch), naming layers by original index.
-    """
-
-    layers: list[nn.Module]
-    config_values: dict[str, Any] = field(default_factory=dict)
-    device_map: dict[str, Any] | None = None
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
+    """Raised when a model's family has no registered adapter, or a configuration of it cannot be pruned."""
 
 
 def _has_submodule(root: nn.Module, path: str) -> bool:
@@ -69,9 +44,10 @@ def _has_submodule(root: nn.Module, path: str) -> bool:
     return True
 
 
-def _get_submodule(root: nn.Module, path: str) -> nn.Module:
+def get_submodule(root: nn.Module, path: str) -> nn.Module:
+    """The module (or parameter) at dotted `path` under `root`; an empty path is `root` itself."""
     module = root
-    for name in path.split("."):
+    for name in path.split(".") if path else ():
         if not hasattr(module, name):
             raise AttributeError(f"{type(root).__name__} has no submodule `{path}` (missing `{name}`).")
         module = getattr(module, name)
@@ -79,7 +55,7 @@ def _get_submodule(root: nn.Module, path: str) -> nn.Module:
 
 
 class DecoderAdapter:
-    """Describes one family of decoder-only causal LMs to the pruner.
+    """Describes one family of decoder-only causal LMs.
 
     The defaults describe the Llama layout (`model.layers`, `mlp.down_proj`, `num_hidden_layers`),
     which most families share; a family overrides only what differs.
@@ -107,13 +83,16 @@ class DecoderAdapter:
             Attribute names that modules inside a layer use to know their position (the attention's
             `layer_idx`, used to address the KV cache). Every module of a kept layer that has one
             is renumbered.
+        known_per_layer_config_fields (`tuple[str, ...]`):
+            Config fields that hold one entry per layer whatever their length (`layer_types`). A list
+            whose length equals the layer count is per-layer too, without being named here.
         threshold_config_fields (`tuple[str, ...]`):
             Integer config fields meaning "layers with an index below this value behave one way,
             the others another way" (Qwen2's `max_window_layers`). Surgery rewrites them to the
             number of kept layers that were below the threshold, so the split is preserved.
         index_config_fields (`tuple[str, ...]`):
             Other config fields that depend on layer indices (lists of indices, periods); the
-            adapter's [`~DecoderAdapter.update_config`] rewrites them.
+            adapter's [`~DecoderAdapter.rewrite_index_fields`] says their values for the kept layers.
     """
 
     model_types: tuple[str, ...] = ()
@@ -124,13 +103,14 @@ class DecoderAdapter:
     down_projection_paths: tuple[str, ...] = ("mlp.down_proj",)
     per_sample_units: tuple[str, ...] = ()
     layer_index_attributes: tuple[str, ...] = ("layer_idx",)
+    known_per_layer_config_fields: tuple[str, ...] = ("layer_types",)
     threshold_config_fields: tuple[str, ...] = ()
     index_config_fields: tuple[str, ...] = ()
 
     # ----------------------------------------------------------------------------------------- access
     def get_layers(self, model: nn.Module) -> nn.ModuleList:
         """Returns the model's decoder layers."""
-        layers = _get_submodule(model, self.layers_path)
+        layers = get_submodule(model, self.layers_path)
         if not isinstance(layers, nn.ModuleList):
             raise TypeError(f"`{self.layers_path}` of {type(model).__name__} is a {type(layers).__name__}, not a ModuleList.")
         return layers
@@ -141,22 +121,22 @@ class DecoderAdapter:
 
     def get_mlp(self, layer: nn.Module) -> nn.Module:
         """Returns the MLP of `layer`, whose output Y Stage 2 multiplies by W'."""
-        return _get_submodule(layer, self.mlp_path)
+        return get_submodule(layer, self.mlp_path)
 
     def get_mlp_output_norm(self, layer: nn.Module) -> nn.Module | None:
         """Returns the norm applied to the MLP output before the residual add, if the family has one."""
-        return _get_submodule(layer, self.mlp_output_norm_path) if self.mlp_output_norm_path else None
+        return get_submodule(layer, self.mlp_output_norm_path) if self.mlp_output_norm_path else None
 
     def get_down_projections(self, layer: nn.Module) -> list[nn.Module | nn.Parameter]:
         """Returns the last linear maps of `layer`'s MLP, into which Stage 2 folds W'."""
-        found = [_get_submodule(layer, path) for path in self.down_projection_paths if _has_submodule(layer, path)]
+        found = [get_submodule(layer, path) for path in self.down_projection_paths if _has_submodule(layer, path)]
         if not found:
             raise AttributeError(f"{type(layer).__name__} has none of the down projections {self.down_projection_paths}.")
         return found
 
     def get_per_sample_units(self, layer: nn.Module) -> list[nn.Module]:
         """Returns the modules of `layer` that Stage 1 scores as a whole."""
-        return [_get_submodule(layer, path) for path in self.per_sample_units if _has_submodule(layer, path)]
+        return [get_submodule(layer, path) for path in self.per_sample_units if _has_submodule(layer, path)]
 
     def get_decoder(self, model: PreTrainedModel) -> nn.Module:
         """Returns the part of the model that maps `inputs_embeds` to the final hidden states (the
@@ -181,111 +161,78 @@ class DecoderAdapter:
         """Returns the config that describes the decoder stack."""
         return model.config.get_text_config(decoder=True)
 
-    # ---------------------------------------------------------------------------------------- surgery
+    # ------------------------------------------------------------------------- layer-dependent config
     def per_layer_config_fields(self, config: PretrainedConfig, num_layers: int) -> list[str]:
-        """Names the config fields that hold one entry per layer.
+        """Names the config fields that hold one entry per layer, for a config describing `num_layers`
+        layers. Surgery slices them to the kept layers; [`validate_checkpoint`] checks their length.
 
-        One general rule: every list or tuple field whose length equals the layer count
-        (`layer_types`, per-layer head counts, ...). Families with index-based fields extend
-        this through `threshold_config_fields` or by overriding [`~DecoderAdapter.update_config`].
+        One general rule: every list or tuple field whose length equals the layer count (`layer_types`,
+        per-layer head counts, ...), plus the `known_per_layer_config_fields` the config has as lists,
+        whatever their length (a stale copy of the dense model's list is then caught).
         """
         return [
             name
             for name, value in vars(config).items()
             if isinstance(value, (list, tuple))
-            and len(value) == num_layers
+            and (len(value) == num_layers or name in self.known_per_layer_config_fields)
             and not name.startswith("_")
             and name not in self.index_config_fields
         ]
 
-    def snapshot(self, model: PreTrainedModel) -> LayerSnapshot:
-        """Records the decoder stack and every config field that surgery will rewrite."""
-        config = self.get_text_config(model)
-        layers = list(self.get_layers(model))
-        fields = [
-            self.layer_count_field,
-            *self.threshold_config_fields,
-            *self.index_config_fields,
-            *self.per_layer_config_fields(config, len(layers)),
-        ]
-        values = {name: copy.deepcopy(getattr(config, name)) for name in fields if hasattr(config, name)}
-        device_map = copy.deepcopy(getattr(model, "hf_device_map", None))
-        return LayerSnapshot(layers=layers, config_values=values, device_map=device_map)
-
-    def keep_layers(self, model: PreTrainedModel, snapshot: LayerSnapshot, kept: Sequence[int]) -> None:
-        """Makes `model` run exactly the original layers `kept`, in that order.
-
-        Rebuilds the layer list from `snapshot`, renumbers every layer-index attribute, and rewrites
-        the config so that it describes the new stack: the saved `config.json` then rebuilds this
-        exact model.
+    def rewrite_index_fields(
+        self, config: PretrainedConfig, original_values: dict[str, Any], kept: Sequence[int]
+    ) -> dict[str, Any]:
+        """The values of `index_config_fields` that describe the kept layers.
 
         Args:
-            model (`PreTrainedModel`): The model to change, in place.
-            snapshot (`LayerSnapshot`): The dense stack, from [`~DecoderAdapter.snapshot`].
-            kept (`Sequence[int]`): Original indices of the layers to keep, strictly increasing.
+            config (`PretrainedConfig`): The text config, other fields already rewritten.
+            original_values (`dict[str, Any]`): The dense model's values of every layer-dependent field.
+            kept (`Sequence[int]`): Original indices of the kept layers.
+
+        Returns:
+            `dict[str, Any]`: Field name to new value; none by default.
         """
-        kept = list(kept)
-        if not kept:
-            raise ValueError("At least one decoder layer must be kept.")
-        if sorted(set(kept)) != kept or kept[0] < 0 or kept[-1] >= snapshot.num_layers:
-            raise ValueError(f"Kept layers must be strictly increasing indices in [0, {snapshot.num_layers}), got {kept}.")
+        return {}
 
-        layers = self.get_layers(model)
-        new_layers = nn.ModuleList([snapshot.layers[index] for index in kept])
-        parent_path, _, attribute = self.layers_path.rpartition(".")
-        parent = _get_submodule(model, parent_path) if parent_path else model
-        setattr(parent, attribute, new_layers)
-        del layers
+    # ------------------------------------------------------------------- deprecated: now in `surgery`
+    def snapshot(self, model: PreTrainedModel) -> Any:
+        """Deprecated: use [`optimum_gradmap.surgery.snapshot`]."""
+        from . import surgery
 
-        for new_index, layer in enumerate(new_layers):
-            for module in layer.modules():
-                for attribute_name in self.layer_index_attributes:
-                    if isinstance(getattr(module, attribute_name, None), int):
-                        setattr(module, attribute_name, new_index)
+        _deprecated("DecoderAdapter.snapshot", "optimum_gradmap.surgery.snapshot")
+        return surgery.snapshot(model, self)
 
-        self.update_config(self.get_text_config(model), snapshot, kept)
-        if snapshot.device_map is not None:
-            model.hf_device_map = self._renumber_device_map(snapshot.device_map, kept)
+    def keep_layers(self, model: PreTrainedModel, snapshot: Any, kept: Sequence[int]) -> None:
+        """Deprecated: use [`optimum_gradmap.surgery.keep`]."""
+        from . import surgery
 
-    def restore(self, model: PreTrainedModel, snapshot: LayerSnapshot) -> None:
-        """Puts back every layer of `snapshot` and the exact config values it recorded."""
-        self.keep_layers(model, snapshot, list(range(snapshot.num_layers)))
-        config = self.get_text_config(model)
-        for name, value in snapshot.config_values.items():
-            setattr(config, name, copy.deepcopy(value))
+        _deprecated("DecoderAdapter.keep_layers", "optimum_gradmap.surgery.keep")
+        surgery.keep(model, snapshot, kept, self)
 
-    def update_config(self, config: PretrainedConfig, snapshot: LayerSnapshot, kept: Sequence[int]) -> None:
-        """Rewrites the layer-dependent config fields for the kept layers."""
-        original_count = snapshot.num_layers
-        for name, value in snapshot.config_values.items():
-            if name == self.layer_count_field:
-                setattr(config, name, len(kept))
-            elif name in self.threshold_config_fields:
-                if isinstance(value, int):
-                    setattr(config, name, sum(1 for index in kept if index < value))
-            elif isinstance(value, (list, tuple)) and len(value) == original_count:
-                sliced = [copy.deepcopy(value[index]) for index in kept]
-                setattr(config, name, type(value)(sliced) if isinstance(value, tuple) else sliced)
+    def restore(self, model: PreTrainedModel, snapshot: Any) -> None:
+        """Deprecated: use [`optimum_gradmap.surgery.restore`]."""
+        from . import surgery
 
-    def _renumber_device_map(self, device_map: dict[str, Any], kept: Sequence[int]) -> dict[str, Any]:
-        prefix = self.layers_path + "."
-        new_position = {original: new for new, original in enumerate(kept)}
-        renumbered: dict[str, Any] = {}
-        for name, device in device_map.items():
-            if name.startswith(prefix):
-                index, _, rest = name[len(prefix) :].partition(".")
-                if index.isdigit():
-                    if int(index) not in new_position:
-                        continue
-                    name = prefix + str(new_position[int(index)]) + ("." + rest if rest else "")
-            renumbered[name] = device
-        return renumbered
+        _deprecated("DecoderAdapter.restore", "optimum_gradmap.surgery.restore")
+        surgery.restore(model, snapshot, self)
+
+    def update_config(self, config: PretrainedConfig, snapshot: Any, kept: Sequence[int]) -> None:
+        """Deprecated: surgery rewrites the config ([`optimum_gradmap.surgery.rewrite_fields`]); override
+        [`~DecoderAdapter.rewrite_index_fields`] for fields it cannot derive. An adapter that still
+        overrides this method is called instead of the standard rewriting, with a warning."""
+        from . import surgery
+
+        surgery.rewrite_fields(self, config, snapshot, kept)
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"`{old}` is deprecated and will be removed in the next release: use `{new}`.", FutureWarning, stacklevel=3)
 
 
 _ADAPTERS: dict[str, type[DecoderAdapter]] = {}
 
 
-def register_adapter(*model_types: str):
+def register_adapter(*model_types: str) -> Callable[[type[DecoderAdapter]], type[DecoderAdapter]]:
     """Class decorator that registers an adapter for one or more `config.model_type` values."""
 
     def decorator(cls: type[DecoderAdapter]) -> type[DecoderAdapter]:
@@ -302,27 +249,28 @@ def supported_model_types() -> list[str]:
     return sorted(_ADAPTERS)
 
 
-def adapter_for_model_type(model_type: str) -> DecoderAdapter | None:
-    """Returns the adapter registered for `model_type`, or `None`."""
-    return _ADAPTERS[model_type]() if model_type in _ADAPTERS else None
-
-
-def get_adapter(model: PreTrainedModel) -> DecoderAdapter:
-    """Returns the adapter for `model`'s family.
+def get_adapter(model_or_config: PreTrainedModel | PretrainedConfig) -> DecoderAdapter:
+    """Returns the adapter for a model's (or a config's) family. The only adapter lookup.
 
     Raises:
-        UnsupportedArchitectureError: if the family has no adapter. The model is not touched.
+        UnsupportedArchitectureError: if the family has no adapter. Nothing is touched.
     """
-    config = getattr(model, "config", None)
+    config = model_or_config if isinstance(model_or_config, PretrainedConfig) else getattr(model_or_config, "config", None)
     model_type = getattr(config.get_text_config(decoder=True), "model_type", None) if config is not None else None
     if model_type not in _ADAPTERS:
         raise UnsupportedArchitectureError(
-            f"GradMAP has no adapter for model type {model_type!r} ({type(model).__name__}). "
+            f"GradMAP has no adapter for model type {model_type!r} ({type(model_or_config).__name__}). "
             f"Supported model types: {', '.join(supported_model_types())}. "
             "To add a family, subclass `optimum_gradmap.adapters.DecoderAdapter` and register it with "
             '`@register_adapter("<model_type>")` (see docs/adapters.md).'
         )
     return _ADAPTERS[model_type]()
+
+
+def adapter_for_model_type(model_type: str) -> DecoderAdapter | None:
+    """Deprecated: use [`get_adapter`], which raises for an unsupported family instead of returning `None`."""
+    _deprecated("adapter_for_model_type", "get_adapter")
+    return _ADAPTERS[model_type]() if model_type in _ADAPTERS else None
 
 
 @register_adapter("llama", "mistral", "phi3")
@@ -404,31 +352,23 @@ class QwenMoeAdapter(Qwen2Adapter):
     per_sample_units = ("mlp",)
     index_config_fields = ("mlp_only_layers", "decoder_sparse_step")
 
-    def update_config(self, config: PretrainedConfig, snapshot: LayerSnapshot, kept: Sequence[int]) -> None:
-        super().update_config(config, snapshot, kept)
-        mlp_only = set(snapshot.config_values.get("mlp_only_layers") or [])
-        step = snapshot.config_values.get("decoder_sparse_step") or 1
+    def rewrite_index_fields(
+        self, config: PretrainedConfig, original_values: dict[str, Any], kept: Sequence[int]
+    ) -> dict[str, Any]:
+        mlp_only = set(original_values.get("mlp_only_layers") or [])
+        step = original_values.get("decoder_sparse_step") or 1
         sparse = [index not in mlp_only and config.num_experts > 0 and (index + 1) % step == 0 for index in kept]
         # step 1 plus an explicit list of dense layers describes any pattern exactly
-        config.decoder_sparse_step = 1
-        config.mlp_only_layers = [position for position, is_sparse in enumerate(sparse) if not is_sparse]
+        return {
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [position for position, is_sparse in enumerate(sparse) if not is_sparse],
+        }
 
 
-def remove_layers(model: PreTrainedModel, layer_indices: Sequence[int]) -> list[int]:
-    """Removes the given decoder layers from `model` in place and fixes its config.
+def __getattr__(name: str) -> Any:
+    if name in ("LayerSnapshot", "remove_layers"):
+        from . import surgery
 
-    Args:
-        model (`PreTrainedModel`): A model of a supported family.
-        layer_indices (`Sequence[int]`): Current indices of the layers to remove.
-
-    Returns:
-        `list[int]`: The indices of the layers that remain, in order.
-    """
-    adapter = get_adapter(model)
-    snapshot = adapter.snapshot(model)
-    removed = set(int(index) for index in layer_indices)
-    if any(index < 0 or index >= snapshot.num_layers for index in removed):
-        raise ValueError(f"Layer indices must lie in [0, {snapshot.num_layers}), got {sorted(removed)}.")
-    kept = [index for index in range(snapshot.num_layers) if index not in removed]
-    adapter.keep_layers(model, snapshot, kept)
-    return kept
+        _deprecated(f"optimum_gradmap.adapters.{name}", f"optimum_gradmap.surgery.{name}")
+        return getattr(surgery, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

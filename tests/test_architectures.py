@@ -11,9 +11,9 @@ from optimum_gradmap import GradMAPPruner, InvalidCheckpointError, validate_chec
 from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.compensation import apply_compensation
 from optimum_gradmap.importance import gradient_importance
+from optimum_gradmap.testing import naive_layer_scores
 
 from .conftest import FAMILIES, random_ids, small_config, tiny_model
-from .reference import naive_layer_scores
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

@@ -32,13 +32,29 @@ def tiny_checkpoint(tmp_path, byte_tokenizer):
 
 
 def _prune_args(source: str, output: str, *extra: str) -> list[str]:
-    return ["prune", source, "--num-layers", "2", "--num-samples", "24", "--seq-len", "16", "--output", output, "-q", *extra]
+    return [
+        "prune", source, "--num-layers", "2", "--num-samples", "24", "--seq-len", "16", "--dataset", "offline:wikipedia",
+        "--output", output, "-q", *extra,
+    ]  # fmt: skip
 
 
 def test_prune_writes_checkpoint_report_pictures_and_card(tiny_checkpoint, tmp_path, capsys):
     output, progress = str(tmp_path / "pruned"), tmp_path / "stage1.json"
     assert (
-        main(_prune_args(tiny_checkpoint, output, "--evaluate", "--max-eval-segments", "4", "--stage1-checkpoint", str(progress)))
+        main(
+            _prune_args(
+                tiny_checkpoint,
+                output,
+                "--evaluate",
+                "offline:wikipedia",
+                "--max-eval-segments",
+                "4",
+                "--stage1-checkpoint",
+                str(progress),
+                "--revision",
+                "main",
+            )  # fmt: skip
+        )
         == 0
     )
     assert CHECKPOINT_FILES | {"importance.png", "drift.png"} <= set(os.listdir(output))
@@ -52,6 +68,8 @@ def test_prune_writes_checkpoint_report_pictures_and_card(tiny_checkpoint, tmp_p
     assert report["drift_after_compensation"][compensated] < report["drift"][compensated]
     assert report["evaluation"]["perplexities"][0]["protocol"] == "non-overlapping 128-token segments"
     assert report["environment"]["transformers"] and report["gradmap_config"]["num_samples"] == 24
+    assert report["base_model_revision"] == "main"  # --revision reaches the report
+    assert report["calibration_source"] == "dataset 'offline:wikipedia'" and len(report["calibration_sha256"]) == 64
     assert AutoModelForCausalLM.from_pretrained(output).config.num_hidden_layers == 4
     card = open(os.path.join(output, "README.md"), encoding="utf-8").read()
     assert "library_name: transformers" in card and "base_model_relation" not in card
@@ -92,25 +110,89 @@ def test_bad_input_exits_with_2_and_says_what_to_fix(tiny_checkpoint, tmp_path, 
 
 def test_missing_required_option_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["prune", "smollm2-135m", "--output", "out"])
+        main(["prune", "offline:smollm2-135m", "--output", "out"])
     assert exit_info.value.code == 2
     assert "one of the arguments --ratio --num-layers --layers is required" in capsys.readouterr().err
 
 
-def test_every_option_has_help_with_its_default(capsys):
-    for command in ("prune", "evaluate"):
-        with pytest.raises(SystemExit):
-            main([command, "--help"])
-        text = " ".join(capsys.readouterr().out.split())
-        assert "(default: 128, as in the paper)" in text or command == "evaluate"
-        assert "(default: float32)" in text
+def _subparsers():
+    import argparse
+
+    from optimum_gradmap.cli import build_parser
+
+    parser = build_parser()
+    return parser, next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction)).choices
+
+
+def test_every_config_field_is_a_prune_option_with_the_configs_default():
+    from dataclasses import fields
+
+    from optimum_gradmap import GradMAPConfig
+    from optimum_gradmap.cli import OPTION_OF_FIELD as CONFIG_OPTIONS
+
+    parser, commands = _subparsers()
+    destinations = {action.dest for action in commands["prune"]._actions}
+    config = GradMAPConfig(pruning_ratio=0.5)
+    args = parser.parse_args(["prune", "MODEL", "--ratio", "0.5", "--output", "OUT"])
+    for field in fields(GradMAPConfig):
+        if field.name == "compensation":
+            assert "no_compensation" in destinations and args.no_compensation is (not config.compensation)
+            continue
+        option = CONFIG_OPTIONS.get(field.name, field.name)
+        assert option in destinations, f"GradMAPConfig.{field.name} has no command-line option"
+        if field.name not in CONFIG_OPTIONS:
+            assert getattr(args, option) == getattr(config, field.name), field.name
+
+
+def test_every_option_with_a_value_states_its_default(capsys):
+    import inspect
+
+    from optimum_gradmap.evaluation import evaluate
+
+    parser, commands = _subparsers()
+    for name in ("prune", "evaluate"):
+        for action in commands[name]._actions:
+            takes_value = action.option_strings and action.nargs != 0 and action.dest not in ("help", "output")
+            if takes_value and action.default is not None:
+                assert "(default:" in action.help, f"{name} {action.option_strings} does not state its default"
+    args = parser.parse_args(["evaluate", "MODEL"])
+    defaults = inspect.signature(evaluate).parameters
+    assert args.datasets == list(defaults["perplexity_datasets"].default) and args.task_data == defaults["task_data"].default
+    assert (args.seq_len, args.batch_size) == (defaults["seq_len"].default, defaults["batch_size"].default)
+    with pytest.raises(SystemExit):
+        main(["prune", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "calibration sequences, 128 in the paper (default: 128)" in text and "(default: float32)" in text
+
+
+def test_optimum_cli_registers_gradmap_with_the_same_commands_and_runs_them(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """`optimum-cli gradmap ...` in-process, through Optimum's own entry point and plugin discovery."""
+    from optimum.commands import optimum_cli
+    from optimum_gradmap.cli import COMMANDS
+
+    def optimum_cli_main(*argv):
+        monkeypatch.setattr(sys, "argv", ["optimum-cli", *argv])
+        with pytest.raises(SystemExit) as exit_info:
+            optimum_cli.main()
+        return exit_info.value.code
+
+    assert optimum_cli_main("gradmap", "--help") == 0
+    printed = capsys.readouterr().out
+    assert all(name in printed and help_text in " ".join(printed.split()) for name, (help_text, _, _) in COMMANDS.items())
+    output = str(tmp_path / "pruned")
+    assert optimum_cli_main("gradmap", *_prune_args(tiny_checkpoint, output)) == 0
+    assert load_report(output)["original_num_layers"] == 6
+    assert optimum_cli_main("gradmap", "inspect", output) == 0
+    assert "layers:              6 -> 4" in capsys.readouterr().out
+    assert optimum_cli_main("gradmap", "prune", tiny_checkpoint, "--ratio", "1.5", "--output", str(tmp_path / "x")) == 2
+    assert "optimum-cli gradmap prune: error: `pruning_ratio` must lie strictly between 0 and 1" in capsys.readouterr().err
 
 
 def test_evaluate_command_writes_json(tiny_checkpoint, tmp_path, capsys):
     output = str(tmp_path / "evaluation.json")
-    argv = ["evaluate", tiny_checkpoint, "--datasets", "wikipedia", "--seq-len", "32", "--max-segments", "2", "-o", output, "-q"]
-    assert main(argv) == 0
-    assert "wikipedia perplexity:" in capsys.readouterr().out
+    argv = ["evaluate", tiny_checkpoint, "--datasets", "offline:wikipedia", "--seq-len", "32", "--max-segments", "2"]
+    assert main([*argv, "-o", output, "-q"]) == 0
+    assert "offline:wikipedia perplexity:" in capsys.readouterr().out
     assert json.load(open(output))["perplexities"][0]["num_segments"] == 2
 
 
@@ -162,7 +244,8 @@ def test_report_without_matplotlib_has_no_pictures_but_a_card(tiny_checkpoint, t
 def test_both_console_commands_prune_the_offline_smollm2(smollm2, tmp_path, command):
     executable = os.path.join(os.path.dirname(sys.executable), command[0])
     output = str(tmp_path / "out")
-    argv = [*command[1:], "prune", "smollm2-135m", "--ratio", "0.25", "--num-samples", "4", "--seq-len", "32"]
+    argv = [*command[1:], "prune", "offline:smollm2-135m", "--ratio", "0.25", "--num-samples", "4", "--seq-len", "32"]
+    argv += ["--dataset", "offline:wikipedia"]
     completed = subprocess.run([executable, *argv, "--output", output, "-q"], capture_output=True, text=True, timeout=900)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "Removed layers [" in completed.stdout
@@ -191,3 +274,18 @@ def test_license_is_read_from_the_base_models_card_or_left_out(monkeypatch):
     assert base_model_license("meta-llama/Llama-3.1-8B") == "llama3.1"
     monkeypatch.setattr(huggingface_hub, "HfApi", OfflineApi)
     assert base_model_license("meta-llama/Llama-3.1-8B") is None
+
+
+def test_prune_calibrates_on_a_saved_dataset_folder_and_its_text_column(tiny_checkpoint, tmp_path, capsys):
+    import datasets
+
+    folder = str(tmp_path / "calibration")
+    texts = ["Layer pruning removes whole decoder layers. " * 4, "Stage 2 repairs what the removal breaks. " * 4]
+    datasets.Dataset.from_dict({"body": texts}).save_to_disk(folder)
+    output = str(tmp_path / "pruned")
+    argv = ["prune", tiny_checkpoint, "--num-layers", "1", "--num-samples", "8", "--seq-len", "16", "--dataset", folder]
+    assert main([*argv, "--text-column", "body", "--output", output, "-q"]) == 0
+    report = load_report(output)
+    assert report["calibration_source"] == "a datasets.Dataset (2 rows, column 'body')"
+    assert main([*argv, "--output", str(tmp_path / "other"), "-q"]) == 2
+    assert "no column 'text' (its columns: body)" in capsys.readouterr().err

@@ -29,7 +29,9 @@ from optimum_gradmap.configuration import CONFIG_NAME
         ({"pruning_ratio": 0.25, "seq_len": 1}, "`seq_len` must be an integer >= 2"),
         ({"pruning_ratio": 0.25, "batch_size": 0}, "`batch_size` must be an integer >= 1"),
         ({"pruning_ratio": 0.25, "adam_lr": 0}, "`adam_lr` must be a finite number > 0"),
-        ({"pruning_ratio": 0.25, "dataset": ""}, "`dataset` must be a dataset name"),
+        ({"pruning_ratio": 0.25, "dataset": ""}, "Unknown calibration dataset ''. Available: wikipedia"),
+        ({"pruning_ratio": 0.25, "dataset": "web_text"}, "Unknown calibration dataset 'offline:web_text'"),
+        ({"pruning_ratio": 0.25, "text_column": ""}, "`text_column` must be a column name"),
     ],
 )
 def test_invalid_values_are_refused_with_a_clear_message(kwargs, message):
@@ -71,3 +73,25 @@ def test_unknown_keys_and_missing_file_are_reported(tmp_path):
         GradMAPConfig.from_dict({"ratio": 0.25})
     with pytest.raises(FileNotFoundError, match=CONFIG_NAME):
         GradMAPConfig.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_reads_a_hub_repository(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    config = GradMAPConfig(num_layers_to_prune=3, importance="sleb")
+    config.save_pretrained(tmp_path)
+    calls = []
+
+    def hf_hub_download(repo_id, filename, **kwargs):
+        calls.append((repo_id, filename, kwargs))
+        if repo_id == "me/not-pruned":
+            raise huggingface_hub.errors.EntryNotFoundError("404")
+        return str(tmp_path / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    assert GradMAPConfig.from_pretrained("me/tiny-gradmap", revision="v2", token="hf_x") == config
+    assert calls == [
+        ("me/tiny-gradmap", CONFIG_NAME, {"revision": "v2", "token": "hf_x", "cache_dir": None, "local_files_only": False})
+    ]
+    with pytest.raises(FileNotFoundError, match="me/not-pruned has no gradmap_config.json"):
+        GradMAPConfig.from_pretrained("me/not-pruned")

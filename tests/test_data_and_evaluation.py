@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from optimum_gradmap import perplexity
-from optimum_gradmap.data import load_text, prepare_calibration_data, sample_sequences, wikipedia_documents
+from optimum_gradmap.assets import wikipedia_documents
+from optimum_gradmap.data import load_text, prepare_calibration_data, sample_sequences
 from optimum_gradmap.evaluation import evaluation_segments, load_evaluation_segments
 
 from .conftest import random_ids, tiny_model
@@ -29,18 +30,26 @@ def test_sampled_windows_are_reproducible_and_lie_in_the_stream():
 
 
 def test_dataset_name_gives_the_configured_number_of_sequences(byte_tokenizer):
-    ids = prepare_calibration_data("wikipedia", byte_tokenizer, num_samples=5, seq_len=20, seed=0, default_dataset="wikipedia")
+    name = "offline:wikipedia"
+    ids = prepare_calibration_data(name, byte_tokenizer, num_samples=5, seq_len=20, seed=0, default_dataset=name)
     assert tuple(ids.shape) == (5, 20)
-    default = prepare_calibration_data(None, byte_tokenizer, num_samples=5, seq_len=20, seed=0, default_dataset="wikipedia")
+    default = prepare_calibration_data(None, byte_tokenizer, num_samples=5, seq_len=20, seed=0, default_dataset=name)
     assert torch.equal(ids, default)
 
 
 def test_unknown_and_unreachable_datasets_say_what_to_use_instead(monkeypatch):
-    with pytest.raises(ValueError, match="Unknown dataset 'wikitext3'. Available: wikipedia, web_text, wikitext2, c4, ptb"):
+    with pytest.raises(
+        ValueError, match="Unknown calibration dataset 'wikitext3'. Available: wikipedia, wikitext2, c4, offline:wikipedia"
+    ):
         load_text("wikitext3", "calibration")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises((ImportError, ConnectionError), match="wikipedia"):
+    with pytest.raises(ValueError, match="Unknown calibration dataset 'offline:web_text'"):
+        load_text("offline:web_text", "calibration")  # an evaluation set only
+    with pytest.raises(ValueError, match="'ptb' is no longer supported.*'wikitext2' or 'c4'"):
+        load_text("ptb", "evaluation")
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConnectionError, match="dataset='offline:wikipedia'"):
         load_text("wikitext2", "evaluation")
 
 
@@ -67,11 +76,137 @@ def test_evaluate_names_dataset_protocol_and_counts_and_round_trips_through_json
     from optimum_gradmap.evaluation import EvaluationResult, evaluate
 
     model = tiny_model("llama")
-    result = evaluate(model, byte_tokenizer, ("wikipedia",), seq_len=32, max_segments=3, progress_bar=False)
+    result = evaluate(model, byte_tokenizer, ("offline:wikipedia",), seq_len=32, max_segments=3, progress_bar=False)
     (entry,) = result.perplexities
-    segments = load_evaluation_segments("wikipedia", byte_tokenizer, seq_len=32, max_segments=3)
+    segments = load_evaluation_segments("offline:wikipedia", byte_tokenizer, seq_len=32, max_segments=3)
     assert entry.perplexity == perplexity(model, segments, progress_bar=False)
-    assert (entry.dataset, entry.seq_len, entry.num_segments, entry.num_predicted_tokens) == ("wikipedia", 32, 3, 93)
+    assert (entry.dataset, entry.seq_len, entry.num_segments, entry.num_predicted_tokens) == ("offline:wikipedia", 32, 3, 93)
     assert entry.protocol == "non-overlapping 32-token segments"
     result.to_json(tmp_path / "evaluation.json")
     assert EvaluationResult.from_dict(json.loads((tmp_path / "evaluation.json").read_text())) == result
+
+
+# ------------------------------------------------------------------------- the Hub path, without the Hub
+WIKIPEDIA_SCHEMA_ROWS = [
+    {"id": str(index), "url": f"https://en.wikipedia.org/wiki?curid={index}", "title": f"Article {index}", "text": text}
+    for index, text in enumerate(
+        [
+            "Anarchism is a political philosophy. " * 6,
+            "Short.",  # shorter than one window: contributes none
+            "Autism is a neurodevelopmental condition. " * 6,
+            "Albedo is the fraction of sunlight that is diffusely reflected. " * 6,
+            "This article comes after the first three and is never read for calibration. " * 6,
+        ]
+    )
+]
+
+
+@pytest.fixture
+def recorded_load_dataset(monkeypatch):
+    """Replaces `datasets.load_dataset` by a recorder that serves local data of the Hub datasets' schemas."""
+    import datasets
+
+    calls = []
+
+    def load_dataset(path, name=None, split=None, streaming=False, data_files=None, **kwargs):
+        calls.append({"path": path, "name": name, "split": split, "streaming": streaming, "data_files": data_files, **kwargs})
+        if path == "wikimedia/wikipedia":
+            return datasets.IterableDataset.from_generator(lambda: iter(WIKIPEDIA_SCHEMA_ROWS))
+        if path == "Salesforce/wikitext":
+            return datasets.Dataset.from_dict({"text": ["", " = Valkyria = ", "", f" The {split} split . " * 8, ""]})
+        if path == "allenai/c4":
+            texts = [f"A {split} web page number {index} about pruning layers. " * 4 for index in range(5)]
+            return datasets.IterableDataset.from_generator(
+                lambda: iter({"text": text, "timestamp": "2019", "url": "u"} for text in texts)
+            )
+        raise AssertionError(f"unexpected dataset {path}")
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return calls
+
+
+def test_default_calibration_streams_the_first_wikipedia_articles_and_keeps_windows_inside_one(
+    recorded_load_dataset, byte_tokenizer, monkeypatch
+):
+    from optimum_gradmap import data
+
+    monkeypatch.setattr(data, "WIKIPEDIA_CALIBRATION_ARTICLES", 4)
+    ids = prepare_calibration_data(None, byte_tokenizer, num_samples=64, seq_len=40, seed=0, default_dataset="wikipedia")
+    assert recorded_load_dataset == [
+        {"path": "wikimedia/wikipedia", "name": "20231101.en", "split": "train", "streaming": True, "data_files": None}
+    ]
+    articles = [byte_tokenizer(row["text"], add_special_tokens=False)["input_ids"] for row in WIKIPEDIA_SCHEMA_ROWS]
+    windows = [
+        {tuple(article[start : start + 40]) for start in range(len(article) - 39)} for article in articles[:4]
+    ]  # the first four articles only
+    found = [next(i for i, inside in enumerate(windows) if tuple(row.tolist()) in inside) for row in ids]
+    assert set(found) == {0, 2, 3}  # every window lies inside one article; the short one gives none
+    evaluation = data.load_documents("wikipedia", "evaluation")
+    assert evaluation == [WIKIPEDIA_SCHEMA_ROWS[4]["text"]]  # the articles after the calibration ones
+
+
+def test_wikitext2_and_c4_use_the_ids_of_optimums_gptq(recorded_load_dataset):
+    from optimum_gradmap.data import load_documents
+
+    (wikitext,) = load_documents("wikitext2", "calibration")
+    assert "The train split" in wikitext and wikitext.startswith("\n\n = Valkyria = ")  # rows joined, as before
+    c4 = load_documents("c4", "calibration")
+    assert len(c4) == 5 and c4[0].startswith("A train web page number 0")  # documents kept apart
+    (c4_evaluation,) = load_documents("c4", "evaluation")
+    assert c4_evaluation.count("validation web page") == 5 * 4
+    load_documents("wikitext2", "evaluation")
+    assert [(call["path"], call["name"], call["split"], call["data_files"]) for call in recorded_load_dataset] == [
+        ("Salesforce/wikitext", "wikitext-2-raw-v1", "train", None),
+        ("allenai/c4", None, "train", {"train": "en/c4-train.00000-of-01024.json.gz"}),
+        ("allenai/c4", None, "validation", {"validation": "en/c4-validation.00000-of-00008.json.gz"}),
+        ("Salesforce/wikitext", "wikitext-2-raw-v1", "test", None),
+    ]
+
+
+def test_an_unreachable_hub_names_the_offline_option(monkeypatch, byte_tokenizer):
+    import datasets
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'wikimedia/wikipedia' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    model = tiny_model("llama", num_layers=4)
+    from optimum_gradmap import GradMAPConfig, GradMAPPruner
+
+    with pytest.raises(ConnectionError, match=r"Could not load dataset 'wikipedia'.*dataset='offline:wikipedia'"):
+        GradMAPPruner(GradMAPConfig(num_layers_to_prune=1), tokenizer=byte_tokenizer, progress_bar=False).prune(model)
+    assert len(model.model.layers) == 4
+
+
+def test_a_datasets_dataset_is_calibration_data_with_its_text_column(byte_tokenizer):
+    import datasets
+
+    from optimum_gradmap import GradMAPConfig, GradMAPPruner
+
+    rows = {"body": ["Layer pruning removes whole decoder layers. " * 3, "tiny", "Stage 2 repairs the removal. " * 3]}
+    dataset = datasets.Dataset.from_dict(rows)
+    config = GradMAPConfig(num_layers_to_prune=1, num_samples=6, seq_len=24, batch_size=3, text_column="body")
+    result = GradMAPPruner(config, tokenizer=byte_tokenizer, progress_bar=False).prune(tiny_model("llama", num_layers=4), dataset)
+    documents = [byte_tokenizer(text, add_special_tokens=False)["input_ids"] for text in rows["body"]]
+    inside = [{tuple(doc[i : i + 24]) for i in range(len(doc) - 23)} for doc in documents]
+    assert all(any(tuple(row.tolist()) in windows for windows in inside) for row in result.calibration_ids)
+    assert result.calibration_source == "a datasets.Dataset (3 rows, column 'body')"
+    with pytest.raises(ValueError, match="no column 'text' \\(its columns: body\\).*text_column"):
+        prepare_calibration_data(dataset, byte_tokenizer, 4, 8, 0, "wikipedia", text_column="text")
+
+
+def test_windows_are_drawn_uniformly_over_positions_inside_documents():
+    from optimum_gradmap.data import sample_windows
+
+    documents = [torch.arange(0, 10), torch.arange(100, 103), torch.arange(200, 230)]
+    windows = sample_windows(documents, num_samples=4000, seq_len=5, seed=0)
+    firsts = windows[:, 0]
+    assert all(torch.equal(row, torch.arange(int(row[0]), int(row[0]) + 5)) for row in windows)  # never across documents
+    assert not ((firsts >= 100) & (firsts < 200)).any()  # a document shorter than a window gives none
+    # 6 positions in the first document, 26 in the third: drawn in that proportion
+    share = (firsts < 100).double().mean().item()
+    assert share == pytest.approx(6 / 32, abs=0.02)
+    with pytest.raises(ValueError, match="The longest calibration document has 30 tokens, fewer than one sequence"):
+        sample_windows(documents, 2, 31, 0)
+    stream = torch.arange(1000)
+    assert torch.equal(sample_windows([stream], 16, 32, 3), sample_sequences(stream, 16, 32, 3))

@@ -8,9 +8,9 @@ from transformers import AutoModelForCausalLM
 from optimum_gradmap import GradMAPPruner, validate_checkpoint
 from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.importance import gradient_importance
+from optimum_gradmap.testing import naive_layer_scores
 
 from .conftest import random_ids, small_config, tiny_model
-from .reference import naive_layer_scores
 
 
 def _max_relative_error(scores, exact):

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from optimum_gradmap.importance import gradient_importance, linear_per_sample_sq_norms
+from optimum_gradmap.testing import naive_layer_scores
 
 from .conftest import ARCHITECTURES, random_ids, tiny_model
-from .reference import naive_layer_scores
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)

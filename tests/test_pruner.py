@@ -110,15 +110,43 @@ def test_stage2_lowers_the_calibration_loss_gap_and_select_then_compensate_equal
     first = tiny_model("llama", num_layers=6)
     pruner = GradMAPPruner(small_config(), progress_bar=False)
     result = pruner.select_layers(first, ids)
-    assert result.snapshot is not None and result.compensated_layers == []
+    assert result.compensated_layers == [] and "stage2" not in result.timings
     pruner.compensate(result)
     second = tiny_model("llama", num_layers=6)
-    other = GradMAPPruner(small_config(), progress_bar=False).prune(second, ids)
+    other_pruner = GradMAPPruner(small_config(), progress_bar=False)
+    other = other_pruner.prune(second, ids)
     assert (result.removed_layers, result.compensated_layers) == (other.removed_layers, other.compensated_layers)
     with torch.no_grad():
         torch.testing.assert_close(first(ids).logits, second(ids).logits)
-    assert other.snapshot is None  # prune releases the removed layers
-    with pytest.raises(ValueError, match="already compensated"):
+    with pytest.raises(ValueError, match="no longer holds the dense layers"):
+        other_pruner.compensate(other)  # prune released the removed layers
+    assert "snapshot" not in vars(result)  # the public result is pure data
+
+
+def test_stage2_rerun_with_other_settings_replaces_the_first_fit():
+    ids = random_ids(8, 16)
+    model = tiny_model("qwen2", num_layers=6)
+    pruner = GradMAPPruner(small_config(num_compensated_layers=2), progress_bar=False)
+    result = pruner.select_layers(model, ids)
+    with torch.no_grad():
+        stage1_logits = model(ids).logits
+    pruner.compensate(result)
+    first_fit = dict(result.compensation_objective)
+    pruner.compensate(result, reg_lambda=0.5, num_compensated_layers=1)
+    assert result.config.reg_lambda == 0.5 and result.config.num_compensated_layers == 1
+    assert len(result.compensated_layers) == 1 and result.compensation_objective != first_fit
+
+    fresh = tiny_model("qwen2", num_layers=6)
+    reference = GradMAPPruner(small_config(reg_lambda=0.5), progress_bar=False).prune(fresh, ids)
+    assert (reference.removed_layers, reference.compensated_layers) == (result.removed_layers, result.compensated_layers)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, fresh(ids).logits)
+        pruner.compensate(result, solver="closed_form", reg_lambda=1e9)  # a huge lambda keeps W' = I
+        torch.testing.assert_close(model(ids).logits, stage1_logits, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="not Stage 2 settings"):
+        pruner.compensate(result, importance="sleb")
+    pruner.release()
+    with pytest.raises(ValueError, match="no longer holds the dense layers"):
         pruner.compensate(result)
 
 
@@ -322,3 +350,57 @@ def test_push_to_hub_uploads_the_saved_folder(monkeypatch, byte_tokenizer):
     _, repo, files, message = calls[2]
     assert {"config.json", "model.safetensors", "gradmap_config.json", "pruning_report.json", "tokenizer.json"} <= set(files)
     assert f"remove 1 of 4 layers {result.removed_layers}" in message
+
+
+def test_from_pretrained_loads_model_and_tokenizer_from_a_local_folder_with_the_same_location(
+    tmp_path, byte_tokenizer, monkeypatch
+):
+    from transformers import AutoTokenizer
+
+    tiny_model("llama", num_layers=4).save_pretrained(tmp_path)
+    byte_tokenizer.save_pretrained(tmp_path)
+    pruner = GradMAPPruner.from_pretrained(tmp_path, small_config(num_layers_to_prune=1), dtype=torch.float32)
+    assert pruner.model.config.num_hidden_layers == 4 and pruner.tokenizer("ab")["input_ids"] == byte_tokenizer("ab")["input_ids"]
+    result = pruner.prune(calibration_data=["GradMAP prunes a model loaded from a folder. " * 4])
+    assert result.model is pruner.model and pruner.model.config.num_hidden_layers == 3
+
+    seen = {}
+    real_from_pretrained = AutoTokenizer.from_pretrained
+
+    def recording(name, **kwargs):
+        seen.update(kwargs)
+        return real_from_pretrained(name)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", recording)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda name, **kwargs: tiny_model("llama", num_layers=4))
+    GradMAPPruner.from_pretrained(tmp_path, small_config(), revision="v1", token="hf_x", cache_dir="/c", dtype=torch.float32)
+    assert seen == {"revision": "v1", "token": "hf_x", "cache_dir": "/c"}  # the tokenizer comes from where the model came from
+
+
+def test_a_metric_of_your_own_by_instance_or_by_registered_name():
+    from optimum_gradmap import ImportanceMetric, register_importance_metric
+    from optimum_gradmap.importance import IMPORTANCE_METRICS, importance_metric_names
+
+    class KeepTheEnds(ImportanceMetric):
+        """Scores layers by their distance from the middle of the stack: the middle goes first."""
+
+        name = "keep_the_ends"
+
+        def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
+            count = adapter.num_layers(model)
+            return [abs(position - (count - 1) / 2) for position in range(count)]
+
+    by_instance = GradMAPPruner(small_config(importance=KeepTheEnds(), compensation=False), progress_bar=False)
+    result = by_instance.prune(tiny_model("llama", num_layers=6), random_ids(4, 8))
+    assert sorted(result.removed_layers) == [2, 3] and result.config.to_dict()["importance"] == "keep_the_ends"
+    with pytest.raises(ValueError, match="registered metric"):
+        GradMAPConfig(num_layers_to_prune=2, importance="keep_the_ends")
+    try:
+        register_importance_metric(KeepTheEnds)
+        assert "keep_the_ends" in importance_metric_names()
+        config = GradMAPConfig(num_layers_to_prune=2, importance="keep_the_ends", compensation=False)
+        assert GradMAPConfig.from_dict(config.to_dict()) == config
+        again = GradMAPPruner(config, progress_bar=False).prune(tiny_model("llama", num_layers=6), random_ids(4, 8))
+        assert again.removed_layers == result.removed_layers
+    finally:
+        IMPORTANCE_METRICS.pop("keep_the_ends")

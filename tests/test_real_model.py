@@ -16,7 +16,7 @@ pytestmark = pytest.mark.real_model
 @pytest.fixture(scope="module")
 def evaluation(smollm2):
     _, tokenizer = smollm2
-    return load_evaluation_segments("wikipedia", tokenizer, seq_len=128, max_segments=16)
+    return load_evaluation_segments("offline:wikipedia", tokenizer, seq_len=128, max_segments=16)
 
 
 def load(path):
@@ -32,7 +32,7 @@ def test_gradmap_prunes_a_real_model_far_better_than_removing_its_first_layer(sm
     # 64 x 64 is the smallest set where it no longer hurts. The paper's 128 x 128 is in docs/results.md.
     config = GradMAPConfig(num_layers_to_prune=3, num_samples=64, seq_len=64, batch_size=8)
     pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
-    result = pruner.select_layers(model, "wikipedia")
+    result = pruner.select_layers(model, "offline:wikipedia")
     stage1 = perplexity(model, evaluation, progress_bar=False)
     pruner.compensate(result)
     final = perplexity(model, evaluation, progress_bar=False)
@@ -80,7 +80,7 @@ def test_other_real_families_prune_compensate_save_reload_and_generate(asset, ar
     num_layers = model.config.num_hidden_layers
     config = GradMAPConfig(num_layers_to_prune=2, num_samples=8, seq_len=64, batch_size=8)
     pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
-    result = pruner.prune(model, "wikipedia")
+    result = pruner.prune(model, "offline:wikipedia")
     assert 0 not in result.removed_layers and len(result.compensated_layers) == 1
     pruner.save_pretrained(tmp_path)
     reloaded = load(tmp_path)
@@ -91,3 +91,23 @@ def test_other_real_families_prune_compensate_save_reload_and_generate(asset, ar
     with_cache = reloaded.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=True)
     without_cache = reloaded.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=False)
     assert torch.equal(with_cache, without_cache)
+
+
+@pytest.mark.parametrize(
+    "asset, sha256",
+    [
+        ("smollm2-135m", "fc5264f89c59d20e80e6c403373b3117f227185c01e3c076a5c2d3b5a2451c8b"),
+        ("qwen2.5-coder-0.5b", "7853a8d8b3b7444b70fc623003cf5c194c10d23d69e4d62da4b8339ee6c01c04"),
+    ],
+)
+def test_the_offline_calibration_set_is_the_one_behind_the_documented_results(asset, sha256):
+    """The paper's 128 x 128 calibration set drawn from the offline Wikipedia, whose SHA-256
+    benchmarks/results/compare-*.json record: the figures in docs/results.md were measured on it."""
+    from transformers import AutoTokenizer
+
+    from optimum_gradmap.assets import get_model_path
+    from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
+
+    tokenizer = AutoTokenizer.from_pretrained(get_model_path(asset))
+    ids = prepare_calibration_data("offline:wikipedia", tokenizer, 128, 128, 0, "offline:wikipedia")
+    assert calibration_sha256(ids) == sha256

@@ -4,8 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BloomConfig, BloomForCausalLM
 
-from optimum_gradmap import UnsupportedArchitectureError, remove_layers, supported_model_types
-from optimum_gradmap.adapters import get_adapter
+from optimum_gradmap import UnsupportedArchitectureError, remove_layers, supported_model_types, surgery
 
 from .conftest import ARCHITECTURES, random_ids, tiny_model
 
@@ -66,10 +65,9 @@ def test_surgery_is_reversible_from_the_snapshot():
     ids = random_ids(num_samples=2, seq_len=10)
     with torch.no_grad():
         dense_logits = model(ids).logits
-    adapter = get_adapter(model)
-    snapshot = adapter.snapshot(model)
-    adapter.keep_layers(model, snapshot, [0, 2, 4])
-    adapter.keep_layers(model, snapshot, [0, 1, 2, 3, 4])
+    snapshot = surgery.snapshot(model)
+    surgery.keep(model, snapshot, [0, 2, 4])
+    surgery.keep(model, snapshot, [0, 1, 2, 3, 4])
     assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1, 2, 3, 4]
     with torch.no_grad():
         assert torch.equal(model(ids).logits, dense_logits)
@@ -93,3 +91,60 @@ def test_bad_layer_indices_are_refused():
     with pytest.raises(ValueError, match="At least one decoder layer must be kept"):
         remove_layers(model, [0, 1, 2, 3])
     assert len(model.model.layers) == 4 and model.config.num_hidden_layers == 4
+
+
+def test_temporarily_runs_other_layers_and_puts_back_the_stack_and_exact_config_even_on_error():
+    model = tiny_model("qwen2", num_layers=6, max_window_layers=9)  # a threshold above the layer count
+    dense = surgery.snapshot(model)
+    surgery.keep(model, dense, [0, 2, 3, 5])
+    pruned = (list(model.model.layers), model.config.to_dict())
+    with surgery.temporarily(model, dense, range(6)):
+        assert surgery.kept_layers(model, dense) == list(range(6)) and model.config.num_hidden_layers == 6
+        assert model.config.max_window_layers == 6  # recounted for the stack inside the block
+    assert (list(model.model.layers), model.config.to_dict()) == pruned
+    with pytest.raises(RuntimeError, match="inside"), surgery.temporarily(model, dense, [1]):
+        raise RuntimeError("inside the block")
+    assert (list(model.model.layers), model.config.to_dict()) == pruned
+    assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1, 2, 3]
+    surgery.restore(model, dense)
+    assert model.config.max_window_layers == 9  # restore puts back the exact value, not a recount
+
+
+def test_replace_puts_a_stand_in_at_a_position_until_the_next_keep():
+    model = tiny_model("llama", num_layers=4)
+    dense = surgery.snapshot(model)
+    stand_in = torch.nn.Identity()
+    replaced = surgery.replace(model, 1, stand_in)
+    assert replaced is dense.layers[1] and model.model.layers[1] is stand_in
+    with pytest.raises(ValueError, match="not in the snapshot"):
+        surgery.kept_layers(model, dense)
+    surgery.keep(model, dense, range(4))
+    assert list(model.model.layers) == dense.layers
+
+
+def test_validate_checkpoint_uses_the_surgerys_per_layer_fields_and_catches_a_stale_one(tmp_path):
+    import json
+
+    from optimum_gradmap import InvalidCheckpointError, validate_checkpoint
+
+    model = tiny_model("gemma3_text", num_layers=6)
+    dense_types = list(model.config.layer_types)
+    remove_layers(model, [1, 4])
+    model.save_pretrained(tmp_path)
+    assert validate_checkpoint(tmp_path)["num_layers"] == 4
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["layer_types"] = dense_types  # left as the dense model's: 6 entries for 4 layers
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidCheckpointError, match="(?s)config.json does not load.*layer_types"):
+        validate_checkpoint(tmp_path)  # transformers refuses the config itself
+    # where transformers does not look, the adapter's notion (the one surgery slices by) does
+    from optimum_gradmap.adapters import PostNormAdapter
+
+    config["layer_types"] = model.config.layer_types
+    config["per_layer_widths"] = [64] * 6
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert validate_checkpoint(tmp_path)["num_layers"] == 4  # not known to be per-layer: no length to check
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PostNormAdapter, "known_per_layer_config_fields", ("layer_types", "per_layer_widths"))
+        with pytest.raises(InvalidCheckpointError, match="config per_layer_widths has 6 entries for 4 layers"):
+            validate_checkpoint(tmp_path)

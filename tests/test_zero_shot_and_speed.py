@@ -51,7 +51,7 @@ def no_network():
 
 @pytest.fixture(scope="module")
 def seven_tasks(scorer, tokenizer, no_network):
-    return zero_shot_accuracy(scorer, tokenizer, PAPER_TASKS, limit=LIMIT, batch_size=4, progress_bar=False)
+    return zero_shot_accuracy(scorer, tokenizer, PAPER_TASKS, limit=LIMIT, task_data="offline", batch_size=4, progress_bar=False)
 
 
 def test_bridge_scores_each_of_the_seven_tasks_offline_and_states_split_and_count(seven_tasks):
@@ -109,7 +109,7 @@ def test_bridge_accuracy_matches_a_hand_computation_on_the_in_memory_model(seven
 def test_bridge_sees_the_pruned_model_in_memory(scorer, tokenizer, no_network):
     pruned = tiny_model("llama", num_layers=3, max_position_embeddings=4096)
     remove_layers(pruned, [1, 2])
-    result = zero_shot_accuracy(pruned, tokenizer, ["arc_easy"], limit=LIMIT, progress_bar=False)
+    result = zero_shot_accuracy(pruned, tokenizer, ["arc_easy"], limit=LIMIT, task_data="offline", progress_bar=False)
     acc, acc_norm = _hand_scored(pruned, tokenizer, "arc_easy")
     assert (result.tasks[0].acc, result.tasks[0].acc_norm) == (pytest.approx(acc), pytest.approx(acc_norm))
 
@@ -131,19 +131,45 @@ def test_hub_tasks_without_network_name_the_offline_alternative(scorer, tokenize
         zero_shot_accuracy(scorer, tokenizer, ["piqa"], limit=2, task_data="hub", progress_bar=False)
 
 
-def test_inference_speed_reports_median_of_its_runs_for_the_current_layer_count():
+def test_inference_speed_times_prefill_and_decoding_apart_and_reports_the_median_of_measured_runs(monkeypatch):
+    """A fake clock that each forward pass advances by a known amount: a prefill (a prompt of several
+    tokens) 10 ms, a decoding step (one token) 1 ms, both scaled by a factor that changes per run."""
+    from optimum_gradmap.evaluation import speed
+
+    clock = [0.0]
+    factors = iter([100.0, 3.0, 1.0, 2.0])  # the warm-up run (100) is not measured; the median of 3, 1, 2 is 2
+    factor = [0.0]
+
+    def advance(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] > 1:  # a prefill: the next run starts
+            factor[0] = next(factors)
+        clock[0] += factor[0] * (0.010 if kwargs["input_ids"].shape[1] > 1 else 0.001)
+
+    monkeypatch.setattr(speed.time, "perf_counter", lambda: clock[0])
     model = tiny_model("llama", num_layers=4)
-    dense = inference_speed(model, batch_size=2, prompt_length=8, new_tokens=4, warmup=1, repeats=3)
-    assert (dense.num_layers, dense.repeats, len(dense.decode_times_s), len(dense.prefill_latencies_ms)) == (4, 3, 3, 3)
-    assert dense.decode_tokens_per_second == pytest.approx(2 * 4 / statistics.median(dense.decode_times_s))
-    assert dense.prefill_latency_ms == pytest.approx(statistics.median(dense.prefill_latencies_ms))
+    model.register_forward_pre_hook(advance, with_kwargs=True)
+    result = inference_speed(model, batch_size=2, prompt_length=8, new_tokens=4, warmup=1, repeats=3)
+    assert result.prefill_latencies_ms == pytest.approx([30.0, 10.0, 20.0])
+    assert result.decode_times_s == pytest.approx([0.012, 0.004, 0.008])
+    assert result.prefill_latency_ms == pytest.approx(20.0)
+    assert result.decode_tokens_per_second == pytest.approx(2 * 4 / 0.008)
+    assert (result.num_layers, result.batch_size, result.prompt_length, result.new_tokens) == (4, 2, 8, 4)
+
+
+def test_inference_speed_counts_the_layers_of_a_pruned_model_and_of_a_family_without_adapter():
+    model = tiny_model("llama", num_layers=4)
     remove_layers(model, [1, 2])
-    assert inference_speed(model, prompt_length=8, new_tokens=4, warmup=0, repeats=1).num_layers == 2
+    assert inference_speed(model, prompt_length=8, new_tokens=2, warmup=0, repeats=1).num_layers == 2
+    from transformers import BloomConfig, BloomForCausalLM
+
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=16, n_layer=3, n_head=2))
+    assert inference_speed(bloom, prompt_length=8, new_tokens=2, warmup=0, repeats=1).num_layers == 3
 
 
 def test_evaluate_runs_the_chosen_set_and_round_trips_through_json(scorer, tokenizer, no_network, tmp_path):
     result = evaluate(
-        scorer, tokenizer, ("wikipedia",), seq_len=64, max_segments=2, tasks=["piqa"], task_limit=2, speed=True,
+        scorer, tokenizer, ("offline:wikipedia",), seq_len=64, max_segments=2, tasks=["piqa"], task_limit=2,
+        task_data="offline", speed=True,
         progress_bar=False,
     )  # fmt: skip
     assert result.zero_shot.tasks[0].task == "piqa" and result.zero_shot.limit == 2

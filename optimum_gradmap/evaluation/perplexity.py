@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging
 
 from ..data import load_text, tokenize_text
+from ..passes import calibration_batches
 
 logger = logging.get_logger(__name__)
 
@@ -40,14 +41,14 @@ def load_evaluation_segments(
     seq_len: int = 128,
     max_segments: int | None = None,
 ) -> torch.LongTensor:
-    """Held-out evaluation segments of a named dataset (see [`optimum_gradmap.data.load_text`]).
+    """Evaluation segments of a named dataset (see [`optimum_gradmap.data`]): its evaluation split,
+    tokenized into one stream and cut into non-overlapping `seq_len` segments.
 
-    For `"wikipedia"` these come from the held-out articles that calibration never uses.
+    For `"wikipedia"` and `"offline:wikipedia"` these come from held-out articles that calibration never uses.
     """
     return evaluation_segments(tokenize_text(load_text(dataset, "evaluation"), tokenizer), seq_len, max_segments)
 
 
-@torch.no_grad()
 def perplexity(
     model: nn.Module,
     segments: torch.LongTensor,
@@ -62,21 +63,14 @@ def perplexity(
         batch_size (`int`, defaults to 8): Segments per forward pass.
         progress_bar (`bool`, defaults to `True`): Show a progress bar.
     """
-    was_training = model.training
-    model.eval()
-    device = model.get_input_embeddings().weight.device
     total_nll = 0.0
     total_tokens = 0
-    try:
-        starts = range(0, segments.shape[0], batch_size)
-        for start in logging.tqdm(starts, desc="Perplexity", leave=False, disable=not progress_bar):
-            batch = segments[start : start + batch_size].to(device)
+    with calibration_batches(model, segments, batch_size, "Perplexity", progress_bar) as batches:
+        for batch in batches:
             logits = model(input_ids=batch, use_cache=False).logits[:, :-1, :].float()
             labels = batch[:, 1:].to(logits.device)
             total_nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum").item()
             total_tokens += labels.numel()
-    finally:
-        model.train(was_training)
     return math.exp(total_nll / total_tokens)
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.utils import logging
 
-from ..adapters import get_adapter
+from ..passes import calibration_mode
 
 logger = logging.get_logger(__name__)
 
@@ -65,7 +65,6 @@ def _greedy(logits: torch.Tensor) -> torch.LongTensor:
     return logits[:, -1:, :].argmax(dim=-1)
 
 
-@torch.no_grad()
 def inference_speed(
     model: nn.Module,
     batch_size: int = 1,
@@ -98,10 +97,8 @@ def inference_speed(
     device = embeddings.device
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, embeddings.shape[0], (batch_size, prompt_length), generator=generator).to(device)
-    was_training = model.training
-    model.eval()
     prefill_ms, decode_s = [], []
-    try:
+    with calibration_mode(model):
         for run in range(warmup + repeats):
             cache = DynamicCache(config=model.config)
             _synchronize(device)
@@ -118,12 +115,10 @@ def inference_speed(
             if run >= warmup:
                 prefill_ms.append(1000.0 * (prefilled - start))
                 decode_s.append(finished - prefilled)
-    finally:
-        model.train(was_training)
     return SpeedResult(
         device=str(device),
         dtype=str(embeddings.dtype).replace("torch.", ""),
-        num_layers=get_adapter(model).num_layers(model),
+        num_layers=model.config.get_text_config(decoder=True).num_hidden_layers,
         batch_size=batch_size,
         prompt_length=prompt_length,
         new_tokens=new_tokens,

@@ -13,6 +13,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging
 
+from ..data import check_dataset_name
 from .perplexity import PerplexityResult, load_evaluation_segments, perplexity, protocol_name
 from .speed import SpeedResult, inference_speed
 from .zero_shot import ZeroShotResult, zero_shot_accuracy
@@ -67,12 +68,12 @@ class EvaluationResult:
 def evaluate(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
-    perplexity_datasets: Sequence[str] = ("wikipedia", "web_text"),
+    perplexity_datasets: Sequence[str] = ("wikitext2", "c4"),
     seq_len: int = 128,
     max_segments: int | None = None,
     tasks: Sequence[str] = (),
     task_limit: int | None = None,
-    task_data: str = "offline",
+    task_data: str = "hub",
     speed: bool = False,
     batch_size: int = 8,
     model_name: str | None = None,
@@ -83,8 +84,9 @@ def evaluate(
     Args:
         model (`nn.Module`): A causal LM (dense, or pruned in place; no save/reload needed).
         tokenizer (`PreTrainedTokenizerBase`): Its tokenizer.
-        perplexity_datasets (`Sequence[str]`, defaults to `("wikipedia", "web_text")`): Names accepted by
-            [`optimum_gradmap.data.load_text`]; `()` for none.
+        perplexity_datasets (`Sequence[str]`, defaults to `("wikitext2", "c4")`): Dataset names with an
+            evaluation split (see [`optimum_gradmap.data`]), from the Hub; offline, `"offline:wikipedia"`
+            and `"offline:web_text"`. `()` for none.
         seq_len (`int`, defaults to 128): Perplexity segment length: 128 is the paper's protocol, 2048
             the common one in other pruning papers.
         max_segments (`int`, *optional*): Evaluate only the first segments, for quick runs; stated
@@ -92,7 +94,7 @@ def evaluate(
         tasks (`Sequence[str]`, defaults to `()`): Zero-shot tasks (see [`zero_shot_accuracy`]), e.g.
             `PAPER_TASKS` for the paper's seven.
         task_limit (`int`, *optional*): Questions per task, for quick runs (stated in the result).
-        task_data (`str`, defaults to `"offline"`): `"offline"` or `"hub"`, see [`zero_shot_accuracy`].
+        task_data (`str`, defaults to `"hub"`): `"hub"` or `"offline"`, see [`zero_shot_accuracy`].
         speed (`bool`, defaults to `False`): Also measure inference speed with
             [`inference_speed`]'s defaults.
         batch_size (`int`, defaults to 8): Segments or requests per forward pass.
@@ -104,7 +106,7 @@ def evaluate(
     """
     name = model_name or getattr(model, "name_or_path", "") or type(model).__name__
     result = EvaluationResult(model=name)
-    for dataset in perplexity_datasets:
+    for dataset in [check_dataset_name(name, "evaluation") for name in perplexity_datasets]:  # all checked first
         segments = load_evaluation_segments(dataset, tokenizer, seq_len, max_segments)
         value = perplexity(model, segments, batch_size=batch_size, progress_bar=progress_bar)
         result.perplexities.append(

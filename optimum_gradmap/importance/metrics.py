@@ -14,13 +14,16 @@ layer (and re-scores, for iterative metrics) until K layers are gone. Each follo
 | `"relative_magnitude"` | Subcloning (Samragh et al., 2023), Sec. 3 | mean over tokens of norm(f(x)) / norm(x + f(x)) | no |
 | `"random"` | baseline | seeded uniform random numbers | no |
 
-`GradMAPConfig(iterative=...)` overrides the method's own choice.
+`GradMAPConfig(iterative=...)` overrides the method's own choice. A metric of your own: subclass
+[`ImportanceMetric`] and register it with [`register_importance_metric`] (its name then works in
+`GradMAPConfig(importance=...)` and on the command line), or pass an instance to `GradMAPConfig`.
+The removal loop that calls the metrics is [`optimum_gradmap.importance.selection`].
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +31,10 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
+from .. import surgery
 from ..adapters import DecoderAdapter
-from ..hooks import forward_hooks, forward_pre_hooks, layer_input, layer_output, run_batches
-from .gradient import causal_lm_loss_gradient, frozen_for_scoring, gradient_importance, split_at_lm_head
+from ..passes import calibration_batches, forward_hooks, forward_pre_hooks, layer_input, layer_output
+from .gradient import causal_lm_loss_gradient, gradient_importance, split_at_lm_head
 
 logger = logging.get_logger(__name__)
 
@@ -39,7 +43,9 @@ class ImportanceMetric:
     """Scores the decoder layers currently in a model; the lowest-scoring layers are removed first.
 
     Subclasses set `name`, `iterative` (whether their paper re-scores after each removal) and
-    implement [`~ImportanceMetric.score`].
+    implement [`~ImportanceMetric.score`]. Register a subclass with [`register_importance_metric`] to
+    make its name usable in `GradMAPConfig(importance=...)` and on the command line, or pass an
+    instance directly: `GradMAPConfig(importance=MyMetric())`.
 
     Args:
         seed (`int`, defaults to 0): For metrics that draw random numbers.
@@ -80,6 +86,38 @@ class ImportanceMetric:
         return set()
 
 
+# The registry: metric name -> class. Fed by `register_importance_metric`, read by `GradMAPConfig`,
+# the command line and `get_importance_metric`.
+IMPORTANCE_METRICS: dict[str, type[ImportanceMetric]] = {}
+
+MetricClass = TypeVar("MetricClass", bound=type[ImportanceMetric])
+
+
+def register_importance_metric(cls: MetricClass) -> MetricClass:
+    """Class decorator that registers an [`ImportanceMetric`] subclass under its `name`.
+
+    ```python
+    @register_importance_metric
+    class LastTokenNorm(ImportanceMetric):
+        name = "last_token_norm"
+
+        def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
+            ...
+    ```
+    """
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{cls.__name__} needs a class attribute `name` (a non-empty string) to be registered.")
+    IMPORTANCE_METRICS[name] = cls
+    return cls
+
+
+def importance_metric_names() -> list[str]:
+    """The names registered with [`register_importance_metric`], in registration order."""
+    return list(IMPORTANCE_METRICS)
+
+
+@register_importance_metric
 class GradMAPImportance(ImportanceMetric):
     """GradMAP, Eq. 5: the trace of each layer's empirical Fisher, i.e. the mean over calibration
     samples of the squared L2 norm of the per-sample loss gradient over all the layer's parameters.
@@ -117,17 +155,14 @@ def _mean_over_tokens(
 
     pre_hooks = [(layer, lambda m, a, k, p=p: remember_input(p, m, a, k)) for p, layer in enumerate(layers)]
     hooks = [(layer, lambda m, a, o, p=p: accumulate(p, m, a, o)) for p, layer in enumerate(layers)]
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), forward_pre_hooks(pre_hooks), forward_hooks(hooks):
-            for _ in run_batches(model, input_ids, batch_size, description, progress_bar):
-                pass
-    finally:
-        model.train(was_training)
+    with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
+        with forward_pre_hooks(pre_hooks), forward_hooks(hooks):
+            for batch in batches:
+                model(input_ids=batch, use_cache=False)
     return (sums / input_ids.numel()).tolist()
 
 
+@register_importance_metric
 class BlockInfluence(ImportanceMetric):
     """ShortGPT's Block Influence (Men et al., 2024, "ShortGPT: Layers in Large Language Models are
     More Redundant Than You Expect", Eq. 1):
@@ -148,26 +183,63 @@ class BlockInfluence(ImportanceMetric):
         return _mean_over_tokens(model, layers, input_ids, batch_size, influence, progress_bar, description)
 
 
-class RelativeMagnitude(ImportanceMetric):
-    """Relative magnitude of a layer's update (Samragh et al., 2023, "Weight subcloning: direct
-    initialization of transformers using larger pretrained ones", Sec. 3):
+class _ReplayedPrefix(nn.Module):
+    """Stands in for the first layers of a model: returns the hidden states they produced earlier."""
 
-        score_i = E_{X, t} [ ||f_i(x_t)||_2 / ||x_t + f_i(x_t)||_2 ]
+    def __init__(self, hidden_states: torch.Tensor, as_tuple: bool):
+        super().__init__()
+        self.hidden_states = hidden_states
+        self.as_tuple = as_tuple
 
-    where x_t is the hidden state entering layer i and x_t + f_i(x_t) the one leaving it (the
-    residual stream), so f_i(x_t) is what the layer adds. Scored once (one-shot).
+    def forward(self, *args, **kwargs):
+        return (self.hidden_states,) if self.as_tuple else self.hidden_states
+
+
+@register_importance_metric
+class SLEBImportance(ImportanceMetric):
+    """SLEB (Song et al., 2024, "SLEB: Streamlining LLMs through Redundancy Verification and
+    Elimination of Transformer Blocks", Sec. 4 and Algorithm 1): the score of block i is the
+    calibration loss (mean next-token cross-entropy over all calibration tokens, the log of the
+    perplexity SLEB measures) of the current model with block i removed; the block whose removal
+    raises the loss least goes first, and every block is re-verified after each removal (iterative).
+
+    Exact, with less work than one full forward pass per candidate: the layers before block i
+    compute the same thing for every candidate after them, so one pass per batch records each
+    layer's input, and the model without block i starts from the recorded input of block i (a
+    stand-in module at the head of the layer list returns it) and runs only the layers after it.
     """
 
-    name = "relative_magnitude"
+    name = "sleb"
+    iterative = True
 
     def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
-        def magnitude(hidden_in: torch.Tensor, hidden_out: torch.Tensor) -> torch.Tensor:
-            return (hidden_out - hidden_in).norm(dim=-1) / hidden_out.norm(dim=-1).clamp_min(1e-12)
+        stack = surgery.snapshot(model, adapter)
+        totals = [0.0] * stack.num_layers
+        inputs: dict[int, torch.Tensor] = {}
+        returns_tuple: list[bool] = []
 
-        layers = adapter.get_layers(model)
-        return _mean_over_tokens(model, layers, input_ids, batch_size, magnitude, progress_bar, description)
+        def remember_input(position: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+            inputs[position] = layer_input(args, kwargs)
+
+        pre_hooks = [(layer, lambda m, a, k, p=p: remember_input(p, m, a, k)) for p, layer in enumerate(stack.layers)]
+        type_hook = [(stack.layers[0], lambda m, a, o: returns_tuple.append(isinstance(o, (tuple, list))))]
+        with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
+            for batch in batches:
+                with forward_pre_hooks(pre_hooks), forward_hooks(type_hook):
+                    model(input_ids=batch, use_cache=False)
+                for candidate in range(stack.num_layers):
+                    # run layers candidate+1.. from the recorded input of `candidate`
+                    with surgery.temporarily(model, stack, range(candidate, stack.num_layers), adapter):
+                        surgery.replace(model, 0, _ReplayedPrefix(inputs[candidate], returns_tuple[0]), adapter)
+                        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+                    totals[candidate] += F.cross_entropy(
+                        logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
+                    ).item()
+                inputs.clear()
+        return [total / (input_ids.shape[0] * (input_ids.shape[1] - 1)) for total in totals]
 
 
+@register_importance_metric
 class TaylorImportance(ImportanceMetric):
     """Taylor+ from Shortened LLaMA (Kim et al., 2024, "Shortened LLaMA: Depth Pruning for LLMs with
     Comparison of Retraining Methods", Sec. 3.2): the first-order Taylor estimate of the loss change
@@ -197,11 +269,12 @@ class TaylorImportance(ImportanceMetric):
 
     def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
         layers = list(adapter.get_layers(model))
-        parameters = [[p for p in layer.parameters()] for layer in layers]
+        parameters = [list(layer.parameters()) for layer in layers]
         embeddings = model.get_input_embeddings()
-        device = embeddings.weight.device
         num_samples = input_ids.shape[0]
-        with frozen_for_scoring(model):
+        with calibration_batches(
+            model, input_ids, batch_size, description, progress_bar, grad=True, freeze_parameters=True
+        ) as batches:
             decoder, head, width = split_at_lm_head(model, adapter, input_ids)
             saved_grads = {id(p): p.grad for group in parameters for p in group}
             for group in parameters:
@@ -209,13 +282,10 @@ class TaylorImportance(ImportanceMetric):
                     parameter.grad = None
                     parameter.requires_grad_(True)
             try:
-                starts = range(0, num_samples, batch_size)
-                for start in logging.tqdm(starts, desc=description, leave=False, disable=not progress_bar):
-                    batch = input_ids[start : start + batch_size].to(device)
-                    with torch.enable_grad():
-                        hidden_states = decoder(embeddings(batch).detach())
-                        # the gradient of the sum of per-sample mean losses; / num_samples below gives the mean
-                        hidden_states.backward(causal_lm_loss_gradient(hidden_states, batch, head, width))
+                for batch in batches:
+                    hidden_states = decoder(embeddings(batch).detach())
+                    # the gradient of the sum of per-sample mean losses; / num_samples below gives the mean
+                    hidden_states.backward(causal_lm_loss_gradient(hidden_states, batch, head, width))
                 scores = [
                     sum((p.detach().double() * p.grad.double()).abs().sum().item() for p in group if p.grad is not None)
                     / num_samples
@@ -228,74 +298,28 @@ class TaylorImportance(ImportanceMetric):
         return scores
 
 
-class _ReplayedPrefix(nn.Module):
-    """Stands in for the first layers of a model: returns the hidden states they produced earlier."""
+@register_importance_metric
+class RelativeMagnitude(ImportanceMetric):
+    """Relative magnitude of a layer's update (Samragh et al., 2023, "Weight subcloning: direct
+    initialization of transformers using larger pretrained ones", Sec. 3):
 
-    def __init__(self, hidden_states: torch.Tensor, as_tuple: bool):
-        super().__init__()
-        self.hidden_states = hidden_states
-        self.as_tuple = as_tuple
+        score_i = E_{X, t} [ ||f_i(x_t)||_2 / ||x_t + f_i(x_t)||_2 ]
 
-    def forward(self, *args, **kwargs):
-        return (self.hidden_states,) if self.as_tuple else self.hidden_states
-
-
-class SLEBImportance(ImportanceMetric):
-    """SLEB (Song et al., 2024, "SLEB: Streamlining LLMs through Redundancy Verification and
-    Elimination of Transformer Blocks", Sec. 4 and Algorithm 1): the score of block i is the
-    calibration loss (mean next-token cross-entropy over all calibration tokens, the log of the
-    perplexity SLEB measures) of the current model with block i removed; the block whose removal
-    raises the loss least goes first, and every block is re-verified after each removal (iterative).
-
-    Exact, with less work than one full forward pass per candidate: the layers before block i
-    compute the same thing for every candidate after them, so one pass per batch records each
-    layer's input, and the model without block i starts from the recorded input of block i (a
-    stand-in module at the head of the layer list returns it) and runs only the layers after it.
+    where x_t is the hidden state entering layer i and x_t + f_i(x_t) the one leaving it (the
+    residual stream), so f_i(x_t) is what the layer adds. Scored once (one-shot).
     """
 
-    name = "sleb"
-    iterative = True
+    name = "relative_magnitude"
 
     def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
-        snapshot = adapter.snapshot(model)
-        everything = list(range(snapshot.num_layers))
-        totals = [0.0] * snapshot.num_layers
-        device = model.get_input_embeddings().weight.device
-        parent_path, _, attribute = adapter.layers_path.rpartition(".")
-        was_training = model.training
-        model.eval()
-        inputs: dict[int, torch.Tensor] = {}
-        returns_tuple: list[bool] = []
+        def magnitude(hidden_in: torch.Tensor, hidden_out: torch.Tensor) -> torch.Tensor:
+            return (hidden_out - hidden_in).norm(dim=-1) / hidden_out.norm(dim=-1).clamp_min(1e-12)
 
-        def remember_input(position: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
-            inputs[position] = layer_input(args, kwargs)
-
-        pre_hooks = [(layer, lambda m, a, k, p=p: remember_input(p, m, a, k)) for p, layer in enumerate(snapshot.layers)]
-        type_hook = [(snapshot.layers[0], lambda m, a, o: returns_tuple.append(isinstance(o, (tuple, list))))]
-        starts = range(0, input_ids.shape[0], batch_size)
-        try:
-            with torch.no_grad():
-                for start in logging.tqdm(starts, desc=description, leave=False, disable=not progress_bar):
-                    batch = input_ids[start : start + batch_size].to(device)
-                    adapter.keep_layers(model, snapshot, everything)
-                    with forward_pre_hooks(pre_hooks), forward_hooks(type_hook):
-                        model(input_ids=batch, use_cache=False)
-                    for candidate in everything:
-                        # run layers candidate+1.. from the recorded input of `candidate`
-                        adapter.keep_layers(model, snapshot, everything[candidate:])
-                        replay = _ReplayedPrefix(inputs[candidate], returns_tuple[0])
-                        getattr(model.get_submodule(parent_path) if parent_path else model, attribute)[0] = replay
-                        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-                        totals[candidate] += F.cross_entropy(
-                            logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
-                        ).item()
-                    inputs.clear()
-        finally:
-            adapter.restore(model, snapshot)
-            model.train(was_training)
-        return [total / (input_ids.shape[0] * (input_ids.shape[1] - 1)) for total in totals]
+        layers = adapter.get_layers(model)
+        return _mean_over_tokens(model, layers, input_ids, batch_size, magnitude, progress_bar, description)
 
 
+@register_importance_metric
 class RandomImportance(ImportanceMetric):
     """Random layer selection (a baseline): uniform random scores from a generator seeded with
     `GradMAPConfig.seed`, so a run is reproducible. Scored once."""
@@ -307,14 +331,18 @@ class RandomImportance(ImportanceMetric):
         return torch.rand(adapter.num_layers(model), generator=generator, dtype=torch.float64).tolist()
 
 
-IMPORTANCE_METRICS: dict[str, type[ImportanceMetric]] = {
-    metric.name: metric
-    for metric in (GradMAPImportance, BlockInfluence, SLEBImportance, TaylorImportance, RelativeMagnitude, RandomImportance)
-}
+def get_importance_metric(name_or_metric: str | ImportanceMetric, seed: int = 0) -> ImportanceMetric:
+    """The metric registered under a name (see [`register_importance_metric`]), or the given instance itself.
 
-
-def get_importance_metric(name: str, seed: int = 0) -> ImportanceMetric:
-    """The metric registered under `name` (see `IMPORTANCE_METRICS`)."""
-    if name not in IMPORTANCE_METRICS:
-        raise ValueError(f"Unknown importance metric {name!r}. Available: {', '.join(IMPORTANCE_METRICS)}.")
-    return IMPORTANCE_METRICS[name](seed=seed)
+    Raises:
+        ValueError: for a name that no metric is registered under; the message lists the registered ones.
+    """
+    if isinstance(name_or_metric, ImportanceMetric):
+        return name_or_metric
+    if name_or_metric not in IMPORTANCE_METRICS:
+        raise ValueError(
+            f"Unknown importance metric {name_or_metric!r}. Available: {', '.join(IMPORTANCE_METRICS)}. "
+            "A metric of your own: subclass `ImportanceMetric` and register it with `@register_importance_metric`, "
+            "or pass an instance."
+        )
+    return IMPORTANCE_METRICS[name_or_metric](seed=seed)

@@ -1,0 +1,174 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""Writing pruned checkpoints and checking them.
+
+A GradMAP checkpoint is a plain transformers checkpoint: the pruned model's `config.json` says how
+many layers it has and every per-layer setting, and its weights are named `...layers.0` to
+`...layers.{n-1}`. Nothing else is needed to load it: no custom code, no `auto_map`. Two extra
+files say how it was made: `gradmap_config.json` and `pruning_report.json` (see [`optimum_gradmap.report`]).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging
+
+from .adapters import get_adapter
+from .configuration import GradMAPConfig
+from .report import write_report
+
+logger = logging.get_logger(__name__)
+
+
+class InvalidCheckpointError(ValueError):
+    """Raised by [`validate_checkpoint`] with every problem it found."""
+
+
+def _checkpoint_tensors(path: str) -> dict[str, tuple[int, ...]]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as file:
+            files = sorted(set(json.load(file)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise InvalidCheckpointError(f"{path} holds no model.safetensors (or sharded index): nothing to validate.")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in files:
+        with safe_open(os.path.join(path, name), framework="pt") as weights:
+            for key in weights.keys():
+                shapes[key] = tuple(weights.get_slice(key).get_shape())
+    return shapes
+
+
+def _saved_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The tensors `save_pretrained` writes for `model`: transformers 5 renames and regroups some
+    weights on load (fused mixture-of-experts weights, legacy names) and reverts that on save."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers without weight conversions saves the state dict as it is
+        return model.state_dict()
+    return revert_weight_conversion(model, model.state_dict())
+
+
+def validate_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Checks, from the files alone, that a checkpoint is what serving engines (vLLM, TGI) expect.
+
+    They build the layer stack from the layer count in `config.json` and index every per-layer
+    setting by the layer number in the weight names. So:
+
+    - every tensor the config implies is present with the implied shape (tied weights may be
+      stored once), and there is no other tensor;
+    - the weight names number the decoder layers exactly 0 .. n-1, n the config's layer count;
+    - per-layer config lists (`layer_types`, ...: the fields the layer surgery slices, see
+      [`DecoderAdapter.per_layer_config_fields`]) have length n, and layer-index lists point inside the stack;
+    - the config needs no custom code (`auto_map`).
+
+    Args:
+        path (`str` or `os.PathLike`): A checkpoint folder.
+
+    Returns:
+        `dict`: `model_type`, `num_layers` and `num_tensors` of the valid checkpoint.
+
+    Raises:
+        InvalidCheckpointError: listing every problem found.
+    """
+    path = str(path)
+    problems: list[str] = []
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as file:
+        raw_config = json.load(file)
+    if raw_config.get("auto_map"):
+        problems.append(f"config.json has auto_map {raw_config['auto_map']}: loading would need custom code.")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as error:  # noqa: BLE001 - transformers validates configs (e.g. layer_types against the layer count)
+        problems.append(f"config.json does not load: {error}")
+        raise InvalidCheckpointError(f"Checkpoint {path} is not valid:\n- " + "\n- ".join(problems)) from error
+    text_config = config.get_text_config(decoder=True)
+    adapter = get_adapter(config)
+    num_layers = getattr(text_config, adapter.layer_count_field)
+
+    stored = _checkpoint_tensors(path)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    expected = {name: tuple(tensor.shape) for name, tensor in _saved_state_dict(skeleton).items()}
+    tied: dict[int, list[str]] = {}
+    for name, parameter in skeleton.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(parameter), []).append(name)
+    stored_once = {name for names in tied.values() if len(names) > 1 and any(n in stored for n in names) for name in names}
+    for name in sorted(set(expected) - set(stored) - stored_once):
+        problems.append(f"missing tensor {name}")
+    for name, shape in stored.items():
+        if name not in expected:
+            problems.append(f"unexpected tensor {name} {list(shape)}")
+        elif expected[name] != shape:
+            problems.append(f"tensor {name} has shape {list(shape)}, the config implies {list(expected[name])}")
+
+    layer_name = re.compile(re.escape(adapter.layers_path) + r"\.(\d+)\.")
+    numbered = {int(match.group(1)) for name in stored for match in [layer_name.search(name)] if match}
+    if numbered != set(range(num_layers)):
+        problems.append(f"weight names number layers {sorted(numbered)}, but {adapter.layer_count_field}={num_layers}")
+    for field_name in adapter.per_layer_config_fields(text_config, num_layers):
+        value = getattr(text_config, field_name)
+        if len(value) != num_layers:
+            problems.append(f"config {field_name} has {len(value)} entries for {num_layers} layers")
+    for field_name in adapter.index_config_fields:
+        value = getattr(text_config, field_name, None)
+        if isinstance(value, list) and any(not 0 <= i < num_layers for i in value):
+            problems.append(f"config {field_name}={value} points outside layers 0..{num_layers - 1}")
+    if problems:
+        raise InvalidCheckpointError(f"Checkpoint {path} is not valid:\n- " + "\n- ".join(problems))
+    return {"model_type": text_config.model_type, "num_layers": num_layers, "num_tensors": len(stored)}
+
+
+def save_checkpoint(
+    save_directory: str | os.PathLike,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    config: GradMAPConfig,
+    report: dict[str, Any] | None = None,
+    repo_id: str | None = None,
+    **save_kwargs: Any,
+) -> str:
+    """Writes model, tokenizer, `gradmap_config.json` and, if a report is given, `pruning_report.json`,
+    its pictures and a model card (`README.md`), see [`optimum_gradmap.report`].
+
+    Args:
+        save_directory (`str` or `os.PathLike`): Output folder.
+        model (`PreTrainedModel`): The pruned model.
+        tokenizer (`PreTrainedTokenizerBase`, *optional*): Its tokenizer.
+        config ([`GradMAPConfig`]): The configuration it was pruned with.
+        report (`dict`, *optional*): From [`optimum_gradmap.report.build_report`]; written with
+            [`optimum_gradmap.report.write_report`].
+        repo_id (`str`, *optional*): The Hub repository the model card should name in its examples.
+        save_kwargs: Passed to the model's `save_pretrained`.
+
+    Returns:
+        `str`: The folder.
+    """
+    quantization = getattr(model.config, "quantization_config", None)
+    if quantization is not None and (
+        getattr(quantization, "quant_method", None) == "gguf"
+        or (isinstance(quantization, dict) and quantization.get("quant_method") == "gguf")
+    ):
+        raise ValueError(
+            "This model was loaded from a GGUF file and transformers cannot save it back. Convert it first "
+            "(see `optimum_gradmap.assets.get_model_path`, which does this for the offline models)."
+        )
+    os.makedirs(save_directory, exist_ok=True)
+    model.save_pretrained(save_directory, **save_kwargs)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(save_directory)
+    config.save_pretrained(save_directory)
+    if report is not None:
+        write_report(report, save_directory, repo_id)
+    validate_checkpoint(save_directory)
+    logger.info(f"Saved pruned checkpoint to {save_directory}")
+    return str(save_directory)

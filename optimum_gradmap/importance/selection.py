@@ -1,0 +1,198 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""Stage 1's removal loop (Algorithm 1 of the paper) and its resume checkpoint.
+
+Iterative metrics (GradMAP, SLEB) score the layers that remain, remove the lowest-scoring one and
+score again, until K layers are gone; one-shot metrics score once and remove the K lowest. Ties go
+to the lower layer index. Layers are always named by their index in the dense model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+from transformers.utils import logging
+
+from .. import surgery
+from ..adapters import DecoderAdapter
+from .metrics import ImportanceMetric
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass
+class Selection:
+    """What Stage 1 decided.
+
+    Args:
+        removed_layers (`list[int]`): Removed layers, in removal order.
+        kept_layers (`list[int]`): Layers that remain, in model order.
+        scores (`list[dict[int, float]]`): The scores of the layers present in each round.
+        resumed_seconds (`float`): Seconds of the rounds replayed from a checkpoint (spent in an earlier run).
+    """
+
+    removed_layers: list[int] = field(default_factory=list)
+    kept_layers: list[int] = field(default_factory=list)
+    scores: list[dict[int, float]] = field(default_factory=list)
+    resumed_seconds: float = 0.0
+
+
+class Stage1Checkpoint:
+    """Stage 1's progress in a JSON file: the scores, removed layers and seconds of each finished round,
+    with the fingerprint of the run that wrote them (model shape, metric, K, calibration set).
+
+    Args:
+        path (`str` or `os.PathLike`): The file; read now if it exists, rewritten after every round.
+        fingerprint (`dict`): What this run is; a file written by another run is refused.
+
+    Raises:
+        ValueError: the file is not a Stage 1 checkpoint, or comes from a different run.
+    """
+
+    def __init__(self, path: str | os.PathLike, fingerprint: dict[str, Any]):
+        self.path = os.fspath(path)
+        self.fingerprint = fingerprint
+        self.rounds: list[dict[str, Any]] = []
+        if os.path.exists(self.path):
+            try:
+                with open(self.path, encoding="utf-8") as file:
+                    saved = json.load(file)
+                saved_fingerprint, self.rounds = dict(saved["fingerprint"]), list(saved["rounds"])
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                raise ValueError(
+                    f"{self.path} is not a Stage 1 checkpoint ({error}): delete it, or pass another `stage1_checkpoint`."
+                ) from error
+            different = {
+                key: (saved_fingerprint.get(key), value)
+                for key, value in fingerprint.items()
+                if saved_fingerprint.get(key) != value
+            }
+            if different:
+                details = ", ".join(f"{key}: saved {saved!r}, now {now!r}" for key, (saved, now) in different.items())
+                raise ValueError(
+                    f"{self.path} was written by a different Stage 1 run ({details}). Delete it to start over, "
+                    "or pass another `stage1_checkpoint`."
+                )
+
+    def save_round(self, scores: dict[int, float], removed: list[int], seconds: float) -> None:
+        """Appends a finished round and rewrites the file (atomically: a crash leaves the old one)."""
+        self.rounds.append(
+            {"scores": {str(index): score for index, score in scores.items()}, "removed": removed, "seconds": seconds}
+        )
+        directory = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False, encoding="utf-8") as file:
+            json.dump({"fingerprint": self.fingerprint, "rounds": self.rounds}, file, indent=1)
+        os.replace(file.name, self.path)
+
+
+def stage1_fingerprint(
+    model: PreTrainedModel,
+    metric: ImportanceMetric,
+    iterative: bool,
+    seed: int,
+    num_layers: int,
+    num_to_prune: int,
+    calibration_sha256: str,
+) -> dict[str, Any]:
+    """What must be the same for a saved Stage 1 round to be valid in this run."""
+    return {
+        "model_type": model.config.model_type,
+        "num_layers": num_layers,
+        "hidden_size": model.get_input_embeddings().weight.shape[1],
+        "importance": metric.name,
+        "iterative": iterative,
+        "seed": seed,
+        "num_layers_to_prune": num_to_prune,
+        "calibration_sha256": calibration_sha256,
+    }
+
+
+def remove_explicit_layers(
+    model: PreTrainedModel, dense: surgery.LayerSnapshot, layers_to_prune: list[int], adapter: DecoderAdapter
+) -> Selection:
+    """Removes exactly `layers_to_prune` (dense-model indices), without scoring."""
+    kept = [index for index in range(dense.num_layers) if index not in layers_to_prune]
+    surgery.keep(model, dense, kept, adapter)
+    return Selection(removed_layers=list(layers_to_prune), kept_layers=kept)
+
+
+def remove_by_importance(
+    model: PreTrainedModel,
+    dense: surgery.LayerSnapshot,
+    adapter: DecoderAdapter,
+    metric: ImportanceMetric,
+    iterative: bool,
+    num_to_prune: int,
+    calibration_ids: torch.LongTensor,
+    batch_size: int,
+    checkpoint: Stage1Checkpoint | None = None,
+    progress_bar: bool = True,
+) -> Selection:
+    """Algorithm 1: removes `num_to_prune` layers, lowest score first.
+
+    Args:
+        model (`PreTrainedModel`): The dense model; changed in place.
+        dense (`LayerSnapshot`): Its stack, from [`optimum_gradmap.surgery.snapshot`].
+        adapter (`DecoderAdapter`): Its family's adapter.
+        metric (`ImportanceMetric`): The score.
+        iterative (`bool`): Re-score the remaining layers after every removal.
+        num_to_prune (`int`): K.
+        calibration_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
+        batch_size (`int`): Sequences per pass.
+        checkpoint (`Stage1Checkpoint`, *optional*): Finished rounds to replay, and where to save new ones.
+        progress_bar (`bool`, defaults to `True`): Show progress bars.
+
+    Returns:
+        [`Selection`].
+
+    Raises:
+        ValueError: when the metric's protected layers leave fewer than K candidates (before any change).
+    """
+    protected = metric.protected_layers(dense.num_layers)
+    candidates = [index for index in range(dense.num_layers) if index not in protected]
+    if len(candidates) < num_to_prune:
+        raise ValueError(
+            f"importance={metric.name!r} never removes layers {sorted(protected)}, which leaves "
+            f"{len(candidates)} candidates for {num_to_prune} removals: prune fewer layers."
+        )
+    selection = Selection(kept_layers=list(range(dense.num_layers)))
+    num_rounds = num_to_prune if iterative else 1
+    saved_rounds = checkpoint.rounds if checkpoint is not None else []
+    if saved_rounds:
+        logger.info(f"Resuming Stage 1 from {checkpoint.path}: {len(saved_rounds)} of {num_rounds} rounds are done.")
+    rounds = logging.tqdm(range(num_rounds), desc=f"Stage 1 ({metric.name})", disable=not progress_bar)
+    for round_index in rounds:
+        started = time.perf_counter()
+        kept = selection.kept_layers
+        if round_index < len(saved_rounds):
+            round_scores = {int(index): score for index, score in saved_rounds[round_index]["scores"].items()}
+            selection.resumed_seconds += saved_rounds[round_index]["seconds"]
+        else:
+            layer_scores = metric.score(
+                model,
+                adapter,
+                calibration_ids,
+                batch_size,
+                progress_bar=progress_bar,
+                description=f"Round {round_index + 1}/{num_rounds}",
+            )
+            round_scores = {original: float(score) for original, score in zip(kept, layer_scores)}
+        selection.scores.append(round_scores)
+        ranked = sorted((index for index in kept if index not in protected), key=lambda index: (round_scores[index], index))
+        to_remove = ranked[:1] if iterative else ranked[:num_to_prune]
+        selection.removed_layers.extend(to_remove)
+        selection.kept_layers = [index for index in kept if index not in to_remove]
+        surgery.keep(model, dense, selection.kept_layers, adapter)
+        if checkpoint is not None and round_index >= len(saved_rounds):
+            checkpoint.save_round(round_scores, to_remove, time.perf_counter() - started)
+        for index in to_remove:
+            logger.info(f"Round {round_index + 1}/{num_rounds}: removed layer {index} (score {round_scores[index]:.6g})")
+    return selection

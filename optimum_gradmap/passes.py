@@ -1,0 +1,116 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""Calibration passes: running a model over calibration (or evaluation) sequences, batch by batch,
+and the hooks that read what its layers see.
+
+Every pass of the library (the importance metrics, Stage 2, perplexity) goes through
+[`calibration_batches`], which owns what they must all get right:
+
+- the model runs in eval mode (no dropout), and its mode is restored on exit;
+- gradient mode is set for the block (off unless asked for), and restored on exit;
+- with `freeze_parameters=True` no parameter requires a gradient during the block (a backward pass
+  then computes only activation gradients), and every `requires_grad` flag is restored on exit;
+- each batch is moved to the device of the model's input embeddings.
+
+```python
+with calibration_batches(model, input_ids, batch_size=8, description="Perplexity") as batches:
+    for batch in batches:
+        logits = model(input_ids=batch, use_cache=False).logits
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from transformers.utils import logging
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """The device a model's input ids go to: that of its input embeddings."""
+    return model.get_input_embeddings().weight.device
+
+
+@contextmanager
+def calibration_mode(model: nn.Module, grad: bool = False, freeze_parameters: bool = False) -> Iterator[None]:
+    """Eval mode, gradient mode `grad` and optionally frozen parameters for the block; the model's
+    training mode, the gradient mode and every `requires_grad` flag are restored on exit."""
+    was_training = model.training
+    requires_grad = {name: parameter.requires_grad for name, parameter in model.named_parameters()} if freeze_parameters else {}
+    model.eval()
+    if freeze_parameters:
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+    try:
+        with torch.set_grad_enabled(grad):
+            yield
+    finally:
+        for name, parameter in model.named_parameters() if freeze_parameters else ():
+            parameter.requires_grad_(requires_grad.get(name, parameter.requires_grad))
+        model.train(was_training)
+
+
+@contextmanager
+def calibration_batches(
+    model: nn.Module,
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    description: str = "Calibration pass",
+    progress_bar: bool = True,
+    grad: bool = False,
+    freeze_parameters: bool = False,
+) -> Iterator[Iterator[torch.LongTensor]]:
+    """A pass over `input_ids` in batches, in [`calibration_mode`]: yields an iterator over the
+    batches, each already on the model's input device, with a progress bar.
+
+    Args:
+        model (`nn.Module`): The causal LM.
+        input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): The sequences.
+        batch_size (`int`): Sequences per batch.
+        description (`str`): Progress bar label.
+        progress_bar (`bool`, defaults to `True`): Show a progress bar.
+        grad (`bool`, defaults to `False`): Enable gradients inside the block.
+        freeze_parameters (`bool`, defaults to `False`): No parameter requires a gradient inside the block.
+    """
+    device = input_device(model)
+    starts = range(0, input_ids.shape[0], batch_size)
+    with calibration_mode(model, grad=grad, freeze_parameters=freeze_parameters):
+        yield (
+            input_ids[start : start + batch_size].to(device)
+            for start in logging.tqdm(starts, desc=description, leave=False, disable=not progress_bar)
+        )
+
+
+def layer_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden states a decoder layer receives (first positional argument or `hidden_states=`)."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def layer_output(output: object) -> torch.Tensor:
+    """The hidden states a decoder layer returns (alone, or first of a tuple)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@contextmanager
+def forward_hooks(hooks: Sequence[tuple[nn.Module, Callable]]) -> Iterator[None]:
+    """Registers `(module, hook)` forward hooks, called as `hook(module, args, output)`, for the block."""
+    handles = [module.register_forward_hook(hook) for module, hook in hooks]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def forward_pre_hooks(hooks: Sequence[tuple[nn.Module, Callable]]) -> Iterator[None]:
+    """Registers `(module, hook)` forward pre-hooks, called as `hook(module, args, kwargs)`, for the block."""
+    handles = [module.register_forward_pre_hook(hook, with_kwargs=True) for module, hook in hooks]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
