@@ -258,50 +258,29 @@ def _load(args: argparse.Namespace):
     return model, tokenizer, base_model, license
 
 
-def _calibration_data(args: argparse.Namespace) -> tuple[str, Any]:
-    """`(config dataset name, calibration data)` for `--dataset`: a name, or a folder written by `save_to_disk`."""
-    if not os.path.isdir(args.dataset):
-        return args.dataset, None
-    try:
-        from datasets import Dataset, DatasetDict, load_from_disk
-    except ImportError as error:
-        raise InputError("Reading a --dataset folder needs the `datasets` package: `pip install datasets`.") from error
-    try:
-        data = load_from_disk(args.dataset)
-    except Exception as error:  # noqa: BLE001 - any folder that is not a saved dataset
-        raise InputError(
-            f"--dataset {args.dataset} is a folder but not one written by datasets' save_to_disk ({error})."
-        ) from error
-    if isinstance(data, DatasetDict):
-        if "train" not in data:
-            raise InputError(f"--dataset {args.dataset} holds splits {list(data)} and no 'train' split to calibrate on.")
-        data = data["train"]
-    assert isinstance(data, Dataset)
-    return _config_default("dataset"), data
-
-
 def run_prune(args: argparse.Namespace) -> int:
     """`optimum-gradmap prune`: prunes, saves checkpoint + report + model card, optionally uploads."""
     from .configuration import GradMAPConfig
+    from .data import check_dataset_name
     from .evaluation import evaluate
     from .pruner import GradMAPPruner
 
     progress = _set_verbosity(args)
-    dataset, calibration_data = _calibration_data(args)
     config = GradMAPConfig(
         **{
             field.name: getattr(args, OPTION_OF_FIELD.get(field.name, field.name))
             for field in fields(GradMAPConfig)
-            if field.name not in ("compensation", "dataset")
+            if field.name != "compensation"
         },
         compensation=not args.no_compensation,
-        dataset=dataset,
     )
     if args.private and not args.push_to_hub:
         raise InputError("--private only applies with --push-to-hub REPO.")
+    for dataset in args.evaluate or ():  # checked before the pruning, not after it
+        check_dataset_name(dataset, "evaluation")
     model, tokenizer, base_model, license = _load(args)
     pruner = GradMAPPruner(config, model=model, tokenizer=tokenizer, progress_bar=progress)
-    result = pruner.prune(calibration_data=calibration_data, stage1_checkpoint=args.stage1_checkpoint)
+    result = pruner.prune(stage1_checkpoint=args.stage1_checkpoint)
     evaluation = None
     if args.evaluate is not None:
         datasets = {"perplexity_datasets": args.evaluate} if args.evaluate else {}

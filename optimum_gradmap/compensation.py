@@ -53,6 +53,16 @@ logger = logging.get_logger(__name__)
 # Below this many calibration tokens per hidden unit, W' (hidden x hidden parameters) overfitted on
 # SmolLM2-135M: 1.8 tokens per unit raised held-out perplexity by 60%, 7 by 2%, 28 lowered it.
 MIN_TOKENS_PER_HIDDEN_UNIT = 16
+# The GradMAPConfig fields Stage 2 reads: the ones a re-run of Stage 2 may change.
+STAGE2_SETTINGS = ("num_compensated_layers", "solver", "reg_lambda", "adam_lr", "adam_steps", "batch_size")
+
+
+def check_num_compensated_layers(num_compensated_layers: int, num_kept_layers: int) -> None:
+    """Raises a `ValueError` when Z exceeds the layers that remain after pruning."""
+    if num_compensated_layers > num_kept_layers:
+        raise ValueError(
+            f"num_compensated_layers={num_compensated_layers} exceeds the {num_kept_layers} layers that remain after pruning."
+        )
 
 
 def hidden_state_means(
@@ -376,7 +386,8 @@ def compensate(
     4. the fit of W' (Eq. 12-14, [`learn_compensation`]) and its fold into the down projection(s) (Eq. 15);
     5. the drift again, after the folds.
 
-    If anything fails, every folded tensor is put back: the model is left as Stage 1 left it.
+    If anything fails, every folded tensor is put back: the model is left as Stage 1 left it. A
+    configuration the adapter cannot compensate exactly is refused before anything runs.
 
     Args:
         model (`PreTrainedModel`): The pruned model, changed in place.
@@ -392,7 +403,9 @@ def compensate(
     """
     started = time.perf_counter()
     adapter = adapter or get_adapter(model)
+    adapter.check_supported(model, compensation=True)
     kept = surgery.kept_layers(model, dense, adapter)
+    check_num_compensated_layers(config.num_compensated_layers, len(kept))
     batch_size = config.batch_size
     with surgery.temporarily(model, dense, range(dense.num_layers), adapter):
         dense_means = hidden_state_means(model, dense.layers, calibration_ids, batch_size, progress_bar, "Dense hidden states")

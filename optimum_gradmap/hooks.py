@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.utils import logging
 
 from . import passes
 
@@ -19,16 +20,20 @@ _MOVED = ("layer_input", "layer_output", "forward_hooks", "forward_pre_hooks")
 def run_batches(
     model: nn.Module, input_ids: torch.LongTensor, batch_size: int, description: str, progress_bar: bool
 ) -> Iterator[torch.LongTensor]:
-    """Deprecated: use [`optimum_gradmap.passes.calibration_batches`] and call the model yourself."""
+    """Deprecated: use [`optimum_gradmap.passes.calibration_batches`] and call the model yourself. Runs
+    `model` (no cache) batch by batch in the caller's training and gradient modes, yielding each batch
+    (as given, not moved) after its forward pass."""
     warnings.warn(
         "`optimum_gradmap.hooks.run_batches` is deprecated: use `optimum_gradmap.passes.calibration_batches`.",
         FutureWarning,
         stacklevel=2,
     )
-    with passes.calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
-        for batch in batches:
-            model(input_ids=batch, use_cache=False)
-            yield batch
+    device = passes.input_device(model)
+    starts = range(0, input_ids.shape[0], batch_size)
+    for start in logging.tqdm(starts, desc=description, leave=False, disable=not progress_bar):
+        batch = input_ids[start : start + batch_size]
+        model(input_ids=batch.to(device), use_cache=False)
+        yield batch
 
 
 def __getattr__(name: str) -> Any:

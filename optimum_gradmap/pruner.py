@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -17,9 +18,10 @@ from transformers.utils import logging
 
 from . import surgery
 from .adapters import get_adapter
-from .compensation import CompensationResult, compensate
+from .compensation import STAGE2_SETTINGS, CompensationResult, check_num_compensated_layers, compensate
 from .configuration import GradMAPConfig
 from .data import CalibrationData, calibration_sha256, describe_calibration_data, is_text_data, prepare_calibration_data
+from .hub import upload_checkpoint
 from .importance import get_importance_metric
 from .importance.selection import Stage1Checkpoint, remove_by_importance, remove_explicit_layers, stage1_fingerprint
 from .result import PruningResult
@@ -70,6 +72,8 @@ class GradMAPPruner:
         # Between Stage 1 and the end of Stage 2: the dense stack of `self.result`, and the last fold.
         self._dense: surgery.LayerSnapshot | None = None
         self._compensation: CompensationResult | None = None
+        # Where `from_pretrained` loaded the model from (`revision`, `token`, ...): a tokenizer loaded later comes from there too.
+        self._location: dict[str, Any] = {}
 
     @classmethod
     def from_pretrained(
@@ -90,10 +94,12 @@ class GradMAPPruner:
             model_kwargs: Passed to `AutoModelForCausalLM.from_pretrained` (`dtype`, `device_map`, `revision`, ...).
         """
         model = AutoModelForCausalLM.from_pretrained(model_name_or_path, **model_kwargs)
+        location = {key: model_kwargs[key] for key in _LOCATION_KWARGS if key in model_kwargs}
         if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
-            location = {key: model_kwargs[key] for key in _LOCATION_KWARGS if key in model_kwargs}
             tokenizer = AutoTokenizer.from_pretrained(tokenizer or model_name_or_path, **location)
-        return cls(config, model=model, tokenizer=tokenizer)
+        pruner = cls(config, model=model, tokenizer=tokenizer)
+        pruner._location = location
+        return pruner
 
     # ----------------------------------------------------------------------------------------- API
     def prune(
@@ -249,19 +255,18 @@ class GradMAPPruner:
                 "call `compensate` with the result of this pruner's last `select_layers`, before `prune` or `release` "
                 "drops them."
             )
-        stage2_settings = {"num_compensated_layers", "solver", "reg_lambda", "adam_lr", "adam_steps", "batch_size"}
-        unknown = sorted(set(config_overrides) - stage2_settings)
+        unknown = sorted(set(config_overrides) - set(STAGE2_SETTINGS))
         if unknown:
-            raise ValueError(f"{unknown} are not Stage 2 settings; these are: {sorted(stage2_settings)}.")
+            raise ValueError(f"{unknown} are not Stage 2 settings; these are: {list(STAGE2_SETTINGS)}.")
         config = dataclasses.replace(result.config, compensation=True, **config_overrides)
-        if config.num_compensated_layers > len(result.kept_layers):
-            raise ValueError(
-                f"num_compensated_layers={config.num_compensated_layers} exceeds the {len(result.kept_layers)} "
-                "layers that remain after pruning."
-            )
-        if self._compensation is not None and self._compensation.backup is not None:
-            self._compensation.backup.restore()  # back to the Stage 1 model
+        check_num_compensated_layers(config.num_compensated_layers, len(result.kept_layers))
+        if self._compensation is not None:  # back to the Stage 1 model, which the result then describes
+            if self._compensation.backup is not None:
+                self._compensation.backup.restore()
             self._compensation = None
+            result.drift, result.drift_after_compensation, result.compensation_objective = {}, {}, {}
+            result.compensated_layers = []
+            result.timings.pop("stage2", None)
         outcome = compensate(result.model, self._dense, result.calibration_ids, config, progress_bar=self.progress_bar)
         self._compensation = outcome
         result.config = config
@@ -335,22 +340,27 @@ class GradMAPPruner:
         commit_message: str | None = None,
         **save_kwargs: Any,
     ) -> str:
-        """Uploads the last pruned model to the Hub: [`PruningResult.push_to_hub`].
+        """Saves the checkpoint (as [`~GradMAPPruner.save_pretrained`], which takes `save_kwargs`) into a
+        temporary folder and uploads it to the Hub with `huggingface_hub.HfApi` in one commit; for the
+        model this pruner pruned, this is [`PruningResult.push_to_hub`].
 
         Args:
             repo_id (`str`): `user/name` or `org/name`; created if missing.
-            model (`PreTrainedModel`, *optional*): Must be the last pruned model, if given.
+            model (`PreTrainedModel`, *optional*): Defaults to the last pruned model.
             tokenizer, private, token, commit_message, save_kwargs: See [`PruningResult.push_to_hub`].
 
         Returns:
             `str`: The URL of the commit.
         """
-        if self.result is None or (model is not None and model is not self.result.model):
-            raise ValueError("`push_to_hub` uploads the model this pruner pruned: call `prune` first.")
-        return self.result.push_to_hub(
-            repo_id, tokenizer=tokenizer or self.tokenizer, private=private, token=token, commit_message=commit_message,
-            **save_kwargs,
-        )  # fmt: skip
+        tokenizer = tokenizer or self.tokenizer
+        if self.result is not None and (model is None or model is self.result.model):
+            return self.result.push_to_hub(
+                repo_id, tokenizer=tokenizer, private=private, token=token, commit_message=commit_message, **save_kwargs
+            )
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder, model=model, tokenizer=tokenizer, repo_id=repo_id, **save_kwargs)
+            message = commit_message or self.commit_message()
+            return upload_checkpoint(folder, repo_id, private=private, token=token, commit_message=message)
 
     def commit_message(self) -> str:
         """The Hub commit message for the last pruning: which layers were removed and compensated."""
@@ -382,11 +392,8 @@ class GradMAPPruner:
                 f"Cannot remove {num_to_prune} of the model's {num_layers} decoder layers: at least one must "
                 f"remain. Choose num_layers_to_prune <= {num_layers - 1}."
             )
-        if self.config.compensation and self.config.num_compensated_layers > num_layers - num_to_prune:
-            raise ValueError(
-                f"num_compensated_layers={self.config.num_compensated_layers} exceeds the {num_layers - num_to_prune} "
-                "layers that remain after pruning."
-            )
+        if self.config.compensation:
+            check_num_compensated_layers(self.config.num_compensated_layers, num_layers - num_to_prune)
         return num_to_prune
 
     def _calibration_ids(
@@ -399,7 +406,8 @@ class GradMAPPruner:
                 raise ValueError(
                     "Calibration text needs a tokenizer: pass `tokenizer=` (the model has no name to load one from)."
                 )
-            tokenizer = AutoTokenizer.from_pretrained(name, revision=getattr(model.config, "_commit_hash", None))
+            location = self._location or {"revision": getattr(model.config, "_commit_hash", None)}
+            tokenizer = AutoTokenizer.from_pretrained(name, **location)
             self.tokenizer = tokenizer
         config = self.config
         ids = prepare_calibration_data(
@@ -409,3 +417,19 @@ class GradMAPPruner:
         if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
             raise ValueError(f"Calibration token ids must lie in [0, {vocab_size}), the model's vocabulary.")
         return ids
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MIN_TOKENS_PER_HIDDEN_UNIT":
+        import warnings
+
+        from . import compensation
+
+        warnings.warn(
+            "`optimum_gradmap.pruner.MIN_TOKENS_PER_HIDDEN_UNIT` is deprecated: use "
+            "`optimum_gradmap.compensation.MIN_TOKENS_PER_HIDDEN_UNIT`.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return compensation.MIN_TOKENS_PER_HIDDEN_UNIT
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,7 +53,7 @@ def _version(package: str) -> str | None:
 def build_report(
     model: PreTrainedModel,
     summary: dict[str, Any],
-    config: GradMAPConfig,
+    config: GradMAPConfig | None = None,
     base_model: str | None = None,
     base_model_revision: str | None = None,
     license: str | None = None,
@@ -72,6 +73,20 @@ def build_report(
     Returns:
         `dict`: JSON-serialisable.
     """
+    if not isinstance(model, PreTrainedModel) and hasattr(model, "to_dict"):  # the former call: (result, config, ...)
+        warnings.warn(
+            "`build_report(result, config, ...)` is deprecated: call `build_report(result.model, result.to_dict(), "
+            "config, ...)` or `PruningResult.save_pretrained`.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        result, former_config = model, summary if isinstance(summary, GradMAPConfig) else None
+        if isinstance(config, str):  # the former third positional argument, base_model
+            base_model, config = config, None
+        config = former_config or config or result.config
+        model, summary = result.model, result.to_dict()
+    if config is None:
+        raise TypeError("`build_report` needs the GradMAPConfig of the run (`config=`).")
     return {
         "base_model": base_model or getattr(model, "name_or_path", "") or None,
         "base_model_revision": base_model_revision or getattr(model.config, "_commit_hash", None),

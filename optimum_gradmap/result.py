@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,17 @@ class PruningResult:
     calibration_source: str | None = None
     config: GradMAPConfig | None = None
     tokenizer: PreTrainedTokenizerBase | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def snapshot(self) -> None:
+        """Deprecated: the result no longer holds the dense model's layers (the pruner does, until `release`)."""
+        warnings.warn(
+            "`PruningResult.snapshot` is deprecated and always None: the pruner holds the dense layers between "
+            "`select_layers` and `compensate`, and `GradMAPPruner.release()` frees them.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return None
 
     @property
     def calibration_sha256(self) -> str | None:

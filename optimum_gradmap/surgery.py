@@ -150,8 +150,8 @@ def temporarily(
     config = adapter.get_text_config(model)
     previous_values = {name: copy.deepcopy(getattr(config, name)) for name in snapshot.config_values if hasattr(config, name)}
     previous_device_map = getattr(model, "hf_device_map", None)
-    keep(model, snapshot, kept, adapter)
     try:
+        keep(model, snapshot, kept, adapter)
         yield
     finally:
         keep(model, snapshot, previous, adapter)

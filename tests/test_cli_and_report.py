@@ -99,6 +99,7 @@ def test_inspect_prints_the_report(tiny_checkpoint, tmp_path, capsys):
         (["prune", "./no/such/folder", "--num-layers", "1", "--output", "OUT"], "is not a folder"),
         (["inspect", "MODEL"], "has no pruning_report.json"),
         (["evaluate", "MODEL", "--datasets", "--tasks", "mmlu"], "Unknown task(s) mmlu"),
+        (["prune", "MODEL", "--num-layers", "1", "--output", "OUT", "--evaluate", "wikitext3"], "Unknown evaluation dataset"),
     ],
 )
 def test_bad_input_exits_with_2_and_says_what_to_fix(tiny_checkpoint, tmp_path, capsys, argv, message):
@@ -286,6 +287,9 @@ def test_prune_calibrates_on_a_saved_dataset_folder_and_its_text_column(tiny_che
     argv = ["prune", tiny_checkpoint, "--num-layers", "1", "--num-samples", "8", "--seq-len", "16", "--dataset", folder]
     assert main([*argv, "--text-column", "body", "--output", output, "-q"]) == 0
     report = load_report(output)
-    assert report["calibration_source"] == "a datasets.Dataset (2 rows, column 'body')"
+    assert report["calibration_source"] == f"the dataset saved in {folder!r} (column 'body')"
+    assert report["gradmap_config"]["dataset"] == folder and report["gradmap_config"]["text_column"] == "body"
     assert main([*argv, "--output", str(tmp_path / "other"), "-q"]) == 2
     assert "no column 'text' (its columns: body)" in capsys.readouterr().err
+    assert main([*argv[:-1], str(tmp_path), "--output", str(tmp_path / "third"), "-q"]) == 2
+    assert "is a folder but not one written by `datasets` `save_to_disk`" in capsys.readouterr().err

@@ -17,6 +17,8 @@ from .conftest import random_ids, tiny_model
         ("optimum_gradmap.adapters", "remove_layers", "optimum_gradmap.surgery"),
         ("optimum_gradmap.adapters", "LayerSnapshot", "optimum_gradmap.surgery"),
         ("optimum_gradmap.data", "wikipedia_documents", "optimum_gradmap.assets"),
+        ("optimum_gradmap.data", "EVALUATION_EVERY", "optimum_gradmap.assets"),
+        ("optimum_gradmap.pruner", "MIN_TOKENS_PER_HIDDEN_UNIT", "optimum_gradmap.compensation"),
         ("optimum_gradmap.hooks", "forward_hooks", "optimum_gradmap.passes"),
     ],
 )
@@ -83,6 +85,32 @@ def test_old_names_of_datasets_metrics_and_helpers():
         assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert model.training and all(p.requires_grad for p in model.parameters())
     with pytest.warns(FutureWarning, match="calibration_batches"):
+        seen = []
+        handle = model.register_forward_hook(lambda m, a, o: seen.append((m.training, torch.is_grad_enabled())))
         batches = list(run_batches(model, random_ids(4, 8), 2, "", False))
-    assert [tuple(batch.shape) for batch in batches] == [(2, 8), (2, 8)] and model.training
-    assert torch.is_grad_enabled()
+        handle.remove()
+    assert [tuple(batch.shape) for batch in batches] == [(2, 8), (2, 8)]
+    assert seen == [(True, True), (True, True)]  # as before: the caller's training and gradient modes
+    with pytest.warns(FutureWarning, match="HUB_DATASETS"):
+        assert data.HUB_DATASETS == ("wikipedia", "wikitext2", "c4")
+    with pytest.warns(FutureWarning, match="OFFLINE_DATASETS"):
+        assert data.OFFLINE_DATASETS == ("offline:wikipedia", "offline:web_text")
+
+
+def test_the_former_result_and_report_interfaces():
+    from optimum_gradmap import GradMAPPruner
+    from optimum_gradmap.report import build_report
+
+    from .conftest import small_config
+
+    config = small_config(num_layers_to_prune=1, compensation=False)
+    result = GradMAPPruner(config, progress_bar=False).prune(tiny_model("llama", num_layers=4), random_ids(8, 16))
+    with pytest.warns(FutureWarning, match="always None"):
+        assert result.snapshot is None
+    with pytest.warns(FutureWarning, match="build_report"):
+        former = build_report(result, config, "org/base", license="mit")
+    current = build_report(result.model, result.to_dict(), config, "org/base", license="mit")
+    assert {key: value for key, value in former.items() if key != "created"} == {
+        key: value for key, value in current.items() if key != "created"
+    }
+    assert former["base_model"] == "org/base" and former["removed_layers"] == result.removed_layers

@@ -145,6 +145,11 @@ def test_stage2_rerun_with_other_settings_replaces_the_first_fit():
         torch.testing.assert_close(model(ids).logits, stage1_logits, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="not Stage 2 settings"):
         pruner.compensate(result, importance="sleb")
+    with pytest.raises(ValueError, match="num_compensated_layers=5 exceeds the 4 layers"):
+        pruner.compensate(result, num_compensated_layers=5)
+    assert result.compensated_layers  # a refused re-run changes nothing
+    with pytest.raises(ValueError, match="`reg_lambda` must be a finite number"):
+        pruner.compensate(result, reg_lambda=-1.0)
     pruner.release()
     with pytest.raises(ValueError, match="no longer holds the dense layers"):
         pruner.compensate(result)
@@ -404,3 +409,63 @@ def test_a_metric_of_your_own_by_instance_or_by_registered_name():
         assert again.removed_layers == result.removed_layers
     finally:
         IMPORTANCE_METRICS.pop("keep_the_ends")
+
+
+def test_a_failed_stage2_rerun_leaves_a_result_that_describes_the_stage1_model(monkeypatch):
+    from optimum_gradmap import compensation
+
+    ids = random_ids(8, 16)
+    model = tiny_model("llama", num_layers=6)
+    pruner = GradMAPPruner(small_config(), progress_bar=False)
+    result = pruner.select_layers(model, ids)
+    with torch.no_grad():
+        stage1_logits = model(ids).logits
+    pruner.compensate(result)
+    assert result.compensated_layers and "stage2" in result.timings
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(compensation, "learn_compensation", out_of_memory)
+    with pytest.raises(RuntimeError, match="simulated"):
+        pruner.compensate(result, reg_lambda=0.1)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, stage1_logits)  # the first fit was undone, the second not made
+    assert result.compensated_layers == [] and result.compensation_objective == {} and "stage2" not in result.timings
+
+
+def test_stage2_refuses_a_configuration_the_adapter_cannot_compensate_even_when_called_alone():
+    model = tiny_model("opt", num_layers=6, do_layer_norm_before=False)
+    pruner = GradMAPPruner(small_config(compensation=False), progress_bar=False)
+    result = pruner.select_layers(model, random_ids(8, 16))  # pruning alone is fine
+    state = state_copy(model)
+    with pytest.raises(UnsupportedArchitectureError, match="do_layer_norm_before=False"):
+        pruner.compensate(result)
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
+
+
+def test_push_to_hub_uploads_a_model_the_pruner_did_not_prune_too(monkeypatch, byte_tokenizer):
+    import os
+
+    import huggingface_hub
+
+    uploaded = []
+
+    class FakeApi:
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, private=None, repo_type=None, exist_ok=False):
+            pass
+
+        def upload_folder(self, repo_id, folder_path, repo_type, commit_message):
+            uploaded.append((repo_id, sorted(os.listdir(folder_path)), commit_message))
+            return type("Commit", (), {"commit_url": f"https://huggingface.co/{repo_id}/commit/1"})()
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    pruner = GradMAPPruner(small_config(), tokenizer=byte_tokenizer, progress_bar=False)
+    assert pruner.push_to_hub("me/dense", model=tiny_model("llama", num_layers=4)).endswith("/commit/1")
+    ((repo, files, message),) = uploaded
+    assert repo == "me/dense" and {"config.json", "model.safetensors", "gradmap_config.json"} <= set(files)
+    assert "pruning_report.json" not in files and message == "Upload model pruned with GradMAP"

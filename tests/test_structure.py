@@ -1,5 +1,7 @@
-"""The package's shape: no import circle between its modules, and the offline assets (which run pip
-in a subprocess) imported by no module at module level."""
+"""The package's shape, from the imports each module makes when it is imported (module level, and
+the imports for type checkers): no circle between its modules, and the offline assets (which run
+pip in a subprocess) imported by none of them. Imports inside functions (the deprecated shims of
+`adapters` call `surgery` that way) are not part of this shape."""
 
 import ast
 import pathlib

@@ -148,3 +148,26 @@ def test_validate_checkpoint_uses_the_surgerys_per_layer_fields_and_catches_a_st
         patch.setattr(PostNormAdapter, "known_per_layer_config_fields", ("layer_types", "per_layer_widths"))
         with pytest.raises(InvalidCheckpointError, match="config per_layer_widths has 6 entries for 4 layers"):
             validate_checkpoint(tmp_path)
+
+
+def test_temporarily_puts_back_the_stack_when_entering_it_fails(monkeypatch):
+    from optimum_gradmap.adapters import Qwen2Adapter
+
+    model = tiny_model("qwen2", num_layers=6)
+    dense = surgery.snapshot(model)
+    surgery.keep(model, dense, [0, 2, 3, 5])
+    before = (list(model.model.layers), model.config.to_dict())
+
+    calls = []
+
+    def broken(self, config, original_values, kept):
+        calls.append(list(kept))
+        if len(calls) == 1:  # entering fails (an interrupt, say); putting back works
+            raise RuntimeError("a broken adapter")
+        return {}
+
+    monkeypatch.setattr(Qwen2Adapter, "rewrite_index_fields", broken)
+    with pytest.raises(RuntimeError, match="broken"), surgery.temporarily(model, dense, range(6)):
+        pass  # never reached: keeping the layers fails half-way, after the layer list was swapped
+    assert calls == [list(range(6)), [0, 2, 3, 5]]
+    assert (list(model.model.layers), model.config.to_dict()) == before

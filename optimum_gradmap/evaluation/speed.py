@@ -31,7 +31,7 @@ class SpeedResult:
 
     Attributes:
         device (`str`), dtype (`str`): Where and in which precision it ran.
-        num_layers (`int`): Decoder layers of the model.
+        num_layers (`int`, *optional*): Decoder layers of the model, as its config says (`None` if it does not).
         batch_size (`int`): Sequences decoded together.
         prompt_length (`int`): Tokens in each prompt.
         new_tokens (`int`): Tokens decoded after the prompt.
@@ -44,7 +44,7 @@ class SpeedResult:
 
     device: str
     dtype: str
-    num_layers: int
+    num_layers: int | None
     batch_size: int
     prompt_length: int
     new_tokens: int
@@ -118,7 +118,7 @@ def inference_speed(
     return SpeedResult(
         device=str(device),
         dtype=str(embeddings.dtype).replace("torch.", ""),
-        num_layers=model.config.get_text_config(decoder=True).num_hidden_layers,
+        num_layers=getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None),
         batch_size=batch_size,
         prompt_length=prompt_length,
         new_tokens=new_tokens,
