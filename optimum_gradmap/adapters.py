@@ -22,13 +22,14 @@ class MyModelAdapter(DecoderAdapter):
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
+
+from ._deprecation import deprecated_module_attributes, warn_deprecated
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -199,21 +200,21 @@ class DecoderAdapter:
         """Deprecated: use [`optimum_gradmap.surgery.snapshot`]."""
         from . import surgery
 
-        _deprecated("DecoderAdapter.snapshot", "optimum_gradmap.surgery.snapshot")
+        warn_deprecated("DecoderAdapter.snapshot", "`optimum_gradmap.surgery.snapshot`")
         return surgery.snapshot(model, self)
 
     def keep_layers(self, model: PreTrainedModel, snapshot: Any, kept: Sequence[int]) -> None:
         """Deprecated: use [`optimum_gradmap.surgery.keep`]."""
         from . import surgery
 
-        _deprecated("DecoderAdapter.keep_layers", "optimum_gradmap.surgery.keep")
+        warn_deprecated("DecoderAdapter.keep_layers", "`optimum_gradmap.surgery.keep`")
         surgery.keep(model, snapshot, kept, self)
 
     def restore(self, model: PreTrainedModel, snapshot: Any) -> None:
         """Deprecated: use [`optimum_gradmap.surgery.restore`]."""
         from . import surgery
 
-        _deprecated("DecoderAdapter.restore", "optimum_gradmap.surgery.restore")
+        warn_deprecated("DecoderAdapter.restore", "`optimum_gradmap.surgery.restore`")
         surgery.restore(model, snapshot, self)
 
     def update_config(self, config: PretrainedConfig, snapshot: Any, kept: Sequence[int]) -> None:
@@ -223,10 +224,6 @@ class DecoderAdapter:
         from . import surgery
 
         surgery.rewrite_fields(self, config, snapshot, kept)
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(f"`{old}` is deprecated and will be removed in the next release: use `{new}`.", FutureWarning, stacklevel=3)
 
 
 _ADAPTERS: dict[str, type[DecoderAdapter]] = {}
@@ -269,7 +266,7 @@ def get_adapter(model_or_config: PreTrainedModel | PretrainedConfig) -> DecoderA
 
 def adapter_for_model_type(model_type: str) -> DecoderAdapter | None:
     """Deprecated: use [`get_adapter`], which raises for an unsupported family instead of returning `None`."""
-    _deprecated("adapter_for_model_type", "get_adapter")
+    warn_deprecated("adapter_for_model_type", "`get_adapter`")
     return _ADAPTERS[model_type]() if model_type in _ADAPTERS else None
 
 
@@ -365,10 +362,6 @@ class QwenMoeAdapter(Qwen2Adapter):
         }
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("LayerSnapshot", "remove_layers"):
-        from . import surgery
-
-        _deprecated(f"optimum_gradmap.adapters.{name}", f"optimum_gradmap.surgery.{name}")
-        return getattr(surgery, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = deprecated_module_attributes(
+    __name__, moved={"LayerSnapshot": "optimum_gradmap.surgery", "remove_layers": "optimum_gradmap.surgery"}
+)

@@ -42,7 +42,7 @@ from transformers.utils import logging
 
 from . import surgery
 from .adapters import DecoderAdapter, get_adapter
-from .passes import calibration_batches, forward_hooks, layer_output
+from .passes import calibration_batches, for_each_layer_output, forward_hooks, layer_output
 from .weights import WeightBackup, fold_into, linear_map_tensors
 
 if TYPE_CHECKING:
@@ -80,15 +80,11 @@ def hidden_state_means(
     """
     sums: list[torch.Tensor | None] = [None] * len(layers)
 
-    def accumulate(position: int, module: nn.Module, args: tuple, output: object) -> None:
-        hidden = layer_output(output)
+    def accumulate(position: int, hidden: torch.Tensor) -> None:
         total = hidden.reshape(-1, hidden.shape[-1]).sum(dim=0, dtype=torch.float64).cpu()
         sums[position] = total if sums[position] is None else sums[position] + total
 
-    with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
-        with forward_hooks([(layer, lambda m, a, o, p=p: accumulate(p, m, a, o)) for p, layer in enumerate(layers)]):
-            for batch in batches:
-                model(input_ids=batch, use_cache=False)
+    for_each_layer_output(model, layers, input_ids, batch_size, accumulate, description, progress_bar)
     return torch.stack(sums) / input_ids.numel()
 
 
@@ -106,10 +102,8 @@ def record_layer_outputs(
         `list[torch.Tensor]`, one tensor of shape `(num_samples, seq_len, hidden_size)` per layer.
     """
     outputs: list[list[torch.Tensor]] = [[] for _ in layers]
-    hooks = [(layer, lambda m, a, o, p=p: outputs[p].append(layer_output(o).float().cpu())) for p, layer in enumerate(layers)]
-    with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches, forward_hooks(hooks):
-        for batch in batches:
-            model(input_ids=batch, use_cache=False)
+    store = lambda position, hidden: outputs[position].append(hidden.float().cpu())  # noqa: E731
+    for_each_layer_output(model, layers, input_ids, batch_size, store, description, progress_bar)
     return [torch.cat(chunks) for chunks in outputs]
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from ._deprecation import deprecated_module_attributes
 from .data import check_dataset_name
 from .importance.metrics import IMPORTANCE_METRICS as _METRIC_REGISTRY
 from .importance.metrics import ImportanceMetric
@@ -236,13 +236,7 @@ class GradMAPConfig:
             return cls.from_dict(json.load(file))
 
 
-def __getattr__(name: str) -> Any:
-    if name == "IMPORTANCE_METRICS":
-        warnings.warn(
-            "`optimum_gradmap.configuration.IMPORTANCE_METRICS` is deprecated: use "
-            "`optimum_gradmap.importance.importance_metric_names()`.",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return tuple(_METRIC_REGISTRY)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = deprecated_module_attributes(
+    __name__,
+    replaced={"IMPORTANCE_METRICS": ("`optimum_gradmap.importance.importance_metric_names()`", lambda: tuple(_METRIC_REGISTRY))},
+)

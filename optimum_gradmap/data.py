@@ -41,6 +41,8 @@ from typing import Any, Union
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from ._deprecation import deprecated_module_attributes
+
 SPLITS = ("calibration", "evaluation")
 WIKIPEDIA_CALIBRATION_ARTICLES = 256
 WIKIPEDIA_EVALUATION_ARTICLES = 32
@@ -383,23 +385,11 @@ def prepare_calibration_data(
     return ids.long()
 
 
-_MOVED_TO_ASSETS = ("wikipedia_documents", "web_text_documents", "EVALUATION_EVERY")
-_RENAMED = {
-    "HUB_DATASETS": ("the names of `DATASETS` without the 'offline:' prefix", ("wikipedia", "wikitext2", "c4")),
-    "OFFLINE_DATASETS": ("the names of `DATASETS` with the 'offline:' prefix", ("offline:wikipedia", "offline:web_text")),
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_ASSETS:
-        from . import assets
-
-        warnings.warn(
-            f"`optimum_gradmap.data.{name}` is deprecated: use `optimum_gradmap.assets.{name}`.", FutureWarning, stacklevel=2
-        )
-        return getattr(assets, name)
-    if name in _RENAMED:
-        instead, value = _RENAMED[name]
-        warnings.warn(f"`optimum_gradmap.data.{name}` is deprecated: use {instead}.", FutureWarning, stacklevel=2)
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = deprecated_module_attributes(
+    __name__,
+    moved={name: "optimum_gradmap.assets" for name in ("wikipedia_documents", "web_text_documents", "EVALUATION_EVERY")},
+    replaced={
+        "HUB_DATASETS": ("the names in `DATASETS` without 'offline:'", lambda: ("wikipedia", "wikitext2", "c4")),
+        "OFFLINE_DATASETS": ("the names in `DATASETS` with 'offline:'", lambda: ("offline:wikipedia", "offline:web_text")),
+    },
+)

@@ -4,17 +4,19 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn
 from transformers.utils import logging
 
 from . import passes
+from ._deprecation import deprecated_module_attributes, warn_deprecated
 
-_MOVED = ("layer_input", "layer_output", "forward_hooks", "forward_pre_hooks")
+__getattr__ = deprecated_module_attributes(
+    __name__,
+    moved={name: "optimum_gradmap.passes" for name in ("layer_input", "layer_output", "forward_hooks", "forward_pre_hooks")},
+)
 
 
 def run_batches(
@@ -23,23 +25,10 @@ def run_batches(
     """Deprecated: use [`optimum_gradmap.passes.calibration_batches`] and call the model yourself. Runs
     `model` (no cache) batch by batch in the caller's training and gradient modes, yielding each batch
     (as given, not moved) after its forward pass."""
-    warnings.warn(
-        "`optimum_gradmap.hooks.run_batches` is deprecated: use `optimum_gradmap.passes.calibration_batches`.",
-        FutureWarning,
-        stacklevel=2,
-    )
+    warn_deprecated("optimum_gradmap.hooks.run_batches", "`optimum_gradmap.passes.calibration_batches`")
     device = passes.input_device(model)
     starts = range(0, input_ids.shape[0], batch_size)
     for start in logging.tqdm(starts, desc=description, leave=False, disable=not progress_bar):
         batch = input_ids[start : start + batch_size]
         model(input_ids=batch.to(device), use_cache=False)
         yield batch
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        warnings.warn(
-            f"`optimum_gradmap.hooks.{name}` is deprecated: use `optimum_gradmap.passes.{name}`.", FutureWarning, stacklevel=2
-        )
-        return getattr(passes, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,10 +5,10 @@
 from __future__ import annotations
 
 import os
-import warnings
-from typing import Any
 
 from transformers.utils import logging
+
+from ._deprecation import deprecated_module_attributes
 
 logger = logging.get_logger(__name__)
 
@@ -49,22 +49,13 @@ def base_model_license(repo_id: str, revision: str | None = None) -> str | None:
     return getattr(card_data, "license", None) if card_data is not None else None
 
 
-_MOVED = {
-    "InvalidCheckpointError": "checkpoint",
-    "save_checkpoint": "checkpoint",
-    "validate_checkpoint": "checkpoint",
-    "REPORT_NAME": "report",
-    "load_report": "report",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        import importlib
-
-        module = _MOVED[name]
-        warnings.warn(
-            f"`optimum_gradmap.hub.{name}` is deprecated: use `optimum_gradmap.{module}.{name}`.", FutureWarning, stacklevel=2
-        )
-        return getattr(importlib.import_module(f"optimum_gradmap.{module}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = deprecated_module_attributes(
+    __name__,
+    moved={
+        "InvalidCheckpointError": "optimum_gradmap.checkpoint",
+        "save_checkpoint": "optimum_gradmap.checkpoint",
+        "validate_checkpoint": "optimum_gradmap.checkpoint",
+        "REPORT_NAME": "optimum_gradmap.report",
+        "load_report": "optimum_gradmap.report",
+    },
+)

@@ -84,6 +84,23 @@ def calibration_batches(
         )
 
 
+def for_each_layer_output(
+    model: nn.Module,
+    layers: Sequence[nn.Module],
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    consume: Callable[[int, torch.Tensor], None],
+    description: str = "Calibration pass",
+    progress_bar: bool = True,
+) -> None:
+    """Runs a [`calibration_batches`] pass and calls `consume(position, hidden_states)` with the output of
+    each of `layers` (its position in `layers`, and the hidden states it returned) for every batch."""
+    hooks = [(layer, lambda module, args, output, p=p: consume(p, layer_output(output))) for p, layer in enumerate(layers)]
+    with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches, forward_hooks(hooks):
+        for batch in batches:
+            model(input_ids=batch, use_cache=False)
+
+
 def layer_input(args: tuple, kwargs: dict) -> torch.Tensor:
     """The hidden states a decoder layer receives (first positional argument or `hidden_states=`)."""
     return args[0] if args else kwargs["hidden_states"]

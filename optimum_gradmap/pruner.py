@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from transformers.utils import logging
 
 from . import surgery
+from ._deprecation import deprecated_module_attributes
 from .adapters import get_adapter
 from .compensation import STAGE2_SETTINGS, CompensationResult, check_num_compensated_layers, compensate
 from .configuration import GradMAPConfig
@@ -419,17 +420,4 @@ class GradMAPPruner:
         return ids
 
 
-def __getattr__(name: str) -> Any:
-    if name == "MIN_TOKENS_PER_HIDDEN_UNIT":
-        import warnings
-
-        from . import compensation
-
-        warnings.warn(
-            "`optimum_gradmap.pruner.MIN_TOKENS_PER_HIDDEN_UNIT` is deprecated: use "
-            "`optimum_gradmap.compensation.MIN_TOKENS_PER_HIDDEN_UNIT`.",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return compensation.MIN_TOKENS_PER_HIDDEN_UNIT
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = deprecated_module_attributes(__name__, moved={"MIN_TOKENS_PER_HIDDEN_UNIT": "optimum_gradmap.compensation"})

@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import sys
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +27,7 @@ import transformers
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
+from ._deprecation import warn_deprecated
 from .configuration import GradMAPConfig
 
 if TYPE_CHECKING:
@@ -74,11 +74,9 @@ def build_report(
         `dict`: JSON-serialisable.
     """
     if not isinstance(model, PreTrainedModel) and hasattr(model, "to_dict"):  # the former call: (result, config, ...)
-        warnings.warn(
-            "`build_report(result, config, ...)` is deprecated: call `build_report(result.model, result.to_dict(), "
-            "config, ...)` or `PruningResult.save_pretrained`.",
-            FutureWarning,
-            stacklevel=2,
+        warn_deprecated(
+            "build_report(result, config, ...)",
+            "`build_report(result.model, result.to_dict(), config, ...)` or `PruningResult.save_pretrained`",
         )
         result, former_config = model, summary if isinstance(summary, GradMAPConfig) else None
         if isinstance(config, str):  # the former third positional argument, base_model

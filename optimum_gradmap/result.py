@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ._deprecation import warn_deprecated
 from .checkpoint import save_checkpoint
 from .configuration import GradMAPConfig
 from .data import calibration_sha256
@@ -67,11 +67,10 @@ class PruningResult:
     @property
     def snapshot(self) -> None:
         """Deprecated: the result no longer holds the dense model's layers (the pruner does, until `release`)."""
-        warnings.warn(
-            "`PruningResult.snapshot` is deprecated and always None: the pruner holds the dense layers between "
-            "`select_layers` and `compensate`, and `GradMAPPruner.release()` frees them.",
-            FutureWarning,
-            stacklevel=2,
+        warn_deprecated(
+            "PruningResult.snapshot",
+            "nothing: it is always None now; the pruner holds the dense layers between `select_layers` and "
+            "`compensate`, and `GradMAPPruner.release()` frees them",
         )
         return None
 

@@ -34,7 +34,6 @@ change which layers are removed.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
@@ -45,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.utils import logging
 
+from .._deprecation import warn_deprecated
 from ..adapters import DecoderAdapter, get_adapter
 from ..passes import calibration_batches, calibration_mode
 from ..weights import is_linear_map
@@ -59,12 +59,7 @@ _MAX_LOGIT_ELEMENTS = 2**22
 
 def frozen_for_scoring(model: nn.Module) -> AbstractContextManager[None]:
     """Deprecated: use [`optimum_gradmap.passes.calibration_mode`] with `freeze_parameters=True`."""
-    warnings.warn(
-        "`frozen_for_scoring` is deprecated: use `optimum_gradmap.passes.calibration_mode(model, grad=..., "
-        "freeze_parameters=True)`.",
-        FutureWarning,
-        stacklevel=2,
-    )
+    warn_deprecated("frozen_for_scoring", "`optimum_gradmap.passes.calibration_mode(model, freeze_parameters=True)`")
     return calibration_mode(model, grad=torch.is_grad_enabled(), freeze_parameters=True)
 
 
