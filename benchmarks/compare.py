@@ -9,6 +9,10 @@ stage. Also plots which layers each method removed and the per-layer drift (Eq. 
 
     python benchmarks/compare.py --model smollm2-135m --ratio 0.25
     python benchmarks/compare.py --model smollm2-135m --ratio 0.25 --metrics gradmap block_influence --task-limit 50
+    python benchmarks/compare.py --model smollm2-135m --ratio 0.25 --metrics gradmap_bound+top4 --resume
+
+A method is a metric name, optionally with a verified shortlist: `METRIC+topK` runs the metric with
+`verify_top_k=K`.
 
 Writes benchmarks/results/compare-<model>-<ratio>.{json,md} and compare-<model>-<ratio>-{layers,drift}.png.
 With `--resume`, methods already in that JSON are kept (the dense row too) and only the others run,
@@ -35,6 +39,20 @@ from optimum_gradmap.assets import MODEL_ASSETS, load_model
 from optimum_gradmap.data import calibration_sha256
 from optimum_gradmap.evaluation import PAPER_TASKS, evaluate
 from optimum_gradmap.importance import IMPORTANCE_METRICS, importance_metric_names
+
+
+def parse_method(method: str) -> tuple[str, int | None]:
+    """`"gradmap_bound+top4"` -> `("gradmap_bound", 4)`; `"sleb"` -> `("sleb", None)`."""
+    metric, _, shortlist = method.partition("+top")
+    if metric not in IMPORTANCE_METRICS or (shortlist and not shortlist.isdigit()):
+        raise argparse.ArgumentTypeError(f"{method!r}: give a metric ({', '.join(importance_metric_names())}), or METRIC+topK")
+    return metric, int(shortlist) if shortlist else None
+
+
+def removes_one_per_round(method: str) -> bool:
+    """Whether the removal order means something (re-scored, or verified, after each removal)."""
+    metric, shortlist = parse_method(method)
+    return IMPORTANCE_METRICS[metric].iterative or shortlist is not None
 
 
 def markdown(record: dict) -> str:
@@ -73,7 +91,7 @@ def plot(record: dict, prefix: str) -> list[str]:
     for position, row in enumerate(pruned):
         for order, index in enumerate(row["removed_layers"]):
             axis.scatter(index, position, s=120, color="tab:red", marker="s")
-            if IMPORTANCE_METRICS[row["method"]].iterative:  # re-scored after each removal: the order means something
+            if removes_one_per_round(row["method"]):  # re-scored or verified after each removal: the order means something
                 axis.annotate(str(order + 1), (index, position), ha="center", va="center", fontsize=7, color="white")
     axis.set_yticks(range(len(pruned)), [row["method"] for row in pruned])
     axis.set_xticks(range(num_layers))
@@ -109,14 +127,66 @@ def plot(record: dict, prefix: str) -> list[str]:
     drift_path = f"{prefix}-drift.png"
     figure.savefig(drift_path, dpi=120)
     plt.close(figure)
-    return [layers_path, drift_path]
+    return [layers_path, drift_path, pareto_plot(record, prefix)]
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both (lower time, lower perplexity), by time."""
+    order = sorted(range(len(points)), key=lambda i: points[i])
+    front, best = [], float("inf")
+    for index in order:
+        if points[index][1] < best:
+            front.append(index)
+            best = points[index][1]
+    return front
+
+
+def pareto_plot(record: dict, prefix: str) -> str:
+    """Held-out perplexity (Wikipedia and web text) against Stage 1 time, one point per method (Stage 1
+    only), with the Pareto front drawn: what each method buys for its compute."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for row in record["rows"] if not row["stage2"] and row["method"] not in ("dense", "random")]
+    datasets = [entry["dataset"] for entry in record["rows"][0]["evaluation"]["perplexities"]]
+    figure, axes = plt.subplots(1, len(datasets), figsize=(6.5 * len(datasets), 5))
+    for axis, position in zip(axes, range(len(datasets))):
+        points = [(max(row["stage1_seconds"], 1.0), row["evaluation"]["perplexities"][position]["perplexity"]) for row in rows]
+        front = pareto_front(points)
+        axis.plot([points[i][0] for i in front], [points[i][1] for i in front], color="tab:green", alpha=0.5, linewidth=3)
+        for index, (row, (seconds, value)) in enumerate(zip(rows, points)):
+            colour = "tab:green" if index in front else "tab:blue"
+            axis.scatter(seconds, value, color=colour, s=30, zorder=3)
+            axis.annotate(row["method"], (seconds, value), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        dense = record["rows"][0]["evaluation"]["perplexities"][position]["perplexity"]
+        axis.axhline(dense, color="gray", linestyle=":", linewidth=1)
+        axis.set_xscale("log")
+        axis.set_yscale("log")
+        axis.set_xlabel("Stage 1 seconds (2-core CPU)")
+        axis.set_ylabel(f"held-out {datasets[position]} perplexity (Stage 1 only)")
+        axis.set_title(f"{datasets[position]}: green = Pareto front; dotted = dense", fontsize=9)
+    figure.suptitle(
+        f"Quality against Stage 1 time, {record['settings']['model']} at {record['settings']['ratio']:.0%}", fontsize=11
+    )
+    figure.tight_layout()
+    path = f"{prefix}-pareto.png"
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_ASSETS), help="offline model asset")
     parser.add_argument("--ratio", type=float, default=0.25, help="pruning ratio (default 0.25)")
-    parser.add_argument("--metrics", nargs="+", default=importance_metric_names(), choices=importance_metric_names())
+    parser.add_argument(
+        "--metrics",
+        nargs="+",
+        default=importance_metric_names(),
+        help="methods: metric names, or METRIC+topK for a verified shortlist of K (default: every metric)",
+    )
     parser.add_argument("--task-limit", type=int, default=100, help="questions per zero-shot task (default 100; 0: no tasks)")
     parser.add_argument("--max-eval-segments", type=int, default=128, help="perplexity segments per dataset (default 128)")
     parser.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default 128, as in the paper)")
@@ -126,6 +196,8 @@ def main() -> None:
         "--save-checkpoints", default=None, help="save each method's final checkpoint (with report) under this folder"
     )
     args = parser.parse_args()
+    for method in args.metrics:
+        parse_method(method)
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("optimum_gradmap").setLevel(logging.INFO)  # one line per Stage 1 round
 
@@ -196,7 +268,10 @@ def main() -> None:
             print(f"{metric}: already in {prefix}.json, kept", flush=True)
             continue
         model = copy.deepcopy(dense)
-        config = GradMAPConfig(pruning_ratio=args.ratio, importance=metric, num_samples=args.num_samples)
+        importance, verify_top_k = parse_method(metric)
+        config = GradMAPConfig(
+            pruning_ratio=args.ratio, importance=importance, num_samples=args.num_samples, verify_top_k=verify_top_k
+        )
         pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
         stage1_checkpoint = f"{prefix}-{metric}-stage1.json"
         if not args.resume and os.path.exists(stage1_checkpoint):

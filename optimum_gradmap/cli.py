@@ -99,6 +99,22 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the metric's own choice: iterative for gradmap and sleb)",
     )
     parser.add_argument("--one-shot", dest="iterative", action="store_false", help="the same as --no-iterative")
+    parser.add_argument(
+        "--protected-layers",
+        type=int,
+        nargs="+",
+        default=default("protected_layers"),
+        metavar="INDEX",
+        help="layers never removed; negative counts from the end, e.g. 0 -1 (default: the metric's own choice)",
+    )
+    parser.add_argument(
+        "--verify-top-k",
+        type=int,
+        default=default("verify_top_k"),
+        metavar="K",
+        help="each round, remove each of the K lowest-scored layers in turn, measure the calibration loss, and "
+        "remove the best (default: off)",
+    )
     parser.add_argument("--no-compensation", action="store_true", help="skip Stage 2 (default: run it)")
     _option(
         parser,

@@ -45,7 +45,16 @@ class GradMAPConfig:
         iterative (`bool`, *optional*):
             Re-score the remaining layers after every removal (Algorithm 1) when `True`; score once and
             remove the K lowest-scoring layers when `False`. Defaults to what the metric's paper does:
-            iterative for `"gradmap"` and `"sleb"`, one-shot for the others.
+            iterative for `"gradmap"`, `"sleb"` and the residual-branch scores, one-shot for the others.
+        protected_layers (`list[int]`, *optional*):
+            Layers never removed (dense-model indices; negative ones count from the end, `[0, -1]` is the
+            first and the last). Defaults to what the metric's paper does: SLEB never removes the
+            first and last layer, Taylor+ the first four and last two, the others protect none.
+        verify_top_k (`int`, *optional*):
+            Verified shortlists: every round, the k lowest-scored layers are each removed in turn and the
+            calibration loss measured (SLEB's criterion), and the one whose removal raises it least goes.
+            Costs one scoring pass plus k partial forward passes per round, against SLEB's one per
+            remaining layer; with k = all remaining layers it selects exactly SLEB's layers. Off by default.
         compensation (`bool`, defaults to `True`):
             Run Stage 2 (projection compensation matrix, Eq. 10-15).
         num_compensated_layers (`int`, defaults to 1):
@@ -82,6 +91,8 @@ class GradMAPConfig:
     layers_to_prune: list[int] | None = None
     importance: str | ImportanceMetric = "gradmap"
     iterative: bool | None = None
+    protected_layers: list[int] | None = None
+    verify_top_k: int | None = None
     compensation: bool = True
     num_compensated_layers: int = 1
     solver: str = "closed_form"
@@ -134,6 +145,12 @@ class GradMAPConfig:
                 f"`importance` must be the name of a registered metric ({', '.join(_METRIC_REGISTRY)}) or an "
                 f"`ImportanceMetric` instance, got {self.importance!r}."
             )
+        if self.protected_layers is not None:
+            if any(isinstance(i, bool) or not isinstance(i, int) for i in self.protected_layers):
+                raise ValueError(f"`protected_layers` must be a list of layer indices, got {self.protected_layers!r}.")
+            self.protected_layers = list(self.protected_layers)
+        if self.verify_top_k is not None:
+            self._check_int("verify_top_k", minimum=1)
         if self.iterative is not None and not isinstance(self.iterative, bool):
             raise ValueError(f"`iterative` must be True, False or None (the metric's own choice), got {self.iterative!r}.")
         if self.solver not in SOLVERS:
@@ -150,6 +167,23 @@ class GradMAPConfig:
         value = getattr(self, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+
+    def resolved_protected_layers(self, num_layers: int) -> set[int] | None:
+        """`protected_layers` as dense-model indices for a model with `num_layers` layers (negative
+        ones counted from the end), or `None` for the metric's own default.
+
+        Raises:
+            ValueError: for an index outside the model's layers.
+        """
+        if self.protected_layers is None:
+            return None
+        outside = [index for index in self.protected_layers if not -num_layers <= index < num_layers]
+        if outside:
+            raise ValueError(
+                f"protected_layers={self.protected_layers} names layers the model does not have: it has {num_layers} "
+                f"decoder layers, indexed 0 to {num_layers - 1} (or -{num_layers} to -1)."
+            )
+        return {index % num_layers for index in self.protected_layers}
 
     def num_layers_to_remove(self, num_layers: int) -> int:
         """Returns K for a model with `num_layers` decoder layers (ratio rounded half up)."""

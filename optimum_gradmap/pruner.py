@@ -170,12 +170,21 @@ class GradMAPPruner:
         calibration_ids = self._calibration_ids(model, calibration_data, tokenizer)
         metric = get_importance_metric(config.importance, seed=config.seed)
         iterative = metric.iterative if config.iterative is None else config.iterative
+        protected = config.resolved_protected_layers(num_layers)
         checkpoint = None
         if stage1_checkpoint is not None:
             if config.layers_to_prune is not None:
                 raise ValueError("`stage1_checkpoint` has nothing to save: with `layers_to_prune`, Stage 1 does no scoring.")
             fingerprint = stage1_fingerprint(
-                model, metric, iterative, config.seed, num_layers, num_to_prune, calibration_sha256(calibration_ids)
+                model,
+                metric,
+                iterative,
+                config.seed,
+                num_layers,
+                num_to_prune,
+                calibration_sha256(calibration_ids),
+                protected,
+                config.verify_top_k,
             )
             checkpoint = Stage1Checkpoint(stage1_checkpoint, fingerprint)
 
@@ -198,6 +207,8 @@ class GradMAPPruner:
                     config.batch_size,
                     checkpoint,
                     self.progress_bar,
+                    protected,
+                    config.verify_top_k,
                 )
         except BaseException:
             surgery.restore(model, dense, adapter)
@@ -212,6 +223,7 @@ class GradMAPPruner:
             removed_layers=selection.removed_layers,
             kept_layers=selection.kept_layers,
             scores=selection.scores,
+            verified=selection.verified,
             original_num_parameters=original_num_parameters,
             timings=timings,
             calibration_ids=calibration_ids,

@@ -35,6 +35,8 @@ class PruningResult:
         kept_layers (`list[int]`): Layers that remain, in model order.
         compensated_layers (`list[int]`): Layers whose down projection received a compensation matrix W'.
         scores (`list[dict[int, float]]`): Stage 1 scores of the layers present in each round.
+        verified (`list[dict[int, float]]`): With `verify_top_k`, the calibration loss without each
+            shortlisted layer, every round.
         drift (`dict[int, float]`): Mean drift (Eq. 10) of each kept layer before compensation.
         drift_after_compensation (`dict[int, float]`): The same, measured again after Stage 2.
         original_num_parameters (`int`): Parameters of the dense model.
@@ -63,6 +65,7 @@ class PruningResult:
     calibration_source: str | None = None
     config: GradMAPConfig | None = None
     tokenizer: PreTrainedTokenizerBase | None = field(default=None, repr=False, compare=False)
+    verified: list[dict[int, float]] = field(default_factory=list)
 
     @property
     def snapshot(self) -> None:
@@ -88,6 +91,7 @@ class PruningResult:
             "kept_layers": self.kept_layers,
             "compensated_layers": self.compensated_layers,
             "scores": [{str(index): score for index, score in round_scores.items()} for round_scores in self.scores],
+            "verified": [{str(index): loss for index, loss in losses.items()} for losses in self.verified],
             "drift": {str(index): value for index, value in self.drift.items()},
             "drift_after_compensation": {str(index): value for index, value in self.drift_after_compensation.items()},
             "original_num_parameters": self.original_num_parameters,

@@ -124,11 +124,16 @@ def test_sleb_rescores_the_pruned_model_every_round():
     )
     first = result.removed_layers[0]
     assert first == min(result.scores[0], key=result.scores[0].get)
+    assert set(result.scores[0]) == {1, 2, 3}  # as SLEB's code: the first and last layer are never candidates
     after_first = copy.deepcopy(model)
     remove_layers(after_first, [first])
     expected = _score("sleb", after_first, ids)
     kept = [index for index in range(5) if index != first]
-    assert [result.scores[1][index] for index in kept] == pytest.approx(expected, rel=1e-6)
+    candidates = [index for index in kept if index not in (0, 4)]
+    assert set(result.scores[1]) == set(candidates)
+    assert [result.scores[1][index] for index in candidates] == pytest.approx(
+        [expected[kept.index(index)] for index in candidates], rel=1e-6
+    )
 
 
 def test_taylor_plus_never_removes_the_first_four_and_last_two_layers():
@@ -171,3 +176,132 @@ def test_stage2_composes_with_every_metric(importance):
 def test_unknown_metric_is_refused_with_the_list():
     with pytest.raises(ValueError, match="`importance` must be the name of a registered metric .*gradmap.*sleb"):
         GradMAPConfig(pruning_ratio=0.25, importance="magnitude")
+
+
+# ------------------------------------------------------------------ scores from the residual branch
+def _direct_branch_quantities(model, sample: torch.LongTensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """For one sample alone, by plain autograd: each layer's contribution f = output - input and the
+    gradient of the sample's mean next-token loss at the layer's output."""
+    layers = get_adapter(model).get_layers(model)
+    captured: list[dict] = [dict() for _ in layers]
+
+    def keep_input(position, module, args, kwargs):
+        captured[position]["in"] = (args[0] if args else kwargs["hidden_states"]).detach()
+
+    def keep_output(position, module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden.retain_grad()
+        captured[position]["out"] = hidden
+
+    handles = [
+        layer.register_forward_pre_hook(lambda m, a, k, p=p: keep_input(p, m, a, k), with_kwargs=True)
+        for p, layer in enumerate(layers)
+    ]
+    handles += [layer.register_forward_hook(lambda m, a, o, p=p: keep_output(p, m, a, o)) for p, layer in enumerate(layers)]
+    model.zero_grad(set_to_none=True)
+    batch = sample.unsqueeze(0)
+    model(batch, labels=batch, use_cache=False).loss.backward()
+    for handle in handles:
+        handle.remove()
+    model.zero_grad(set_to_none=True)
+    return [(entry["out"].grad[0].double(), (entry["out"].detach() - entry["in"])[0].double()) for entry in captured]
+
+
+DIRECT_BRANCH_STATISTICS = {
+    "gradmap_bound": lambda g, f: g.norm() * f.norm(),
+    "gradmap_bound_token": lambda g, f: (g.norm(dim=-1) * f.norm(dim=-1)).sum(),
+    "gradmap_bound_squared": lambda g, f: (g.norm() * f.norm()) ** 2,
+    "taylor_gate": lambda g, f: -(g * f).sum(),
+    "taylor_gate_abs": lambda g, f: (g * f).sum().abs(),
+    "taylor_gate_squared": lambda g, f: (g * f).sum() ** 2,
+}
+
+
+@pytest.mark.parametrize("model_type", [*FAMILIES, "mixtral"])
+@pytest.mark.parametrize("name", sorted(DIRECT_BRANCH_STATISTICS))
+def test_residual_branch_scores_equal_a_per_sample_autograd_computation(model_type, name):
+    model, ids = tiny_model(model_type, num_layers=4), random_ids(5, 12)
+    per_sample = [_direct_branch_quantities(model, sample) for sample in ids]
+    statistic = DIRECT_BRANCH_STATISTICS[name]
+    expected = [sum(statistic(*sample[position]).item() for sample in per_sample) / len(ids) for position in range(4)]
+    assert _score(name, model, ids) == pytest.approx(expected, rel=1e-4, abs=1e-9)
+    assert get_importance_metric(name).iterative
+
+
+def test_the_removal_estimate_tracks_the_true_loss_change_of_a_small_branch():
+    """-(g . f) is the first-order change of the loss when the branch goes: on a layer whose branch is
+    scaled down, the estimate approaches the measured change."""
+    model, ids = tiny_model("llama", num_layers=4), random_ids(6, 12)
+    with torch.no_grad():
+        for parameter in model.model.layers[2].mlp.down_proj.parameters():
+            parameter.mul_(0.01)
+        for parameter in model.model.layers[2].self_attn.o_proj.parameters():
+            parameter.mul_(0.01)
+    estimate = _score("taylor_gate", model, ids)[2]
+
+    def mean_loss(m):
+        with torch.no_grad():
+            return sum(m(s[None], labels=s[None]).loss.item() for s in ids) / len(ids)
+
+    without = copy.deepcopy(model)
+    remove_layers(without, [2])
+    true_change = mean_loss(without) - mean_loss(model)
+    assert estimate == pytest.approx(true_change, rel=0.05, abs=1e-6)
+
+
+# ------------------------------------------------------------------ verified shortlists, protected layers
+@pytest.mark.parametrize("metric", ["gradmap", "gradmap_bound", "block_influence"])
+def test_a_shortlist_of_every_remaining_layer_selects_exactly_slebs_layers(metric):
+    model, ids = tiny_model("llama", num_layers=7), random_ids(6, 12)
+    sleb = GradMAPPruner(small_config(importance="sleb", num_layers_to_prune=3, compensation=False), progress_bar=False)
+    reference = sleb.prune(copy.deepcopy(model), ids)
+    config = small_config(importance=metric, num_layers_to_prune=3, compensation=False, verify_top_k=7, protected_layers=[0, -1])
+    result = GradMAPPruner(config, progress_bar=False).prune(copy.deepcopy(model), ids)
+    assert result.removed_layers == reference.removed_layers
+    assert len(result.verified) == 3
+    for verified, sleb_scores in zip(result.verified, reference.scores):
+        assert verified == pytest.approx(sleb_scores, rel=1e-6)  # the losses SLEB measured, layer by layer
+
+
+def test_a_short_shortlist_verifies_only_the_lowest_scored_layers_each_round():
+    model, ids = tiny_model("llama", num_layers=8), random_ids(6, 12)
+    config = small_config(importance="gradmap_bound", num_layers_to_prune=3, compensation=False, verify_top_k=2)
+    result = GradMAPPruner(config, progress_bar=False).prune(model, ids)
+    for round_scores, verified, removed in zip(result.scores, result.verified, result.removed_layers):
+        assert set(verified) == set(sorted(round_scores, key=lambda index: (round_scores[index], index))[:2])
+        assert removed == min(verified, key=verified.get)
+    assert result.to_dict()["verified"][0] == {str(index): loss for index, loss in result.verified[0].items()}
+
+
+def test_a_one_shot_metric_with_a_shortlist_is_scored_once_and_verified_every_round():
+    model, ids = tiny_model("llama", num_layers=8), random_ids(6, 12)
+    config = small_config(importance="block_influence", num_layers_to_prune=3, compensation=False, verify_top_k=3)
+    result = GradMAPPruner(config, progress_bar=False).prune(model, ids)
+    assert len(result.verified) == 3 and len(result.removed_layers) == 3
+    first = result.scores[0]
+    for round_scores in result.scores[1:]:  # the first round's scores of the layers that remain
+        assert round_scores == {index: first[index] for index in round_scores}
+
+
+def test_protected_layers_override_the_metrics_own_choice():
+    model, ids = tiny_model("llama", num_layers=8), random_ids(6, 12)
+    config = small_config(importance="gradmap", num_layers_to_prune=5, compensation=False, protected_layers=[0, 1, -1])
+    result = GradMAPPruner(config, progress_bar=False).prune(model, ids)
+    assert not {0, 1, 7} & set(result.removed_layers)
+    taylor_without_protection = small_config(importance="taylor", num_layers_to_prune=5, compensation=False, protected_layers=[])
+    assert (
+        len(
+            GradMAPPruner(taylor_without_protection, progress_bar=False)
+            .prune(tiny_model("llama", num_layers=8), ids)
+            .removed_layers
+        )
+        == 5
+    )
+    untouched = tiny_model("llama", num_layers=8)
+    with pytest.raises(ValueError, match=r"protected_layers=\[0, 8\] names layers the model does not have"):
+        GradMAPPruner(small_config(protected_layers=[0, 8]), progress_bar=False).prune(untouched, ids)
+    assert len(untouched.model.layers) == 8
+    with pytest.raises(ValueError, match="leaves 2 candidates for 5 removals.*protected_layers"):
+        GradMAPPruner(small_config(num_layers_to_prune=5, protected_layers=list(range(6))), progress_bar=False).prune(
+            untouched, ids
+        )

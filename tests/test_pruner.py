@@ -232,7 +232,7 @@ def test_stage1_checkpoint_resumes_an_interrupted_run_with_the_same_result(tmp_p
     uninterrupted = GradMAPPruner(config, progress_bar=False).select_layers(tiny_model("llama", num_layers=6), ids)
 
     metric_class = type(get_importance_metric(importance))
-    real_score = metric_class.score
+    real_score = metric_class.score_layers
     calls = []
 
     def interrupted_score(self, *args, **kwargs):
@@ -241,7 +241,7 @@ def test_stage1_checkpoint_resumes_an_interrupted_run_with_the_same_result(tmp_p
             raise KeyboardInterrupt  # the third round is cut short
         return real_score(self, *args, **kwargs)
 
-    monkeypatch.setattr(metric_class, "score", interrupted_score)
+    monkeypatch.setattr(metric_class, "score_layers", interrupted_score)
     model = tiny_model("llama", num_layers=6)
     state = state_copy(model)
     path = tmp_path / "stage1.json"

@@ -398,6 +398,52 @@ def split_at_lm_head(
     return decoder, head, expected.shape[-1]
 
 
+def loss_gradient_passes(
+    model: nn.Module,
+    adapter: DecoderAdapter,
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    description: str = "Scoring layers",
+    progress_bar: bool = True,
+    on_batch_start: Callable[[torch.LongTensor], None] | None = None,
+    on_batch_end: Callable[[torch.LongTensor], None] | None = None,
+    parameters: Sequence[nn.Parameter] = (),
+) -> None:
+    """The passes every gradient score makes, batch by batch: a forward pass from the input
+    embeddings to the final hidden states, the gradient of the sum of the per-sample losses there
+    ([`causal_lm_loss_gradient`], a few logits at a time), and a backward pass.
+
+    The model's parameters are frozen (the backward pass computes activation gradients only, which
+    hooks read), except `parameters`, whose `.grad` accumulates; every flag is restored on exit.
+
+    Args:
+        model (`nn.Module`): A causal LM.
+        adapter (`DecoderAdapter`): Its adapter (how to split off the head).
+        input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
+        batch_size (`int`): Sequences per pass.
+        description (`str`), progress_bar (`bool`): The progress bar.
+        on_batch_start, on_batch_end (`Callable`, *optional*): Called with each batch before its
+            forward pass and after its backward pass.
+        parameters (`Sequence[nn.Parameter]`, *optional*): Parameters whose gradient is accumulated.
+    """
+    embeddings = model.get_input_embeddings()
+    with calibration_batches(
+        model, input_ids, batch_size, description, progress_bar, grad=True, freeze_parameters=True
+    ) as batches:
+        for parameter in parameters:
+            parameter.requires_grad_(True)
+        decoder, head, width = split_at_lm_head(model, adapter, input_ids)
+        for batch in batches:
+            if on_batch_start is not None:
+                on_batch_start(batch)
+            inputs_embeds = embeddings(batch).detach().requires_grad_(True)
+            hidden_states = decoder(inputs_embeds)
+            hidden_grads = causal_lm_loss_gradient(hidden_states, batch, head, width)
+            torch.autograd.backward(hidden_states, hidden_grads, inputs=[inputs_embeds, *parameters])
+            if on_batch_end is not None:
+                on_batch_end(batch)
+
+
 def gradient_importance(
     model: nn.Module,
     layers: Sequence[nn.Module],
@@ -433,24 +479,27 @@ def gradient_importance(
         squared gradient norm over all parameters of each layer.
     """
     adapter = adapter or get_adapter(model)
-    embeddings = model.get_input_embeddings()
     totals = torch.zeros(len(layers), dtype=torch.float64)
-    with calibration_batches(
-        model, input_ids, batch_size, description, progress_bar, grad=True, freeze_parameters=True
-    ) as batches:
-        decoder, head, width = split_at_lm_head(model, adapter, input_ids)
-        with PerSampleGradientNorms(layers, units) as collector:
-            for batch in batches:
-                collector.start_batch(batch.shape[0], batch.shape[1])
-                inputs_embeds = embeddings(batch).detach().requires_grad_(True)
-                hidden_states = decoder(inputs_embeds)
-                hidden_grads = causal_lm_loss_gradient(hidden_states, batch, head, width)
-                torch.autograd.grad(hidden_states, inputs_embeds, hidden_grads)
-                if len(collector.layers_seen) != len(layers):
-                    missing = sorted(set(range(len(layers))) - collector.layers_seen)
-                    raise ValueError(
-                        f"Layers at positions {missing} of `layers` did not run in the model's forward pass: "
-                        "pass the model's own layers."
-                    )
-                totals += collector.batch_sq_norms.sum(dim=1)
+    with PerSampleGradientNorms(layers, units) as collector:
+
+        def collect(batch: torch.LongTensor) -> None:
+            nonlocal totals
+            if len(collector.layers_seen) != len(layers):
+                missing = sorted(set(range(len(layers))) - collector.layers_seen)
+                raise ValueError(
+                    f"Layers at positions {missing} of `layers` did not run in the model's forward pass: "
+                    "pass the model's own layers."
+                )
+            totals += collector.batch_sq_norms.sum(dim=1)
+
+        loss_gradient_passes(
+            model,
+            adapter,
+            input_ids,
+            batch_size,
+            description,
+            progress_bar,
+            on_batch_start=lambda batch: collector.start_batch(batch.shape[0], batch.shape[1]),
+            on_batch_end=collect,
+        )
     return totals / input_ids.shape[0]

@@ -34,7 +34,9 @@ from transformers.utils import logging
 from .. import surgery
 from ..adapters import DecoderAdapter
 from ..passes import calibration_batches, forward_hooks, forward_pre_hooks, layer_input, layer_output
-from .gradient import causal_lm_loss_gradient, gradient_importance, split_at_lm_head
+from . import residual
+from .gradient import gradient_importance, loss_gradient_passes
+from .residual import residual_branch_scores
 
 logger = logging.get_logger(__name__)
 
@@ -81,8 +83,28 @@ class ImportanceMetric:
         """
         raise NotImplementedError
 
+    def score_layers(
+        self,
+        model: PreTrainedModel,
+        adapter: DecoderAdapter,
+        input_ids: torch.LongTensor,
+        batch_size: int,
+        positions: Sequence[int],
+        progress_bar: bool = True,
+        description: str = "Scoring layers",
+    ) -> dict[int, float]:
+        """Scores at least the layers at `positions` (positions in the current stack). Stage 1 calls
+        this; a metric whose cost grows with the number of layers it scores (SLEB) scores only those,
+        the others score every layer with [`~ImportanceMetric.score`].
+
+        Returns:
+            `dict[int, float]`: Position -> score, for every position in `positions` (and maybe others).
+        """
+        return dict(enumerate(self.score(model, adapter, input_ids, batch_size, progress_bar, description)))
+
     def protected_layers(self, num_layers: int) -> set[int]:
-        """Layers (original indices) the method never removes. None by default."""
+        """Layers (original indices) the method's paper never removes. None by default;
+        `GradMAPConfig(protected_layers=...)` overrides it."""
         return set()
 
 
@@ -195,6 +217,72 @@ class _ReplayedPrefix(nn.Module):
         return (self.hidden_states,) if self.as_tuple else self.hidden_states
 
 
+class _StopForward(Exception):
+    """Ends a forward pass once every hidden state it was run for has been recorded."""
+
+
+def removal_losses(
+    model: PreTrainedModel,
+    adapter: DecoderAdapter,
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    positions: Sequence[int],
+    progress_bar: bool = True,
+    description: str = "Verifying removals",
+) -> dict[int, float]:
+    """The calibration loss (mean next-token cross-entropy over all calibration tokens) of the model
+    without the layer at each of `positions`, one layer at a time: SLEB's criterion.
+
+    Exact, with less work than one full forward pass per candidate: the layers before a candidate
+    compute the same thing with or without it, so one pass per batch records each candidate's input
+    (and stops after the deepest one), and the model without the candidate starts from its recorded
+    input (a stand-in module at the head of the layer list returns it) and runs only the layers after it.
+
+    Args:
+        model (`PreTrainedModel`): The model as it is now.
+        adapter (`DecoderAdapter`): Its adapter.
+        input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
+        batch_size (`int`): Sequences per pass.
+        positions (`Sequence[int]`): Positions, in the current stack, of the layers to try removing.
+
+    Returns:
+        `dict[int, float]`: Position -> loss without that layer.
+    """
+    stack = surgery.snapshot(model, adapter)
+    positions = sorted(set(positions))
+    deepest = positions[-1]
+    totals = dict.fromkeys(positions, 0.0)
+    inputs: dict[int, torch.Tensor] = {}
+    returns_tuple: list[bool] = []
+
+    def remember_input(position: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        inputs[position] = layer_input(args, kwargs)
+
+    def stop(module: nn.Module, args: tuple, output: object) -> None:
+        returns_tuple.append(isinstance(output, (tuple, list)))  # the stand-in returns what a layer returns
+        raise _StopForward
+
+    pre_hooks = [(stack.layers[p], lambda m, a, k, p=p: remember_input(p, m, a, k)) for p in positions]
+    with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
+        for batch in batches:
+            with forward_pre_hooks(pre_hooks), forward_hooks([(stack.layers[deepest], stop)]):
+                try:
+                    model(input_ids=batch, use_cache=False)
+                except _StopForward:
+                    pass
+            for position in positions:
+                # run layers position+1.. from the recorded input of the layer at `position`
+                with surgery.temporarily(model, stack, range(position, stack.num_layers), adapter):
+                    replay = _ReplayedPrefix(inputs[position], returns_tuple[0])
+                    surgery.replace(model, 0, replay, adapter)
+                    logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+                totals[position] += F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
+                ).item()
+            inputs.clear()
+    return {position: total / (input_ids.shape[0] * (input_ids.shape[1] - 1)) for position, total in totals.items()}
+
+
 @register_importance_metric
 class SLEBImportance(ImportanceMetric):
     """SLEB (Song et al., 2024, "SLEB: Streamlining LLMs through Redundancy Verification and
@@ -202,41 +290,23 @@ class SLEBImportance(ImportanceMetric):
     calibration loss (mean next-token cross-entropy over all calibration tokens, the log of the
     perplexity SLEB measures) of the current model with block i removed; the block whose removal
     raises the loss least goes first, and every block is re-verified after each removal (iterative).
-
-    Exact, with less work than one full forward pass per candidate: the layers before block i
-    compute the same thing for every candidate after them, so one pass per batch records each
-    layer's input, and the model without block i starts from the recorded input of block i (a
-    stand-in module at the head of the layer list returns it) and runs only the layers after it.
+    As in SLEB's code (`early_barrier=1, latter_barrier=1`), the first and the last block are never
+    candidates. Computed by [`removal_losses`], for the candidates only.
     """
 
     name = "sleb"
     iterative = True
 
+    def protected_layers(self, num_layers: int) -> set[int]:
+        return {0, num_layers - 1}
+
     def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
-        stack = surgery.snapshot(model, adapter)
-        totals = [0.0] * stack.num_layers
-        inputs: dict[int, torch.Tensor] = {}
-        returns_tuple: list[bool] = []
+        positions = range(adapter.num_layers(model))
+        losses = removal_losses(model, adapter, input_ids, batch_size, positions, progress_bar, description)
+        return [losses[position] for position in positions]
 
-        def remember_input(position: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
-            inputs[position] = layer_input(args, kwargs)
-
-        pre_hooks = [(layer, lambda m, a, k, p=p: remember_input(p, m, a, k)) for p, layer in enumerate(stack.layers)]
-        type_hook = [(stack.layers[0], lambda m, a, o: returns_tuple.append(isinstance(o, (tuple, list))))]
-        with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
-            for batch in batches:
-                with forward_pre_hooks(pre_hooks), forward_hooks(type_hook):
-                    model(input_ids=batch, use_cache=False)
-                for candidate in range(stack.num_layers):
-                    # run layers candidate+1.. from the recorded input of `candidate`
-                    with surgery.temporarily(model, stack, range(candidate, stack.num_layers), adapter):
-                        surgery.replace(model, 0, _ReplayedPrefix(inputs[candidate], returns_tuple[0]), adapter)
-                        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-                    totals[candidate] += F.cross_entropy(
-                        logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
-                    ).item()
-                inputs.clear()
-        return [total / (input_ids.shape[0] * (input_ids.shape[1] - 1)) for total in totals]
+    def score_layers(self, model, adapter, input_ids, batch_size, positions, progress_bar=True, description="Scoring layers"):
+        return removal_losses(model, adapter, input_ids, batch_size, positions, progress_bar, description)
 
 
 @register_importance_metric
@@ -268,34 +338,25 @@ class TaylorImportance(ImportanceMetric):
         return set(range(min(self.protect_first, num_layers))) | set(range(max(0, num_layers - self.protect_last), num_layers))
 
     def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
-        layers = list(adapter.get_layers(model))
-        parameters = [list(layer.parameters()) for layer in layers]
-        embeddings = model.get_input_embeddings()
-        num_samples = input_ids.shape[0]
-        with calibration_batches(
-            model, input_ids, batch_size, description, progress_bar, grad=True, freeze_parameters=True
-        ) as batches:
-            decoder, head, width = split_at_lm_head(model, adapter, input_ids)
-            saved_grads = {id(p): p.grad for group in parameters for p in group}
+        parameters = [list(layer.parameters()) for layer in adapter.get_layers(model)]
+        saved_grads = {id(p): p.grad for group in parameters for p in group}
+        for group in parameters:
+            for parameter in group:
+                parameter.grad = None
+        try:
+            # the gradient of the sum of per-sample mean losses; / num_samples below gives the mean
+            loss_gradient_passes(
+                model, adapter, input_ids, batch_size, description, progress_bar, parameters=[p for g in parameters for p in g]
+            )
+            return [
+                sum((p.detach().double() * p.grad.double()).abs().sum().item() for p in group if p.grad is not None)
+                / input_ids.shape[0]
+                for group in parameters
+            ]
+        finally:
             for group in parameters:
                 for parameter in group:
-                    parameter.grad = None
-                    parameter.requires_grad_(True)
-            try:
-                for batch in batches:
-                    hidden_states = decoder(embeddings(batch).detach())
-                    # the gradient of the sum of per-sample mean losses; / num_samples below gives the mean
-                    hidden_states.backward(causal_lm_loss_gradient(hidden_states, batch, head, width))
-                scores = [
-                    sum((p.detach().double() * p.grad.double()).abs().sum().item() for p in group if p.grad is not None)
-                    / num_samples
-                    for group in parameters
-                ]
-            finally:
-                for group in parameters:
-                    for parameter in group:
-                        parameter.grad = saved_grads[id(parameter)]
-        return scores
+                    parameter.grad = saved_grads[id(parameter)]
 
 
 @register_importance_metric
@@ -329,6 +390,77 @@ class RandomImportance(ImportanceMetric):
     def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
         generator = torch.Generator().manual_seed(self.seed)
         return torch.rand(adapter.num_layers(model), generator=generator, dtype=torch.float64).tolist()
+
+
+class ResidualBranchMetric(ImportanceMetric):
+    """A score from each layer's residual contribution f_i and the loss gradient g_i at its output, per
+    sample, averaged over samples: one forward and one activation-gradient backward pass per round,
+    nothing per parameter (see [`optimum_gradmap.importance.residual`]). Subclasses set `statistic`."""
+
+    iterative = True
+    statistic: ClassVar[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
+
+    def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
+        layers = adapter.get_layers(model)
+        statistic = type(self).statistic
+        return residual_branch_scores(
+            model, adapter, layers, input_ids, batch_size, statistic, progress_bar, description
+        ).tolist()
+
+
+@register_importance_metric
+class GradMAPBound(ResidualBranchMetric):
+    """The bound GradMAP derives for its score, with the factor the paper drops kept (Eq. 9-11):
+    |dL| <= ||dL/dH_i|| ||f_i||, f_i = H_i - H_{i-1} the layer's residual contribution. The paper
+    drops M_i = max ||f_i|| as not depending on the pruning decision; it varies across layers by
+    orders of magnitude. Score: the mean over samples j of ||dL_j/dH_i|| ||f_i(x_j)||, the norms
+    over all of sample j's tokens. Iterative (Algorithm 1). Not the paper's score: that is `"gradmap"`."""
+
+    name = "gradmap_bound"
+    statistic = staticmethod(residual.norm_product)
+
+
+@register_importance_metric
+class GradMAPBoundPerToken(ResidualBranchMetric):
+    """[`GradMAPBound`] applied token by token: the mean over samples of sum_t ||dL_j/dH_{i,t}|| ||f_{i,t}||."""
+
+    name = "gradmap_bound_token"
+    statistic = staticmethod(residual.token_norm_product)
+
+
+@register_importance_metric
+class GradMAPBoundSquared(ResidualBranchMetric):
+    """[`GradMAPBound`] squared, as Eq. 11 bounds E[(dL)^2]: the mean over samples of ||dL_j/dH_i||^2 ||f_i(x_j)||^2."""
+
+    name = "gradmap_bound_squared"
+    statistic = staticmethod(residual.squared_norm_product)
+
+
+@register_importance_metric
+class TaylorGate(ResidualBranchMetric):
+    """First-order estimate of the loss change when a layer's residual branch is removed (Molchanov
+    et al., CVPR 2019, "Importance Estimation for Neural Network Pruning", Eq. 3-4, applied to a gate
+    a on the branch, H_i = H_{i-1} + a f_i, at a = 1): dL ~ -(dL/dH_i . f_i). Score: its mean over
+    samples (signed: a layer whose removal is estimated to lower the loss goes first). Iterative."""
+
+    name = "taylor_gate"
+    statistic = staticmethod(residual.removal_estimate)
+
+
+@register_importance_metric
+class TaylorGateAbsolute(ResidualBranchMetric):
+    """[`TaylorGate`] with the absolute value per sample: the mean of |dL_j/dH_i . f_i(x_j)|."""
+
+    name = "taylor_gate_abs"
+    statistic = staticmethod(residual.absolute_removal_estimate)
+
+
+@register_importance_metric
+class TaylorGateSquared(ResidualBranchMetric):
+    """[`TaylorGate`] squared per sample (Molchanov et al.'s squared form): the mean of (dL_j/dH_i . f_i(x_j))^2."""
+
+    name = "taylor_gate_squared"
+    statistic = staticmethod(residual.squared_removal_estimate)
 
 
 def get_importance_metric(name_or_metric: str | ImportanceMetric, seed: int = 0) -> ImportanceMetric:

@@ -22,7 +22,7 @@ from transformers.utils import logging
 
 from .. import surgery
 from ..adapters import DecoderAdapter
-from .metrics import ImportanceMetric
+from .metrics import ImportanceMetric, removal_losses
 
 logger = logging.get_logger(__name__)
 
@@ -35,12 +35,15 @@ class Selection:
         removed_layers (`list[int]`): Removed layers, in removal order.
         kept_layers (`list[int]`): Layers that remain, in model order.
         scores (`list[dict[int, float]]`): The scores of the layers present in each round.
+        verified (`list[dict[int, float]]`): With a verified shortlist, the calibration loss without
+            each shortlisted layer, every round.
         resumed_seconds (`float`): Seconds of the rounds replayed from a checkpoint (spent in an earlier run).
     """
 
     removed_layers: list[int] = field(default_factory=list)
     kept_layers: list[int] = field(default_factory=list)
     scores: list[dict[int, float]] = field(default_factory=list)
+    verified: list[dict[int, float]] = field(default_factory=list)
     resumed_seconds: float = 0.0
 
 
@@ -70,9 +73,9 @@ class Stage1Checkpoint:
                     f"{self.path} is not a Stage 1 checkpoint ({error}): delete it, or pass another `stage1_checkpoint`."
                 ) from error
             different = {
-                key: (saved_fingerprint.get(key), value)
-                for key, value in fingerprint.items()
-                if saved_fingerprint.get(key) != value
+                key: (saved_fingerprint.get(key), fingerprint.get(key))
+                for key in dict.fromkeys([*fingerprint, *saved_fingerprint])
+                if saved_fingerprint.get(key) != fingerprint.get(key)
             }
             if different:
                 details = ", ".join(f"{key}: saved {saved!r}, now {now!r}" for key, (saved, now) in different.items())
@@ -81,11 +84,14 @@ class Stage1Checkpoint:
                     "or pass another `stage1_checkpoint`."
                 )
 
-    def save_round(self, scores: dict[int, float], removed: list[int], seconds: float) -> None:
+    def save_round(
+        self, scores: dict[int, float], removed: list[int], seconds: float, verified: dict[int, float] | None = None
+    ) -> None:
         """Appends a finished round and rewrites the file (atomically: a crash leaves the old one)."""
-        self.rounds.append(
-            {"scores": {str(index): score for index, score in scores.items()}, "removed": removed, "seconds": seconds}
-        )
+        round_record = {"scores": {str(index): score for index, score in scores.items()}, "removed": removed, "seconds": seconds}
+        if verified:
+            round_record["verified"] = {str(index): loss for index, loss in verified.items()}
+        self.rounds.append(round_record)
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False, encoding="utf-8") as file:
@@ -101,9 +107,14 @@ def stage1_fingerprint(
     num_layers: int,
     num_to_prune: int,
     calibration_sha256: str,
+    protected: set[int] | None = None,
+    verify_top_k: int | None = None,
 ) -> dict[str, Any]:
-    """What must be the same for a saved Stage 1 round to be valid in this run."""
+    """What must be the same for a saved Stage 1 round to be valid in this run (the protected layers
+    and the shortlist size only when they are set, so files of earlier runs stay valid)."""
+    settings = {"protected_layers": sorted(protected) if protected is not None else None, "verify_top_k": verify_top_k}
     return {
+        **{key: value for key, value in settings.items() if value is not None},
         "model_type": model.config.model_type,
         "num_layers": num_layers,
         "hidden_size": model.get_input_embeddings().weight.shape[1],
@@ -135,8 +146,14 @@ def remove_by_importance(
     batch_size: int,
     checkpoint: Stage1Checkpoint | None = None,
     progress_bar: bool = True,
+    protected: set[int] | None = None,
+    verify_top_k: int | None = None,
 ) -> Selection:
     """Algorithm 1: removes `num_to_prune` layers, lowest score first.
+
+    With `verify_top_k=k`, every round removes one layer: the k lowest-scored candidates are each
+    removed in turn and the calibration loss measured (SLEB's criterion, [`removal_losses`]), and the
+    one whose removal raises it least goes. A one-shot metric is scored once; an iterative one every round.
 
     Args:
         model (`PreTrainedModel`): The dense model; changed in place.
@@ -149,50 +166,67 @@ def remove_by_importance(
         batch_size (`int`): Sequences per pass.
         checkpoint (`Stage1Checkpoint`, *optional*): Finished rounds to replay, and where to save new ones.
         progress_bar (`bool`, defaults to `True`): Show progress bars.
+        protected (`set[int]`, *optional*): Layers never removed; defaults to the metric's own
+            ([`ImportanceMetric.protected_layers`]).
+        verify_top_k (`int`, *optional*): Size of the shortlist verified each round.
 
     Returns:
         [`Selection`].
 
     Raises:
-        ValueError: when the metric's protected layers leave fewer than K candidates (before any change).
+        ValueError: when the protected layers leave fewer than K candidates (before any change).
     """
-    protected = metric.protected_layers(dense.num_layers)
+    protected = metric.protected_layers(dense.num_layers) if protected is None else set(protected)
     candidates = [index for index in range(dense.num_layers) if index not in protected]
     if len(candidates) < num_to_prune:
         raise ValueError(
             f"importance={metric.name!r} never removes layers {sorted(protected)}, which leaves "
-            f"{len(candidates)} candidates for {num_to_prune} removals: prune fewer layers."
+            f"{len(candidates)} candidates for {num_to_prune} removals: prune fewer layers, or set `protected_layers`."
         )
     selection = Selection(kept_layers=list(range(dense.num_layers)))
-    num_rounds = num_to_prune if iterative else 1
+    one_per_round = iterative or verify_top_k is not None
+    num_rounds = num_to_prune if one_per_round else 1
     saved_rounds = checkpoint.rounds if checkpoint is not None else []
     if saved_rounds:
         logger.info(f"Resuming Stage 1 from {checkpoint.path}: {len(saved_rounds)} of {num_rounds} rounds are done.")
     rounds = logging.tqdm(range(num_rounds), desc=f"Stage 1 ({metric.name})", disable=not progress_bar)
+    round_scores: dict[int, float] = {}
     for round_index in rounds:
         started = time.perf_counter()
         kept = selection.kept_layers
+        remaining = [index for index in kept if index not in protected]
+        description = f"Round {round_index + 1}/{num_rounds}"
+        verified: dict[int, float] = {}
         if round_index < len(saved_rounds):
-            round_scores = {int(index): score for index, score in saved_rounds[round_index]["scores"].items()}
-            selection.resumed_seconds += saved_rounds[round_index]["seconds"]
+            saved = saved_rounds[round_index]
+            round_scores = {int(index): score for index, score in saved["scores"].items()}
+            verified = {int(index): loss for index, loss in saved.get("verified", {}).items()}
+            selection.resumed_seconds += saved["seconds"]
         else:
-            layer_scores = metric.score(
-                model,
-                adapter,
-                calibration_ids,
-                batch_size,
-                progress_bar=progress_bar,
-                description=f"Round {round_index + 1}/{num_rounds}",
-            )
-            round_scores = {original: float(score) for original, score in zip(kept, layer_scores)}
+            if iterative or round_index == 0:
+                positions = [kept.index(index) for index in remaining]
+                scored = metric.score_layers(model, adapter, calibration_ids, batch_size, positions, progress_bar, description)
+                round_scores = {kept[position]: float(score) for position, score in scored.items()}
+            else:  # a one-shot metric: the first round's scores of the layers that remain
+                round_scores = {index: round_scores[index] for index in kept if index in round_scores}
+            if verify_top_k is not None:
+                shortlist = sorted(remaining, key=lambda index: (round_scores[index], index))[:verify_top_k]
+                positions = [kept.index(index) for index in shortlist]
+                losses = removal_losses(model, adapter, calibration_ids, batch_size, positions, progress_bar, description)
+                verified = {kept[position]: loss for position, loss in losses.items()}
         selection.scores.append(round_scores)
-        ranked = sorted((index for index in kept if index not in protected), key=lambda index: (round_scores[index], index))
-        to_remove = ranked[:1] if iterative else ranked[:num_to_prune]
+        if verified:
+            selection.verified.append(verified)
+            to_remove = [min(verified, key=lambda index: (verified[index], index))]
+        else:
+            ranked = sorted(remaining, key=lambda index: (round_scores[index], index))
+            to_remove = ranked[:1] if one_per_round else ranked[:num_to_prune]
         selection.removed_layers.extend(to_remove)
         selection.kept_layers = [index for index in kept if index not in to_remove]
         surgery.keep(model, dense, selection.kept_layers, adapter)
         if checkpoint is not None and round_index >= len(saved_rounds):
-            checkpoint.save_round(round_scores, to_remove, time.perf_counter() - started)
+            checkpoint.save_round(round_scores, to_remove, time.perf_counter() - started, verified)
         for index in to_remove:
-            logger.info(f"Round {round_index + 1}/{num_rounds}: removed layer {index} (score {round_scores[index]:.6g})")
+            how = f"calibration loss without it {verified[index]:.6g}" if verified else f"score {round_scores[index]:.6g}"
+            logger.info(f"Round {round_index + 1}/{num_rounds}: removed layer {index} ({how})")
     return selection
