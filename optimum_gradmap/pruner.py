@@ -19,7 +19,14 @@ from transformers.utils import logging
 from . import surgery
 from ._deprecation import deprecated_module_attributes
 from .adapters import get_adapter
-from .compensation import STAGE2_SETTINGS, CompensationResult, check_num_compensated_layers, compensate
+from .compensation import (
+    STAGE2_SETTINGS,
+    CompensationResult,
+    RunCompensation,
+    check_num_compensated_layers,
+    compensate,
+    compensate_run,
+)
 from .configuration import GradMAPConfig
 from .data import CalibrationData, calibration_sha256, describe_calibration_data, is_text_data, prepare_calibration_data
 from .hub import upload_checkpoint
@@ -109,6 +116,7 @@ class GradMAPPruner:
         calibration_data: CalibrationData = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
         stage1_checkpoint: str | os.PathLike | None = None,
+        validation_data: CalibrationData = None,
     ) -> PruningResult:
         """Prunes `model` in place: Stage 1, then Stage 2 if `config.compensation`.
 
@@ -122,6 +130,8 @@ class GradMAPPruner:
             stage1_checkpoint (`str` or `os.PathLike`, *optional*): A JSON file where Stage 1 saves
                 its progress after every round, and from which an interrupted run resumes (see
                 [`~GradMAPPruner.select_layers`]).
+            validation_data (*optional*): Text (any form `calibration_data` takes) that decides whether
+                Stage 2's compensation is kept: only if it lowers its perplexity (see [`~GradMAPPruner.compensate`]).
 
         Returns:
             [`PruningResult`]: `result.model` is the pruned model.
@@ -131,7 +141,7 @@ class GradMAPPruner:
         """
         result = self.select_layers(model, calibration_data, tokenizer, stage1_checkpoint)
         if self.config.compensation:
-            self.compensate(result)
+            self.compensate(result, validation_data=validation_data)
         self.release()
         return result
 
@@ -185,6 +195,7 @@ class GradMAPPruner:
                 calibration_sha256(calibration_ids),
                 protected,
                 config.verify_top_k,
+                config.compensate_each_round,
             )
             checkpoint = Stage1Checkpoint(stage1_checkpoint, fingerprint)
 
@@ -192,6 +203,13 @@ class GradMAPPruner:
         dense = surgery.snapshot(model, adapter)
         original_num_parameters = model.num_parameters()
         start = time.perf_counter()
+        run_compensations: list[RunCompensation] = []
+
+        def compensate_after(removed: int) -> None:  # compensate_each_round: Prune&Comp's repair between removals
+            done = compensate_run(model, dense, calibration_ids, config, removed, adapter, self.progress_bar)
+            if done is not None:
+                run_compensations.append(done)
+
         try:
             if config.layers_to_prune is not None:
                 selection = remove_explicit_layers(model, dense, config.layers_to_prune, adapter)
@@ -209,8 +227,11 @@ class GradMAPPruner:
                     self.progress_bar,
                     protected,
                     config.verify_top_k,
+                    compensate_after if config.compensate_each_round else None,
                 )
         except BaseException:
+            for done in reversed(run_compensations):
+                done.backup.restore()
             surgery.restore(model, dense, adapter)
             raise
         timings = {"stage1": time.perf_counter() - start + selection.resumed_seconds}
@@ -230,6 +251,9 @@ class GradMAPPruner:
             calibration_source=describe_calibration_data(calibration_data, config.dataset, config.text_column),
             config=config,
             tokenizer=self.tokenizer,
+            compensated_during_stage1=[
+                {"layer": done.layer, "target": done.target, "reg_lambda": done.reg_lambda} for done in run_compensations
+            ],
         )
         self._dense = dense
         logger.info(
@@ -238,7 +262,9 @@ class GradMAPPruner:
         )
         return self.result
 
-    def compensate(self, result: PruningResult, **config_overrides: Any) -> PruningResult:
+    def compensate(
+        self, result: PruningResult, validation_data: CalibrationData = None, **config_overrides: Any
+    ) -> PruningResult:
         """Stage 2 on a model pruned by [`~GradMAPPruner.select_layers`] (see
         [`optimum_gradmap.compensation.compensate`]): measures the mean drift of every kept layer
         (Eq. 10), learns W' for the `num_compensated_layers` layers with the largest drift (Eq. 12-14)
@@ -255,9 +281,13 @@ class GradMAPPruner:
 
         Args:
             result ([`PruningResult`]): The last result of this pruner's `select_layers`.
+            validation_data (*optional*): Text (any form `calibration_data` takes, tokenized and drawn with
+                the config's `num_samples` and `seq_len` and seed `seed + 1`, so that the calibration dataset
+                itself gives other windows than the calibration ones) whose perplexity decides whether the
+                compensation is kept: it is undone if it does not lower it (`result.compensation_validation`).
             config_overrides: Stage 2 settings of [`GradMAPConfig`] to use instead of the pruner's
-                (`num_compensated_layers`, `solver`, `reg_lambda`, `adam_lr`, `adam_steps`, `batch_size`);
-                `result.config` records them.
+                (`compensation_target`, `num_compensated_layers`, `solver`, `reg_lambda`, `adam_lr`,
+                `adam_steps`, `batch_size`); `result.config` records them.
 
         Returns:
             [`PruningResult`]: `result`, with its Stage 2 fields filled in.
@@ -273,20 +303,36 @@ class GradMAPPruner:
             raise ValueError(f"{unknown} are not Stage 2 settings; these are: {list(STAGE2_SETTINGS)}.")
         config = dataclasses.replace(result.config, compensation=True, **config_overrides)
         check_num_compensated_layers(config.num_compensated_layers, len(result.kept_layers))
+        validation_ids = None
+        if validation_data is not None:
+            # seed + 1: given the calibration dataset itself, validation is other windows of the same text
+            validation_ids = self._calibration_ids(result.model, validation_data, self.tokenizer, seed=config.seed + 1)
         if self._compensation is not None:  # back to the Stage 1 model, which the result then describes
             if self._compensation.backup is not None:
                 self._compensation.backup.restore()
             self._compensation = None
             result.drift, result.drift_after_compensation, result.compensation_objective = {}, {}, {}
-            result.compensated_layers = []
+            result.compensated_layers, result.compensation_targets, result.compensation_lambda = [], {}, {}
+            result.uncompensated_layers, result.compensation_validation = {}, None
             result.timings.pop("stage2", None)
-        outcome = compensate(result.model, self._dense, result.calibration_ids, config, progress_bar=self.progress_bar)
+        outcome = compensate(
+            result.model,
+            self._dense,
+            result.calibration_ids,
+            config,
+            progress_bar=self.progress_bar,
+            validation_ids=validation_ids,
+        )
         self._compensation = outcome
         result.config = config
         result.drift = outcome.drift
         result.drift_after_compensation = outcome.drift_after_compensation
         result.compensated_layers = outcome.compensated_layers
         result.compensation_objective = outcome.objective
+        result.compensation_targets = outcome.targets
+        result.compensation_lambda = outcome.reg_lambda
+        result.uncompensated_layers = outcome.skipped_layers
+        result.compensation_validation = outcome.validation
         result.timings["stage2"] = outcome.seconds
         logger.info(f"Stage 2 compensated layer(s) {outcome.compensated_layers} in {outcome.seconds:.1f}s.")
         return result
@@ -410,7 +456,11 @@ class GradMAPPruner:
         return num_to_prune
 
     def _calibration_ids(
-        self, model: PreTrainedModel, calibration_data: CalibrationData, tokenizer: PreTrainedTokenizerBase | None
+        self,
+        model: PreTrainedModel,
+        calibration_data: CalibrationData,
+        tokenizer: PreTrainedTokenizerBase | None,
+        seed: int | None = None,
     ) -> torch.LongTensor:
         tokenizer = tokenizer or self.tokenizer
         if tokenizer is None and is_text_data(calibration_data):
@@ -424,7 +474,13 @@ class GradMAPPruner:
             self.tokenizer = tokenizer
         config = self.config
         ids = prepare_calibration_data(
-            calibration_data, tokenizer, config.num_samples, config.seq_len, config.seed, config.dataset, config.text_column
+            calibration_data,
+            tokenizer,
+            config.num_samples,
+            config.seq_len,
+            config.seed if seed is None else seed,
+            config.dataset,
+            config.text_column,
         )
         vocab_size = model.get_input_embeddings().weight.shape[0]
         if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:

@@ -190,6 +190,31 @@ def write_pictures(report: dict[str, Any], directory: str | os.PathLike) -> list
     return written
 
 
+def _stage2_sentence(report: dict) -> str:
+    """What Stage 2 did, in words: the compensated layers, their targets and lambdas, and the layers left alone."""
+    compensated = report["compensated_layers"]
+    skipped = report.get("uncompensated_layers") or {}
+    if not compensated and not skipped:
+        return "Stage 2 (compensation) was not run."
+    targets = report.get("compensation_targets") or {}
+    lambdas = report.get("compensation_lambda") or {}
+    described = [
+        f"{index}"
+        + (f" (fitted to the dense output of layer {targets[str(index)]}" if str(index) in targets else " (")
+        + (f", lambda {lambdas[str(index)]:.3g})" if str(index) in lambdas else ")")
+        for index in compensated
+    ]
+    sentence = (
+        f"Stage 2 compensated layer(s) {', '.join(described)}: a matrix folded into the MLP down projection, "
+        "so inference costs nothing extra."
+        if compensated
+        else "Stage 2 compensated no layer."
+    )
+    for index, why in skipped.items():
+        sentence += f" Layer {index} was left as it was: {why}."
+    return sentence
+
+
 def _cost_table(report: dict[str, Any]) -> str:
     rows = [
         ("decoder layers", report["original_num_layers"], len(report["kept_layers"])),
@@ -234,12 +259,7 @@ def build_model_card(report: dict[str, Any], pictures: list[str], repo_id: str |
     name = repo_id or "path/to/this/checkpoint"
     removed, num_layers = report["removed_layers"], report["original_num_layers"]
     metric = report["gradmap_config"].get("importance", "gradmap")
-    stage2 = (
-        f"Stage 2 compensated layer(s) {report['compensated_layers']} (a matrix folded into the MLP down projection, "
-        "so inference costs nothing extra)."
-        if report["compensated_layers"]
-        else "Stage 2 (compensation) was not run."
-    )
+    stage2 = _stage2_sentence(report)
     picture_lines = "\n\n".join(f"![{picture}]({picture})" for picture in pictures)
     timings = ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in report["timings"].items())
     content = f"""---

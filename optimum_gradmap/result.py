@@ -35,8 +35,6 @@ class PruningResult:
         kept_layers (`list[int]`): Layers that remain, in model order.
         compensated_layers (`list[int]`): Layers whose down projection received a compensation matrix W'.
         scores (`list[dict[int, float]]`): Stage 1 scores of the layers present in each round.
-        verified (`list[dict[int, float]]`): With `verify_top_k`, the calibration loss without each
-            shortlisted layer, every round.
         drift (`dict[int, float]`): Mean drift (Eq. 10) of each kept layer before compensation.
         drift_after_compensation (`dict[int, float]`): The same, measured again after Stage 2.
         original_num_parameters (`int`): Parameters of the dense model.
@@ -47,6 +45,16 @@ class PruningResult:
         calibration_source (`str`, *optional*): Where they came from (a dataset name, data given directly).
         config ([`GradMAPConfig`]): The configuration of the run (with the Stage 2 settings last used).
         tokenizer (`PreTrainedTokenizerBase`, *optional*): The tokenizer, saved with the model.
+        verified (`list[dict[int, float]]`): With `verify_top_k`, the calibration loss without each
+            shortlisted layer, every round.
+        compensation_targets (`dict[int, int]`): For each layer Stage 2 fitted, the dense layer whose
+            output it was fitted to (itself with `"max_drift"`, the end of a removed run with `"span_end"`).
+        compensation_lambda (`dict[int, float]`): For each compensated layer, the lambda its fit used.
+        uncompensated_layers (`dict[int, str]`): Target layers Stage 2 left as they were, and why.
+        compensation_validation (`dict`, *optional*): With validation data, its perplexity without and
+            with the compensation, and whether the compensation was kept.
+        compensated_during_stage1 (`list[dict]`): With `compensate_each_round`, each fit made after a
+            removal: the layer, its target, its lambda (`None`: left alone).
     """
 
     model: PreTrainedModel
@@ -66,6 +74,11 @@ class PruningResult:
     config: GradMAPConfig | None = None
     tokenizer: PreTrainedTokenizerBase | None = field(default=None, repr=False, compare=False)
     verified: list[dict[int, float]] = field(default_factory=list)
+    compensation_targets: dict[int, int] = field(default_factory=dict)
+    compensation_lambda: dict[int, float] = field(default_factory=dict)
+    uncompensated_layers: dict[int, str] = field(default_factory=dict)
+    compensation_validation: dict[str, float] | None = None
+    compensated_during_stage1: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def snapshot(self) -> None:
@@ -97,6 +110,11 @@ class PruningResult:
             "original_num_parameters": self.original_num_parameters,
             "num_parameters": self.model.num_parameters(),
             "compensation_objective": {str(index): values for index, values in self.compensation_objective.items()},
+            "compensation_targets": {str(index): target for index, target in self.compensation_targets.items()},
+            "compensation_lambda": {str(index): value for index, value in self.compensation_lambda.items()},
+            "uncompensated_layers": {str(index): why for index, why in self.uncompensated_layers.items()},
+            "compensation_validation": self.compensation_validation,
+            "compensated_during_stage1": self.compensated_during_stage1,
             "timings": self.timings,
             "calibration_source": self.calibration_source,
             "calibration_sha256": self.calibration_sha256,

@@ -145,3 +145,57 @@ def test_stage1_splits_every_family_at_its_head(model_type):
     with torch.no_grad():
         torch.testing.assert_close(head(decoder(embeds)), model(inputs_embeds=embeds).logits)
     assert width == model.config.get_text_config().vocab_size
+
+
+def _layer_output(model, layer, ids):
+    captured = {}
+    hook = layer.register_forward_hook(lambda m, a, o: captured.__setitem__("h", (o[0] if isinstance(o, tuple) else o).double()))
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    hook.remove()
+    return captured["h"]
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_span_end_stage2_lowers_the_error_it_reports_and_auto_lambda_leaves_alone_what_it_skips(model_type):
+    """Layers 2 and 3 removed; layer 1 is fitted to the dense output of layer 3. The objective reported at
+    W' = I is the measured error of the pruned layer's output; after the fold (through post-MLP norms,
+    experts and Conv1D alike) the measured error is the fitted objective less its penalty: below the
+    reported fitted objective and below the error before. With lambda chosen by cross-validation, the
+    layer is either fitted with a lambda > 0 or, where nothing beats W' = I, left exactly as it was."""
+    import copy
+
+    model = tiny_model(model_type)
+    ids = random_ids(16, 16)
+    adapter = get_adapter(model)
+    dense_end = _layer_output(model, adapter.get_layers(model)[3], copy.deepcopy(ids))
+    config = small_config(
+        num_layers_to_prune=None,
+        layers_to_prune=[2, 3],
+        compensation_target="span_end",
+        reg_lambda=1e-3,
+        adam_lr=1e-2,
+        adam_steps=300,
+        num_samples=16,
+    )
+    pruner = GradMAPPruner(config, progress_bar=False)
+    result = pruner.select_layers(model, ids)
+    layer = adapter.get_layers(model)[1]
+    before = torch.nn.functional.mse_loss(_layer_output(model, layer, ids), dense_end).item()
+    stage1_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    pruner.compensate(result)
+    assert result.compensation_targets == {1: 3} and result.compensated_layers == [1]
+    objective = result.compensation_objective[1]
+    assert objective["identity"] == pytest.approx(before, rel=1e-4)
+    after = torch.nn.functional.mse_loss(_layer_output(model, layer, ids), dense_end).item()
+    assert after < before and after <= objective["fitted"] * (1 + 1e-4)
+
+    pruner.compensate(result, reg_lambda="auto")  # undoes the first fold, then fits again
+    if result.compensated_layers:
+        assert result.compensation_lambda[1] > 0 and result.compensation_objective[1]["identity"] == pytest.approx(
+            before, rel=1e-4
+        )
+        assert torch.nn.functional.mse_loss(_layer_output(model, layer, ids), dense_end).item() < before
+    else:
+        assert "W' = I" in result.uncompensated_layers[1]
+        assert all(torch.equal(tensor, stage1_state[name]) for name, tensor in model.state_dict().items())

@@ -231,3 +231,258 @@ def test_a_failure_during_stage2_leaves_the_model_as_stage1_left_it(monkeypatch)
     monkeypatch.setattr(compensation, "learn_compensation", real_learn)
     pruner.compensate(result)  # the dense layers are still there: Stage 2 can run again
     assert len(result.compensated_layers) == 2
+
+
+# --- reg_lambda="auto", compensation targets ------------------------------------------------------------
+
+
+def _sequences(num_sequences, tokens, size, mixing, noise, seed):
+    """Per sequence, MLP outputs Y and targets R = Y mixing^T + noise."""
+    generator = torch.Generator().manual_seed(seed)
+    y = torch.randn(num_sequences, tokens, size, generator=generator, dtype=torch.float64)
+    r = y @ mixing.T + noise * torch.randn(num_sequences, tokens, size, generator=generator, dtype=torch.float64)
+    return y, r
+
+
+def _fold_statistics(y, r, num_folds):
+    folds = []
+    for fold in range(num_folds):
+        fy, fr = y[fold::num_folds].reshape(-1, y.shape[-1]), r[fold::num_folds].reshape(-1, y.shape[-1])
+        folds.append(CompensationStatistics(fy.T @ fy, fr.T @ fy, float(fr.pow(2).sum()), fy.shape[0]))
+    return folds
+
+
+def _brute_force_cross_validation(y, r, num_folds, grid):
+    """Held-out squared error of each relative ridge strength, from the rows themselves: for each fold,
+    W minimises ||R - Y W^T||^2 + rho ||W - I||^2 on the other folds (normal equations), with
+    rho = alpha * tr(Y^T Y) / d; the error is summed over the held-out rows."""
+    size = y.shape[-1]
+    identity = torch.eye(size, dtype=torch.float64)
+    errors = dict.fromkeys(grid, 0.0)
+    identity_error = 0.0
+    for fold in range(num_folds):
+        held_out = torch.zeros(y.shape[0], dtype=torch.bool)
+        held_out[fold::num_folds] = True
+        train_y, train_r = y[~held_out].reshape(-1, size), r[~held_out].reshape(-1, size)
+        test_y, test_r = y[held_out].reshape(-1, size), r[held_out].reshape(-1, size)
+        for alpha in grid:
+            rho = alpha * float((train_y * train_y).sum()) / size
+            matrix = torch.linalg.solve(train_y.T @ train_y + rho * identity, train_y.T @ train_r + rho * identity).T
+            errors[alpha] += float((test_r - test_y @ matrix.T).pow(2).sum())
+        identity_error += float((test_r - test_y).pow(2).sum())
+    return errors, identity_error
+
+
+@pytest.mark.parametrize(
+    "noise, tokens, expected",
+    [
+        (0.0, 8, "smallest"),  # exact data: the least regularisation recovers the map
+        (1.5, 2, "interior"),  # few noisy tokens: the unregularised fit overfits, full shrinkage underfits
+    ],
+)
+def test_cross_validation_picks_the_strength_with_the_least_held_out_error(noise, tokens, expected):
+    from optimum_gradmap.compensation import AUTO_RIDGE_GRID, cross_validate_ridge
+
+    size = 6
+    generator = torch.Generator().manual_seed(3)
+    mixing = torch.eye(size, dtype=torch.float64) + 0.4 * torch.randn(size, size, generator=generator, dtype=torch.float64)
+    y, r = _sequences(16, tokens, size, mixing, noise, seed=4)
+    choice = cross_validate_ridge(_fold_statistics(y, r, 4))
+    errors, identity_error = _brute_force_cross_validation(y, r, 4, AUTO_RIDGE_GRID)
+    for alpha in AUTO_RIDGE_GRID:
+        assert choice.heldout_error[alpha] == pytest.approx(errors[alpha], rel=1e-8, abs=1e-12)
+    assert choice.identity_error == pytest.approx(identity_error, rel=1e-10)
+    best = min(AUTO_RIDGE_GRID, key=errors.get)
+    assert choice.alpha == best and errors[best] < identity_error
+    if expected == "smallest":
+        assert best == AUTO_RIDGE_GRID[0]
+    else:
+        assert AUTO_RIDGE_GRID[0] < best < AUTO_RIDGE_GRID[-1]
+
+
+def test_cross_validation_keeps_the_identity_where_the_fit_cannot_help():
+    """Each fold's targets follow its own map I + D_j, with the D_j summing to zero and the same MLP outputs
+    in every fold: the fit on the other folds is I - D_j / 3 (shrunk towards I by the ridge), which moves
+    away from fold j's map, so on every held-out fold any fitted W' is worse than W' = I."""
+    from optimum_gradmap.compensation import AUTO_RIDGE_GRID, cross_validate_ridge
+
+    size, num_folds = 6, 4
+    generator = torch.Generator().manual_seed(5)
+    y = torch.randn(1, 5, size, generator=generator, dtype=torch.float64).repeat(num_folds, 1, 1)  # same Y per fold
+    offsets = 0.5 * torch.randn(num_folds, size, size, generator=generator, dtype=torch.float64)
+    offsets -= offsets.mean(dim=0)
+    r = torch.stack([y[j] @ (torch.eye(size, dtype=torch.float64) + offsets[j]).T for j in range(num_folds)])
+    choice = cross_validate_ridge(_fold_statistics(y, r, num_folds))
+    errors, identity_error = _brute_force_cross_validation(y, r, num_folds, AUTO_RIDGE_GRID)
+    assert min(errors.values()) > identity_error
+    assert choice.alpha is None and choice.identity_error == pytest.approx(identity_error, rel=1e-10)
+
+
+def test_auto_lambda_fit_uses_the_chosen_strength_on_all_folds():
+    """learn_compensation with reg_lambda='auto' equals the closed form on every calibration token with the
+    strength cross-validation chose, expressed as the lambda of Eq. 14."""
+    from optimum_gradmap import GradMAPConfig
+    from optimum_gradmap.compensation import (
+        AUTO_NUM_FOLDS,
+        cross_validate_ridge,
+        learn_compensation,
+        relative_ridge,
+    )
+
+    dense = tiny_model("llama", num_layers=5)
+    ids = random_ids(num_samples=8, seq_len=12)
+    target = dense.model.layers[3]
+    (original,) = record_layer_outputs(dense, [target], ids, batch_size=4, progress_bar=False)
+    remove_layers(dense, [1])
+    adapter = get_adapter(dense)
+    config = GradMAPConfig(num_layers_to_prune=1, reg_lambda="auto", batch_size=3)  # batches straddle the folds
+    fit = learn_compensation(dense, adapter, target, original, ids, config, progress_bar=False)
+    folds = compensation_statistics(dense, adapter, target, original, ids, 8, progress_bar=False, num_folds=AUTO_NUM_FOLDS)
+    # fold j holds sequences j, j + 4: the same statistics as computing each fold on its own sequences
+    for fold, statistics in enumerate(folds):
+        alone = compensation_statistics(dense, adapter, target, original[fold::4], ids[fold::4], 8, progress_bar=False)
+        torch.testing.assert_close(statistics.gram, alone.gram, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(statistics.cross, alone.cross, rtol=1e-9, atol=1e-9)
+    choice = cross_validate_ridge(folds)
+    assert fit.cross_validation.alpha == choice.alpha is not None
+    total = sum(folds[1:], folds[0])
+    assert fit.reg_lambda == pytest.approx(relative_ridge(total, choice.alpha) / total.num_elements)
+    torch.testing.assert_close(fit.matrix, solve_closed_form(total, fit.reg_lambda), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "removed, expected",
+    [
+        ([3, 4], [(2, 4)]),
+        ([1, 3, 4, 7], [(0, 1), (2, 4), (6, 7)]),  # removed last layer: fitted to the final hidden state
+        ([0, 1, 5], [(4, 5)]),  # a run from layer 0 has no layer before it
+    ],
+)
+def test_span_end_targets_are_the_layer_before_each_removed_run(removed, expected):
+    from optimum_gradmap.compensation import compensation_targets
+
+    kept = [index for index in range(8) if index not in removed]
+    assert compensation_targets(kept, {}, 8, "span_end", 1) == expected
+
+
+def test_max_drift_targets_are_the_most_drifted_layers_each_fitted_to_itself():
+    from optimum_gradmap.compensation import compensation_targets
+
+    drift = {0: 0.5, 1: 3.0, 2: 1.0, 5: 2.0, 6: 0.0, 7: 0.0}
+    assert compensation_targets(list(drift), drift, 8, "max_drift", 2) == [(1, 1), (5, 5)]
+    assert compensation_targets(list(drift), drift, 8, "max_drift", 6) == [(0, 0), (1, 1), (2, 2), (5, 5)]  # never a zero drift
+
+
+def _outputs(model, layers, ids, mlp_of=None):
+    """Output hidden states of `layers` (and the MLP output of `mlp_of`) on `ids`, float64."""
+    adapter = get_adapter(model)
+    captured = {}
+    hooks = [
+        layer.register_forward_hook(lambda m, a, o, i=i: captured.__setitem__(i, (o[0] if isinstance(o, tuple) else o).double()))
+        for i, layer in enumerate(layers)
+    ]
+    if mlp_of is not None:
+        hooks.append(adapter.get_mlp(mlp_of).register_forward_hook(lambda m, a, o: captured.__setitem__("y", o.double())))
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    return captured
+
+
+def test_span_end_compensation_equals_a_direct_computation():
+    """Removed layers 3, 4 and 7 of 8: layer 2 is fitted to the dense output of layer 4, then (on the model
+    carrying that fold) layer 6 to the dense output of layer 7, the last hidden state before the final norm.
+    Each W' is the ridge solution computed here from captured activations, folded into the down projection."""
+    import copy
+
+    from optimum_gradmap import GradMAPPruner
+
+    from .conftest import small_config
+
+    model = tiny_model("llama", num_layers=8)
+    ids = random_ids(8, 16)
+    dense = copy.deepcopy(model)
+    dense_out = _outputs(dense, [dense.model.layers[4], dense.model.layers[7]], ids)
+    reg_lambda = 1e-3
+    pruner = GradMAPPruner(
+        small_config(num_layers_to_prune=None, layers_to_prune=[3, 4, 7], compensation_target="span_end", reg_lambda=reg_lambda),
+        progress_bar=False,
+    )
+    result = pruner.select_layers(model, ids)
+    reference = copy.deepcopy(model)  # the Stage 1 model, compensated by hand below
+    pruner.compensate(result)
+    assert result.compensation_targets == {2: 4, 6: 7} and result.compensated_layers == [2, 6]
+
+    identity = torch.eye(32, dtype=torch.float64)
+    for position, end in ((2, 0), (4, 1)):  # kept positions of layers 2 and 6
+        layer = reference.model.layers[position]
+        captured = _outputs(reference, [layer], ids, mlp_of=layer)
+        y = captured["y"].reshape(-1, 32)
+        r = (dense_out[end] - captured[0]).reshape(-1, 32) + y  # R = X_O - X_F, X_F = layer output - Y
+        ridge = y.numel() * reg_lambda
+        matrix = torch.linalg.solve(y.T @ y + ridge * identity, y.T @ r + ridge * identity).T
+        down = layer.mlp.down_proj
+        with torch.no_grad():
+            down.weight.copy_((matrix @ down.weight.double()).float())
+        torch.testing.assert_close(model.model.layers[position].mlp.down_proj.weight, down.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_a_layer_cross_validation_leaves_alone_is_reported_and_untouched(monkeypatch, tmp_path, byte_tokenizer):
+    from optimum_gradmap import GradMAPPruner, compensation
+    from optimum_gradmap.compensation import RidgeChoice
+
+    from .conftest import small_config
+
+    model = tiny_model("llama", num_layers=6)
+    ids = random_ids(8, 16)
+    monkeypatch.setattr(compensation, "cross_validate_ridge", lambda folds, grid=None: RidgeChoice(None, {}, 1.0))
+    pruner = GradMAPPruner(small_config(reg_lambda="auto"), tokenizer=byte_tokenizer, progress_bar=False)
+    result = pruner.select_layers(model, ids)
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    pruner.compensate(result)
+    assert result.compensated_layers == [] and list(result.uncompensated_layers) == list(result.compensation_targets)
+    assert "W' = I" in next(iter(result.uncompensated_layers.values()))
+    assert _changed_parameters(model, state) == set()
+    assert result.to_dict()["uncompensated_layers"] == {str(k): v for k, v in result.uncompensated_layers.items()}
+    pruner.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    ((layer, why),) = result.uncompensated_layers.items()
+    assert f"Stage 2 compensated no layer. Layer {layer} was left as it was: {why}." in card
+
+
+@pytest.mark.parametrize("harmful", [False, True])
+def test_validation_text_keeps_the_compensation_only_if_it_lowers_its_perplexity(monkeypatch, harmful):
+    """With validation data, the fold is kept only if it lowers the validation perplexity. The fit made on the
+    calibration sequences lowers their perplexity (kept); a W' = 3 I, which triples the layer's MLP output,
+    raises it (undone: the model is the Stage 1 model, and the result says why)."""
+    from optimum_gradmap import GradMAPPruner, compensation
+    from optimum_gradmap.evaluation.perplexity import perplexity
+
+    from .conftest import small_config
+
+    ids = random_ids(8, 16)
+    model = tiny_model("llama", num_layers=6)
+    pruner = GradMAPPruner(small_config(), progress_bar=False)
+    result = pruner.select_layers(model, ids)
+    stage1_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    stage1 = perplexity(model, ids, 4, progress_bar=False)
+    if harmful:
+        learn = compensation.learn_compensation
+
+        def tripled(*args, **kwargs):
+            fit = learn(*args, **kwargs)
+            fit.matrix = 3 * torch.eye(fit.matrix.shape[0], dtype=torch.float64)
+            return fit
+
+        monkeypatch.setattr(compensation, "learn_compensation", tripled)
+    pruner.compensate(result, validation_data=ids)
+    outcome = result.compensation_validation
+    assert outcome["without"] == pytest.approx(stage1, rel=1e-6)
+    assert outcome["kept"] is (not harmful) and (outcome["with"] < outcome["without"]) is (not harmful)
+    assert perplexity(model, ids, 4, progress_bar=False) == pytest.approx(min(outcome["with"], outcome["without"]), rel=1e-6)
+    if harmful:
+        assert result.compensated_layers == [] and _changed_parameters(model, stage1_state) == set()
+        assert "validation perplexity" in next(iter(result.uncompensated_layers.values()))
+    else:
+        assert result.compensated_layers and _changed_parameters(model, stage1_state)

@@ -30,7 +30,7 @@ from optimum_gradmap.configuration import CONFIG_NAME
         ({"pruning_ratio": 0.25, "batch_size": 0}, "`batch_size` must be an integer >= 1"),
         ({"pruning_ratio": 0.25, "adam_lr": 0}, "`adam_lr` must be a finite number > 0"),
         ({"pruning_ratio": 0.25, "dataset": ""}, "Unknown calibration dataset ''. Available: wikipedia"),
-        ({"pruning_ratio": 0.25, "dataset": "web_text"}, "Unknown calibration dataset 'offline:web_text'"),
+        ({"pruning_ratio": 0.25, "dataset": "offline:wikipedia+nope"}, "Unknown calibration dataset 'nope'"),
         ({"pruning_ratio": 0.25, "text_column": ""}, "`text_column` must be a column name"),
     ],
 )

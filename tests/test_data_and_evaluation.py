@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from optimum_gradmap import perplexity
+from optimum_gradmap import GradMAPConfig, perplexity
 from optimum_gradmap.assets import wikipedia_documents
 from optimum_gradmap.data import load_text, prepare_calibration_data, sample_sequences
 from optimum_gradmap.evaluation import evaluation_segments, load_evaluation_segments
@@ -42,8 +42,8 @@ def test_unknown_and_unreachable_datasets_say_what_to_use_instead(monkeypatch):
         ValueError, match="Unknown calibration dataset 'wikitext3'. Available: wikipedia, wikitext2, c4, offline:wikipedia"
     ):
         load_text("wikitext3", "calibration")
-    with pytest.raises(ValueError, match="Unknown calibration dataset 'offline:web_text'"):
-        load_text("offline:web_text", "calibration")  # an evaluation set only
+    with pytest.raises(ValueError, match="Unknown calibration dataset 'wikitext3'"):
+        load_text("offline:wikipedia+wikitext3", "calibration")  # every part of a mixture is checked
     with pytest.raises(ValueError, match="'ptb' is no longer supported.*'wikitext2' or 'c4'"):
         load_text("ptb", "evaluation")
     import datasets
@@ -210,3 +210,25 @@ def test_windows_are_drawn_uniformly_over_positions_inside_documents():
         sample_windows(documents, 2, 31, 0)
     stream = torch.arange(1000)
     assert torch.equal(sample_windows([stream], 16, 32, 3), sample_sequences(stream, 16, 32, 3))
+
+
+def test_a_mixture_draws_equal_parts_each_as_its_dataset_alone_would(monkeypatch, byte_tokenizer):
+    from optimum_gradmap import data
+    from optimum_gradmap.data import TextDataset
+
+    first = TextDataset("first", "test", data.SPLITS, lambda split: ["alpha beta gamma delta " * 40], True)
+    second = TextDataset("second", "test", data.SPLITS, lambda split: ["one two three four five " * 9, "six seven " * 30], False)
+    monkeypatch.setitem(data.DATASETS, "first", first)
+    monkeypatch.setitem(data.DATASETS, "second", second)
+    monkeypatch.setattr(data, "CALIBRATION_DATASETS", (*data.CALIBRATION_DATASETS, "first", "second"))
+    mixed = prepare_calibration_data(
+        "first+second", byte_tokenizer, num_samples=5, seq_len=12, seed=3, default_dataset="wikipedia"
+    )
+    alone_first = prepare_calibration_data(
+        "first", byte_tokenizer, num_samples=3, seq_len=12, seed=3, default_dataset="wikipedia"
+    )
+    alone_second = prepare_calibration_data(
+        "second", byte_tokenizer, num_samples=2, seq_len=12, seed=3, default_dataset="wikipedia"
+    )
+    assert torch.equal(mixed, torch.cat([alone_first, alone_second]))
+    assert GradMAPConfig(num_layers_to_prune=1, dataset="first+second").dataset == "first+second"

@@ -13,6 +13,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,10 +110,15 @@ def stage1_fingerprint(
     calibration_sha256: str,
     protected: set[int] | None = None,
     verify_top_k: int | None = None,
+    compensate_each_round: bool = False,
 ) -> dict[str, Any]:
     """What must be the same for a saved Stage 1 round to be valid in this run (the protected layers
     and the shortlist size only when they are set, so files of earlier runs stay valid)."""
-    settings = {"protected_layers": sorted(protected) if protected is not None else None, "verify_top_k": verify_top_k}
+    settings = {
+        "protected_layers": sorted(protected) if protected is not None else None,
+        "verify_top_k": verify_top_k,
+        "compensate_each_round": compensate_each_round or None,
+    }
     return {
         **{key: value for key, value in settings.items() if value is not None},
         "model_type": model.config.model_type,
@@ -148,6 +154,7 @@ def remove_by_importance(
     progress_bar: bool = True,
     protected: set[int] | None = None,
     verify_top_k: int | None = None,
+    after_removal: Callable[[int], None] | None = None,
 ) -> Selection:
     """Algorithm 1: removes `num_to_prune` layers, lowest score first.
 
@@ -169,6 +176,8 @@ def remove_by_importance(
         protected (`set[int]`, *optional*): Layers never removed; defaults to the metric's own
             ([`ImportanceMetric.protected_layers`]).
         verify_top_k (`int`, *optional*): Size of the shortlist verified each round.
+        after_removal (`Callable[[int], None]`, *optional*): Called with each removed layer once it is gone
+            (before the next round scores the model), e.g. to compensate between removals.
 
     Returns:
         [`Selection`].
@@ -224,6 +233,9 @@ def remove_by_importance(
         selection.removed_layers.extend(to_remove)
         selection.kept_layers = [index for index in kept if index not in to_remove]
         surgery.keep(model, dense, selection.kept_layers, adapter)
+        if after_removal is not None:
+            for index in to_remove:
+                after_removal(index)
         if checkpoint is not None and round_index >= len(saved_rounds):
             checkpoint.save_round(round_scores, to_remove, time.perf_counter() - started, verified)
         for index in to_remove:

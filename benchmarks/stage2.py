@@ -1,0 +1,217 @@
+"""Stage 2 variants side by side (the paper's Table 4 on our models): for every selection method already
+measured by benchmarks/compare.py, the same removed layers, compensated by each Stage 2 variant, with the
+same calibration set and evaluation protocol as compare.py.
+
+    python benchmarks/stage2.py --model smollm2-135m --ratio 0.25 --variants paper auto span_end+auto
+    python benchmarks/stage2.py --model smollm2-135m --ratio 0.25 --variants auto --methods gradmap sleb --resume
+
+The Stage 1 rows (no Stage 2) are copied from compare-<model>-<ratio>.json, which must exist with the same
+settings; its calibration SHA-256 is checked against the one rebuilt here. Variants:
+
+- `paper`: the paper's Stage 2 (largest-drift layer, closed form, lambda 1e-3);
+- `auto`: the same layer, lambda by cross-validation (`reg_lambda="auto"`), identity when nothing beats it;
+- `span_end`: the layer before each removed run, fitted to the run's dense end, lambda 1e-3;
+- `span_end+auto`: both;
+- `VARIANT+validated`: the variant, kept only if it lowers the perplexity of validation text drawn from
+  the calibration Wikipedia articles with another seed (in-domain text the user could hold out).
+
+Writes benchmarks/results/stage2-<model>-<ratio>.{json,md}; with `--resume`, rows already there are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import os
+import platform
+import time
+
+import torch
+
+from optimum_gradmap import GradMAPConfig, GradMAPPruner
+from optimum_gradmap.assets import MODEL_ASSETS, load_model
+from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
+from optimum_gradmap.evaluation import PAPER_TASKS, evaluate
+
+VARIANTS = {
+    "paper": {},
+    "auto": {"reg_lambda": "auto"},
+    "span_end": {"compensation_target": "span_end"},
+    "span_end+auto": {"compensation_target": "span_end", "reg_lambda": "auto"},
+}
+
+
+def parse_variant(name: str) -> tuple[dict, bool]:
+    base, _, suffix = name.partition("+validated")
+    if base not in VARIANTS or (suffix and name != f"{base}+validated"):
+        raise SystemExit(f"unknown variant {name!r}: one of {list(VARIANTS)}, optionally with +validated")
+    return VARIANTS[base], name.endswith("+validated")
+
+
+def markdown(record: dict) -> str:
+    lines = [
+        "| method | Stage 2 | removed layers | compensated (lambda) | wikipedia ppl | web_text ppl | zero-shot avg | Stage 2 s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in record["rows"]:
+        evaluation = row["evaluation"]
+        wikipedia, web_text = (entry["perplexity"] for entry in evaluation["perplexities"])
+        average = evaluation["zero_shot"]["average_acc"] if evaluation["zero_shot"] else None
+        lambdas = row.get("compensation_lambda") or {}
+        compensated = " ".join(f"{layer} ({lambdas.get(str(layer), 0):.2g})" for layer in row.get("compensated_layers", []))
+        if row.get("uncompensated_layers"):
+            compensated += " skipped " + " ".join(str(layer) for layer in row["uncompensated_layers"])
+        seconds = row.get("stage2_seconds")
+        lines.append(
+            f"| {row['method']} | {row['variant']} | {' '.join(map(str, row['removed_layers']))} | {compensated or '-'} | "
+            f"{wikipedia:.2f} | {web_text:.2f} | "
+            f"{'-' if average is None else f'{average:.4f}'} | "
+            f"{'-' if seconds is None else f'{seconds:.1f}'} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_ASSETS), help="offline model asset")
+    parser.add_argument("--ratio", type=float, default=0.25, help="pruning ratio of the compare.py run (default 0.25)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help="Stage 2 variants (default: all)")
+    parser.add_argument("--methods", nargs="+", default=None, help="selection methods (default: every one in compare)")
+    parser.add_argument("--task-limit", type=int, default=50, help="questions per zero-shot task (default 50; 0: none)")
+    parser.add_argument("--max-eval-segments", type=int, default=128, help="perplexity segments per dataset (default 128)")
+    parser.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default 128)")
+    parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--compare-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--resume", action="store_true", help="keep the rows already in the JSON, run the others")
+    args = parser.parse_args()
+    for name in args.variants:
+        parse_variant(name)
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("optimum_gradmap").setLevel(logging.INFO)
+
+    with open(os.path.join(args.compare_dir, f"compare-{args.model}-{args.ratio}.json"), encoding="utf-8") as file:
+        compare = json.load(file)
+    settings = {
+        "model": args.model,
+        "ratio": args.ratio,
+        "task_limit": args.task_limit,
+        "max_eval_segments": args.max_eval_segments,
+        "num_samples": args.num_samples,
+    }
+    same_text = {key: value for key, value in settings.items() if key != "task_limit"}
+    if {key: compare["settings"][key] for key in same_text} != same_text:
+        raise SystemExit(f"compare.py ran with other settings: {compare['settings']}, asked {settings}")
+    same_tasks = compare["settings"]["task_limit"] == args.task_limit
+    stage1_rows = {row["method"]: row for row in compare["rows"] if not row["stage2"]}
+    methods = args.methods or [method for method in stage1_rows if method != "dense"]
+
+    dense, tokenizer = load_model(args.model)
+    tasks = PAPER_TASKS if args.task_limit > 0 else ()
+
+    def measure(model, label):
+        started = time.perf_counter()
+        evaluation = evaluate(
+            model,
+            tokenizer,
+            ("offline:wikipedia", "offline:web_text"),
+            seq_len=128,
+            max_segments=args.max_eval_segments,
+            tasks=tasks,
+            task_data="offline",
+            task_limit=args.task_limit or None,
+            model_name=label,
+            progress_bar=False,
+        ).to_dict()
+        evaluation["seconds"] = time.perf_counter() - started
+        return evaluation
+
+    command = (
+        f"python benchmarks/stage2.py --model {args.model} --ratio {args.ratio} --variants {' '.join(args.variants)} "
+        f"--methods {' '.join(methods)} --task-limit {args.task_limit} --max-eval-segments {args.max_eval_segments} "
+        f"--num-samples {args.num_samples}"
+    )
+    os.makedirs(args.output_dir, exist_ok=True)
+    prefix = os.path.join(args.output_dir, f"stage2-{args.model}-{args.ratio}")
+    if args.resume and os.path.exists(f"{prefix}.json"):
+        with open(f"{prefix}.json", encoding="utf-8") as file:
+            record = json.load(file)
+        if record["settings"] != settings:
+            raise SystemExit(f"--resume: settings differ from {prefix}.json: {record['settings']}, asked {settings}")
+        record["commands"].append(command + " --resume")
+    else:
+        record = {
+            "commands": [command],
+            "settings": settings,
+            "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
+            "calibration_sha256": compare["calibration_sha256"],
+            "stage1_rows_from": f"compare-{args.model}-{args.ratio}.json",
+            "rows": [],
+        }
+
+    def save() -> None:
+        with open(f"{prefix}.json", "w", encoding="utf-8") as file:
+            json.dump(record, file, indent=2)
+        with open(f"{prefix}.md", "w", encoding="utf-8") as file:
+            commands = "\n".join(f"`{command}`  " for command in record["commands"])
+            file.write(f"{commands}\n\n{markdown(record)}\n")
+
+    done = {(row["method"], row["variant"]) for row in record["rows"]}
+    for method in ["dense", *methods]:
+        if (method, "none") not in done:
+            stage1 = stage1_rows[method]
+            evaluation = dict(stage1["evaluation"])
+            if not same_tasks:  # another question limit: its zero-shot figures do not compare
+                evaluation["zero_shot"] = None
+            record["rows"].append(
+                {
+                    "method": method,
+                    "variant": "none",
+                    "removed_layers": stage1["removed_layers"],
+                    "evaluation": evaluation,
+                }
+            )
+    save()
+    validation = None
+    for method in methods:
+        removed = stage1_rows[method]["removed_layers"]
+        todo = [variant for variant in args.variants if (method, variant) not in done]
+        if not todo:
+            continue
+        model = copy.deepcopy(dense)
+        config = GradMAPConfig(layers_to_prune=removed, num_samples=args.num_samples)
+        pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
+        result = pruner.select_layers(model, "offline:wikipedia")
+        if calibration_sha256(result.calibration_ids) != compare["calibration_sha256"]:
+            raise SystemExit("the calibration set differs from the one compare.py used")
+        for variant in todo:
+            overrides, validated = parse_variant(variant)
+            if validated and validation is None:  # in-domain held-out text: the calibration articles, another seed
+                validation = prepare_calibration_data(
+                    "offline:wikipedia", tokenizer, args.num_samples, 128, 1, "offline:wikipedia"
+                )
+            pruner.compensate(result, validation_data=validation if validated else None, **overrides)
+            record["rows"].append(
+                {
+                    "method": method,
+                    "variant": variant,
+                    "removed_layers": removed,
+                    "compensated_layers": result.compensated_layers,
+                    "compensation_targets": {str(k): v for k, v in result.compensation_targets.items()},
+                    "compensation_lambda": {str(k): v for k, v in result.compensation_lambda.items()},
+                    "uncompensated_layers": {str(k): v for k, v in result.uncompensated_layers.items()},
+                    "compensation_validation": result.compensation_validation,
+                    "stage2_seconds": result.timings["stage2"],
+                    "evaluation": measure(model, f"{method} + Stage 2 {variant}"),
+                }
+            )
+            save()
+            print(markdown(record).splitlines()[-1], flush=True)
+        del model, pruner, result
+    print(markdown(record))
+    print(f"saved {prefix}.json and {prefix}.md")
+
+
+if __name__ == "__main__":
+    main()
