@@ -486,3 +486,41 @@ def test_validation_text_keeps_the_compensation_only_if_it_lowers_its_perplexity
         assert "validation perplexity" in next(iter(result.uncompensated_layers.values()))
     else:
         assert result.compensated_layers and _changed_parameters(model, stage1_state)
+
+
+def test_compensation_between_removals_repairs_each_run_before_the_next_round_scores():
+    """compensate_each_round: after each removal, the kept layer before the removed run is fitted to the run's
+    dense end, so the first round scores as without it and later rounds score the repaired model."""
+    from optimum_gradmap import GradMAPPruner
+
+    from .conftest import small_config
+
+    ids = random_ids(8, 16)
+    plain = GradMAPPruner(small_config(num_layers_to_prune=3, compensation=False), progress_bar=False)
+    plain_result = plain.select_layers(tiny_model("llama", num_layers=8), ids)
+    model = tiny_model("llama", num_layers=8)
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    pruner = GradMAPPruner(small_config(num_layers_to_prune=3, compensate_each_round=True), progress_bar=False)
+    result = pruner.select_layers(model, ids)
+    assert result.scores[0] == plain_result.scores[0]
+    assert result.scores[1] != plain_result.scores[1]
+    done = result.compensated_during_stage1
+    assert len(done) == 3
+    removed_so_far = []
+    for entry, removed in zip(done, result.removed_layers):
+        removed_so_far.append(removed)
+        run_end = removed
+        while run_end + 1 in removed_so_far:
+            run_end += 1
+        run_start = removed
+        while run_start - 1 in removed_so_far:
+            run_start -= 1
+        assert (entry["layer"], entry["target"]) == (run_start - 1, run_end)
+    # the folds live in the down projections of the fitted layers that are still kept, and nowhere else
+    fitted = {entry["layer"] for entry in done} & set(result.kept_layers)
+    changed = {
+        index
+        for index, layer in zip(result.kept_layers, model.model.layers)
+        if not torch.equal(layer.mlp.down_proj.weight, state[f"model.layers.{index}.mlp.down_proj.weight"])
+    }
+    assert changed == fitted and fitted
