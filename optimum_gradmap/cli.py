@@ -84,12 +84,22 @@ OPTION_OF_FIELD = {"pruning_ratio": "ratio", "num_layers_to_prune": "num_layers"
 
 def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `prune`: every `GradMAPConfig` field, with its defaults, plus where to read and write."""
-    from .configuration import COMPENSATION_TARGETS, SOLVERS
+    from .configuration import COMPENSATION_TARGETS, PRESETS, SOLVERS
     from .data import CALIBRATION_DATASETS
     from .importance import importance_metric_names
 
     default = _config_default
     _add_model_arguments(parser)
+    parser.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default=None,
+        help="named settings, which the options below override: "
+        + "; ".join(
+            f"{name}: {', '.join(f'{key}={value}' for key, value in settings.items()) or 'the defaults (the paper)'}"
+            for name, settings in PRESETS.items()
+        ),
+    )
     amount = parser.add_mutually_exclusive_group(required=True)
     amount.add_argument("--ratio", type=float, help="fraction of decoder layers to remove, in (0, 1), e.g. 0.25")
     amount.add_argument("--num-layers", type=int, help="number of decoder layers to remove")
@@ -464,15 +474,44 @@ COMMANDS = {
 DESCRIPTION = "Layer pruning of causal LMs with GradMAP: prune, evaluate, inspect"
 
 
-def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
-    """The `optimum-gradmap` argument parser with its three subcommands."""
+def build_parser(prog: str = PROG, preset: str | None = None) -> argparse.ArgumentParser:
+    """The `optimum-gradmap` argument parser with its three subcommands.
+
+    Args:
+        prog (`str`): The program name in messages.
+        preset (`str`, *optional*): A name in `PRESETS`: its settings become the defaults of `prune`'s
+            options, so that options given on the command line still override them.
+    """
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     subparsers = parser.add_subparsers(dest="command", metavar="{prune,evaluate,inspect}")
     for name, (help_text, add_arguments, run) in COMMANDS.items():
         subparser = subparsers.add_parser(name, help=help_text, description=help_text)
         add_arguments(subparser)
         subparser.set_defaults(run=run)
+        if name == "prune":
+            set_preset_defaults(subparser, preset)
     return parser
+
+
+def set_preset_defaults(parser: argparse.ArgumentParser, preset: str | None) -> None:
+    """Makes a preset's settings the defaults of the `prune` options in `parser`, so that options given on
+    the command line still override them. An unknown or absent name changes nothing (the full parse
+    refuses an unknown one)."""
+    from .configuration import PRESETS
+
+    if preset not in PRESETS:
+        return
+    settings = dict(PRESETS[preset])
+    if "compensation" in settings:
+        settings["no_compensation"] = not settings.pop("compensation")
+    parser.set_defaults(**{OPTION_OF_FIELD.get(key, key): value for key, value in settings.items()})
+
+
+def preset_in(argv: Sequence[str]) -> str | None:
+    """The value of `--preset` in `argv`, read before the full parse (it sets other options' defaults)."""
+    reader = argparse.ArgumentParser(add_help=False)
+    reader.add_argument("--preset")
+    return reader.parse_known_args(argv)[0].preset
 
 
 def run(args: argparse.Namespace, prog: str = PROG) -> int:
@@ -491,7 +530,8 @@ def run(args: argparse.Namespace, prog: str = PROG) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `optimum-gradmap` console script."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(preset=preset_in(argv))
     args = parser.parse_args(argv)
     if not getattr(args, "run", None):
         parser.print_help()

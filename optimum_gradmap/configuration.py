@@ -19,6 +19,18 @@ CONFIG_NAME = "gradmap_config.json"
 SOLVERS = ("closed_form", "adam")
 # Which kept layers Stage 2 fits: the paper's largest drift (Eq. 10), or the layer before each removed run.
 COMPENSATION_TARGETS = ("max_drift", "span_end")
+# Named settings ([`GradMAPConfig.from_preset`], `--preset` on the command line), chosen from the measurements
+# in docs/results.md; every other field keeps its default.
+PRESETS: dict[str, dict[str, Any]] = {
+    # GradMAP as published: the gradient score (Eq. 5), iterative (Algorithm 1), Stage 2 on the layer with
+    # the largest drift with lambda 1e-3 (Eq. 10-15). The defaults.
+    "paper": {},
+    # Best held-out quality per unit of Stage 1 time measured: the paper's bound (Eq. 7) as a per-token score,
+    # iterative (SLEB's layers and perplexity on SmolLM2-135M at 25%, in a quarter of its time).
+    "quality": {"importance": "gradmap_bound_token"},
+    # Fastest: one pass, no gradients (relative magnitude, Samragh et al. 2023), removal in one shot.
+    "fast": {"importance": "relative_magnitude"},
+}
 
 
 @dataclass
@@ -229,6 +241,22 @@ class GradMAPConfig:
         values = asdict(self)
         values["importance"] = self.importance_name
         return values
+
+    @classmethod
+    def from_preset(cls, preset: str, **kwargs: Any) -> "GradMAPConfig":
+        """A config with a named preset's settings (see `PRESETS`); `kwargs` set the other fields and
+        override the preset's.
+
+        ```python
+        config = GradMAPConfig.from_preset("quality", pruning_ratio=0.25)
+        ```
+
+        Raises:
+            ValueError: for an unknown preset name; the message lists them.
+        """
+        if preset not in PRESETS:
+            raise ValueError(f"Unknown preset {preset!r}. Available: {', '.join(PRESETS)}.")
+        return cls(**{**PRESETS[preset], **kwargs})
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any]) -> "GradMAPConfig":

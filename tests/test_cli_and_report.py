@@ -185,6 +185,9 @@ def test_optimum_cli_registers_gradmap_with_the_same_commands_and_runs_them(tiny
     assert load_report(output)["original_num_layers"] == 6
     assert optimum_cli_main("gradmap", "inspect", output) == 0
     assert "layers:              6 -> 4" in capsys.readouterr().out
+    preset_output = str(tmp_path / "fast")
+    assert optimum_cli_main("gradmap", *_prune_args(tiny_checkpoint, preset_output), "--preset", "fast") == 0
+    assert load_report(preset_output)["gradmap_config"]["importance"] == "relative_magnitude"
     assert optimum_cli_main("gradmap", "prune", tiny_checkpoint, "--ratio", "1.5", "--output", str(tmp_path / "x")) == 2
     assert "optimum-cli gradmap prune: error: `pruning_ratio` must lie strictly between 0 and 1" in capsys.readouterr().err
 
@@ -293,3 +296,34 @@ def test_prune_calibrates_on_a_saved_dataset_folder_and_its_text_column(tiny_che
     assert "no column 'text' (its columns: body)" in capsys.readouterr().err
     assert main([*argv[:-1], str(tmp_path), "--output", str(tmp_path / "third"), "-q"]) == 2
     assert "is a folder but not one written by `datasets` `save_to_disk`" in capsys.readouterr().err
+
+
+def test_a_preset_sets_the_defaults_and_explicit_options_override_it():
+    from optimum_gradmap.cli import build_parser, preset_in
+    from optimum_gradmap.configuration import PRESETS
+
+    def parse(*options):
+        argv = ["prune", "MODEL", "--ratio", "0.25", "--output", "OUT", *options]
+        return build_parser(preset=preset_in(argv)).parse_args(argv)
+
+    assert parse().importance == "gradmap" and parse("--preset", "paper").importance == "gradmap"
+    for name, settings in PRESETS.items():
+        args = parse("--preset", name)
+        assert args.preset == name and all(getattr(args, key) == value for key, value in settings.items())
+    # an option given on the command line wins, before or after --preset
+    assert parse("--preset", "quality", "--importance", "taylor").importance == "taylor"
+    assert parse("--importance", "taylor", "--preset", "fast").importance == "taylor"
+    with pytest.raises(SystemExit):
+        parse("--preset", "fastest")
+
+
+def test_from_preset_builds_the_presets_config():
+    from optimum_gradmap import GradMAPConfig
+    from optimum_gradmap.configuration import PRESETS
+
+    assert GradMAPConfig.from_preset("paper", pruning_ratio=0.25) == GradMAPConfig(pruning_ratio=0.25)
+    quality = GradMAPConfig.from_preset("quality", pruning_ratio=0.25)
+    assert quality == GradMAPConfig(pruning_ratio=0.25, **PRESETS["quality"]) and quality.importance != "gradmap"
+    assert GradMAPConfig.from_preset("fast", pruning_ratio=0.25, importance="taylor").importance == "taylor"
+    with pytest.raises(ValueError, match="Unknown preset 'fastest'. Available: paper, quality, fast"):
+        GradMAPConfig.from_preset("fastest", pruning_ratio=0.25)

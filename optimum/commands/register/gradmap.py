@@ -11,7 +11,7 @@ import sys
 
 from optimum.commands.base import BaseOptimumCLICommand, CommandInfo
 
-from optimum_gradmap.cli import COMMANDS, DESCRIPTION, run
+from optimum_gradmap.cli import COMMANDS, DESCRIPTION, preset_in, run, set_preset_defaults
 
 
 def _leaf_command(name: str) -> type:
@@ -24,6 +24,8 @@ def _leaf_command(name: str) -> type:
         def parse_args(parser):
             parser.description = COMMANDS[name][0]
             COMMANDS[name][1](parser)
+            if name == "prune":  # a preset sets the defaults of the other options, so it is read first
+                set_preset_defaults(parser, preset_in(sys.argv[1:]))
 
         def run(self):
             self.args.run = COMMANDS[name][2]
