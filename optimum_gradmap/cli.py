@@ -84,7 +84,7 @@ OPTION_OF_FIELD = {"pruning_ratio": "ratio", "num_layers_to_prune": "num_layers"
 
 def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `prune`: every `GradMAPConfig` field, with its defaults, plus where to read and write."""
-    from .configuration import COMPENSATION_TARGETS, PRESETS, SOLVERS
+    from .configuration import COMPENSATION_FORMS, COMPENSATION_TARGETS, PRESETS, SOLVERS
     from .data import CALIBRATION_DATASETS
     from .importance import importance_metric_names
 
@@ -151,6 +151,13 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
         default("compensation_target"),
         "which layers Stage 2 fits: max_drift (the paper) or span_end (the layer before each removed run)",
         choices=COMPENSATION_TARGETS,
+    )
+    _option(
+        parser,
+        "--compensation-form",
+        default("compensation_form"),
+        "what W' may be: full (a d x d matrix, the paper) or diagonal (a scaling of each channel)",
+        choices=COMPENSATION_FORMS,
     )
     parser.add_argument(
         "--compensate-each-round",

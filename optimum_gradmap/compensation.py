@@ -53,6 +53,7 @@ MIN_TOKENS_PER_HIDDEN_UNIT = 16
 # The GradMAPConfig fields Stage 2 reads: the ones a re-run of Stage 2 may change.
 STAGE2_SETTINGS = (
     "compensation_target",
+    "compensation_form",
     "num_compensated_layers",
     "solver",
     "reg_lambda",
@@ -273,8 +274,17 @@ def relative_ridge(statistics: CompensationStatistics, alpha: float) -> float:
     return alpha * float(statistics.gram.diagonal().mean())
 
 
-def ridge_solutions(statistics: CompensationStatistics, ridges: Sequence[float]) -> list[torch.Tensor]:
-    """W' = (C + rho I)(A + rho I)^-1 for each ridge rho, from one eigendecomposition of A."""
+def _diagonal_solution(statistics: CompensationStatistics, ridge: float) -> torch.Tensor:
+    """The channel-wise scaling minimising the objective: w_k = (C_kk + rho) / (A_kk + rho), as a matrix."""
+    gram, cross = statistics.gram.diagonal(), statistics.cross.diagonal()
+    return torch.diag(torch.where(gram + ridge > 0, (cross + ridge) / (gram + ridge), torch.ones_like(gram)))
+
+
+def ridge_solutions(statistics: CompensationStatistics, ridges: Sequence[float], form: str = "full") -> list[torch.Tensor]:
+    """W' = (C + rho I)(A + rho I)^-1 for each ridge rho, from one eigendecomposition of A; with
+    `form="diagonal"`, the channel-wise scalings (C_kk + rho) / (A_kk + rho)."""
+    if form == "diagonal":
+        return [_diagonal_solution(statistics, ridge) for ridge in ridges]
     eigenvalues, eigenvectors = torch.linalg.eigh(statistics.gram)
     identity = torch.eye(statistics.gram.shape[0], dtype=torch.float64)
     solutions = []
@@ -284,7 +294,9 @@ def ridge_solutions(statistics: CompensationStatistics, ridges: Sequence[float])
     return solutions
 
 
-def cross_validate_ridge(folds: Sequence[CompensationStatistics], grid: Sequence[float] = AUTO_RIDGE_GRID) -> RidgeChoice:
+def cross_validate_ridge(
+    folds: Sequence[CompensationStatistics], grid: Sequence[float] = AUTO_RIDGE_GRID, form: str = "full"
+) -> RidgeChoice:
     """Chooses the relative ridge strength that minimises the held-out squared error of W', by K-fold
     cross-validation over calibration sequences: each fold's error under the W' fitted on the others.
     Costs one d x d eigendecomposition per fold.
@@ -298,7 +310,7 @@ def cross_validate_ridge(folds: Sequence[CompensationStatistics], grid: Sequence
     identity_error = 0.0
     for held_out in folds:
         train = total - held_out
-        solutions = ridge_solutions(train, [relative_ridge(train, alpha) for alpha in grid])
+        solutions = ridge_solutions(train, [relative_ridge(train, alpha) for alpha in grid], form)
         for alpha, matrix in zip(grid, solutions):
             errors[alpha] += float(held_out.squared_error(matrix))
         identity_error += float(held_out.squared_error(identity))
@@ -306,9 +318,12 @@ def cross_validate_ridge(folds: Sequence[CompensationStatistics], grid: Sequence
     return RidgeChoice(alpha=best if errors[best] < identity_error else None, heldout_error=errors, identity_error=identity_error)
 
 
-def solve_closed_form(statistics: CompensationStatistics, reg_lambda: float) -> torch.Tensor:
-    """Exact minimiser of the Stage 2 objective, W' = (C + M lambda I)(A + M lambda I)^-1, in float64."""
+def solve_closed_form(statistics: CompensationStatistics, reg_lambda: float, form: str = "full") -> torch.Tensor:
+    """Exact minimiser of the Stage 2 objective, W' = (C + M lambda I)(A + M lambda I)^-1, in float64; with
+    `form="diagonal"`, over channel-wise scalings: w_k = (C_kk + M lambda) / (A_kk + M lambda)."""
     ridge = statistics.num_elements * reg_lambda
+    if form == "diagonal":
+        return _diagonal_solution(statistics, ridge)
     identity = torch.eye(statistics.gram.shape[0], dtype=torch.float64)
     lhs = statistics.gram + ridge * identity
     rhs = statistics.cross + ridge * identity
@@ -325,18 +340,26 @@ def solve_adam(
     learning_rate: float,
     num_steps: int,
     progress_bar: bool = True,
+    form: str = "full",
 ) -> torch.Tensor:
-    """Minimises the Stage 2 objective with Adam from W' = I, as the paper does (full batch, float64)."""
-    size = statistics.gram.shape[0]
-    matrix = torch.eye(size, dtype=torch.float64, requires_grad=True)
-    optimizer = torch.optim.Adam([matrix], lr=learning_rate)
+    """Minimises the Stage 2 objective with Adam from W' = I, as the paper does (full batch, float64); with
+    `form="diagonal"`, over channel-wise scalings."""
+    parameter, as_matrix = _identity_parameter(statistics.gram.shape[0], form, statistics.gram.device)
+    optimizer = torch.optim.Adam([parameter], lr=learning_rate)
     for _ in logging.tqdm(range(num_steps), desc="Fitting W' (Adam)", leave=False, disable=not progress_bar):
         optimizer.zero_grad(set_to_none=True)
         with torch.enable_grad():
-            loss = statistics.objective(matrix, reg_lambda)
+            loss = statistics.objective(as_matrix(parameter), reg_lambda)
             loss.backward()
         optimizer.step()
-    return matrix.detach()
+    return as_matrix(parameter.detach())
+
+
+def _identity_parameter(size: int, form: str, device: torch.device) -> tuple[torch.Tensor, Callable]:
+    """The trainable parameter of W' at the identity, and the map from it to W'."""
+    if form == "diagonal":
+        return torch.ones(size, dtype=torch.float64, device=device, requires_grad=True), torch.diag
+    return torch.eye(size, dtype=torch.float64, device=device, requires_grad=True), lambda matrix: matrix
 
 
 def fit_through_norm(
@@ -347,12 +370,14 @@ def fit_through_norm(
     learning_rate: float,
     num_steps: int,
     progress_bar: bool = True,
+    form: str = "full",
 ) -> tuple[torch.Tensor, float, float]:
     """Stage 2 when a norm follows the MLP (Gemma2/3, OLMo2): minimises, with Adam from W' = I,
 
         mean((norm(W' y) - r)^2) + lambda || W' - I ||_F^2
 
-    on the stored activations. The norm is not linear, so there is no closed form.
+    on the stored activations (over channel-wise scalings with `form="diagonal"`). The norm is not
+    linear, so there is no closed form.
 
     Returns:
         `tuple[torch.Tensor, float, float]`: W', and the objective at W' = I and at W'.
@@ -367,15 +392,16 @@ def fit_through_norm(
         contribution = torch.func.functional_call(norm, frozen, (mapped,)).double()
         return (contribution - targets).pow(2).mean() + reg_lambda * (matrix - identity).pow(2).sum()
 
-    matrix = identity.clone().requires_grad_(True)
-    optimizer = torch.optim.Adam([matrix], lr=learning_rate)
+    parameter, as_matrix = _identity_parameter(size, form, mlp_outputs.device)
+    optimizer = torch.optim.Adam([parameter], lr=learning_rate)
     with torch.enable_grad():
         for _ in logging.tqdm(range(num_steps), desc="Fitting W' through the norm (Adam)", leave=False, disable=not progress_bar):
             optimizer.zero_grad(set_to_none=True)
-            objective(matrix).backward()
+            objective(as_matrix(parameter)).backward()
             optimizer.step()
     with torch.no_grad():
-        return matrix.detach(), float(objective(identity)), float(objective(matrix))
+        matrix = as_matrix(parameter.detach())
+        return matrix, float(objective(identity)), float(objective(matrix))
 
 
 @dataclass
@@ -426,7 +452,9 @@ def _fit_through_norm_with_choice(
         errors = {}
         for alpha in AUTO_RIDGE_GRID[3:7]:
             lam = alpha * mean_eigenvalue / train_y.numel()
-            matrix, _, _ = fit_through_norm(train_y, train_r, norm, lam, config.adam_lr, config.adam_steps, progress_bar)
+            matrix, _, _ = fit_through_norm(
+                train_y, train_r, norm, lam, config.adam_lr, config.adam_steps, progress_bar, config.compensation_form
+            )
             errors[alpha] = _norm_squared_error(test_y, test_r, norm, matrix)
         identity = torch.eye(mlp_outputs.shape[-1], dtype=torch.float64)
         best = min(errors, key=lambda alpha: (errors[alpha], -alpha))
@@ -436,7 +464,7 @@ def _fit_through_norm_with_choice(
             return _identity_fit(mlp_outputs.shape[-1], choice)
         reg_lambda = best * float(mlp_outputs.pow(2).sum() / mlp_outputs.shape[-1]) / mlp_outputs.numel()
     matrix, at_identity, fitted = fit_through_norm(
-        mlp_outputs, targets, norm, reg_lambda, config.adam_lr, config.adam_steps, progress_bar
+        mlp_outputs, targets, norm, reg_lambda, config.adam_lr, config.adam_steps, progress_bar, config.compensation_form
     )
     return CompensationFit(matrix.cpu(), at_identity, fitted, reg_lambda=reg_lambda, cross_validation=choice)
 
@@ -486,7 +514,7 @@ def learn_compensation(
         folds = compensation_statistics(
             model, adapter, layer, original_outputs, input_ids, config.batch_size, progress_bar, num_folds=AUTO_NUM_FOLDS
         )
-        choice = cross_validate_ridge(folds)
+        choice = cross_validate_ridge(folds, form=config.compensation_form)
         if choice.alpha is None:
             return _identity_fit(original_outputs.shape[-1], choice)
         statistics = sum(folds[1:], folds[0])
@@ -495,9 +523,9 @@ def learn_compensation(
         statistics = compensation_statistics(model, adapter, layer, original_outputs, input_ids, config.batch_size, progress_bar)
         reg_lambda = config.reg_lambda
     if config.solver == "closed_form":
-        matrix = solve_closed_form(statistics, reg_lambda)
+        matrix = solve_closed_form(statistics, reg_lambda, config.compensation_form)
     else:
-        matrix = solve_adam(statistics, reg_lambda, config.adam_lr, config.adam_steps, progress_bar)
+        matrix = solve_adam(statistics, reg_lambda, config.adam_lr, config.adam_steps, progress_bar, config.compensation_form)
     identity = torch.eye(matrix.shape[0], dtype=torch.float64)
     return CompensationFit(
         matrix,

@@ -19,6 +19,8 @@ CONFIG_NAME = "gradmap_config.json"
 SOLVERS = ("closed_form", "adam")
 # Which kept layers Stage 2 fits: the paper's largest drift (Eq. 10), or the layer before each removed run.
 COMPENSATION_TARGETS = ("max_drift", "span_end")
+# What W' may be: any d x d matrix (the paper), or a channel-wise scaling (LinearPatch's scaling, without its rotation).
+COMPENSATION_FORMS = ("full", "diagonal")
 # Named settings ([`GradMAPConfig.from_preset`], `--preset` on the command line), chosen from the measurements
 # in docs/results.md; every other field keeps its default.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -86,6 +88,11 @@ class GradMAPConfig:
             largest mean drift, each fitted to its own dense output; or `"span_end"`, the kept layer just
             before each run of removed layers, fitted to the dense hidden state at the end of the run
             (ReplaceMe's and LinearPatch's placement; it also repairs removed last layers).
+        compensation_form (`str`, defaults to `"full"`):
+            What W' may be: `"full"`, any d x d matrix (the paper, Eq. 12); or `"diagonal"`, a scaling of each
+            channel (d numbers instead of d^2: the channel-wise scaling of LinearPatch, Chen et al., NeurIPS
+            2025, Sec. 3, here without its Hadamard rotation), fitted to the same objective with the same
+            lambda, solver and folds.
         compensate_each_round (`bool`, defaults to `False`):
             Also compensate during Stage 1, after every removal (the layer before the run the removed
             layer belongs to, fitted to the run's dense end), so that the next round scores the repaired
@@ -124,6 +131,7 @@ class GradMAPConfig:
     solver: str = "closed_form"
     reg_lambda: float | str = 1e-3
     compensation_target: str = "max_drift"
+    compensation_form: str = "full"
     compensate_each_round: bool = False
     adam_lr: float = 1e-3
     adam_steps: int = 2000
@@ -192,6 +200,8 @@ class GradMAPConfig:
             raise ValueError(f"`reg_lambda` must be a finite number >= 0 or 'auto', got {self.reg_lambda!r}.")
         if self.compensation_target not in COMPENSATION_TARGETS:
             raise ValueError(f"`compensation_target` must be one of {COMPENSATION_TARGETS}, got {self.compensation_target!r}.")
+        if self.compensation_form not in COMPENSATION_FORMS:
+            raise ValueError(f"`compensation_form` must be one of {COMPENSATION_FORMS}, got {self.compensation_form!r}.")
         if not isinstance(self.compensate_each_round, bool):
             raise ValueError(f"`compensate_each_round` must be True or False, got {self.compensate_each_round!r}.")
         if not isinstance(self.adam_lr, (int, float)) or not math.isfinite(self.adam_lr) or self.adam_lr <= 0:

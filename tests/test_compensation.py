@@ -524,3 +524,81 @@ def test_compensation_between_removals_repairs_each_run_before_the_next_round_sc
         if not torch.equal(layer.mlp.down_proj.weight, state[f"model.layers.{index}.mlp.down_proj.weight"])
     }
     assert changed == fitted and fitted
+
+
+def test_diagonal_form_is_the_per_channel_minimiser_and_adam_reaches_it():
+    """compensation_form='diagonal' (LinearPatch's channel-wise scaling): w_k = (r_k . y_k + M lambda) /
+    (y_k . y_k + M lambda), computed here from the rows; no diagonal nearby does better, and Adam over
+    the d scalings reaches it."""
+    from optimum_gradmap.compensation import cross_validate_ridge
+
+    statistics, y, r = random_statistics(size=6, tokens=50)
+    reg_lambda = 1e-2
+    ridge = statistics.num_elements * reg_lambda
+    expected = ((r * y).sum(0) + ridge) / ((y * y).sum(0) + ridge)
+    solution = solve_closed_form(statistics, reg_lambda, form="diagonal")
+    torch.testing.assert_close(solution, torch.diag(expected), rtol=1e-10, atol=1e-12)
+    best = statistics.objective(solution, reg_lambda)
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(20):
+        nearby = solution + torch.diag(1e-3 * torch.randn(6, generator=generator, dtype=torch.float64))
+        assert statistics.objective(nearby, reg_lambda) > best
+    assert best < statistics.objective(torch.eye(6, dtype=torch.float64), reg_lambda)
+    adam = solve_adam(statistics, reg_lambda, learning_rate=1e-2, num_steps=1500, progress_bar=False, form="diagonal")
+    assert torch.count_nonzero(adam - torch.diag(adam.diagonal())) == 0
+    torch.testing.assert_close(adam, solution, rtol=1e-3, atol=1e-4)
+    # cross-validation over diagonal fits: each held-out error is that of the diagonal fitted on the other folds
+    y4, r4 = y.reshape(10, 5, 6), r.reshape(10, 5, 6)
+    folds = _fold_statistics(y4, r4, 4)
+    choice = cross_validate_ridge(folds, grid=(1e-3, 1.0), form="diagonal")
+    for alpha in (1e-3, 1.0):
+        error = 0.0
+        for held_out in range(4):
+            train = [fold for index, fold in enumerate(folds) if index != held_out]
+            total = sum(train[1:], train[0])
+            rho = alpha * float(total.gram.diagonal().mean())
+            scale = (total.cross.diagonal() + rho) / (total.gram.diagonal() + rho)
+            rows_y, rows_r = y4[held_out::4].reshape(-1, 6), r4[held_out::4].reshape(-1, 6)
+            error += float((rows_r - rows_y * scale).pow(2).sum())
+        assert choice.heldout_error[alpha] == pytest.approx(error, rel=1e-9)
+
+
+def _by_output_channel(down):
+    """The tensors of a down projection, each with its output-channel axis first."""
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(down, torch.Tensor):  # 3-D expert weight (experts, d, k)
+        return [down.detach().double().movedim(1, 0)]
+    weight = down.weight.detach().double()
+    tensors = [weight.T if isinstance(down, Conv1D) else weight]
+    return tensors + ([down.bias.detach().double()] if down.bias is not None else [])
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "qwen2_moe", "gpt2"])
+def test_diagonal_compensation_scales_each_output_channel_of_the_down_projections(model_type):
+    """Through a post-MLP norm (Gemma2, fitted by Adam), experts (Qwen2-MoE) and Conv1D (GPT-2): the fold of
+    a channel-wise scaling multiplies each output channel of every down projection by one factor per channel."""
+    from optimum_gradmap import GradMAPPruner
+
+    from .conftest import small_config
+
+    model = tiny_model(model_type)
+    adapter = get_adapter(model)
+    config = small_config(compensation_form="diagonal", adam_lr=1e-2, adam_steps=200, reg_lambda=1e-4)
+    pruner = GradMAPPruner(config, progress_bar=False)
+    result = pruner.select_layers(model, random_ids(8, 16))
+    layers = dict(zip(result.kept_layers, adapter.get_layers(model)))
+    before = {
+        index: [t.clone() for down in adapter.get_down_projections(layer) for t in _by_output_channel(down)]
+        for index, layer in layers.items()
+    }
+    pruner.compensate(result)
+    (index,) = result.compensated_layers
+    assert result.compensation_objective[index]["fitted"] < result.compensation_objective[index]["identity"]
+    after = [t for down in adapter.get_down_projections(layers[index]) for t in _by_output_channel(down)]
+    old_weight, new_weight = before[index][0], after[0]
+    scale = (new_weight * old_weight).flatten(1).sum(1) / old_weight.pow(2).flatten(1).sum(1)  # one factor per channel
+    assert not torch.allclose(scale, torch.ones_like(scale))
+    for old, new in zip(before[index], after):
+        expected = old * scale.reshape(-1, *([1] * (old.dim() - 1)))
+        torch.testing.assert_close(new, expected, rtol=1e-5, atol=1e-6)
