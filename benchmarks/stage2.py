@@ -5,15 +5,16 @@ same calibration set and evaluation protocol as compare.py.
     python benchmarks/stage2.py --model smollm2-135m --ratio 0.25 --variants paper auto span_end+auto
     python benchmarks/stage2.py --model smollm2-135m --ratio 0.25 --variants auto --methods gradmap sleb --resume
 
-The Stage 1 rows (no Stage 2) are copied from compare-<model>-<ratio>.json, which must exist with the same
+The Stage 1 rows (no Stage 2), and the paper's Stage 2 rows unless `paper` is asked for, are copied from
+compare-<model>-<ratio>.json, which must exist with the same
 settings; its calibration SHA-256 is checked against the one rebuilt here. Variants:
 
-- `paper`: the paper's Stage 2 (largest-drift layer, closed form, lambda 1e-3);
-- `auto`: the same layer, lambda by cross-validation (`reg_lambda="auto"`), identity when nothing beats it;
-- `span_end`: the layer before each removed run, fitted to the run's dense end, lambda 1e-3;
-- `span_end+auto`: both;
-- `VARIANT+validated`: the variant, kept only if it lowers the perplexity of validation text drawn from
-  the calibration Wikipedia articles with another seed (in-domain text the user could hold out).
+- `paper`: the paper's Stage 2 (largest-drift layer, full d x d W', closed form, lambda 1e-3);
+- changes to it, joined by `+` (e.g. `span_end+auto+diagonal`): `auto`, lambda by cross-validation
+  (`reg_lambda="auto"`), identity when nothing beats it; `span_end`, the layer before each removed run,
+  fitted to the run's dense end; `diagonal`, W' a channel-wise scaling; `validated`, kept only if it
+  lowers the perplexity of validation text drawn from the calibration Wikipedia articles with another
+  seed (in-domain text the user could hold out).
 
 Writes benchmarks/results/stage2-<model>-<ratio>.{json,md}; with `--resume`, rows already there are kept.
 """
@@ -35,19 +36,23 @@ from optimum_gradmap.assets import MODEL_ASSETS, load_model
 from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
 from optimum_gradmap.evaluation import PAPER_TASKS, evaluate
 
-VARIANTS = {
-    "paper": {},
+# A variant is "paper" or "+"-joined changes to it (e.g. "span_end+auto+diagonal"); "validated" keeps the fold
+# only if it lowers the perplexity of validation text (the calibration articles, another seed).
+CHANGES = {
     "auto": {"reg_lambda": "auto"},
     "span_end": {"compensation_target": "span_end"},
-    "span_end+auto": {"compensation_target": "span_end", "reg_lambda": "auto"},
+    "diagonal": {"compensation_form": "diagonal"},
+    "validated": {},
 }
 
 
 def parse_variant(name: str) -> tuple[dict, bool]:
-    base, _, suffix = name.partition("+validated")
-    if base not in VARIANTS or (suffix and name != f"{base}+validated"):
-        raise SystemExit(f"unknown variant {name!r}: one of {list(VARIANTS)}, optionally with +validated")
-    return VARIANTS[base], name.endswith("+validated")
+    changes = [] if name == "paper" else name.split("+")
+    unknown = [change for change in changes if change not in CHANGES]
+    if unknown or len(set(changes)) != len(changes):
+        raise SystemExit(f"unknown variant {name!r}: 'paper' or '+'-joined changes from {list(CHANGES)}")
+    overrides = {key: value for change in changes for key, value in CHANGES[change].items()}
+    return overrides, "validated" in changes
 
 
 def markdown(record: dict) -> str:
@@ -55,7 +60,8 @@ def markdown(record: dict) -> str:
         "| method | Stage 2 | removed layers | compensated (lambda) | wikipedia ppl | web_text ppl | zero-shot avg | Stage 2 s |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for row in record["rows"]:
+    methods = list(dict.fromkeys(row["method"] for row in record["rows"]))  # each method's rows together
+    for row in sorted(record["rows"], key=lambda row: methods.index(row["method"])):
         evaluation = row["evaluation"]
         wikipedia, web_text = (entry["perplexity"] for entry in evaluation["perplexities"])
         average = evaluation["zero_shot"]["average_acc"] if evaluation["zero_shot"] else None
@@ -77,7 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_ASSETS), help="offline model asset")
     parser.add_argument("--ratio", type=float, default=0.25, help="pruning ratio of the compare.py run (default 0.25)")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help="Stage 2 variants (default: all)")
+    parser.add_argument("--variants", nargs="+", default=["paper", "auto", "span_end+auto"], help="Stage 2 variants")
     parser.add_argument("--methods", nargs="+", default=None, help="selection methods (default: every one in compare)")
     parser.add_argument("--task-limit", type=int, default=50, help="questions per zero-shot task (default 50; 0: none)")
     parser.add_argument("--max-eval-segments", type=int, default=128, help="perplexity segments per dataset (default 128)")
@@ -105,6 +111,7 @@ def main() -> None:
         raise SystemExit(f"compare.py ran with other settings: {compare['settings']}, asked {settings}")
     same_tasks = compare["settings"]["task_limit"] == args.task_limit
     stage1_rows = {row["method"]: row for row in compare["rows"] if not row["stage2"]}
+    paper_rows = {row["method"]: row for row in compare["rows"] if row["stage2"]}
     methods = args.methods or [method for method in stage1_rows if method != "dense"]
 
     dense, tokenizer = load_model(args.model)
@@ -170,6 +177,19 @@ def main() -> None:
                     "variant": "none",
                     "removed_layers": stage1["removed_layers"],
                     "evaluation": evaluation,
+                }
+            )
+        if method in paper_rows and (method, "paper") not in done and "paper" not in args.variants and same_tasks:
+            paper = paper_rows[method]  # the paper's Stage 2 as compare.py measured it, same protocol
+            record["rows"].append(
+                {
+                    "method": method,
+                    "variant": "paper",
+                    "removed_layers": paper["removed_layers"],
+                    "compensated_layers": paper.get("compensated_layers", []),
+                    "stage2_seconds": paper["stage2_seconds"],
+                    "evaluation": paper["evaluation"],
+                    "from": f"compare-{args.model}-{args.ratio}.json",
                 }
             )
     save()
