@@ -27,7 +27,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # GradMAP as published: the gradient score (Eq. 5), iterative (Algorithm 1), Stage 2 on the layer with
     # the largest drift with lambda 1e-3 (Eq. 10-15). The defaults.
     "paper": {},
-    # Best held-out quality per unit of Stage 1 time measured: the paper's bound (Eq. 7) as a per-token score,
+    # Best held-out quality per unit of Stage 1 time measured: the paper's bound (Eq. 9-11) as a per-token score,
     # iterative (SLEB's layers and perplexity on SmolLM2-135M at 25%, in a quarter of its time).
     "quality": {"importance": "gradmap_bound_token"},
     # Fastest: one pass, no gradients (relative magnitude, Samragh et al. 2023), removal in one shot.
