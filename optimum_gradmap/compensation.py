@@ -477,6 +477,19 @@ def _norm_squared_error(mlp_outputs: torch.Tensor, targets: torch.Tensor, norm: 
         return float((torch.func.functional_call(norm, frozen, (mapped,)).double() - targets).pow(2).sum())
 
 
+def check_auto_lambda_data(input_ids: torch.LongTensor) -> None:
+    """`reg_lambda="auto"` cross-validates over calibration sequences: it needs one per fold at least.
+
+    Raises:
+        ValueError: with fewer than `AUTO_NUM_FOLDS` sequences, saying what to change.
+    """
+    if input_ids.shape[0] < AUTO_NUM_FOLDS:
+        raise ValueError(
+            f"reg_lambda='auto' cross-validates over calibration sequences: it needs at least {AUTO_NUM_FOLDS}, "
+            f"got {input_ids.shape[0]}. Use more calibration sequences (num_samples) or a fixed reg_lambda."
+        )
+
+
 def learn_compensation(
     model: nn.Module,
     adapter: DecoderAdapter,
@@ -496,11 +509,8 @@ def learn_compensation(
     ([`cross_validate_ridge`]: `AUTO_NUM_FOLDS` folds, `AUTO_RIDGE_GRID` strengths relative to the
     data); when no strength beats W' = I on the held-out sequences, the fit is `skipped`.
     """
-    if config.reg_lambda == "auto" and input_ids.shape[0] < AUTO_NUM_FOLDS:
-        raise ValueError(
-            f"reg_lambda='auto' cross-validates over calibration sequences: it needs at least {AUTO_NUM_FOLDS}, "
-            f"got {input_ids.shape[0]}."
-        )
+    if config.reg_lambda == "auto":
+        check_auto_lambda_data(input_ids)
     norm = adapter.get_mlp_output_norm(layer)
     if norm is not None:
         pairs: list[tuple[torch.Tensor, torch.Tensor, int]] = []

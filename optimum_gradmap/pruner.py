@@ -23,6 +23,7 @@ from .compensation import (
     STAGE2_SETTINGS,
     CompensationResult,
     RunCompensation,
+    check_auto_lambda_data,
     check_num_compensated_layers,
     compensate,
     compensate_run,
@@ -178,6 +179,8 @@ class GradMAPPruner:
         num_layers = adapter.num_layers(model)
         num_to_prune = self._check_plan(num_layers)
         calibration_ids = self._calibration_ids(model, calibration_data, tokenizer)
+        if config.reg_lambda == "auto" and (config.compensation or config.compensate_each_round):
+            check_auto_lambda_data(calibration_ids)  # before Stage 1 changes anything
         metric = get_importance_metric(config.importance, seed=config.seed)
         iterative = metric.iterative if config.iterative is None else config.iterative
         protected = config.resolved_protected_layers(num_layers)

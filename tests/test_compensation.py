@@ -602,3 +602,16 @@ def test_diagonal_compensation_scales_each_output_channel_of_the_down_projection
     for old, new in zip(before[index], after):
         expected = old * scale.reshape(-1, *([1] * (old.dim() - 1)))
         torch.testing.assert_close(new, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_lambda_with_too_few_sequences_is_refused_before_stage1_changes_the_model():
+    from optimum_gradmap import GradMAPPruner
+
+    from .conftest import small_config
+
+    model = tiny_model("llama", num_layers=6)
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    pruner = GradMAPPruner(small_config(reg_lambda="auto"), progress_bar=False)
+    with pytest.raises(ValueError, match="needs at least 4, got 3. Use more calibration sequences"):
+        pruner.prune(model, random_ids(3, 16))
+    assert len(model.model.layers) == 6 and _changed_parameters(model, state) == set()
