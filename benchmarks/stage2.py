@@ -66,7 +66,10 @@ def markdown(record: dict) -> str:
         wikipedia, web_text = (entry["perplexity"] for entry in evaluation["perplexities"])
         average = evaluation["zero_shot"]["average_acc"] if evaluation["zero_shot"] else None
         lambdas = row.get("compensation_lambda") or {}
-        compensated = " ".join(f"{layer} ({lambdas.get(str(layer), 0):.2g})" for layer in row.get("compensated_layers", []))
+        compensated = " ".join(
+            f"{layer} ({lambdas[str(layer)]:.2g})" if str(layer) in lambdas else f"{layer} (1e-3)"
+            for layer in row.get("compensated_layers", [])
+        )
         if row.get("uncompensated_layers"):
             compensated += " skipped " + " ".join(str(layer) for layer in row["uncompensated_layers"])
         seconds = row.get("stage2_seconds")

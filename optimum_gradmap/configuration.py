@@ -27,11 +27,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     # GradMAP as published: the gradient score (Eq. 5), iterative (Algorithm 1), Stage 2 on the layer with
     # the largest drift with lambda 1e-3 (Eq. 10-15). The defaults.
     "paper": {},
-    # Best held-out quality per unit of Stage 1 time measured: the paper's bound (Eq. 9-11) as a per-token score,
-    # iterative (SLEB's layers and perplexity on SmolLM2-135M at 25%, in a quarter of its time).
-    "quality": {"importance": "gradmap_bound_token"},
-    # Fastest: one pass, no gradients (relative magnitude, Samragh et al. 2023), removal in one shot.
-    "fast": {"importance": "relative_magnitude"},
+    # Best held-out quality per unit of time measured (SmolLM2-135M, 25%; docs/results.md): the paper's bound
+    # (Eq. 9-11) as a per-token score, iterative (SLEB's layers and perplexity in a quarter of its Stage 1 time),
+    # then Stage 2 at the layer before each removed run with lambda chosen by cross-validation.
+    "quality": {"importance": "gradmap_bound_token", "compensation_target": "span_end", "reg_lambda": "auto"},
+    # Fastest selection: one pass, no gradients (relative magnitude, Samragh et al. 2023), removal in one shot;
+    # the same Stage 2 as "quality".
+    "fast": {"importance": "relative_magnitude", "compensation_target": "span_end", "reg_lambda": "auto"},
 }
 
 
