@@ -55,6 +55,36 @@ def removes_one_per_round(method: str) -> bool:
     return IMPORTANCE_METRICS[metric].iterative or shortlist is not None
 
 
+def measure_held_out(model, tokenizer, label: str, max_eval_segments: int, task_limit: int) -> dict:
+    """The comparison's evaluation protocol: perplexity on the first `max_eval_segments` held-out
+    128-token segments of Wikipedia and of web text, and the seven zero-shot tasks with `task_limit`
+    questions each (none with 0), offline; with the seconds it took."""
+    started = time.perf_counter()
+    evaluation = evaluate(
+        model,
+        tokenizer,
+        ("offline:wikipedia", "offline:web_text"),
+        seq_len=128,
+        max_segments=max_eval_segments,
+        tasks=PAPER_TASKS if task_limit > 0 else (),
+        task_limit=task_limit or None,
+        task_data="offline",
+        model_name=label,
+        progress_bar=False,
+    ).to_dict()
+    evaluation["seconds"] = time.perf_counter() - started
+    return evaluation
+
+
+def save_record(record: dict, prefix: str, table: str) -> None:
+    """Writes `prefix`.json (the record) and `prefix`.md (its commands, then the table)."""
+    with open(f"{prefix}.json", "w", encoding="utf-8") as file:
+        json.dump(record, file, indent=2)
+    with open(f"{prefix}.md", "w", encoding="utf-8") as file:
+        commands = "\n".join(f"`{command}`  " for command in record["commands"])
+        file.write(f"{commands}\n\n{table}\n")
+
+
 def markdown(record: dict) -> str:
     """The comparison as a Markdown table."""
     rows = record["rows"]
@@ -202,24 +232,9 @@ def main() -> None:
     logging.getLogger("optimum_gradmap").setLevel(logging.INFO)  # one line per Stage 1 round
 
     dense, tokenizer = load_model(args.model)
-    tasks = PAPER_TASKS if args.task_limit > 0 else ()
 
     def measure(model, label):
-        started = time.perf_counter()
-        evaluation = evaluate(
-            model,
-            tokenizer,
-            ("offline:wikipedia", "offline:web_text"),
-            seq_len=128,
-            max_segments=args.max_eval_segments,
-            tasks=tasks,
-            task_limit=args.task_limit or None,
-            task_data="offline",
-            model_name=label,
-            progress_bar=False,
-        ).to_dict()
-        evaluation["seconds"] = time.perf_counter() - started
-        return evaluation
+        return measure_held_out(model, tokenizer, label, args.max_eval_segments, args.task_limit)
 
     command = (
         f"python benchmarks/compare.py --model {args.model} --ratio {args.ratio} --metrics {' '.join(args.metrics)} "
@@ -252,11 +267,7 @@ def main() -> None:
         }
 
     def save() -> None:
-        with open(f"{prefix}.json", "w", encoding="utf-8") as file:
-            json.dump(record, file, indent=2)
-        with open(f"{prefix}.md", "w", encoding="utf-8") as file:
-            commands = "\n".join(f"`{command}`  " for command in record["commands"])
-            file.write(f"{commands}\n\n{markdown(record)}\n")
+        save_record(record, prefix, markdown(record))
 
     done = {row["method"] for row in record["rows"]}
     if "dense" not in done:

@@ -27,14 +27,13 @@ import json
 import logging
 import os
 import platform
-import time
 
 import torch
+from compare import measure_held_out, save_record  # the same protocol and files as compare.py
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.assets import MODEL_ASSETS, load_model
 from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
-from optimum_gradmap.evaluation import PAPER_TASKS, evaluate
 
 # A variant is "paper" or "+"-joined changes to it (e.g. "span_end+auto+diagonal"); "validated" keeps the fold
 # only if it lowers the perplexity of validation text (the calibration articles, another seed).
@@ -118,24 +117,9 @@ def main() -> None:
     methods = args.methods or [method for method in stage1_rows if method != "dense"]
 
     dense, tokenizer = load_model(args.model)
-    tasks = PAPER_TASKS if args.task_limit > 0 else ()
 
     def measure(model, label):
-        started = time.perf_counter()
-        evaluation = evaluate(
-            model,
-            tokenizer,
-            ("offline:wikipedia", "offline:web_text"),
-            seq_len=128,
-            max_segments=args.max_eval_segments,
-            tasks=tasks,
-            task_data="offline",
-            task_limit=args.task_limit or None,
-            model_name=label,
-            progress_bar=False,
-        ).to_dict()
-        evaluation["seconds"] = time.perf_counter() - started
-        return evaluation
+        return measure_held_out(model, tokenizer, label, args.max_eval_segments, args.task_limit)
 
     command = (
         f"python benchmarks/stage2.py --model {args.model} --ratio {args.ratio} --variants {' '.join(args.variants)} "
@@ -161,11 +145,7 @@ def main() -> None:
         }
 
     def save() -> None:
-        with open(f"{prefix}.json", "w", encoding="utf-8") as file:
-            json.dump(record, file, indent=2)
-        with open(f"{prefix}.md", "w", encoding="utf-8") as file:
-            commands = "\n".join(f"`{command}`  " for command in record["commands"])
-            file.write(f"{commands}\n\n{markdown(record)}\n")
+        save_record(record, prefix, markdown(record))
 
     done = {(row["method"], row["variant"]) for row in record["rows"]}
     for method in ["dense", *methods]:
