@@ -15,6 +15,7 @@ With Hub access, `--model HuggingFaceTB/SmolLM2-135M` (any Hub id or local folde
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 import torch
@@ -22,6 +23,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner, load_evaluation_segments, perplexity
 from optimum_gradmap.assets import MODEL_ASSETS, load_model
+from optimum_gradmap.evaluation import EvaluationResult, PerplexityResult, protocol_name
+
+
+def _wikipedia_evaluation(name: str, value: float, num_segments: int) -> EvaluationResult:
+    """A perplexity measured here, in the form the pruning report and model card take."""
+    return EvaluationResult(
+        model=name,
+        perplexities=[PerplexityResult("offline:wikipedia", protocol_name(128), 128, num_segments, num_segments * 127, value)],
+    )
 
 
 def main() -> None:
@@ -53,17 +63,27 @@ def main() -> None:
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(args.model)
+    logging.basicConfig(format="%(message)s", level=logging.WARNING)
+    logging.getLogger("optimum_gradmap").setLevel(logging.INFO)  # each removed layer, as soon as it is known
     segments = load_evaluation_segments("offline:wikipedia", tokenizer, seq_len=128, max_segments=args.max_eval_segments)
     dense = perplexity(model, segments)
+    print(f"dense held-out Wikipedia perplexity: {dense:.3f} ({segments.shape[0]} segments of 128 tokens)", flush=True)
 
     config = GradMAPConfig(pruning_ratio=args.ratio, solver=args.solver, num_samples=args.num_samples, seq_len=args.seq_len)
     pruner = GradMAPPruner(config, tokenizer=tokenizer)
     result = pruner.select_layers(model, "offline:wikipedia")  # Stage 1, on the offline copy of Wikipedia
     stage1 = perplexity(model, segments)
+    print(f"stage 1 only: held-out Wikipedia perplexity {stage1:.3f}", flush=True)
     pruner.compensate(result)  # Stage 2
+    pruned = perplexity(model, segments)
     asset = MODEL_ASSETS.get(args.model)
-    pruner.save_pretrained(  # checkpoint + pruning_report.json + pictures + model card
-        args.output, base_model=asset.hub_id if asset else args.model, license=asset.license if asset else None
+    pruner.save_pretrained(  # checkpoint + pruning_report.json + pictures + model card, with both perplexities
+        args.output,
+        base_model=asset.hub_id if asset else args.model,
+        license=asset.license if asset else None,
+        evaluation=_wikipedia_evaluation(args.output, pruned, segments.shape[0]),
+        dense_evaluation=_wikipedia_evaluation(args.model, dense, segments.shape[0]),
+        overwrite=True,  # this script's own output folder, rewritten at every run
     )
 
     reloaded = AutoModelForCausalLM.from_pretrained(args.output, dtype=torch.float32)

@@ -10,19 +10,23 @@ files say how it was made: `gradmap_config.json` and `pruning_report.json` (see 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
+import shutil
+import tempfile
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from .adapters import get_adapter
+from .adapters import DecoderAdapter, get_adapter
 from .configuration import GradMAPConfig
-from .report import write_report
+from .report import REPORT_NAME, write_report
+from .surgery import LayerSnapshot, rewrite_fields
 
 logger = logging.get_logger(__name__)
 
@@ -58,6 +62,30 @@ def _saved_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     return revert_weight_conversion(model, model.state_dict())
 
 
+def _stale_layer_config(path: str, adapter: DecoderAdapter, text_config: PretrainedConfig) -> list[str]:
+    """Fields of `text_config` that differ from what surgery derives from the report's dense values."""
+    report_path = os.path.join(path, REPORT_NAME)
+    if not os.path.isfile(report_path):
+        return []
+    with open(report_path, encoding="utf-8") as file:
+        report = json.load(file)
+    dense_values, kept = report.get("dense_layer_config"), report.get("kept_layers")
+    if not dense_values or kept is None:
+        return []
+    original = LayerSnapshot(layers=[None] * report["original_num_layers"], config_values=dense_values)
+    expected_config = copy.deepcopy(text_config)
+    rewrite_fields(adapter, expected_config, original, kept)
+    problems = []
+    for name in dense_values:
+        expected, found = (json.loads(json.dumps(getattr(c, name, None))) for c in (expected_config, text_config))
+        if expected != found:
+            problems.append(
+                f"config {name}={found} is stale: the dense model's {dense_values[name]} for kept layers {kept} "
+                f"gives {expected} (pruning_report.json)"
+            )
+    return problems
+
+
 def validate_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Checks, from the files alone, that a checkpoint is what serving engines (vLLM, TGI) expect.
 
@@ -69,7 +97,11 @@ def validate_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     - the weight names number the decoder layers exactly 0 .. n-1, n the config's layer count;
     - per-layer config lists (`layer_types`, ...: the fields the layer surgery slices, see
       [`DecoderAdapter.per_layer_config_fields`]) have length n, and layer-index lists point inside the stack;
-    - the config needs no custom code (`auto_map`).
+    - the config needs no custom code (`auto_map`);
+    - if the folder has a `pruning_report.json` that records the dense model's layer-dependent config
+      values (`dense_layer_config`) and the kept layers, every such field says what the layer surgery
+      makes of them for those layers: a per-layer list of the right length but describing other layers
+      (e.g. `layer_types` cut to length instead of sliced) is caught here, though the files are consistent.
 
     Args:
         path (`str` or `os.PathLike`): A checkpoint folder.
@@ -123,9 +155,69 @@ def validate_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         value = getattr(text_config, field_name, None)
         if isinstance(value, list) and any(not 0 <= i < num_layers for i in value):
             problems.append(f"config {field_name}={value} points outside layers 0..{num_layers - 1}")
+    problems.extend(_stale_layer_config(path, adapter, text_config))
     if problems:
         raise InvalidCheckpointError(f"Checkpoint {path} is not valid:\n- " + "\n- ".join(problems))
     return {"model_type": text_config.model_type, "num_layers": num_layers, "num_tensors": len(stored)}
+
+
+def check_output_location(
+    save_directory: str | os.PathLike, overwrite: bool = False, keep_safe: tuple[str | os.PathLike, ...] = ()
+) -> str:
+    """Checks, before any work, that a checkpoint can be written to `save_directory`.
+
+    Args:
+        save_directory (`str` or `os.PathLike`): The folder to write.
+        overwrite (`bool`): Whether an existing non-empty folder may be replaced.
+        keep_safe (`tuple`): Folders that must never be replaced, e.g. the model being pruned.
+
+    Returns:
+        `str`: The absolute path of the folder.
+
+    Raises:
+        FileExistsError: if it is a file, a folder in `keep_safe`, or a non-empty folder without `overwrite`.
+        PermissionError: if it cannot be created or written.
+    """
+    target = os.path.abspath(save_directory)
+    for folder in keep_safe:
+        if os.path.isdir(folder) and os.path.realpath(folder) == os.path.realpath(target):
+            raise FileExistsError(
+                f"{save_directory} is the folder of the model being pruned: writing there would replace the dense "
+                "model's weights. Give another output folder."
+            )
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise FileExistsError(f"{save_directory} is a file, not a folder: give a folder for the checkpoint.")
+    if os.path.isdir(target) and os.listdir(target) and not overwrite:
+        entries = sorted(os.listdir(target))
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise FileExistsError(
+            f"{save_directory} already holds {len(entries)} file(s) ({shown}): "
+            "give a new folder, or pass overwrite=True (`--overwrite`) to replace its contents."
+        )
+    existing = target
+    while not os.path.isdir(existing):  # the nearest folder that exists: the new ones are created in it
+        existing = os.path.dirname(existing)
+    parent = os.path.dirname(target) if os.path.isdir(target) else existing
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"Cannot write {save_directory}: {parent} is not writable.")
+    return target
+
+
+def replace_folder(staging: str, target: str) -> None:
+    """Moves the complete folder `staging` to `target`, replacing what was there: each step is a rename,
+    so an interruption leaves either the old folder or the new one (and at worst a hidden leftover beside it)."""
+    if not os.path.exists(target):
+        os.rename(staging, target)
+        return
+    backup = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-", dir=os.path.dirname(target))
+    os.rmdir(backup)
+    os.rename(target, backup)
+    try:
+        os.rename(staging, target)
+    except BaseException:
+        os.rename(backup, target)
+        raise
+    shutil.rmtree(backup, ignore_errors=True)
 
 
 def save_checkpoint(
@@ -135,10 +227,15 @@ def save_checkpoint(
     config: GradMAPConfig,
     report: dict[str, Any] | None = None,
     repo_id: str | None = None,
+    overwrite: bool = False,
     **save_kwargs: Any,
 ) -> str:
     """Writes model, tokenizer, `gradmap_config.json` and, if a report is given, `pruning_report.json`,
     its pictures and a model card (`README.md`), see [`optimum_gradmap.report`].
+
+    Saving is atomic: everything is written into a hidden folder beside `save_directory`, checked with
+    [`validate_checkpoint`], then renamed into place. A failed or interrupted save leaves the folder as it
+    was (or absent), never old and new files mixed.
 
     Args:
         save_directory (`str` or `os.PathLike`): Output folder.
@@ -148,10 +245,14 @@ def save_checkpoint(
         report (`dict`, *optional*): From [`optimum_gradmap.report.build_report`]; written with
             [`optimum_gradmap.report.write_report`].
         repo_id (`str`, *optional*): The Hub repository the model card should name in its examples.
+        overwrite (`bool`): Replace the contents of an existing non-empty folder (refused otherwise).
         save_kwargs: Passed to the model's `save_pretrained`.
 
     Returns:
         `str`: The folder.
+
+    Raises:
+        FileExistsError, PermissionError: from [`check_output_location`], before anything is written.
     """
     quantization = getattr(model.config, "quantization_config", None)
     if quantization is not None and (
@@ -162,13 +263,20 @@ def save_checkpoint(
             "This model was loaded from a GGUF file and transformers cannot save it back. Convert it first "
             "(see `optimum_gradmap.assets.get_model_path`, which does this for the offline models)."
         )
-    os.makedirs(save_directory, exist_ok=True)
-    model.save_pretrained(save_directory, **save_kwargs)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(save_directory)
-    config.save_pretrained(save_directory)
-    if report is not None:
-        write_report(report, save_directory, repo_id)
-    validate_checkpoint(save_directory)
+    target = check_output_location(save_directory, overwrite)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.saving-", dir=os.path.dirname(target))
+    try:
+        model.save_pretrained(staging, **save_kwargs)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        config.save_pretrained(staging)
+        if report is not None:
+            write_report(report, staging, repo_id, title=repo_id or os.path.basename(target))
+        validate_checkpoint(staging)
+        replace_folder(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     logger.info(f"Saved pruned checkpoint to {save_directory}")
     return str(save_directory)

@@ -5,6 +5,7 @@
     optimum-gradmap prune HuggingFaceTB/SmolLM2-135M --ratio 0.25 --output out/smollm2-gradmap
     optimum-gradmap evaluate out/smollm2-gradmap --tasks paper --task-limit 100 --speed
     optimum-gradmap inspect out/smollm2-gradmap
+    optimum-gradmap verify-serving out/smollm2-gradmap --vllm-python vllm-env/bin/python
 
 Offline, without the Hub, name an offline model asset and dataset explicitly:
 `optimum-gradmap prune offline:smollm2-135m --ratio 0.25 --dataset offline:wikipedia --output out/s`.
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging as std_logging
 import os
+import shlex
 import sys
 import warnings
 from collections.abc import Sequence
@@ -27,6 +30,7 @@ from typing import Any
 from transformers.utils import logging
 
 PROG = "optimum-gradmap"
+LIBRARY_LOGGER = "optimum_gradmap"
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 OFFLINE_MODEL_PREFIX = "offline:"
 
@@ -49,7 +53,9 @@ def _add_logging_arguments(parser: argparse.ArgumentParser) -> None:
     verbosity.add_argument(
         "-q", "--quiet", action="store_true", help="print only errors and the final summary (no progress bars)"
     )
-    verbosity.add_argument("-v", "--verbose", action="store_true", help="print debug messages")
+    verbosity.add_argument(
+        "-v", "--verbose", action="store_true", help="also print the libraries' INFO and DEBUG messages (transformers' included)"
+    )
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -187,12 +193,25 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--seq-len", default("seq_len"), "tokens per calibration sequence", type=int)
     _option(parser, "--batch-size", default("batch_size"), "sequences per forward/backward pass", type=int)
     _option(parser, "--seed", default("seed"), "seed for drawing calibration sequences", type=int)
+    parser.add_argument(
+        "--calibration-file",
+        metavar="PATH",
+        default=None,
+        help="calibrate on your own text instead of --dataset: a text file, a JSON lines file (the --text-column "
+        "field of each record), or a folder of .txt/.md/.jsonl files",
+    )
     parser.add_argument("--output", "-o", required=True, help="folder for the pruned checkpoint, report and model card")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the contents of an existing non-empty --output folder (refused otherwise; never the input model's)",
+    )
     parser.add_argument(
         "--stage1-checkpoint",
         metavar="FILE",
         default=None,
-        help="save Stage 1's progress to this JSON file after every round, and resume from it when it exists",
+        help="save Stage 1's progress to this JSON file after every round, and resume from it when it exists "
+        "(default: a hidden file beside --output, removed once the checkpoint is saved)",
     )
     parser.add_argument(
         "--evaluate",
@@ -263,15 +282,91 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the whole pruning_report.json")
 
 
+def add_verify_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `verify-serving`."""
+    from .serving import DEFAULT_LOGPROB_TOLERANCE, VLLM_PYTHON_ENV
+
+    parser.add_argument("checkpoint", help="a checkpoint folder (written by `optimum-gradmap prune`, or any other)")
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help=f"the Python of an environment with vLLM (default: ${VLLM_PYTHON_ENV}, else this Python if it has vLLM)",
+    )
+    parser.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for several; default: four)")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens per prompt (default: 16)")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=DEFAULT_LOGPROB_TOLERANCE,
+        help=f"accepted log-probability difference in nats (default: {DEFAULT_LOGPROB_TOLERANCE})",
+    )
+    parser.add_argument("--output", "-o", default=None, help="write the comparison as JSON to this file")
+    _add_logging_arguments(parser)
+
+
 # ---------------------------------------------------------------------------------------- commands
+class _StdoutHandler(std_logging.StreamHandler):
+    """Prints the library's messages to whatever `sys.stdout` is at the time (it may be replaced, e.g. by tests)."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def _set_verbosity(args: argparse.Namespace) -> bool:
-    """Applies --quiet / --verbose; returns whether to show progress bars."""
+    """Applies --quiet / --verbose; returns whether to show progress bars.
+
+    By default, this library's progress messages (each removed layer, each Stage 2 fit) are printed as
+    they come, one line each, and the other libraries say only warnings and errors. `-v` adds their
+    INFO and DEBUG messages; `-q` leaves errors only, and no progress bars.
+    """
+    library_logger = std_logging.getLogger(LIBRARY_LOGGER)
+    if not any(isinstance(handler, _StdoutHandler) for handler in library_logger.handlers):
+        handler = _StdoutHandler()
+        handler.setFormatter(std_logging.Formatter("%(message)s"))
+        library_logger.addHandler(handler)
+        library_logger.propagate = False
     if getattr(args, "quiet", False):
+        library_logger.setLevel(std_logging.ERROR)
         logging.set_verbosity_error()
         logging.disable_progress_bar()
         return False
-    logging.set_verbosity_debug() if getattr(args, "verbose", False) else logging.set_verbosity_info()
+    if getattr(args, "verbose", False):
+        library_logger.setLevel(std_logging.DEBUG)
+        logging.set_verbosity_debug()
+    else:
+        library_logger.setLevel(std_logging.INFO)
+        logging.set_verbosity_warning()
+    logging.enable_progress_bar()
     return True
+
+
+def _check_device(device: str | None) -> None:
+    """Refuses, before anything is loaded, a device this machine does not have."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as error:
+        raise InputError(f"--device {device} is not a device name: use cpu, cuda, cuda:1, mps, ... ({error}).") from error
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch was built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise InputError(
+                f"--device {device}: CUDA is not available here ({why}). Use --device cpu, or run on a machine with a GPU."
+            )
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise InputError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0.")
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise InputError(f"--device {device}: MPS (Apple GPU) is not available here. Use --device cpu.")
+    elif parsed.type not in ("cpu", "cuda", "mps") and not hasattr(torch, parsed.type):
+        raise InputError(f"--device {device}: torch has no {parsed.type} backend here. Use --device cpu.")
 
 
 def _resolve_model(args: argparse.Namespace) -> tuple[str, str | None, str | None]:
@@ -301,17 +396,33 @@ def _resolve_model(args: argparse.Namespace) -> tuple[str, str | None, str | Non
         raise InputError(
             f"{name} is not a folder. Give a Hub model id (org/name), a checkpoint folder or an offline asset (offline:NAME)."
         )
+    _check_hub_model(name, args.revision)
     from .hub import base_model_license
 
     return name, name, base_model_license(name, args.revision)
 
 
-def _load(args: argparse.Namespace):
+def _check_hub_model(name: str, revision: str | None) -> None:
+    """Reads only the config of a Hub model, so that a wrong name fails in seconds and says why."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name, revision=revision)
+    except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise InputError(
+            f"{name}: there is no local folder of that name (looked in {os.getcwd()}), and as a Hub model id it "
+            f"could not be loaded: {first_line}"
+        ) from error
+
+
+def _load(args: argparse.Namespace, resolved: tuple[str, str | None, str | None] | None = None):
     """Loads model and tokenizer; returns `(model, tokenizer, base_model, license)`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path, base_model, license = _resolve_model(args)
+    _check_device(args.device)
+    path, base_model, license = resolved or _resolve_model(args)
     location = {"revision": args.revision} if args.revision else {}
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
     device_map = {"device_map": args.device_map} if args.device_map else {}
@@ -322,14 +433,30 @@ def _load(args: argparse.Namespace):
     return model, tokenizer, base_model, license
 
 
+def default_stage1_checkpoint(output: str) -> str:
+    """Where `prune` keeps Stage 1's progress when `--stage1-checkpoint` is not given: a hidden file beside
+    the output folder, deleted when the checkpoint is saved, so that an interrupted run resumes by itself."""
+    target = os.path.abspath(output)
+    return os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.stage1.json")
+
+
 def run_prune(args: argparse.Namespace) -> int:
-    """`optimum-gradmap prune`: prunes, saves checkpoint + report + model card, optionally uploads."""
+    """`optimum-gradmap prune`: prunes, saves checkpoint + report + model card, optionally uploads.
+
+    Everything that can be checked is checked before any compute (options, datasets, calibration files,
+    device, output folder, model name), so that bad input costs seconds, exits with code 2 and writes nothing.
+    """
+    from .checkpoint import check_output_location
     from .configuration import GradMAPConfig
     from .data import check_dataset_name
     from .evaluation import evaluate
     from .pruner import GradMAPPruner
 
     progress = _set_verbosity(args)
+    if args.calibration_file is not None:
+        if not os.path.exists(args.calibration_file):
+            raise InputError(f"--calibration-file {args.calibration_file}: no such file or folder (looked from {os.getcwd()}).")
+        args.dataset = args.calibration_file
     config = GradMAPConfig(
         **{
             field.name: getattr(args, OPTION_OF_FIELD.get(field.name, field.name))
@@ -340,34 +467,73 @@ def run_prune(args: argparse.Namespace) -> int:
     )
     if args.private and not args.push_to_hub:
         raise InputError("--private only applies with --push-to-hub REPO.")
-    for dataset in args.evaluate or ():  # checked before the pruning, not after it
+    check_dataset_name(config.dataset, "calibration")
+    for dataset in args.evaluate or ():
         check_dataset_name(dataset, "evaluation")
+    if args.max_eval_segments is not None and args.max_eval_segments < 1:
+        raise InputError(f"--max-eval-segments must be at least 1, got {args.max_eval_segments}.")
     if args.validation_dataset is not None:
         check_dataset_name(args.validation_dataset, "calibration")
-    model, tokenizer, base_model, license = _load(args)
+    _check_device(args.device)
+    model_folder = (args.model,) if os.path.isdir(args.model) else ()
+    check_output_location(args.output, args.overwrite, keep_safe=model_folder)
+    stage1_checkpoint = args.stage1_checkpoint
+    if stage1_checkpoint is None and config.layers_to_prune is None:
+        stage1_checkpoint = default_stage1_checkpoint(args.output)
+    resolved = _resolve_model(args)
+
+    model, tokenizer, base_model, license = _load(args, resolved)
+    datasets = {"perplexity_datasets": args.evaluate} if args.evaluate else {}
+    dense_evaluation = None
+    if args.evaluate is not None:
+        dense_evaluation = evaluate(
+            model, tokenizer, **datasets, seq_len=128, max_segments=args.max_eval_segments, progress_bar=progress
+        )
+        for entry in dense_evaluation.perplexities:
+            print(f"dense model: {entry.dataset} perplexity {entry.perplexity:.3f} ({entry.protocol})", flush=True)
     pruner = GradMAPPruner(config, model=model, tokenizer=tokenizer, progress_bar=progress)
-    result = pruner.prune(stage1_checkpoint=args.stage1_checkpoint, validation_data=args.validation_dataset)
+    try:
+        result = pruner.prune(stage1_checkpoint=stage1_checkpoint, validation_data=args.validation_dataset)
+    except KeyboardInterrupt:
+        command = shlex.join(getattr(args, "command_line", None) or [os.path.basename(sys.argv[0]), *sys.argv[1:]])
+        if stage1_checkpoint is not None and os.path.isfile(stage1_checkpoint):
+            print(
+                f"\nInterrupted. Stage 1's finished rounds are saved in {stage1_checkpoint}; the same command resumes "
+                f"from them:\n  {command}",
+                file=sys.stderr,
+            )
+        else:
+            print("\nInterrupted before any Stage 1 round finished: nothing was saved.", file=sys.stderr)
+        return 130
     evaluation = None
     if args.evaluate is not None:
-        datasets = {"perplexity_datasets": args.evaluate} if args.evaluate else {}
         evaluation = evaluate(
             model, tokenizer, **datasets, seq_len=128, max_segments=args.max_eval_segments, progress_bar=progress
         )
     result.save_pretrained(
         args.output,
         evaluation=evaluation,
-        base_model=base_model or args.model,
+        dense_evaluation=dense_evaluation,
+        base_model=resolved[1] or args.model,
         base_model_revision=args.revision,
         license=license,
         repo_id=args.push_to_hub,
+        overwrite=args.overwrite,
     )
+    if stage1_checkpoint is not None and args.stage1_checkpoint is None and os.path.isfile(stage1_checkpoint):
+        os.remove(stage1_checkpoint)  # the default one: its work is in the checkpoint now
     print(
         f"Removed layers {result.removed_layers} of {result.original_num_layers} (in removal order); kept {result.kept_layers}."
     )
     if result.compensated_layers:
         print(f"Compensated layer(s) {result.compensated_layers}.")
+    dense_perplexities = {
+        (e.dataset, e.protocol): e.perplexity for e in (dense_evaluation.perplexities if dense_evaluation else [])
+    }
     for entry in evaluation.perplexities if evaluation else []:
-        print(f"{entry.dataset} perplexity: {entry.perplexity:.3f} ({entry.protocol}, {entry.num_segments} segments)")
+        dense = dense_perplexities.get((entry.dataset, entry.protocol))
+        before = f" (dense {dense:.3f})" if dense is not None else ""
+        print(f"{entry.dataset} perplexity: {entry.perplexity:.3f}{before} ({entry.protocol}, {entry.num_segments} segments)")
     print(f"Saved the checkpoint, pruning_report.json, pictures and model card to {os.path.abspath(args.output)}")
     if args.push_to_hub:
         from .hub import upload_checkpoint
@@ -447,6 +613,22 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_verify_serving(args: argparse.Namespace) -> int:
+    """`optimum-gradmap verify-serving`: serves a checkpoint with vLLM and compares it with transformers.
+    Exit code 0 when they match, 1 when they do not, 2 for bad input (a missing folder, no vLLM, an invalid checkpoint)."""
+    _set_verbosity(args)
+    from .serving import verify_serving
+
+    if not os.path.isdir(args.checkpoint):
+        raise InputError(f"{args.checkpoint} is not a folder: give a checkpoint folder.")
+    check = verify_serving(args.checkpoint, args.vllm_python, args.prompt, args.max_new_tokens, args.tolerance)
+    print(check.summary())
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as file:
+            json.dump(check.to_dict(), file, indent=2)
+    return 0 if check.matched else 1
+
+
 def format_report(report: dict) -> str:
     """A summary of a pruning report, for the terminal."""
     config = report.get("gradmap_config", {})
@@ -477,12 +659,17 @@ COMMANDS = {
     "prune": ("Prune a model's decoder layers with GradMAP and save a standard checkpoint", add_prune_arguments, run_prune),
     "evaluate": ("Measure perplexity, zero-shot accuracy and inference speed", add_evaluate_arguments, run_evaluate),
     "inspect": ("Print the pruning report of a checkpoint", add_inspect_arguments, run_inspect),
+    "verify-serving": (
+        "Serve a checkpoint with vLLM and check it computes what transformers computes",
+        add_verify_serving_arguments,
+        run_verify_serving,
+    ),
 }
-DESCRIPTION = "Layer pruning of causal LMs with GradMAP: prune, evaluate, inspect"
+DESCRIPTION = "Layer pruning of causal LMs with GradMAP: prune, evaluate, inspect, verify-serving"
 
 
 def build_parser(prog: str = PROG, preset: str | None = None) -> argparse.ArgumentParser:
-    """The `optimum-gradmap` argument parser with its three subcommands.
+    """The `optimum-gradmap` argument parser with its subcommands (`COMMANDS`).
 
     Args:
         prog (`str`): The program name in messages.
@@ -490,7 +677,7 @@ def build_parser(prog: str = PROG, preset: str | None = None) -> argparse.Argume
             options, so that options given on the command line still override them.
     """
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
-    subparsers = parser.add_subparsers(dest="command", metavar="{prune,evaluate,inspect}")
+    subparsers = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     for name, (help_text, add_arguments, run) in COMMANDS.items():
         subparser = subparsers.add_parser(name, help=help_text, description=help_text)
         add_arguments(subparser)
@@ -522,17 +709,25 @@ def preset_in(argv: Sequence[str]) -> str | None:
 
 
 def run(args: argparse.Namespace, prog: str = PROG) -> int:
-    """Runs a parsed command and turns errors into exit codes and messages."""
+    """Runs a parsed command and turns errors into exit codes and messages. The logging settings the
+    command makes (see `_set_verbosity`) are undone when it returns, for callers that run it in-process."""
     from .adapters import UnsupportedArchitectureError
 
+    library_logger = std_logging.getLogger(LIBRARY_LOGGER)
+    saved = (library_logger.level, library_logger.propagate, list(library_logger.handlers), logging.get_verbosity())
     try:
         return args.run(args)
-    except (InputError, UnsupportedArchitectureError, ValueError, FileNotFoundError) as error:
+    except (InputError, UnsupportedArchitectureError, ValueError, FileNotFoundError, FileExistsError, PermissionError) as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
     except (OSError, RuntimeError, ImportError) as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 1
+    finally:
+        library_logger.setLevel(saved[0])
+        library_logger.propagate = saved[1]
+        library_logger.handlers[:] = saved[2]
+        logging.set_verbosity(saved[3])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -540,6 +735,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(preset=preset_in(argv))
     args = parser.parse_args(argv)
+    args.command_line = [PROG, *argv]
     if not getattr(args, "run", None):
         parser.print_help()
         return 2

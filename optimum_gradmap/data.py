@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
 import sys
 import warnings
@@ -174,8 +175,10 @@ def check_dataset_name(name: Any, split: str) -> str:
     """
     if split not in SPLITS:
         raise ValueError(f"`split` must be 'calibration' or 'evaluation', got {split!r}.")
-    if split == "calibration" and isinstance(name, str) and os.path.isdir(name):
+    if split == "calibration" and isinstance(name, str) and os.path.exists(name):
         return name
+    if split == "calibration" and isinstance(name, str) and _looks_like_a_path(name):
+        raise ValueError(f"No calibration file or folder {name!r} (looked from {os.getcwd()}).")
     if name in _DEPRECATED_NAMES:
         warnings.warn(
             f"Dataset {name!r} is deprecated: it is called {_DEPRECATED_NAMES[name]!r} now.", FutureWarning, stacklevel=3
@@ -190,6 +193,99 @@ def check_dataset_name(name: Any, split: str) -> str:
         folder = " or a folder written by `datasets.Dataset.save_to_disk`" if split == "calibration" else ""
         raise ValueError(f"Unknown {split} dataset {name!r}. Available: {', '.join(available)}{folder}.")
     return name
+
+
+TEXT_FILE_SUFFIXES = (".txt", ".md", ".text")
+JSON_LINES_SUFFIXES = (".jsonl", ".json")
+SAVED_DATASET_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """No dataset name has a slash or a file suffix: such a name was meant as a path."""
+    return (
+        "/" in name
+        or os.sep in name
+        or name.startswith((".", "~"))
+        or name.lower().endswith(TEXT_FILE_SUFFIXES + JSON_LINES_SUFFIXES)
+    )
+
+
+def _is_saved_dataset(path: str) -> bool:
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, name)) for name in SAVED_DATASET_FILES)
+
+
+def _json_texts(path: str, text_column: str) -> list[str]:
+    with open(path, encoding="utf-8") as file:
+        content = file.read()
+    try:  # a whole JSON document: a list of strings or of records
+        rows = json.loads(content)
+        rows = rows if isinstance(rows, list) else [rows]
+    except json.JSONDecodeError:  # JSON lines
+        rows = []
+        for number, line in enumerate(content.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}, line {number}, is not JSON ({error.msg}).") from error
+    texts = []
+    for number, row in enumerate(rows, 1):
+        if isinstance(row, str):
+            texts.append(row)
+        elif isinstance(row, dict) and isinstance(row.get(text_column), str):
+            texts.append(row[text_column])
+        else:
+            raise ValueError(
+                f"{path}, record {number}, has no text field {text_column!r} (its keys: "
+                f"{', '.join(row) if isinstance(row, dict) else type(row).__name__}): set `text_column` (`--text-column`)."
+            )
+    return texts
+
+
+def load_local_documents(path: str, text_column: str = "text") -> list[str]:
+    """Calibration documents from local files.
+
+    Args:
+        path (`str`): One of:
+            - a plain text file (any name not ending in `.json`/`.jsonl`): one document;
+            - a JSON lines file (`.jsonl`, or `.json` holding a list): one document per record, its
+              `text_column` field (or the record itself when it is a string);
+            - a folder written by `datasets.Dataset.save_to_disk`: its rows' `text_column`;
+            - any other folder: every `.txt`, `.md`, `.text`, `.jsonl` and `.json` file in it (not in sub-folders), in name order.
+        text_column (`str`): The text field of JSON records and saved datasets.
+
+    Returns:
+        `list[str]`: The non-empty documents.
+
+    Raises:
+        ValueError: naming the file and what is wrong with it (no text, no such field, not JSON).
+    """
+    if _is_saved_dataset(path):
+        return _dataset_texts(load_saved_dataset(path), text_column)
+    if os.path.isdir(path):
+        names = sorted(
+            name
+            for name in os.listdir(path)
+            if name.lower().endswith(TEXT_FILE_SUFFIXES + JSON_LINES_SUFFIXES) and os.path.isfile(os.path.join(path, name))
+        )
+        if not names:
+            raise ValueError(
+                f"{path} holds no text files ({', '.join(TEXT_FILE_SUFFIXES + JSON_LINES_SUFFIXES)}) and no dataset "
+                "saved with `datasets` `save_to_disk`."
+            )
+        documents = [document for name in names for document in load_local_documents(os.path.join(path, name), text_column)]
+    elif path.lower().endswith(JSON_LINES_SUFFIXES):
+        documents = _json_texts(path, text_column)
+    else:
+        try:
+            with open(path, encoding="utf-8") as file:
+                documents = [file.read()]
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path} is not UTF-8 text: give a text file, JSON lines or a folder of text files.") from error
+    documents = [document for document in documents if document.strip()]
+    if not documents:
+        raise ValueError(f"{path} holds no text to calibrate on.")
+    return documents
 
 
 def load_saved_dataset(folder: str) -> Any:
@@ -303,8 +399,10 @@ def describe_calibration_data(calibration_data: CalibrationData, default_dataset
     """A short description of where calibration data came from, for the pruning report."""
     if calibration_data is None:
         calibration_data = default_dataset
-    if isinstance(calibration_data, str) and os.path.isdir(calibration_data):
+    if isinstance(calibration_data, str) and _is_saved_dataset(calibration_data):
         return f"the dataset saved in {calibration_data!r} (column {text_column!r})"
+    if isinstance(calibration_data, str) and os.path.exists(calibration_data):
+        return f"the text in {calibration_data!r}"
     if isinstance(calibration_data, str):
         return f"dataset {calibration_data!r}"
     if is_hf_dataset(calibration_data):
@@ -346,8 +444,9 @@ def prepare_calibration_data(
     Args:
         calibration_data: One of:
             - `None`: use `default_dataset`;
-            - a dataset name (see the module docstring), names joined by `+` (a mixture), or a folder
-              written by `datasets.Dataset.save_to_disk` (read like a `datasets.Dataset`);
+            - a dataset name (see the module docstring), or names joined by `+` (a mixture);
+            - a path to local text: a text file, a JSON lines file, a folder of text files or a folder
+              written by `datasets.Dataset.save_to_disk` (see [`load_local_documents`]);
             - a `datasets.Dataset` (or `IterableDataset`, read whole: `.take(n)` it first): each row of
               `text_column` is a document, and windows lie inside one document;
             - a list of strings: joined by blank lines into one stream, from which the windows are drawn;
@@ -365,8 +464,8 @@ def prepare_calibration_data(
     elif is_text_data(calibration_data):
         if tokenizer is None:
             raise ValueError("Calibration text needs a tokenizer: pass `tokenizer=` or a model whose name points to one.")
-        if isinstance(calibration_data, str) and os.path.isdir(calibration_data):
-            documents = _dataset_texts(load_saved_dataset(calibration_data), text_column)
+        if isinstance(calibration_data, str) and os.path.exists(calibration_data):
+            documents = load_local_documents(calibration_data, text_column)
         elif isinstance(calibration_data, str):
             names = check_dataset_name(calibration_data, "calibration").split(MIXTURE_SEPARATOR)
             parts = [num_samples // len(names) + (position < num_samples % len(names)) for position in range(len(names))]

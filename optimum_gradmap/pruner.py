@@ -6,6 +6,7 @@ architecture adapter, and hands back a [`PruningResult`]."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import tempfile
@@ -257,6 +258,7 @@ class GradMAPPruner:
             compensated_during_stage1=[
                 {"layer": done.layer, "target": done.target, "reg_lambda": done.reg_lambda} for done in run_compensations
             ],
+            dense_layer_config=copy.deepcopy(dense.config_values),
         )
         self._dense = dense
         logger.info(
@@ -366,7 +368,7 @@ class GradMAPPruner:
             save_directory (`str` or `os.PathLike`): Output folder.
             model (`PreTrainedModel`, *optional*): Defaults to the last pruned model.
             tokenizer (`PreTrainedTokenizerBase`, *optional*): Defaults to the pruner's tokenizer.
-            evaluation, base_model, license, repo_id, base_model_revision: See [`PruningResult.save_pretrained`].
+            evaluation, base_model, license, repo_id, base_model_revision, overwrite: See [`PruningResult.save_pretrained`].
             save_kwargs: Passed to the model's `save_pretrained`.
 
         Returns:

@@ -58,6 +58,7 @@ def build_report(
     base_model_revision: str | None = None,
     license: str | None = None,
     evaluation: EvaluationResult | None = None,
+    dense_evaluation: EvaluationResult | None = None,
 ) -> dict[str, Any]:
     """The content of `pruning_report.json`.
 
@@ -69,6 +70,7 @@ def build_report(
         base_model_revision (`str`, *optional*): Its revision; defaults to the commit it was loaded from, if known.
         license (`str`, *optional*): The base model's license, inherited by the pruned model.
         evaluation ([`EvaluationResult`], *optional*): Evaluation results to include.
+        dense_evaluation ([`EvaluationResult`], *optional*): The same evaluation of the dense model.
 
     Returns:
         `dict`: JSON-serialisable.
@@ -94,6 +96,7 @@ def build_report(
         "gradmap_config": config.to_dict(),
         **summary,
         "evaluation": evaluation.to_dict() if evaluation is not None else None,
+        "dense_evaluation": dense_evaluation.to_dict() if dense_evaluation is not None else None,
         "environment": {
             "optimum_gradmap": _version("optimum-gradmap"),
             "transformers": transformers.__version__,
@@ -106,13 +109,16 @@ def build_report(
     }
 
 
-def write_report(report: dict[str, Any], directory: str | os.PathLike, repo_id: str | None = None) -> list[str]:
+def write_report(
+    report: dict[str, Any], directory: str | os.PathLike, repo_id: str | None = None, title: str | None = None
+) -> list[str]:
     """Writes `pruning_report.json`, its pictures and the model card into `directory`.
 
     Args:
         report (`dict`): From [`build_report`].
         directory (`str` or `os.PathLike`): The checkpoint folder.
         repo_id (`str`, *optional*): The Hub repository the model card names in its examples.
+        title (`str`, *optional*): The model card's title; defaults to `repo_id`, else the folder's name.
 
     Returns:
         `list[str]`: The file names written.
@@ -120,7 +126,7 @@ def write_report(report: dict[str, Any], directory: str | os.PathLike, repo_id: 
     with open(os.path.join(directory, REPORT_NAME), "w", encoding="utf-8") as file:
         json.dump(report, file, indent=2)
     pictures = write_pictures(report, directory)
-    title = repo_id or os.path.basename(os.path.abspath(directory))
+    title = title or repo_id or os.path.basename(os.path.abspath(directory))
     build_model_card(report, pictures, repo_id, title).save(os.path.join(directory, MODEL_CARD_NAME))
     return [REPORT_NAME, *pictures, MODEL_CARD_NAME]
 
@@ -220,14 +226,27 @@ def _cost_table(report: dict[str, Any]) -> str:
         ("decoder layers", report["original_num_layers"], len(report["kept_layers"])),
         ("parameters", f"{report['original_num_parameters']:,}", f"{report['num_parameters']:,}"),
     ]
-    evaluation = report.get("evaluation") or {}
+    evaluation, dense = report.get("evaluation") or {}, report.get("dense_evaluation") or {}
+    dense_perplexities = {(e["dataset"], e["protocol"]): e["perplexity"] for e in dense.get("perplexities", [])}
     for entry in evaluation.get("perplexities", []):
-        rows.append((f"{entry['dataset']} perplexity ({entry['protocol']})", "", f"{entry['perplexity']:.3f}"))
-    if evaluation.get("zero_shot"):
-        zero_shot = evaluation["zero_shot"]
-        limit = f", {zero_shot['limit']} questions per task" if zero_shot.get("limit") else ""
+        before = dense_perplexities.get((entry["dataset"], entry["protocol"]))
         rows.append(
-            (f"zero-shot average accuracy ({len(zero_shot['tasks'])} tasks{limit})", "", f"{zero_shot['average_acc']:.4f}")
+            (
+                f"{entry['dataset']} perplexity ({entry['protocol']})",
+                f"{before:.3f}" if before is not None else "",
+                f"{entry['perplexity']:.3f}",
+            )
+        )
+    if evaluation.get("zero_shot"):
+        zero_shot, dense_zero_shot = evaluation["zero_shot"], dense.get("zero_shot") or {}
+        limit = f", {zero_shot['limit']} questions per task" if zero_shot.get("limit") else ""
+        before = dense_zero_shot.get("average_acc")
+        rows.append(
+            (
+                f"zero-shot average accuracy ({len(zero_shot['tasks'])} tasks{limit})",
+                f"{before:.4f}" if before is not None else "",
+                f"{zero_shot['average_acc']:.4f}",
+            )
         )
     lines = ["| | dense | pruned |", "|---|---|---|"] + [f"| {name} | {dense} | {pruned} |" for name, dense, pruned in rows]
     return "\n".join(lines)

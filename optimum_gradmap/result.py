@@ -55,6 +55,9 @@ class PruningResult:
             with the compensation, and whether the compensation was kept.
         compensated_during_stage1 (`list[dict]`): With `compensate_each_round`, each fit made after a
             removal: the layer, its target, its lambda (`None`: left alone).
+        dense_layer_config (`dict[str, Any]`): The dense model's values of every config field that layer
+            surgery rewrites (layer count, `layer_types`, `max_window_layers`, ...): with `kept_layers`, they
+            let [`validate_checkpoint`] recompute what the saved config must say.
     """
 
     model: PreTrainedModel
@@ -79,6 +82,7 @@ class PruningResult:
     uncompensated_layers: dict[int, str] = field(default_factory=dict)
     compensation_validation: dict[str, float] | None = None
     compensated_during_stage1: list[dict[str, Any]] = field(default_factory=list)
+    dense_layer_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def snapshot(self) -> None:
@@ -115,6 +119,7 @@ class PruningResult:
             "uncompensated_layers": {str(index): why for index, why in self.uncompensated_layers.items()},
             "compensation_validation": self.compensation_validation,
             "compensated_during_stage1": self.compensated_during_stage1,
+            "dense_layer_config": self.dense_layer_config,
             "timings": self.timings,
             "calibration_source": self.calibration_source,
             "calibration_sha256": self.calibration_sha256,
@@ -137,6 +142,8 @@ class PruningResult:
         base_model_revision: str | None = None,
         license: str | None = None,
         repo_id: str | None = None,
+        overwrite: bool = False,
+        dense_evaluation: EvaluationResult | None = None,
         **save_kwargs: Any,
     ) -> str:
         """Writes a standard checkpoint that plain `AutoModelForCausalLM.from_pretrained` loads: model,
@@ -151,6 +158,10 @@ class PruningResult:
             base_model_revision (`str`, *optional*): Its revision; defaults to the commit it was loaded from, if known.
             license (`str`, *optional*): The base model's license (the pruned weights inherit it).
             repo_id (`str`, *optional*): Hub repository named in the model card's examples.
+            overwrite (`bool`): Replace the contents of an existing non-empty folder (refused otherwise). The
+                save is atomic either way (see [`save_checkpoint`]).
+            dense_evaluation ([`EvaluationResult`], *optional*): The same evaluation of the dense model, measured
+                before pruning: the model card then shows what pruning cost.
             save_kwargs: Passed to the model's `save_pretrained`.
 
         Returns:
@@ -166,9 +177,17 @@ class PruningResult:
             base_model_revision=base_model_revision,
             license=license,
             evaluation=evaluation,
+            dense_evaluation=dense_evaluation,
         )
         return save_checkpoint(
-            save_directory, self.model, tokenizer or self.tokenizer, self.config, report, repo_id=repo_id, **save_kwargs
+            save_directory,
+            self.model,
+            tokenizer or self.tokenizer,
+            self.config,
+            report,
+            repo_id=repo_id,
+            overwrite=overwrite,
+            **save_kwargs,
         )
 
     def push_to_hub(

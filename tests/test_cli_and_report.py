@@ -295,7 +295,7 @@ def test_prune_calibrates_on_a_saved_dataset_folder_and_its_text_column(tiny_che
     assert main([*argv, "--output", str(tmp_path / "other"), "-q"]) == 2
     assert "no column 'text' (its columns: body)" in capsys.readouterr().err
     assert main([*argv[:-1], str(tmp_path), "--output", str(tmp_path / "third"), "-q"]) == 2
-    assert "is a folder but not one written by `datasets` `save_to_disk`" in capsys.readouterr().err
+    assert "holds no text files (.txt, .md, .text, .jsonl, .json) and no dataset saved" in capsys.readouterr().err
 
 
 def test_a_preset_sets_the_defaults_and_explicit_options_override_it():

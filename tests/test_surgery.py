@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BloomConfig, BloomForCausalLM
 
-from optimum_gradmap import UnsupportedArchitectureError, remove_layers, supported_model_types, surgery
+from optimum_gradmap import GradMAPPruner, UnsupportedArchitectureError, remove_layers, supported_model_types, surgery
 
-from .conftest import ARCHITECTURES, random_ids, tiny_model
+from .conftest import ARCHITECTURES, random_ids, small_config, tiny_model
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
@@ -171,3 +171,32 @@ def test_temporarily_puts_back_the_stack_when_entering_it_fails(monkeypatch):
         pass  # never reached: keeping the layers fails half-way, after the layer list was swapped
     assert calls == [list(range(6)), [0, 2, 3, 5]]
     assert (list(model.model.layers), model.config.to_dict()) == before
+
+
+def test_validate_checkpoint_catches_per_layer_fields_cut_to_length_instead_of_sliced(tmp_path):
+    """A config of the right length that describes other layers (`layer_types[:n]`, `max_window_layers` left
+    as the dense model's) loads everywhere: only the report's record of the dense values tells it is stale."""
+    import json
+
+    from optimum_gradmap import InvalidCheckpointError, validate_checkpoint
+
+    for model_type, field_name, stale in (
+        ("gemma3_text", "layer_types", lambda dense: dense["layer_types"][:4]),
+        ("qwen2", "max_window_layers", lambda dense: dense["max_window_layers"]),
+    ):
+        folder = tmp_path / model_type
+        model = tiny_model(model_type, num_layers=6)
+        pruner = GradMAPPruner(
+            small_config(num_layers_to_prune=None, layers_to_prune=[0, 2], compensation=False), progress_bar=False
+        )
+        result = pruner.prune(model, random_ids(8, 16))
+        assert result.dense_layer_config[field_name] is not None
+        pruner.save_pretrained(folder)  # validates: the surgery's own config passes
+        config = json.loads((folder / "config.json").read_text())
+        config[field_name] = stale(result.dense_layer_config)
+        if model_type == "qwen2":
+            config.pop("layer_types")  # rebuilt from max_window_layers on load, as transformers does
+        assert config[field_name] != getattr(model.config, field_name)
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(InvalidCheckpointError, match=f"config {field_name}=.* is stale"):
+            validate_checkpoint(folder)
