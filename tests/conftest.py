@@ -87,6 +87,15 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
+@pytest.fixture
+def tiny_checkpoint(tmp_path, byte_tokenizer) -> str:
+    """A dense tiny Llama saved as a normal checkpoint folder, with a tokenizer."""
+    folder = tmp_path / "dense"
+    tiny_model("llama", num_layers=6).save_pretrained(folder)
+    byte_tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M (offline asset, fetched and converted once), and its tokenizer."""

@@ -16,19 +16,7 @@ from transformers import AutoModelForCausalLM
 from optimum_gradmap import load_report
 from optimum_gradmap.cli import main
 
-from .conftest import tiny_model
-
 CHECKPOINT_FILES = {"config.json", "model.safetensors", "gradmap_config.json", "pruning_report.json", "README.md"}
-
-
-@pytest.fixture
-def tiny_checkpoint(tmp_path, byte_tokenizer):
-    """A dense tiny Llama saved as a normal checkpoint folder, with a tokenizer."""
-    folder = tmp_path / "dense"
-    model = tiny_model("llama", num_layers=6)
-    model.save_pretrained(folder)
-    byte_tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 def _prune_args(source: str, output: str, *extra: str) -> list[str]:

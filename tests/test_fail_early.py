@@ -18,14 +18,6 @@ from .conftest import random_ids, small_config, tiny_model
 TEXT = "Layer pruning removes whole decoder layers, and Stage 2 repairs what the removal breaks. " * 6
 
 
-@pytest.fixture
-def tiny_checkpoint(tmp_path, byte_tokenizer):
-    folder = tmp_path / "dense"
-    tiny_model("llama", num_layers=6).save_pretrained(folder)
-    byte_tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
 def _prune(model: str, output: str, *extra: str) -> list[str]:
     return [
         "prune", model, "--num-layers", "2", "--num-samples", "8", "--seq-len", "16", "--dataset", "offline:wikipedia",
