@@ -169,6 +169,9 @@ def find_vllm_python(vllm_python: str | os.PathLike | None = None) -> str:
     """The Python that runs vLLM: `vllm_python`, else the `OPTIMUM_GRADMAP_VLLM_PYTHON` environment
     variable, else this interpreter if it can import vLLM.
 
+    Returns:
+        `str`: An absolute path.
+
     Raises:
         FileNotFoundError: naming how to install vLLM in its own environment.
     """
@@ -176,7 +179,7 @@ def find_vllm_python(vllm_python: str | os.PathLike | None = None) -> str:
     if candidate:
         if not os.path.isfile(candidate) or not os.access(candidate, os.X_OK):
             raise FileNotFoundError(f"{candidate} is not a Python executable: give the `bin/python` of an environment with vLLM.")
-        return str(candidate)
+        return os.path.abspath(candidate)  # absolute (vLLM runs in another folder), symlinks kept (a venv's python is one)
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
     raise FileNotFoundError(

@@ -181,8 +181,14 @@ def test_a_missing_vllm_is_a_set_up_error_that_says_how_to_install_it(tmp_path, 
     with pytest.raises(FileNotFoundError, match="not a Python executable"):
         find_vllm_python(str(tmp_path / "nowhere" / "python"))
     monkeypatch.setenv("OPTIMUM_GRADMAP_VLLM_PYTHON", sys.executable)
-    assert find_vllm_python() == sys.executable
+    assert find_vllm_python() == os.path.abspath(sys.executable)
     assert os.access(find_vllm_python(), os.X_OK)
+    # a relative path (`.venv-vllm/bin/python`, as .ci/run gives it) becomes absolute: vLLM runs in another folder
+    link = tmp_path / "env" / "bin" / "python"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(sys.executable)
+    monkeypatch.chdir(tmp_path)
+    assert find_vllm_python("env/bin/python") == str(link)  # absolute, and the link itself, not its target
 
 
 def test_vllm_failing_to_load_reports_its_own_error(tmp_path, fake_vllm_python):
