@@ -245,24 +245,19 @@ def compare_outputs(
         prompt_difference = max((abs(a - b) for a, b in zip(ours["prompt_logprobs"], theirs["prompt_logprobs"])), default=0.0)
         if len(ours["prompt_logprobs"]) != len(theirs["prompt_logprobs"]):
             prompt_difference = float("inf")
-        same_so_far = 0
-        while (
-            same_so_far < min(len(ours["tokens"]), len(theirs["tokens"]))
-            and ours["tokens"][same_so_far] == theirs["tokens"][same_so_far]
-        ):
-            same_so_far += 1
-        token_difference = max(
-            (abs(ours["token_logprobs"][i] - theirs["token_logprobs"][i]) for i in range(same_so_far)), default=0.0
+        comparison = PromptComparison(
+            prompt_ids=list(prompt),
+            reference_tokens=list(ours["tokens"]),
+            served_tokens=list(theirs["tokens"]),
+            prompt_logprob_difference=float(prompt_difference),
+            token_logprob_difference=0.0,
         )
-        comparisons.append(
-            PromptComparison(
-                prompt_ids=list(prompt),
-                reference_tokens=list(ours["tokens"]),
-                served_tokens=list(theirs["tokens"]),
-                prompt_logprob_difference=float(prompt_difference),
-                token_logprob_difference=float(token_difference),
-            )
+        # only the steps before the first different token: after it, the two engines continue different texts
+        same_so_far = comparison.first_mismatch if comparison.first_mismatch is not None else len(ours["tokens"])
+        comparison.token_logprob_difference = float(
+            max((abs(ours["token_logprobs"][i] - theirs["token_logprobs"][i]) for i in range(same_so_far)), default=0.0)
         )
+        comparisons.append(comparison)
     return comparisons
 
 
