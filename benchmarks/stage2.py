@@ -180,6 +180,22 @@ def main() -> None:
     for method in methods:
         removed = stage1_rows[method]["removed_layers"]
         todo = [variant for variant in args.variants if (method, variant) not in done]
+        for variant in list(todo):  # the same removed set gives the same pruned model: copy, do not re-measure
+            twin = next(
+                (
+                    row
+                    for row in record["rows"]
+                    if row["variant"] == variant
+                    and "same_model_as" not in row
+                    and row["method"] != method
+                    and sorted(row["removed_layers"]) == sorted(removed)
+                ),
+                None,
+            )
+            if twin is not None:
+                record["rows"].append({**twin, "method": method, "removed_layers": removed, "same_model_as": twin["method"]})
+                todo.remove(variant)
+                save()
         if not todo:
             continue
         model = copy.deepcopy(dense)

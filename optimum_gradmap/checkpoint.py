@@ -23,6 +23,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
+from . import distributed
 from .adapters import DecoderAdapter, get_adapter
 from .configuration import GradMAPConfig
 from .report import REPORT_NAME, write_report
@@ -248,12 +249,18 @@ def save_checkpoint(
         overwrite (`bool`): Replace the contents of an existing non-empty folder (refused otherwise).
         save_kwargs: Passed to the model's `save_pretrained`.
 
+    With several processes ([`optimum_gradmap.distributed`]) the main process writes; the others wait
+    for it and write nothing.
+
     Returns:
         `str`: The folder.
 
     Raises:
         FileExistsError, PermissionError: from [`check_output_location`], before anything is written.
     """
+    if not distributed.is_main_process():
+        distributed.barrier()
+        return str(save_directory)
     quantization = getattr(model.config, "quantization_config", None)
     if quantization is not None and (
         getattr(quantization, "quant_method", None) == "gguf"
@@ -278,5 +285,7 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        distributed.barrier()
     logger.info(f"Saved pruned checkpoint to {save_directory}")
     return str(save_directory)

@@ -70,6 +70,28 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device-map", default=None, help="accelerate device map, e.g. auto, to spread a large model (overrides --device)"
     )
+    parser.add_argument(
+        "--max-memory",
+        default=None,
+        metavar="DEVICE=SIZE,...",
+        help="with --device-map auto: memory per device, e.g. 0=70GiB,1=70GiB,cpu=200GiB; what does not fit goes to "
+        "--offload-folder (default: all there is)",
+    )
+    parser.add_argument(
+        "--offload-folder", default=None, metavar="PATH", help="with --device-map: where weights offloaded to disk go"
+    )
+
+
+def _parse_max_memory(value: str) -> dict[int | str, str]:
+    """`0=70GiB,cpu=200GiB` -> `{0: "70GiB", "cpu": "200GiB"}`, the `max_memory` of `from_pretrained`."""
+    limits: dict[int | str, str] = {}
+    for item in value.split(","):
+        device, _, size = item.partition("=")
+        if not device.strip() or not size.strip():
+            raise InputError(f"--max-memory {value}: give DEVICE=SIZE pairs separated by commas, e.g. 0=70GiB,cpu=200GiB.")
+        device = device.strip()
+        limits[int(device) if device.isdigit() else device] = size.strip()
+    return limits
 
 
 def _float_or_auto(value: str) -> float | str:
@@ -93,6 +115,7 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
     from .configuration import COMPENSATION_FORMS, COMPENSATION_TARGETS, PRESETS, SOLVERS
     from .data import CALIBRATION_DATASETS
     from .importance import importance_metric_names
+    from .streaming import EXECUTION_MODES
 
     default = _config_default
     _add_model_arguments(parser)
@@ -192,6 +215,14 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--num-samples", default("num_samples"), "calibration sequences, 128 in the paper", type=int)
     _option(parser, "--seq-len", default("seq_len"), "tokens per calibration sequence", type=int)
     _option(parser, "--batch-size", default("batch_size"), "sequences per forward/backward pass", type=int)
+    _option(
+        parser,
+        "--execution",
+        default("execution"),
+        "how Stage 1's gradient passes run: in_memory, layer_streamed (one layer's weights and activations at a "
+        "time, for models larger than the device), or auto (layer_streamed when --device-map offloads weights)",
+        choices=EXECUTION_MODES,
+    )
     _option(parser, "--seed", default("seed"), "seed for drawing calibration sequences", type=int)
     parser.add_argument(
         "--calibration-file",
@@ -426,6 +457,10 @@ def _load(args: argparse.Namespace, resolved: tuple[str, str | None, str | None]
     location = {"revision": args.revision} if args.revision else {}
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
     device_map = {"device_map": args.device_map} if args.device_map else {}
+    if args.max_memory:
+        device_map["max_memory"] = _parse_max_memory(args.max_memory)
+    if args.offload_folder:
+        device_map["offload_folder"] = args.offload_folder
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **location, **device_map)
     if args.device and not args.device_map:
         model.to(args.device)

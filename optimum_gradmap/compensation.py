@@ -39,11 +39,11 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from . import surgery
+from . import distributed, surgery
 from .adapters import DecoderAdapter, get_adapter
 from .configuration import GradMAPConfig
 from .passes import calibration_batches, for_each_layer_output, forward_hooks, layer_output
-from .weights import WeightBackup, fold_into, linear_map_tensors
+from .weights import WeightBackup, fold_into, linear_map_tensors, materialized
 
 logger = logging.get_logger(__name__)
 
@@ -207,6 +207,7 @@ def compensation_statistics(
     batch_size: int,
     progress_bar: bool = True,
     num_folds: int = 1,
+    first_sample: int = 0,
 ) -> CompensationStatistics | list[CompensationStatistics]:
     """Runs the pruned model on the calibration data and accumulates the Stage 2 statistics of `layer`.
 
@@ -221,6 +222,8 @@ def compensation_statistics(
         batch_size (`int`): Sequences per forward pass.
         num_folds (`int`, defaults to 1): With more than one, the statistics of each fold of the
             calibration sequences (sequence j in fold j mod `num_folds`), for cross-validation.
+        first_sample (`int`, defaults to 0): The index of `input_ids[0]` in the whole calibration set
+            (a process's share of it, see [`optimum_gradmap.distributed`]), which sets the folds.
 
     Returns:
         [`CompensationStatistics`], or a list of one per fold when `num_folds > 1`.
@@ -231,8 +234,9 @@ def compensation_statistics(
     energies = torch.zeros(num_folds, dtype=torch.float64)
     tokens = [0] * num_folds
 
-    def accumulate(mlp_output: torch.Tensor, target: torch.Tensor, first_sample: int) -> None:
-        folds = (torch.arange(first_sample, first_sample + mlp_output.shape[0]) % num_folds).tolist()
+    def accumulate(mlp_output: torch.Tensor, target: torch.Tensor, batch_start: int) -> None:
+        first = first_sample + batch_start
+        folds = (torch.arange(first, first + mlp_output.shape[0]) % num_folds).tolist()
         for fold in sorted(set(folds)):
             rows = [position for position, sample_fold in enumerate(folds) if sample_fold == fold]
             every_row = len(rows) == mlp_output.shape[0]
@@ -246,6 +250,19 @@ def compensation_statistics(
     _for_each_compensation_batch(model, adapter, layer, original_outputs, input_ids, batch_size, progress_bar, accumulate)
     folds = [CompensationStatistics(grams[f], crosses[f], float(energies[f]), tokens[f]) for f in range(num_folds)]
     return folds if num_folds > 1 else folds[0]
+
+
+def summed_over_processes(statistics: CompensationStatistics) -> CompensationStatistics:
+    """The statistics of the whole calibration set from each process's share ([`optimum_gradmap.distributed`])."""
+    if not distributed.is_distributed():
+        return statistics
+    scalars = distributed.all_reduce_sum(torch.tensor([statistics.target_energy, statistics.num_tokens], dtype=torch.float64))
+    return CompensationStatistics(
+        distributed.all_reduce_sum(statistics.gram),
+        distributed.all_reduce_sum(statistics.cross),
+        float(scalars[0]),
+        int(scalars[1]),
+    )
 
 
 # Ridge strengths tried by `reg_lambda="auto"`, relative to the data: ridge = alpha * tr(A) / d (the mean
@@ -498,6 +515,7 @@ def learn_compensation(
     input_ids: torch.LongTensor,
     config: GradMAPConfig,
     progress_bar: bool = True,
+    first_sample: int = 0,
 ) -> CompensationFit:
     """Learns W' for one kept layer of the pruned `model` (Eq. 12-14) with the configured solver.
 
@@ -508,29 +526,51 @@ def learn_compensation(
     With `config.reg_lambda="auto"`, lambda is chosen by cross-validation over calibration sequences
     ([`cross_validate_ridge`]: `AUTO_NUM_FOLDS` folds, `AUTO_RIDGE_GRID` strengths relative to the
     data); when no strength beats W' = I on the held-out sequences, the fit is `skipped`.
+
+    With several processes ([`optimum_gradmap.distributed`]), `input_ids` and `original_outputs` are
+    this process's share of the calibration set, starting at its sequence `first_sample`: the statistics
+    are summed over processes (the stored activations gathered, where a norm follows the MLP), so every
+    process fits the same W'.
     """
-    if config.reg_lambda == "auto":
+    if config.reg_lambda == "auto" and not distributed.is_distributed():  # the pruner checks the whole set
         check_auto_lambda_data(input_ids)
     norm = adapter.get_mlp_output_norm(layer)
     if norm is not None:
         pairs: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-        _for_each_compensation_batch(
-            model, adapter, layer, original_outputs, input_ids, config.batch_size, progress_bar, lambda *item: pairs.append(item)
-        )
-        return _fit_through_norm_with_choice(pairs, norm, config, progress_bar)
+
+        def store(mlp_output: torch.Tensor, target: torch.Tensor, batch_start: int) -> None:
+            if distributed.is_distributed():  # gathered below, on CPU
+                mlp_output, target = mlp_output.cpu(), target.cpu()
+            pairs.append((mlp_output, target, first_sample + batch_start))
+
+        _for_each_compensation_batch(model, adapter, layer, original_outputs, input_ids, config.batch_size, progress_bar, store)
+        pairs = distributed.gather(pairs)
+        with materialized(norm):  # the fit calls the norm many times: offloaded weights stay put meanwhile
+            return _fit_through_norm_with_choice(pairs, norm, config, progress_bar)
 
     choice = None
     if config.reg_lambda == "auto":
         folds = compensation_statistics(
-            model, adapter, layer, original_outputs, input_ids, config.batch_size, progress_bar, num_folds=AUTO_NUM_FOLDS
+            model,
+            adapter,
+            layer,
+            original_outputs,
+            input_ids,
+            config.batch_size,
+            progress_bar,
+            num_folds=AUTO_NUM_FOLDS,
+            first_sample=first_sample,
         )
+        folds = [summed_over_processes(fold) for fold in folds]
         choice = cross_validate_ridge(folds, form=config.compensation_form)
         if choice.alpha is None:
             return _identity_fit(original_outputs.shape[-1], choice)
         statistics = sum(folds[1:], folds[0])
         reg_lambda = relative_ridge(statistics, choice.alpha) / statistics.num_elements
     else:
-        statistics = compensation_statistics(model, adapter, layer, original_outputs, input_ids, config.batch_size, progress_bar)
+        statistics = summed_over_processes(
+            compensation_statistics(model, adapter, layer, original_outputs, input_ids, config.batch_size, progress_bar)
+        )
         reg_lambda = config.reg_lambda
     if config.solver == "closed_form":
         matrix = solve_closed_form(statistics, reg_lambda, config.compensation_form)
@@ -547,9 +587,18 @@ def learn_compensation(
 
 
 def apply_compensation(adapter: DecoderAdapter, layer: nn.Module, matrix: torch.Tensor) -> None:
-    """Folds W' into every down projection of `layer` (Eq. 15)."""
-    for target in adapter.get_down_projections(layer):
-        fold_into(target, matrix)
+    """Folds W' into every down projection of `layer` (Eq. 15), where its weights live (offloaded
+    weights are written back to CPU or the offload folder, see [`~optimum_gradmap.weights.materialized`])."""
+    with materialized(layer):
+        for target in adapter.get_down_projections(layer):
+            fold_into(target, matrix)
+
+
+def down_projection_backup(adapter: DecoderAdapter, layers: Sequence[nn.Module]) -> WeightBackup:
+    """A [`WeightBackup`] of the down projections of `layers`: what Stage 2's fold changes."""
+    return WeightBackup(
+        layers, lambda layer: [tensor for target in adapter.get_down_projections(layer) for tensor in linear_map_tensors(target)]
+    )
 
 
 def compensation_targets(
@@ -661,11 +710,15 @@ def compensate(
     if config.compensation_target == "max_drift":
         check_num_compensated_layers(config.num_compensated_layers, len(kept))
     batch_size = config.batch_size
+    shared_ids, first_sample = distributed.shard(calibration_ids)  # all of them with one process
+
+    def means(layers: Sequence[nn.Module], description: str) -> torch.Tensor:
+        local = hidden_state_means(model, layers, shared_ids, batch_size, progress_bar, description)
+        return distributed.average(local, shared_ids.numel())
+
     with surgery.temporarily(model, dense, range(dense.num_layers), adapter):
-        dense_means = hidden_state_means(model, dense.layers, calibration_ids, batch_size, progress_bar, "Dense hidden states")
-    pruned_means = hidden_state_means(
-        model, adapter.get_layers(model), calibration_ids, batch_size, progress_bar, "Pruned hidden states"
-    )
+        dense_means = means(dense.layers, "Dense hidden states")
+    pruned_means = means(adapter.get_layers(model), "Pruned hidden states")
     result = CompensationResult(
         drift={index: float((dense_means[index] - pruned_means[position]).norm()) for position, index in enumerate(kept)}
     )
@@ -685,23 +738,16 @@ def compensate(
         result.seconds = time.perf_counter() - started
         return result
 
-    result.backup = WeightBackup(
-        [
-            tensor
-            for index, _ in targets
-            for target in adapter.get_down_projections(dense.layers[index])
-            for tensor in linear_map_tensors(target)
-        ]
-    )
+    result.backup = down_projection_backup(adapter, [dense.layers[index] for index, _ in targets])
     folds: list[tuple[nn.Module, torch.Tensor]] = []
     try:
         with surgery.temporarily(model, dense, range(dense.num_layers), adapter):
             ends = sorted({end for _, end in targets})
-            recorded = record_layer_outputs(model, [dense.layers[end] for end in ends], calibration_ids, batch_size, progress_bar)
+            recorded = record_layer_outputs(model, [dense.layers[end] for end in ends], shared_ids, batch_size, progress_bar)
             originals = dict(zip(ends, recorded))
         for index, end in targets:
             layer = dense.layers[index]
-            fit = learn_compensation(model, adapter, layer, originals[end], calibration_ids, config, progress_bar)
+            fit = learn_compensation(model, adapter, layer, originals[end], shared_ids, config, progress_bar, first_sample)
             result.targets[index] = end
             if fit.skipped:
                 result.skipped_layers[index] = "no lambda beat W' = I on held-out calibration sequences"
@@ -723,9 +769,7 @@ def compensate(
                     {index: "the compensation raised the validation perplexity" for index in result.compensated_layers}
                 )
                 result.compensated_layers, result.objective, result.reg_lambda = [], {}, {}
-        compensated_means = hidden_state_means(
-            model, adapter.get_layers(model), calibration_ids, batch_size, progress_bar, "Compensated hidden states"
-        )
+        compensated_means = means(adapter.get_layers(model), "Compensated hidden states")
     except BaseException:
         result.backup.restore()
         raise
@@ -800,10 +844,11 @@ def compensate_run(
         return None
     ((index, end),) = found
     layer = dense.layers[index]
-    backup = WeightBackup([tensor for target in adapter.get_down_projections(layer) for tensor in linear_map_tensors(target)])
+    backup = down_projection_backup(adapter, [layer])
+    shared_ids, first_sample = distributed.shard(calibration_ids)  # all of them with one process
     with surgery.temporarily(model, dense, range(dense.num_layers), adapter):
-        (original,) = record_layer_outputs(model, [dense.layers[end]], calibration_ids, config.batch_size, progress_bar)
-    fit = learn_compensation(model, adapter, layer, original, calibration_ids, config, progress_bar)
+        (original,) = record_layer_outputs(model, [dense.layers[end]], shared_ids, config.batch_size, progress_bar)
+    fit = learn_compensation(model, adapter, layer, original, shared_ids, config, progress_bar, first_sample)
     if not fit.skipped:
         apply_compensation(adapter, layer, fit.matrix)
     return RunCompensation(index, end, None if fit.skipped else fit.reg_lambda, backup)

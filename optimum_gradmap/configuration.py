@@ -14,6 +14,7 @@ from ._deprecation import deprecated_module_attributes
 from .data import check_dataset_name
 from .importance.metrics import IMPORTANCE_METRICS as _METRIC_REGISTRY
 from .importance.metrics import ImportanceMetric
+from .streaming import EXECUTION_MODES
 
 CONFIG_NAME = "gradmap_config.json"
 SOLVERS = ("closed_form", "adam")
@@ -109,6 +110,14 @@ class GradMAPConfig:
             Tokens per calibration sequence (paper: 128).
         batch_size (`int`, defaults to 8):
             Sequences per forward/backward pass. Changes speed and memory, not the result.
+        execution (`str`, defaults to `"auto"`):
+            How the gradient passes of Stage 1 run (see [`optimum_gradmap.streaming`]): `"in_memory"`,
+            one autograd graph over the whole model per batch; `"layer_streamed"`, one layer at a time
+            (a forward pass keeping each layer's input, then a backward pass that recomputes each layer
+            from it), which holds one layer's weights and activations instead of all of them, for
+            models larger than the device; `"auto"`, layer-streamed when the model has weights offloaded
+            by Accelerate (`device_map` with `"cpu"` or `"disk"`), else in memory. Changes speed and
+            memory, not the result.
         seed (`int`, defaults to 0):
             Seed for sampling calibration sequences.
         dataset (`str`, defaults to `"wikipedia"`):
@@ -140,6 +149,7 @@ class GradMAPConfig:
     num_samples: int = 128
     seq_len: int = 128
     batch_size: int = 8
+    execution: str = "auto"
     seed: int = 0
     dataset: str = "wikipedia"
     text_column: str = "text"
@@ -191,6 +201,8 @@ class GradMAPConfig:
             self._check_int("verify_top_k", minimum=1)
         if self.iterative is not None and not isinstance(self.iterative, bool):
             raise ValueError(f"`iterative` must be True, False or None (the metric's own choice), got {self.iterative!r}.")
+        if self.execution not in EXECUTION_MODES:
+            raise ValueError(f"`execution` must be one of {EXECUTION_MODES}, got {self.execution!r}.")
         if self.solver not in SOLVERS:
             raise ValueError(f"`solver` must be one of {SOLVERS}, got {self.solver!r}.")
         if self.reg_lambda != "auto" and (

@@ -30,8 +30,17 @@ from transformers.utils import logging
 
 
 def input_device(model: nn.Module) -> torch.device:
-    """The device a model's input ids go to: that of its input embeddings."""
-    return model.get_input_embeddings().weight.device
+    """The device a model's input ids go to: that of its input embeddings (their execution device
+    where Accelerate offloaded them)."""
+    embeddings = model.get_input_embeddings()
+    device = embeddings.weight.device
+    if device.type == "meta":
+        hook = getattr(embeddings, "_hf_hook", None)
+        hooks = getattr(hook, "hooks", [hook]) if hook is not None else []
+        device = next(
+            (torch.device(h.execution_device) for h in hooks if getattr(h, "execution_device", None) is not None), device
+        )
+    return device
 
 
 @contextmanager

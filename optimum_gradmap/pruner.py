@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from . import surgery
+from . import streaming, surgery
 from ._deprecation import deprecated_module_attributes
 from .adapters import get_adapter
 from .compensation import (
@@ -218,21 +218,22 @@ class GradMAPPruner:
             if config.layers_to_prune is not None:
                 selection = remove_explicit_layers(model, dense, config.layers_to_prune, adapter)
             else:
-                selection = remove_by_importance(
-                    model,
-                    dense,
-                    adapter,
-                    metric,
-                    iterative,
-                    num_to_prune,
-                    calibration_ids,
-                    config.batch_size,
-                    checkpoint,
-                    self.progress_bar,
-                    protected,
-                    config.verify_top_k,
-                    compensate_after if config.compensate_each_round else None,
-                )
+                with streaming.execution_mode(config.execution):
+                    selection = remove_by_importance(
+                        model,
+                        dense,
+                        adapter,
+                        metric,
+                        iterative,
+                        num_to_prune,
+                        calibration_ids,
+                        config.batch_size,
+                        checkpoint,
+                        self.progress_bar,
+                        protected,
+                        config.verify_top_k,
+                        compensate_after if config.compensate_each_round else None,
+                    )
         except BaseException:
             for done in reversed(run_compensations):
                 done.backup.restore()

@@ -29,6 +29,7 @@ from transformers.utils import logging
 
 from ._deprecation import warn_deprecated
 from .configuration import GradMAPConfig
+from .passes import input_device
 
 if TYPE_CHECKING:
     from .evaluation import EvaluationResult
@@ -103,7 +104,7 @@ def build_report(
             "torch": torch.__version__,
             "python": sys.version.split()[0],
             "platform": platform.platform(),
-            "device": str(model.get_input_embeddings().weight.device),
+            "device": str(input_device(model)),
             "dtype": str(model.get_input_embeddings().weight.dtype).replace("torch.", ""),
         },
     }

@@ -39,6 +39,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from .checkpoint import validate_checkpoint
+from .passes import input_device
 
 VLLM_PYTHON_ENV = "OPTIMUM_GRADMAP_VLLM_PYTHON"
 WORKER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.py")
@@ -218,7 +219,7 @@ def reference_outputs(model: PreTrainedModel, prompt_ids: Sequence[Sequence[int]
     Returns:
         `list[dict]`: Per prompt, `tokens`, `token_logprobs` and `prompt_logprobs`.
     """
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     results = []
     for prompt in prompt_ids:
         ids = torch.tensor([list(prompt)], device=device)

@@ -6,13 +6,25 @@
 - transformers' `Conv1D` (GPT-2): the same map with its weight stored transposed, `(d_in, d_out)`;
 - a 3-D expert weight (fused mixture-of-experts layers): `(experts, d_out, d_in)`, expert e maps
   x to W_e x.
+
+and where a weight offloaded by Accelerate really is (the module holds a "meta" placeholder, its hook
+a map to the values on CPU or disk): [`materialized`] puts the values in place for a block and
+writes what the block changed back where they live.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 
 def is_linear_map(module: nn.Module) -> bool:
@@ -58,18 +70,87 @@ def fold_into(target: nn.Module | nn.Parameter, matrix: torch.Tensor) -> None:
         bias.copy_((matrix.to(bias.device, torch.float64) @ bias.double()).to(bias.dtype))
 
 
-class WeightBackup:
-    """Copies of some tensors, to put them back exactly (Stage 2's rollback and re-runs).
+def _offload_hooks(module: nn.Module) -> list[Any]:
+    """The Accelerate hooks of `module` itself that keep its weights offloaded."""
+    hook = getattr(module, "_hf_hook", None)
+    hooks = list(getattr(hook, "hooks", [hook])) if hook is not None else []  # SequentialHook holds several
+    return [hook for hook in hooks if getattr(hook, "offload", False) and getattr(hook, "weights_map", None) is not None]
+
+
+def _store_offloaded(weights_map: Any, name: str, value: torch.Tensor) -> None:
+    """Writes `value` where the offloaded weight `name` of a hook's `weights_map` lives: the CPU
+    state dict, or a new file in the offload folder (never the model's own checkpoint files)."""
+    from accelerate.utils import OffloadedWeightsLoader, PrefixedDataset, offload_weight
+
+    dataset, key = weights_map, name
+    while isinstance(dataset, PrefixedDataset):
+        dataset, key = dataset.dataset, dataset.prefix + key
+    if not isinstance(dataset, OffloadedWeightsLoader):
+        dataset[key] = value
+    elif key in dataset.state_dict or dataset.save_folder is None:
+        dataset.state_dict[key] = value
+    else:
+        os.makedirs(dataset.save_folder, exist_ok=True)
+        offload_weight(value, key, dataset.save_folder, index=dataset.index)
+
+
+@contextmanager
+def materialized(module: nn.Module, device: str | torch.device | None = None) -> Iterator[None]:
+    """Makes the weights of `module` (and its submodules) real tensors for the block, where Accelerate
+    offloaded them to CPU or disk: forward passes inside the block use them as they are (the hooks stop
+    loading and dropping them), and on exit every weight changed in place is written back to where it
+    lives (the CPU state dict, or the offload folder for weights on disk, never the model's own files)
+    and the placeholders are put back. Does nothing for weights that are not offloaded.
 
     Args:
-        tensors (`list[torch.Tensor]`): The tensors to back up (copied now, on their own device).
+        module (`nn.Module`): A module of a model dispatched by Accelerate (or any module).
+        device (`str` or `torch.device`, *optional*): Where to put the weights; defaults to each hook's
+            execution device.
+    """
+    from accelerate.utils import set_module_tensor_to_device
+
+    loaded: list[tuple[nn.Module, Any, str, int]] = []
+    hooks = [(submodule, hook) for submodule in module.modules() for hook in _offload_hooks(submodule)]
+    try:
+        for submodule, hook in hooks:
+            hook.offload = False  # forward passes in the block keep the weights put here
+            for name, _ in submodule.named_parameters(recurse=False):
+                target = hook.execution_device if device is None else device
+                set_module_tensor_to_device(submodule, name, target, value=hook.weights_map[name])
+                loaded.append((submodule, hook, name, getattr(submodule, name)._version))
+        yield
+    finally:
+        for submodule, hook, name, version in loaded:
+            value = getattr(submodule, name)
+            if value._version != version:
+                _store_offloaded(hook.weights_map, name, value.detach().to("cpu"))
+            set_module_tensor_to_device(submodule, name, "meta")
+        for _, hook in hooks:
+            hook.offload = True
+
+
+class WeightBackup:
+    """Copies of some parameters of some layers, to put them back exactly (Stage 2's rollback and
+    re-runs), offloaded or not.
+
+    Args:
+        layers (`Sequence[nn.Module]`): The layers that hold them.
+        tensors_of (`Callable`): Maps a layer (its weights [`materialized`]) to the parameters of it to
+            back up; they are copied now, to CPU.
     """
 
-    def __init__(self, tensors: list[torch.Tensor]):
-        self._copies = [(tensor, tensor.detach().clone()) for tensor in tensors]
+    def __init__(self, layers: Sequence[nn.Module], tensors_of: Callable[[nn.Module], list[torch.Tensor]]):
+        self._copies: list[tuple[nn.Module, list[tuple[str, torch.Tensor]]]] = []
+        for layer in layers:
+            with materialized(layer):
+                names = {id(parameter): name for name, parameter in layer.named_parameters()}
+                saved = [(names[id(tensor)], tensor.detach().to("cpu", copy=True)) for tensor in tensors_of(layer)]
+            self._copies.append((layer, saved))
 
     @torch.no_grad()
     def restore(self) -> None:
-        """Writes the saved values back into the tensors."""
-        for tensor, saved in self._copies:
-            tensor.copy_(saved)
+        """Writes the saved values back into the parameters."""
+        for layer, saved in self._copies:
+            with materialized(layer):
+                for name, value in saved:
+                    layer.get_parameter(name).copy_(value)

@@ -27,7 +27,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from ..passes import calibration_mode
+from ..passes import calibration_mode, input_device
 
 logger = logging.get_logger(__name__)
 
@@ -212,7 +212,7 @@ def zero_shot_accuracy(
     previous_level = lm_eval_logger.level
     if not progress_bar:
         lm_eval_logger.setLevel(python_logging.ERROR)
-    device = str(model.get_input_embeddings().weight.device)
+    device = str(input_device(model))
     try:
         with tempfile.TemporaryDirectory() as task_dir, calibration_mode(model):
             if task_data == "offline":

@@ -44,9 +44,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.utils import logging
 
+from .. import streaming
 from .._deprecation import warn_deprecated
 from ..adapters import DecoderAdapter, get_adapter
-from ..passes import calibration_batches, calibration_mode
+from ..passes import calibration_batches, calibration_mode, input_device
 from ..weights import is_linear_map
 
 logger = logging.get_logger(__name__)
@@ -381,7 +382,7 @@ def split_at_lm_head(
         return model(inputs_embeds=inputs_embeds, use_cache=False).logits
 
     with torch.no_grad():
-        inputs_embeds = model.get_input_embeddings()(input_ids[:1, :16].to(model.get_input_embeddings().weight.device))
+        inputs_embeds = model.get_input_embeddings()(input_ids[:1, :16].to(input_device(model)))
         expected = whole_model(inputs_embeds)
         try:
             logits = head(decoder(inputs_embeds))
@@ -415,6 +416,9 @@ def loss_gradient_passes(
 
     The model's parameters are frozen (the backward pass computes activation gradients only, which
     hooks read), except `parameters`, whose `.grad` accumulates; every flag is restored on exit.
+    Under [`~optimum_gradmap.streaming.execution_mode`] `"layer_streamed"` (or `"auto"` with offloaded
+    weights) the passes run one layer at a time ([`~optimum_gradmap.streaming.streamed_backward`]):
+    the same hooks see the same computations, with one layer's weights and activations in memory.
 
     Args:
         model (`nn.Module`): A causal LM.
@@ -433,13 +437,24 @@ def loss_gradient_passes(
         for parameter in parameters:
             parameter.requires_grad_(True)
         decoder, head, width = split_at_lm_head(model, adapter, input_ids)
+        layer_streamed = streaming.streams(model)
+        if layer_streamed and parameters and streaming.is_offloaded(model):
+            raise NotImplementedError(
+                "This score needs parameter gradients, which offloaded weights cannot accumulate (Accelerate "
+                "brings a new copy of them for every forward pass). Load the model without CPU/disk offload, "
+                "or use a score that needs no parameter gradient (gradmap, gradmap_bound, taylor_gate, ...)."
+            )
         for batch in batches:
             if on_batch_start is not None:
                 on_batch_start(batch)
             inputs_embeds = embeddings(batch).detach().requires_grad_(True)
-            hidden_states = decoder(inputs_embeds)
-            hidden_grads = causal_lm_loss_gradient(hidden_states, batch, head, width)
-            torch.autograd.backward(hidden_states, hidden_grads, inputs=[inputs_embeds, *parameters])
+            loss_gradient = partial(causal_lm_loss_gradient, input_ids=batch, compute_logits=head, vocab_size=width)
+            if layer_streamed:
+                calls = streaming.LayerCalls(decoder, adapter.get_layers(model), inputs_embeds.detach())
+                streaming.streamed_backward(calls, adapter.get_layers(model), loss_gradient, parameters)
+            else:
+                hidden_states = decoder(inputs_embeds)
+                torch.autograd.backward(hidden_states, loss_gradient(hidden_states), inputs=[inputs_embeds, *parameters])
             if on_batch_end is not None:
                 on_batch_end(batch)
 

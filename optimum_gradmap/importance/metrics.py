@@ -44,7 +44,9 @@ logger = logging.get_logger(__name__)
 class ImportanceMetric:
     """Scores the decoder layers currently in a model; the lowest-scoring layers are removed first.
 
-    Subclasses set `name`, `iterative` (whether their paper re-scores after each removal) and
+    Subclasses set `name`, `iterative` (whether their paper re-scores after each removal),
+    `mean_over_samples` (whether the score is a mean over calibration sequences of per-sequence values, so
+    that processes can score shares of them and average, see [`optimum_gradmap.distributed`]) and
     implement [`~ImportanceMetric.score`]. Register a subclass with [`register_importance_metric`] to
     make its name usable in `GradMAPConfig(importance=...)` and on the command line, or pass an
     instance directly: `GradMAPConfig(importance=MyMetric())`.
@@ -55,6 +57,7 @@ class ImportanceMetric:
 
     name: ClassVar[str]
     iterative: ClassVar[bool] = False
+    mean_over_samples: ClassVar[bool] = False
 
     def __init__(self, seed: int = 0):
         self.seed = seed
@@ -146,6 +149,7 @@ class GradMAPImportance(ImportanceMetric):
     Iterative (Algorithm 1). See [`gradient_importance`]."""
 
     name = "gradmap"
+    mean_over_samples = True
     iterative = True
 
     def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
@@ -196,6 +200,7 @@ class BlockInfluence(ImportanceMetric):
     """
 
     name = "block_influence"
+    mean_over_samples = True
 
     def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
         def influence(hidden_in: torch.Tensor, hidden_out: torch.Tensor) -> torch.Tensor:
@@ -295,6 +300,7 @@ class SLEBImportance(ImportanceMetric):
     """
 
     name = "sleb"
+    mean_over_samples = True
     iterative = True
 
     def protected_layers(self, num_layers: int) -> set[int]:
@@ -371,6 +377,7 @@ class RelativeMagnitude(ImportanceMetric):
     """
 
     name = "relative_magnitude"
+    mean_over_samples = True
 
     def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
         def magnitude(hidden_in: torch.Tensor, hidden_out: torch.Tensor) -> torch.Tensor:
@@ -398,6 +405,7 @@ class ResidualBranchMetric(ImportanceMetric):
     nothing per parameter (see [`optimum_gradmap.importance.residual`]). Subclasses set `statistic`."""
 
     iterative = True
+    mean_over_samples = True
     statistic: ClassVar[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
 
     def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):

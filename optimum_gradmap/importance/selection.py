@@ -15,13 +15,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from .. import surgery
+from .. import distributed, surgery
 from ..adapters import DecoderAdapter
 from .metrics import ImportanceMetric, removal_losses
 
@@ -141,6 +142,26 @@ def remove_explicit_layers(
     return Selection(removed_layers=list(layers_to_prune), kept_layers=kept)
 
 
+def score_on_shares(
+    metric: ImportanceMetric,
+    model: PreTrainedModel,
+    adapter: DecoderAdapter,
+    calibration_ids: torch.LongTensor,
+    batch_size: int,
+    positions: list[int],
+    progress_bar: bool = True,
+    description: str = "Scoring layers",
+) -> dict[int, float]:
+    """`metric.score_layers` on all calibration sequences; with several processes
+    ([`optimum_gradmap.distributed`]), each scores its share and the means are averaged where the metric
+    is a mean over sequences (`metric.mean_over_samples`), else every process scores all of them."""
+    if not metric.mean_over_samples:
+        return metric.score_layers(model, adapter, calibration_ids, batch_size, positions, progress_bar, description)
+    return distributed.mean_over_samples(
+        lambda ids: metric.score_layers(model, adapter, ids, batch_size, positions, progress_bar, description), calibration_ids
+    )
+
+
 def remove_by_importance(
     model: PreTrainedModel,
     dense: surgery.LayerSnapshot,
@@ -214,14 +235,27 @@ def remove_by_importance(
         else:
             if iterative or round_index == 0:
                 positions = [kept.index(index) for index in remaining]
-                scored = metric.score_layers(model, adapter, calibration_ids, batch_size, positions, progress_bar, description)
+                scored = score_on_shares(
+                    metric, model, adapter, calibration_ids, batch_size, positions, progress_bar, description
+                )
                 round_scores = {kept[position]: float(score) for position, score in scored.items()}
             else:  # a one-shot metric: the first round's scores of the layers that remain
                 round_scores = {index: round_scores[index] for index in kept if index in round_scores}
             if verify_top_k is not None:
                 shortlist = sorted(remaining, key=lambda index: (round_scores[index], index))[:verify_top_k]
                 positions = [kept.index(index) for index in shortlist]
-                losses = removal_losses(model, adapter, calibration_ids, batch_size, positions, progress_bar, description)
+                losses = distributed.mean_over_samples(
+                    partial(
+                        removal_losses,
+                        model,
+                        adapter,
+                        batch_size=batch_size,
+                        positions=positions,
+                        progress_bar=progress_bar,
+                        description=description,
+                    ),
+                    calibration_ids,
+                )
                 verified = {kept[position]: loss for position, loss in losses.items()}
         selection.scores.append(round_scores)
         if verified:
@@ -236,7 +270,7 @@ def remove_by_importance(
         if after_removal is not None:
             for index in to_remove:
                 after_removal(index)
-        if checkpoint is not None and round_index >= len(saved_rounds):
+        if checkpoint is not None and round_index >= len(saved_rounds) and distributed.is_main_process():
             checkpoint.save_round(round_scores, to_remove, time.perf_counter() - started, verified)
         for index in to_remove:
             how = f"calibration loss without it {verified[index]:.6g}" if verified else f"score {round_scores[index]:.6g}"

@@ -1,0 +1,133 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""Data-parallel calibration over `torch.distributed`: several processes share the calibration sequences.
+
+Launch the same script (or `optimum-gradmap prune`) with `torchrun --nproc-per-node N` or
+`accelerate launch --num-processes N`; each process holds the model (or its own device map) and
+works on its contiguous share of the calibration sequences ([`shard`]). Everything the method
+accumulates over sequences is summed across processes with all-reduce, so every process takes the
+same decisions and ends with the same pruned model, identical (up to the order of float sums) to one
+process on all the sequences:
+
+- Stage 1: the scores of every metric that is a mean over calibration sequences
+  (`ImportanceMetric.mean_over_samples`: GradMAP, the bound and Taylor-gate scores, Block Influence,
+  relative magnitude, SLEB's losses and the verified shortlists) as weighted means ([`average`]);
+  other metrics (Taylor+, random) are computed by every process on all sequences;
+- Stage 2: the mean hidden states (drift), the sufficient statistics of the fit (A, C, ||r||^2 and
+  token counts, per cross-validation fold), and, where a norm follows the MLP (Gemma2/3, OLMo2),
+  the fit's stored activations, gathered ([`gather`]).
+
+Only the main process ([`is_main_process`]) writes files. Without an initialised process group of
+more than one process every function here is the identity.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def is_distributed() -> bool:
+    """Whether a `torch.distributed` process group of more than one process is running."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """The number of processes (1 without a process group)."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_main_process() -> bool:
+    """Whether this process writes files and prints results (rank 0, or the only process)."""
+    return rank() == 0
+
+
+def init_from_environment() -> bool:
+    """Joins the process group described by the launcher's environment (`torchrun`, `accelerate launch`:
+    `WORLD_SIZE`, `RANK`, `MASTER_ADDR`, ...), with the NCCL backend when CUDA is available, else gloo.
+    Does nothing when the group exists already or the environment names one process.
+
+    Returns:
+        `bool`: Whether this process is one of several.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist.is_available() and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend)
+    return is_distributed()
+
+
+def barrier() -> None:
+    """Waits until every process gets here (nothing without a process group)."""
+    if is_distributed():
+        dist.barrier()
+
+
+def _communication_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def shard_bounds(num_samples: int) -> tuple[int, int]:
+    """`(start, stop)` of this process's contiguous share of `num_samples` sequences (sizes differ by at most one)."""
+    size, process = world_size(), rank()
+    if num_samples < size:
+        raise ValueError(f"{num_samples} calibration sequences cannot be shared by {size} processes: use at least {size}.")
+    return process * num_samples // size, (process + 1) * num_samples // size
+
+
+def shard(input_ids: torch.LongTensor) -> tuple[torch.LongTensor, int]:
+    """This process's share of the sequences `input_ids` and the index of its first one in `input_ids`."""
+    start, stop = shard_bounds(input_ids.shape[0])
+    return input_ids[start:stop], start
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum over processes of `tensor` (a new tensor on `tensor`'s device)."""
+    if not is_distributed():
+        return tensor
+    total = tensor.detach().to(_communication_device(), copy=True)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.to(tensor.device)
+
+
+def average(local_mean: torch.Tensor, local_count: int) -> torch.Tensor:
+    """The mean over all processes' items of a quantity each process averaged over its `local_count` items."""
+    if not is_distributed():
+        return local_mean
+    total = all_reduce_sum(local_mean.double() * local_count)
+    count = all_reduce_sum(torch.tensor(float(local_count), dtype=torch.float64))
+    return (total / count).to(local_mean.dtype)
+
+
+def gather(items: list[T]) -> list[T]:
+    """Every process's `items` (picklable), concatenated in rank order: with contiguous shards, the
+    order of the sequences."""
+    if not is_distributed():
+        return items
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, items)
+    return [item for part in gathered for item in part]
+
+
+def mean_over_samples(compute: Callable[[torch.LongTensor], dict[int, float]], input_ids: torch.LongTensor) -> dict[int, float]:
+    """`compute(input_ids)` for a `compute` that returns means over the sequences it is given, with each
+    process computing it on its share and the results averaged (weighted by share size)."""
+    if not is_distributed():
+        return compute(input_ids)
+    local, _ = shard(input_ids)
+    values = compute(local)
+    keys = sorted(values)
+    means = average(torch.tensor([values[key] for key in keys], dtype=torch.float64), local.shape[0])
+    return dict(zip(keys, means.tolist()))

@@ -1,0 +1,208 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""Layer-streamed execution: gradient passes that hold one decoder layer's weights and activations at a time.
+
+A model too large for the compute device is dispatched by Accelerate (`device_map` with `"cpu"` or
+`"disk"` entries, or `device_map="auto"` with `max_memory`): its offloaded weights live on CPU or in
+the safetensors files, and each module's hook brings them to the execution device for its forward
+pass only. A forward pass then needs one layer's weights at a time; a backward pass through
+autograd does not, because the graph keeps every layer's weights (and activations) alive until it
+is traversed. [`streamed_loss_gradient_passes`] therefore computes the same gradients as
+[`~optimum_gradmap.importance.gradient.loss_gradient_passes`] layer by layer:
+
+1. a forward pass without gradients, one layer at a time, keeping only each layer's input;
+2. the loss gradient at the final hidden states (through the final norm, a few logits at a time);
+3. a backward pass from the last layer to the first, each layer recomputed from its stored input
+   with gradients on, and differentiated at once: the hooks of the scores see the same forward and
+   backward computations as in memory, and the gradient at the layer's input goes to the layer before.
+
+Peak memory: one layer's weights, the stored layer inputs (layers x batch x tokens x hidden) and one
+layer's activations. Scores are identical to the in-memory passes (same computations, same order).
+
+Which passes stream is set by [`execution_mode`] (the pruner enters it with `GradMAPConfig.execution`):
+`"auto"` streams when the model has offloaded weights, `"layer_streamed"` always, `"in_memory"` never.
+Forward-only passes (SLEB's removal losses, Stage 2's statistics, perplexity) need no change: under
+Accelerate's hooks they already hold one layer's weights at a time.
+
+The decoder's own forward is used for everything around the layers (embedding scale, attention masks,
+position embeddings, the final norm), with stand-ins in its layer list, so no family needs code here.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from .passes import layer_input, layer_output
+from .weights import materialized
+
+EXECUTION_MODES = ("auto", "in_memory", "layer_streamed")
+_EXECUTION = contextvars.ContextVar("optimum_gradmap_execution", default="auto")
+
+
+def _hooks_of(module: nn.Module) -> list[Any]:
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None:
+        return []
+    return list(getattr(hook, "hooks", [hook]))  # accelerate's SequentialHook holds several
+
+
+def is_offloaded(model: nn.Module) -> bool:
+    """Whether some of `model`'s weights are offloaded by Accelerate (kept on CPU or disk and brought to
+    the execution device for each forward pass only)."""
+    return any(getattr(hook, "offload", False) for module in model.modules() for hook in _hooks_of(module))
+
+
+@contextmanager
+def execution_mode(mode: str) -> Iterator[None]:
+    """Sets how gradient passes run inside the block: `"auto"` (layer-streamed when the model has
+    offloaded weights), `"layer_streamed"` or `"in_memory"`."""
+    if mode not in EXECUTION_MODES:
+        raise ValueError(f"execution={mode!r} is not one of {EXECUTION_MODES}.")
+    token = _EXECUTION.set(mode)
+    try:
+        yield
+    finally:
+        _EXECUTION.reset(token)
+
+
+def streams(model: nn.Module) -> bool:
+    """Whether gradient passes over `model` run layer-streamed under the current [`execution_mode`]."""
+    mode = _EXECUTION.get()
+    return mode == "layer_streamed" or (mode == "auto" and is_offloaded(model))
+
+
+class _StopDecoder(Exception):
+    """Ends the recording pass once the last layer's call is known."""
+
+
+class _StandIn(nn.Module):
+    """Takes a decoder layer's place in its list for one pass: records the call it receives, and
+    returns what it is told to (its input when told nothing). Attribute reads fall back to the layer
+    (decoders read e.g. `attention_type` from their layers)."""
+
+    def __init__(self, layer: nn.Module, on_call: Callable[[tuple, dict], Any]):
+        super().__init__()
+        object.__setattr__(self, "_layer", layer)  # not a submodule: its hooks and parameters stay out of this pass
+        object.__setattr__(self, "_on_call", on_call)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_layer"), name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._on_call(args, kwargs)
+
+
+@contextmanager
+def _stand_ins(layers: nn.ModuleList, on_call: Callable[[int, tuple, dict], Any]) -> Iterator[None]:
+    originals = list(layers)
+    try:
+        for position, layer in enumerate(originals):
+            layers[position] = _StandIn(layer, lambda args, kwargs, p=position: on_call(p, args, kwargs))
+        yield
+    finally:
+        for position, layer in enumerate(originals):
+            layers[position] = layer
+
+
+class LayerCalls:
+    """How the decoder calls each of its layers for one batch: the first layer's input hidden states,
+    and every layer's other arguments (attention mask, position embeddings, ...), recorded by one pass
+    of the decoder with stand-ins in its layer list (no layer runs).
+
+    Args:
+        decoder (`Callable`): Maps `inputs_embeds` to the decoder's final hidden states.
+        layers (`nn.ModuleList`): The decoder's layer list.
+        inputs_embeds (`torch.Tensor`): The batch's input embeddings.
+    """
+
+    def __init__(self, decoder: Callable[[torch.Tensor], torch.Tensor], layers: nn.ModuleList, inputs_embeds: torch.Tensor):
+        self._decoder = decoder
+        self._layers = layers
+        self._inputs_embeds = inputs_embeds
+        self.arguments: list[tuple[tuple, dict]] = [((), {})] * len(layers)
+        self.hidden_states: torch.Tensor | None = None
+        self.returns_tuple = False
+
+        def record(position: int, args: tuple, kwargs: dict) -> Any:
+            hidden = layer_input(args, kwargs)
+            if position == 0:
+                self.hidden_states = hidden
+            rest = {key: value for key, value in kwargs.items() if key != "hidden_states"}
+            self.arguments[position] = (args[1:] if args else (), rest)
+            if position == len(layers) - 1:
+                raise _StopDecoder
+            return hidden
+
+        with torch.no_grad(), _stand_ins(layers, record):
+            try:
+                decoder(inputs_embeds)
+            except _StopDecoder:
+                pass
+
+    def run_layer(self, position: int, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Runs layer `position` on `hidden_states` as the decoder would, and returns its output hidden states."""
+        args, kwargs = self.arguments[position]
+        output = self._layers[position](hidden_states, *args, **kwargs)
+        self.returns_tuple = isinstance(output, (tuple, list))
+        return layer_output(output)
+
+    def finish(self, last_hidden_states: torch.Tensor) -> torch.Tensor:
+        """What the decoder returns when its last layer outputs `last_hidden_states` (its final norm
+        and whatever follows the layers), differentiable in `last_hidden_states`."""
+        last = len(self._layers) - 1
+
+        def replay(position: int, args: tuple, kwargs: dict) -> Any:
+            hidden = last_hidden_states if position == last else layer_input(args, kwargs)
+            return (hidden,) if self.returns_tuple else hidden
+
+        with _stand_ins(self._layers, replay):
+            return self._decoder(self._inputs_embeds)
+
+
+def streamed_backward(
+    calls: LayerCalls,
+    layers: Sequence[nn.Module],
+    compute_hidden_grads: Callable[[torch.Tensor], torch.Tensor],
+    parameters: Sequence[nn.Parameter] = (),
+) -> torch.Tensor:
+    """One batch's layer-streamed forward and backward passes (steps 1 to 3 of the module docstring).
+
+    Args:
+        calls (`LayerCalls`): The batch's recorded layer calls.
+        layers (`Sequence[nn.Module]`): The decoder layers, in order.
+        compute_hidden_grads (`Callable`): Maps the decoder's final hidden states to the loss gradient there.
+        parameters (`Sequence[nn.Parameter]`, *optional*): Parameters whose `.grad` accumulates.
+
+    Returns:
+        `torch.Tensor`: The loss gradient at the first layer's input.
+    """
+    wanted = {id(parameter) for parameter in parameters}
+    inputs = []
+    hidden = calls.hidden_states.detach()
+    with torch.no_grad():
+        for position in range(len(layers)):
+            inputs.append(hidden)
+            hidden = calls.run_layer(position, hidden)
+    with torch.enable_grad():
+        last = hidden.detach().requires_grad_(True)
+        final = calls.finish(last)
+        (gradient,) = torch.autograd.grad(final, last, compute_hidden_grads(final))
+    for position in reversed(range(len(layers))):
+        hidden_in = inputs.pop().requires_grad_(True)
+        with materialized(layers[position]):  # offloaded weights stay put until the layer's backward is done
+            with torch.enable_grad():
+                hidden_out = calls.run_layer(position, hidden_in)
+            layer_parameters = [p for p in layers[position].parameters() if id(p) in wanted]
+            torch.autograd.backward(hidden_out, gradient, inputs=[hidden_in, *layer_parameters])
+        gradient = hidden_in.grad
+        del hidden_in, hidden_out
+    return gradient

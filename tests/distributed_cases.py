@@ -1,0 +1,39 @@
+"""The cases of the data-parallel check, shared by tests/test_distributed.py (one process) and
+tests/integration/distributed_worker.py (each of the torchrun processes)."""
+
+from __future__ import annotations
+
+import torch
+
+from optimum_gradmap import GradMAPConfig
+from tests.conftest import random_ids, tiny_model
+
+# case -> (family, config settings, calibration sequences). 10 sequences over 2 processes: shares of 5, so
+# the cross-validation folds (sequence j in fold j mod 4) must be counted from each share's first sequence.
+CASES = {
+    "gradmap_paper_stage2": ("llama", dict(num_layers_to_prune=2), 8),
+    "bound_shortlist_span_end_auto": (
+        "llama",
+        dict(
+            num_layers_to_prune=2,
+            importance="gradmap_bound_token",
+            verify_top_k=2,
+            compensation_target="span_end",
+            reg_lambda="auto",
+        ),
+        10,
+    ),
+    "sleb_norm_after_mlp": (
+        "gemma2",
+        dict(num_layers_to_prune=2, importance="sleb", compensation_target="span_end", reg_lambda="auto", adam_steps=50),
+        10,
+    ),
+    "taylor_moe": ("mixtral", dict(num_layers_to_prune=2, importance="taylor", protected_layers=[0, 5]), 8),
+}
+
+
+def case_inputs(case: str) -> tuple[torch.nn.Module, GradMAPConfig, torch.LongTensor, torch.LongTensor]:
+    """The model, config, calibration sequences and probe sequences (for logits) of `case`."""
+    family, settings, num_samples = CASES[case]
+    config = GradMAPConfig(**settings, num_samples=num_samples, seq_len=16, batch_size=2)
+    return tiny_model(family, num_layers=6), config, random_ids(num_samples, 16), random_ids(2, 16, seed=1)

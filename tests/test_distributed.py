@@ -1,0 +1,78 @@
+"""Data-parallel calibration (optimum_gradmap.distributed): two processes on the gloo backend (CPU)
+prune every case of tests/distributed_cases.py and must agree with each other and with one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from optimum_gradmap import GradMAPPruner, distributed
+from tests.distributed_cases import CASES, case_inputs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory) -> str:
+    output = str(tmp_path_factory.mktemp("distributed"))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        os.path.join(ROOT, "tests", "integration", "distributed_worker.py"),
+        output,
+    ]
+    environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    completed = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    return output
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_two_processes_prune_like_one(two_process_run, case):
+    ranks = []
+    for rank in (0, 1):
+        with open(os.path.join(two_process_run, case, f"rank-{rank}.json"), encoding="utf-8") as file:
+            ranks.append(json.load(file))
+    assert [found["world_size"] for found in ranks] == [2, 2]
+    assert ranks[0] == {**ranks[1], "world_size": 2}  # every process took the same decisions, bit for bit
+
+    model, config, calibration_ids, probe_ids = case_inputs(case)
+    single = GradMAPPruner(config, progress_bar=False).prune(model, calibration_ids)
+    found = ranks[0]
+    assert found["removed_layers"] == single.removed_layers
+    assert found["compensated_layers"] == single.compensated_layers
+    for shared_round, single_round in zip(found["scores"], single.scores):
+        assert set(map(int, shared_round)) == set(single_round)
+        for index, score in single_round.items():
+            assert shared_round[str(index)] == pytest.approx(score, rel=1e-6, abs=1e-12)  # float32 sums, other order
+    assert {int(k): v for k, v in found["compensation_lambda"].items()} == pytest.approx(single.compensation_lambda, rel=1e-6)
+    with torch.no_grad():
+        single_logits = single.model(probe_ids).logits
+    torch.testing.assert_close(torch.tensor(found["logits"]).view_as(single_logits), single_logits, rtol=1e-5, atol=1e-5)
+
+    # rank 0 alone saved, and the checkpoint is the pruned model
+    checkpoint = os.path.join(two_process_run, case, "checkpoint")
+    saved = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(saved(probe_ids).logits, torch.tensor(found["logits"]).view_as(single_logits))
+    leftovers = [name for name in os.listdir(os.path.join(two_process_run, case)) if name.startswith(".")]
+    assert leftovers == []
+
+
+def test_one_process_is_the_identity():
+    ids = torch.arange(12).view(6, 2)
+    assert not distributed.is_distributed()
+    shared, first = distributed.shard(ids)
+    assert first == 0 and torch.equal(shared, ids)
+    assert distributed.mean_over_samples(lambda part: {0: float(part.sum())}, ids) == {0: float(ids.sum())}
+    assert distributed.gather([1, 2]) == [1, 2]

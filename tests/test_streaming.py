@@ -1,0 +1,159 @@
+"""Layer-streamed execution (optimum_gradmap.streaming) and models dispatched by Accelerate with CPU/disk
+offload: the same scores, layers and logits as in memory, one layer's weights at a time, the fold written
+where offloaded weights live and never into the model's own files."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+from contextlib import contextmanager
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from optimum_gradmap import GradMAPConfig, GradMAPPruner, streaming
+from optimum_gradmap.adapters import get_adapter
+from optimum_gradmap.importance import get_importance_metric
+from tests.conftest import FAMILIES, random_ids, small_config, tiny_model
+
+# every gradient pass: per-parameter hooks (gradmap), residual-branch hooks (the bound), parameter .grad (taylor)
+STREAMED_METRICS = ["gradmap", "gradmap_bound_token", "taylor"]
+
+
+@contextmanager
+def _counting_streamed_batches(calls: list):
+    original = streaming.streamed_backward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    streaming.streamed_backward = counted
+    try:
+        yield
+    finally:
+        streaming.streamed_backward = original
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layer_streamed_scores_equal_in_memory(family):
+    model = tiny_model(family)
+    adapter = get_adapter(model)
+    ids = random_ids(6, 16)
+    for name in STREAMED_METRICS:
+        metric = get_importance_metric(name)
+        in_memory = metric.score(model, adapter, ids, 4, progress_bar=False)
+        calls = []
+        with streaming.execution_mode("layer_streamed"), _counting_streamed_batches(calls):
+            streamed = metric.score(model, adapter, ids, 4, progress_bar=False)
+        assert len(calls) == 2, "two batches, each streamed"
+        torch.testing.assert_close(torch.tensor(streamed), torch.tensor(in_memory), rtol=1e-10, atol=0, msg=f"{family} {name}")
+
+
+def _offloaded(folder: str, max_cpu_bytes: int = 120_000) -> torch.nn.Module:
+    """The checkpoint in `folder` dispatched by Accelerate: what fits in `max_cpu_bytes` in memory, the rest on disk."""
+    return AutoModelForCausalLM.from_pretrained(
+        folder,
+        device_map="auto",
+        max_memory={"cpu": max_cpu_bytes},
+        offload_folder=os.path.join(folder, "offload"),
+        dtype=torch.float32,
+    )
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as file:
+        return hashlib.sha256(file.read()).hexdigest()
+
+
+@pytest.mark.parametrize(
+    "family, stage2",
+    [
+        ("llama", dict()),  # the paper's Stage 2: the largest-drift layer, the last one, is on disk
+        ("llama", dict(compensation_target="span_end", reg_lambda="auto")),
+        ("gemma2", dict(compensation_target="span_end", reg_lambda="auto", adam_steps=50)),  # norm after the MLP
+        ("mixtral", dict()),  # 3-D expert weights
+    ],
+)
+def test_offloaded_model_prunes_like_in_memory(tmp_path, family, stage2):
+    dense = tiny_model(family)
+    folder = str(tmp_path / "dense")
+    dense.save_pretrained(folder)
+    source_hash = _sha256(os.path.join(folder, "model.safetensors"))
+    ids, probe = random_ids(8, 16), random_ids(2, 16, seed=1)
+    config = small_config(**stage2)
+
+    in_memory = GradMAPPruner(config, progress_bar=False).prune(copy.deepcopy(dense), ids)
+    model = _offloaded(folder)
+    assert "disk" in model.hf_device_map.values() and streaming.is_offloaded(model)
+    offloaded = GradMAPPruner(config, progress_bar=False).prune(model, ids)
+
+    assert offloaded.removed_layers == in_memory.removed_layers
+    assert offloaded.compensated_layers == in_memory.compensated_layers
+    for streamed_round, in_memory_round in zip(offloaded.scores, in_memory.scores):
+        assert streamed_round == pytest.approx(in_memory_round, rel=1e-10)
+    with torch.no_grad():
+        expected = in_memory.model(probe).logits
+        torch.testing.assert_close(offloaded.model(probe).logits, expected, rtol=1e-6, atol=1e-6)
+    assert _sha256(os.path.join(folder, "model.safetensors")) == source_hash, "the model's own files were written"
+
+    saved = offloaded.save_pretrained(str(tmp_path / "pruned"))
+    with torch.no_grad():
+        reloaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)(probe).logits
+    torch.testing.assert_close(reloaded, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_offloaded_fold_is_written_to_the_offload_folder(tmp_path):
+    folder = str(tmp_path / "dense")
+    tiny_model("llama").save_pretrained(folder)
+    model = _offloaded(folder)
+    assert model.hf_device_map["model.layers.5"] == "disk"
+    config = GradMAPConfig(layers_to_prune=[2, 3], num_samples=8, seq_len=16, batch_size=4)
+    result = GradMAPPruner(config, progress_bar=False).prune(model, random_ids(8, 16))
+    assert result.compensated_layers == [5]
+    written = os.listdir(os.path.join(folder, "offload"))
+    assert written == ["model.layers.5.mlp.down_proj.weight.dat"]
+    assert model.model.layers[-1].mlp.down_proj.weight.device.type == "meta"  # still offloaded after the fold
+
+
+def test_layer_streamed_pass_holds_one_offloaded_layer_at_a_time(tmp_path):
+    folder = str(tmp_path / "dense")
+    tiny_model("llama").save_pretrained(folder)
+    model = _offloaded(folder, max_cpu_bytes=60_000)
+    adapter = get_adapter(model)
+    layers = list(adapter.get_layers(model))
+    offloaded = [layer for layer in layers if layer.mlp.down_proj.weight.device.type == "meta"]
+    assert len(offloaded) >= 4
+    most_at_once = 0
+
+    def count(module, args, output):
+        nonlocal most_at_once
+        real = sum(layer.mlp.down_proj.weight.device.type != "meta" for layer in offloaded)
+        most_at_once = max(most_at_once, real)
+
+    handles = [layer.register_forward_hook(count) for layer in layers]
+    try:
+        scores = get_importance_metric("gradmap").score(model, adapter, random_ids(4, 16), 4, progress_bar=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert most_at_once == 1
+    assert all(score > 0 for score in scores)
+
+
+def test_parameter_gradient_score_on_offloaded_model_says_why(tmp_path):
+    folder = str(tmp_path / "dense")
+    tiny_model("llama").save_pretrained(folder)
+    model = _offloaded(folder)
+    with pytest.raises(NotImplementedError, match="offloaded weights cannot accumulate"):
+        get_importance_metric("taylor").score(model, get_adapter(model), random_ids(4, 16), 4, progress_bar=False)
+
+
+def test_execution_mode_is_checked():
+    with pytest.raises(ValueError, match="execution"):
+        GradMAPConfig(pruning_ratio=0.25, execution="streamed")
+    with pytest.raises(ValueError, match="in_memory"):
+        with streaming.execution_mode("fast"):
+            pass
