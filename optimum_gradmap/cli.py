@@ -481,6 +481,7 @@ def run_prune(args: argparse.Namespace) -> int:
     Everything that can be checked is checked before any compute (options, datasets, calibration files,
     device, output folder, model name), so that bad input costs seconds, exits with code 2 and writes nothing.
     """
+    from . import distributed
     from .checkpoint import check_output_location
     from .configuration import GradMAPConfig
     from .data import check_dataset_name
@@ -517,10 +518,15 @@ def run_prune(args: argparse.Namespace) -> int:
         stage1_checkpoint = default_stage1_checkpoint(args.output)
     resolved = _resolve_model(args)
 
+    several = distributed.init_from_environment()  # under torchrun / accelerate launch: data parallel
+    main_process = distributed.is_main_process()
+    progress = progress and main_process
+    if several and args.device == "cuda":
+        args.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"  # one GPU per process
     model, tokenizer, base_model, license = _load(args, resolved)
     datasets = {"perplexity_datasets": args.evaluate} if args.evaluate else {}
     dense_evaluation = None
-    if args.evaluate is not None:
+    if args.evaluate is not None and main_process:
         dense_evaluation = evaluate(
             model, tokenizer, **datasets, seq_len=128, max_segments=args.max_eval_segments, progress_bar=progress
         )
@@ -541,7 +547,7 @@ def run_prune(args: argparse.Namespace) -> int:
             print("\nInterrupted before any Stage 1 round finished: nothing was saved.", file=sys.stderr)
         return 130
     evaluation = None
-    if args.evaluate is not None:
+    if args.evaluate is not None and main_process:
         evaluation = evaluate(
             model, tokenizer, **datasets, seq_len=128, max_segments=args.max_eval_segments, progress_bar=progress
         )
@@ -554,7 +560,9 @@ def run_prune(args: argparse.Namespace) -> int:
         license=license,
         repo_id=args.push_to_hub,
         overwrite=args.overwrite,
-    )
+    )  # by the main process; the others wait for it
+    if not main_process:
+        return 0
     if stage1_checkpoint is not None and args.stage1_checkpoint is None and os.path.isfile(stage1_checkpoint):
         os.remove(stage1_checkpoint)  # the default one: its work is in the checkpoint now
     print(

@@ -76,3 +76,29 @@ def test_one_process_is_the_identity():
     assert first == 0 and torch.equal(shared, ids)
     assert distributed.mean_over_samples(lambda part: {0: float(part.sum())}, ids) == {0: float(ids.sum())}
     assert distributed.gather([1, 2]) == [1, 2]
+
+
+def test_command_line_under_torchrun(tiny_checkpoint, tmp_path):
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(f"sentence {i} of the calibration text, with some words in it." for i in range(200)))
+    output = tmp_path / "pruned"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "optimum_gradmap.cli",
+    ]
+    command += ["prune", tiny_checkpoint, "--num-layers", "2", "--calibration-file", str(text), "--num-samples", "8"]
+    command += ["--seq-len", "16", "--batch-size", "2", "--reg-lambda", "auto", "--output", str(output)]
+    environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    completed = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert completed.stdout.count("Removed layers") == 1  # the main process reports, once
+    with open(output / "pruning_report.json", encoding="utf-8") as file:
+        report = json.load(file)
+    assert len(report["removed_layers"]) == 2
+    assert AutoModelForCausalLM.from_pretrained(str(output)).config.num_hidden_layers == 4

@@ -1,0 +1,157 @@
+"""Peak memory and time of one GradMAP Stage 1 round with the weights in memory, against the
+layer-streamed execution on a model whose weights Accelerate offloaded to disk (issue 21).
+
+    python benchmarks/streaming_memory.py --model smollm2-135m
+    python benchmarks/streaming_memory.py --model qwen2.5-coder-0.5b --num-samples 32 --batch-size 8
+
+Each mode runs in its own subprocess, with glibc handing every freed block of 64 KiB or more back to
+the system (MALLOC_MMAP_THRESHOLD_) so that resident memory follows the live tensors:
+
+- `in_memory`: `from_pretrained` as usual, `execution="in_memory"`;
+- `layer_streamed`: `from_pretrained(device_map="auto", max_memory={"cpu": 1 MiB}, offload_folder=...)`,
+  which leaves every weight in the checkpoint's safetensors file (Accelerate reads each module's
+  weights for its forward pass only), and `execution="auto"` (so layer-streamed).
+
+Memory: resident memory sampled every 5 ms, from before the model is loaded (torch imported, the
+calibration set tokenized) to the end of the round, as a fraction of the model's weight bytes; beside
+it, what the streamed mode must hold: the largest module's weights (a decoder layer, or the tied
+embedding / head), the stored layer inputs (layers x batch x tokens x hidden x 4 bytes) and one
+layer's activations. Time: the round is run twice, the second run counts. Also checks that both modes
+give the same scores. Writes benchmarks/results/streaming_memory-<model>-batch<B>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from stage1_speed import PeakMemory  # noqa: E402  (the same sampler as the Stage 1 speed benchmark)
+
+
+def worker(args: argparse.Namespace) -> dict:
+    sys.path.insert(0, ROOT)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from optimum_gradmap import streaming
+    from optimum_gradmap.adapters import get_adapter
+    from optimum_gradmap.assets import get_model_path
+    from optimum_gradmap.data import prepare_calibration_data
+    from optimum_gradmap.importance import gradient_importance
+
+    path = get_model_path(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = prepare_calibration_data(
+        "offline:wikipedia", tokenizer, args.num_samples, args.seq_len, seed=0, default_dataset="offline:wikipedia"
+    )
+    with PeakMemory(torch.device("cpu")) as memory, tempfile.TemporaryDirectory() as offload_folder:
+        if args.worker == "in_memory":
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, device_map="auto", max_memory={"cpu": 2**20}, offload_folder=offload_folder
+            )
+        layers = list(get_adapter(model).get_layers(model))
+        timings = []
+        with streaming.execution_mode("in_memory" if args.worker == "in_memory" else "auto"):
+            for _ in range(2):
+                start = time.perf_counter()
+                scores = gradient_importance(model, layers, ids, args.batch_size, progress_bar=False)
+                timings.append(time.perf_counter() - start)
+        offloaded = streaming.is_offloaded(model)
+    config = model.config
+    weight_bytes = 4 * sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
+    return {
+        "seconds": timings[-1],
+        "all_seconds": timings,
+        "peak_extra_bytes": memory.extra,
+        "weight_bytes": weight_bytes,
+        "offloaded": offloaded,
+        "num_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "scores": scores.tolist(),
+    }
+
+
+def module_bytes(model_name: str) -> dict:
+    """Weight bytes of the largest decoder layer and of the input embedding (float32)."""
+    sys.path.insert(0, ROOT)
+    from transformers import AutoModelForCausalLM
+
+    from optimum_gradmap.adapters import get_adapter
+    from optimum_gradmap.assets import get_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(get_model_path(model_name), dtype=torch.float32)
+    layers = get_adapter(model).get_layers(model)
+    return {
+        "largest_layer_bytes": max(4 * sum(p.numel() for p in layer.parameters()) for layer in layers),
+        "embedding_bytes": 4 * model.get_input_embeddings().weight.numel(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--num-samples", type=int, default=32, help="calibration sequences of the round (default 32)")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--worker", choices=["in_memory", "layer_streamed"], help=argparse.SUPPRESS)
+    parser.add_argument("--output-dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+
+    environment = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    results = {}
+    for mode in ("in_memory", "layer_streamed"):
+        command = [sys.executable, __file__, "--worker", mode, f"--model={args.model}", f"--num-samples={args.num_samples}"]
+        command += [f"--seq-len={args.seq_len}", f"--batch-size={args.batch_size}"]
+        completed = subprocess.run(command, capture_output=True, text=True, env=environment)
+        if completed.returncode != 0:
+            raise SystemExit(completed.stderr[-3000:])
+        results[mode] = json.loads(completed.stdout.strip().splitlines()[-1])
+        figure = results[mode]["peak_extra_bytes"] / results[mode]["weight_bytes"]
+        print(f"{mode}: {results[mode]['seconds']:.1f} s per round, peak memory {figure:.3f} x the weight bytes", flush=True)
+
+    sizes = module_bytes(args.model)
+    streamed, in_memory = results["layer_streamed"], results["in_memory"]
+    stored_inputs = streamed["num_layers"] * args.batch_size * args.seq_len * streamed["hidden_size"] * 4
+    scores_streamed, scores_in_memory = torch.tensor(streamed["scores"]), torch.tensor(in_memory["scores"])
+    figures = {
+        "in_memory_peak_over_weight_bytes": in_memory["peak_extra_bytes"] / in_memory["weight_bytes"],
+        "streamed_peak_over_weight_bytes": streamed["peak_extra_bytes"] / streamed["weight_bytes"],
+        "largest_layer_over_weight_bytes": sizes["largest_layer_bytes"] / streamed["weight_bytes"],
+        "embedding_over_weight_bytes": sizes["embedding_bytes"] / streamed["weight_bytes"],
+        "stored_inputs_over_weight_bytes": stored_inputs / streamed["weight_bytes"],
+        "streamed_time_over_in_memory_time": streamed["seconds"] / in_memory["seconds"],
+        "max_relative_score_difference": float(((scores_streamed - scores_in_memory).abs() / scores_in_memory).max()),
+    }
+    report = {
+        "command": "python benchmarks/streaming_memory.py " + " ".join(sys.argv[1:]),
+        "settings": vars(args),
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
+        "results": {mode: {k: v for k, v in found.items() if k != "scores"} for mode, found in results.items()},
+        "module_bytes": sizes,
+        "figures": figures,
+    }
+    os.makedirs(args.output_dir, exist_ok=True)
+    path = os.path.join(args.output_dir, f"streaming_memory-{args.model}-batch{args.batch_size}.json")
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(report, file, indent=2)
+    for name, value in figures.items():
+        print(f"{name}: {value:.4g}")
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
