@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from .passes import layer_input, layer_output
-from .weights import materialized
+from .weights import materialized, rows_only
 
 EXECUTION_MODES = ("auto", "in_memory", "layer_streamed")
 _EXECUTION = contextvars.ContextVar("optimum_gradmap_execution", default="auto")
@@ -166,6 +166,54 @@ class LayerCalls:
 
         with _stand_ins(self._layers, replay):
             return self._decoder(self._inputs_embeds)
+
+
+def vocab_sliced_loss_gradient(
+    hidden_states: torch.Tensor,
+    input_ids: torch.LongTensor,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    head: nn.Module,
+    vocab_size: int,
+    max_logits: int = 2**22,
+) -> torch.Tensor:
+    """What [`~optimum_gradmap.importance.gradient.causal_lm_loss_gradient`] computes (the gradient at the
+    final hidden states of the sum of the per-sample mean next-token cross-entropies), with the head's
+    weight read a slice of the vocabulary at a time ([`~optimum_gradmap.weights.rows_only`]), for a head
+    offloaded by Accelerate: the whole weight (the largest module of most models) never is in memory.
+
+    Two passes over the slices: the log-normaliser of every token (a running log-sum-exp), then each
+    slice's softmax minus the label, differentiated through `compute_logits` (so a soft-cap is exact).
+
+    Args:
+        hidden_states (`torch.Tensor` of shape `(batch, seq_len, hidden)`): Input of the head.
+        input_ids (`torch.LongTensor` of shape `(batch, seq_len)`): The tokens, also the labels.
+        compute_logits (`Callable`): Maps hidden states to logits with the head as it is (the adapter's).
+        head (`nn.Module`): The output embedding that `compute_logits` calls.
+        vocab_size (`int`): Rows of its weight.
+        max_logits (`int`): Logits formed at once; sets the slice size.
+    """
+    batch, seq_len, width = hidden_states.shape
+    rows = hidden_states[:, :-1].detach().reshape(-1, width)
+    labels = input_ids[:, 1:].reshape(-1).to(rows.device)
+    step = max(1, max_logits // rows.shape[0])
+    slices = [(start, min(start + step, vocab_size)) for start in range(0, vocab_size, step)]
+    log_normaliser = torch.full((rows.shape[0],), -torch.inf, dtype=torch.float32, device=rows.device)
+    with torch.no_grad():
+        for start, stop in slices:
+            with rows_only(head, start, stop):
+                logits = compute_logits(rows).float()
+            log_normaliser = torch.logaddexp(log_normaliser, torch.logsumexp(logits, dim=-1))
+    gradient = torch.zeros_like(rows, dtype=torch.float32)
+    for start, stop in slices:
+        with rows_only(head, start, stop), torch.enable_grad():
+            leaf = rows.detach().requires_grad_(True)
+            logits = compute_logits(leaf).float()
+            logits_grad = torch.exp(logits.detach() - log_normaliser[:, None])
+            in_slice = (labels >= start) & (labels < stop)
+            logits_grad[in_slice, labels[in_slice] - start] -= 1.0
+            (part,) = torch.autograd.grad(logits, leaf, logits_grad / (seq_len - 1))
+        gradient += part.float()
+    return torch.nn.functional.pad(gradient.to(rows.dtype).view(batch, seq_len - 1, width), (0, 0, 0, 1))
 
 
 def streamed_backward(

@@ -80,11 +80,9 @@ def _offload_hooks(module: nn.Module) -> list[Any]:
 def _store_offloaded(weights_map: Any, name: str, value: torch.Tensor) -> None:
     """Writes `value` where the offloaded weight `name` of a hook's `weights_map` lives: the CPU
     state dict, or a new file in the offload folder (never the model's own checkpoint files)."""
-    from accelerate.utils import OffloadedWeightsLoader, PrefixedDataset, offload_weight
+    from accelerate.utils import OffloadedWeightsLoader, offload_weight
 
-    dataset, key = weights_map, name
-    while isinstance(dataset, PrefixedDataset):
-        dataset, key = dataset.dataset, dataset.prefix + key
+    dataset, key = _resolve_offloaded(weights_map, name)
     if not isinstance(dataset, OffloadedWeightsLoader):
         dataset[key] = value
     elif key in dataset.state_dict or dataset.save_folder is None:
@@ -92,6 +90,82 @@ def _store_offloaded(weights_map: Any, name: str, value: torch.Tensor) -> None:
     else:
         os.makedirs(dataset.save_folder, exist_ok=True)
         offload_weight(value, key, dataset.save_folder, index=dataset.index)
+
+
+def _resolve_offloaded(weights_map: Any, name: str) -> tuple[Any, str]:
+    """The dataset that really holds the offloaded weight `name` of a hook's `weights_map`, and its key there."""
+    from accelerate.utils import PrefixedDataset
+
+    dataset, key = weights_map, name
+    while isinstance(dataset, PrefixedDataset):
+        dataset, key = dataset.dataset, dataset.prefix + key
+    return dataset, key
+
+
+def offloaded_rows(module: nn.Module, name: str, start: int, stop: int) -> torch.Tensor | None:
+    """Rows `start:stop` of the offloaded weight `name` of `module`, read without the rest of it (a slice
+    of the CPU copy, of the safetensors file, or of the offload folder's file); `None` when `module`'s
+    weights are not offloaded."""
+    hooks = _offload_hooks(module)
+    return _offloaded_rows(hooks[0].weights_map, name, start, stop) if hooks else None
+
+
+def _offloaded_rows(weights_map: Any, name: str, start: int, stop: int) -> torch.Tensor:
+    import numpy as np
+    from accelerate.utils import OffloadedWeightsLoader
+    from safetensors import safe_open
+
+    dataset, key = _resolve_offloaded(weights_map, name)
+    if not isinstance(dataset, OffloadedWeightsLoader) or key in dataset.state_dict:
+        return (dataset.state_dict[key] if isinstance(dataset, OffloadedWeightsLoader) else dataset[key])[start:stop]
+    info = dataset.index[key]
+    if info.get("safetensors_file") is not None:
+        with safe_open(info["safetensors_file"], framework="pt", device="cpu") as file:
+            rows = file.get_slice(info.get("weight_name", key))[start:stop]
+        return rows.to(getattr(torch, info["dtype"])) if "dtype" in info else rows
+    stored_dtype = {"bfloat16": "int16"}.get(info["dtype"], info["dtype"])
+    array = np.memmap(os.path.join(dataset.save_folder, f"{key}.dat"), dtype=stored_dtype, shape=tuple(info["shape"]), mode="r")
+    rows = torch.tensor(array[start:stop])
+    return rows.view(torch.bfloat16) if info["dtype"] == "bfloat16" else rows
+
+
+@contextmanager
+def rows_only(module: nn.Module, start: int, stop: int) -> Iterator[None]:
+    """Makes the offloaded `module` (a linear map or an embedding, weight `(rows, d)`) hold rows
+    `start:stop` of its weight (and of its bias) for the block, read without the rest: calling it then
+    computes those outputs only (e.g. a slice of the vocabulary's logits). The placeholders are put back
+    on exit. For a module whose weights are not offloaded, slices of them.
+
+    Args:
+        module (`nn.Module`): The module.
+        start, stop (`int`): The rows.
+    """
+    from accelerate.utils import set_module_tensor_to_device
+
+    hooks = _offload_hooks(module)
+    names = [name for name, parameter in module.named_parameters(recurse=False) if parameter.dim() >= 1]
+    originals = {name: module._parameters[name] for name in names}
+    try:
+        for hook in hooks:
+            hook.offload = False
+        for name in names:
+            rows = _offloaded_rows(hooks[0].weights_map, name, start, stop) if hooks else originals[name][start:stop]
+            device = hooks[0].execution_device if hooks else originals[name].device
+            module._parameters[name] = nn.Parameter(rows.to(device), requires_grad=False)
+        yield
+    finally:
+        for name in names:
+            if hooks:
+                set_module_tensor_to_device(module, name, "meta")
+            else:
+                module._parameters[name] = originals[name]
+        for hook in hooks:
+            hook.offload = True
+
+
+def is_offloaded_module(module: nn.Module) -> bool:
+    """Whether Accelerate keeps `module`'s own weights offloaded (on CPU or disk, loaded per forward pass)."""
+    return bool(_offload_hooks(module))
 
 
 @contextmanager

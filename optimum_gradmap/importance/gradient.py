@@ -48,7 +48,7 @@ from .. import streaming
 from .._deprecation import warn_deprecated
 from ..adapters import DecoderAdapter, get_adapter
 from ..passes import calibration_batches, calibration_mode, input_device
-from ..weights import is_linear_map
+from ..weights import is_linear_map, is_offloaded_module
 
 logger = logging.get_logger(__name__)
 
@@ -444,11 +444,21 @@ def loss_gradient_passes(
                 "brings a new copy of them for every forward pass). Load the model without CPU/disk offload, "
                 "or use a score that needs no parameter gradient (gradmap, gradmap_bound, taylor_gate, ...)."
             )
+        output_embeddings = model.get_output_embeddings()
+        sliced_head = (
+            output_embeddings
+            if layer_streamed and not isinstance(head, nn.Identity) and is_offloaded_module(output_embeddings)
+            else None
+        )
         for batch in batches:
             if on_batch_start is not None:
                 on_batch_start(batch)
             inputs_embeds = embeddings(batch).detach().requires_grad_(True)
             loss_gradient = partial(causal_lm_loss_gradient, input_ids=batch, compute_logits=head, vocab_size=width)
+            if sliced_head is not None:  # an offloaded head: a slice of the vocabulary at a time
+                loss_gradient = partial(
+                    streaming.vocab_sliced_loss_gradient, input_ids=batch, compute_logits=head, head=sliced_head, vocab_size=width
+                )
             if layer_streamed:
                 calls = streaming.LayerCalls(decoder, adapter.get_layers(model), inputs_embeds.detach())
                 streaming.streamed_backward(calls, adapter.get_layers(model), loss_gradient, parameters)
