@@ -21,20 +21,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory) -> str:
     output = str(tmp_path_factory.mktemp("distributed"))
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        os.path.join(ROOT, "tests", "integration", "distributed_worker.py"),
-        output,
-    ]
+    run_two_processes([os.path.join(ROOT, "tests", "integration", "distributed_worker.py"), output])
+    return output
+
+
+def run_two_processes(arguments: list[str]) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node 2 ARGUMENTS` (gloo on CPU), which must succeed."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *arguments]
     environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     completed = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    return output
+    return completed
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -82,21 +79,9 @@ def test_command_line_under_torchrun(tiny_checkpoint, tmp_path):
     text = tmp_path / "calibration.txt"
     text.write_text(" ".join(f"sentence {i} of the calibration text, with some words in it." for i in range(200)))
     output = tmp_path / "pruned"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "optimum_gradmap.cli",
-    ]
-    command += ["prune", tiny_checkpoint, "--num-layers", "2", "--calibration-file", str(text), "--num-samples", "8"]
-    command += ["--seq-len", "16", "--batch-size", "2", "--reg-lambda", "auto", "--output", str(output)]
-    environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    completed = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    arguments = ["-m", "optimum_gradmap.cli", "prune", tiny_checkpoint, "--num-layers", "2", "--calibration-file", str(text)]
+    arguments += ["--num-samples", "8", "--seq-len", "16", "--batch-size", "2", "--reg-lambda", "auto", "--output", str(output)]
+    completed = run_two_processes(arguments)
     assert completed.stdout.count("Removed layers") == 1  # the main process reports, once
     with open(output / "pruning_report.json", encoding="utf-8") as file:
         report = json.load(file)
