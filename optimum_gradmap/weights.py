@@ -140,8 +140,6 @@ def rows_only(module: nn.Module, start: int, stop: int) -> Iterator[None]:
         module (`nn.Module`): The module.
         start, stop (`int`): The rows.
     """
-    from accelerate.utils import set_module_tensor_to_device
-
     hooks = _offload_hooks(module)
     names = [name for name, parameter in module.named_parameters(recurse=False) if parameter.dim() >= 1]
     originals = {name: module._parameters[name] for name in names}
@@ -154,11 +152,7 @@ def rows_only(module: nn.Module, start: int, stop: int) -> Iterator[None]:
             module._parameters[name] = nn.Parameter(rows.to(device), requires_grad=False)
         yield
     finally:
-        for name in names:
-            if hooks:
-                set_module_tensor_to_device(module, name, "meta")
-            else:
-                module._parameters[name] = originals[name]
+        module._parameters.update(originals)  # the placeholders (or the weights) as they were
         for hook in hooks:
             hook.offload = True
 

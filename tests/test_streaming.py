@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from optimum_gradmap import GradMAPConfig, GradMAPPruner, streaming
 from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.importance import get_importance_metric
+from optimum_gradmap.importance.gradient import causal_lm_loss_gradient
 from tests.conftest import FAMILIES, random_ids, small_config, tiny_model
 
 # every gradient pass: per-parameter hooks (gradmap), residual-branch hooks (the bound), parameter .grad (taylor)
@@ -162,8 +163,6 @@ def test_execution_mode_is_checked():
 
 
 def test_vocab_sliced_loss_gradient_equals_the_whole_head():
-    from optimum_gradmap.importance.gradient import causal_lm_loss_gradient
-
     model = tiny_model("gemma2")  # its head soft-caps the logits: the slices must differentiate through it
     assert model.config.final_logit_softcapping
     adapter = get_adapter(model)
@@ -176,3 +175,23 @@ def test_vocab_sliced_loss_gradient_equals_the_whole_head():
     )  # 30 rows: slices of 40 of the 256 tokens, the last one shorter
     torch.testing.assert_close(sliced, expected, rtol=1e-5, atol=1e-7)
     assert model.get_output_embeddings().weight.shape[0] == model.config.vocab_size  # the head is whole again
+
+
+def test_offloaded_head_read_by_slices_stays_whole(tmp_path):
+    folder = str(tmp_path / "dense")
+    dense = tiny_model("llama", tie_word_embeddings=True)
+    dense.save_pretrained(folder)
+    model = _offloaded(folder, max_cpu_bytes=1)
+    head = model.get_output_embeddings()
+    assert head.weight.device.type == "meta"
+    adapter = get_adapter(model)
+    hidden, ids = torch.randn(2, 16, model.config.hidden_size), random_ids(2, 16)
+    compute_logits = lambda states: adapter.compute_logits(model, states)  # noqa: E731
+    with torch.no_grad():
+        expected = causal_lm_loss_gradient(hidden, ids, lambda states: adapter.compute_logits(dense, states), 256)
+    for _ in range(2):  # the head must be whole again after each use
+        sliced = streaming.vocab_sliced_loss_gradient(hidden, ids, compute_logits, head, 256, max_logits=30 * 100)
+        torch.testing.assert_close(sliced, expected, rtol=1e-5, atol=1e-7)
+        assert head.weight.shape == (256, model.config.hidden_size) and head.weight.device.type == "meta"
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, dense(ids).logits)
