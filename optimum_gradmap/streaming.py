@@ -168,6 +168,33 @@ class LayerCalls:
             return self._decoder(self._inputs_embeds)
 
 
+def vocab_sliced_embeddings(
+    embeddings: nn.Module, input_ids: torch.LongTensor, vocab_size: int, max_rows: int = 2**14
+) -> torch.Tensor:
+    """`embeddings(input_ids)` with the embedding's weight read `max_rows` rows (tokens) at a time
+    ([`~optimum_gradmap.weights.rows_only`]), for an embedding offloaded by Accelerate: each slice looks up
+    the tokens it holds, through the module's own forward (so a scaled embedding stays exact).
+
+    Args:
+        embeddings (`nn.Module`): The input embedding (weight `(vocab_size, hidden)`).
+        input_ids (`torch.LongTensor`): The tokens.
+        vocab_size (`int`): Rows of its weight.
+        max_rows (`int`): Rows read at once.
+    """
+    output = None
+    for start in range(0, vocab_size, max_rows):
+        stop = min(start + max_rows, vocab_size)
+        in_slice = (input_ids >= start) & (input_ids < stop)
+        if not in_slice.any():
+            continue
+        with rows_only(embeddings, start, stop), torch.no_grad():
+            part = embeddings((input_ids - start).clamp(0, stop - start - 1))
+        if output is None:
+            output = torch.zeros_like(part)
+        output[in_slice] = part[in_slice]
+    return output
+
+
 def vocab_sliced_loss_gradient(
     hidden_states: torch.Tensor,
     input_ids: torch.LongTensor,

@@ -195,3 +195,17 @@ def test_offloaded_head_read_by_slices_stays_whole(tmp_path):
         assert head.weight.shape == (256, model.config.hidden_size) and head.weight.device.type == "meta"
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, dense(ids).logits)
+
+
+def test_offloaded_embedding_read_by_slices(tmp_path):
+    folder = str(tmp_path / "dense")
+    dense = tiny_model("gemma3_text")  # its embedding module scales what it looks up
+    dense.save_pretrained(folder)
+    model = _offloaded(folder, max_cpu_bytes=1)
+    embeddings = model.get_input_embeddings()
+    assert embeddings.weight.device.type == "meta"
+    ids = random_ids(2, 16)
+    sliced = streaming.vocab_sliced_embeddings(embeddings, ids, 256, max_rows=100)  # 3 slices
+    with torch.no_grad():
+        torch.testing.assert_close(sliced, dense.get_input_embeddings()(ids))
+    assert embeddings.weight.shape == (256, model.config.hidden_size) and embeddings.weight.device.type == "meta"

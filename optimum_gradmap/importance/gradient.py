@@ -453,7 +453,10 @@ def loss_gradient_passes(
         for batch in batches:
             if on_batch_start is not None:
                 on_batch_start(batch)
-            inputs_embeds = embeddings(batch).detach().requires_grad_(True)
+            if sliced_head is not None and is_offloaded_module(embeddings):
+                inputs_embeds = streaming.vocab_sliced_embeddings(embeddings, batch, embeddings.weight.shape[0])
+            else:
+                inputs_embeds = embeddings(batch).detach().requires_grad_(True)
             loss_gradient = partial(causal_lm_loss_gradient, input_ids=batch, compute_logits=head, vocab_size=width)
             if sliced_head is not None:  # an offloaded head: a slice of the vocabulary at a time
                 loss_gradient = partial(
