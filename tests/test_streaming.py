@@ -76,6 +76,8 @@ def _sha256(path: str) -> str:
         ("llama", dict(compensation_target="span_end", reg_lambda="auto")),
         ("gemma2", dict(compensation_target="span_end", reg_lambda="auto", adam_steps=50)),  # norm after the MLP
         ("mixtral", dict()),  # 3-D expert weights
+        # SLEB's verification (forward passes with stand-ins) and the fold between removals, offloaded too
+        ("llama", dict(importance="gradmap_bound_token", verify_top_k=2, compensate_each_round=True, reg_lambda="auto")),
     ],
 )
 def test_offloaded_model_prunes_like_in_memory(tmp_path, family, stage2):
