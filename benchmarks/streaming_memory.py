@@ -12,8 +12,9 @@ the system (MALLOC_MMAP_THRESHOLD_) so that resident memory follows the live ten
   which leaves every weight in the checkpoint's safetensors file (Accelerate reads each module's
   weights for its forward pass only), and `execution="auto"` (so layer-streamed).
 
-Memory: resident memory sampled every 5 ms, from before the model is loaded (torch imported, the
-calibration set tokenized) to the end of the round, as a fraction of the model's weight bytes; beside
+Memory: the peak of resident memory during the rounds (sampled every 5 ms) above the process's resident
+memory before the model was loaded (torch imported, the calibration set tokenized), as a fraction of the
+model's weight bytes (loading itself, which transformers does its own way, is not counted); beside
 it, what the streamed mode must hold: the largest module's weights (a decoder layer, or the tied
 embedding / head), the stored layer inputs (layers x batch x tokens x hidden x 4 bytes) and one
 layer's activations. Time: the round is run twice, the second run counts. Also checks that both modes
@@ -53,7 +54,8 @@ def worker(args: argparse.Namespace) -> dict:
     ids = prepare_calibration_data(
         "offline:wikipedia", tokenizer, args.num_samples, args.seq_len, seed=0, default_dataset="offline:wikipedia"
     )
-    with PeakMemory(torch.device("cpu")) as memory, tempfile.TemporaryDirectory() as offload_folder:
+    without_model = PeakMemory._rss()
+    with tempfile.TemporaryDirectory() as offload_folder:
         if args.worker == "in_memory":
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         else:
@@ -62,7 +64,8 @@ def worker(args: argparse.Namespace) -> dict:
             )
         layers = list(get_adapter(model).get_layers(model))
         timings = []
-        with streaming.execution_mode("in_memory" if args.worker == "in_memory" else "auto"):
+        mode = "in_memory" if args.worker == "in_memory" else "auto"
+        with streaming.execution_mode(mode), PeakMemory(torch.device("cpu")) as memory:
             for _ in range(2):
                 start = time.perf_counter()
                 scores = gradient_importance(model, layers, ids, args.batch_size, progress_bar=False)
@@ -73,7 +76,8 @@ def worker(args: argparse.Namespace) -> dict:
     return {
         "seconds": timings[-1],
         "all_seconds": timings,
-        "peak_extra_bytes": memory.extra,
+        "peak_extra_bytes": memory.extra + memory.base - without_model,  # the round's peak, above the process without a model
+        "resident_after_load_bytes": memory.base - without_model,
         "weight_bytes": weight_bytes,
         "offloaded": offloaded,
         "num_layers": config.num_hidden_layers,

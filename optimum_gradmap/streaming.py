@@ -182,16 +182,23 @@ def vocab_sliced_embeddings(
         max_rows (`int`): Rows read at once.
     """
     output = None
-    for start in range(0, vocab_size, max_rows):
-        stop = min(start + max_rows, vocab_size)
-        in_slice = (input_ids >= start) & (input_ids < stop)
-        if not in_slice.any():
-            continue
-        with rows_only(embeddings, start, stop), torch.no_grad():
-            part = embeddings((input_ids - start).clamp(0, stop - start - 1))
-        if output is None:
-            output = torch.zeros_like(part)
-        output[in_slice] = part[in_slice]
+    padding_idx = getattr(embeddings, "padding_idx", None)  # only the gradient of that row depends on it
+    try:
+        if padding_idx is not None:
+            embeddings.padding_idx = None
+        for start in range(0, vocab_size, max_rows):
+            stop = min(start + max_rows, vocab_size)
+            in_slice = (input_ids >= start) & (input_ids < stop)
+            if not in_slice.any():
+                continue
+            with rows_only(embeddings, start, stop), torch.no_grad():
+                part = embeddings((input_ids - start).clamp(0, stop - start - 1))
+            if output is None:
+                output = torch.zeros_like(part)
+            output[in_slice] = part[in_slice]
+    finally:
+        if padding_idx is not None:
+            embeddings.padding_idx = padding_idx
     return output
 
 
