@@ -139,12 +139,13 @@ def main() -> None:
         "stored_inputs_over_weight_bytes": stored_inputs / streamed["weight_bytes"],
         "streamed_time_over_in_memory_time": streamed["seconds"] / in_memory["seconds"],
         "max_relative_score_difference": float(((scores_streamed - scores_in_memory).abs() / scores_in_memory).max()),
+        "same_ranking": scores_streamed.argsort().tolist() == scores_in_memory.argsort().tolist(),
     }
     report = {
         "command": "python benchmarks/streaming_memory.py " + " ".join(sys.argv[1:]),
         "settings": vars(args),
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
-        "results": {mode: {k: v for k, v in found.items() if k != "scores"} for mode, found in results.items()},
+        "results": results,
         "module_bytes": sizes,
         "figures": figures,
     }
