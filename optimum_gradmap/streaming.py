@@ -39,23 +39,16 @@ import torch
 from torch import nn
 
 from .passes import layer_input, layer_output
-from .weights import materialized, rows_only
+from .weights import is_offloaded_module, materialized, rows_only
 
 EXECUTION_MODES = ("auto", "in_memory", "layer_streamed")
 _EXECUTION = contextvars.ContextVar("optimum_gradmap_execution", default="auto")
 
 
-def _hooks_of(module: nn.Module) -> list[Any]:
-    hook = getattr(module, "_hf_hook", None)
-    if hook is None:
-        return []
-    return list(getattr(hook, "hooks", [hook]))  # accelerate's SequentialHook holds several
-
-
 def is_offloaded(model: nn.Module) -> bool:
     """Whether some of `model`'s weights are offloaded by Accelerate (kept on CPU or disk and brought to
     the execution device for each forward pass only)."""
-    return any(getattr(hook, "offload", False) for module in model.modules() for hook in _hooks_of(module))
+    return any(is_offloaded_module(module) for module in model.modules())
 
 
 @contextmanager
