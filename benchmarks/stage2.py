@@ -33,6 +33,7 @@ from compare import measure_held_out, save_record  # the same protocol and files
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.assets import MODEL_ASSETS, load_model
+from optimum_gradmap.configuration import PAPER_STAGE2
 from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
 
 # A variant is "paper" or "+"-joined changes to it (e.g. "span_end+auto+diagonal"); "validated" keeps the fold
@@ -46,11 +47,13 @@ CHANGES = {
 
 
 def parse_variant(name: str) -> tuple[dict, bool]:
+    """The Stage 2 settings of a variant (the paper's, `PAPER_STAGE2`, with the changes applied, whatever the
+    library's defaults are), and whether it is validated."""
     changes = [] if name == "paper" else name.split("+")
     unknown = [change for change in changes if change not in CHANGES]
     if unknown or len(set(changes)) != len(changes):
         raise SystemExit(f"unknown variant {name!r}: 'paper' or '+'-joined changes from {list(CHANGES)}")
-    overrides = {key: value for change in changes for key, value in CHANGES[change].items()}
+    overrides = {**PAPER_STAGE2, **{key: value for change in changes for key, value in CHANGES[change].items()}}
     return overrides, "validated" in changes
 
 
