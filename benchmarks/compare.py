@@ -13,7 +13,8 @@ stage. Also plots which layers each method removed and the per-layer drift (Eq. 
     python benchmarks/compare.py --model smollm2-135m --ratio 0.25 --metrics gradmap_bound+top4 --resume
 
 A method is a metric name, optionally with a verified shortlist: `METRIC+topK` runs the metric with
-`verify_top_k=K`.
+`verify_top_k=K`; `+each_round` adds `compensate_each_round=True` (Prune&Comp's fit between removals, with
+the default Stage 2 settings; the "Stage 2" rows then add the paper's fit on top).
 
 Writes benchmarks/results/compare-<model>-<ratio>.{json,md} and compare-<model>-<ratio>-{layers,drift}.png.
 With `--resume`, methods already in that JSON are kept (the dense row too) and only the others run,
@@ -43,18 +44,29 @@ from optimum_gradmap.evaluation import PAPER_TASKS, evaluate
 from optimum_gradmap.importance import IMPORTANCE_METRICS, importance_metric_names
 
 
-def parse_method(method: str) -> tuple[str, int | None]:
-    """`"gradmap_bound+top4"` -> `("gradmap_bound", 4)`; `"sleb"` -> `("sleb", None)`."""
-    metric, _, shortlist = method.partition("+top")
-    if metric not in IMPORTANCE_METRICS or (shortlist and not shortlist.isdigit()):
-        raise argparse.ArgumentTypeError(f"{method!r}: give a metric ({', '.join(importance_metric_names())}), or METRIC+topK")
-    return metric, int(shortlist) if shortlist else None
+def parse_method(method: str) -> tuple[str, dict]:
+    """A method name -> its metric and the Stage 1 settings it changes: `"gradmap_bound+top4"` ->
+    `("gradmap_bound", {"verify_top_k": 4})`, `"gradmap+each_round"` -> `("gradmap", {"compensate_each_round": True})`."""
+    metric, *changes = method.split("+")
+    settings: dict = {}
+    for change in changes:
+        if change.startswith("top") and change[3:].isdigit():
+            settings["verify_top_k"] = int(change[3:])
+        elif change == "each_round":
+            settings["compensate_each_round"] = True
+        else:
+            metric = None
+    if metric not in IMPORTANCE_METRICS or len(settings) != len(changes):
+        raise argparse.ArgumentTypeError(
+            f"{method!r}: give a metric ({', '.join(importance_metric_names())}), then optionally +topK and +each_round"
+        )
+    return metric, settings
 
 
 def removes_one_per_round(method: str) -> bool:
     """Whether the removal order means something (re-scored, or verified, after each removal)."""
-    metric, shortlist = parse_method(method)
-    return IMPORTANCE_METRICS[metric].iterative or shortlist is not None
+    metric, settings = parse_method(method)
+    return IMPORTANCE_METRICS[metric].iterative or "verify_top_k" in settings
 
 
 def measure_held_out(model, tokenizer, label: str, max_eval_segments: int, task_limit: int) -> dict:
@@ -281,10 +293,8 @@ def main() -> None:
             print(f"{metric}: already in {prefix}.json, kept", flush=True)
             continue
         model = copy.deepcopy(dense)
-        importance, verify_top_k = parse_method(metric)
-        config = GradMAPConfig(
-            pruning_ratio=args.ratio, importance=importance, num_samples=args.num_samples, verify_top_k=verify_top_k
-        )
+        importance, stage1_settings = parse_method(metric)
+        config = GradMAPConfig(pruning_ratio=args.ratio, importance=importance, num_samples=args.num_samples, **stage1_settings)
         pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
         stage1_checkpoint = f"{prefix}-{metric}-stage1.json"
         if not args.resume and os.path.exists(stage1_checkpoint):

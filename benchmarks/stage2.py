@@ -14,7 +14,8 @@ settings; its calibration SHA-256 is checked against the one rebuilt here. Varia
   (`reg_lambda="auto"`), identity when nothing beats it; `span_end`, the layer before each removed run,
   fitted to the run's dense end; `diagonal`, W' a channel-wise scaling; `validated`, kept only if it
   lowers the perplexity of validation text drawn from the calibration Wikipedia articles with another
-  seed (in-domain text the user could hold out).
+  seed (in-domain text the user could hold out); `mixed`, fitted on Wikipedia and web text in equal parts
+  (`offline:wikipedia+offline:web_text`; Stage 1's layers stay compare.py's).
 
 Writes benchmarks/results/stage2-<model>-<ratio>.{json,md}; with `--resume`, rows already there are kept.
 """
@@ -43,18 +44,23 @@ CHANGES = {
     "span_end": {"compensation_target": "span_end"},
     "diagonal": {"compensation_form": "diagonal"},
     "validated": {},
+    "mixed": {},
 }
+CALIBRATION = "offline:wikipedia"  # compare.py's, for Stage 1 and, unless "mixed", Stage 2
+# "mixed": Stage 2 fitted on Wikipedia and web text in equal parts (the web pages' calibration half; the held-out
+# web text is the other half), the same number of sequences; Stage 1's layers stay compare.py's.
+MIXED_CALIBRATION = "offline:wikipedia+offline:web_text"
 
 
-def parse_variant(name: str) -> tuple[dict, bool]:
+def parse_variant(name: str) -> tuple[dict, bool, str]:
     """The Stage 2 settings of a variant (the paper's, `PAPER_STAGE2`, with the changes applied, whatever the
-    library's defaults are), and whether it is validated."""
+    library's defaults are), whether it is validated, and the calibration text Stage 2 fits on."""
     changes = [] if name == "paper" else name.split("+")
     unknown = [change for change in changes if change not in CHANGES]
     if unknown or len(set(changes)) != len(changes):
         raise SystemExit(f"unknown variant {name!r}: 'paper' or '+'-joined changes from {list(CHANGES)}")
     overrides = {**PAPER_STAGE2, **{key: value for change in changes for key, value in CHANGES[change].items()}}
-    return overrides, "validated" in changes
+    return overrides, "validated" in changes, MIXED_CALIBRATION if "mixed" in changes else CALIBRATION
 
 
 def markdown(record: dict) -> str:
@@ -199,38 +205,35 @@ def main() -> None:
                 record["rows"].append({**twin, "method": method, "removed_layers": removed, "same_model_as": twin["method"]})
                 todo.remove(variant)
                 save()
-        if not todo:
-            continue
-        model = copy.deepcopy(dense)
-        config = GradMAPConfig(layers_to_prune=removed, num_samples=args.num_samples)
-        pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
-        result = pruner.select_layers(model, "offline:wikipedia")
-        if calibration_sha256(result.calibration_ids) != compare["calibration_sha256"]:
-            raise SystemExit("the calibration set differs from the one compare.py used")
-        for variant in todo:
-            overrides, validated = parse_variant(variant)
-            if validated and validation is None:  # in-domain held-out text: the calibration articles, another seed
-                validation = prepare_calibration_data(
-                    "offline:wikipedia", tokenizer, args.num_samples, 128, 1, "offline:wikipedia"
+        for calibration in dict.fromkeys(parse_variant(variant)[2] for variant in todo):
+            model = copy.deepcopy(dense)
+            config = GradMAPConfig(layers_to_prune=removed, num_samples=args.num_samples)
+            pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
+            result = pruner.select_layers(model, calibration)
+            if calibration == CALIBRATION and calibration_sha256(result.calibration_ids) != compare["calibration_sha256"]:
+                raise SystemExit("the calibration set differs from the one compare.py used")
+            for variant in [variant for variant in todo if parse_variant(variant)[2] == calibration]:
+                overrides, validated, _ = parse_variant(variant)
+                if validated and validation is None:  # in-domain held-out text: the calibration articles, another seed
+                    validation = prepare_calibration_data(CALIBRATION, tokenizer, args.num_samples, 128, 1, CALIBRATION)
+                pruner.compensate(result, validation_data=validation if validated else None, **overrides)
+                record["rows"].append(
+                    {
+                        "method": method,
+                        "variant": variant,
+                        "removed_layers": removed,
+                        "compensated_layers": result.compensated_layers,
+                        "compensation_targets": {str(k): v for k, v in result.compensation_targets.items()},
+                        "compensation_lambda": {str(k): v for k, v in result.compensation_lambda.items()},
+                        "uncompensated_layers": {str(k): v for k, v in result.uncompensated_layers.items()},
+                        "compensation_validation": result.compensation_validation,
+                        "stage2_seconds": result.timings["stage2"],
+                        "evaluation": measure(model, f"{method} + Stage 2 {variant}"),
+                    }
                 )
-            pruner.compensate(result, validation_data=validation if validated else None, **overrides)
-            record["rows"].append(
-                {
-                    "method": method,
-                    "variant": variant,
-                    "removed_layers": removed,
-                    "compensated_layers": result.compensated_layers,
-                    "compensation_targets": {str(k): v for k, v in result.compensation_targets.items()},
-                    "compensation_lambda": {str(k): v for k, v in result.compensation_lambda.items()},
-                    "uncompensated_layers": {str(k): v for k, v in result.uncompensated_layers.items()},
-                    "compensation_validation": result.compensation_validation,
-                    "stage2_seconds": result.timings["stage2"],
-                    "evaluation": measure(model, f"{method} + Stage 2 {variant}"),
-                }
-            )
-            save()
-            print(markdown(record).splitlines()[-1], flush=True)
-        del model, pruner, result
+                save()
+                print(markdown(record).splitlines()[-1], flush=True)
+            del model, pruner, result
     print(markdown(record))
     print(f"saved {prefix}.json and {prefix}.md")
 
