@@ -22,6 +22,7 @@ import torch
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.assets import MODEL_ASSETS, load_model
+from optimum_gradmap.configuration import PAPER_STAGE2
 from optimum_gradmap.evaluation import PAPER_TASKS, EvaluationResult, evaluate
 
 
@@ -118,7 +119,7 @@ def main() -> None:
     stage1 = "given layers" if args.layers else "Stage 1"
     rows.append(measure(f"GradMAP {args.ratio:.0%}, {stage1} only ({kept} layers)"))
     save(rows[-1])
-    pruner.compensate(pruning)
+    pruner.compensate(pruning, **PAPER_STAGE2)  # the paper's Stage 2, as in the figures of docs/evaluation.md
     rows.append(measure(f"GradMAP {args.ratio:.0%}, {stage1} + Stage 2 ({kept} layers)"))
     record["pruning"] = pruning.to_dict()
     save(rows[-1])

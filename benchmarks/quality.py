@@ -23,6 +23,7 @@ import torch
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner, load_evaluation_segments, perplexity, surgery
 from optimum_gradmap.assets import MODEL_ASSETS, load_model
+from optimum_gradmap.configuration import PAPER_STAGE2
 
 
 def main() -> None:
@@ -82,7 +83,8 @@ def main() -> None:
     for solver in args.solvers:
         for reg_lambda in args.reg_lambdas:
             name = f"stage1+2 ({solver}, lambda={reg_lambda:g})"
-            pruner.compensate(result, solver=solver, reg_lambda=reg_lambda)  # replaces the previous fit
+            # the paper's Stage 2 (largest-drift layer) with this solver and lambda; replaces the previous fit
+            pruner.compensate(result, **{**PAPER_STAGE2, "solver": solver, "reg_lambda": reg_lambda})
             rows[name] = perplexity(model, segments)
             solvers[name] = {
                 "compensated_layers": list(result.compensated_layers),

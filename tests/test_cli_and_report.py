@@ -52,8 +52,9 @@ def test_prune_writes_checkpoint_report_pictures_and_card(tiny_checkpoint, tmp_p
     assert len(report["scores"]) == 2 and set(report["drift"]) == set(report["drift_after_compensation"])
     saved_rounds = json.loads(progress.read_text())["rounds"]
     assert [index for saved in saved_rounds for index in saved["removed"]] == report["removed_layers"]
-    compensated = str(report["compensated_layers"][0])
-    assert report["drift_after_compensation"][compensated] < report["drift"][compensated]
+    compensated = str(report["compensated_layers"][0])  # the default Stage 2: fitted to the end of a removed run
+    objective = report["compensation_objective"][compensated]
+    assert objective["fitted"] < objective["identity"] and report["compensation_targets"][compensated] in report["removed_layers"]
     assert report["evaluation"]["perplexities"][0]["protocol"] == "non-overlapping 128-token segments"
     assert report["environment"]["transformers"] and report["gradmap_config"]["num_samples"] == 24
     assert report["base_model_revision"] == "main"  # --revision reaches the report
@@ -307,9 +308,11 @@ def test_a_preset_sets_the_defaults_and_explicit_options_override_it():
 
 def test_from_preset_builds_the_presets_config():
     from optimum_gradmap import GradMAPConfig
-    from optimum_gradmap.configuration import PRESETS
+    from optimum_gradmap.configuration import PAPER_STAGE2, PRESETS
 
-    assert GradMAPConfig.from_preset("paper", pruning_ratio=0.25) == GradMAPConfig(pruning_ratio=0.25)
+    paper = GradMAPConfig.from_preset("paper", pruning_ratio=0.25)
+    assert paper == GradMAPConfig(pruning_ratio=0.25, **PAPER_STAGE2) != GradMAPConfig(pruning_ratio=0.25)
+    assert (paper.importance, paper.compensation_target, paper.reg_lambda) == ("gradmap", "max_drift", 1e-3)
     quality = GradMAPConfig.from_preset("quality", pruning_ratio=0.25)
     assert quality == GradMAPConfig(pruning_ratio=0.25, **PRESETS["quality"]) and quality.importance != "gradmap"
     assert GradMAPConfig.from_preset("fast", pruning_ratio=0.25, importance="taylor").importance == "taylor"

@@ -12,6 +12,7 @@ from optimum_gradmap.compensation import (
     solve_adam,
     solve_closed_form,
 )
+from optimum_gradmap.configuration import PAPER_STAGE2
 from optimum_gradmap.surgery import remove_layers
 
 from .conftest import ARCHITECTURES, random_ids, tiny_model
@@ -151,7 +152,9 @@ def test_several_compensated_layers_are_the_most_drifted_fitted_in_forward_order
 
     model = tiny_model("llama", num_layers=8)
     ids = random_ids(16, 16)
-    pruner = GradMAPPruner(small_config(num_layers_to_prune=2, num_compensated_layers=3), progress_bar=False)
+    pruner = GradMAPPruner(
+        small_config(num_layers_to_prune=2, **{**PAPER_STAGE2, "num_compensated_layers": 3}), progress_bar=False
+    )
     result = pruner.select_layers(model, ids)
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     pruner.compensate(result)
@@ -171,8 +174,8 @@ def test_the_papers_adam_solver_through_the_pruner_approaches_the_exact_minimise
     from .conftest import small_config
 
     ids = random_ids(16, 16)
-    exact = GradMAPPruner(small_config(), progress_bar=False).prune(tiny_model("qwen2", num_layers=6), ids)
-    adam = GradMAPPruner(small_config(solver="adam", adam_lr=1e-2, adam_steps=1500), progress_bar=False).prune(
+    exact = GradMAPPruner(small_config(**PAPER_STAGE2), progress_bar=False).prune(tiny_model("qwen2", num_layers=6), ids)
+    adam = GradMAPPruner(small_config(**PAPER_STAGE2, solver="adam", adam_lr=1e-2, adam_steps=1500), progress_bar=False).prune(
         tiny_model("qwen2", num_layers=6), ids
     )
     assert adam.compensated_layers == exact.compensated_layers and adam.config.solver == "adam"
@@ -210,7 +213,9 @@ def test_a_failure_during_stage2_leaves_the_model_as_stage1_left_it(monkeypatch)
 
     model = tiny_model("llama", num_layers=8)
     ids = random_ids(16, 16)
-    pruner = GradMAPPruner(small_config(num_layers_to_prune=2, num_compensated_layers=2), progress_bar=False)
+    pruner = GradMAPPruner(
+        small_config(num_layers_to_prune=2, **{**PAPER_STAGE2, "num_compensated_layers": 2}), progress_bar=False
+    )
     result = pruner.select_layers(model, ids)
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     real_learn = compensation.learn_compensation

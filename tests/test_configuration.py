@@ -3,7 +3,7 @@ import json
 import pytest
 
 from optimum_gradmap import GradMAPConfig
-from optimum_gradmap.configuration import CONFIG_NAME
+from optimum_gradmap.configuration import CONFIG_NAME, PAPER_STAGE2
 
 
 @pytest.mark.parametrize(
@@ -39,12 +39,19 @@ def test_invalid_values_are_refused_with_a_clear_message(kwargs, message):
         GradMAPConfig(**kwargs)
 
 
-def test_defaults_follow_the_paper():
+def test_stage1_defaults_follow_the_paper_and_stage2_defaults_are_span_end_with_lambda_by_cross_validation():
     config = GradMAPConfig(pruning_ratio=0.25)
-    assert (config.num_samples, config.seq_len, config.reg_lambda, config.adam_lr) == (128, 128, 1e-3, 1e-3)
+    assert (config.num_samples, config.seq_len, config.adam_lr) == (128, 128, 1e-3)
     assert config.importance == "gradmap" and config.iterative is None  # None: the metric's own choice (GradMAP: iterative)
-    assert config.compensation and config.num_compensated_layers == 1
+    assert config.compensation and (config.compensation_target, config.reg_lambda) == ("span_end", "auto")
     assert config.dataset == "wikipedia"
+    # the paper's Stage 2 (Eq. 10-15), pinned by the "paper" preset and the benchmarks
+    assert PAPER_STAGE2 == {
+        "compensation_target": "max_drift",
+        "compensation_form": "full",
+        "num_compensated_layers": 1,
+        "reg_lambda": 1e-3,
+    }
 
 
 @pytest.mark.parametrize(

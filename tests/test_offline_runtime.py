@@ -40,7 +40,7 @@ GUARDED_RUN = textwrap.dedent(
     ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
     gradmap = optimum_gradmap.GradMAPConfig(num_layers_to_prune=2, num_samples=8, seq_len=16, batch_size=4)
     result = optimum_gradmap.GradMAPPruner(gradmap, progress_bar=False).prune(model, ids)
-    assert len(result.removed_layers) == 2 and len(result.compensated_layers) == 1, result
+    assert len(result.removed_layers) == 2 and result.compensation_targets, result  # Stage 2 ran
     assert "optimum_gradmap.assets" not in __import__("sys").modules
     print("attempts:", attempts)
     print("removed:", result.removed_layers)

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, BloomConfig, BloomForCausalLM
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner, UnsupportedArchitectureError, load_report, supported_model_types
+from optimum_gradmap.configuration import PAPER_STAGE2
 from optimum_gradmap.importance import get_importance_metric, gradient_importance
 
 from .conftest import ARCHITECTURES, random_ids, small_config, tiny_model
@@ -35,7 +36,7 @@ def test_prune_runs_both_stages_and_reports_original_indices(model_type):
     model = tiny_model(model_type, num_layers=6)
     original_layers = list(model.model.layers)
     ids = random_ids(8, 16)
-    result = GradMAPPruner(small_config(), progress_bar=False).prune(model, ids)
+    result = GradMAPPruner(small_config(**PAPER_STAGE2), progress_bar=False).prune(model, ids)  # GradMAP as published
 
     assert result.model is model
     assert result.num_layers_to_prune == 2 and len(result.removed_layers) == 2
@@ -161,7 +162,9 @@ def test_explicit_layers_skip_scoring_and_are_still_compensated():
         model, random_ids(8, 16)
     )
     assert result.removed_layers == [4, 1] and result.kept_layers == [0, 2, 3, 5]
-    assert result.scores == [] and len(result.compensated_layers) == 1
+    # the default Stage 2: the layer before each removed run, fitted or left alone with the reason given
+    assert result.scores == [] and sorted(result.compensation_targets) == [0, 3]
+    assert sorted([*result.compensated_layers, *result.uncompensated_layers]) == [0, 3]
     assert model.config.num_hidden_layers == 4
 
 

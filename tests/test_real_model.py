@@ -10,6 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner, load_evaluation_segments, perplexity, remove_layers
 
+from .conftest import layers_before_removed_runs
+
 pytestmark = pytest.mark.real_model
 
 
@@ -81,7 +83,8 @@ def test_other_real_families_prune_compensate_save_reload_and_generate(asset, ar
     config = GradMAPConfig(num_layers_to_prune=2, num_samples=8, seq_len=64, batch_size=8)
     pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
     result = pruner.prune(model, "offline:wikipedia")
-    assert 0 not in result.removed_layers and len(result.compensated_layers) == 1
+    assert 0 not in result.removed_layers and result.compensated_layers
+    assert sorted([*result.compensated_layers, *result.uncompensated_layers]) == layers_before_removed_runs(result.removed_layers)
     pruner.save_pretrained(tmp_path)
     reloaded = load(tmp_path)
     assert type(reloaded) is type(model) and reloaded.config.num_hidden_layers == num_layers - 2
