@@ -303,7 +303,19 @@ def main() -> None:
         calibration = calibration_sha256(result.calibration_ids)
         record.setdefault("calibration_sha256", calibration)
         assert record["calibration_sha256"] == calibration, "every method must see the same calibration set"
-        stage1 = {"method": metric, "removed_layers": result.removed_layers, "stage1_seconds": result.timings["stage1"]}
+        stage1 = {
+            "method": metric,
+            "removed_layers": result.removed_layers,
+            "stage1_seconds": result.timings["stage1"],
+            # every round's scores and, with a shortlist, the calibration loss without each verified layer
+            "stage1_rounds": [
+                {
+                    "scores": {str(index): score for index, score in round_scores.items()},
+                    "verified": {str(index): loss for index, loss in verified.items()},
+                }
+                for round_scores, verified in zip(result.scores, result.verified or [{}] * len(result.scores))
+            ],
+        }
         if "stage1_resumed" in result.timings:  # part of Stage 1 ran in an earlier invocation
             stage1["stage1_seconds_in_earlier_invocations"] = result.timings["stage1_resumed"]
         stage1_evaluation = measure(model, metric)
