@@ -192,7 +192,8 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
         "--compensate-each-round",
         action="store_true",
         default=default("compensate_each_round"),
-        help="also compensate after every Stage 1 removal, so the next round scores the repaired model (default: off)",
+        help="also compensate after every Stage 1 removal, so the next round scores the repaired model (default: off; "
+        "measured worse than one fit after Stage 1, docs/results.md)",
     )
     parser.add_argument(
         "--validation-dataset",
