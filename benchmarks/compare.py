@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import logging
 import os
@@ -307,22 +308,26 @@ def main() -> None:
             "method": metric,
             "removed_layers": result.removed_layers,
             "stage1_seconds": result.timings["stage1"],
-            # every round's scores and, with a shortlist, the calibration loss without each verified layer
-            "stage1_rounds": [
-                {
-                    "scores": {str(index): score for index, score in round_scores.items()},
-                    "verified": {str(index): loss for index, loss in verified.items()},
-                }
-                for round_scores, verified in zip(result.scores, result.verified or [{}] * len(result.scores))
-            ],
         }
         if "stage1_resumed" in result.timings:  # part of Stage 1 ran in an earlier invocation
             stage1["stage1_seconds_in_earlier_invocations"] = result.timings["stage1_resumed"]
         stage1_evaluation = measure(model, metric)
         pruner.compensate(result, **PAPER_STAGE2)  # the paper's Stage 2 for every row, whatever the defaults
         drift = {str(index): value for index, value in result.drift.items()}
+        summary = result.to_dict()  # every round's scores and, with a shortlist, the loss without each verified layer
+        rounds = [
+            {"scores": scores, "verified": verified}
+            for scores, verified in itertools.zip_longest(summary["scores"], summary["verified"], fillvalue={})
+        ]
         record["rows"].append(
-            {**stage1, "stage2": False, "stage2_seconds": None, "drift": drift, "evaluation": stage1_evaluation}
+            {
+                **stage1,
+                "stage2": False,
+                "stage2_seconds": None,
+                "stage1_rounds": rounds,
+                "drift": drift,
+                "evaluation": stage1_evaluation,
+            }
         )
         record["rows"].append(
             {

@@ -205,14 +205,17 @@ def main() -> None:
                 record["rows"].append({**twin, "method": method, "removed_layers": removed, "same_model_as": twin["method"]})
                 todo.remove(variant)
                 save()
-        for calibration in dict.fromkeys(parse_variant(variant)[2] for variant in todo):
+        by_calibration: dict[str, list[str]] = {}  # one Stage 1 replay per calibration text
+        for variant in todo:
+            by_calibration.setdefault(parse_variant(variant)[2], []).append(variant)
+        for calibration, variants in by_calibration.items():
             model = copy.deepcopy(dense)
             config = GradMAPConfig(layers_to_prune=removed, num_samples=args.num_samples)
             pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
             result = pruner.select_layers(model, calibration)
             if calibration == CALIBRATION and calibration_sha256(result.calibration_ids) != compare["calibration_sha256"]:
                 raise SystemExit("the calibration set differs from the one compare.py used")
-            for variant in [variant for variant in todo if parse_variant(variant)[2] == calibration]:
+            for variant in variants:
                 overrides, validated, _ = parse_variant(variant)
                 if validated and validation is None:  # in-domain held-out text: the calibration articles, another seed
                     validation = prepare_calibration_data(CALIBRATION, tokenizer, args.num_samples, 128, 1, CALIBRATION)
