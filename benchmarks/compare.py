@@ -13,8 +13,9 @@ stage. Also plots which layers each method removed and the per-layer drift (Eq. 
     python benchmarks/compare.py --model smollm2-135m --ratio 0.25 --metrics gradmap_bound+top4 --resume
 
 A method is a metric name, optionally with a verified shortlist: `METRIC+topK` runs the metric with
-`verify_top_k=K`; `+each_round` adds `compensate_each_round=True` (Prune&Comp's fit between removals, with
-the default Stage 2 settings; the "Stage 2" rows then add the paper's fit on top).
+`verify_top_k=K` (`METRIC+topK+halving` also sets `verify_halving=True`); `+each_round` adds
+`compensate_each_round=True` (Prune&Comp's fit between removals, with the default Stage 2 settings; the
+"Stage 2" rows then add the paper's fit on top).
 
 Writes benchmarks/results/compare-<model>-<ratio>.{json,md} and compare-<model>-<ratio>-{layers,drift}.png.
 With `--resume`, methods already in that JSON are kept (the dense row too) and only the others run,
@@ -47,7 +48,8 @@ from optimum_gradmap.importance import IMPORTANCE_METRICS, importance_metric_nam
 
 def parse_method(method: str) -> tuple[str, dict]:
     """A method name -> its metric and the Stage 1 settings it changes: `"gradmap_bound+top4"` ->
-    `("gradmap_bound", {"verify_top_k": 4})`, `"gradmap+each_round"` -> `("gradmap", {"compensate_each_round": True})`."""
+    `("gradmap_bound", {"verify_top_k": 4})`, `"gradmap+each_round"` -> `("gradmap", {"compensate_each_round": True})`,
+    `"gradmap_bound+top8+halving"` -> `("gradmap_bound", {"verify_top_k": 8, "verify_halving": True})`."""
     metric, *changes = method.split("+")
     settings: dict = {}
     for change in changes:
@@ -55,11 +57,14 @@ def parse_method(method: str) -> tuple[str, dict]:
             settings["verify_top_k"] = int(change[3:])
         elif change == "each_round":
             settings["compensate_each_round"] = True
+        elif change == "halving":
+            settings["verify_halving"] = True
         else:
             metric = None
-    if metric not in IMPORTANCE_METRICS or len(settings) != len(changes):
+    halving_alone = "verify_halving" in settings and "verify_top_k" not in settings
+    if metric not in IMPORTANCE_METRICS or len(settings) != len(changes) or halving_alone:
         raise argparse.ArgumentTypeError(
-            f"{method!r}: give a metric ({', '.join(importance_metric_names())}), then optionally +topK and +each_round"
+            f"{method!r}: give a metric ({', '.join(importance_metric_names())}), then optionally +topK, +halving, +each_round"
         )
     return metric, settings
 

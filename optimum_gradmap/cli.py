@@ -158,6 +158,13 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
         help="each round, remove each of the K lowest-scored layers in turn, measure the calibration loss, and "
         "remove the best (default: off)",
     )
+    parser.add_argument(
+        "--verify-halving",
+        action="store_true",
+        default=default("verify_halving"),
+        help="with --verify-top-k, check the shortlist by successive halving: after each third (for K=8) of the "
+        "calibration sequences only the better half goes on, so K=8 costs about what K=5 costs (default: off)",
+    )
     parser.add_argument("--no-compensation", action="store_true", help="skip Stage 2 (default: run it)")
     _option(
         parser,

@@ -200,6 +200,7 @@ class GradMAPPruner:
                 protected,
                 config.verify_top_k,
                 config.compensate_each_round,
+                config.verify_halving,
             )
             checkpoint = Stage1Checkpoint(stage1_checkpoint, fingerprint)
 
@@ -233,6 +234,7 @@ class GradMAPPruner:
                         protected,
                         config.verify_top_k,
                         compensate_after if config.compensate_each_round else None,
+                        config.verify_halving,
                     )
         except BaseException:
             for done in reversed(run_compensations):

@@ -12,12 +12,13 @@ from tests.conftest import random_ids, tiny_model
 # the cross-validation folds (sequence j in fold j mod 4) must be counted from each share's first sequence.
 CASES = {
     "gradmap_paper_stage2": ("llama", dict(num_layers_to_prune=2), 8),
-    "bound_shortlist_span_end_auto": (
+    "bound_halving_shortlist_span_end_auto": (  # 3 candidates: 2 rungs of 5 sequences, shares of 2 and 3
         "llama",
         dict(
             num_layers_to_prune=2,
             importance="gradmap_bound_token",
-            verify_top_k=2,
+            verify_top_k=3,
+            verify_halving=True,
             compensation_target="span_end",
             reg_lambda="auto",
         ),

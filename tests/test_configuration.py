@@ -32,6 +32,8 @@ from optimum_gradmap.configuration import CONFIG_NAME, PAPER_STAGE2
         ({"pruning_ratio": 0.25, "dataset": ""}, "Unknown calibration dataset ''. Available: wikipedia"),
         ({"pruning_ratio": 0.25, "dataset": "offline:wikipedia+nope"}, "Unknown calibration dataset 'nope'"),
         ({"pruning_ratio": 0.25, "text_column": ""}, "`text_column` must be a column name"),
+        ({"pruning_ratio": 0.25, "verify_halving": True}, "set `verify_top_k` too"),
+        ({"pruning_ratio": 0.25, "verify_top_k": 4, "verify_halving": "yes"}, "`verify_halving` must be True or False"),
     ],
 )
 def test_invalid_values_are_refused_with_a_clear_message(kwargs, message):

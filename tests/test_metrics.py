@@ -11,6 +11,8 @@ import torch
 from optimum_gradmap import GradMAPConfig, GradMAPPruner, remove_layers
 from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.importance import IMPORTANCE_METRICS, TaylorImportance, get_importance_metric
+from optimum_gradmap.importance.metrics import removal_losses
+from optimum_gradmap.importance.selection import verify_shortlist
 from optimum_gradmap.testing import naive_layer_scores
 
 from .conftest import layers_before_removed_runs, random_ids, small_config, tiny_model
@@ -272,6 +274,41 @@ def test_a_short_shortlist_verifies_only_the_lowest_scored_layers_each_round():
         assert set(verified) == set(sorted(round_scores, key=lambda index: (round_scores[index], index))[:2])
         assert removed == min(verified, key=verified.get)
     assert result.to_dict()["verified"][0] == {str(index): loss for index, loss in result.verified[0].items()}
+
+
+def test_successive_halving_races_the_shortlist_over_thirds_and_compares_the_finalists_on_every_sequence():
+    model, ids = tiny_model("llama", num_layers=9), random_ids(12, 12)
+    adapter = get_adapter(model)
+    positions = [1, 2, 3, 4, 5, 6, 7]  # 7 candidates: ceil(log2 7) = 3 rungs of 4 sequences
+    raced, best = verify_shortlist(model, adapter, ids, 5, positions, halving=True, progress_bar=False)
+    on_first_rung = removal_losses(model, adapter, ids[:4], 5, positions, progress_bar=False)
+    on_two_rungs = removal_losses(model, adapter, ids[:8], 5, positions, progress_bar=False)
+    on_all = removal_losses(model, adapter, ids, 5, positions, progress_bar=False)
+    after_first = sorted(positions, key=lambda p: (on_first_rung[p], p))[:4]
+    finalists = sorted(after_first, key=lambda p: (on_two_rungs[p], p))[:2]
+    for position in positions:
+        expected = on_all if position in finalists else on_two_rungs if position in after_first else on_first_rung
+        assert raced[position] == pytest.approx(expected[position], rel=1e-6)
+    assert best == min(finalists, key=lambda p: (on_all[p], p))  # never a candidate dropped on an easier rung
+    plain, plain_best = verify_shortlist(model, adapter, ids, 5, positions, halving=False, progress_bar=False)
+    assert plain == pytest.approx(on_all) and plain_best == min(positions, key=lambda p: (on_all[p], p))
+
+
+def test_a_halving_shortlist_removes_the_finalist_with_the_lower_loss_and_resumes_only_with_the_same_setting(tmp_path):
+    model, ids = tiny_model("llama", num_layers=8), random_ids(9, 12)
+    settings = dict(importance="gradmap_bound", num_layers_to_prune=2, compensation=False, verify_top_k=4)
+    config = small_config(**settings, verify_halving=True)
+    checkpoint = str(tmp_path / "stage1.json")
+    result = GradMAPPruner(config, progress_bar=False).prune(copy.deepcopy(model), ids, stage1_checkpoint=checkpoint)
+    first_removed = result.removed_layers[0]
+    on_all = removal_losses(model, get_adapter(model), ids, 5, list(result.verified[0]), progress_bar=False)
+    assert [len(verified) for verified in result.verified] == [4, 4]
+    assert result.verified[0][first_removed] == pytest.approx(on_all[first_removed], rel=1e-6)  # a finalist
+    resumed = GradMAPPruner(config, progress_bar=False).prune(copy.deepcopy(model), ids, stage1_checkpoint=checkpoint)
+    assert resumed.removed_layers == result.removed_layers and resumed.verified == result.verified
+    plain = small_config(**settings)
+    with pytest.raises(ValueError, match="verify_halving"):
+        GradMAPPruner(plain, progress_bar=False).prune(copy.deepcopy(model), ids, stage1_checkpoint=checkpoint)
 
 
 def test_a_one_shot_metric_with_a_shortlist_is_scored_once_and_verified_every_round():
