@@ -163,7 +163,7 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=default("verify_halving"),
         help="with --verify-top-k, check the shortlist by successive halving: after each third (for K=8) of the "
-        "calibration sequences only the better half goes on, so K=8 costs about what K=5 costs (default: off)",
+        "calibration sequences only the better half goes on, so K=8 measures 58%% of what a full check of 8 does (default: off)",
     )
     parser.add_argument("--no-compensation", action="store_true", help="skip Stage 2 (default: run it)")
     _option(

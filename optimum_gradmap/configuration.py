@@ -84,11 +84,12 @@ class GradMAPConfig:
             Costs one scoring pass plus k partial forward passes per round, against SLEB's one per
             remaining layer; with k = all remaining layers it selects exactly SLEB's layers. Off by default.
         verify_halving (`bool`, defaults to `False`):
-            With `verify_top_k`, verify the shortlist by successive halving (Karnin et al., ICML 2013,
-            Algorithm 1): the calibration sequences are split into ceil(log2 k) rungs, and after each rung
-            only the better half of the candidates goes on, so the two finalists are compared on every
-            sequence. A shortlist of 8 then costs 58% of verifying all 8 on every sequence, about what a
-            shortlist of 5 costs without it. See [`optimum_gradmap.importance.selection.verify_shortlist`].
+            With `verify_top_k`, verify the shortlist by successive halving (Jamieson & Talwalkar, AISTATS
+            2016, Algorithm 1): the calibration sequences are split into ceil(log2 k) rungs, and after each
+            rung only the better half of the candidates goes on, so the two finalists are compared on every
+            sequence. A shortlist of 8 then measures 58% of the candidate-sequence pairs that verifying all 8
+            on every sequence does, about what a shortlist of 5 costs without it. See
+            [`optimum_gradmap.importance.selection.verify_shortlist`].
         compensation (`bool`, defaults to `True`):
             Run Stage 2 (projection compensation matrix, Eq. 10-15).
         num_compensated_layers (`int`, defaults to 1):

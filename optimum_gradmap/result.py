@@ -46,7 +46,8 @@ class PruningResult:
         config ([`GradMAPConfig`]): The configuration of the run (with the Stage 2 settings last used).
         tokenizer (`PreTrainedTokenizerBase`, *optional*): The tokenizer, saved with the model.
         verified (`list[dict[int, float]]`): With `verify_top_k`, the calibration loss without each
-            shortlisted layer, every round.
+            shortlisted layer, every round (with `verify_halving`, a candidate dropped before the last rung
+            has its mean over the rungs it was measured on).
         compensation_targets (`dict[int, int]`): For each layer Stage 2 fitted, the dense layer whose
             output it was fitted to (itself with `"max_drift"`, the end of a removed run with `"span_end"`).
         compensation_lambda (`dict[int, float]`): For each compensated layer, the lambda its fit used.

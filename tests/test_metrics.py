@@ -12,7 +12,7 @@ from optimum_gradmap import GradMAPConfig, GradMAPPruner, remove_layers
 from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.importance import IMPORTANCE_METRICS, TaylorImportance, get_importance_metric
 from optimum_gradmap.importance.metrics import removal_losses
-from optimum_gradmap.importance.selection import verify_shortlist
+from optimum_gradmap.importance.selection import halving_rungs, verify_shortlist
 from optimum_gradmap.testing import naive_layer_scores
 
 from .conftest import layers_before_removed_runs, random_ids, small_config, tiny_model
@@ -276,22 +276,46 @@ def test_a_short_shortlist_verifies_only_the_lowest_scored_layers_each_round():
     assert result.to_dict()["verified"][0] == {str(index): loss for index, loss in result.verified[0].items()}
 
 
-def test_successive_halving_races_the_shortlist_over_thirds_and_compares_the_finalists_on_every_sequence():
-    model, ids = tiny_model("llama", num_layers=9), random_ids(12, 12)
+def test_successive_halving_races_the_shortlist_over_rungs_and_compares_the_finalists_on_every_sequence():
+    model, ids = tiny_model("llama", num_layers=9), random_ids(13, 12)
     adapter = get_adapter(model)
-    positions = [1, 2, 3, 4, 5, 6, 7]  # 7 candidates: ceil(log2 7) = 3 rungs of 4 sequences
+    positions = [1, 2, 3, 4, 5, 6, 7]  # 7 candidates: ceil(log2 7) = 3 rungs, of 5, 4 and 4 sequences
     raced, best = verify_shortlist(model, adapter, ids, 5, positions, halving=True, progress_bar=False)
-    on_first_rung = removal_losses(model, adapter, ids[:4], 5, positions, progress_bar=False)
-    on_two_rungs = removal_losses(model, adapter, ids[:8], 5, positions, progress_bar=False)
+    on_first_rung = removal_losses(model, adapter, ids[:5], 5, positions, progress_bar=False)
+    on_two_rungs = removal_losses(model, adapter, ids[:9], 5, positions, progress_bar=False)  # weighted 5 : 4
     on_all = removal_losses(model, adapter, ids, 5, positions, progress_bar=False)
     after_first = sorted(positions, key=lambda p: (on_first_rung[p], p))[:4]
     finalists = sorted(after_first, key=lambda p: (on_two_rungs[p], p))[:2]
     for position in positions:
         expected = on_all if position in finalists else on_two_rungs if position in after_first else on_first_rung
         assert raced[position] == pytest.approx(expected[position], rel=1e-6)
-    assert best == min(finalists, key=lambda p: (on_all[p], p))  # never a candidate dropped on an easier rung
+    assert best == min(finalists, key=lambda p: (on_all[p], p))
     plain, plain_best = verify_shortlist(model, adapter, ids, 5, positions, halving=False, progress_bar=False)
-    assert plain == pytest.approx(on_all) and plain_best == min(positions, key=lambda p: (on_all[p], p))
+    assert plain == on_all and plain_best == min(positions, key=lambda p: (on_all[p], p))  # exactly as measured
+
+
+def test_successive_halving_never_removes_a_candidate_dropped_on_an_easier_rung(monkeypatch):
+    """The first rung's text is easy: every loss on it is lower than any on the others, so a candidate dropped
+    after it has a lower mean than the finalists have over every sequence; it must not be the one removed."""
+    ids = torch.arange(12).view(12, 1).repeat(1, 4)  # sequence j is all j: its rung is j // 4
+
+    def fake_removal_losses(model, adapter, input_ids, batch_size, positions, progress_bar=True, description=""):
+        rung = int(input_ids[0, 0]) // 4
+        return {position: 1.0 + 0.01 * position if rung == 0 else 3.0 - 0.03 * position for position in positions}
+
+    monkeypatch.setattr("optimum_gradmap.importance.selection.removal_losses", fake_removal_losses)
+    losses, best = verify_shortlist(None, None, ids, 4, list(range(8)), halving=True, progress_bar=False)
+    # rung 1 keeps 0-3 (lowest there), rung 2 keeps 2 and 3, the finalists; 7 was dropped at 1.07
+    assert best == 3 and losses[3] == pytest.approx((1.03 + 2 * 2.91) / 3)
+    assert losses[7] == pytest.approx(1.07) and losses[7] < losses[best]
+
+
+@pytest.mark.parametrize(
+    "num_candidates, num_samples, expected",
+    [(1, 128, 1), (2, 128, 1), (3, 128, 2), (4, 128, 2), (8, 128, 3), (17, 128, 5), (8, 2, 2)],
+)
+def test_halving_uses_ceil_log2_k_rungs_and_never_more_than_the_sequences(num_candidates, num_samples, expected):
+    assert halving_rungs(num_candidates, num_samples) == expected
 
 
 def test_a_halving_shortlist_removes_the_finalist_with_the_lower_loss_and_resumes_only_with_the_same_setting(tmp_path):

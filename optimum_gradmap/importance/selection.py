@@ -39,7 +39,8 @@ class Selection:
         kept_layers (`list[int]`): Layers that remain, in model order.
         scores (`list[dict[int, float]]`): The scores of the layers present in each round.
         verified (`list[dict[int, float]]`): With a verified shortlist, the calibration loss without
-            each shortlisted layer, every round.
+            each shortlisted layer, every round (with `verify_halving`, a candidate dropped before the last
+            rung has its mean over the rungs it was measured on).
         resumed_seconds (`float`): Seconds of the rounds replayed from a checkpoint (spent in an earlier run).
     """
 
@@ -166,10 +167,17 @@ def score_on_shares(
 
 
 def halving_rungs(num_candidates: int, num_samples: int) -> int:
-    """How many rungs successive halving uses for `num_candidates` candidates: ceil(log2 k), so that the
-    last rung compares two (one rung, plain verification, for k <= 2), and never more rungs than the
-    sequences allow (each process needs at least one sequence of every rung)."""
-    return max(1, min(math.ceil(math.log2(max(num_candidates, 1))), num_samples // distributed.world_size()))
+    """The number of rungs successive halving ([`verify_shortlist`]) splits the calibration sequences into.
+
+    Args:
+        num_candidates (`int`): k, the size of the shortlist.
+        num_samples (`int`): The number of calibration sequences.
+
+    Returns:
+        `int`: ceil(log2 k), so that halving after every rung but the last leaves two finalists for the last
+        (1 for k <= 2: plain verification), and never more rungs than sequences.
+    """
+    return max(1, min(math.ceil(math.log2(max(num_candidates, 1))), num_samples))
 
 
 def verify_shortlist(
@@ -186,15 +194,16 @@ def verify_shortlist(
     layer to remove.
 
     With `halving=False`, every candidate is measured on every calibration sequence. With `halving=True`,
-    successive halving (Karnin et al., ICML 2013, "Almost Optimal Exploration in Multi-Armed Bandits",
-    Algorithm 1; Jamieson & Talwalkar, AISTATS 2016): the sequences are split into R = ceil(log2 k)
-    contiguous rungs; every candidate still in the race is measured on the next rung, and after each rung
-    but the last only the better half (by its mean loss over the rungs it has seen) goes on. The two
-    finalists are measured on all sequences, and the one with the lower loss is removed; a candidate dropped
-    earlier keeps its mean over the sequences it was measured on (not comparable with the finalists': the
-    rungs differ in how hard their text is, so it is never the one removed). For a
-    shortlist of 8 this costs 8 + 4 + 2 candidate passes over a third of the sequences each, 58% of
-    measuring all 8 on all sequences (the layers before the deepest candidate run once per rung, as before).
+    successive halving (Jamieson & Talwalkar, AISTATS 2016, "Non-stochastic Best Arm Identification and
+    Hyperparameter Optimization", Algorithm 1, after Karnin et al., ICML 2013): the sequences are split into
+    R = [`halving_rungs`] contiguous rungs; every candidate still in the race is measured on the next rung,
+    and after each rung but the last only the better half (by its mean loss over every rung it has seen)
+    goes on. The finalists (two, unless there are fewer rungs than halvings) are measured on every
+    sequence, and the one with the lowest loss is removed. A candidate dropped earlier keeps its mean over
+    the sequences it was measured on; that mean is not comparable with the finalists' (rungs differ in how
+    hard their text is), so it is never the one removed. For a shortlist of 8, the candidates are measured
+    on 8 + 4 + 2 thirds of the sequences: 58% of measuring all 8 on all of them (more where a rung ends in
+    a part-filled batch; the layers before the deepest candidate still run once per sequence).
 
     Args:
         model (`PreTrainedModel`): The model as it is now.
@@ -203,17 +212,29 @@ def verify_shortlist(
         batch_size (`int`): Sequences per pass.
         positions (`list[int]`): Positions, in the current stack, of the shortlisted layers.
         halving (`bool`, defaults to `False`): Use successive halving.
+        progress_bar (`bool`, defaults to `True`): Show a progress bar per rung.
+        description (`str`, defaults to `"Verifying removals"`): The progress bar's label.
 
     Returns:
         `tuple[dict[int, float], int]`: Position -> mean calibration loss without that layer (over the
-        sequences it was measured on), and the position of the layer to remove (lowest loss over every
-        sequence; ties to the lower position).
+        sequences it was measured on), and the position of the layer to remove (the lowest loss over every
+        sequence; ties go to the lower position).
+
+    Raises:
+        ValueError: with several processes, when a rung has fewer sequences than there are processes.
     """
     num_rungs = halving_rungs(len(positions), calibration_ids.shape[0]) if halving else 1
+    rungs = torch.tensor_split(calibration_ids, num_rungs)
+    if distributed.world_size() > rungs[-1].shape[0]:
+        raise ValueError(
+            f"verify_halving splits the {calibration_ids.shape[0]} calibration sequences into {num_rungs} rungs of "
+            f"{rungs[-1].shape[0]} or more, fewer than the {distributed.world_size()} processes that share each "
+            f"rung: use at least {num_rungs * distributed.world_size()} calibration sequences, or fewer processes."
+        )
     totals = dict.fromkeys(positions, 0.0)
     counts = dict.fromkeys(positions, 0)
     racing = list(positions)
-    for rung_index, rung in enumerate(torch.tensor_split(calibration_ids, num_rungs)):
+    for rung_index, rung in enumerate(rungs):
         losses = distributed.mean_over_samples(
             partial(
                 removal_losses,
@@ -226,14 +247,16 @@ def verify_shortlist(
             ),
             rung,
         )
+        if num_rungs == 1:  # every candidate on every sequence: the losses as measured
+            return losses, min(positions, key=lambda position: (losses[position], position))
         for position, loss in losses.items():
             totals[position] += loss * rung.shape[0]
             counts[position] += rung.shape[0]
         if rung_index < num_rungs - 1:
             ranked = sorted(racing, key=lambda position: (totals[position] / counts[position], position))
             racing = ranked[: max(2, math.ceil(len(racing) / 2))]
-    losses = {position: totals[position] / counts[position] for position in positions}
-    return losses, min(racing, key=lambda position: (losses[position], position))
+    means = {position: totals[position] / counts[position] for position in positions}
+    return means, min(racing, key=lambda position: (means[position], position))
 
 
 def remove_by_importance(
@@ -328,9 +351,9 @@ def remove_by_importance(
                     calibration_ids,
                     batch_size,
                     [kept.index(index) for index in shortlist],
-                    verify_halving,
-                    progress_bar,
-                    description,
+                    halving=verify_halving,
+                    progress_bar=progress_bar,
+                    description=description,
                 )
                 verified = {kept[position]: loss for position, loss in losses.items()}
                 to_remove = [kept[best]]
