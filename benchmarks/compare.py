@@ -32,6 +32,7 @@ import copy
 import itertools
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -185,7 +186,7 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     order = sorted(range(len(points)), key=lambda i: points[i])
     front, best = [], float("inf")
     for index in order:
-        if points[index][1] < best:
+        if points[index][1] < best * (1 - 1e-6):  # the same perplexity (the same layers) later is no gain
             front.append(index)
             best = points[index][1]
     return front
@@ -206,21 +207,31 @@ def pareto_plot(record: dict, prefix: str) -> str:
         points = [(max(row["stage1_seconds"], 1.0), row["evaluation"]["perplexities"][position]["perplexity"]) for row in rows]
         front = pareto_front(points)
         axis.plot([points[i][0] for i in front], [points[i][1] for i in front], color="tab:green", alpha=0.5, linewidth=3)
-        for index, (row, (seconds, value)) in enumerate(zip(rows, points)):
-            colour = "tab:green" if index in front else "tab:blue"
-            axis.scatter(seconds, value, color=colour, s=30, zorder=3)
-            axis.annotate(row["method"], (seconds, value), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        for index, (row, (seconds, value)) in enumerate(zip(rows, points)):  # one colour and marker per method
+            on_front = index in front
+            axis.scatter(
+                seconds,
+                value,
+                color=plt.cm.tab10(index % 10),
+                marker="osD^v<>"[index // 10 % 7],
+                s=45 if on_front else 30,
+                edgecolors="black" if on_front else "none",
+                zorder=3,
+                label=row["method"],
+            )
         dense = record["rows"][0]["evaluation"]["perplexities"][position]["perplexity"]
         axis.axhline(dense, color="gray", linestyle=":", linewidth=1)
         axis.set_xscale("log")
         axis.set_yscale("log")
         axis.set_xlabel("Stage 1 seconds (2-core CPU)")
         axis.set_ylabel(f"held-out {datasets[position]} perplexity (Stage 1 only)")
-        axis.set_title(f"{datasets[position]}: green = Pareto front; dotted = dense", fontsize=9)
+        axis.set_title(f"{datasets[position]}: green line and black edge = Pareto front; dotted = dense", fontsize=9)
+    handles, labels = axes[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
     figure.suptitle(
         f"Quality against Stage 1 time, {record['settings']['model']} at {record['settings']['ratio']:.0%}", fontsize=11
     )
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0.06 * math.ceil(len(rows) / 4), 1, 1))
     path = f"{prefix}-pareto.png"
     figure.savefig(path, dpi=120)
     plt.close(figure)
