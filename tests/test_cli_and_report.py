@@ -177,6 +177,11 @@ def test_optimum_cli_registers_gradmap_with_the_same_commands_and_runs_them(tiny
     preset_output = str(tmp_path / "fast")
     assert optimum_cli_main("gradmap", *_prune_args(tiny_checkpoint, preset_output), "--preset", "fast") == 0
     assert load_report(preset_output)["gradmap_config"]["importance"] == "relative_magnitude"
+    quality_output = str(tmp_path / "quality")  # the shortlist of eight, raced by successive halving
+    assert optimum_cli_main("gradmap", *_prune_args(tiny_checkpoint, quality_output), "--preset", "quality") == 0
+    quality = load_report(quality_output)
+    assert (quality["gradmap_config"]["verify_top_k"], quality["gradmap_config"]["verify_halving"]) == (8, True)
+    assert [len(verified) for verified in quality["verified"]] == [6, 5]  # every layer of the 6-layer model, every round
     assert optimum_cli_main("gradmap", "prune", tiny_checkpoint, "--ratio", "1.5", "--output", str(tmp_path / "x")) == 2
     assert "optimum-cli gradmap prune: error: `pruning_ratio` must lie strictly between 0 and 1" in capsys.readouterr().err
 
