@@ -116,8 +116,8 @@ def stage1_fingerprint(
     compensate_each_round: bool = False,
     verify_halving: bool = False,
 ) -> dict[str, Any]:
-    """What must be the same for a saved Stage 1 round to be valid in this run (the protected layers
-    and the shortlist size only when they are set, so files of earlier runs stay valid)."""
+    """What must be the same for a saved Stage 1 round to be valid in this run (the protected layers and
+    the shortlist settings only when they are set, so files of earlier runs stay valid)."""
     settings = {
         "protected_layers": sorted(protected) if protected is not None else None,
         "verify_top_k": verify_top_k,
@@ -231,25 +231,30 @@ def verify_shortlist(
             f"{rungs[-1].shape[0]} or more, fewer than the {distributed.world_size()} processes that share each "
             f"rung: use at least {num_rungs * distributed.world_size()} calibration sequences, or fewer processes."
         )
-    totals = dict.fromkeys(positions, 0.0)
-    counts = dict.fromkeys(positions, 0)
-    racing = list(positions)
-    for rung_index, rung in enumerate(rungs):
-        losses = distributed.mean_over_samples(
+
+    def measure(rung: torch.LongTensor, candidates: list[int], label: str) -> dict[int, float]:
+        """The loss without each of `candidates`, over the sequences `rung` (shared among the processes)."""
+        return distributed.mean_over_samples(
             partial(
                 removal_losses,
                 model,
                 adapter,
                 batch_size=batch_size,
-                positions=racing,
+                positions=candidates,
                 progress_bar=progress_bar,
-                description=description if num_rungs == 1 else f"{description}, rung {rung_index + 1}/{num_rungs}",
+                description=label,
             ),
             rung,
         )
-        if num_rungs == 1:  # every candidate on every sequence: the losses as measured
-            return losses, min(positions, key=lambda position: (losses[position], position))
-        for position, loss in losses.items():
+
+    if num_rungs == 1:  # every candidate on every sequence: the losses as measured
+        losses = measure(calibration_ids, positions, description)
+        return losses, min(positions, key=lambda position: (losses[position], position))
+    totals = dict.fromkeys(positions, 0.0)
+    counts = dict.fromkeys(positions, 0)
+    racing = list(positions)
+    for rung_index, rung in enumerate(rungs):
+        for position, loss in measure(rung, racing, f"{description}, rung {rung_index + 1}/{num_rungs}").items():
             totals[position] += loss * rung.shape[0]
             counts[position] += rung.shape[0]
         if rung_index < num_rungs - 1:
