@@ -29,7 +29,8 @@ from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.assets import MODEL_ASSETS, load_model
 from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
 from optimum_gradmap.importance import get_importance_metric
-from optimum_gradmap.importance.metrics import removal_losses
+from optimum_gradmap.importance.metrics import ResidualBranchMetric, removal_losses
+from optimum_gradmap.importance.residual import residual_branch_scores
 from optimum_gradmap.passes import calibration_batches
 
 SCORES = (
@@ -129,16 +130,13 @@ def main() -> None:
         print(f"true damage measured in {record['true_damage_seconds']:.0f} s", flush=True)
     damage = record["true_damage"]
     true_order = sorted(range(num_layers), key=lambda index: (damage[index], index))
-    for name in args.scores:
-        if name in record["scores"]:
-            continue
-        started = time.perf_counter()
-        scores = get_importance_metric(name).score(model, adapter, ids, args.batch_size, progress_bar=False)
-        seconds = time.perf_counter() - started
+
+    def keep(name: str, scores: list[float], seconds: float, shared_with: list[str]) -> None:
         order = sorted(range(num_layers), key=lambda index: (scores[index], index))
         record["scores"][name] = {
             "scores": scores,
             "seconds": seconds,
+            "shared_pass": shared_with,
             "spearman": spearman(scores, damage),
             "first_choice": order[0],
             "first_choice_true_rank": true_order.index(order[0]) + 1,
@@ -146,6 +144,31 @@ def main() -> None:
         }
         save()
         print(f"{name}: {record['scores'][name]['spearman']:.3f} in {seconds:.0f} s", flush=True)
+
+    pending = [name for name in args.scores if name not in record["scores"]]
+    # The scores from the residual branch differ only in the per-sample statistic of (g_i, f_i): one
+    # pass gives them all (each alone costs the same one pass).
+    branch = [name for name in pending if isinstance(get_importance_metric(name), ResidualBranchMetric)]
+    if len(branch) > 1:
+        statistics = [type(get_importance_metric(name)).statistic for name in branch]
+        started = time.perf_counter()
+        table = residual_branch_scores(
+            model,
+            adapter,
+            adapter.get_layers(model),
+            ids,
+            args.batch_size,
+            lambda gradient, contribution: torch.stack([s(gradient, contribution) for s in statistics], dim=1),
+            progress_bar=False,
+        )
+        seconds = time.perf_counter() - started
+        for column, name in enumerate(branch):
+            keep(name, table[:, column].tolist(), seconds, branch)
+        pending = [name for name in pending if name not in branch]
+    for name in pending:
+        started = time.perf_counter()
+        scores = get_importance_metric(name).score(model, adapter, ids, args.batch_size, progress_bar=False)
+        keep(name, scores, time.perf_counter() - started, [])
     print(markdown(record))
 
 
@@ -156,7 +179,8 @@ def markdown(record: dict) -> str:
     true_best = min(range(len(damage)), key=lambda index: (damage[index], index))
     lines = [
         f"True damage: the calibration loss without each layer minus the dense model's ({record['dense_loss']:.4f}); "
-        f"least harmful layer: {true_best}; measured in {record['true_damage_seconds']:.0f} s (one SLEB round over every layer).",
+        f"least harmful layer: {true_best}; measured in {record['true_damage_seconds']:.0f} s (one SLEB round over every layer). "
+        "Seconds marked * are one pass that gave all the scores marked * (each alone costs that one pass).",
         "",
         "| score | Spearman vs true damage | its first choice (true rank) | true best layer's rank in it | seconds |",
         "|---|---|---|---|---|",
@@ -165,7 +189,7 @@ def markdown(record: dict) -> str:
     for name, entry in ordered:
         lines.append(
             f"| {name} | {entry['spearman']:.3f} | layer {entry['first_choice']} ({entry['first_choice_true_rank']}) | "
-            f"{entry['true_best_rank_in_score']} | {entry['seconds']:.1f} |"
+            f"{entry['true_best_rank_in_score']} | {entry['seconds']:.1f}{'*' if entry.get('shared_pass') else ''} |"
         )
     return "\n".join(lines)
 

@@ -11,7 +11,8 @@ import torch
 from optimum_gradmap import GradMAPConfig, GradMAPPruner, remove_layers
 from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.importance import IMPORTANCE_METRICS, TaylorImportance, get_importance_metric
-from optimum_gradmap.importance.metrics import removal_losses
+from optimum_gradmap.importance.metrics import ResidualBranchMetric, removal_losses
+from optimum_gradmap.importance.residual import residual_branch_scores
 from optimum_gradmap.importance.selection import halving_rungs, verify_shortlist
 from optimum_gradmap.testing import naive_layer_scores
 
@@ -229,6 +230,20 @@ def test_residual_branch_scores_equal_a_per_sample_autograd_computation(model_ty
     expected = [sum(statistic(*sample[position]).item() for sample in per_sample) / len(ids) for position in range(4)]
     assert _score(name, model, ids) == pytest.approx(expected, rel=1e-4, abs=1e-9)
     assert get_importance_metric(name).iterative
+
+
+def test_several_statistics_from_one_pass_equal_each_score_alone():
+    model, ids = tiny_model("qwen2", num_layers=4), random_ids(5, 12)
+    names = sorted(DIRECT_BRANCH_STATISTICS)
+    statistics = [type(get_importance_metric(name)).statistic for name in names]
+    assert all(isinstance(get_importance_metric(name), ResidualBranchMetric) for name in names)
+    adapter = get_adapter(model)
+    table = residual_branch_scores(
+        model, adapter, adapter.get_layers(model), ids, 2, lambda g, f: torch.stack([s(g, f) for s in statistics], dim=1), False
+    )
+    assert table.shape == (4, len(names))
+    for column, name in enumerate(names):
+        assert table[:, column].tolist() == pytest.approx(_score(name, model, ids), rel=1e-5, abs=1e-9)
 
 
 def test_the_removal_estimate_tracks_the_true_loss_change_of_a_small_branch():

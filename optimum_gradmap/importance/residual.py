@@ -33,7 +33,8 @@ from ..adapters import DecoderAdapter
 from ..passes import forward_hooks, forward_pre_hooks, layer_input, layer_output
 from .gradient import loss_gradient_passes
 
-# (g, f), each (batch, tokens, hidden) -> one value per sample, (batch,)
+# (g, f), each (batch, tokens, hidden) -> one value per sample, (batch,), or a row of values per
+# sample, (batch, num_statistics), to take several statistics from one pass
 SampleStatistic = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -74,7 +75,7 @@ class _ResidualBranchCollector:
     def __init__(self, layers: Sequence[nn.Module], statistic: SampleStatistic):
         self.layers = list(layers)
         self.statistic = statistic
-        self.totals = torch.zeros(len(self.layers), dtype=torch.float64)
+        self.totals: list[torch.Tensor | None] = [None] * len(self.layers)
         self._inputs: dict[int, torch.Tensor] = {}
         self.layers_seen: set[int] = set()
 
@@ -98,7 +99,8 @@ class _ResidualBranchCollector:
     def _accumulate(self, position: int, contribution: torch.Tensor, gradient: torch.Tensor) -> None:
         with torch.no_grad():
             values = self.statistic(gradient.float().reshape(contribution.shape), contribution)
-        self.totals[position] += values.double().sum().cpu()
+        total = values.double().sum(dim=0).cpu()
+        self.totals[position] = total if self.totals[position] is None else self.totals[position] + total
 
 
 def residual_branch_scores(
@@ -120,11 +122,12 @@ def residual_branch_scores(
         input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
         batch_size (`int`): Sequences per pass.
         statistic (`Callable`): Maps the gradient at a layer's output and its contribution, each
-            `(batch, tokens, hidden)` in float32, to one value per sample.
+            `(batch, tokens, hidden)` in float32, to one value per sample, `(batch,)`, or to several,
+            `(batch, num_statistics)`: then every statistic comes from the same single pass.
         progress_bar (`bool`), description (`str`): The progress bar.
 
     Returns:
-        `torch.Tensor` of shape `(len(layers),)`, float64.
+        `torch.Tensor` of shape `(len(layers),)`, or `(len(layers), num_statistics)`, float64.
     """
     collector = _ResidualBranchCollector(layers, statistic)
     pre_hooks, hooks = collector.hooks()
@@ -133,4 +136,4 @@ def residual_branch_scores(
     if len(collector.layers_seen) != len(collector.layers):
         missing = sorted(set(range(len(collector.layers))) - collector.layers_seen)
         raise ValueError(f"Layers at positions {missing} of `layers` did not run in the model's forward pass.")
-    return collector.totals / input_ids.shape[0]
+    return torch.stack(collector.totals) / input_ids.shape[0]
