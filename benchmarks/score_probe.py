@@ -30,7 +30,7 @@ from optimum_gradmap.assets import MODEL_ASSETS, load_model
 from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
 from optimum_gradmap.importance import get_importance_metric
 from optimum_gradmap.importance.metrics import ResidualBranchMetric, removal_losses
-from optimum_gradmap.importance.residual import residual_branch_scores
+from optimum_gradmap.importance.residual import residual_branch_scores, stacked_statistics
 from optimum_gradmap.passes import calibration_batches
 
 SCORES = (
@@ -158,7 +158,7 @@ def main() -> None:
             adapter.get_layers(model),
             ids,
             args.batch_size,
-            lambda gradient, contribution: torch.stack([s(gradient, contribution) for s in statistics], dim=1),
+            stacked_statistics(statistics),
             progress_bar=False,
         )
         seconds = time.perf_counter() - started

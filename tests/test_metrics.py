@@ -12,7 +12,7 @@ from optimum_gradmap import GradMAPConfig, GradMAPPruner, remove_layers
 from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.importance import IMPORTANCE_METRICS, TaylorImportance, get_importance_metric
 from optimum_gradmap.importance.metrics import ResidualBranchMetric, removal_losses
-from optimum_gradmap.importance.residual import residual_branch_scores
+from optimum_gradmap.importance.residual import residual_branch_scores, stacked_statistics
 from optimum_gradmap.importance.selection import halving_rungs, verify_shortlist
 from optimum_gradmap.testing import naive_layer_scores
 
@@ -238,9 +238,7 @@ def test_several_statistics_from_one_pass_equal_each_score_alone():
     statistics = [type(get_importance_metric(name)).statistic for name in names]
     assert all(isinstance(get_importance_metric(name), ResidualBranchMetric) for name in names)
     adapter = get_adapter(model)
-    table = residual_branch_scores(
-        model, adapter, adapter.get_layers(model), ids, 2, lambda g, f: torch.stack([s(g, f) for s in statistics], dim=1), False
-    )
+    table = residual_branch_scores(model, adapter, adapter.get_layers(model), ids, 2, stacked_statistics(statistics), False)
     assert table.shape == (4, len(names))
     for column, name in enumerate(names):
         assert table[:, column].tolist() == pytest.approx(_score(name, model, ids), rel=1e-5, abs=1e-9)

@@ -68,6 +68,16 @@ def squared_removal_estimate(gradient: torch.Tensor, contribution: torch.Tensor)
     return removal_estimate(gradient, contribution).pow(2)
 
 
+def stacked_statistics(statistics: Sequence[SampleStatistic]) -> SampleStatistic:
+    """One statistic whose value per sample is the row of `statistics`' values, `(batch, len(statistics))`:
+    passed to [`residual_branch_scores`], it gives every one of them from a single pass."""
+
+    def stacked(gradient: torch.Tensor, contribution: torch.Tensor) -> torch.Tensor:
+        return torch.stack([statistic(gradient, contribution) for statistic in statistics], dim=1)
+
+    return stacked
+
+
 class _ResidualBranchCollector:
     """Hooks that keep each layer's contribution f = output - input from the forward pass and turn
     it, with the gradient at the layer's output in the backward pass, into per-sample statistics."""
