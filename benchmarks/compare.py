@@ -85,7 +85,7 @@ def measure_held_out(model, tokenizer, label: str, max_eval_segments: int, task_
         model,
         tokenizer,
         ("offline:wikipedia", "offline:web_text"),
-        seq_len=128,
+        segment_length=128,
         max_segments=max_eval_segments,
         tasks=PAPER_TASKS if task_limit > 0 else (),
         task_limit=task_limit or None,
@@ -329,7 +329,7 @@ def main() -> None:
             stage1["stage1_seconds_in_earlier_invocations"] = result.timings["stage1_resumed"]
         stage1_evaluation = measure(model, metric)
         pruner.compensate(result, **PAPER_STAGE2)  # the paper's Stage 2 for every row, whatever the defaults
-        drift = {str(index): value for index, value in result.drift.items()}
+        drift = {str(index): value for index, value in result.compensation.drift.items()}
         summary = result.to_dict()  # every round's scores and, with a shortlist, the loss without each verified layer
         rounds = [
             {"scores": scores, "verified": verified}

@@ -81,7 +81,7 @@ def main() -> None:
             model,
             tokenizer,
             perplexity_datasets=("offline:wikipedia", "offline:web_text"),
-            seq_len=128,
+            segment_length=128,
             max_segments=args.max_eval_segments,
             tasks=args.tasks,
             task_limit=args.task_limit,

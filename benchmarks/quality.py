@@ -3,7 +3,7 @@ solver, and the same number of layers removed at random.
 
 One Stage 1 run serves every row: Stage 2 is run with each solver in turn on the same Stage 1 result
 (`pruner.compensate(result, solver=...)` replaces the previous fit), and the random rows run the
-dense model's layers through `surgery.temporarily`.
+dense model's layers through `LayerSnapshot.temporarily`.
 
     python benchmarks/quality.py --model smollm2-135m --ratio 0.25
 
@@ -47,7 +47,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model, architecture=args.architecture)
-    segments = load_evaluation_segments("offline:wikipedia", tokenizer, seq_len=128, max_segments=args.max_eval_segments)
+    segments = load_evaluation_segments("offline:wikipedia", tokenizer, segment_length=128, max_segments=args.max_eval_segments)
     print(
         f"{args.model}: {model.config.num_hidden_layers} layers; "
         f"evaluation: {segments.shape[0]} segments x 128 tokens of held-out Wikipedia"
@@ -67,7 +67,7 @@ def main() -> None:
     random_rows = []
     for seed in range(args.random_seeds):
         removed = sorted(random.Random(seed).sample(range(num_layers), num_to_prune))
-        with surgery.temporarily(model, dense, [i for i in range(num_layers) if i not in removed]):
+        with dense.temporarily([i for i in range(num_layers) if i not in removed]):
             value = perplexity(model, segments)
         random_rows.append({"seed": seed, "removed_layers": removed, "perplexity": value})
         print(f"random removal, seed {seed} {removed}: {value:.3f}")
@@ -88,7 +88,7 @@ def main() -> None:
             rows[name] = perplexity(model, segments)
             solvers[name] = {
                 "compensated_layers": list(result.compensated_layers),
-                "objective": {str(k): v for k, v in result.compensation_objective.items()},
+                "objective": {str(k): v for k, v in result.compensation.objective.items()},
                 "stage2_seconds": result.timings["stage2"],
             }
             print(f"{name}, layer {result.compensated_layers}: {rows[name]:.3f}  [{result.timings['stage2']:.1f}s]")
@@ -105,7 +105,7 @@ def main() -> None:
         },
         "removed_layers": result.removed_layers,
         "scores": [{str(k): v for k, v in s.items()} for s in result.scores],
-        "drift": {str(k): v for k, v in result.drift.items()},
+        "drift": {str(k): v for k, v in result.compensation.drift.items()},
         "perplexity": rows,
         "solvers": solvers,
         "random_removal": random_rows,

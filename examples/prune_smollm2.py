@@ -71,7 +71,7 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     logging.basicConfig(format="%(message)s", level=logging.WARNING)
     logging.getLogger("optimum_gradmap").setLevel(logging.INFO)  # each removed layer, as soon as it is known
-    segments = load_evaluation_segments("offline:wikipedia", tokenizer, seq_len=128, max_segments=args.max_eval_segments)
+    segments = load_evaluation_segments("offline:wikipedia", tokenizer, segment_length=128, max_segments=args.max_eval_segments)
     dense = perplexity(model, segments)
     print(f"dense held-out Wikipedia perplexity: {dense:.3f} ({segments.shape[0]} segments of 128 tokens)", flush=True)
 
@@ -101,13 +101,13 @@ def main() -> None:
     print(f"GradMAP ({config.importance_name}) on {args.model}: {layers}")
     print(f"calibration: {config.num_samples} x {config.seq_len} tokens of Wikipedia (calibration articles)")
     print(f"removed layers, in removal order: {result.removed_layers}")
-    lambdas = {layer: result.compensation_lambda.get(layer, config.reg_lambda) for layer in result.compensated_layers}
+    lambdas = {layer: result.compensation.reg_lambda.get(layer, config.reg_lambda) for layer in result.compensated_layers}
     fits = [
-        f"{layer} (to the dense output of layer {result.compensation_targets[layer]}, lambda {lambdas[layer]:.2g})"
+        f"{layer} (to the dense output of layer {result.compensation.targets[layer]}, lambda {lambdas[layer]:.2g})"
         for layer in result.compensated_layers
     ]
     print(f"compensated layers ({config.compensation_target}): {', '.join(fits) or 'none'}")
-    for layer, reason in result.uncompensated_layers.items():
+    for layer, reason in result.compensation.skipped_layers.items():
         print(f"left alone: layer {layer} ({reason})")
     print(f"stage 1: {result.timings['stage1']:.1f} s   stage 2 ({args.solver}): {result.timings['stage2']:.1f} s")
     print(f"held-out Wikipedia perplexity ({segments.shape[0]} segments of 128 tokens, articles never used for calibration):")

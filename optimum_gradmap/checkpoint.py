@@ -26,8 +26,9 @@ from transformers.utils import logging
 from . import distributed
 from .adapters import DecoderAdapter, get_adapter
 from .configuration import GradMAPConfig
+from .errors import InvalidInputError
 from .report import REPORT_NAME, write_report
-from .surgery import LayerSnapshot, rewrite_fields
+from .surgery import rewrite_fields
 
 logger = logging.get_logger(__name__)
 
@@ -73,9 +74,8 @@ def _stale_layer_config(path: str, adapter: DecoderAdapter, text_config: Pretrai
     dense_values, kept = report.get("dense_layer_config"), report.get("kept_layers")
     if not dense_values or kept is None:
         return []
-    original = LayerSnapshot(layers=[None] * report["original_num_layers"], config_values=dense_values)
     expected_config = copy.deepcopy(text_config)
-    rewrite_fields(adapter, expected_config, original, kept)
+    rewrite_fields(adapter, expected_config, dense_values, report["original_num_layers"], kept)
     problems = []
     for name in dense_values:
         expected, found = (json.loads(json.dumps(getattr(c, name, None))) for c in (expected_config, text_config))
@@ -250,7 +250,7 @@ def save_checkpoint(
         save_kwargs: Passed to the model's `save_pretrained`.
 
     With several processes ([`optimum_gradmap.distributed`]) the main process writes; the others wait
-    for it and write nothing.
+    for it, write nothing, and raise if it failed.
 
     Returns:
         `str`: The folder.
@@ -258,15 +258,28 @@ def save_checkpoint(
     Raises:
         FileExistsError, PermissionError: from [`check_output_location`], before anything is written.
     """
-    if not distributed.is_main_process():
-        distributed.barrier()
-        return str(save_directory)
+    return distributed.on_main_process(
+        lambda: _write_checkpoint(save_directory, model, tokenizer, config, report, repo_id, overwrite, save_kwargs)
+    )
+
+
+def _write_checkpoint(
+    save_directory: str | os.PathLike,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    config: GradMAPConfig,
+    report: dict[str, Any] | None,
+    repo_id: str | None,
+    overwrite: bool,
+    save_kwargs: dict[str, Any],
+) -> str:
+    """[`save_checkpoint`]'s work, on one process."""
     quantization = getattr(model.config, "quantization_config", None)
     if quantization is not None and (
         getattr(quantization, "quant_method", None) == "gguf"
         or (isinstance(quantization, dict) and quantization.get("quant_method") == "gguf")
     ):
-        raise ValueError(
+        raise InvalidInputError(
             "This model was loaded from a GGUF file and transformers cannot save it back. Convert it first "
             "(see `optimum_gradmap.assets.get_model_path`, which does this for the offline models)."
         )
@@ -285,7 +298,5 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    finally:
-        distributed.barrier()
     logger.info(f"Saved pruned checkpoint to {save_directory}")
     return str(save_directory)

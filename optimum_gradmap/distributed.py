@@ -15,9 +15,10 @@ process on all the sequences:
   other metrics (Taylor+, random) are computed by every process on all sequences;
 - Stage 2: the mean hidden states (drift), the sufficient statistics of the fit (A, C, ||r||^2 and
   token counts, per cross-validation fold), and, where a norm follows the MLP (Gemma2/3, OLMo2),
-  the fit's stored activations, gathered ([`gather`]).
+  the fit's stored activations, gathered as tensors ([`gather_rows`]).
 
-Only the main process ([`is_main_process`]) writes files. Without an initialised process group of
+Only the main process ([`is_main_process`]) writes files and uploads, through [`on_main_process`], which
+hands its result, or its failure, to every process. Without an initialised process group of
 more than one process every function here is the identity.
 """
 
@@ -29,6 +30,8 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from .errors import InvalidInputError
 
 T = TypeVar("T")
 
@@ -75,6 +78,28 @@ def barrier() -> None:
         dist.barrier()
 
 
+def on_main_process(function: Callable[[], T]) -> T:
+    """Runs `function` on the main process alone (to write a file, to upload) and gives every process its
+    result. If it raises on the main process, it raises there, and every other process raises a
+    `RuntimeError` that says so: no process is left waiting for the others. (Only the small result, or
+    the error's message, is sent; `function` itself must not wait for the other processes.)"""
+    if not is_distributed():
+        return function()
+    outcome: list[Any] = [None, None]  # [result, error message]
+    failure = None
+    if is_main_process():
+        try:
+            outcome[0] = function()
+        except BaseException as error:  # noqa: BLE001 - every error must reach the other processes, then itself
+            failure, outcome[1] = error, f"{type(error).__name__}: {error}"
+    dist.broadcast_object_list(outcome, src=0)
+    if failure is not None:
+        raise failure
+    if outcome[1] is not None:
+        raise RuntimeError(f"The main process (rank 0) failed: {outcome[1]}")
+    return outcome[0]
+
+
 def _communication_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
@@ -83,7 +108,7 @@ def shard_bounds(num_samples: int) -> tuple[int, int]:
     """`(start, stop)` of this process's contiguous share of `num_samples` sequences (sizes differ by at most one)."""
     size, process = world_size(), rank()
     if num_samples < size:
-        raise ValueError(f"{num_samples} calibration sequences cannot be shared by {size} processes: use at least {size}.")
+        raise InvalidInputError(f"{num_samples} calibration sequences cannot be shared by {size} processes: use at least {size}.")
     return process * num_samples // size, (process + 1) * num_samples // size
 
 
@@ -111,14 +136,21 @@ def average(local_mean: torch.Tensor, local_count: int) -> torch.Tensor:
     return (total / count).to(local_mean.dtype)
 
 
-def gather(items: list[T]) -> list[T]:
-    """Every process's `items` (picklable), concatenated in rank order: with contiguous shards, the
-    order of the sequences."""
+def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Every process's `tensor` (the same trailing shape, any number of rows), concatenated along the first
+    dimension in rank order: with contiguous shards, the order of the sequences. Sent as tensors (rows
+    padded to the longest share), never pickled; the result is on `tensor`'s device."""
     if not is_distributed():
-        return items
-    gathered: list[Any] = [None] * world_size()
-    dist.all_gather_object(gathered, items)
-    return [item for part in gathered for item in part]
+        return tensor
+    device = _communication_device()
+    counts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world_size())]
+    dist.all_gather(counts, torch.tensor([tensor.shape[0]], dtype=torch.long, device=device))
+    counts = [int(count) for count in counts]
+    padded = torch.zeros((max(counts), *tensor.shape[1:]), dtype=tensor.dtype, device=device)
+    padded[: tensor.shape[0]] = tensor
+    parts = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:count] for part, count in zip(parts, counts)]).to(tensor.device)
 
 
 def mean_over_samples(compute: Callable[[torch.LongTensor], dict[int, float]], input_ids: torch.LongTensor) -> dict[int, float]:

@@ -8,8 +8,6 @@ import os
 
 from transformers.utils import logging
 
-from ._deprecation import deprecated_module_attributes
-
 logger = logging.get_logger(__name__)
 
 
@@ -47,15 +45,3 @@ def base_model_license(repo_id: str, revision: str | None = None) -> str | None:
         logger.info(f"Could not read the license of {repo_id} from the Hub ({type(error).__name__}); the model card omits it.")
         return None
     return getattr(card_data, "license", None) if card_data is not None else None
-
-
-__getattr__ = deprecated_module_attributes(
-    __name__,
-    moved={
-        "InvalidCheckpointError": "optimum_gradmap.checkpoint",
-        "save_checkpoint": "optimum_gradmap.checkpoint",
-        "validate_checkpoint": "optimum_gradmap.checkpoint",
-        "REPORT_NAME": "optimum_gradmap.report",
-        "load_report": "optimum_gradmap.report",
-    },
-)

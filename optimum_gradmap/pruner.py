@@ -17,12 +17,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from . import streaming, surgery
-from ._deprecation import deprecated_module_attributes
+from . import distributed, streaming, surgery
 from .adapters import get_adapter
+from .checkpoint import save_checkpoint
 from .compensation import (
     STAGE2_SETTINGS,
-    CompensationResult,
     RunCompensation,
     check_auto_lambda_data,
     check_num_compensated_layers,
@@ -31,9 +30,10 @@ from .compensation import (
 )
 from .configuration import GradMAPConfig
 from .data import CalibrationData, calibration_sha256, describe_calibration_data, is_text_data, prepare_calibration_data
+from .errors import InvalidInputError
 from .hub import upload_checkpoint
 from .importance import get_importance_metric
-from .importance.selection import Stage1Checkpoint, remove_by_importance, remove_explicit_layers, stage1_fingerprint
+from .importance.selection import Selection, Stage1Checkpoint, Stage1Plan, remove_by_importance, remove_explicit_layers
 from .result import PruningResult
 
 if TYPE_CHECKING:
@@ -79,9 +79,8 @@ class GradMAPPruner:
         self.tokenizer = tokenizer
         self.progress_bar = progress_bar
         self.result: PruningResult | None = None
-        # Between Stage 1 and the end of Stage 2: the dense stack of `self.result`, and the last fold.
+        # Between Stage 1 and the end of Stage 2: the dense stack of `self.result`.
         self._dense: surgery.LayerSnapshot | None = None
-        self._compensation: CompensationResult | None = None
         # Where `from_pretrained` loaded the model from (`revision`, `token`, ...): a tokenizer loaded later comes from there too.
         self._location: dict[str, Any] = {}
 
@@ -178,76 +177,31 @@ class GradMAPPruner:
         adapter = get_adapter(model)
         adapter.check_supported(model, config.compensation)
         num_layers = adapter.num_layers(model)
-        num_to_prune = self._check_plan(num_layers)
+        plan = self._stage1_plan(num_layers)
         calibration_ids = self._calibration_ids(model, calibration_data, tokenizer)
         if config.reg_lambda == "auto" and (config.compensation or config.compensate_each_round):
             check_auto_lambda_data(calibration_ids)  # before Stage 1 changes anything
-        metric = get_importance_metric(config.importance, seed=config.seed)
-        iterative = metric.iterative if config.iterative is None else config.iterative
-        protected = config.resolved_protected_layers(num_layers)
         checkpoint = None
         if stage1_checkpoint is not None:
             if config.layers_to_prune is not None:
-                raise ValueError("`stage1_checkpoint` has nothing to save: with `layers_to_prune`, Stage 1 does no scoring.")
-            fingerprint = stage1_fingerprint(
-                model,
-                metric,
-                iterative,
-                config.seed,
-                num_layers,
-                num_to_prune,
-                calibration_sha256(calibration_ids),
-                protected,
-                config.verify_top_k,
-                config.compensate_each_round,
-                config.verify_halving,
-            )
+                raise InvalidInputError(
+                    "`stage1_checkpoint` has nothing to save: with `layers_to_prune`, Stage 1 does no scoring."
+                )
+            fingerprint = plan.fingerprint(model, num_layers, calibration_sha256(calibration_ids))
             checkpoint = Stage1Checkpoint(stage1_checkpoint, fingerprint)
 
         self.release()
         dense = surgery.snapshot(model, adapter)
         original_num_parameters = model.num_parameters()
         start = time.perf_counter()
-        run_compensations: list[RunCompensation] = []
-
-        def compensate_after(removed: int) -> None:  # compensate_each_round: Prune&Comp's repair between removals
-            done = compensate_run(model, dense, calibration_ids, config, removed, adapter, self.progress_bar)
-            if done is not None:
-                run_compensations.append(done)
-
-        try:
-            if config.layers_to_prune is not None:
-                selection = remove_explicit_layers(model, dense, config.layers_to_prune, adapter)
-            else:
-                with streaming.execution_mode(config.execution):
-                    selection = remove_by_importance(
-                        model,
-                        dense,
-                        adapter,
-                        metric,
-                        iterative,
-                        num_to_prune,
-                        calibration_ids,
-                        config.batch_size,
-                        checkpoint,
-                        self.progress_bar,
-                        protected,
-                        config.verify_top_k,
-                        compensate_after if config.compensate_each_round else None,
-                        config.verify_halving,
-                    )
-        except BaseException:
-            for done in reversed(run_compensations):
-                done.backup.restore()
-            surgery.restore(model, dense, adapter)
-            raise
+        selection, run_compensations = self._remove_layers(dense, plan, calibration_ids, checkpoint)
         timings = {"stage1": time.perf_counter() - start + selection.resumed_seconds}
         if selection.resumed_seconds:
             timings["stage1_resumed"] = selection.resumed_seconds
         self.result = PruningResult(
             model=model,
             original_num_layers=num_layers,
-            num_layers_to_prune=num_to_prune,
+            num_layers_to_prune=plan.num_to_prune,
             removed_layers=selection.removed_layers,
             kept_layers=selection.kept_layers,
             scores=selection.scores,
@@ -270,13 +224,43 @@ class GradMAPPruner:
         )
         return self.result
 
+    def _remove_layers(
+        self,
+        dense: surgery.LayerSnapshot,
+        plan: Stage1Plan,
+        calibration_ids: torch.LongTensor,
+        checkpoint: Stage1Checkpoint | None,
+    ) -> tuple[Selection, list[RunCompensation]]:
+        """Stage 1's removals (with `compensate_each_round`, a fit after each); if anything fails, the dense
+        stack and every fold are put back before the error propagates."""
+        config = self.config
+        run_compensations: list[RunCompensation] = []
+
+        def compensate_after(removed: int) -> None:  # compensate_each_round: Prune&Comp's repair between removals
+            done = compensate_run(dense, calibration_ids, config, removed, self.progress_bar)
+            if done is not None:
+                run_compensations.append(done)
+
+        try:
+            if config.layers_to_prune is not None:
+                return remove_explicit_layers(dense, config.layers_to_prune), run_compensations
+            with streaming.execution_mode(config.execution):
+                after_removal = compensate_after if config.compensate_each_round else None
+                selection = remove_by_importance(dense, plan, calibration_ids, checkpoint, self.progress_bar, after_removal)
+            return selection, run_compensations
+        except BaseException:
+            for done in reversed(run_compensations):
+                done.backup.restore()
+            dense.restore()
+            raise
+
     def compensate(
         self, result: PruningResult, validation_data: CalibrationData = None, **config_overrides: Any
     ) -> PruningResult:
         """Stage 2 on a model pruned by [`~GradMAPPruner.select_layers`] (see
         [`optimum_gradmap.compensation.compensate`]): measures the mean drift of every kept layer
-        (Eq. 10), learns W' for the `num_compensated_layers` layers with the largest drift (Eq. 12-14)
-        and folds it into their down projections (Eq. 15). If it fails, the model is left as Stage 1 left it.
+        (Eq. 10), learns W' for the layers `compensation_target` names (Eq. 12-14) and folds it into their
+        down projections (Eq. 15). If it fails, the model is left as Stage 1 left it.
 
         Called again on the same result, it first undoes the previous fold, so Stage 2 can be compared
         under other settings on one Stage 1 result:
@@ -292,55 +276,35 @@ class GradMAPPruner:
             validation_data (*optional*): Text (any form `calibration_data` takes, tokenized and drawn with
                 the config's `num_samples` and `seq_len` and seed `seed + 1`, so that the calibration dataset
                 itself gives other windows than the calibration ones) whose perplexity decides whether the
-                compensation is kept: it is undone if it does not lower it (`result.compensation_validation`).
-            config_overrides: Stage 2 settings of [`GradMAPConfig`] to use instead of the pruner's
-                (`compensation_target`, `num_compensated_layers`, `solver`, `reg_lambda`, `adam_lr`,
-                `adam_steps`, `batch_size`); `result.config` records them.
+                compensation is kept: it is undone if it does not lower it (`result.compensation.validation`).
+            config_overrides: Stage 2 settings of [`GradMAPConfig`] to use instead of the pruner's (those in
+                `optimum_gradmap.compensation.STAGE2_SETTINGS`); `result.config` records them.
 
         Returns:
-            [`PruningResult`]: `result`, with its Stage 2 fields filled in.
+            [`PruningResult`]: `result`, with `result.compensation` filled in.
         """
         if result is not self.result or self._dense is None:
-            raise ValueError(
+            raise InvalidInputError(
                 "This pruner no longer holds the dense layers of that result (Stage 2 compares against them): "
                 "call `compensate` with the result of this pruner's last `select_layers`, before `prune` or `release` "
                 "drops them."
             )
         unknown = sorted(set(config_overrides) - set(STAGE2_SETTINGS))
         if unknown:
-            raise ValueError(f"{unknown} are not Stage 2 settings; these are: {list(STAGE2_SETTINGS)}.")
+            raise InvalidInputError(f"{unknown} are not Stage 2 settings; these are: {list(STAGE2_SETTINGS)}.")
         config = dataclasses.replace(result.config, compensation=True, **config_overrides)
         check_num_compensated_layers(config.num_compensated_layers, len(result.kept_layers))
         validation_ids = None
         if validation_data is not None:
             # seed + 1: given the calibration dataset itself, validation is other windows of the same text
             validation_ids = self._calibration_ids(result.model, validation_data, self.tokenizer, seed=config.seed + 1)
-        if self._compensation is not None:  # back to the Stage 1 model, which the result then describes
-            if self._compensation.backup is not None:
-                self._compensation.backup.restore()
-            self._compensation = None
-            result.drift, result.drift_after_compensation, result.compensation_objective = {}, {}, {}
-            result.compensated_layers, result.compensation_targets, result.compensation_lambda = [], {}, {}
-            result.uncompensated_layers, result.compensation_validation = {}, None
+        if result.compensation is not None:  # back to the Stage 1 model, which the result then describes
+            result.compensation.undo()
+            result.compensation = None
             result.timings.pop("stage2", None)
-        outcome = compensate(
-            result.model,
-            self._dense,
-            result.calibration_ids,
-            config,
-            progress_bar=self.progress_bar,
-            validation_ids=validation_ids,
-        )
-        self._compensation = outcome
+        outcome = compensate(self._dense, result.calibration_ids, config, self.progress_bar, validation_ids)
         result.config = config
-        result.drift = outcome.drift
-        result.drift_after_compensation = outcome.drift_after_compensation
-        result.compensated_layers = outcome.compensated_layers
-        result.compensation_objective = outcome.objective
-        result.compensation_targets = outcome.targets
-        result.compensation_lambda = outcome.reg_lambda
-        result.uncompensated_layers = outcome.skipped_layers
-        result.compensation_validation = outcome.validation
+        result.compensation = outcome
         result.timings["stage2"] = outcome.seconds
         logger.info(f"Stage 2 compensated layer(s) {outcome.compensated_layers} in {outcome.seconds:.1f}s.")
         return result
@@ -348,7 +312,6 @@ class GradMAPPruner:
     def release(self) -> None:
         """Drops the dense layers kept for Stage 2 (after [`~GradMAPPruner.select_layers`]), freeing their memory."""
         self._dense = None
-        self._compensation = None
 
     def save_pretrained(
         self,
@@ -360,6 +323,7 @@ class GradMAPPruner:
         license: str | None = None,
         repo_id: str | None = None,
         base_model_revision: str | None = None,
+        overwrite: bool = False,
         **save_kwargs: Any,
     ) -> str:
         """Writes a standard checkpoint that plain `AutoModelForCausalLM.from_pretrained` loads. For the
@@ -371,18 +335,18 @@ class GradMAPPruner:
             save_directory (`str` or `os.PathLike`): Output folder.
             model (`PreTrainedModel`, *optional*): Defaults to the last pruned model.
             tokenizer (`PreTrainedTokenizerBase`, *optional*): Defaults to the pruner's tokenizer.
-            evaluation, base_model, license, repo_id, base_model_revision, overwrite: See [`PruningResult.save_pretrained`].
+            evaluation, base_model, license, repo_id, base_model_revision: See [`PruningResult.save_pretrained`].
+            overwrite (`bool`, defaults to `False`): Replace the contents of an existing non-empty folder
+                (refused otherwise).
             save_kwargs: Passed to the model's `save_pretrained`.
 
         Returns:
             `str`: The folder.
         """
-        from .checkpoint import save_checkpoint
-
         if model is None:
             model = self.result.model if self.result is not None else self.model
         if model is None:
-            raise ValueError("No model to save: pass `model=` or call `prune` first.")
+            raise InvalidInputError("No model to save: pass `model=` or call `prune` first.")
         tokenizer = tokenizer or self.tokenizer
         if self.result is not None and self.result.model is model:
             return self.result.save_pretrained(
@@ -393,9 +357,10 @@ class GradMAPPruner:
                 base_model_revision=base_model_revision,
                 license=license,
                 repo_id=repo_id,
+                overwrite=overwrite,
                 **save_kwargs,
             )
-        return save_checkpoint(save_directory, model, tokenizer, self.config, repo_id=repo_id, **save_kwargs)
+        return save_checkpoint(save_directory, model, tokenizer, self.config, repo_id=repo_id, overwrite=overwrite, **save_kwargs)
 
     def push_to_hub(
         self,
@@ -427,7 +392,9 @@ class GradMAPPruner:
         with tempfile.TemporaryDirectory() as folder:
             self.save_pretrained(folder, model=model, tokenizer=tokenizer, repo_id=repo_id, **save_kwargs)
             message = commit_message or self.commit_message()
-            return upload_checkpoint(folder, repo_id, private=private, token=token, commit_message=message)
+            return distributed.on_main_process(
+                lambda: upload_checkpoint(folder, repo_id, private=private, token=token, commit_message=message)
+            )
 
     def commit_message(self) -> str:
         """The Hub commit message for the last pruning: which layers were removed and compensated."""
@@ -437,31 +404,47 @@ class GradMAPPruner:
     def _resolve_model(self, model: PreTrainedModel | None) -> PreTrainedModel:
         model = model if model is not None else self.model
         if model is None:
-            raise ValueError("No model to prune: pass one to `prune(model, ...)` or build the pruner with `from_pretrained`.")
+            raise InvalidInputError(
+                "No model to prune: pass one to `prune(model, ...)` or build the pruner with `from_pretrained`."
+            )
         if self.model is None:
             self.model = model
         return model
 
-    def _check_plan(self, num_layers: int) -> int:
-        num_to_prune = self.config.num_layers_to_remove(num_layers)
+    def _stage1_plan(self, num_layers: int) -> Stage1Plan:
+        """What Stage 1 will do on a model of `num_layers` layers; refuses, before any change, a number of
+        layers to remove the model cannot lose."""
+        config = self.config
+        num_to_prune = config.num_layers_to_remove(num_layers)
         if num_to_prune < 1:
-            raise ValueError(
-                f"pruning_ratio={self.config.pruning_ratio} of {num_layers} layers rounds to 0 layers: "
+            raise InvalidInputError(
+                f"pruning_ratio={config.pruning_ratio} of {num_layers} layers rounds to 0 layers: "
                 "raise the ratio or give `num_layers_to_prune`."
             )
-        if self.config.layers_to_prune is not None and max(self.config.layers_to_prune) >= num_layers:
-            raise ValueError(
-                f"layers_to_prune={self.config.layers_to_prune} names layers the model does not have: "
+        if config.layers_to_prune is not None and max(config.layers_to_prune) >= num_layers:
+            raise InvalidInputError(
+                f"layers_to_prune={config.layers_to_prune} names layers the model does not have: "
                 f"it has {num_layers} decoder layers, indexed 0 to {num_layers - 1}."
             )
         if num_to_prune >= num_layers:
-            raise ValueError(
+            raise InvalidInputError(
                 f"Cannot remove {num_to_prune} of the model's {num_layers} decoder layers: at least one must "
                 f"remain. Choose num_layers_to_prune <= {num_layers - 1}."
             )
-        if self.config.compensation:
-            check_num_compensated_layers(self.config.num_compensated_layers, num_layers - num_to_prune)
-        return num_to_prune
+        if config.compensation:
+            check_num_compensated_layers(config.num_compensated_layers, num_layers - num_to_prune)
+        metric = get_importance_metric(config.importance, seed=config.seed)
+        return Stage1Plan(
+            metric=metric,
+            iterative=metric.iterative if config.iterative is None else config.iterative,
+            num_to_prune=num_to_prune,
+            protected=config.resolved_protected_layers(num_layers),
+            verify_top_k=config.verify_top_k,
+            verify_halving=config.verify_halving,
+            batch_size=config.batch_size,
+            seed=config.seed,
+            compensate_each_round=config.compensate_each_round,
+        )
 
     def _calibration_ids(
         self,
@@ -474,7 +457,7 @@ class GradMAPPruner:
         if tokenizer is None and is_text_data(calibration_data):
             name = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
             if not name:
-                raise ValueError(
+                raise InvalidInputError(
                     "Calibration text needs a tokenizer: pass `tokenizer=` (the model has no name to load one from)."
                 )
             location = self._location or {"revision": getattr(model.config, "_commit_hash", None)}
@@ -492,8 +475,5 @@ class GradMAPPruner:
         )
         vocab_size = model.get_input_embeddings().weight.shape[0]
         if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-            raise ValueError(f"Calibration token ids must lie in [0, {vocab_size}), the model's vocabulary.")
+            raise InvalidInputError(f"Calibration token ids must lie in [0, {vocab_size}), the model's vocabulary.")
         return ids
-
-
-__getattr__ = deprecated_module_attributes(__name__, moved={"MIN_TOKENS_PER_HIDDEN_UNIT": "optimum_gradmap.compensation"})

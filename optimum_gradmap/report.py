@@ -27,7 +27,6 @@ import transformers
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from ._deprecation import warn_deprecated
 from .configuration import GradMAPConfig
 from .passes import input_device
 
@@ -76,16 +75,6 @@ def build_report(
     Returns:
         `dict`: JSON-serialisable.
     """
-    if not isinstance(model, PreTrainedModel) and hasattr(model, "to_dict"):  # the former call: (result, config, ...)
-        warn_deprecated(
-            "build_report(result, config, ...)",
-            "`build_report(result.model, result.to_dict(), config, ...)` or `PruningResult.save_pretrained`",
-        )
-        result, former_config = model, summary if isinstance(summary, GradMAPConfig) else None
-        if isinstance(config, str):  # the former third positional argument, base_model
-            base_model, config = config, None
-        config = former_config or config or result.config
-        model, summary = result.model, result.to_dict()
     if config is None:
         raise TypeError("`build_report` needs the GradMAPConfig of the run (`config=`).")
     return {
@@ -145,20 +134,25 @@ def write_pictures(report: dict[str, Any], directory: str | os.PathLike) -> list
         `list[str]`: The file names written; empty when matplotlib is not installed (logged).
     """
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib import colormaps
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError:
         logger.warning("matplotlib is not installed: the pruning report has no pictures (`pip install matplotlib`).")
         return []
+
+    def new_axis() -> tuple[Figure, Any]:  # drawn with Agg directly: the process's pyplot backend is left as it is
+        figure = Figure(figsize=(9, 4.5))
+        FigureCanvasAgg(figure)
+        return figure, figure.add_subplot()
+
     written = []
     num_layers = report["original_num_layers"]
     removed = report["removed_layers"]
     metric = report["gradmap_config"].get("importance", "gradmap")
     if report["scores"]:
-        figure, axis = plt.subplots(figsize=(9, 4.5))
-        colours = plt.cm.viridis([i / max(1, len(report["scores"]) - 1) for i in range(len(report["scores"]))])
+        figure, axis = new_axis()
+        colours = colormaps["viridis"]([i / max(1, len(report["scores"]) - 1) for i in range(len(report["scores"]))])
         for round_index, (round_scores, colour) in enumerate(zip(report["scores"], colours)):
             indices = sorted(int(index) for index in round_scores)
             values = [round_scores[str(index)] for index in indices]
@@ -174,16 +168,17 @@ def write_pictures(report: dict[str, Any], directory: str | os.PathLike) -> list
         axis.legend(fontsize=7, ncol=2)
         figure.tight_layout()
         figure.savefig(os.path.join(directory, IMPORTANCE_PICTURE), dpi=110)
-        plt.close(figure)
         written.append(IMPORTANCE_PICTURE)
-    if report["drift"]:
-        figure, axis = plt.subplots(figsize=(9, 4.5))
-        indices = sorted(int(index) for index in report["drift"])
-        axis.plot(indices, [report["drift"][str(i)] for i in indices], marker="o", markersize=4, label="after Stage 1 (pruned)")
-        if report["drift_after_compensation"]:
-            after = [report["drift_after_compensation"][str(i)] for i in indices]
+    compensation = report.get("compensation") or {}
+    if compensation.get("drift"):
+        figure, axis = new_axis()
+        indices = sorted(int(index) for index in compensation["drift"])
+        drift = [compensation["drift"][str(i)] for i in indices]
+        axis.plot(indices, drift, marker="o", markersize=4, label="after Stage 1 (pruned)")
+        if compensation["drift_after_compensation"]:
+            after = [compensation["drift_after_compensation"][str(i)] for i in indices]
             axis.plot(indices, after, marker="s", markersize=4, label="after Stage 2 (compensated)")
-        for index in report["compensated_layers"]:
+        for index in compensation["compensated_layers"]:
             axis.axvline(index, color="tab:green", alpha=0.3, linewidth=3, label=f"compensated layer {index}")
         axis.set_xlim(-0.5, num_layers - 0.5)
         axis.set_xlabel("kept layer index in the dense model")
@@ -192,19 +187,17 @@ def write_pictures(report: dict[str, Any], directory: str | os.PathLike) -> list
         axis.legend(fontsize=8)
         figure.tight_layout()
         figure.savefig(os.path.join(directory, DRIFT_PICTURE), dpi=110)
-        plt.close(figure)
         written.append(DRIFT_PICTURE)
     return written
 
 
 def _stage2_sentence(report: dict) -> str:
     """What Stage 2 did, in words: the compensated layers, their targets and lambdas, and the layers left alone."""
-    compensated = report["compensated_layers"]
-    skipped = report.get("uncompensated_layers") or {}
-    if not compensated and not skipped:
+    compensation = report.get("compensation")
+    if not compensation:
         return "Stage 2 (compensation) was not run."
-    targets = report.get("compensation_targets") or {}
-    lambdas = report.get("compensation_lambda") or {}
+    compensated, skipped = compensation["compensated_layers"], compensation["skipped_layers"]
+    targets, lambdas = compensation["targets"], compensation["reg_lambda"]
     described = [
         f"{index}"
         + (f" (fitted to the dense output of layer {targets[str(index)]}" if str(index) in targets else " (")
@@ -319,3 +312,29 @@ tokenizer = AutoTokenizer.from_pretrained("{name}")
 With vLLM: `vllm serve {name}`.
 """
     return ModelCard(content)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """A summary of a pruning report, for the terminal (`optimum-gradmap inspect`)."""
+    config = report.get("gradmap_config", {})
+    compensation = report.get("compensation") or {}
+    lines = [
+        f"base model:          {report.get('base_model')} (revision {report.get('base_model_revision') or 'unknown'})",
+        f"importance metric:   {config.get('importance', 'gradmap')}",
+        f"layers:              {report['original_num_layers']} -> {len(report['kept_layers'])}",
+        f"removed (in order):  {report['removed_layers']}",
+        f"kept:                {report['kept_layers']}",
+        f"compensated:         {compensation.get('compensated_layers') or 'none'}",
+        f"parameters:          {report.get('original_num_parameters', 0):,} -> {report.get('num_parameters', 0):,}",
+        "timings:             " + ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in report.get("timings", {}).items()),
+        f"calibration:         {config.get('num_samples')} x {config.get('seq_len')} tokens of "
+        f"{report.get('calibration_source') or config.get('dataset')}",
+    ]
+    for entry in (report.get("evaluation") or {}).get("perplexities", []):
+        lines.append(f"{entry['dataset']} perplexity: {entry['perplexity']:.3f} ({entry['protocol']})")
+    environment = report.get("environment", {})
+    lines.append(
+        f"made with:           optimum-gradmap {environment.get('optimum_gradmap')}, transformers "
+        f"{environment.get('transformers')}, torch {environment.get('torch')}"
+    )
+    return "\n".join(lines)

@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ._deprecation import warn_deprecated
+from . import distributed
 from .checkpoint import save_checkpoint
+from .compensation import CompensationResult
 from .configuration import GradMAPConfig
 from .data import calibration_sha256
+from .errors import InvalidInputError
 from .hub import upload_checkpoint
 from .report import build_report
 
@@ -33,27 +35,19 @@ class PruningResult:
         num_layers_to_prune (`int`): K, the number of layers removed.
         removed_layers (`list[int]`): Removed layers, in removal order.
         kept_layers (`list[int]`): Layers that remain, in model order.
-        compensated_layers (`list[int]`): Layers whose down projection received a compensation matrix W'.
         scores (`list[dict[int, float]]`): Stage 1 scores of the layers present in each round.
-        drift (`dict[int, float]`): Mean drift (Eq. 10) of each kept layer before compensation.
-        drift_after_compensation (`dict[int, float]`): The same, measured again after Stage 2.
+        verified (`list[dict[int, float]]`): With `verify_top_k`, the calibration loss without each
+            shortlisted layer, every round (with `verify_halving`, a candidate dropped before the last rung
+            has its mean over the rungs it was measured on).
         original_num_parameters (`int`): Parameters of the dense model.
-        compensation_objective (`dict[int, dict[str, float]]`): For each compensated layer, the Stage 2
-            objective at W' = I and at the learned W'.
         timings (`dict[str, float]`): Seconds spent in each stage.
         calibration_ids (`torch.LongTensor`): The calibration sequences used.
         calibration_source (`str`, *optional*): Where they came from (a dataset name, data given directly).
         config ([`GradMAPConfig`]): The configuration of the run (with the Stage 2 settings last used).
         tokenizer (`PreTrainedTokenizerBase`, *optional*): The tokenizer, saved with the model.
-        verified (`list[dict[int, float]]`): With `verify_top_k`, the calibration loss without each
-            shortlisted layer, every round (with `verify_halving`, a candidate dropped before the last rung
-            has its mean over the rungs it was measured on).
-        compensation_targets (`dict[int, int]`): For each layer Stage 2 fitted, the dense layer whose
-            output it was fitted to (itself with `"max_drift"`, the end of a removed run with `"span_end"`).
-        compensation_lambda (`dict[int, float]`): For each compensated layer, the lambda its fit used.
-        uncompensated_layers (`dict[int, str]`): Target layers Stage 2 left as they were, and why.
-        compensation_validation (`dict`, *optional*): With validation data, its perplexity without and
-            with the compensation, and whether the compensation was kept.
+        compensation ([`CompensationResult`], *optional*): What Stage 2 did (drift before and after, the
+            compensated layers, their targets, lambdas and objectives, the layers left alone and why);
+            `None` before Stage 2 runs, and without it.
         compensated_during_stage1 (`list[dict]`): With `compensate_each_round`, each fit made after a
             removal: the layer, its target, its lambda (`None`: left alone).
         dense_layer_config (`dict[str, Any]`): The dense model's values of every config field that layer
@@ -66,34 +60,22 @@ class PruningResult:
     num_layers_to_prune: int
     removed_layers: list[int] = field(default_factory=list)
     kept_layers: list[int] = field(default_factory=list)
-    compensated_layers: list[int] = field(default_factory=list)
     scores: list[dict[int, float]] = field(default_factory=list)
-    drift: dict[int, float] = field(default_factory=dict)
-    drift_after_compensation: dict[int, float] = field(default_factory=dict)
+    verified: list[dict[int, float]] = field(default_factory=list)
     original_num_parameters: int = 0
-    compensation_objective: dict[int, dict[str, float]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     calibration_ids: torch.LongTensor | None = field(default=None, repr=False)
     calibration_source: str | None = None
     config: GradMAPConfig | None = None
     tokenizer: PreTrainedTokenizerBase | None = field(default=None, repr=False, compare=False)
-    verified: list[dict[int, float]] = field(default_factory=list)
-    compensation_targets: dict[int, int] = field(default_factory=dict)
-    compensation_lambda: dict[int, float] = field(default_factory=dict)
-    uncompensated_layers: dict[int, str] = field(default_factory=dict)
-    compensation_validation: dict[str, float] | None = None
+    compensation: CompensationResult | None = None
     compensated_during_stage1: list[dict[str, Any]] = field(default_factory=list)
     dense_layer_config: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def snapshot(self) -> None:
-        """Deprecated: the result no longer holds the dense model's layers (the pruner does, until `release`)."""
-        warn_deprecated(
-            "PruningResult.snapshot",
-            "nothing: it is always None now; the pruner holds the dense layers between `select_layers` and "
-            "`compensate`, and `GradMAPPruner.release()` frees them",
-        )
-        return None
+    def compensated_layers(self) -> list[int]:
+        """The layers whose down projection received W' (`compensation.compensated_layers`; none without Stage 2)."""
+        return self.compensation.compensated_layers if self.compensation is not None else []
 
     @property
     def calibration_sha256(self) -> str | None:
@@ -107,18 +89,11 @@ class PruningResult:
             "num_layers_to_prune": self.num_layers_to_prune,
             "removed_layers": self.removed_layers,
             "kept_layers": self.kept_layers,
-            "compensated_layers": self.compensated_layers,
             "scores": [{str(index): score for index, score in round_scores.items()} for round_scores in self.scores],
             "verified": [{str(index): loss for index, loss in losses.items()} for losses in self.verified],
-            "drift": {str(index): value for index, value in self.drift.items()},
-            "drift_after_compensation": {str(index): value for index, value in self.drift_after_compensation.items()},
             "original_num_parameters": self.original_num_parameters,
             "num_parameters": self.model.num_parameters(),
-            "compensation_objective": {str(index): values for index, values in self.compensation_objective.items()},
-            "compensation_targets": {str(index): target for index, target in self.compensation_targets.items()},
-            "compensation_lambda": {str(index): value for index, value in self.compensation_lambda.items()},
-            "uncompensated_layers": {str(index): why for index, why in self.uncompensated_layers.items()},
-            "compensation_validation": self.compensation_validation,
+            "compensation": self.compensation.to_dict() if self.compensation is not None else None,
             "compensated_during_stage1": self.compensated_during_stage1,
             "dense_layer_config": self.dense_layer_config,
             "timings": self.timings,
@@ -169,7 +144,7 @@ class PruningResult:
             `str`: The folder.
         """
         if self.config is None:
-            raise ValueError("This result has no `config`: it cannot say how the model was pruned.")
+            raise InvalidInputError("This result has no `config`: it cannot say how the model was pruned.")
         report = build_report(
             self.model,
             self.to_dict(),
@@ -210,10 +185,15 @@ class PruningResult:
             token (`str` or `bool`, *optional*): Defaults to the usual places (`HF_TOKEN`, `hf auth login`); never printed.
             commit_message (`str`, *optional*): Defaults to [`~PruningResult.commit_message`].
 
+        With several processes ([`optimum_gradmap.distributed`]), the main process saves and uploads; every
+        process returns the URL.
+
         Returns:
             `str`: The URL of the commit.
         """
         with tempfile.TemporaryDirectory() as folder:
             self.save_pretrained(folder, tokenizer=tokenizer, repo_id=repo_id, **save_kwargs)
             message = commit_message or self.commit_message()
-            return upload_checkpoint(folder, repo_id, private=private, token=token, commit_message=message)
+            return distributed.on_main_process(
+                lambda: upload_checkpoint(folder, repo_id, private=private, token=token, commit_message=message)
+            )

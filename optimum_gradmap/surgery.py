@@ -4,7 +4,8 @@
 
 Surgery is always expressed as "keep these original layers" from a [`LayerSnapshot`] of the stack,
 so the dense model can be restored exactly (Stage 2 compares the pruned model against it) and
-repeated surgery never compounds. Keeping a set of layers:
+repeated surgery never compounds. The snapshot holds the model and its family's adapter, resolved
+once. Keeping a set of layers:
 
 - rebuilds the layer `nn.ModuleList` from the snapshot;
 - renumbers every layer-index attribute (`layer_idx`, which addresses the KV cache);
@@ -18,17 +19,16 @@ repeated surgery never compounds. Keeping a set of layers:
 from optimum_gradmap import surgery
 
 dense = surgery.snapshot(model)
-surgery.keep(model, dense, [0, 1, 3, 5])  # the model now runs 4 layers
-with surgery.temporarily(model, dense, range(dense.num_layers)):
+dense.keep([0, 1, 3, 5])  # the model now runs 4 layers
+with dense.temporarily(range(dense.num_layers)):
     ...  # the dense model, for this block only
-surgery.restore(model, dense)  # the dense model again, exact config values included
+dense.restore()  # the dense model again, exact config values included
 ```
 """
 
 from __future__ import annotations
 
 import copy
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,13 +38,16 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from .adapters import DecoderAdapter, get_adapter, get_submodule
+from .errors import InvalidInputError
 
 
 @dataclass
 class LayerSnapshot:
-    """A model's decoder stack as it was when the snapshot was taken.
+    """A model's decoder stack as it was when the snapshot was taken, and the surgery on it.
 
     Args:
+        model (`PreTrainedModel`): The model whose stack this is; surgery changes it in place.
+        adapter (`DecoderAdapter`): Its family's adapter.
         layers (`list[nn.Module]`):
             The decoder layers, indexed by their position at snapshot time ("original indices").
         config_values (`dict[str, Any]`):
@@ -53,13 +56,82 @@ class LayerSnapshot:
             The model's `hf_device_map` (accelerate dispatch), naming layers by original index.
     """
 
-    layers: list[nn.Module]
+    model: PreTrainedModel = field(repr=False, compare=False)
+    adapter: DecoderAdapter = field(repr=False, compare=False)
+    layers: list[nn.Module] = field(repr=False)
     config_values: dict[str, Any] = field(default_factory=dict)
     device_map: dict[str, Any] | None = None
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def kept_layers(self) -> list[int]:
+        """The original indices of the layers the model runs now.
+
+        Raises:
+            ValueError: if the model runs a layer that is not in the snapshot.
+        """
+        position = {id(layer): index for index, layer in enumerate(self.layers)}
+        current = list(self.adapter.get_layers(self.model))
+        if any(id(layer) not in position for layer in current):
+            raise InvalidInputError(
+                "The model runs a layer that is not in the snapshot: take the snapshot before changing the stack."
+            )
+        return [position[id(layer)] for layer in current]
+
+    def keep(self, kept: Iterable[int]) -> None:
+        """Makes the model run exactly the original layers `kept`, in that order, with a config that says so.
+
+        Args:
+            kept (`Iterable[int]`): Original indices of the layers to keep, strictly increasing.
+        """
+        kept = list(kept)
+        if not kept:
+            raise InvalidInputError("At least one decoder layer must be kept.")
+        if sorted(set(kept)) != kept or kept[0] < 0 or kept[-1] >= self.num_layers:
+            raise InvalidInputError(f"Kept layers must be strictly increasing indices in [0, {self.num_layers}), got {kept}.")
+        adapter = self.adapter
+        parent_path, _, attribute = adapter.layers_path.rpartition(".")
+        setattr(get_submodule(self.model, parent_path), attribute, nn.ModuleList([self.layers[index] for index in kept]))
+        for new_index, layer in enumerate(adapter.get_layers(self.model)):
+            for module in layer.modules():
+                for attribute_name in adapter.layer_index_attributes:
+                    if isinstance(getattr(module, attribute_name, None), int):
+                        setattr(module, attribute_name, new_index)
+        rewrite_fields(adapter, adapter.get_text_config(self.model), self.config_values, self.num_layers, kept)
+        if self.device_map is not None:
+            self.model.hf_device_map = _renumber_device_map(adapter, self.device_map, kept)
+
+    def restore(self) -> None:
+        """Puts back every layer of the snapshot and the exact config values it recorded."""
+        self.keep(range(self.num_layers))
+        _set_config_values(self.adapter.get_text_config(self.model), self.config_values)
+
+    @contextmanager
+    def temporarily(self, kept: Iterable[int]) -> Iterator[None]:
+        """Runs the original layers `kept` inside the block, then puts back the stack and the exact
+        config values the model had before it (even when the block raises)."""
+        previous = self.kept_layers()
+        config = self.adapter.get_text_config(self.model)
+        previous_values = {name: copy.deepcopy(getattr(config, name)) for name in self.config_values if hasattr(config, name)}
+        previous_device_map = getattr(self.model, "hf_device_map", None)
+        try:
+            self.keep(kept)
+            yield
+        finally:
+            self.keep(previous)
+            _set_config_values(config, previous_values)
+            if previous_device_map is not None:
+                self.model.hf_device_map = previous_device_map
+
+    def replace(self, position: int, module: nn.Module) -> nn.Module:
+        """Puts `module` at `position` of the model's layer list (no renumbering, no config change) and
+        returns the layer it replaces. For stand-ins during a pass (SLEB replays recorded hidden states)."""
+        layers = self.adapter.get_layers(self.model)
+        replaced = layers[position]
+        layers[position] = module
+        return replaced
 
 
 def layer_dependent_fields(adapter: DecoderAdapter, config: PretrainedConfig, num_layers: int) -> list[str]:
@@ -86,88 +158,7 @@ def snapshot(model: PreTrainedModel, adapter: DecoderAdapter | None = None) -> L
     layers = list(adapter.get_layers(model))
     values = {name: copy.deepcopy(getattr(config, name)) for name in layer_dependent_fields(adapter, config, len(layers))}
     device_map = copy.deepcopy(getattr(model, "hf_device_map", None))
-    return LayerSnapshot(layers=layers, config_values=values, device_map=device_map)
-
-
-def kept_layers(model: PreTrainedModel, snapshot: LayerSnapshot, adapter: DecoderAdapter | None = None) -> list[int]:
-    """The original indices of the layers `model` runs now.
-
-    Raises:
-        ValueError: if the model runs a layer that is not in `snapshot`.
-    """
-    adapter = adapter or get_adapter(model)
-    position = {id(layer): index for index, layer in enumerate(snapshot.layers)}
-    current = list(adapter.get_layers(model))
-    if any(id(layer) not in position for layer in current):
-        raise ValueError("The model runs a layer that is not in the snapshot: take the snapshot before changing the stack.")
-    return [position[id(layer)] for layer in current]
-
-
-def keep(model: PreTrainedModel, snapshot: LayerSnapshot, kept: Iterable[int], adapter: DecoderAdapter | None = None) -> None:
-    """Makes `model` run exactly the original layers `kept`, in that order, with a config that says so.
-
-    Args:
-        model (`PreTrainedModel`): The model to change, in place.
-        snapshot (`LayerSnapshot`): The stack the indices refer to, from [`snapshot`].
-        kept (`Iterable[int]`): Original indices of the layers to keep, strictly increasing.
-        adapter (`DecoderAdapter`, *optional*): The model's adapter; looked up when not given.
-    """
-    adapter = adapter or get_adapter(model)
-    kept = list(kept)
-    if not kept:
-        raise ValueError("At least one decoder layer must be kept.")
-    if sorted(set(kept)) != kept or kept[0] < 0 or kept[-1] >= snapshot.num_layers:
-        raise ValueError(f"Kept layers must be strictly increasing indices in [0, {snapshot.num_layers}), got {kept}.")
-
-    parent_path, _, attribute = adapter.layers_path.rpartition(".")
-    setattr(get_submodule(model, parent_path), attribute, nn.ModuleList([snapshot.layers[index] for index in kept]))
-    for new_index, layer in enumerate(adapter.get_layers(model)):
-        for module in layer.modules():
-            for attribute_name in adapter.layer_index_attributes:
-                if isinstance(getattr(module, attribute_name, None), int):
-                    setattr(module, attribute_name, new_index)
-
-    rewrite_config(adapter, adapter.get_text_config(model), snapshot, kept)
-    if snapshot.device_map is not None:
-        model.hf_device_map = _renumber_device_map(adapter, snapshot.device_map, kept)
-
-
-def restore(model: PreTrainedModel, snapshot: LayerSnapshot, adapter: DecoderAdapter | None = None) -> None:
-    """Puts back every layer of `snapshot` and the exact config values it recorded."""
-    adapter = adapter or get_adapter(model)
-    keep(model, snapshot, range(snapshot.num_layers), adapter)
-    _set_config_values(adapter.get_text_config(model), snapshot.config_values)
-
-
-@contextmanager
-def temporarily(
-    model: PreTrainedModel, snapshot: LayerSnapshot, kept: Iterable[int], adapter: DecoderAdapter | None = None
-) -> Iterator[None]:
-    """Runs the original layers `kept` inside the block, then puts back the stack and the exact
-    config values the model had before it (even when the block raises)."""
-    adapter = adapter or get_adapter(model)
-    previous = kept_layers(model, snapshot, adapter)
-    config = adapter.get_text_config(model)
-    previous_values = {name: copy.deepcopy(getattr(config, name)) for name in snapshot.config_values if hasattr(config, name)}
-    previous_device_map = getattr(model, "hf_device_map", None)
-    try:
-        keep(model, snapshot, kept, adapter)
-        yield
-    finally:
-        keep(model, snapshot, previous, adapter)
-        _set_config_values(config, previous_values)
-        if previous_device_map is not None:
-            model.hf_device_map = previous_device_map
-
-
-def replace(model: PreTrainedModel, position: int, module: nn.Module, adapter: DecoderAdapter | None = None) -> nn.Module:
-    """Puts `module` at `position` of the layer list (no renumbering, no config change) and returns
-    the layer it replaces. For stand-ins during a pass (SLEB replays recorded hidden states)."""
-    adapter = adapter or get_adapter(model)
-    layers = adapter.get_layers(model)
-    replaced = layers[position]
-    layers[position] = module
-    return replaced
+    return LayerSnapshot(model=model, adapter=adapter, layers=layers, config_values=values, device_map=device_map)
 
 
 def remove_layers(model: PreTrainedModel, layer_indices: Sequence[int]) -> list[int]:
@@ -180,32 +171,30 @@ def remove_layers(model: PreTrainedModel, layer_indices: Sequence[int]) -> list[
     Returns:
         `list[int]`: The indices of the layers that remain, in order.
     """
-    adapter = get_adapter(model)
-    stack = snapshot(model, adapter)
+    stack = snapshot(model)
     removed = {int(index) for index in layer_indices}
     if any(index < 0 or index >= stack.num_layers for index in removed):
-        raise ValueError(f"Layer indices must lie in [0, {stack.num_layers}), got {sorted(removed)}.")
+        raise InvalidInputError(f"Layer indices must lie in [0, {stack.num_layers}), got {sorted(removed)}.")
     kept = [index for index in range(stack.num_layers) if index not in removed]
-    keep(model, stack, kept, adapter)
+    stack.keep(kept)
     return kept
 
 
-def rewrite_config(adapter: DecoderAdapter, config: PretrainedConfig, snapshot: LayerSnapshot, kept: Sequence[int]) -> None:
-    """Rewrites the layer-dependent config fields recorded in `snapshot` for the kept layers."""
-    if type(adapter).update_config is not DecoderAdapter.update_config:  # an adapter written for the old API
-        warnings.warn(
-            f"{type(adapter).__name__} overrides the deprecated `update_config`: override `rewrite_index_fields` instead.",
-            FutureWarning,
-            stacklevel=2,
-        )
-        type(adapter).update_config(adapter, config, snapshot, kept)
-    else:
-        rewrite_fields(adapter, config, snapshot, kept)
+def rewrite_fields(
+    adapter: DecoderAdapter, config: PretrainedConfig, dense_values: dict[str, Any], num_layers: int, kept: Sequence[int]
+) -> None:
+    """Rewrites the layer-dependent config fields for the kept layers: count, thresholds, per-layer lists,
+    then the adapter's index fields.
 
-
-def rewrite_fields(adapter: DecoderAdapter, config: PretrainedConfig, snapshot: LayerSnapshot, kept: Sequence[int]) -> None:
-    """The rewriting [`rewrite_config`] does: count, thresholds, per-layer lists, then the adapter's index fields."""
-    for name, value in snapshot.config_values.items():
+    Args:
+        adapter (`DecoderAdapter`): The family's adapter.
+        config (`PretrainedConfig`): The text config, changed in place.
+        dense_values (`dict[str, Any]`): The dense model's value of every layer-dependent field
+            ([`LayerSnapshot.config_values`]).
+        num_layers (`int`): The dense model's layer count.
+        kept (`Sequence[int]`): Original indices of the kept layers.
+    """
+    for name, value in dense_values.items():
         if name == adapter.layer_count_field:
             setattr(config, name, len(kept))
         elif name in adapter.threshold_config_fields:
@@ -213,10 +202,10 @@ def rewrite_fields(adapter: DecoderAdapter, config: PretrainedConfig, snapshot: 
                 setattr(config, name, sum(1 for index in kept if index < value))
         elif name in adapter.index_config_fields:
             continue
-        elif isinstance(value, (list, tuple)) and len(value) == snapshot.num_layers:
+        elif isinstance(value, (list, tuple)) and len(value) == num_layers:
             sliced = [copy.deepcopy(value[index]) for index in kept]
             setattr(config, name, type(value)(sliced) if isinstance(value, tuple) else sliced)
-    for name, value in adapter.rewrite_index_fields(config, snapshot.config_values, kept).items():
+    for name, value in adapter.rewrite_index_fields(config, dense_values, kept).items():
         setattr(config, name, value)
 
 

@@ -102,14 +102,6 @@ def _resolve_offloaded(weights_map: Any, name: str) -> tuple[Any, str]:
     return dataset, key
 
 
-def offloaded_rows(module: nn.Module, name: str, start: int, stop: int) -> torch.Tensor | None:
-    """Rows `start:stop` of the offloaded weight `name` of `module`, read without the rest of it (a slice
-    of the CPU copy, of the safetensors file, or of the offload folder's file); `None` when `module`'s
-    weights are not offloaded."""
-    hooks = _offload_hooks(module)
-    return _offloaded_rows(hooks[0].weights_map, name, start, stop) if hooks else None
-
-
 def _offloaded_rows(weights_map: Any, name: str, start: int, stop: int) -> torch.Tensor:
     import numpy as np
     from accelerate.utils import OffloadedWeightsLoader

@@ -185,18 +185,18 @@ def test_span_end_stage2_lowers_the_error_it_reports_and_auto_lambda_leaves_alon
     before = torch.nn.functional.mse_loss(_layer_output(model, layer, ids), dense_end).item()
     stage1_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     pruner.compensate(result)
-    assert result.compensation_targets == {1: 3} and result.compensated_layers == [1]
-    objective = result.compensation_objective[1]
+    assert result.compensation.targets == {1: 3} and result.compensated_layers == [1]
+    objective = result.compensation.objective[1]
     assert objective["identity"] == pytest.approx(before, rel=1e-4)
     after = torch.nn.functional.mse_loss(_layer_output(model, layer, ids), dense_end).item()
     assert after < before and after <= objective["fitted"] * (1 + 1e-4)
 
     pruner.compensate(result, reg_lambda="auto")  # undoes the first fold, then fits again
     if result.compensated_layers:
-        assert result.compensation_lambda[1] > 0 and result.compensation_objective[1]["identity"] == pytest.approx(
+        assert result.compensation.reg_lambda[1] > 0 and result.compensation.objective[1]["identity"] == pytest.approx(
             before, rel=1e-4
         )
         assert torch.nn.functional.mse_loss(_layer_output(model, layer, ids), dense_end).item() < before
     else:
-        assert "W' = I" in result.uncompensated_layers[1]
+        assert "W' = I" in result.compensation.skipped_layers[1]
         assert all(torch.equal(tensor, stage1_state[name]) for name, tensor in model.state_dict().items())

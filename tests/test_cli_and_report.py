@@ -21,7 +21,7 @@ CHECKPOINT_FILES = {"config.json", "model.safetensors", "gradmap_config.json", "
 
 def _prune_args(source: str, output: str, *extra: str) -> list[str]:
     return [
-        "prune", source, "--num-layers", "2", "--num-samples", "24", "--seq-len", "16", "--dataset", "offline:wikipedia",
+        "prune", source, "--num-layers-to-prune", "2", "--num-samples", "24", "--seq-len", "16", "--dataset", "offline:wikipedia",
         "--output", output, "-q", *extra,
     ]  # fmt: skip
 
@@ -35,7 +35,7 @@ def test_prune_writes_checkpoint_report_pictures_and_card(tiny_checkpoint, tmp_p
                 output,
                 "--evaluate",
                 "offline:wikipedia",
-                "--max-eval-segments",
+                "--max-segments",
                 "4",
                 "--stage1-checkpoint",
                 str(progress),
@@ -49,12 +49,13 @@ def test_prune_writes_checkpoint_report_pictures_and_card(tiny_checkpoint, tmp_p
     report = load_report(output)
     assert report["original_num_layers"] == 6 and len(report["removed_layers"]) == 2
     assert sorted(report["removed_layers"] + report["kept_layers"]) == list(range(6))
-    assert len(report["scores"]) == 2 and set(report["drift"]) == set(report["drift_after_compensation"])
+    compensation = report["compensation"]
+    assert len(report["scores"]) == 2 and set(compensation["drift"]) == set(compensation["drift_after_compensation"])
     saved_rounds = json.loads(progress.read_text())["rounds"]
     assert [index for saved in saved_rounds for index in saved["removed"]] == report["removed_layers"]
-    compensated = str(report["compensated_layers"][0])  # the default Stage 2: fitted to the end of a removed run
-    objective = report["compensation_objective"][compensated]
-    assert objective["fitted"] < objective["identity"] and report["compensation_targets"][compensated] in report["removed_layers"]
+    compensated = str(compensation["compensated_layers"][0])  # the default Stage 2: fitted to the end of a removed run
+    objective = compensation["objective"][compensated]
+    assert objective["fitted"] < objective["identity"] and compensation["targets"][compensated] in report["removed_layers"]
     assert report["evaluation"]["perplexities"][0]["protocol"] == "non-overlapping 128-token segments"
     assert report["environment"]["transformers"] and report["gradmap_config"]["num_samples"] == 24
     assert report["base_model_revision"] == "main"  # --revision reaches the report
@@ -82,13 +83,19 @@ def test_inspect_prints_the_report(tiny_checkpoint, tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["prune", "MODEL", "--ratio", "1.5", "--output", "OUT"], "`pruning_ratio` must lie strictly between 0 and 1"),
-        (["prune", "MODEL", "--layers", "2", "9", "--output", "OUT"], "it has 6 decoder layers, indexed 0 to 5"),
-        (["prune", "MODEL", "--num-layers", "1", "--output", "OUT", "--private"], "--private only applies with --push-to-hub"),
-        (["prune", "./no/such/folder", "--num-layers", "1", "--output", "OUT"], "is not a folder"),
+        (["prune", "MODEL", "--pruning-ratio", "1.5", "--output", "OUT"], "`pruning_ratio` must lie strictly between 0 and 1"),
+        (["prune", "MODEL", "--layers-to-prune", "2", "9", "--output", "OUT"], "it has 6 decoder layers, indexed 0 to 5"),
+        (
+            ["prune", "MODEL", "--num-layers-to-prune", "1", "--output", "OUT", "--private"],
+            "--private only applies with --push-to-hub",
+        ),
+        (["prune", "./no/such/folder", "--num-layers-to-prune", "1", "--output", "OUT"], "is not a folder"),
         (["inspect", "MODEL"], "has no pruning_report.json"),
-        (["evaluate", "MODEL", "--datasets", "--tasks", "mmlu"], "Unknown task(s) mmlu"),
-        (["prune", "MODEL", "--num-layers", "1", "--output", "OUT", "--evaluate", "wikitext3"], "Unknown evaluation dataset"),
+        (["evaluate", "MODEL", "--perplexity-datasets", "--tasks", "mmlu"], "Unknown task(s) mmlu"),
+        (
+            ["prune", "MODEL", "--num-layers-to-prune", "1", "--output", "OUT", "--evaluate", "wikitext3"],
+            "Unknown evaluation dataset",
+        ),
     ],
 )
 def test_bad_input_exits_with_2_and_says_what_to_fix(tiny_checkpoint, tmp_path, capsys, argv, message):
@@ -102,7 +109,10 @@ def test_missing_required_option_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["prune", "offline:smollm2-135m", "--output", "out"])
     assert exit_info.value.code == 2
-    assert "one of the arguments --ratio --num-layers --layers is required" in capsys.readouterr().err
+    assert (
+        "one of the arguments --pruning_ratio/--pruning-ratio --num_layers_to_prune/--num-layers-to-prune "
+        in capsys.readouterr().err
+    )
 
 
 def _subparsers():
@@ -114,24 +124,36 @@ def _subparsers():
     return parser, next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction)).choices
 
 
-def test_every_config_field_is_a_prune_option_with_the_configs_default():
+def test_every_config_field_is_a_prune_option_under_its_field_name_with_the_configs_default_and_help(capsys):
     from dataclasses import fields
 
     from optimum_gradmap import GradMAPConfig
-    from optimum_gradmap.cli import OPTION_OF_FIELD as CONFIG_OPTIONS
 
     parser, commands = _subparsers()
-    destinations = {action.dest for action in commands["prune"]._actions}
+    options = {option: action for action in commands["prune"]._actions for option in action.option_strings}
     config = GradMAPConfig(pruning_ratio=0.5)
-    args = parser.parse_args(["prune", "MODEL", "--ratio", "0.5", "--output", "OUT"])
+    args = parser.parse_args(["prune", "MODEL", "--pruning-ratio", "0.5", "--output", "OUT"])
     for field in fields(GradMAPConfig):
-        if field.name == "compensation":
-            assert "no_compensation" in destinations and args.no_compensation is (not config.compensation)
-            continue
-        option = CONFIG_OPTIONS.get(field.name, field.name)
-        assert option in destinations, f"GradMAPConfig.{field.name} has no command-line option"
-        if field.name not in CONFIG_OPTIONS:
-            assert getattr(args, option) == getattr(config, field.name), field.name
+        assert f"--{field.name}" in options and f"--{field.name.replace('_', '-')}" in options, field.name
+        assert options[f"--{field.name}"].dest == field.name
+        assert getattr(args, field.name) == getattr(config, field.name), field.name
+        assert options[f"--{field.name}"].help.replace("%%", "%") == field.metadata["help"]
+    with pytest.raises(SystemExit):
+        main(["prune", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(f"--{field.name}" in text for field in fields(GradMAPConfig))
+    # the values of every kind of field reach the config
+    argv = ["prune", "MODEL", "--layers_to_prune", "1", "3", "--no-compensation", "--reg-lambda", "auto", "--solver", "adam"]
+    args = parser.parse_args([*argv, "--iterative", "--verify-top-k", "4", "--verify-halving", "--output", "OUT"])
+    assert (args.layers_to_prune, args.compensation, args.reg_lambda, args.solver) == ([1, 3], False, "auto", "adam")
+    assert (args.iterative, args.verify_top_k, args.verify_halving) == (True, 4, True)
+    assert (
+        parser.parse_args(["prune", "MODEL", "--num-layers-to-prune", "2", "--reg_lambda", "0.01", "-o", "OUT"]).reg_lambda
+        == 0.01
+    )
+    with pytest.raises(SystemExit):
+        parser.parse_args(["prune", "MODEL", "--pruning-ratio", "0.5", "--solver", "sgd", "-o", "OUT"])
+    assert "invalid choice: 'sgd'" in capsys.readouterr().err
 
 
 def test_every_option_with_a_value_states_its_default(capsys):
@@ -140,19 +162,17 @@ def test_every_option_with_a_value_states_its_default(capsys):
     from optimum_gradmap.evaluation import evaluate
 
     parser, commands = _subparsers()
-    for name in ("prune", "evaluate"):
-        for action in commands[name]._actions:
-            takes_value = action.option_strings and action.nargs != 0 and action.dest not in ("help", "output")
-            if takes_value and action.default is not None:
-                assert "(default:" in action.help, f"{name} {action.option_strings} does not state its default"
     args = parser.parse_args(["evaluate", "MODEL"])
     defaults = inspect.signature(evaluate).parameters
-    assert args.datasets == list(defaults["perplexity_datasets"].default) and args.task_data == defaults["task_data"].default
-    assert (args.seq_len, args.batch_size) == (defaults["seq_len"].default, defaults["batch_size"].default)
-    with pytest.raises(SystemExit):
-        main(["prune", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
-    assert "calibration sequences, 128 in the paper (default: 128)" in text and "(default: float32)" in text
+    assert args.perplexity_datasets == list(defaults["perplexity_datasets"].default)
+    assert args.task_data == defaults["task_data"].default
+    assert (args.segment_length, args.batch_size) == (defaults["segment_length"].default, defaults["batch_size"].default)
+    for name in ("prune", "evaluate"):
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "Number of calibration sequences (paper: 128). (default: 128)" in text or name == "evaluate"
+        assert "(default: float32)" in text
 
 
 def test_optimum_cli_registers_gradmap_with_the_same_commands_and_runs_them(tiny_checkpoint, tmp_path, monkeypatch, capsys):
@@ -182,13 +202,22 @@ def test_optimum_cli_registers_gradmap_with_the_same_commands_and_runs_them(tiny
     quality = load_report(quality_output)
     assert (quality["gradmap_config"]["verify_top_k"], quality["gradmap_config"]["verify_halving"]) == (8, True)
     assert [len(verified) for verified in quality["verified"]] == [6, 5]  # every layer of the 6-layer model, every round
-    assert optimum_cli_main("gradmap", "prune", tiny_checkpoint, "--ratio", "1.5", "--output", str(tmp_path / "x")) == 2
+    assert optimum_cli_main("gradmap", "prune", tiny_checkpoint, "--pruning-ratio", "1.5", "--output", str(tmp_path / "x")) == 2
     assert "optimum-cli gradmap prune: error: `pruning_ratio` must lie strictly between 0 and 1" in capsys.readouterr().err
 
 
 def test_evaluate_command_writes_json(tiny_checkpoint, tmp_path, capsys):
     output = str(tmp_path / "evaluation.json")
-    argv = ["evaluate", tiny_checkpoint, "--datasets", "offline:wikipedia", "--seq-len", "32", "--max-segments", "2"]
+    argv = [
+        "evaluate",
+        tiny_checkpoint,
+        "--perplexity-datasets",
+        "offline:wikipedia",
+        "--segment-length",
+        "32",
+        "--max-segments",
+        "2",
+    ]
     assert main([*argv, "-o", output, "-q"]) == 0
     assert "offline:wikipedia perplexity:" in capsys.readouterr().out
     assert json.load(open(output))["perplexities"][0]["num_segments"] == 2
@@ -242,7 +271,7 @@ def test_report_without_matplotlib_has_no_pictures_but_a_card(tiny_checkpoint, t
 def test_both_console_commands_prune_the_offline_smollm2(smollm2, tmp_path, command):
     executable = os.path.join(os.path.dirname(sys.executable), command[0])
     output = str(tmp_path / "out")
-    argv = [*command[1:], "prune", "offline:smollm2-135m", "--ratio", "0.25", "--num-samples", "4", "--seq-len", "32"]
+    argv = [*command[1:], "prune", "offline:smollm2-135m", "--pruning-ratio", "0.25", "--num-samples", "4", "--seq-len", "32"]
     argv += ["--dataset", "offline:wikipedia"]
     completed = subprocess.run([executable, *argv, "--output", output, "-q"], capture_output=True, text=True, timeout=900)
     assert completed.returncode == 0, completed.stderr[-3000:]
@@ -281,7 +310,7 @@ def test_prune_calibrates_on_a_saved_dataset_folder_and_its_text_column(tiny_che
     texts = ["Layer pruning removes whole decoder layers. " * 4, "Stage 2 repairs what the removal breaks. " * 4]
     datasets.Dataset.from_dict({"body": texts}).save_to_disk(folder)
     output = str(tmp_path / "pruned")
-    argv = ["prune", tiny_checkpoint, "--num-layers", "1", "--num-samples", "8", "--seq-len", "16", "--dataset", folder]
+    argv = ["prune", tiny_checkpoint, "--num-layers-to-prune", "1", "--num-samples", "8", "--seq-len", "16", "--dataset", folder]
     assert main([*argv, "--text-column", "body", "--output", output, "-q"]) == 0
     report = load_report(output)
     assert report["calibration_source"] == f"the dataset saved in {folder!r} (column 'body')"
@@ -297,7 +326,7 @@ def test_a_preset_sets_the_defaults_and_explicit_options_override_it():
     from optimum_gradmap.configuration import PRESETS
 
     def parse(*options):
-        argv = ["prune", "MODEL", "--ratio", "0.25", "--output", "OUT", *options]
+        argv = ["prune", "MODEL", "--pruning-ratio", "0.25", "--output", "OUT", *options]
         return build_parser(preset=preset_in(argv)).parse_args(argv)
 
     assert parse().importance == "gradmap" and parse("--preset", "paper").importance == "gradmap"
@@ -323,3 +352,46 @@ def test_from_preset_builds_the_presets_config():
     assert GradMAPConfig.from_preset("fast", pruning_ratio=0.25, importance="taylor").importance == "taylor"
     with pytest.raises(ValueError, match="Unknown preset 'fastest'. Available: paper, quality, fast"):
         GradMAPConfig.from_preset("fastest", pruning_ratio=0.25)
+
+
+@pytest.mark.parametrize(
+    "error, code",
+    [
+        (RuntimeError("CUDA out of memory (simulated)"), 1),
+        (ValueError("a bug deep in the computation (simulated)"), 1),
+        (KeyError("simulated"), 1),
+    ],
+)
+def test_an_error_while_running_exits_with_1_and_verbose_prints_its_traceback(
+    tiny_checkpoint, tmp_path, capsys, monkeypatch, error, code
+):
+    """Only bad input is exit code 2; anything that fails while running is 1, with the traceback under -v."""
+    from optimum_gradmap.pruner import GradMAPPruner
+
+    def failing(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(GradMAPPruner, "prune", failing)
+    assert main(_prune_args(tiny_checkpoint, str(tmp_path / "out"))) == code
+    quiet = capsys.readouterr().err
+    assert "simulated" in quiet and "Traceback" not in quiet
+    assert main([*_prune_args(tiny_checkpoint, str(tmp_path / "out"))[:-1], "-v"]) == code
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+def test_writing_the_pictures_leaves_the_plotting_backend_of_the_process_alone(tmp_path):
+    import matplotlib
+
+    from optimum_gradmap.report import write_pictures
+
+    matplotlib.use("svg")
+    report = {
+        "original_num_layers": 4,
+        "removed_layers": [2],
+        "gradmap_config": {"importance": "gradmap"},
+        "scores": [{"0": 1.0, "1": 2.0, "2": 0.5, "3": 3.0}],
+        "compensation": {"drift": {"0": 0.0, "1": 0.1, "3": 0.4}, "drift_after_compensation": {}, "compensated_layers": [1]},
+    }
+    assert write_pictures(report, tmp_path) == ["importance.png", "drift.png"]
+    assert matplotlib.get_backend() == "svg"
+    assert (tmp_path / "importance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

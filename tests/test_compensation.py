@@ -7,13 +7,13 @@ from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.compensation import (
     CompensationStatistics,
     compensation_statistics,
-    fold_into,
     record_layer_outputs,
     solve_adam,
     solve_closed_form,
 )
 from optimum_gradmap.configuration import PAPER_STAGE2
 from optimum_gradmap.surgery import remove_layers
+from optimum_gradmap.weights import fold_into
 
 from .conftest import ARCHITECTURES, random_ids, tiny_model
 
@@ -158,14 +158,14 @@ def test_several_compensated_layers_are_the_most_drifted_fitted_in_forward_order
     result = pruner.select_layers(model, ids)
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     pruner.compensate(result)
-    most_drifted = sorted(sorted(result.drift, key=result.drift.get, reverse=True)[:3])
+    most_drifted = sorted(sorted(result.compensation.drift, key=result.compensation.drift.get, reverse=True)[:3])
     assert result.compensated_layers == most_drifted
-    assert all(result.compensation_objective[i]["fitted"] < result.compensation_objective[i]["identity"] for i in most_drifted)
+    assert all(result.compensation.objective[i]["fitted"] < result.compensation.objective[i]["identity"] for i in most_drifted)
     positions = [result.kept_layers.index(index) for index in most_drifted]
     assert _changed_parameters(model, state) == {f"model.layers.{p}.mlp.down_proj.weight" for p in positions}
     # forward order: the last target was fitted on the model that carries the first corrections, so its
     # drift after compensation is below its drift before
-    assert result.drift_after_compensation[most_drifted[-1]] < result.drift[most_drifted[-1]]
+    assert result.compensation.drift_after_compensation[most_drifted[-1]] < result.compensation.drift[most_drifted[-1]]
 
 
 def test_the_papers_adam_solver_through_the_pruner_approaches_the_exact_minimiser():
@@ -180,9 +180,9 @@ def test_the_papers_adam_solver_through_the_pruner_approaches_the_exact_minimise
     )
     assert adam.compensated_layers == exact.compensated_layers and adam.config.solver == "adam"
     (layer,) = exact.compensated_layers
-    start, optimum = exact.compensation_objective[layer]["identity"], exact.compensation_objective[layer]["fitted"]
-    reached = adam.compensation_objective[layer]["fitted"]
-    assert adam.compensation_objective[layer]["identity"] == pytest.approx(start)
+    start, optimum = exact.compensation.objective[layer]["identity"], exact.compensation.objective[layer]["fitted"]
+    reached = adam.compensation.objective[layer]["fitted"]
+    assert adam.compensation.objective[layer]["identity"] == pytest.approx(start)
     assert optimum <= reached + 1e-12 and reached - optimum < 0.02 * (start - optimum)
 
 
@@ -198,9 +198,12 @@ def test_stage2_on_a_model_in_train_mode_fits_without_dropout_and_restores_the_m
     trained = GradMAPPruner(small_config(), progress_bar=False).prune(in_train_mode, ids)
     reference = GradMAPPruner(small_config(), progress_bar=False).prune(in_eval_mode, ids)
     assert in_train_mode.training and all(module.training for module in in_train_mode.modules())
-    assert trained.drift == pytest.approx(reference.drift) and trained.compensated_layers == reference.compensated_layers
+    assert (
+        trained.compensation.drift == pytest.approx(reference.compensation.drift)
+        and trained.compensated_layers == reference.compensated_layers
+    )
     (layer,) = reference.compensated_layers
-    assert trained.compensation_objective[layer] == pytest.approx(reference.compensation_objective[layer])
+    assert trained.compensation.objective[layer] == pytest.approx(reference.compensation.objective[layer])
     in_train_mode.eval()
     with torch.no_grad():
         torch.testing.assert_close(in_train_mode(ids).logits, in_eval_mode(ids).logits)
@@ -227,13 +230,13 @@ def test_a_failure_during_stage2_leaves_the_model_as_stage1_left_it(monkeypatch)
             raise RuntimeError("out of memory (simulated)")
         return real_learn(*args, **kwargs)
 
-    monkeypatch.setattr(compensation, "learn_compensation", fail_on_the_second_layer)
+    monkeypatch.setattr(compensation.stage2, "learn_compensation", fail_on_the_second_layer)
     with pytest.raises(RuntimeError, match="simulated"):
         pruner.compensate(result)
     assert len(calls) == 2  # the first layer was folded before the failure
     assert _changed_parameters(model, state) == set() and model.state_dict().keys() == state.keys()
     assert result.compensated_layers == [] and "stage2" not in result.timings
-    monkeypatch.setattr(compensation, "learn_compensation", real_learn)
+    monkeypatch.setattr(compensation.stage2, "learn_compensation", real_learn)
     pruner.compensate(result)  # the dense layers are still there: Stage 2 can run again
     assert len(result.compensated_layers) == 2
 
@@ -417,7 +420,7 @@ def test_span_end_compensation_equals_a_direct_computation():
     result = pruner.select_layers(model, ids)
     reference = copy.deepcopy(model)  # the Stage 1 model, compensated by hand below
     pruner.compensate(result)
-    assert result.compensation_targets == {2: 4, 6: 7} and result.compensated_layers == [2, 6]
+    assert result.compensation.targets == {2: 4, 6: 7} and result.compensated_layers == [2, 6]
 
     identity = torch.eye(32, dtype=torch.float64)
     for position, end in ((2, 0), (4, 1)):  # kept positions of layers 2 and 6
@@ -441,18 +444,20 @@ def test_a_layer_cross_validation_leaves_alone_is_reported_and_untouched(monkeyp
 
     model = tiny_model("llama", num_layers=6)
     ids = random_ids(8, 16)
-    monkeypatch.setattr(compensation, "cross_validate_ridge", lambda *args, **kwargs: RidgeChoice(None, {}, 1.0))
+    monkeypatch.setattr(compensation.fit, "cross_validate_ridge", lambda *args, **kwargs: RidgeChoice(None, {}, 1.0))
     pruner = GradMAPPruner(small_config(reg_lambda="auto"), tokenizer=byte_tokenizer, progress_bar=False)
     result = pruner.select_layers(model, ids)
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     pruner.compensate(result)
-    assert result.compensated_layers == [] and list(result.uncompensated_layers) == list(result.compensation_targets)
-    assert "W' = I" in next(iter(result.uncompensated_layers.values()))
+    assert result.compensated_layers == [] and list(result.compensation.skipped_layers) == list(result.compensation.targets)
+    assert "W' = I" in next(iter(result.compensation.skipped_layers.values()))
     assert _changed_parameters(model, state) == set()
-    assert result.to_dict()["uncompensated_layers"] == {str(k): v for k, v in result.uncompensated_layers.items()}
+    assert result.to_dict()["compensation"]["skipped_layers"] == {
+        str(k): v for k, v in result.compensation.skipped_layers.items()
+    }
     pruner.save_pretrained(tmp_path)
     card = (tmp_path / "README.md").read_text()
-    ((layer, why),) = result.uncompensated_layers.items()
+    ((layer, why),) = result.compensation.skipped_layers.items()
     assert f"Stage 2 compensated no layer. Layer {layer} was left as it was: {why}." in card
 
 
@@ -480,15 +485,15 @@ def test_validation_text_keeps_the_compensation_only_if_it_lowers_its_perplexity
             fit.matrix = 3 * torch.eye(fit.matrix.shape[0], dtype=torch.float64)
             return fit
 
-        monkeypatch.setattr(compensation, "learn_compensation", tripled)
+        monkeypatch.setattr(compensation.stage2, "learn_compensation", tripled)
     pruner.compensate(result, validation_data=ids)
-    outcome = result.compensation_validation
+    outcome = result.compensation.validation
     assert outcome["without"] == pytest.approx(stage1, rel=1e-6)
     assert outcome["kept"] is (not harmful) and (outcome["with"] < outcome["without"]) is (not harmful)
     assert perplexity(model, ids, 4, progress_bar=False) == pytest.approx(min(outcome["with"], outcome["without"]), rel=1e-6)
     if harmful:
         assert result.compensated_layers == [] and _changed_parameters(model, stage1_state) == set()
-        assert "validation perplexity" in next(iter(result.uncompensated_layers.values()))
+        assert "validation perplexity" in next(iter(result.compensation.skipped_layers.values()))
     else:
         assert result.compensated_layers and _changed_parameters(model, stage1_state)
 
@@ -599,7 +604,7 @@ def test_diagonal_compensation_scales_each_output_channel_of_the_down_projection
     }
     pruner.compensate(result)
     (index,) = result.compensated_layers
-    assert result.compensation_objective[index]["fitted"] < result.compensation_objective[index]["identity"]
+    assert result.compensation.objective[index]["fitted"] < result.compensation.objective[index]["identity"]
     after = [t for down in adapter.get_down_projections(layers[index]) for t in _by_output_channel(down)]
     old_weight, new_weight = before[index][0], after[0]
     scale = (new_weight * old_weight).flatten(1).sum(1) / old_weight.pow(2).flatten(1).sum(1)  # one factor per channel

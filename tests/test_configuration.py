@@ -5,6 +5,8 @@ import pytest
 from optimum_gradmap import GradMAPConfig
 from optimum_gradmap.configuration import CONFIG_NAME, PAPER_STAGE2
 
+from .conftest import tiny_model
+
 
 @pytest.mark.parametrize(
     "kwargs, message",
@@ -29,9 +31,11 @@ from optimum_gradmap.configuration import CONFIG_NAME, PAPER_STAGE2
         ({"pruning_ratio": 0.25, "seq_len": 1}, "`seq_len` must be an integer >= 2"),
         ({"pruning_ratio": 0.25, "batch_size": 0}, "`batch_size` must be an integer >= 1"),
         ({"pruning_ratio": 0.25, "adam_lr": 0}, "`adam_lr` must be a finite number > 0"),
-        ({"pruning_ratio": 0.25, "dataset": ""}, "Unknown calibration dataset ''. Available: wikipedia"),
-        ({"pruning_ratio": 0.25, "dataset": "offline:wikipedia+nope"}, "Unknown calibration dataset 'nope'"),
-        ({"pruning_ratio": 0.25, "text_column": ""}, "`text_column` must be a column name"),
+        ({"pruning_ratio": 0.25, "dataset": ""}, "`dataset` must be a non-empty string such as 'wikipedia'"),
+        ({"pruning_ratio": 0.25, "text_column": ""}, "`text_column` must be a non-empty string such as 'text'"),
+        ({"pruning_ratio": 0.25, "importance": "nope"}, "`importance` must be the name of a registered metric"),
+        ({"pruning_ratio": 0.25, "execution": "fast"}, "`execution` must be one of ('auto', 'in_memory', 'layer_streamed')"),
+        ({"pruning_ratio": 0.25, "compensation": "yes"}, "`compensation` must be True or False"),
         ({"pruning_ratio": 0.25, "verify_halving": True}, "set `verify_top_k` too"),
         ({"pruning_ratio": 0.25, "verify_top_k": 4, "verify_halving": "yes"}, "`verify_halving` must be True or False"),
     ],
@@ -104,3 +108,24 @@ def test_from_pretrained_reads_a_hub_repository(tmp_path, monkeypatch):
     ]
     with pytest.raises(FileNotFoundError, match="me/not-pruned has no gradmap_config.json"):
         GradMAPConfig.from_pretrained("me/not-pruned")
+
+
+def test_the_configuration_module_reads_no_file_a_dataset_name_is_checked_when_pruning(byte_tokenizer):
+    """`GradMAPConfig` checks what it can know alone; a dataset name (which may be a folder) is checked by
+    the pruner before the model changes."""
+    from optimum_gradmap import GradMAPPruner
+
+    model = tiny_model("llama")
+    config = GradMAPConfig(num_layers_to_prune=1, dataset="offline:wikipedia+nope", num_samples=4, seq_len=8)
+    before = list(model.model.layers)
+    with pytest.raises(ValueError, match="Unknown calibration dataset 'nope'"):
+        GradMAPPruner(config, model=model, tokenizer=byte_tokenizer, progress_bar=False).prune()
+    assert list(model.model.layers) == before
+
+
+def test_the_docstring_is_generated_from_every_fields_help():
+    from dataclasses import fields
+
+    for setting in fields(GradMAPConfig):
+        assert f"    {setting.name} (`" in GradMAPConfig.__doc__
+        assert setting.metadata["help"].split()[0] in GradMAPConfig.__doc__

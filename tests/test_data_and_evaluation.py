@@ -1,5 +1,6 @@
 """Calibration data, the offline Wikipedia split, and the perplexity protocol."""
 
+import json
 import math
 
 import pytest
@@ -44,7 +45,7 @@ def test_unknown_and_unreachable_datasets_say_what_to_use_instead(monkeypatch):
         load_text("wikitext3", "calibration")
     with pytest.raises(ValueError, match="Unknown calibration dataset 'wikitext3'"):
         load_text("offline:wikipedia+wikitext3", "calibration")  # every part of a mixture is checked
-    with pytest.raises(ValueError, match="'ptb' is no longer supported.*'wikitext2' or 'c4'"):
+    with pytest.raises(ValueError, match="Unknown evaluation dataset 'ptb'. Available: wikipedia, wikitext2, c4"):
         load_text("ptb", "evaluation")
     import datasets
 
@@ -62,7 +63,7 @@ def test_text_needs_a_tokenizer_and_enough_tokens(byte_tokenizer):
 
 def test_perplexity_matches_a_hand_computation():
     model = tiny_model("llama", num_layers=3)
-    segments = evaluation_segments(random_ids(1, 200).view(-1), seq_len=32)
+    segments = evaluation_segments(random_ids(1, 200).view(-1), segment_length=32)
     assert tuple(segments.shape) == (6, 32)  # the incomplete tail is dropped
     with torch.no_grad():
         losses = [model(segment.unsqueeze(0), labels=segment.unsqueeze(0)).loss.item() for segment in segments]
@@ -76,11 +77,16 @@ def test_evaluate_names_dataset_protocol_and_counts_and_round_trips_through_json
     from optimum_gradmap.evaluation import EvaluationResult, evaluate
 
     model = tiny_model("llama")
-    result = evaluate(model, byte_tokenizer, ("offline:wikipedia",), seq_len=32, max_segments=3, progress_bar=False)
+    result = evaluate(model, byte_tokenizer, ("offline:wikipedia",), segment_length=32, max_segments=3, progress_bar=False)
     (entry,) = result.perplexities
-    segments = load_evaluation_segments("offline:wikipedia", byte_tokenizer, seq_len=32, max_segments=3)
+    segments = load_evaluation_segments("offline:wikipedia", byte_tokenizer, segment_length=32, max_segments=3)
     assert entry.perplexity == perplexity(model, segments, progress_bar=False)
-    assert (entry.dataset, entry.seq_len, entry.num_segments, entry.num_predicted_tokens) == ("offline:wikipedia", 32, 3, 93)
+    assert (entry.dataset, entry.segment_length, entry.num_segments, entry.num_predicted_tokens) == (
+        "offline:wikipedia",
+        32,
+        3,
+        93,
+    )
     assert entry.protocol == "non-overlapping 32-token segments"
     result.to_json(tmp_path / "evaluation.json")
     assert EvaluationResult.from_dict(json.loads((tmp_path / "evaluation.json").read_text())) == result
@@ -176,6 +182,47 @@ def test_an_unreachable_hub_names_the_offline_option(monkeypatch, byte_tokenizer
     with pytest.raises(ConnectionError, match=r"Could not load dataset 'wikipedia'.*dataset='offline:wikipedia'"):
         GradMAPPruner(GradMAPConfig(num_layers_to_prune=1), tokenizer=byte_tokenizer, progress_bar=False).prune(model)
     assert len(model.model.layers) == 4
+
+
+@pytest.mark.parametrize("error", [MemoryError("simulated"), KeyError("simulated bug")])
+def test_an_error_that_is_not_the_hubs_is_raised_as_it_is(monkeypatch, error):
+    import datasets
+
+    from optimum_gradmap.data import load_documents
+
+    def failing(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(datasets, "load_dataset", failing)
+    with pytest.raises(type(error), match="simulated"):
+        load_documents("wikitext2", "calibration")
+
+
+def test_evaluation_results_are_written_atomically(tmp_path, monkeypatch):
+    """A failed write leaves the file that was there: the result is written beside it, then renamed."""
+    from optimum_gradmap.evaluation import EvaluationResult
+
+    path = tmp_path / "evaluation.json"
+    path.write_text("the earlier result")
+    opened = []
+    real_open = open
+
+    def recording_open(file, mode="r", *args, **kwargs):
+        opened.append((str(file), mode))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", recording_open)
+    EvaluationResult(model="m").to_json(str(path))
+    assert not [mode for file, mode in opened if file == str(path) and "w" in mode]  # never opened for writing in place
+    assert json.loads(path.read_text())["model"] == "m"
+
+    def disk_full(*args):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr("os.replace", disk_full)
+    with pytest.raises(OSError, match="simulated"):
+        EvaluationResult(model="other").to_json(str(path))
+    assert json.loads(path.read_text())["model"] == "m" and [p.name for p in tmp_path.iterdir()] == ["evaluation.json"]
 
 
 def test_a_datasets_dataset_is_calibration_data_with_its_text_column(byte_tokenizer):

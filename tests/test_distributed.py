@@ -52,7 +52,7 @@ def test_two_processes_prune_like_one(two_process_run, case):
         assert set(map(int, shared_round)) == set(single_round)
         for index, score in single_round.items():
             assert shared_round[str(index)] == pytest.approx(score, rel=1e-6, abs=1e-12)  # float32 sums, other order
-    assert {int(k): v for k, v in found["compensation_lambda"].items()} == pytest.approx(single.compensation_lambda, rel=1e-6)
+    assert {int(k): v for k, v in found["compensation_lambda"].items()} == pytest.approx(single.compensation.reg_lambda, rel=1e-6)
     with torch.no_grad():
         single_logits = single.model(probe_ids).logits
     torch.testing.assert_close(torch.tensor(found["logits"]).view_as(single_logits), single_logits, rtol=1e-5, atol=1e-5)
@@ -66,20 +66,34 @@ def test_two_processes_prune_like_one(two_process_run, case):
     assert leftovers == []
 
 
+def test_a_failed_save_on_the_main_process_raises_on_every_rank_and_only_the_main_process_uploads(two_process_run):
+    ranks = []
+    for rank in (0, 1):
+        with open(os.path.join(two_process_run, "failures", f"rank-{rank}.json"), encoding="utf-8") as file:
+            ranks.append(json.load(file))
+    assert ranks[0]["save_error"].startswith("FileExistsError") and "is a file, not a folder" in ranks[0]["save_error"]
+    assert ranks[1]["save_error"].startswith("RuntimeError: The main process (rank 0) failed: FileExistsError")
+    assert len(ranks[0]["uploads"]) == 1 and "pruning_report.json" in ranks[0]["uploads"][0]  # the whole checkpoint
+    assert ranks[1]["uploads"] == []  # no upload of an empty folder from another rank
+    assert ranks[0]["url"] == ranks[1]["url"] == "https://huggingface.co/me/tiny-pruned/commit/0"
+
+
 def test_one_process_is_the_identity():
     ids = torch.arange(12).view(6, 2)
     assert not distributed.is_distributed()
     shared, first = distributed.shard(ids)
     assert first == 0 and torch.equal(shared, ids)
     assert distributed.mean_over_samples(lambda part: {0: float(part.sum())}, ids) == {0: float(ids.sum())}
-    assert distributed.gather([1, 2]) == [1, 2]
+    rows = torch.arange(6.0).view(3, 2)
+    assert distributed.gather_rows(rows) is rows
+    assert distributed.on_main_process(lambda: "done") == "done"
 
 
 def test_command_line_under_torchrun(tiny_checkpoint, tmp_path):
     text = tmp_path / "calibration.txt"
     text.write_text(" ".join(f"sentence {i} of the calibration text, with some words in it." for i in range(200)))
     output = tmp_path / "pruned"
-    arguments = ["-m", "optimum_gradmap.cli", "prune", tiny_checkpoint, "--num-layers", "2", "--calibration-file", str(text)]
+    arguments = ["-m", "optimum_gradmap.cli", "prune", tiny_checkpoint, "--num-layers-to-prune", "2", "--dataset", str(text)]
     arguments += ["--num-samples", "8", "--seq-len", "16", "--batch-size", "2", "--reg-lambda", "auto", "--output", str(output)]
     completed = run_two_processes(arguments)
     assert completed.stdout.count("Removed layers") == 1  # the main process reports, once

@@ -20,7 +20,7 @@ TEXT = "Layer pruning removes whole decoder layers, and Stage 2 repairs what the
 
 def _prune(model: str, output: str, *extra: str) -> list[str]:
     return [
-        "prune", model, "--num-layers", "2", "--num-samples", "8", "--seq-len", "16", "--dataset", "offline:wikipedia",
+        "prune", model, "--num-layers-to-prune", "2", "--num-samples", "8", "--seq-len", "16", "--dataset", "offline:wikipedia",
         "--output", output, "-q", *extra,
     ]  # fmt: skip
 
@@ -135,7 +135,7 @@ def test_calibration_from_a_text_file_json_lines_or_a_folder(tiny_checkpoint, tm
         (path / "ignored.bin").write_bytes(b"\x00\x01")
     extra = ["--text-column", "body"] if form == "jsonl" else []
     output = str(tmp_path / "out")
-    argv = _prune(tiny_checkpoint, output, "--calibration-file", str(path), *extra)
+    argv = _prune(tiny_checkpoint, output, "--dataset", str(path), *extra)
     assert main(argv) == 0
     report = load_report(output)
     assert report["calibration_source"] == f"the text in {str(path)!r}"
@@ -143,11 +143,11 @@ def test_calibration_from_a_text_file_json_lines_or_a_folder(tiny_checkpoint, tm
 
 
 def test_calibration_file_errors_name_the_file_and_what_to_fix(tiny_checkpoint, tmp_path, capsys, monkeypatch):
-    assert main(_prune(tiny_checkpoint, str(tmp_path / "out"), "--calibration-file", "nothing.txt")) == 2
-    assert "--calibration-file nothing.txt: no such file or folder" in capsys.readouterr().err
+    assert main(_prune(tiny_checkpoint, str(tmp_path / "out"), "--dataset", "nothing.txt")) == 2
+    assert "No calibration file or folder 'nothing.txt'" in capsys.readouterr().err
     records = tmp_path / "records.jsonl"
     records.write_text(json.dumps({"content": TEXT}))
-    assert main(_prune(tiny_checkpoint, str(tmp_path / "out"), "--calibration-file", str(records))) == 2
+    assert main(_prune(tiny_checkpoint, str(tmp_path / "out"), "--dataset", str(records))) == 2
     assert "record 1, has no text field 'text' (its keys: content): set `text_column`" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     # the Python API takes the same paths
@@ -191,7 +191,7 @@ def test_ctrl_c_in_stage1_keeps_the_finished_rounds_and_prints_the_command_that_
 
 def test_the_default_output_is_results_as_they_come_without_library_info_dumps(tiny_checkpoint, tmp_path, capfd):
     argv = [arg for arg in _prune(tiny_checkpoint, str(tmp_path / "out")) if arg != "-q"]
-    assert main([*argv, "--evaluate", "offline:wikipedia", "--max-eval-segments", "2"]) == 0
+    assert main([*argv, "--evaluate", "offline:wikipedia", "--max-segments", "2"]) == 0
     out, err = capfd.readouterr()
     assert "Round 1/2: removed layer" in out and "Round 2/2: removed layer" in out
     assert out.index("dense model: offline:wikipedia perplexity") < out.index("Round 1/2")

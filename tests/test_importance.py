@@ -121,3 +121,18 @@ def test_a_head_the_adapter_does_not_reproduce_falls_back_to_the_whole_model(cap
     fallback = gradient_importance(model, layers, ids, batch_size=2, progress_bar=False, adapter=UncappedHead())
     reference = naive_layer_scores(model, layers, ids)
     assert ((fallback - reference).abs() / reference).max().item() < 1e-4
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory (simulated)"), MemoryError("simulated")])
+def test_running_out_of_memory_while_splitting_off_the_head_is_raised_not_taken_for_an_unknown_head(error):
+    """Falling back to the whole model's logits would form every logit of a batch at once: never after an
+    out-of-memory error."""
+    from optimum_gradmap.adapters import DecoderAdapter
+    from optimum_gradmap.importance import split_at_lm_head
+
+    class HeadOutOfMemory(DecoderAdapter):
+        def compute_logits(self, model, hidden_states):
+            raise error
+
+    with pytest.raises(type(error), match="simulated"):
+        split_at_lm_head(tiny_model("llama"), HeadOutOfMemory(), random_ids(num_samples=2, seq_len=8))

@@ -173,7 +173,7 @@ def test_stage2_composes_with_every_metric(importance):
     result = GradMAPPruner(config, progress_bar=False).prune(model, ids)
     assert result.compensated_layers == layers_before_removed_runs(result.removed_layers)
     for layer in result.compensated_layers:
-        objective = result.compensation_objective[layer]
+        objective = result.compensation.objective[layer]
         assert objective["fitted"] < objective["identity"]
 
 

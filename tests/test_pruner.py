@@ -50,9 +50,9 @@ def test_prune_runs_both_stages_and_reports_original_indices(model_type):
     for round_scores, removed in zip(result.scores, result.removed_layers):
         assert removed == min(round_scores, key=round_scores.get)
     # Stage 2: the most drifted kept layer got W', which lowered its objective
-    assert set(result.drift) == set(result.kept_layers)
-    assert result.compensated_layers == [max(result.drift, key=result.drift.get)]
-    objective = result.compensation_objective[result.compensated_layers[0]]
+    assert set(result.compensation.drift) == set(result.kept_layers)
+    assert result.compensated_layers == [max(result.compensation.drift, key=result.compensation.drift.get)]
+    objective = result.compensation.objective[result.compensated_layers[0]]
     assert objective["fitted"] < objective["identity"]
     assert set(result.timings) == {"stage1", "stage2"}
 
@@ -132,10 +132,10 @@ def test_stage2_rerun_with_other_settings_replaces_the_first_fit():
     with torch.no_grad():
         stage1_logits = model(ids).logits
     pruner.compensate(result)
-    first_fit = dict(result.compensation_objective)
+    first_fit = dict(result.compensation.objective)
     pruner.compensate(result, reg_lambda=0.5, num_compensated_layers=1)
     assert result.config.reg_lambda == 0.5 and result.config.num_compensated_layers == 1
-    assert len(result.compensated_layers) == 1 and result.compensation_objective != first_fit
+    assert len(result.compensated_layers) == 1 and result.compensation.objective != first_fit
 
     fresh = tiny_model("qwen2", num_layers=6)
     reference = GradMAPPruner(small_config(reg_lambda=0.5), progress_bar=False).prune(fresh, ids)
@@ -163,8 +163,8 @@ def test_explicit_layers_skip_scoring_and_are_still_compensated():
     )
     assert result.removed_layers == [4, 1] and result.kept_layers == [0, 2, 3, 5]
     # the default Stage 2: the layer before each removed run, fitted or left alone with the reason given
-    assert result.scores == [] and sorted(result.compensation_targets) == [0, 3]
-    assert sorted([*result.compensated_layers, *result.uncompensated_layers]) == [0, 3]
+    assert result.scores == [] and sorted(result.compensation.targets) == [0, 3]
+    assert sorted([*result.compensated_layers, *result.compensation.skipped_layers]) == [0, 3]
     assert model.config.num_hidden_layers == 4
 
 
@@ -325,7 +325,10 @@ def test_save_pretrained_writes_a_plain_checkpoint_with_config_and_report(tmp_pa
     assert reloaded.config.num_hidden_layers == 4 and reloaded.config.layer_types == model.config.layer_types
     assert GradMAPConfig.from_pretrained(tmp_path) == config
     report = load_report(tmp_path)
-    assert report["removed_layers"] == result.removed_layers and report["compensated_layers"] == result.compensated_layers
+    assert (
+        report["removed_layers"] == result.removed_layers
+        and report["compensation"]["compensated_layers"] == result.compensated_layers
+    )
     assert json.loads((tmp_path / "tokenizer_config.json").read_text())
 
 
@@ -429,12 +432,12 @@ def test_a_failed_stage2_rerun_leaves_a_result_that_describes_the_stage1_model(m
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("out of memory (simulated)")
 
-    monkeypatch.setattr(compensation, "learn_compensation", out_of_memory)
+    monkeypatch.setattr(compensation.stage2, "learn_compensation", out_of_memory)
     with pytest.raises(RuntimeError, match="simulated"):
         pruner.compensate(result, reg_lambda=0.1)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, stage1_logits)  # the first fit was undone, the second not made
-    assert result.compensated_layers == [] and result.compensation_objective == {} and "stage2" not in result.timings
+    assert result.compensated_layers == [] and result.compensation is None and "stage2" not in result.timings
 
 
 def test_stage2_refuses_a_configuration_the_adapter_cannot_compensate_even_when_called_alone():

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.real_model
 @pytest.fixture(scope="module")
 def evaluation(smollm2):
     _, tokenizer = smollm2
-    return load_evaluation_segments("offline:wikipedia", tokenizer, seq_len=128, max_segments=16)
+    return load_evaluation_segments("offline:wikipedia", tokenizer, segment_length=128, max_segments=16)
 
 
 def load(path):
@@ -47,7 +47,7 @@ def test_gradmap_prunes_a_real_model_far_better_than_removing_its_first_layer(sm
     assert without_first > 50 * dense
     assert stage1 < 4 * dense and 10 * stage1 < without_first
     # Stage 2 fits its own calibration objective and does not break the held-out perplexity
-    objective = result.compensation_objective[result.compensated_layers[0]]
+    objective = result.compensation.objective[result.compensated_layers[0]]
     assert objective["fitted"] < objective["identity"]
     assert final < 1.1 * stage1
 
@@ -84,7 +84,9 @@ def test_other_real_families_prune_compensate_save_reload_and_generate(asset, ar
     pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
     result = pruner.prune(model, "offline:wikipedia")
     assert 0 not in result.removed_layers and result.compensated_layers
-    assert sorted([*result.compensated_layers, *result.uncompensated_layers]) == layers_before_removed_runs(result.removed_layers)
+    assert sorted([*result.compensated_layers, *result.compensation.skipped_layers]) == layers_before_removed_runs(
+        result.removed_layers
+    )
     pruner.save_pretrained(tmp_path)
     reloaded = load(tmp_path)
     assert type(reloaded) is type(model) and reloaded.config.num_hidden_layers == num_layers - 2

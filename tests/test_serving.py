@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from optimum_gradmap import GradMAPPruner
+from optimum_gradmap.errors import InvalidInputError
 from optimum_gradmap.serving import (
     ServingMismatchError,
     compare_outputs,
@@ -176,9 +177,9 @@ def test_verify_serving_catches_a_stale_config_against_the_model_in_memory(tmp_p
 def test_a_missing_vllm_is_a_set_up_error_that_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.delenv("OPTIMUM_GRADMAP_VLLM_PYTHON", raising=False)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match="own.*--vllm-python"):
+    with pytest.raises(InvalidInputError, match="own.*--vllm-python"):
         find_vllm_python()
-    with pytest.raises(FileNotFoundError, match="not a Python executable"):
+    with pytest.raises(InvalidInputError, match="not a Python executable"):
         find_vllm_python(str(tmp_path / "nowhere" / "python"))
     monkeypatch.setenv("OPTIMUM_GRADMAP_VLLM_PYTHON", sys.executable)
     assert find_vllm_python() == os.path.abspath(sys.executable)

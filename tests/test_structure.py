@@ -1,7 +1,7 @@
-"""The package's shape, from the imports each module makes when it is imported (module level, and
-the imports for type checkers): no circle between its modules, and the offline assets (which run
-pip in a subprocess) imported by none of them. Imports inside functions (the deprecated shims of
-`adapters` call `surgery` that way) are not part of this shape."""
+"""The package's shape, from every import its modules make (at module level, inside functions, and for
+type checkers): no circle between its modules, the architecture adapters and the configuration at the
+bottom (they import nothing, or only modules that import nothing, from the package), no module that
+imports the offline assets (which run pip in a subprocess) when it is imported, and no deprecated name."""
 
 import ast
 import pathlib
@@ -9,30 +9,22 @@ import pathlib
 import optimum_gradmap
 
 PACKAGE = pathlib.Path(optimum_gradmap.__file__).parent
+MODULES = {path: ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts) for path in PACKAGE.rglob("*.py")}
+MODULES = {path: name.removesuffix(".__init__") for path, name in MODULES.items()}
 
 
-def _module_name(path: pathlib.Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _top_level_statements(body: list[ast.stmt], with_type_checking: bool) -> list[ast.stmt]:
-    statements = []
-    for node in body:
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-            statements += node.body if with_type_checking else []
-        else:
-            statements.append(node)
-    return statements
-
-
-def _module_level_imports(path: pathlib.Path, with_type_checking: bool = False) -> set[str]:
-    """Modules of the package that `path` imports at module level (not inside functions; the imports
-    for type checkers only with `with_type_checking`)."""
-    module = _module_name(path)
+def _imports(path: pathlib.Path, module_level_only: bool = False, runtime_only: bool = False) -> set[str]:
+    """Modules of the package that `path` imports: everywhere in it, or only at module level (outside
+    functions), or only at run time (not under `if TYPE_CHECKING:`)."""
+    module = MODULES[path]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = set()
-    for node in _top_level_statements(ast.parse(path.read_text()).body, with_type_checking):
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        if runtime_only and isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            return
+        if module_level_only and in_function:
+            return
         if isinstance(node, ast.ImportFrom):
             base = package
             for _ in range(max(0, node.level - 1)):
@@ -42,12 +34,16 @@ def _module_level_imports(path: pathlib.Path, with_type_checking: bool = False) 
             found.update(f"{target}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-    modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
-    return {name for name in found if name in modules and name != module}
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(ast.parse(path.read_text()), False)
+    names = set(MODULES.values())
+    return {name for name in found if name in names and name != module}
 
 
-def test_no_import_circle_between_the_packages_modules_not_even_for_type_checkers():
-    graph = {_module_name(path): _module_level_imports(path, with_type_checking=True) for path in PACKAGE.rglob("*.py")}
+def test_no_import_circle_between_the_packages_modules_counting_imports_inside_functions_and_for_type_checkers():
+    graph = {MODULES[path]: _imports(path) for path in MODULES}
     # a package's __init__ importing its submodules is not a circle; a submodule importing its own
     # package's __init__ back (or any module importing one that imports it) is
     edges = {module: {target for target in targets if not module.startswith(target + ".")} for module, targets in graph.items()}
@@ -69,6 +65,23 @@ def test_no_import_circle_between_the_packages_modules_not_even_for_type_checker
     assert cycles == []
 
 
+def _path(name: str) -> pathlib.Path:
+    return next(path for path, module in MODULES.items() if module == name)
+
+
+def test_the_adapters_import_nothing_from_the_package_and_the_configuration_only_leaves():
+    assert _imports(_path("optimum_gradmap.adapters")) == set()
+    assert _imports(_path("optimum_gradmap.errors")) == set()
+    leaves = {name for path, name in MODULES.items() if not _imports(path, runtime_only=True)}
+    assert _imports(_path("optimum_gradmap.configuration")) <= leaves
+
+
 def test_no_module_imports_the_offline_assets_at_module_level():
-    importers = [_module_name(path) for path in PACKAGE.rglob("*.py") if "optimum_gradmap.assets" in _module_level_imports(path)]
+    importers = [name for path, name in MODULES.items() if "optimum_gradmap.assets" in _imports(path, module_level_only=True)]
     assert importers == []
+
+
+def test_no_deprecation_layer_is_left():
+    sources = {name: path.read_text() for path, name in MODULES.items()}
+    assert [name for name, text in sources.items() if "FutureWarning" in text or "deprecated" in text.lower()] == []
+    assert [name for name, text in sources.items() if "\ndef __getattr__(" in text or "\n__getattr__ =" in text] == []

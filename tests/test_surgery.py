@@ -66,8 +66,8 @@ def test_surgery_is_reversible_from_the_snapshot():
     with torch.no_grad():
         dense_logits = model(ids).logits
     snapshot = surgery.snapshot(model)
-    surgery.keep(model, snapshot, [0, 2, 4])
-    surgery.keep(model, snapshot, [0, 1, 2, 3, 4])
+    snapshot.keep([0, 2, 4])
+    snapshot.keep([0, 1, 2, 3, 4])
     assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1, 2, 3, 4]
     with torch.no_grad():
         assert torch.equal(model(ids).logits, dense_logits)
@@ -96,17 +96,17 @@ def test_bad_layer_indices_are_refused():
 def test_temporarily_runs_other_layers_and_puts_back_the_stack_and_exact_config_even_on_error():
     model = tiny_model("qwen2", num_layers=6, max_window_layers=9)  # a threshold above the layer count
     dense = surgery.snapshot(model)
-    surgery.keep(model, dense, [0, 2, 3, 5])
+    dense.keep([0, 2, 3, 5])
     pruned = (list(model.model.layers), model.config.to_dict())
-    with surgery.temporarily(model, dense, range(6)):
-        assert surgery.kept_layers(model, dense) == list(range(6)) and model.config.num_hidden_layers == 6
+    with dense.temporarily(range(6)):
+        assert dense.kept_layers() == list(range(6)) and model.config.num_hidden_layers == 6
         assert model.config.max_window_layers == 6  # recounted for the stack inside the block
     assert (list(model.model.layers), model.config.to_dict()) == pruned
-    with pytest.raises(RuntimeError, match="inside"), surgery.temporarily(model, dense, [1]):
+    with pytest.raises(RuntimeError, match="inside"), dense.temporarily([1]):
         raise RuntimeError("inside the block")
     assert (list(model.model.layers), model.config.to_dict()) == pruned
     assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1, 2, 3]
-    surgery.restore(model, dense)
+    dense.restore()
     assert model.config.max_window_layers == 9  # restore puts back the exact value, not a recount
 
 
@@ -114,11 +114,11 @@ def test_replace_puts_a_stand_in_at_a_position_until_the_next_keep():
     model = tiny_model("llama", num_layers=4)
     dense = surgery.snapshot(model)
     stand_in = torch.nn.Identity()
-    replaced = surgery.replace(model, 1, stand_in)
+    replaced = dense.replace(1, stand_in)
     assert replaced is dense.layers[1] and model.model.layers[1] is stand_in
     with pytest.raises(ValueError, match="not in the snapshot"):
-        surgery.kept_layers(model, dense)
-    surgery.keep(model, dense, range(4))
+        dense.kept_layers()
+    dense.keep(range(4))
     assert list(model.model.layers) == dense.layers
 
 
@@ -155,7 +155,7 @@ def test_temporarily_puts_back_the_stack_when_entering_it_fails(monkeypatch):
 
     model = tiny_model("qwen2", num_layers=6)
     dense = surgery.snapshot(model)
-    surgery.keep(model, dense, [0, 2, 3, 5])
+    dense.keep([0, 2, 3, 5])
     before = (list(model.model.layers), model.config.to_dict())
 
     calls = []
@@ -167,7 +167,7 @@ def test_temporarily_puts_back_the_stack_when_entering_it_fails(monkeypatch):
         return {}
 
     monkeypatch.setattr(Qwen2Adapter, "rewrite_index_fields", broken)
-    with pytest.raises(RuntimeError, match="broken"), surgery.temporarily(model, dense, range(6)):
+    with pytest.raises(RuntimeError, match="broken"), dense.temporarily(range(6)):
         pass  # never reached: keeping the layers fails half-way, after the layer list was swapped
     assert calls == [list(range(6)), [0, 2, 3, 5]]
     assert (list(model.model.layers), model.config.to_dict()) == before

@@ -131,6 +131,17 @@ def test_hub_tasks_without_network_name_the_offline_alternative(scorer, tokenize
         zero_shot_accuracy(scorer, tokenizer, ["piqa"], limit=2, task_data="hub", progress_bar=False)
 
 
+def test_an_out_of_memory_error_during_hub_tasks_is_not_relabelled_as_the_hubs(scorer, tokenizer, monkeypatch):
+    import lm_eval
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("out of memory (simulated)")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", out_of_memory)
+    with pytest.raises(MemoryError, match="simulated"):
+        zero_shot_accuracy(scorer, tokenizer, ["piqa"], limit=2, task_data="hub", progress_bar=False)
+
+
 def test_inference_speed_times_prefill_and_decoding_apart_and_reports_the_median_of_measured_runs(monkeypatch):
     """A fake clock that each forward pass advances by a known amount: a prefill (a prompt of several
     tokens) 10 ms, a decoding step (one token) 1 ms, both scaled by a factor that changes per run."""
@@ -168,7 +179,7 @@ def test_inference_speed_counts_the_layers_of_a_pruned_model_and_of_a_family_wit
 
 def test_evaluate_runs_the_chosen_set_and_round_trips_through_json(scorer, tokenizer, no_network, tmp_path):
     result = evaluate(
-        scorer, tokenizer, ("offline:wikipedia",), seq_len=64, max_segments=2, tasks=["piqa"], task_limit=2,
+        scorer, tokenizer, ("offline:wikipedia",), segment_length=64, max_segments=2, tasks=["piqa"], task_limit=2,
         task_data="offline", speed=True,
         progress_bar=False,
     )  # fmt: skip

@@ -3,7 +3,7 @@
 """Perplexity of causal LMs under a named protocol.
 
 Perplexity follows the paper's protocol: the evaluation text is tokenized into one stream, cut
-into non-overlapping segments of `seq_len` tokens (128 in the paper; 2048 in many other papers),
+into non-overlapping segments of `segment_length` tokens (128 in the paper; 2048 in many other papers),
 and perplexity is exp of the mean next-token negative log-likelihood over every predicted token of
 every segment. Always report the protocol (segment length) and the dataset with the number.
 """
@@ -20,33 +20,36 @@ from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging
 
 from ..data import load_text, tokenize_text
+from ..errors import InvalidInputError
 from ..passes import calibration_batches
 
 logger = logging.get_logger(__name__)
 
 
-def evaluation_segments(token_ids: torch.LongTensor, seq_len: int, max_segments: int | None = None) -> torch.LongTensor:
-    """Cuts a token stream into non-overlapping `seq_len` segments (the incomplete tail is dropped)."""
-    num_segments = token_ids.numel() // seq_len
+def evaluation_segments(token_ids: torch.LongTensor, segment_length: int, max_segments: int | None = None) -> torch.LongTensor:
+    """Cuts a token stream into non-overlapping `segment_length` segments (the incomplete tail is dropped)."""
+    num_segments = token_ids.numel() // segment_length
     if max_segments is not None:
         num_segments = min(num_segments, max_segments)
     if num_segments < 1:
-        raise ValueError(f"The evaluation text has {token_ids.numel()} tokens, fewer than one segment of {seq_len}.")
-    return token_ids[: num_segments * seq_len].view(num_segments, seq_len)
+        raise InvalidInputError(
+            f"The evaluation text has {token_ids.numel()} tokens, fewer than one segment of {segment_length}."
+        )
+    return token_ids[: num_segments * segment_length].view(num_segments, segment_length)
 
 
 def load_evaluation_segments(
     dataset: str,
     tokenizer: PreTrainedTokenizerBase,
-    seq_len: int = 128,
+    segment_length: int = 128,
     max_segments: int | None = None,
 ) -> torch.LongTensor:
     """Evaluation segments of a named dataset (see [`optimum_gradmap.data`]): its evaluation split,
-    tokenized into one stream and cut into non-overlapping `seq_len` segments.
+    tokenized into one stream and cut into non-overlapping `segment_length` segments.
 
     For `"wikipedia"` and `"offline:wikipedia"` these come from held-out articles that calibration never uses.
     """
-    return evaluation_segments(tokenize_text(load_text(dataset, "evaluation"), tokenizer), seq_len, max_segments)
+    return evaluation_segments(tokenize_text(load_text(dataset, "evaluation"), tokenizer), segment_length, max_segments)
 
 
 def perplexity(
@@ -59,7 +62,7 @@ def perplexity(
 
     Args:
         model (`nn.Module`): A causal LM.
-        segments (`torch.LongTensor` of shape `(num_segments, seq_len)`): From [`load_evaluation_segments`].
+        segments (`torch.LongTensor` of shape `(num_segments, segment_length)`): From [`load_evaluation_segments`].
         batch_size (`int`, defaults to 8): Segments per forward pass.
         progress_bar (`bool`, defaults to `True`): Show a progress bar.
     """
@@ -74,9 +77,9 @@ def perplexity(
     return math.exp(total_nll / total_tokens)
 
 
-def protocol_name(seq_len: int) -> str:
+def protocol_name(segment_length: int) -> str:
     """How a perplexity was measured, to print next to the number."""
-    return f"non-overlapping {seq_len}-token segments"
+    return f"non-overlapping {segment_length}-token segments"
 
 
 @dataclass
@@ -87,7 +90,7 @@ class PerplexityResult:
         dataset (`str`): The dataset's name in [`optimum_gradmap.data.load_text`] (`"wikipedia"` is
             the held-out offline Wikipedia, never WikiText-2; `"wikitext2"` is the Hub's test split).
         protocol (`str`): See [`protocol_name`].
-        seq_len (`int`): Segment length.
+        segment_length (`int`): Segment length.
         num_segments (`int`): Segments evaluated.
         num_predicted_tokens (`int`): Tokens whose negative log-likelihood was averaged.
         perplexity (`float`): exp of that average.
@@ -95,7 +98,7 @@ class PerplexityResult:
 
     dataset: str
     protocol: str
-    seq_len: int
+    segment_length: int
     num_segments: int
     num_predicted_tokens: int
     perplexity: float

@@ -20,7 +20,8 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.utils import logging
 
-from ..passes import calibration_mode
+from ..errors import InvalidInputError
+from ..passes import calibration_mode, input_device
 
 logger = logging.get_logger(__name__)
 
@@ -92,11 +93,12 @@ def inference_speed(
         [`SpeedResult`].
     """
     if min(batch_size, prompt_length, new_tokens, repeats) < 1 or warmup < 0:
-        raise ValueError("batch_size, prompt_length, new_tokens and repeats must be positive, warmup non-negative.")
-    embeddings = model.get_input_embeddings().weight
-    device = embeddings.device
+        raise InvalidInputError("batch_size, prompt_length, new_tokens and repeats must be positive, warmup non-negative.")
+    embeddings = model.get_input_embeddings().weight  # its shape and dtype are known even when offloaded ("meta")
+    vocab_size = embeddings.shape[0]
+    device = input_device(model)  # where the embeddings run, also when Accelerate offloaded them
     generator = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, embeddings.shape[0], (batch_size, prompt_length), generator=generator).to(device)
+    prompt = torch.randint(0, vocab_size, (batch_size, prompt_length), generator=generator).to(device)
     prefill_ms, decode_s = [], []
     with calibration_mode(model):
         for run in range(warmup + repeats):

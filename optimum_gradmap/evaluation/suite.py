@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging
 
 from ..data import check_dataset_name
+from ..files import write_atomically
 from .perplexity import PerplexityResult, load_evaluation_segments, perplexity, protocol_name
 from .speed import SpeedResult, inference_speed
 from .zero_shot import ZeroShotResult, zero_shot_accuracy
@@ -41,12 +42,32 @@ class EvaluationResult:
         return asdict(self)
 
     def to_json(self, path: str | None = None) -> str:
-        """Returns the result as JSON, and writes it to `path` if given."""
+        """Returns the result as JSON, and writes it to `path` (atomically) if given."""
         text = json.dumps(self.to_dict(), indent=2)
         if path is not None:
-            with open(path, "w", encoding="utf-8") as file:
-                file.write(text + "\n")
+            write_atomically(path, text + "\n")
         return text
+
+    def summary(self) -> str:
+        """A few readable lines: every perplexity, task accuracy and speed measured."""
+        lines = [f"Evaluation of {self.model}"]
+        for entry in self.perplexities:
+            lines.append(
+                f"  {entry.dataset} perplexity: {entry.perplexity:.3f} ({entry.protocol}, {entry.num_segments} segments)"
+            )
+        if self.zero_shot:
+            limit = f"first {self.zero_shot.limit} questions" if self.zero_shot.limit else "all questions"
+            for task in self.zero_shot.tasks:
+                norm = "" if task.acc_norm is None else f", acc_norm {task.acc_norm:.4f}"
+                lines.append(f"  {task.task} ({task.split}, {task.num_samples} questions): acc {task.acc:.4f}{norm}")
+            lines.append(f"  zero-shot average acc: {self.zero_shot.average_acc:.4f} ({limit} of each task)")
+        if self.speed:
+            speed = self.speed
+            lines.append(
+                f"  decoding: {speed.decode_tokens_per_second:.2f} tokens/s, prefill of {speed.prompt_length} tokens: "
+                f"{speed.prefill_latency_ms:.1f} ms (batch {speed.batch_size}, {speed.device}, median of {speed.repeats})"
+            )
+        return "\n".join(lines)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EvaluationResult":
@@ -69,7 +90,7 @@ def evaluate(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     perplexity_datasets: Sequence[str] = ("wikitext2", "c4"),
-    seq_len: int = 128,
+    segment_length: int = 128,
     max_segments: int | None = None,
     tasks: Sequence[str] = (),
     task_limit: int | None = None,
@@ -87,7 +108,7 @@ def evaluate(
         perplexity_datasets (`Sequence[str]`, defaults to `("wikitext2", "c4")`): Dataset names with an
             evaluation split (see [`optimum_gradmap.data`]), from the Hub; offline, `"offline:wikipedia"`
             and `"offline:web_text"`. `()` for none.
-        seq_len (`int`, defaults to 128): Perplexity segment length: 128 is the paper's protocol, 2048
+        segment_length (`int`, defaults to 128): Perplexity segment length: 128 is the paper's protocol, 2048
             the common one in other pruning papers.
         max_segments (`int`, *optional*): Evaluate only the first segments, for quick runs; stated
             in the result through `num_segments`.
@@ -107,19 +128,19 @@ def evaluate(
     name = model_name or getattr(model, "name_or_path", "") or type(model).__name__
     result = EvaluationResult(model=name)
     for dataset in [check_dataset_name(name, "evaluation") for name in perplexity_datasets]:  # all checked first
-        segments = load_evaluation_segments(dataset, tokenizer, seq_len, max_segments)
+        segments = load_evaluation_segments(dataset, tokenizer, segment_length, max_segments)
         value = perplexity(model, segments, batch_size=batch_size, progress_bar=progress_bar)
         result.perplexities.append(
             PerplexityResult(
                 dataset=dataset,
-                protocol=protocol_name(seq_len),
-                seq_len=seq_len,
+                protocol=protocol_name(segment_length),
+                segment_length=segment_length,
                 num_segments=segments.shape[0],
-                num_predicted_tokens=segments.shape[0] * (seq_len - 1),
+                num_predicted_tokens=segments.shape[0] * (segment_length - 1),
                 perplexity=value,
             )
         )
-        logger.info(f"{name}: {dataset} perplexity {value:.3f} ({protocol_name(seq_len)}, {segments.shape[0]} segments)")
+        logger.info(f"{name}: {dataset} perplexity {value:.3f} ({protocol_name(segment_length)}, {segments.shape[0]} segments)")
     if tasks:
         result.zero_shot = zero_shot_accuracy(
             model, tokenizer, tasks, limit=task_limit, task_data=task_data, batch_size=batch_size, progress_bar=progress_bar

@@ -27,6 +27,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging
 
+from ..errors import InvalidInputError
 from ..passes import calibration_mode, input_device
 
 logger = logging.get_logger(__name__)
@@ -199,13 +200,13 @@ def zero_shot_accuracy(
     """
     unknown = [task for task in tasks if task not in _STANDARD_TASKS]
     if unknown:
-        raise ValueError(f"Unknown task(s) {', '.join(unknown)}. Available: {', '.join(PAPER_TASKS)}.")
+        raise InvalidInputError(f"Unknown task(s) {', '.join(unknown)}. Available: {', '.join(PAPER_TASKS)}.")
     if not tasks:
-        raise ValueError(f"`tasks` is empty; choose from {', '.join(PAPER_TASKS)}.")
+        raise InvalidInputError(f"`tasks` is empty; choose from {', '.join(PAPER_TASKS)}.")
     if task_data not in ("offline", "hub"):
-        raise ValueError(f"`task_data` must be 'offline' or 'hub', got {task_data!r}.")
+        raise InvalidInputError(f"`task_data` must be 'offline' or 'hub', got {task_data!r}.")
     if limit is not None and limit < 1:
-        raise ValueError(f"`limit` must be a positive number of questions per task, got {limit}.")
+        raise InvalidInputError(f"`limit` must be a positive number of questions per task, got {limit}.")
     lm_eval, HFLM, TaskManager = _import_lm_eval()
 
     lm_eval_logger = python_logging.getLogger("lm_eval")
@@ -232,7 +233,7 @@ def zero_shot_accuracy(
                     log_samples=False,
                     bootstrap_iters=1000,
                 )
-            except Exception as error:
+            except OSError as error:  # the Hub could not be reached, or has no such dataset; anything else is raised as it is
                 if task_data == "hub":
                     raise ConnectionError(
                         f"lm-eval could not load its standard tasks from the Hugging Face Hub: {error}. "

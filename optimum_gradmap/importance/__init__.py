@@ -2,9 +2,9 @@
 # Licensed under the Apache License, Version 2.0.
 """Layer importance and selection: which decoder layers Stage 1 removes.
 
-- [`metrics`]: the interface ([`ImportanceMetric`]), its registry ([`register_importance_metric`])
-  and every metric (GradMAP, ShortGPT's Block Influence, SLEB, Taylor+, relative magnitude,
-  random), selected by `GradMAPConfig(importance=...)`.
+- [`registry`]: the interface ([`ImportanceMetric`]) and its registry ([`register_importance_metric`]).
+- [`metrics`]: every metric (GradMAP and its bound, ShortGPT's Block Influence, SLEB, Taylor+, the
+  Taylor gate, relative magnitude, random), selected by `GradMAPConfig(importance=...)`.
 - [`gradient`]: GradMAP's exact per-sample gradient norms in batched passes (Eq. 5).
 - [`selection`]: the removal loop (Algorithm 1) and the Stage 1 resume checkpoint.
 """
@@ -13,26 +13,27 @@ from .gradient import (
     PerSampleGradientNorms,
     broadcast_per_sample_sq_norms,
     causal_lm_loss_gradient,
-    frozen_for_scoring,
     gradient_importance,
     linear_per_sample_sq_norms,
     module_per_sample_sq_norms,
     split_at_lm_head,
 )
 from .metrics import (
-    IMPORTANCE_METRICS,
     BlockInfluence,
     GradMAPImportance,
-    ImportanceMetric,
     RandomImportance,
     RelativeMagnitude,
     SLEBImportance,
     TaylorImportance,
     get_importance_metric,
+)
+from .registry import (
+    IMPORTANCE_METRICS,
+    ImportanceMetric,
     importance_metric_names,
     register_importance_metric,
 )
-from .selection import Selection, Stage1Checkpoint, remove_by_importance, remove_explicit_layers, stage1_fingerprint
+from .selection import Round, Selection, Stage1Checkpoint, Stage1Plan, remove_by_importance, remove_explicit_layers
 
 __all__ = [
     "IMPORTANCE_METRICS",
@@ -43,12 +44,13 @@ __all__ = [
     "RandomImportance",
     "RelativeMagnitude",
     "SLEBImportance",
+    "Round",
     "Selection",
     "Stage1Checkpoint",
+    "Stage1Plan",
     "TaylorImportance",
     "broadcast_per_sample_sq_norms",
     "causal_lm_loss_gradient",
-    "frozen_for_scoring",
     "get_importance_metric",
     "gradient_importance",
     "importance_metric_names",
@@ -58,5 +60,4 @@ __all__ = [
     "remove_by_importance",
     "remove_explicit_layers",
     "split_at_lm_head",
-    "stage1_fingerprint",
 ]

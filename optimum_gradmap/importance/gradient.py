@@ -35,7 +35,6 @@ change which layers are removed.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
@@ -45,9 +44,9 @@ from torch import nn
 from transformers.utils import logging
 
 from .. import streaming
-from .._deprecation import warn_deprecated
 from ..adapters import DecoderAdapter, get_adapter
-from ..passes import calibration_batches, calibration_mode, input_device
+from ..errors import InvalidInputError
+from ..passes import calibration_batches, input_device
 from ..weights import is_linear_map, is_offloaded_module
 
 logger = logging.get_logger(__name__)
@@ -56,12 +55,6 @@ logger = logging.get_logger(__name__)
 _MAX_MATERIALISED_ELEMENTS = 2**26
 # Stage 1's loss forms at most this many logits at once.
 _MAX_LOGIT_ELEMENTS = 2**22
-
-
-def frozen_for_scoring(model: nn.Module) -> AbstractContextManager[None]:
-    """Deprecated: use [`optimum_gradmap.passes.calibration_mode`] with `freeze_parameters=True`."""
-    warn_deprecated("frozen_for_scoring", "`optimum_gradmap.passes.calibration_mode(model, freeze_parameters=True)`")
-    return calibration_mode(model, grad=torch.is_grad_enabled(), freeze_parameters=True)
 
 
 def causal_lm_loss_gradient(
@@ -224,7 +217,8 @@ class PerSampleGradientNorms:
     over all the layer's parameters, during ordinary batched forward/backward passes.
 
     Use as a context manager around the passes; call [`~PerSampleGradientNorms.start_batch`] before
-    each forward and read [`~PerSampleGradientNorms.batch_sq_norms`] after its backward.
+    each forward and read [`~PerSampleGradientNorms.batch_sq_norms`] after its backward: a `(layers, batch)`
+    float64 tensor on the device the norms were computed on (`None` when no layer has parameters).
 
     Args:
         layers (`Sequence[nn.Module]`): The decoder layers to score.
@@ -268,7 +262,15 @@ class PerSampleGradientNorms:
         self._batch_size = batch_size
         self._seq_len = seq_len
         self._last_input = self._last_gram = None
-        self.batch_sq_norms = torch.zeros(len(self.layers), batch_size, dtype=torch.float64)
+        self.batch_sq_norms = None
+
+    def _accumulate(self, layer_position: int, sq_norms: torch.Tensor) -> None:
+        """Adds a module's per-sample squared norms to its layer's, in float64 on the device they were
+        computed on (the CPU for MPS, which has no float64): no host synchronisation in the backward pass."""
+        if self.batch_sq_norms is None:
+            device = sq_norms.device if sq_norms.device.type != "mps" else torch.device("cpu")
+            self.batch_sq_norms = torch.zeros(len(self.layers), self._batch_size, dtype=torch.float64, device=device)
+        self.batch_sq_norms[layer_position] += sq_norms.to(self.batch_sq_norms.device, torch.float64)
 
     def _forward_hook(self, layer_position: int, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self._recomputing:  # our own per-sample re-evaluation of a module, see `_backward_hook`
@@ -336,7 +338,7 @@ class PerSampleGradientNorms:
             sq_norms = (input_gram * per_sample_gram(grad, self._batch_size)).sum(dim=(1, 2))
             if has_bias:
                 sq_norms = sq_norms + grad.reshape(self._batch_size, -1, grad.shape[-1]).float().sum(dim=1).pow(2).sum(dim=-1)
-        self.batch_sq_norms[layer_position] += sq_norms.to(device="cpu", dtype=torch.float64)
+        self._accumulate(layer_position, sq_norms)
 
     def _backward_hook(self, layer_position: int, module: nn.Module, args: tuple, kwargs: dict, grad: torch.Tensor) -> None:
         if is_linear_map(module) and module not in self.units:
@@ -355,7 +357,7 @@ class PerSampleGradientNorms:
                     sq_norms = module_per_sample_sq_norms(module, args, kwargs, grad, self._batch_size)
             finally:
                 self._recomputing = False
-        self.batch_sq_norms[layer_position] += sq_norms.to(device="cpu", dtype=torch.float64)
+        self._accumulate(layer_position, sq_norms)
 
 
 def split_at_lm_head(
@@ -386,7 +388,9 @@ def split_at_lm_head(
         expected = whole_model(inputs_embeds)
         try:
             logits = head(decoder(inputs_embeds))
-        except Exception as error:  # noqa: BLE001 - any failure means: do not split this model
+        except (torch.OutOfMemoryError, MemoryError):  # not a sign of a head we do not know: the whole batch would fail too
+            raise
+        except (RuntimeError, TypeError, AttributeError, ValueError, NotImplementedError, KeyError, IndexError) as error:
             logger.warning(f"Scoring with the whole model's logits: splitting off its head failed ({error}).")
             return whole_model, nn.Identity(), expected.shape[-1]
     tolerance = 1e-4 if expected.dtype == torch.float32 else 1e-2
@@ -514,11 +518,12 @@ def gradient_importance(
             nonlocal totals
             if len(collector.layers_seen) != len(layers):
                 missing = sorted(set(range(len(layers))) - collector.layers_seen)
-                raise ValueError(
+                raise InvalidInputError(
                     f"Layers at positions {missing} of `layers` did not run in the model's forward pass: "
                     "pass the model's own layers."
                 )
-            totals += collector.batch_sq_norms.sum(dim=1)
+            if collector.batch_sq_norms is not None:  # on the device: summed there, brought back once
+                totals = totals.to(collector.batch_sq_norms.device) + collector.batch_sq_norms.sum(dim=1)
 
         loss_gradient_passes(
             model,
@@ -530,4 +535,4 @@ def gradient_importance(
             on_batch_start=lambda batch: collector.start_batch(batch.shape[0], batch.shape[1]),
             on_batch_end=collect,
         )
-    return totals / input_ids.shape[0]
+    return totals.cpu() / input_ids.shape[0]

@@ -7,12 +7,21 @@ layer (and re-scores, for iterative metrics) until K layers are gone. Each follo
 
 | name | method | score of layer i | iterative |
 |---|---|---|---|
-| `"gradmap"` | GradMAP, Eq. 5 | mean over samples of the squared norm of the per-sample gradient of its weights | yes |
+| `"gradmap"` | GradMAP, Eq. 5 (the default) | mean over samples of the squared norm of the per-sample weight gradient | yes |
+| `"gradmap_bound"` | GradMAP's bound, Eq. 9-11, M_i kept | mean over samples of norm(dL/dH_i) norm(f_i) | yes |
+| `"gradmap_bound_token"` | the same bound, per token | mean over samples of sum_t norm(dL/dH_i,t) norm(f_i,t) | yes |
+| `"gradmap_bound_squared"` | the bound squared (Eq. 11) | mean over samples of norm(dL/dH_i)^2 norm(f_i)^2 | yes |
+| `"taylor_gate"` | Molchanov et al. (CVPR 2019), Eq. 3-4, gate a_i | mean over samples of -(dL/dH_i . f_i) | yes |
+| `"taylor_gate_abs"` | the same, absolute value | mean over samples of abs(dL/dH_i . f_i) | yes |
+| `"taylor_gate_squared"` | the same, squared | mean over samples of (dL/dH_i . f_i)^2 | yes |
 | `"block_influence"` | ShortGPT (Men et al., 2024), Eq. 1 | 1 - mean over tokens of cos(x_i, x_{i+1}) | no |
 | `"sleb"` | SLEB (Song et al., 2024), Sec. 4 | calibration loss of the model without layer i | yes |
 | `"taylor"` | Shortened LLaMA (Kim et al., 2024), Sec. 3.2, Taylor+ | sum over the layer's weights of abs(w * dL/dw) | no |
 | `"relative_magnitude"` | Subcloning (Samragh et al., 2023), Sec. 3 | mean over tokens of norm(f(x)) / norm(x + f(x)) | no |
 | `"random"` | baseline | seeded uniform random numbers | no |
+
+f_i = H_i - H_{i-1} is what layer i adds to the residual stream; the residual-branch scores need one
+forward and one activation-gradient backward pass per round (see [`optimum_gradmap.importance.residual`]).
 
 `GradMAPConfig(iterative=...)` overrides the method's own choice. A metric of your own: subclass
 [`ImportanceMetric`] and register it with [`register_importance_metric`] (its name then works in
@@ -23,7 +32,7 @@ The removal loop that calls the metrics is [`optimum_gradmap.importance.selectio
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import ClassVar, TypeVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -33,113 +42,14 @@ from transformers.utils import logging
 
 from .. import surgery
 from ..adapters import DecoderAdapter
+from ..errors import InvalidInputError
 from ..passes import calibration_batches, forward_hooks, forward_pre_hooks, layer_input, layer_output
 from . import residual
 from .gradient import gradient_importance, loss_gradient_passes
+from .registry import IMPORTANCE_METRICS, ImportanceMetric, register_importance_metric
 from .residual import residual_branch_scores
 
 logger = logging.get_logger(__name__)
-
-
-class ImportanceMetric:
-    """Scores the decoder layers currently in a model; the lowest-scoring layers are removed first.
-
-    Subclasses set `name`, `iterative` (whether their paper re-scores after each removal),
-    `mean_over_samples` (whether the score is a mean over calibration sequences of per-sequence values, so
-    that processes can score shares of them and average, see [`optimum_gradmap.distributed`]) and
-    implement [`~ImportanceMetric.score`]. Register a subclass with [`register_importance_metric`] to
-    make its name usable in `GradMAPConfig(importance=...)` and on the command line, or pass an
-    instance directly: `GradMAPConfig(importance=MyMetric())`.
-
-    Args:
-        seed (`int`, defaults to 0): For metrics that draw random numbers.
-    """
-
-    name: ClassVar[str]
-    iterative: ClassVar[bool] = False
-    mean_over_samples: ClassVar[bool] = False
-
-    def __init__(self, seed: int = 0):
-        self.seed = seed
-
-    def score(
-        self,
-        model: PreTrainedModel,
-        adapter: DecoderAdapter,
-        input_ids: torch.LongTensor,
-        batch_size: int,
-        progress_bar: bool = True,
-        description: str = "Scoring layers",
-    ) -> list[float]:
-        """Scores every layer of `adapter.get_layers(model)`, in model order.
-
-        Args:
-            model (`PreTrainedModel`): The model as it is now (some layers may already be removed).
-            adapter (`DecoderAdapter`): Its architecture adapter.
-            input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
-            batch_size (`int`): Sequences per forward pass.
-            progress_bar (`bool`, defaults to `True`): Show a progress bar.
-            description (`str`): Progress bar label.
-
-        Returns:
-            `list[float]`: One score per layer; lower means less important.
-        """
-        raise NotImplementedError
-
-    def score_layers(
-        self,
-        model: PreTrainedModel,
-        adapter: DecoderAdapter,
-        input_ids: torch.LongTensor,
-        batch_size: int,
-        positions: Sequence[int],
-        progress_bar: bool = True,
-        description: str = "Scoring layers",
-    ) -> dict[int, float]:
-        """Scores at least the layers at `positions` (positions in the current stack). Stage 1 calls
-        this; a metric whose cost grows with the number of layers it scores (SLEB) scores only those,
-        the others score every layer with [`~ImportanceMetric.score`].
-
-        Returns:
-            `dict[int, float]`: Position -> score, for every position in `positions` (and maybe others).
-        """
-        return dict(enumerate(self.score(model, adapter, input_ids, batch_size, progress_bar, description)))
-
-    def protected_layers(self, num_layers: int) -> set[int]:
-        """Layers (original indices) the method's paper never removes. None by default;
-        `GradMAPConfig(protected_layers=...)` overrides it."""
-        return set()
-
-
-# The registry: metric name -> class. Fed by `register_importance_metric`, read by `GradMAPConfig`,
-# the command line and `get_importance_metric`.
-IMPORTANCE_METRICS: dict[str, type[ImportanceMetric]] = {}
-
-MetricClass = TypeVar("MetricClass", bound=type[ImportanceMetric])
-
-
-def register_importance_metric(cls: MetricClass) -> MetricClass:
-    """Class decorator that registers an [`ImportanceMetric`] subclass under its `name`.
-
-    ```python
-    @register_importance_metric
-    class LastTokenNorm(ImportanceMetric):
-        name = "last_token_norm"
-
-        def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
-            ...
-    ```
-    """
-    name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{cls.__name__} needs a class attribute `name` (a non-empty string) to be registered.")
-    IMPORTANCE_METRICS[name] = cls
-    return cls
-
-
-def importance_metric_names() -> list[str]:
-    """The names registered with [`register_importance_metric`], in registration order."""
-    return list(IMPORTANCE_METRICS)
 
 
 @register_importance_metric
@@ -170,14 +80,16 @@ def _mean_over_tokens(
 ) -> list[float]:
     """Mean over all calibration tokens of `per_token(layer_input, layer_output)` for each layer."""
     inputs: dict[int, torch.Tensor] = {}
-    sums = torch.zeros(len(layers), dtype=torch.float64)
+    sums: list[torch.Tensor] = []  # on the model's device: no host synchronisation per batch
 
     def remember_input(position: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         inputs[position] = layer_input(args, kwargs)
 
     def accumulate(position: int, module: nn.Module, args: tuple, output: object) -> None:
         values = per_token(inputs.pop(position).double(), layer_output(output).double())
-        sums[position] += values.sum().item()
+        if not sums:
+            sums.extend(torch.zeros((), dtype=torch.float64, device=values.device) for _ in layers)
+        sums[position] += values.sum()
 
     pre_hooks = [(layer, lambda m, a, k, p=p: remember_input(p, m, a, k)) for p, layer in enumerate(layers)]
     hooks = [(layer, lambda m, a, o, p=p: accumulate(p, m, a, o)) for p, layer in enumerate(layers)]
@@ -185,7 +97,7 @@ def _mean_over_tokens(
         with forward_pre_hooks(pre_hooks), forward_hooks(hooks):
             for batch in batches:
                 model(input_ids=batch, use_cache=False)
-    return (sums / input_ids.numel()).tolist()
+    return (torch.stack(sums).cpu() / input_ids.numel()).tolist()
 
 
 @register_importance_metric
@@ -277,9 +189,8 @@ def removal_losses(
                     pass
             for position in positions:
                 # run layers position+1.. from the recorded input of the layer at `position`
-                with surgery.temporarily(model, stack, range(position, stack.num_layers), adapter):
-                    replay = _ReplayedPrefix(inputs[position], returns_tuple[0])
-                    surgery.replace(model, 0, replay, adapter)
+                with stack.temporarily(range(position, stack.num_layers)):
+                    stack.replace(0, _ReplayedPrefix(inputs[position], returns_tuple[0]))
                     logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
                 totals[position] += F.cross_entropy(
                     logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
@@ -480,7 +391,7 @@ def get_importance_metric(name_or_metric: str | ImportanceMetric, seed: int = 0)
     if isinstance(name_or_metric, ImportanceMetric):
         return name_or_metric
     if name_or_metric not in IMPORTANCE_METRICS:
-        raise ValueError(
+        raise InvalidInputError(
             f"Unknown importance metric {name_or_metric!r}. Available: {', '.join(IMPORTANCE_METRICS)}. "
             "A metric of your own: subclass `ImportanceMetric` and register it with `@register_importance_metric`, "
             "or pass an instance."

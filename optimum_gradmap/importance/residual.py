@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..adapters import DecoderAdapter
+from ..errors import InvalidInputError
 from ..passes import forward_hooks, forward_pre_hooks, layer_input, layer_output
 from .gradient import loss_gradient_passes
 
@@ -109,7 +110,7 @@ class _ResidualBranchCollector:
     def _accumulate(self, position: int, contribution: torch.Tensor, gradient: torch.Tensor) -> None:
         with torch.no_grad():
             values = self.statistic(gradient.float().reshape(contribution.shape), contribution)
-        total = values.double().sum(dim=0).cpu()
+        total = values.double().sum(dim=0)  # on the device: no host synchronisation in the backward pass
         self.totals[position] = total if self.totals[position] is None else self.totals[position] + total
 
 
@@ -145,5 +146,5 @@ def residual_branch_scores(
         loss_gradient_passes(model, adapter, input_ids, batch_size, description, progress_bar)
     if len(collector.layers_seen) != len(collector.layers):
         missing = sorted(set(range(len(collector.layers))) - collector.layers_seen)
-        raise ValueError(f"Layers at positions {missing} of `layers` did not run in the model's forward pass.")
-    return torch.stack(collector.totals) / input_ids.shape[0]
+        raise InvalidInputError(f"Layers at positions {missing} of `layers` did not run in the model's forward pass.")
+    return torch.stack([total.cpu() for total in collector.totals]) / input_ids.shape[0]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,9 +22,13 @@ import torch
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from .. import distributed, surgery
+from .. import distributed
 from ..adapters import DecoderAdapter
-from .metrics import ImportanceMetric, removal_losses
+from ..errors import InvalidInputError
+from ..files import write_atomically
+from ..surgery import LayerSnapshot
+from .metrics import removal_losses
+from .registry import ImportanceMetric
 
 logger = logging.get_logger(__name__)
 
@@ -73,7 +76,7 @@ class Stage1Checkpoint:
                     saved = json.load(file)
                 saved_fingerprint, self.rounds = dict(saved["fingerprint"]), list(saved["rounds"])
             except (OSError, ValueError, KeyError, TypeError) as error:
-                raise ValueError(
+                raise InvalidInputError(
                     f"{self.path} is not a Stage 1 checkpoint ({error}): delete it, or pass another `stage1_checkpoint`."
                 ) from error
             different = {
@@ -83,7 +86,7 @@ class Stage1Checkpoint:
             }
             if different:
                 details = ", ".join(f"{key}: saved {saved!r}, now {now!r}" for key, (saved, now) in different.items())
-                raise ValueError(
+                raise InvalidInputError(
                     f"{self.path} was written by a different Stage 1 run ({details}). Delete it to start over, "
                     "or pass another `stage1_checkpoint`."
                 )
@@ -96,53 +99,72 @@ class Stage1Checkpoint:
         if verified:
             round_record["verified"] = {str(index): loss for index, loss in verified.items()}
         self.rounds.append(round_record)
-        directory = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False, encoding="utf-8") as file:
-            json.dump({"fingerprint": self.fingerprint, "rounds": self.rounds}, file, indent=1)
-        os.replace(file.name, self.path)
+        write_atomically(self.path, json.dumps({"fingerprint": self.fingerprint, "rounds": self.rounds}, indent=1))
 
 
-def stage1_fingerprint(
-    model: PreTrainedModel,
-    metric: ImportanceMetric,
-    iterative: bool,
-    seed: int,
-    num_layers: int,
-    num_to_prune: int,
-    calibration_sha256: str,
-    protected: set[int] | None = None,
-    verify_top_k: int | None = None,
-    compensate_each_round: bool = False,
-    verify_halving: bool = False,
-) -> dict[str, Any]:
-    """What must be the same for a saved Stage 1 round to be valid in this run (the protected layers and
-    the shortlist settings only when they are set, so files of earlier runs stay valid)."""
-    settings = {
-        "protected_layers": sorted(protected) if protected is not None else None,
-        "verify_top_k": verify_top_k,
-        "compensate_each_round": compensate_each_round or None,
-        "verify_halving": verify_halving or None,
-    }
-    return {
-        **{key: value for key, value in settings.items() if value is not None},
-        "model_type": model.config.model_type,
-        "num_layers": num_layers,
-        "hidden_size": model.get_input_embeddings().weight.shape[1],
-        "importance": metric.name,
-        "iterative": iterative,
-        "seed": seed,
-        "num_layers_to_prune": num_to_prune,
-        "calibration_sha256": calibration_sha256,
-    }
+@dataclass
+class Stage1Plan:
+    """What Stage 1 does, resolved for one model (the pruner builds it from `GradMAPConfig`).
+
+    Args:
+        metric (`ImportanceMetric`): The score.
+        iterative (`bool`): Re-score the remaining layers after every removal.
+        num_to_prune (`int`): K.
+        protected (`set[int]`, *optional*): Layers never removed; `None` for the metric's own
+            ([`ImportanceMetric.protected_layers`]).
+        verify_top_k (`int`, *optional*): Size of the shortlist verified each round ([`verify_shortlist`]).
+        verify_halving (`bool`, defaults to `False`): Verify the shortlist by successive halving.
+        batch_size (`int`, defaults to 8): Sequences per pass.
+        seed (`int`, defaults to 0): The seed of the calibration draw and of random metrics.
+        compensate_each_round (`bool`, defaults to `False`): Stage 2 runs after every removal (recorded in
+            the fingerprint: it changes what later rounds score).
+    """
+
+    metric: ImportanceMetric
+    iterative: bool
+    num_to_prune: int
+    protected: set[int] | None = None
+    verify_top_k: int | None = None
+    verify_halving: bool = False
+    batch_size: int = 8
+    seed: int = 0
+    compensate_each_round: bool = False
+
+    @property
+    def one_per_round(self) -> bool:
+        """Whether every round removes one layer (iterative, or verified), rather than all K at once."""
+        return self.iterative or self.verify_top_k is not None
+
+    def protected_layers(self, num_layers: int) -> set[int]:
+        """The layers never removed, for a model of `num_layers` layers."""
+        return self.metric.protected_layers(num_layers) if self.protected is None else set(self.protected)
+
+    def fingerprint(self, model: PreTrainedModel, num_layers: int, calibration_sha256: str) -> dict[str, Any]:
+        """What must be the same for a saved Stage 1 round to be valid in this run (the protected layers and
+        the shortlist settings only when they are set, so files of earlier runs stay valid)."""
+        settings = {
+            "protected_layers": sorted(self.protected) if self.protected is not None else None,
+            "verify_top_k": self.verify_top_k,
+            "compensate_each_round": self.compensate_each_round or None,
+            "verify_halving": self.verify_halving or None,
+        }
+        return {
+            **{key: value for key, value in settings.items() if value is not None},
+            "model_type": model.config.model_type,
+            "num_layers": num_layers,
+            "hidden_size": model.get_input_embeddings().weight.shape[1],
+            "importance": self.metric.name,
+            "iterative": self.iterative,
+            "seed": self.seed,
+            "num_layers_to_prune": self.num_to_prune,
+            "calibration_sha256": calibration_sha256,
+        }
 
 
-def remove_explicit_layers(
-    model: PreTrainedModel, dense: surgery.LayerSnapshot, layers_to_prune: list[int], adapter: DecoderAdapter
-) -> Selection:
-    """Removes exactly `layers_to_prune` (dense-model indices), without scoring."""
+def remove_explicit_layers(dense: LayerSnapshot, layers_to_prune: list[int]) -> Selection:
+    """Removes exactly `layers_to_prune` (dense-model indices) from the model of `dense`, without scoring."""
     kept = [index for index in range(dense.num_layers) if index not in layers_to_prune]
-    surgery.keep(model, dense, kept, adapter)
+    dense.keep(kept)
     return Selection(removed_layers=list(layers_to_prune), kept_layers=kept)
 
 
@@ -226,7 +248,7 @@ def verify_shortlist(
     num_rungs = halving_rungs(len(positions), calibration_ids.shape[0]) if halving else 1
     rungs = torch.tensor_split(calibration_ids, num_rungs)
     if distributed.world_size() > rungs[-1].shape[0]:
-        raise ValueError(
+        raise InvalidInputError(
             f"verify_halving splits the {calibration_ids.shape[0]} calibration sequences into {num_rungs} rungs of "
             f"{rungs[-1].shape[0]} or more, fewer than the {distributed.world_size()} processes that share each "
             f"rung: use at least {num_rungs * distributed.world_size()} calibration sequences, or fewer processes."
@@ -264,47 +286,56 @@ def verify_shortlist(
     return means, min(racing, key=lambda position: (means[position], position))
 
 
+@dataclass
+class Round:
+    """One finished round of Stage 1.
+
+    Args:
+        scores (`dict[int, float]`): The scores of the layers present (dense indices).
+        removed (`list[int]`): The layers it removed.
+        verified (`dict[int, float]`): With a verified shortlist, the calibration loss without each candidate.
+        seconds (`float`): How long it took (as recorded, for a round replayed from a checkpoint).
+    """
+
+    scores: dict[int, float]
+    removed: list[int]
+    verified: dict[int, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @classmethod
+    def from_saved(cls, saved: dict[str, Any]) -> Round:
+        """A round as [`Stage1Checkpoint`] saved it."""
+        return cls(
+            scores={int(index): score for index, score in saved["scores"].items()},
+            removed=[int(index) for index in saved["removed"]],
+            verified={int(index): loss for index, loss in saved.get("verified", {}).items()},
+            seconds=saved["seconds"],
+        )
+
+
 def remove_by_importance(
-    model: PreTrainedModel,
-    dense: surgery.LayerSnapshot,
-    adapter: DecoderAdapter,
-    metric: ImportanceMetric,
-    iterative: bool,
-    num_to_prune: int,
+    dense: LayerSnapshot,
+    plan: Stage1Plan,
     calibration_ids: torch.LongTensor,
-    batch_size: int,
     checkpoint: Stage1Checkpoint | None = None,
     progress_bar: bool = True,
-    protected: set[int] | None = None,
-    verify_top_k: int | None = None,
     after_removal: Callable[[int], None] | None = None,
-    verify_halving: bool = False,
 ) -> Selection:
-    """Algorithm 1: removes `num_to_prune` layers, lowest score first.
+    """Algorithm 1: removes `plan.num_to_prune` layers from the model of `dense`, lowest score first.
 
-    With `verify_top_k=k`, every round removes one layer: the k lowest-scored candidates are each
+    With `plan.verify_top_k=k`, every round removes one layer: the k lowest-scored candidates are each
     removed in turn and the calibration loss measured (SLEB's criterion, [`removal_losses`]), and the
-    one whose removal raises it least goes (with `verify_halving`, the better of the two finalists of
+    one whose removal raises it least goes (with `plan.verify_halving`, the better of the two finalists of
     [`verify_shortlist`]). A one-shot metric is scored once; an iterative one every round.
 
     Args:
-        model (`PreTrainedModel`): The dense model; changed in place.
-        dense (`LayerSnapshot`): Its stack, from [`optimum_gradmap.surgery.snapshot`].
-        adapter (`DecoderAdapter`): Its family's adapter.
-        metric (`ImportanceMetric`): The score.
-        iterative (`bool`): Re-score the remaining layers after every removal.
-        num_to_prune (`int`): K.
+        dense ([`LayerSnapshot`]): The dense stack of the model, which is changed in place.
+        plan ([`Stage1Plan`]): What to do.
         calibration_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
-        batch_size (`int`): Sequences per pass.
         checkpoint (`Stage1Checkpoint`, *optional*): Finished rounds to replay, and where to save new ones.
         progress_bar (`bool`, defaults to `True`): Show progress bars.
-        protected (`set[int]`, *optional*): Layers never removed; defaults to the metric's own
-            ([`ImportanceMetric.protected_layers`]).
-        verify_top_k (`int`, *optional*): Size of the shortlist verified each round.
         after_removal (`Callable[[int], None]`, *optional*): Called with each removed layer once it is gone
             (before the next round scores the model), e.g. to compensate between removals.
-        verify_halving (`bool`, defaults to `False`): Verify the shortlist by successive halving
-            ([`verify_shortlist`]) instead of on every calibration sequence.
 
     Returns:
         [`Selection`].
@@ -312,71 +343,88 @@ def remove_by_importance(
     Raises:
         ValueError: when the protected layers leave fewer than K candidates (before any change).
     """
-    protected = metric.protected_layers(dense.num_layers) if protected is None else set(protected)
+    protected = plan.protected_layers(dense.num_layers)
     candidates = [index for index in range(dense.num_layers) if index not in protected]
-    if len(candidates) < num_to_prune:
-        raise ValueError(
-            f"importance={metric.name!r} never removes layers {sorted(protected)}, which leaves "
-            f"{len(candidates)} candidates for {num_to_prune} removals: prune fewer layers, or set `protected_layers`."
+    if len(candidates) < plan.num_to_prune:
+        raise InvalidInputError(
+            f"importance={plan.metric.name!r} never removes layers {sorted(protected)}, which leaves "
+            f"{len(candidates)} candidates for {plan.num_to_prune} removals: prune fewer layers, or set `protected_layers`."
         )
     selection = Selection(kept_layers=list(range(dense.num_layers)))
-    one_per_round = iterative or verify_top_k is not None
-    num_rounds = num_to_prune if one_per_round else 1
+    num_rounds = plan.num_to_prune if plan.one_per_round else 1
     saved_rounds = checkpoint.rounds if checkpoint is not None else []
     if saved_rounds:
         logger.info(f"Resuming Stage 1 from {checkpoint.path}: {len(saved_rounds)} of {num_rounds} rounds are done.")
-    rounds = logging.tqdm(range(num_rounds), desc=f"Stage 1 ({metric.name})", disable=not progress_bar)
-    round_scores: dict[int, float] = {}
-    for round_index in rounds:
-        started = time.perf_counter()
-        kept = selection.kept_layers
-        remaining = [index for index in kept if index not in protected]
+    previous_scores: dict[int, float] = {}
+    for round_index in logging.tqdm(range(num_rounds), desc=f"Stage 1 ({plan.metric.name})", disable=not progress_bar):
         description = f"Round {round_index + 1}/{num_rounds}"
-        verified: dict[int, float] = {}
-        if round_index < len(saved_rounds):
-            saved = saved_rounds[round_index]
-            round_scores = {int(index): score for index, score in saved["scores"].items()}
-            verified = {int(index): loss for index, loss in saved.get("verified", {}).items()}
-            to_remove = [int(index) for index in saved["removed"]]
-            selection.resumed_seconds += saved["seconds"]
+        started = time.perf_counter()
+        replayed = round_index < len(saved_rounds)
+        if replayed:
+            finished = Round.from_saved(saved_rounds[round_index])
+            selection.resumed_seconds += finished.seconds
         else:
-            if iterative or round_index == 0:
-                positions = [kept.index(index) for index in remaining]
-                scored = score_on_shares(
-                    metric, model, adapter, calibration_ids, batch_size, positions, progress_bar, description
-                )
-                round_scores = {kept[position]: float(score) for position, score in scored.items()}
-            else:  # a one-shot metric: the first round's scores of the layers that remain
-                round_scores = {index: round_scores[index] for index in kept if index in round_scores}
-            if verify_top_k is not None:
-                shortlist = sorted(remaining, key=lambda index: (round_scores[index], index))[:verify_top_k]
-                losses, best = verify_shortlist(
-                    model,
-                    adapter,
-                    calibration_ids,
-                    batch_size,
-                    [kept.index(index) for index in shortlist],
-                    halving=verify_halving,
-                    progress_bar=progress_bar,
-                    description=description,
-                )
-                verified = {kept[position]: loss for position, loss in losses.items()}
-                to_remove = [kept[best]]
-            else:
-                ranked = sorted(remaining, key=lambda index: (round_scores[index], index))
-                to_remove = ranked[:1] if one_per_round else ranked[:num_to_prune]
-        selection.scores.append(round_scores)
-        if verified:
-            selection.verified.append(verified)
-        selection.removed_layers.extend(to_remove)
-        selection.kept_layers = [index for index in kept if index not in to_remove]
-        surgery.keep(model, dense, selection.kept_layers, adapter)
+            remaining = [index for index in selection.kept_layers if index not in protected]
+            finished = _score_round(
+                dense, plan, selection.kept_layers, remaining, previous_scores, calibration_ids, progress_bar, description
+            )
+        previous_scores = finished.scores
+        selection.scores.append(finished.scores)
+        if finished.verified:
+            selection.verified.append(finished.verified)
+        selection.removed_layers.extend(finished.removed)
+        selection.kept_layers = [index for index in selection.kept_layers if index not in finished.removed]
+        dense.keep(selection.kept_layers)
         if after_removal is not None:
-            for index in to_remove:
+            for index in finished.removed:
                 after_removal(index)
-        if checkpoint is not None and round_index >= len(saved_rounds) and distributed.is_main_process():
-            checkpoint.save_round(round_scores, to_remove, time.perf_counter() - started, verified)
-        for index in to_remove:
-            how = f"calibration loss without it {verified[index]:.6g}" if verified else f"score {round_scores[index]:.6g}"
-            logger.info(f"Round {round_index + 1}/{num_rounds}: removed layer {index} ({how})")
+        if not replayed:
+            finished.seconds = time.perf_counter() - started
+            if checkpoint is not None and distributed.is_main_process():
+                checkpoint.save_round(finished.scores, finished.removed, finished.seconds, finished.verified)
+        for index in finished.removed:
+            how = (
+                f"calibration loss without it {finished.verified[index]:.6g}"
+                if finished.verified
+                else f"score {finished.scores[index]:.6g}"
+            )
+            logger.info(f"{description}: removed layer {index} ({how})")
     return selection
+
+
+def _score_round(
+    dense: LayerSnapshot,
+    plan: Stage1Plan,
+    kept: list[int],
+    remaining: list[int],
+    previous_scores: dict[int, float],
+    calibration_ids: torch.LongTensor,
+    progress_bar: bool,
+    description: str,
+) -> Round:
+    """Scores the model as it is now (or, for a one-shot metric after its first round, reuses the first
+    scores), verifies a shortlist if the plan says so, and says which layer(s) to remove."""
+    model, adapter = dense.model, dense.adapter
+    if plan.iterative or not previous_scores:
+        positions = [kept.index(index) for index in remaining]
+        scored = score_on_shares(
+            plan.metric, model, adapter, calibration_ids, plan.batch_size, positions, progress_bar, description
+        )
+        scores = {kept[position]: float(score) for position, score in scored.items()}
+    else:  # a one-shot metric: the first round's scores of the layers that remain
+        scores = {index: previous_scores[index] for index in kept if index in previous_scores}
+    ranked = sorted(remaining, key=lambda index: (scores[index], index))
+    if plan.verify_top_k is None:
+        return Round(scores, ranked[:1] if plan.one_per_round else ranked[: plan.num_to_prune])
+    shortlist = ranked[: plan.verify_top_k]
+    losses, best = verify_shortlist(
+        model,
+        adapter,
+        calibration_ids,
+        plan.batch_size,
+        [kept.index(index) for index in shortlist],
+        halving=plan.verify_halving,
+        progress_bar=progress_bar,
+        description=description,
+    )
+    return Round(scores, [kept[best]], verified={kept[position]: loss for position, loss in losses.items()})

@@ -5,7 +5,12 @@ Every process prunes the same tiny model on its share of the calibration sequenc
 CPU) for every case of tests/distributed_cases.py; each rank writes what it found (removed layers,
 Stage 1 scores, Stage 2 lambdas, logits of the pruned model) to OUTPUT/CASE/rank-R.json, and the
 checkpoint is saved to OUTPUT/CASE/checkpoint (by rank 0 alone), so the test can check that all
-processes agree with one another and with a single process.
+processes agree with one another and with a single process. No process may gather Python objects
+(`all_gather_object` pickles: the norm-in-the-loop fit sends its activations as tensors).
+
+Then what happens when the main process fails, in OUTPUT/failures/rank-R.json: a save that fails on
+rank 0 (its output is an existing file) must raise on every rank, none waiting for the others; and
+`push_to_hub` must upload once, from rank 0, every rank getting its URL.
 """
 
 from __future__ import annotations
@@ -22,9 +27,14 @@ from optimum_gradmap import GradMAPPruner, distributed  # noqa: E402
 from tests.distributed_cases import CASES, case_inputs  # noqa: E402
 
 
+def _forbidden(*args, **kwargs):
+    raise AssertionError("all_gather_object pickles what it sends: gather tensors instead")
+
+
 def main() -> None:
     output = sys.argv[1]
     assert distributed.init_from_environment(), "run me with torchrun --nproc-per-node 2"
+    torch.distributed.all_gather_object = _forbidden
     for case in CASES:
         folder = os.path.join(output, case)
         os.makedirs(folder, exist_ok=True)
@@ -36,14 +46,43 @@ def main() -> None:
             "removed_layers": result.removed_layers,
             "scores": [{str(k): v for k, v in round_scores.items()} for round_scores in result.scores],
             "compensated_layers": result.compensated_layers,
-            "compensation_lambda": {str(k): v for k, v in result.compensation_lambda.items()},
+            "compensation_lambda": {str(k): v for k, v in result.compensation.reg_lambda.items()},
             "logits": logits.flatten().tolist(),
             "world_size": distributed.world_size(),
         }
         with open(os.path.join(folder, f"rank-{distributed.rank()}.json"), "w", encoding="utf-8") as file:
             json.dump(found, file)
         result.save_pretrained(os.path.join(folder, "checkpoint"))
+    failures(os.path.join(output, "failures"), result)
     torch.distributed.destroy_process_group()
+
+
+def failures(folder: str, result) -> None:
+    """A save that fails on the main process, and an upload: what each rank saw."""
+    import optimum_gradmap.result
+
+    os.makedirs(folder, exist_ok=True)
+    blocked = os.path.join(folder, "a-file")
+    if distributed.is_main_process():
+        with open(blocked, "w") as file:
+            file.write("in the way")
+    distributed.barrier()
+    found = {}
+    try:
+        result.save_pretrained(blocked)  # rank 0: FileExistsError before it writes anything
+    except Exception as error:  # noqa: BLE001
+        found["save_error"] = f"{type(error).__name__}: {error}"
+    uploads = []
+
+    def upload_checkpoint(checkpoint_folder, repo_id, **kwargs):
+        uploads.append(sorted(os.listdir(checkpoint_folder)))
+        return f"https://huggingface.co/{repo_id}/commit/0"
+
+    optimum_gradmap.result.upload_checkpoint = upload_checkpoint
+    found["url"] = result.push_to_hub("me/tiny-pruned")
+    found["uploads"] = uploads
+    with open(os.path.join(folder, f"rank-{distributed.rank()}.json"), "w", encoding="utf-8") as file:
+        json.dump(found, file)
 
 
 if __name__ == "__main__":

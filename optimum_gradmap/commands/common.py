@@ -1,0 +1,63 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""What every command shares: the error for bad command-line input, the `-q` / `-v` options, and how the
+library's messages are printed."""
+
+from __future__ import annotations
+
+import argparse
+import logging as std_logging
+import sys
+
+from transformers.utils import logging
+
+from ..errors import InvalidInputError
+
+LIBRARY_LOGGER = "optimum_gradmap"
+
+
+class InputError(InvalidInputError):
+    """Bad command-line input: exit code 2."""
+
+
+# ------------------------------------------------------------------------------------------ parsers
+def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
+    verbosity = parser.add_mutually_exclusive_group()
+    verbosity.add_argument("-q", "--quiet", action="store_true", help="print only errors and the final summary")
+    verbosity.add_argument("-v", "--verbose", action="store_true", help="also print INFO/DEBUG messages and tracebacks")
+
+
+class _StdoutHandler(std_logging.StreamHandler):
+    """Prints the library's messages to whatever `sys.stdout` is at the time (it may be replaced, e.g. by tests)."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def set_verbosity(args: argparse.Namespace) -> bool:
+    """Applies --quiet / --verbose; returns whether to show progress bars.
+
+    By default, this library's progress messages (each removed layer, each Stage 2 fit) are printed as
+    they come, one line each, and the other libraries say only warnings and errors. `-v` adds their
+    INFO and DEBUG messages; `-q` leaves errors only, and no progress bars.
+    """
+    library_logger = std_logging.getLogger(LIBRARY_LOGGER)
+    if not any(isinstance(handler, _StdoutHandler) for handler in library_logger.handlers):
+        handler = _StdoutHandler()
+        handler.setFormatter(std_logging.Formatter("%(message)s"))
+        library_logger.addHandler(handler)
+        library_logger.propagate = False
+    if getattr(args, "quiet", False):
+        library_logger.setLevel(std_logging.ERROR)
+        logging.set_verbosity_error()
+        logging.disable_progress_bar()
+        return False
+    library_logger.setLevel(std_logging.DEBUG if getattr(args, "verbose", False) else std_logging.INFO)
+    logging.set_verbosity_debug() if getattr(args, "verbose", False) else logging.set_verbosity_warning()
+    logging.enable_progress_bar()
+    return True

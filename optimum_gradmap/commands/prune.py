@@ -1,0 +1,176 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""`optimum-gradmap prune`: prunes a model, saves a standard checkpoint with its report and model card,
+and uploads it if asked. Every `GradMAPConfig` field is an option under its own name, generated from the
+config ([`optimum_gradmap.arguments`])."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from typing import Any
+
+from ..arguments import add_config_arguments, config_from_arguments
+from ..configuration import PRESETS, GradMAPConfig
+from ..loading import ModelLoading
+from .common import InputError, add_logging_arguments, set_verbosity
+
+HELP = "Prune a model's decoder layers with GradMAP and save a standard checkpoint"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `prune`: every `GradMAPConfig` field, plus where to read and write."""
+    from ..importance import importance_metric_names
+
+    add_config_arguments(parser, ModelLoading)
+    described = "; ".join(
+        f"{name}: {', '.join(f'{key}={value}' for key, value in settings.items())}" for name, settings in PRESETS.items()
+    )
+    parser.add_argument(
+        "--preset", choices=PRESETS, default=None, help=f"named settings, which the options below override: {described}"
+    )
+    add_config_arguments(parser, GradMAPConfig, choices={"importance": importance_metric_names()})
+    parser.add_argument(
+        "--validation-dataset",
+        default=None,
+        metavar="DATASET",
+        help="keep Stage 2's compensation only if it lowers the perplexity on this dataset (read like --dataset)",
+    )
+    parser.add_argument("--output", "-o", required=True, help="folder for the pruned checkpoint, report and model card")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the contents of an existing non-empty --output folder (never the input model's)",
+    )
+    parser.add_argument(
+        "--stage1-checkpoint",
+        metavar="FILE",
+        default=None,
+        help="save Stage 1's progress to this JSON file after every round, and resume from it when it exists "
+        "(None: a hidden file beside --output, removed once the checkpoint is saved)",
+    )
+    parser.add_argument(
+        "--evaluate",
+        nargs="*",
+        metavar="DATASET",
+        default=None,
+        help="also measure perplexity on these datasets (none given: those of `evaluate`)",
+    )
+    parser.add_argument(
+        "--max-segments", type=int, default=None, help="with --evaluate: only the first segments of each dataset (None: all)"
+    )
+    parser.add_argument("--push-to-hub", metavar="REPO", default=None, help="also upload the checkpoint to this Hub repository")
+    parser.add_argument("--private", action="store_true", help="create the Hub repository as private (with --push-to-hub)")
+    add_logging_arguments(parser)
+
+
+def default_stage1_checkpoint(output: str) -> str:
+    """Where `prune` keeps Stage 1's progress when `--stage1-checkpoint` is not given: a hidden file beside
+    the output folder, deleted when the checkpoint is saved, so that an interrupted run resumes by itself."""
+    target = os.path.abspath(output)
+    return os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.stage1.json")
+
+
+def _checked_prune_input(args: argparse.Namespace) -> tuple[GradMAPConfig, ModelLoading]:
+    """Everything `prune` can check before any compute (options, datasets, calibration files, device, output
+    folder), so that bad input costs seconds, exits with code 2 and writes nothing."""
+    from ..checkpoint import check_output_location
+    from ..data import check_dataset_name
+
+    config = config_from_arguments(args, GradMAPConfig)
+    if args.private and not args.push_to_hub:
+        raise InputError("--private only applies with --push-to-hub REPO.")
+    check_dataset_name(config.dataset, "calibration")
+    for dataset in args.evaluate or ():
+        check_dataset_name(dataset, "evaluation")
+    if args.max_segments is not None and args.max_segments < 1:
+        raise InputError(f"--max-segments must be at least 1, got {args.max_segments}.")
+    if args.validation_dataset is not None:
+        check_dataset_name(args.validation_dataset, "calibration")
+    loading = config_from_arguments(args, ModelLoading)
+    loading.check_device()
+    check_output_location(args.output, args.overwrite, keep_safe=(args.model,) if os.path.isdir(args.model) else ())
+    return config, loading
+
+
+def run(args: argparse.Namespace) -> int:
+    """`optimum-gradmap prune`: prunes, saves checkpoint + report + model card, optionally uploads."""
+    from .. import distributed
+    from ..pruner import GradMAPPruner
+
+    progress = set_verbosity(args)
+    config, loading = _checked_prune_input(args)
+    stage1_checkpoint = args.stage1_checkpoint
+    if stage1_checkpoint is None and config.layers_to_prune is None:
+        stage1_checkpoint = default_stage1_checkpoint(args.output)
+    resolved = loading.resolve()  # a model name that is no folder, no asset and not on the Hub: refused here
+
+    several = distributed.init_from_environment()  # under torchrun / accelerate launch: data parallel
+    main_process = distributed.is_main_process()
+    progress = progress and main_process
+    if several and loading.device == "cuda":
+        loading.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"  # one GPU per process
+    model, tokenizer = loading.load(resolved.path)
+    dense_evaluation = _measure_perplexity(model, tokenizer, args, progress, label="dense model")
+    pruner = GradMAPPruner(config, model=model, tokenizer=tokenizer, progress_bar=progress)
+    try:
+        result = pruner.prune(stage1_checkpoint=stage1_checkpoint, validation_data=args.validation_dataset)
+    except KeyboardInterrupt:
+        command = shlex.join(getattr(args, "command_line", None) or [os.path.basename(sys.argv[0]), *sys.argv[1:]])
+        saved = stage1_checkpoint is not None and os.path.isfile(stage1_checkpoint)
+        print(
+            f"\nInterrupted. Stage 1's finished rounds are saved in {stage1_checkpoint}; the same command resumes from "
+            f"them:\n  {command}"
+            if saved
+            else "\nInterrupted before any Stage 1 round finished: nothing was saved.",
+            file=sys.stderr,
+        )
+        return 130
+    evaluation = _measure_perplexity(model, tokenizer, args, progress)
+    result.save_pretrained(
+        args.output,
+        evaluation=evaluation,
+        dense_evaluation=dense_evaluation,
+        base_model=resolved.base_model or args.model,
+        base_model_revision=args.revision,
+        license=resolved.license,
+        repo_id=args.push_to_hub,
+        overwrite=args.overwrite,
+    )  # by the main process; the others wait for it
+    if not main_process:
+        return 0
+    if stage1_checkpoint is not None and args.stage1_checkpoint is None and os.path.isfile(stage1_checkpoint):
+        os.remove(stage1_checkpoint)  # the default one: its work is in the checkpoint now
+    print(f"Removed layers {result.removed_layers} of {result.original_num_layers} (in removal order); kept {result.kept_layers}")
+    if result.compensated_layers:
+        print(f"Compensated layer(s) {result.compensated_layers}.")
+    dense = {(e.dataset, e.protocol): e.perplexity for e in (dense_evaluation.perplexities if dense_evaluation else [])}
+    for e in evaluation.perplexities if evaluation else []:
+        before = dense[(e.dataset, e.protocol)]
+        print(f"{e.dataset} perplexity: {e.perplexity:.3f} (dense {before:.3f}) ({e.protocol}, {e.num_segments} segments)")
+    print(f"Saved the checkpoint, pruning_report.json, pictures and model card to {os.path.abspath(args.output)}")
+    if args.push_to_hub:
+        from ..hub import upload_checkpoint
+
+        # the folder just written is the upload: no second save
+        commit_message = result.commit_message()
+        url = upload_checkpoint(args.output, args.push_to_hub, private=args.private or None, commit_message=commit_message)
+        print(f"Uploaded to {url}")
+    return 0
+
+
+def _measure_perplexity(model: Any, tokenizer: Any, args: argparse.Namespace, progress: bool, label: str | None = None) -> Any:
+    """With `--evaluate`, the model's perplexity on those datasets, measured by the main process (and printed
+    with `label`); `None` without it."""
+    from .. import distributed
+    from ..evaluation import evaluate
+
+    if args.evaluate is None or not distributed.is_main_process():
+        return None
+    datasets = {"perplexity_datasets": args.evaluate} if args.evaluate else {}
+    result = evaluate(model, tokenizer, **datasets, segment_length=128, max_segments=args.max_segments, progress_bar=progress)
+    for entry in result.perplexities if label else ():
+        print(f"{label}: {entry.dataset} perplexity {entry.perplexity:.3f} ({entry.protocol})", flush=True)
+    return result

@@ -1,0 +1,53 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""`optimum-gradmap verify-serving`: serves a checkpoint with vLLM and compares it with transformers;
+options named as the arguments of [`optimum_gradmap.serving.verify_serving`]."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from .common import InputError, add_logging_arguments, set_verbosity
+
+HELP = "Serve a checkpoint with vLLM and check it computes what transformers computes"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `verify-serving`, named as the arguments of [`optimum_gradmap.serving.verify_serving`]."""
+    from ..serving import DEFAULT_LOGPROB_TOLERANCE, VLLM_PYTHON_ENV
+
+    parser.add_argument("checkpoint", help="a checkpoint folder (written by `optimum-gradmap prune`, or any other)")
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help=f"the Python of an environment with vLLM (None: ${VLLM_PYTHON_ENV}, else this Python if it has vLLM)",
+    )
+    parser.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for several; None: four)")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens per prompt")
+    parser.add_argument(
+        "--logprob-tolerance", type=float, default=DEFAULT_LOGPROB_TOLERANCE, help="accepted log-probability difference in nats"
+    )
+    parser.add_argument("--output", "-o", default=None, help="write the comparison as JSON to this file")
+    add_logging_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`optimum-gradmap verify-serving`: serves a checkpoint with vLLM and compares it with transformers.
+    Exit code 0 when they match, 1 when they do not, 2 for bad input (a missing folder, no vLLM, an invalid checkpoint)."""
+    from ..checkpoint import InvalidCheckpointError
+    from ..files import write_atomically
+    from ..serving import verify_serving
+
+    set_verbosity(args)
+    if not os.path.isdir(args.checkpoint):
+        raise InputError(f"{args.checkpoint} is not a folder: give a checkpoint folder.")
+    try:
+        check = verify_serving(args.checkpoint, args.vllm_python, args.prompt, args.max_new_tokens, args.logprob_tolerance)
+    except InvalidCheckpointError as error:
+        raise InputError(str(error)) from error
+    print(check.summary())
+    if args.output:
+        write_atomically(args.output, json.dumps(check.to_dict(), indent=2))
+    return 0 if check.matched else 1

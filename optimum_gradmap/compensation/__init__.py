@@ -1,0 +1,102 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""Stage 2 of GradMAP: the projection compensation matrix (paper Eq. 10-15).
+
+After layers are removed, the mean hidden state drifts away from the original model's. For each
+kept layer i the drift is (Eq. 10)
+
+    delta_i = || E_x[H_i(x)] - E_x[H'_i(x)] ||_2
+
+with H_i the output of layer i in the original model and H'_i in the pruned one, on the same
+calibration tokens. For the layer(s) with the largest drift a d x d matrix W' is learned so that
+the pruned layer's output matches the original one (Eq. 12-14):
+
+    min_W'  MSE(W' Y + X_F, X_O)  +  lambda || W' - I ||_F^2
+
+with Y = W_down X_down the MLP's output (bias included), X_F the residual stream entering the MLP
+and X_O the original model's output of that layer, over all calibration tokens. The paper calls
+the first term the mean squared error; like `torch.nn.MSELoss` it is the mean over all M = tokens x d
+elements, which sets the strength of lambda (measured: this reading, not a per-sequence sum,
+makes Stage 2 help on SmolLM2; docs/results.md). W' is then folded into the down projection,
+W_down <- W' W_down and b_down <- W' b_down, so the pruned model costs nothing extra at inference (Eq. 15).
+
+The modules, in the order Stage 2 uses them:
+
+- [`statistics`]: the calibration passes (mean hidden states, dense outputs, and the sufficient statistics
+  A = sum y y^T, C = sum r y^T, sum ||r||^2 of the objective);
+- [`solvers`]: the closed form, Adam, and the one cross-validation routine that chooses lambda;
+- [`through_norm`]: the fit where a norm follows the MLP (Gemma2/3, OLMo2), with the norm in the loop;
+- [`fit`]: learning W' for one layer and folding it into its down projection(s);
+- [`targets`]: which kept layers to fit, and to which dense hidden state;
+- [`stage2`]: all the fits with rollback ([`compensate`]), and the fit between
+  Stage 1 removals ([`compensate_run`]).
+"""
+
+from .fit import CompensationFit, apply_compensation, check_auto_lambda_data, down_projection_backup, learn_compensation
+from .solvers import (
+    AUTO_NUM_FOLDS,
+    AUTO_RIDGE_GRID,
+    RidgeChoice,
+    adam_minimize,
+    choose_ridge,
+    cross_validate_ridge,
+    lambda_for_strength,
+    relative_ridge,
+    ridge_solutions,
+    solve_adam,
+    solve_closed_form,
+)
+from .stage2 import (
+    MIN_TOKENS_PER_HIDDEN_UNIT,
+    STAGE2_SETTINGS,
+    CompensationResult,
+    RunCompensation,
+    compensate,
+    compensate_run,
+)
+from .statistics import (
+    CompensationStatistics,
+    compensation_statistics,
+    for_each_compensation_batch,
+    hidden_state_means,
+    record_layer_outputs,
+    summed_over_processes,
+)
+from .targets import check_num_compensated_layers, compensation_targets
+from .through_norm import NormContribution, choose_ridge_through_norm, fit_through_norm
+
+__all__ = [
+    "AUTO_NUM_FOLDS",
+    "AUTO_RIDGE_GRID",
+    "MIN_TOKENS_PER_HIDDEN_UNIT",
+    "STAGE2_SETTINGS",
+    "CompensationFit",
+    "CompensationResult",
+    "CompensationStatistics",
+    "NormContribution",
+    "RidgeChoice",
+    "RunCompensation",
+    "adam_minimize",
+    "apply_compensation",
+    "check_auto_lambda_data",
+    "check_num_compensated_layers",
+    "choose_ridge",
+    "choose_ridge_through_norm",
+    "compensate",
+    "compensate_run",
+    "compensation_statistics",
+    "compensation_targets",
+    "cross_validate_ridge",
+    "down_projection_backup",
+    "fit_through_norm",
+    "for_each_compensation_batch",
+    "hidden_state_means",
+    "lambda_for_strength",
+    "learn_compensation",
+    "record_layer_outputs",
+    "relative_ridge",
+    "ridge_solutions",
+    "solve_adam",
+    "solve_closed_form",
+    "summed_over_processes",
+]

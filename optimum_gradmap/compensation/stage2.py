@@ -1,0 +1,285 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""Stage 2 as one call ([`compensate`]): which kept layers to fit, the fits in forward order, the
+rollback if anything fails, and the optional check on validation text; and the fit between Stage 1
+removals ([`compensate_run`], Prune&Comp's schedule)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers.utils import logging
+
+from .. import distributed
+from ..configuration import GradMAPConfig
+from ..evaluation.perplexity import perplexity
+from ..surgery import LayerSnapshot
+from ..weights import WeightBackup
+from .fit import apply_compensation, down_projection_backup, learn_compensation
+from .statistics import hidden_state_means, record_layer_outputs
+from .targets import check_num_compensated_layers, compensation_targets
+
+logger = logging.get_logger(__name__)
+
+# Below this many calibration tokens per hidden unit, W' (hidden x hidden parameters) overfitted on
+# SmolLM2-135M: 1.8 tokens per unit raised held-out perplexity by 60%, 7 by 2%, 28 lowered it.
+MIN_TOKENS_PER_HIDDEN_UNIT = 16
+# The GradMAPConfig fields Stage 2 reads: the ones a re-run of Stage 2 may change.
+STAGE2_SETTINGS = (
+    "compensation_target",
+    "compensation_form",
+    "num_compensated_layers",
+    "solver",
+    "reg_lambda",
+    "adam_lr",
+    "adam_steps",
+    "batch_size",
+)
+
+
+@dataclass
+class CompensationResult:
+    """What Stage 2 did. Layer indices are indices in the dense model.
+
+    Args:
+        drift (`dict[int, float]`): Mean drift (Eq. 10) of each kept layer before compensation.
+        drift_after_compensation (`dict[int, float]`): The same, measured again after the folds.
+        compensated_layers (`list[int]`): Layers whose down projection received W', in fitting order.
+        objective (`dict[int, dict[str, float]]`): For each compensated layer, the objective at W' = I
+            (`"identity"`) and at the learned W' (`"fitted"`).
+        targets (`dict[int, int]`): For each fitted layer, the dense layer whose output it was fitted to.
+        reg_lambda (`dict[int, float]`): For each compensated layer, the lambda of Eq. 14 its fit used.
+        skipped_layers (`dict[int, str]`): Target layers left as they were, and why.
+        validation (`dict[str, float]`, *optional*): With validation data, its perplexity without and with
+            the compensation, and whether the compensation was kept.
+        seconds (`float`): Time Stage 2 took.
+        backup (`WeightBackup`, *optional*): The folded tensors as they were before the fold; `restore()`
+            undoes Stage 2 (to re-run it with other settings).
+    """
+
+    drift: dict[int, float] = field(default_factory=dict)
+    drift_after_compensation: dict[int, float] = field(default_factory=dict)
+    compensated_layers: list[int] = field(default_factory=list)
+    objective: dict[int, dict[str, float]] = field(default_factory=dict)
+    targets: dict[int, int] = field(default_factory=dict)
+    reg_lambda: dict[int, float] = field(default_factory=dict)
+    skipped_layers: dict[int, str] = field(default_factory=dict)
+    validation: dict[str, float] | None = None
+    seconds: float = 0.0
+    backup: WeightBackup | None = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict:
+        """A JSON-serialisable summary (layer indices as strings, no backup)."""
+        by_layer = lambda values: {str(index): value for index, value in values.items()}  # noqa: E731
+        return {
+            "compensated_layers": self.compensated_layers,
+            "drift": by_layer(self.drift),
+            "drift_after_compensation": by_layer(self.drift_after_compensation),
+            "objective": by_layer(self.objective),
+            "targets": by_layer(self.targets),
+            "reg_lambda": by_layer(self.reg_lambda),
+            "skipped_layers": by_layer(self.skipped_layers),
+            "validation": self.validation,
+            "seconds": self.seconds,
+        }
+
+    def undo(self) -> None:
+        """Puts the folded tensors back as they were before Stage 2."""
+        if self.backup is not None:
+            self.backup.restore()
+
+
+def compensate(
+    dense: LayerSnapshot,
+    calibration_ids: torch.LongTensor,
+    config: GradMAPConfig,
+    progress_bar: bool = True,
+    validation_ids: torch.LongTensor | None = None,
+) -> CompensationResult:
+    """Stage 2 as one call, on the model `dense` was taken from, now pruned (Eq. 10-15 of the paper):
+
+    1. the mean drift (Eq. 10) of every kept layer, against the dense model on the same tokens (the
+       dense stack is run from `dense`, then the pruned one is put back);
+    2. the target layers ([`compensation_targets`], `config.compensation_target`), fitted in forward
+       order, each on the model that already carries the earlier corrections;
+    3. a warning when the calibration set has fewer than `MIN_TOKENS_PER_HIDDEN_UNIT` tokens per
+       hidden unit, below which W' was measured to overfit with the paper's lambda;
+    4. the fit of W' (Eq. 12-14, [`learn_compensation`]; with `reg_lambda="auto"`, lambda chosen by
+       cross-validation, and a layer where no lambda beats W' = I left alone) and its fold into the
+       down projection(s) (Eq. 15);
+    5. with `validation_ids`, the perplexity on them with and without the compensation: it is kept
+       only if it lowers it;
+    6. the drift again, after the folds.
+
+    If anything fails, every folded tensor is put back: the model is left as Stage 1 left it. A
+    configuration the adapter cannot compensate exactly is refused before anything runs.
+
+    Args:
+        dense ([`LayerSnapshot`]): The dense stack of the pruned model (its `model`, changed in place).
+        calibration_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
+        config ([`GradMAPConfig`]): The settings in `STAGE2_SETTINGS` are read.
+        progress_bar (`bool`, defaults to `True`): Show progress bars.
+        validation_ids (`torch.LongTensor`, *optional*): Sequences that decide whether to keep the result.
+
+    Returns:
+        [`CompensationResult`].
+    """
+    started = time.perf_counter()
+    model, adapter = dense.model, dense.adapter
+    adapter.check_supported(model, compensation=True)
+    kept = dense.kept_layers()
+    if config.compensation_target == "max_drift":
+        check_num_compensated_layers(config.num_compensated_layers, len(kept))
+    shared_ids, first_sample = distributed.shard(calibration_ids)  # all of them with one process
+
+    def means(description: str) -> torch.Tensor:
+        local = hidden_state_means(model, adapter.get_layers(model), shared_ids, config.batch_size, progress_bar, description)
+        return distributed.average(local, shared_ids.numel())
+
+    with dense.temporarily(range(dense.num_layers)):
+        dense_means = means("Dense hidden states")
+    pruned_means = means("Pruned hidden states")
+    drift_of = lambda means: {index: float((dense_means[index] - means[p]).norm()) for p, index in enumerate(kept)}  # noqa: E731
+    result = CompensationResult(drift=drift_of(pruned_means))
+    _warn_if_few_tokens(calibration_ids, dense_means.shape[-1], config)
+    targets = compensation_targets(
+        kept, result.drift, dense.num_layers, config.compensation_target, config.num_compensated_layers
+    )
+    if not targets:
+        logger.warning(f"Stage 2 ({config.compensation_target}) found no layer to compensate.")
+        result.seconds = time.perf_counter() - started
+        return result
+
+    result.backup = down_projection_backup(adapter, [dense.layers[index] for index, _ in targets])
+    try:
+        folds = _fit_targets(dense, targets, shared_ids, first_sample, config, progress_bar, result)
+        if validation_ids is not None and folds:
+            _keep_if_validated(dense, folds, validation_ids, config.batch_size, progress_bar, result)
+        result.drift_after_compensation = drift_of(means("Compensated hidden states"))
+    except BaseException:
+        result.undo()
+        raise
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _warn_if_few_tokens(calibration_ids: torch.LongTensor, hidden_size: int, config: GradMAPConfig) -> None:
+    if calibration_ids.numel() < MIN_TOKENS_PER_HIDDEN_UNIT * hidden_size and config.reg_lambda != "auto":
+        logger.warning(
+            f"Stage 2 fits a {hidden_size} x {hidden_size} matrix on {calibration_ids.numel()} calibration tokens: with "
+            f"fewer than {MIN_TOKENS_PER_HIDDEN_UNIT} x hidden size = {MIN_TOKENS_PER_HIDDEN_UNIT * hidden_size} tokens it "
+            "can overfit and raise held-out perplexity. Use more calibration data (the paper uses 128 x 128 tokens), "
+            "or reg_lambda='auto'."
+        )
+
+
+def _fit_targets(
+    dense: LayerSnapshot,
+    targets: list[tuple[int, int]],
+    shared_ids: torch.LongTensor,
+    first_sample: int,
+    config: GradMAPConfig,
+    progress_bar: bool,
+    result: CompensationResult,
+) -> list[tuple[nn.Module, torch.Tensor]]:
+    """Fits and folds every target in forward order (recording each in `result`); returns the folds made."""
+    model, adapter = dense.model, dense.adapter
+    with dense.temporarily(range(dense.num_layers)):
+        ends = sorted({end for _, end in targets})
+        recorded = record_layer_outputs(model, [dense.layers[end] for end in ends], shared_ids, config.batch_size, progress_bar)
+        originals = dict(zip(ends, recorded))
+    folds = []
+    for index, end in targets:
+        layer = dense.layers[index]
+        fit = learn_compensation(model, adapter, layer, originals[end], shared_ids, config, progress_bar, first_sample)
+        result.targets[index] = end
+        if fit.skipped:
+            result.skipped_layers[index] = "no lambda beat W' = I on held-out calibration sequences"
+            logger.info(f"Layer {index} left uncompensated: no lambda beat W' = I on held-out calibration sequences.")
+            continue
+        apply_compensation(adapter, layer, fit.matrix)
+        folds.append((layer, fit.matrix))
+        result.compensated_layers.append(index)
+        result.objective[index] = {"identity": fit.objective_identity, "fitted": fit.objective_fitted}
+        result.reg_lambda[index] = fit.reg_lambda
+        logger.info(
+            f"Compensated layer {index} (fitted to the dense output of layer {end}, lambda {fit.reg_lambda:.3g}): "
+            f"objective {fit.objective_identity:.6g} -> {fit.objective_fitted:.6g}"
+        )
+    return folds
+
+
+def _keep_if_validated(
+    dense: LayerSnapshot,
+    folds: list[tuple[nn.Module, torch.Tensor]],
+    validation_ids: torch.LongTensor,
+    batch_size: int,
+    progress_bar: bool,
+    result: CompensationResult,
+) -> None:
+    """Perplexity on `validation_ids` with the folds and without them; leaves the better model and says so in `result`."""
+    with_compensation = perplexity(dense.model, validation_ids, batch_size, progress_bar)
+    result.undo()
+    without = perplexity(dense.model, validation_ids, batch_size, progress_bar)
+    kept = with_compensation < without
+    result.validation = {"without": without, "with": with_compensation, "kept": kept}
+    if kept:
+        for layer, matrix in folds:
+            apply_compensation(dense.adapter, layer, matrix)
+        return
+    result.skipped_layers.update(
+        {index: "the compensation raised the validation perplexity" for index in result.compensated_layers}
+    )
+    result.compensated_layers, result.objective, result.reg_lambda = [], {}, {}
+
+
+@dataclass
+class RunCompensation:
+    """One compensation made during Stage 1, after a removal (`compensate_each_round`).
+
+    Args:
+        layer (`int`): The kept layer fitted (dense index).
+        target (`int`): The dense layer whose output it was fitted to (the end of the run of removed layers).
+        reg_lambda (`float`, *optional*): The lambda its fit used; `None` when it was left alone.
+        backup (`WeightBackup`): Its down projection(s) before the fold.
+    """
+
+    layer: int
+    target: int
+    reg_lambda: float | None
+    backup: WeightBackup = field(repr=False, compare=False)
+
+
+def compensate_run(
+    dense: LayerSnapshot,
+    calibration_ids: torch.LongTensor,
+    config: GradMAPConfig,
+    removed_layer: int,
+    progress_bar: bool = True,
+) -> RunCompensation | None:
+    """Compensation between removals (as Prune&Comp does): after `removed_layer` went, fits the kept
+    layer just before the run of removed layers it belongs to, to the dense hidden state at the end of
+    that run, and folds it, so that the next Stage 1 round scores the repaired model.
+
+    Returns:
+        [`RunCompensation`], or `None` when the run starts at layer 0 (no layer before it).
+    """
+    model, adapter = dense.model, dense.adapter
+    adapter.check_supported(model, compensation=True)
+    runs = compensation_targets(dense.kept_layers(), {}, dense.num_layers, "span_end", 0)
+    found = [(index, end) for index, end in runs if index < removed_layer <= end]
+    if not found:
+        return None
+    ((index, end),) = found
+    layer = dense.layers[index]
+    backup = down_projection_backup(adapter, [layer])
+    shared_ids, first_sample = distributed.shard(calibration_ids)  # all of them with one process
+    with dense.temporarily(range(dense.num_layers)):
+        (original,) = record_layer_outputs(model, [dense.layers[end]], shared_ids, config.batch_size, progress_bar)
+    fit = learn_compensation(model, adapter, layer, original, shared_ids, config, progress_bar, first_sample)
+    if not fit.skipped:
+        apply_compensation(adapter, layer, fit.matrix)
+    return RunCompensation(index, end, None if fit.skipped else fit.reg_lambda, backup)

@@ -1,0 +1,119 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""The layer-importance interface ([`ImportanceMetric`]) and its registry: metric name -> class, fed by
+[`register_importance_metric`] and read by `GradMAPConfig`, the command line and
+[`~optimum_gradmap.importance.metrics.get_importance_metric`]. The metrics themselves are in
+[`optimum_gradmap.importance.metrics`]. This module imports nothing from the package, so that the
+configuration can check a metric's name."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar, TypeVar
+
+import torch
+from transformers import PreTrainedModel
+
+if TYPE_CHECKING:
+    from ..adapters import DecoderAdapter
+
+
+class ImportanceMetric:
+    """Scores the decoder layers currently in a model; the lowest-scoring layers are removed first.
+
+    Subclasses set `name`, `iterative` (whether their paper re-scores after each removal),
+    `mean_over_samples` (whether the score is a mean over calibration sequences of per-sequence values, so
+    that processes can score shares of them and average, see [`optimum_gradmap.distributed`]) and
+    implement [`~ImportanceMetric.score`]. Register a subclass with [`register_importance_metric`] to
+    make its name usable in `GradMAPConfig(importance=...)` and on the command line, or pass an
+    instance directly: `GradMAPConfig(importance=MyMetric())`.
+
+    Args:
+        seed (`int`, defaults to 0): For metrics that draw random numbers.
+    """
+
+    name: ClassVar[str]
+    iterative: ClassVar[bool] = False
+    mean_over_samples: ClassVar[bool] = False
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def score(
+        self,
+        model: PreTrainedModel,
+        adapter: DecoderAdapter,
+        input_ids: torch.LongTensor,
+        batch_size: int,
+        progress_bar: bool = True,
+        description: str = "Scoring layers",
+    ) -> list[float]:
+        """Scores every layer of `adapter.get_layers(model)`, in model order.
+
+        Args:
+            model (`PreTrainedModel`): The model as it is now (some layers may already be removed).
+            adapter (`DecoderAdapter`): Its architecture adapter.
+            input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
+            batch_size (`int`): Sequences per forward pass.
+            progress_bar (`bool`, defaults to `True`): Show a progress bar.
+            description (`str`): Progress bar label.
+
+        Returns:
+            `list[float]`: One score per layer; lower means less important.
+        """
+        raise NotImplementedError
+
+    def score_layers(
+        self,
+        model: PreTrainedModel,
+        adapter: DecoderAdapter,
+        input_ids: torch.LongTensor,
+        batch_size: int,
+        positions: Sequence[int],
+        progress_bar: bool = True,
+        description: str = "Scoring layers",
+    ) -> dict[int, float]:
+        """Scores at least the layers at `positions` (positions in the current stack). Stage 1 calls
+        this; a metric whose cost grows with the number of layers it scores (SLEB) scores only those,
+        the others score every layer with [`~ImportanceMetric.score`].
+
+        Returns:
+            `dict[int, float]`: Position -> score, for every position in `positions` (and maybe others).
+        """
+        return dict(enumerate(self.score(model, adapter, input_ids, batch_size, progress_bar, description)))
+
+    def protected_layers(self, num_layers: int) -> set[int]:
+        """Layers (original indices) the method's paper never removes. None by default;
+        `GradMAPConfig(protected_layers=...)` overrides it."""
+        return set()
+
+
+# The registry: metric name -> class. Fed by `register_importance_metric`, read by `GradMAPConfig`,
+# the command line and `get_importance_metric`.
+IMPORTANCE_METRICS: dict[str, type[ImportanceMetric]] = {}
+
+MetricClass = TypeVar("MetricClass", bound=type[ImportanceMetric])
+
+
+def register_importance_metric(cls: MetricClass) -> MetricClass:
+    """Class decorator that registers an [`ImportanceMetric`] subclass under its `name`.
+
+    ```python
+    @register_importance_metric
+    class LastTokenNorm(ImportanceMetric):
+        name = "last_token_norm"
+
+        def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
+            ...
+    ```
+    """
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{cls.__name__} needs a class attribute `name` (a non-empty string) to be registered.")
+    IMPORTANCE_METRICS[name] = cls
+    return cls
+
+
+def importance_metric_names() -> list[str]:
+    """The names registered with [`register_importance_metric`], in registration order."""
+    return list(IMPORTANCE_METRICS)
