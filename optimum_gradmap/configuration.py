@@ -27,8 +27,12 @@ CONFIG_NAME = "gradmap_config.json"
 Solver = Literal["closed_form", "adam"]
 # Which kept layers Stage 2 fits: the paper's largest drift (Eq. 10), or the layer before each removed run.
 CompensationTarget = Literal["max_drift", "span_end"]
-# What W' may be: any d x d matrix (the paper), or a channel-wise scaling (LinearPatch's scaling, without its rotation).
-CompensationForm = Literal["full", "diagonal"]
+# What W' may be: any d x d matrix (the paper), a channel-wise scaling, or one in a Hadamard-rotated basis (LinearPatch's).
+CompensationForm = Literal["full", "diagonal", "rotated_diagonal"]
+# What Stage 2 minimises: the paper's mean squared error (Eq. 12), or the per-token cosine distance (ReplaceMe's).
+CompensationObjective = Literal["mse", "cosine"]
+# How reg_lambda="auto" chooses lambda: held-out hidden-state error, or the held-out next-token loss of the model.
+CompensationSelection = Literal["hidden_state", "next_token_loss"]
 # How Stage 1's gradient passes run (see `optimum_gradmap.streaming`).
 ExecutionMode = Literal["auto", "in_memory", "layer_streamed"]
 EXECUTION_MODES: tuple[str, ...] = typing.get_args(ExecutionMode)
@@ -141,10 +145,45 @@ class GradMAPConfig:
     )
     compensation_form: CompensationForm = _setting(
         "full",
-        "What W' may be: `full`, any d x d matrix (the paper, Eq. 12); or `diagonal`, a scaling of each channel (d "
-        "numbers instead of d^2: the channel-wise scaling of LinearPatch, Chen et al., NeurIPS 2025, Sec. 3, here "
-        "without its Hadamard rotation), fitted to the same objective with the same lambda, solver and folds.",
+        "What W' may be: `full`, any d x d matrix (the paper, Eq. 12); `diagonal`, a scaling of each channel (d "
+        "numbers instead of d^2: the channel-wise scaling of LinearPatch, Chen et al., NeurIPS 2025, Sec. 3.2, without "
+        "its rotation); or `rotated_diagonal`, a scaling of each channel in a Hadamard-rotated basis, W' = Q^T diag(s) Q "
+        "with Q the normalised Hadamard matrix (LinearPatch's form, Sec. 3.2: the rotation spreads the few massive "
+        "channels over all of them). Each is fitted to the same objective with the same lambda, solver and folds, and "
+        "folded into the down projection like any W' (LinearPatch applies its patch to the whole residual stream, "
+        "which no weight can absorb; here it scales the MLP's contribution).",
     )
+    compensation_objective: CompensationObjective = _setting(
+        "mse",
+        "What W' minimises: `mse`, the paper's mean squared error between the compensated and the dense hidden state "
+        "(Eq. 12), solved exactly; or `cosine`, the mean over tokens of 1 - cos(compensated, dense) (ReplaceMe, "
+        "Shopkhoev et al., 2025, Sec. 3.2), by Adam (`adam_lr`, `adam_steps`) from the `mse` solution, keeping the "
+        "step with the lowest cosine distance on held-out calibration sequences (the last of the cross-validation folds).",
+    )
+    compensation_selection: CompensationSelection = _setting(
+        "hidden_state",
+        'With `reg_lambda="auto"`, how each layer\'s lambda is chosen: `hidden_state`, the lowest squared error of the '
+        "hidden state on held-out calibration sequences (4-fold cross-validation); or `next_token_loss`, the lowest "
+        "next-token loss of the whole model on the held-out fold, each candidate fitted on the other three folds and "
+        "folded in (the criterion LinearPatch and ReplaceMe report accuracy against; W' = I is a candidate), then "
+        "fitted on every sequence. `next_token_loss` needs the `mse` objective and no norm after the MLP.",
+    )
+    exclude_outlier_tokens: bool = _setting(
+        False,
+        "Leave out of Stage 2's fit the tokens that carry massive activations (Sun et al., COLM 2024; LinearPatch, "
+        "Sec. 3.1): the first token of every calibration sequence, and every token whose dense hidden state's norm "
+        "exceeds 5 times the median. On SmolLM2-135M the first token's norm is about 150 times the median: in an L2 "
+        "fit, one such token weighs as much as 20,000 others.",
+    )
+    refinement_steps: int = _setting(
+        0,
+        "After the fits, this many Adam steps on every compensation matrix together, minimising the cross-entropy "
+        "from the dense model's top-64 next-token distribution to the pruned model's on calibration sequences (three of "
+        "four folds; the matrices with the lowest loss on the fourth are kept, the fits alone included): LinearPatch's "
+        "distillation (Chen et al., NeurIPS 2025, Sec. 3.3), on calibration text only. 0: none.",
+        minimum=0,
+    )
+    refinement_lr: float = _setting(1e-4, "The Adam learning rate of `refinement_steps`.")
     compensate_each_round: bool = _setting(
         False,
         "Also compensate during Stage 1, after every removal (the layer before the run the removed layer belongs "
@@ -226,8 +265,10 @@ class GradMAPConfig:
             or self.reg_lambda < 0
         ):
             raise InvalidInputError(f"`reg_lambda` must be a finite number >= 0 or 'auto', got {self.reg_lambda!r}.")
-        if not isinstance(self.adam_lr, (int, float)) or not math.isfinite(self.adam_lr) or self.adam_lr <= 0:
-            raise InvalidInputError(f"`adam_lr` must be a finite number > 0, got {self.adam_lr!r}.")
+        for name in ("adam_lr", "refinement_lr"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise InvalidInputError(f"`{name}` must be a finite number > 0, got {value!r}.")
         for name in ("dataset", "text_column"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise InvalidInputError(

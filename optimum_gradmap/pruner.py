@@ -24,6 +24,7 @@ from .compensation import (
     STAGE2_SETTINGS,
     RunCompensation,
     check_auto_lambda_data,
+    check_next_token_selection,
     check_num_compensated_layers,
     compensate,
     compensate_run,
@@ -176,6 +177,8 @@ class GradMAPPruner:
         model = self._resolve_model(model)
         adapter = get_adapter(model)
         adapter.check_supported(model, config.compensation)
+        if config.compensation or config.compensate_each_round:
+            check_next_token_selection(config, adapter)
         num_layers = adapter.num_layers(model)
         plan = self._stage1_plan(num_layers)
         calibration_ids = self._calibration_ids(model, calibration_data, tokenizer)
@@ -292,7 +295,7 @@ class GradMAPPruner:
         unknown = sorted(set(config_overrides) - set(STAGE2_SETTINGS))
         if unknown:
             raise InvalidInputError(f"{unknown} are not Stage 2 settings; these are: {list(STAGE2_SETTINGS)}.")
-        config = dataclasses.replace(result.config, compensation=True, **config_overrides)
+        config = dataclasses.replace(self.config, compensation=True, **config_overrides)  # the pruner's, not the last run's
         check_num_compensated_layers(config.num_compensated_layers, len(result.kept_layers))
         validation_ids = None
         if validation_data is not None:

@@ -87,6 +87,7 @@ def build_report(
         **summary,
         "evaluation": evaluation.to_dict() if evaluation is not None else None,
         "dense_evaluation": dense_evaluation.to_dict() if dense_evaluation is not None else None,
+        "zero_shot_against_dense": _zero_shot_against_dense(evaluation, dense_evaluation),
         "environment": {
             "optimum_gradmap": _version("optimum-gradmap"),
             "transformers": transformers.__version__,
@@ -97,6 +98,24 @@ def build_report(
             "dtype": str(model.get_input_embeddings().weight.dtype).replace("torch.", ""),
         },
     }
+
+
+def _zero_shot_against_dense(evaluation: EvaluationResult | None, dense: EvaluationResult | None) -> dict[str, Any] | None:
+    """The pruned model's zero-shot answers against the dense model's, question by question (paired
+    difference, its standard error, McNemar's test, retained accuracy), when both were evaluated on the same
+    questions with their records."""
+    from .evaluation import compare_zero_shot
+
+    if evaluation is None or dense is None or evaluation.zero_shot is None or dense.zero_shot is None:
+        return None
+    try:
+        comparison = compare_zero_shot(
+            dense.zero_shot, evaluation.zero_shot, reference=dense.zero_shot, names=("dense", "pruned", "dense")
+        )
+    except ValueError as error:  # other questions, or no records: the table shows both averages without the pairing
+        logger.info(f"The pruning report compares no zero-shot answers: {error}")
+        return None
+    return comparison.to_dict()
 
 
 def write_report(
@@ -232,18 +251,32 @@ def _cost_table(report: dict[str, Any]) -> str:
             )
         )
     if evaluation.get("zero_shot"):
-        zero_shot, dense_zero_shot = evaluation["zero_shot"], dense.get("zero_shot") or {}
-        limit = f", {zero_shot['limit']} questions per task" if zero_shot.get("limit") else ""
-        before = dense_zero_shot.get("average_acc")
-        rows.append(
-            (
-                f"zero-shot average accuracy ({len(zero_shot['tasks'])} tasks{limit})",
-                f"{before:.4f}" if before is not None else "",
-                f"{zero_shot['average_acc']:.4f}",
-            )
-        )
+        rows.append(_zero_shot_row(evaluation["zero_shot"], dense.get("zero_shot"), report.get("zero_shot_against_dense")))
     lines = ["| | dense | pruned |", "|---|---|---|"] + [f"| {name} | {dense} | {pruned} |" for name, dense, pruned in rows]
     return "\n".join(lines)
+
+
+def _average_with_stderr(zero_shot: dict[str, Any]) -> str:
+    """The average over tasks, with its standard error (from the tasks' own)."""
+    errors = [task["acc_stderr"] for task in zero_shot["tasks"] if task.get("acc_stderr") is not None]
+    stderr = (sum(error**2 for error in errors) ** 0.5 / len(zero_shot["tasks"])) if errors else None
+    return f"{zero_shot['average_acc']:.4f}" + (f" ± {stderr:.4f}" if stderr is not None else "")
+
+
+def _zero_shot_row(
+    zero_shot: dict[str, Any], dense: dict[str, Any] | None, paired: dict[str, Any] | None
+) -> tuple[str, str, str]:
+    """The model card's zero-shot row: each average with its standard error; against the dense model, the
+    retained accuracy and the paired difference with its standard error."""
+    questions = sum(task["num_samples"] for task in zero_shot["tasks"])
+    label = f"zero-shot average accuracy ({len(zero_shot['tasks'])} tasks, {questions} questions)"
+    pruned = _average_with_stderr(zero_shot)
+    if paired is not None:
+        pruned += (
+            f" ({paired['retained_b']:.1f}% of dense; paired difference {paired['average_difference']:+.4f} ± "
+            f"{paired['average_stderr']:.4f})"
+        )
+    return label, _average_with_stderr(dense) if dense else "", pruned
 
 
 def build_model_card(report: dict[str, Any], pictures: list[str], repo_id: str | None = None, title: str | None = None):

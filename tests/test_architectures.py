@@ -200,3 +200,43 @@ def test_span_end_stage2_lowers_the_error_it_reports_and_auto_lambda_leaves_alon
     else:
         assert "W' = I" in result.compensation.skipped_layers[1]
         assert all(torch.equal(tensor, stage1_state[name]) for name, tensor in model.state_dict().items())
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_the_rotated_diagonal_form_folds_exactly_identity_and_a_known_scaling(model_type):
+    """LinearPatch's form, W' = Q^T diag(s) Q with Q the normalised Hadamard matrix, folds into the down
+    projection(s) like any W': s = 1 leaves the logits as they were, and a known s gives the layer output
+    X_F + c(Q^T diag(s) Q Y)."""
+    from optimum_gradmap.compensation import rotation
+
+    model = tiny_model(model_type)
+    adapter = get_adapter(model)
+    layer = adapter.get_layers(model)[3]
+    norm = adapter.get_mlp_output_norm(layer)
+    ids = random_ids(num_samples=2, seq_len=10)
+    rotated = rotation(32)
+    assert torch.allclose(rotated @ rotated.T, torch.eye(32, dtype=torch.float64), atol=1e-12)
+    with torch.no_grad():
+        before = model(ids).logits
+        apply_compensation(adapter, layer, rotated.T @ rotated)  # s = 1
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-5)
+    scaling = torch.linspace(0.5, 1.5, 32, dtype=torch.float64)
+    matrix = rotated.T @ torch.diag(scaling) @ rotated
+    captured = {}
+    hooks = [
+        adapter.get_mlp(layer).register_forward_hook(lambda m, a, o: captured.__setitem__("y", o)),
+        (norm or adapter.get_mlp(layer)).register_forward_hook(lambda m, a, o: captured.__setitem__("c", o)),
+        layer.register_forward_hook(lambda m, a, o: captured.__setitem__("h", o[0] if isinstance(o, tuple) else o)),
+    ]
+    with torch.no_grad():
+        model(ids)
+        h = captured["h"]
+        residual, y = h - captured["c"].reshape(h.shape), captured["y"].reshape(h.shape)
+        rotated_y = y.double() @ rotated.T  # the MLP output in the rotated basis: each channel scaled by s
+        mapped = ((rotated_y * scaling) @ rotated).float()
+        expected = residual + (norm(mapped) if norm is not None else mapped)
+        apply_compensation(adapter, layer, matrix)
+        model(ids)
+    for hook in hooks:
+        hook.remove()
+    torch.testing.assert_close(captured["h"], expected, rtol=1e-4, atol=1e-4)

@@ -625,3 +625,161 @@ def test_auto_lambda_with_too_few_sequences_is_refused_before_stage1_changes_the
     with pytest.raises(ValueError, match="needs at least 4, got 3. Use more calibration sequences"):
         pruner.prune(model, random_ids(3, 16))
     assert len(model.model.layers) == 6 and _changed_parameters(model, state) == set()
+
+
+def test_hadamard_matrices_of_the_orders_models_use():
+    from optimum_gradmap.compensation import hadamard_matrix, rotation
+
+    for order in (1, 2, 4, 12, 20, 32, 36, 576, 896, 1536, 3584, 4096):
+        hadamard = hadamard_matrix(order)
+        assert hadamard is not None and set(hadamard.unique().tolist()) <= {-1.0, 1.0}
+        assert torch.equal(hadamard @ hadamard.T, order * torch.eye(order, dtype=torch.float64))
+    assert hadamard_matrix(6) is None  # none exists
+    fallback = rotation(6)  # a fixed orthogonal matrix instead
+    assert torch.allclose(fallback @ fallback.T, torch.eye(6, dtype=torch.float64), atol=1e-12)
+    assert torch.equal(fallback, rotation(6))
+
+
+@pytest.mark.parametrize("reg_lambda", [0.0, 1e-3])
+def test_the_rotated_diagonal_closed_form_is_the_best_scaling_in_the_rotated_basis(reg_lambda):
+    from optimum_gradmap.compensation import rotation
+
+    statistics, _, _ = random_statistics(size=12)
+    solution = solve_closed_form(statistics, reg_lambda, "rotated_diagonal")
+    rotated = rotation(12)
+    scaling = (rotated @ solution @ rotated.T).diagonal()
+    torch.testing.assert_close(rotated.T @ torch.diag(scaling) @ rotated, solution)  # of the form
+    best = statistics.objective(solution, reg_lambda)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        other = scaling + 0.01 * torch.randn(12, generator=generator, dtype=torch.float64)
+        assert statistics.objective(rotated.T @ torch.diag(other) @ rotated, reg_lambda) >= best
+    adam = solve_adam(statistics, reg_lambda, 1e-2, 3000, progress_bar=False, form="rotated_diagonal")
+    assert statistics.objective(adam, reg_lambda) == pytest.approx(float(best), rel=1e-4)
+
+
+def test_the_cosine_objective_and_its_gradient_against_a_brute_force_computation():
+    from optimum_gradmap.compensation import CompensationRows, cosine_distance
+
+    generator = torch.Generator().manual_seed(0)
+    y, x_f, x_o = (torch.randn(40, 6, generator=generator, dtype=torch.float64) for _ in range(3))
+    rows = CompensationRows(y, x_f, x_o, torch.arange(40))
+    matrix = torch.eye(6, dtype=torch.float64) + 0.1 * torch.randn(6, 6, generator=generator, dtype=torch.float64)
+    by_hand = (
+        sum(
+            1 - float((x_f[t] + matrix @ y[t]) @ x_o[t]) / float((x_f[t] + matrix @ y[t]).norm() * x_o[t].norm())
+            for t in range(40)
+        )
+        / 40
+    )
+    assert float(cosine_distance(rows, matrix)) == pytest.approx(by_hand, rel=1e-5)
+    parameter = matrix.clone().requires_grad_(True)
+    cosine_distance(rows, parameter).backward()
+    step = 1e-3
+    for i, j in [(0, 0), (2, 5), (4, 1)]:
+        plus, minus = matrix.clone(), matrix.clone()
+        plus[i, j] += step
+        minus[i, j] -= step
+        numerical = (float(cosine_distance(rows, plus)) - float(cosine_distance(rows, minus))) / (2 * step)
+        assert float(parameter.grad[i, j]) == pytest.approx(numerical, rel=1e-2, abs=1e-5)
+
+
+def test_outlier_tokens_are_the_first_of_each_sequence_and_the_massive_ones():
+    from optimum_gradmap.compensation import outlier_tokens
+
+    hidden = torch.ones(2, 6, 4, dtype=torch.float64)
+    hidden[1, 3] *= 50  # a massive activation inside the sequence
+    hidden[0, 2] *= 4  # large, but under 5 x the median
+    expected = torch.zeros(2, 6, dtype=torch.bool)
+    expected[:, 0] = True
+    expected[1, 3] = True
+    assert torch.equal(outlier_tokens(hidden), expected)
+
+
+def test_statistics_without_outliers_count_only_the_kept_tokens():
+    model = tiny_model("llama", num_layers=6)
+    adapter = get_adapter(model)
+    ids = random_ids(8, 16)
+    dense_layers = list(adapter.get_layers(model))
+    with torch.no_grad():
+        (original,) = record_layer_outputs(model, [dense_layers[3]], ids, 4, progress_bar=False)
+    remove_layers(model, [3])
+    target = dense_layers[2]
+    every = compensation_statistics(model, adapter, target, original, ids, 4, progress_bar=False)
+    kept = compensation_statistics(model, adapter, target, original, ids, 4, progress_bar=False, exclude_outliers=True)
+    assert every.num_tokens == 8 * 16
+    assert kept.num_tokens <= 8 * 15  # the first token of each sequence at least
+    assert not torch.equal(every.gram, kept.gram)
+
+
+def test_lambda_chosen_by_the_held_out_next_token_loss_is_the_candidate_with_the_lowest_loss():
+    from optimum_gradmap.compensation import AUTO_RIDGE_GRID, held_out_next_token_loss, learn_by_next_token_loss
+    from optimum_gradmap.configuration import GradMAPConfig
+
+    model = tiny_model("llama", num_layers=6)
+    adapter = get_adapter(model)
+    ids = random_ids(16, 16)
+    dense_layers = list(adapter.get_layers(model))
+    with torch.no_grad():
+        (original,) = record_layer_outputs(model, [dense_layers[3]], ids, 4, progress_bar=False)
+    remove_layers(model, [3])
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    config = GradMAPConfig(num_layers_to_prune=1, compensation_selection="next_token_loss", batch_size=4)
+    fit = learn_by_next_token_loss(model, adapter, dense_layers[2], original, ids, config, progress_bar=False)
+    assert all(torch.equal(tensor, state[name]) for name, tensor in model.state_dict().items())  # candidates undone
+    losses = fit.cross_validation.heldout_error
+    assert set(losses) == set(AUTO_RIDGE_GRID)
+    assert fit.cross_validation.identity_error == pytest.approx(held_out_next_token_loss(model, ids[3::4], 4, False))
+    if fit.skipped:
+        assert min(losses.values()) >= fit.cross_validation.identity_error
+    else:
+        assert losses[fit.cross_validation.alpha] == min(losses.values()) < fit.cross_validation.identity_error
+        assert fit.reg_lambda > 0 and fit.objective_fitted < fit.objective_identity
+
+
+def test_next_token_selection_needs_the_closed_form_objective_and_says_so():
+    from optimum_gradmap import GradMAPPruner
+    from optimum_gradmap.configuration import GradMAPConfig
+
+    model = tiny_model("gemma2", num_layers=6)
+    config = GradMAPConfig(layers_to_prune=[3], compensation_selection="next_token_loss", num_samples=8, seq_len=16)
+    layers = list(model.model.layers)
+    with pytest.raises(ValueError, match="needs the mean-squared-error objective and a family whose MLP output"):
+        GradMAPPruner(config, progress_bar=False).prune(model, random_ids(8, 16))
+    assert list(model.model.layers) == layers  # refused before Stage 1
+
+
+def test_the_distillation_loss_gradient_reaches_the_factor_as_brute_force_says_and_refinement_never_raises_the_held_out_loss():
+    from optimum_gradmap import GradMAPPruner
+    from optimum_gradmap.compensation import dense_top_k, refinement
+    from optimum_gradmap.configuration import GradMAPConfig
+    from optimum_gradmap.passes import forward_hooks
+    from optimum_gradmap.surgery import snapshot
+
+    model = tiny_model("llama", num_layers=6)
+    ids = random_ids(8, 16)
+    dense = snapshot(model)
+    dense.keep([0, 1, 2, 4, 5])
+    indices, probabilities = dense_top_k(dense, ids, 4)
+    assert indices.shape == (8, 15, refinement.TOP_K) and torch.allclose(probabilities.sum(-1), torch.ones(8, 15))
+    layer = model.model.layers[2]
+    factor = torch.eye(32, requires_grad=True)
+    hooks = [(layer.mlp, lambda module, args, output: refinement._scaled(output, factor))]
+    with forward_hooks(hooks):
+        loss = refinement._distillation_loss(model, ids[:2], indices[:2], probabilities[:2])
+        loss.backward()
+        step = 1e-2
+        for i, j in [(0, 0), (3, 7)]:
+            values = []
+            for sign in (1, -1):
+                with torch.no_grad():
+                    factor[i, j] += sign * step
+                    values.append(float(refinement._distillation_loss(model, ids[:2], indices[:2], probabilities[:2])))
+                    factor[i, j] -= sign * step
+            assert float(factor.grad[i, j]) == pytest.approx((values[0] - values[1]) / (2 * step), rel=0.05, abs=1e-6)
+    dense.restore()
+
+    config = GradMAPConfig(layers_to_prune=[3], num_samples=8, seq_len=16, batch_size=2, refinement_steps=20, refinement_lr=1e-2)
+    result = GradMAPPruner(config, progress_bar=False).prune(tiny_model("llama", num_layers=6), ids)
+    refined = result.compensation.refinement
+    assert refined["refined"] <= refined["start"] and 0 <= refined["step"] <= 20

@@ -132,12 +132,12 @@ def test_hub_tasks_without_network_name_the_offline_alternative(scorer, tokenize
 
 
 def test_an_out_of_memory_error_during_hub_tasks_is_not_relabelled_as_the_hubs(scorer, tokenizer, monkeypatch):
-    import lm_eval
+    from lm_eval.tasks import TaskManager
 
     def out_of_memory(*args, **kwargs):
         raise MemoryError("out of memory (simulated)")
 
-    monkeypatch.setattr(lm_eval, "simple_evaluate", out_of_memory)
+    monkeypatch.setattr(TaskManager, "load", out_of_memory)
     with pytest.raises(MemoryError, match="simulated"):
         zero_shot_accuracy(scorer, tokenizer, ["piqa"], limit=2, task_data="hub", progress_bar=False)
 

@@ -22,20 +22,46 @@ W_down <- W' W_down and b_down <- W' b_down, so the pruned model costs nothing e
 
 The modules, in the order Stage 2 uses them:
 
-- [`statistics`]: the calibration passes (mean hidden states, dense outputs, and the sufficient statistics
-  A = sum y y^T, C = sum r y^T, sum ||r||^2 of the objective);
+- [`activations`]: the calibration passes (mean hidden states, dense outputs, and per batch what a fit needs,
+  with the tokens that carry massive activations left out on request);
+- [`statistics`]: the sufficient statistics A = sum y y^T, C = sum r y^T, sum ||r||^2 of the objective, and
+  the per-token rows of the fits that need more;
 - [`solvers`]: the closed form, Adam, and the one cross-validation routine that chooses lambda;
+- [`rotation`]: the Hadamard rotation of LinearPatch's form of W';
+- [`cosine`]: ReplaceMe's cosine objective;
 - [`through_norm`]: the fit where a norm follows the MLP (Gemma2/3, OLMo2), with the norm in the loop;
-- [`fit`]: learning W' for one layer and folding it into its down projection(s);
+- [`fit`]: learning W' for one layer; [`folding`]: folding it into its down projection(s) (Eq. 15);
+- [`next_token`]: lambda chosen by the next-token loss on held-out calibration sequences;
+- [`refinement`]: the matrices refined together by distillation from the dense model's next-token distribution;
 - [`targets`]: which kept layers to fit, and to which dense hidden state;
-- [`stage2`]: all the fits with rollback ([`compensate`]), and the fit between
-  Stage 1 removals ([`compensate_run`]).
+- [`each_round`]: the fit between Stage 1 removals ([`compensate_run`]);
+- [`stage2`]: all the fits in forward order, with rollback ([`compensate`]).
 """
 
-from .fit import CompensationFit, apply_compensation, check_auto_lambda_data, down_projection_backup, learn_compensation
+from .activations import (
+    OUTLIER_NORM_FACTOR,
+    CompensationBatch,
+    for_each_compensation_batch,
+    hidden_state_means,
+    outlier_tokens,
+    record_layer_outputs,
+)
+from .cosine import cosine_distance, learn_cosine
+from .each_round import RunCompensation, compensate_run
+from .fit import check_auto_lambda_data, learn_compensation
+from .folding import apply_compensation, down_projection_backup
+from .next_token import (
+    check_next_token_selection,
+    chooses_by_next_token_loss,
+    held_out_next_token_loss,
+    learn_by_next_token_loss,
+)
+from .refinement import TOP_K, dense_top_k, refine
+from .rotation import hadamard_matrix, rotation
 from .solvers import (
     AUTO_NUM_FOLDS,
     AUTO_RIDGE_GRID,
+    CompensationFit,
     RidgeChoice,
     adam_minimize,
     choose_ridge,
@@ -46,26 +72,34 @@ from .solvers import (
     solve_adam,
     solve_closed_form,
 )
-from .stage2 import (
-    MIN_TOKENS_PER_HIDDEN_UNIT,
-    STAGE2_SETTINGS,
-    CompensationResult,
-    RunCompensation,
-    compensate,
-    compensate_run,
-)
+from .stage2 import MIN_TOKENS_PER_HIDDEN_UNIT, STAGE2_SETTINGS, CompensationResult, compensate
 from .statistics import (
+    CompensationRows,
     CompensationStatistics,
+    collect_rows,
     compensation_statistics,
-    for_each_compensation_batch,
-    hidden_state_means,
-    record_layer_outputs,
     summed_over_processes,
 )
 from .targets import check_num_compensated_layers, compensation_targets
 from .through_norm import NormContribution, choose_ridge_through_norm, fit_through_norm
 
 __all__ = [
+    "OUTLIER_NORM_FACTOR",
+    "CompensationBatch",
+    "CompensationRows",
+    "collect_rows",
+    "cosine_distance",
+    "hadamard_matrix",
+    "learn_cosine",
+    "check_next_token_selection",
+    "chooses_by_next_token_loss",
+    "held_out_next_token_loss",
+    "learn_by_next_token_loss",
+    "outlier_tokens",
+    "rotation",
+    "TOP_K",
+    "dense_top_k",
+    "refine",
     "AUTO_NUM_FOLDS",
     "AUTO_RIDGE_GRID",
     "MIN_TOKENS_PER_HIDDEN_UNIT",

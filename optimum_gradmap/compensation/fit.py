@@ -4,9 +4,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -14,44 +11,18 @@ from .. import distributed
 from ..adapters import DecoderAdapter
 from ..configuration import GradMAPConfig
 from ..errors import InvalidInputError
-from ..weights import WeightBackup, fold_into, linear_map_tensors, materialized
+from ..weights import materialized
+from .cosine import learn_cosine
 from .solvers import (
     AUTO_NUM_FOLDS,
-    RidgeChoice,
+    CompensationFit,
     cross_validate_ridge,
     lambda_for_strength,
     solve_adam,
     solve_closed_form,
 )
-from .statistics import compensation_statistics, for_each_compensation_batch, summed_over_processes
+from .statistics import CompensationRows, collect_rows, compensation_statistics, summed_over_processes
 from .through_norm import choose_ridge_through_norm, fit_through_norm
-
-
-@dataclass
-class CompensationFit:
-    """A learned compensation matrix and the Stage 2 objective before and after.
-
-    Args:
-        matrix (`torch.Tensor` of shape `(d, d)`): W', float64 (the identity when `skipped`).
-        objective_identity (`float`): The objective at W' = I (no compensation).
-        objective_fitted (`float`): The objective at W'.
-        reg_lambda (`float`, *optional*): The lambda of Eq. 14 the fit used (chosen by
-            cross-validation with `reg_lambda="auto"`).
-        cross_validation ([`RidgeChoice`], *optional*): What cross-validation measured, with `"auto"`.
-        skipped (`bool`): No lambda beat W' = I on held-out calibration sequences: nothing to fold.
-    """
-
-    matrix: torch.Tensor
-    objective_identity: float
-    objective_fitted: float
-    reg_lambda: float | None = None
-    cross_validation: RidgeChoice | None = None
-    skipped: bool = False
-
-    @classmethod
-    def identity(cls, size: int, choice: RidgeChoice) -> CompensationFit:
-        """The fit that changes nothing, when cross-validation found no lambda that beats W' = I."""
-        return cls(torch.eye(size, dtype=torch.float64), 0.0, 0.0, cross_validation=choice, skipped=True)
 
 
 def check_auto_lambda_data(input_ids: torch.LongTensor) -> None:
@@ -111,8 +82,21 @@ def learn_compensation(
     if config.reg_lambda == "auto" and not distributed.is_distributed():  # the pruner checks the whole set
         check_auto_lambda_data(input_ids)
     norm = adapter.get_mlp_output_norm(layer)
-    if norm is not None:
-        return _learn_through_norm(model, adapter, layer, norm, original_outputs, input_ids, config, progress_bar, first_sample)
+    if norm is not None or config.compensation_objective == "cosine":
+        rows = collect_rows(
+            model,
+            adapter,
+            layer,
+            original_outputs,
+            input_ids,
+            config.batch_size,
+            progress_bar,
+            first_sample,
+            config.exclude_outlier_tokens,
+        )
+        if config.compensation_objective == "cosine":
+            return learn_cosine(rows, config, progress_bar, norm)
+        return _learn_through_norm(rows, norm, config, progress_bar)
 
     choice = None
     if config.reg_lambda == "auto":
@@ -126,6 +110,7 @@ def learn_compensation(
             progress_bar,
             num_folds=AUTO_NUM_FOLDS,
             first_sample=first_sample,
+            exclude_outliers=config.exclude_outlier_tokens,
         )
         folds = [summed_over_processes(fold) for fold in folds]
         choice = cross_validate_ridge(folds, form=config.compensation_form)
@@ -135,7 +120,16 @@ def learn_compensation(
         reg_lambda = lambda_for_strength(choice.alpha, statistics.mean_eigenvalue, statistics.num_elements)
     else:
         statistics = summed_over_processes(
-            compensation_statistics(model, adapter, layer, original_outputs, input_ids, config.batch_size, progress_bar)
+            compensation_statistics(
+                model,
+                adapter,
+                layer,
+                original_outputs,
+                input_ids,
+                config.batch_size,
+                progress_bar,
+                exclude_outliers=config.exclude_outlier_tokens,
+            )
         )
         reg_lambda = config.reg_lambda
     if config.solver == "closed_form":
@@ -152,37 +146,21 @@ def learn_compensation(
     )
 
 
-def _learn_through_norm(
-    model: nn.Module,
-    adapter: DecoderAdapter,
-    layer: nn.Module,
-    norm: nn.Module,
-    original_outputs: torch.Tensor,
-    input_ids: torch.LongTensor,
-    config: GradMAPConfig,
-    progress_bar: bool,
-    first_sample: int,
-) -> CompensationFit:
-    """[`learn_compensation`] where a norm follows the MLP: stores y and r of every calibration token (on
-    the model's device; gathered from every process as tensors), then the fit through the norm."""
-    mlp_outputs: list[torch.Tensor] = []
-    targets: list[torch.Tensor] = []
-    samples: list[torch.Tensor] = []
-
-    def store(mlp_output: torch.Tensor, target: torch.Tensor, batch_start: int) -> None:
-        first = first_sample + batch_start
-        mlp_outputs.append(mlp_output.reshape(-1, mlp_output.shape[-1]))
-        targets.append(target.reshape(-1, target.shape[-1]))
-        sample = torch.arange(first, first + mlp_output.shape[0], device=mlp_output.device)
-        samples.append(sample.repeat_interleave(mlp_output.shape[1]))
-
-    for_each_compensation_batch(model, adapter, layer, original_outputs, input_ids, config.batch_size, progress_bar, store)
-    y, r, sample = (distributed.gather_rows(torch.cat(parts)) for parts in (mlp_outputs, targets, samples))
+def _learn_through_norm(rows: CompensationRows, norm: nn.Module, config: GradMAPConfig, progress_bar: bool) -> CompensationFit:
+    """[`learn_compensation`] where a norm follows the MLP: the fit through the norm on every token's rows."""
+    y, r = rows.mlp_output, rows.target
     with materialized(norm):  # the fit calls the norm many times: offloaded weights stay put meanwhile
         choice, reg_lambda = None, config.reg_lambda
         if config.reg_lambda == "auto":
             choice, reg_lambda = choose_ridge_through_norm(
-                y, r, sample % AUTO_NUM_FOLDS, norm, config.adam_lr, config.adam_steps, progress_bar, config.compensation_form
+                y,
+                r,
+                rows.sample % AUTO_NUM_FOLDS,
+                norm,
+                config.adam_lr,
+                config.adam_steps,
+                progress_bar,
+                config.compensation_form,
             )
             if reg_lambda is None:
                 return CompensationFit.identity(y.shape[-1], choice)
@@ -190,18 +168,3 @@ def _learn_through_norm(
             y, r, norm, reg_lambda, config.adam_lr, config.adam_steps, progress_bar, config.compensation_form
         )
     return CompensationFit(matrix.cpu(), at_identity, fitted, reg_lambda=reg_lambda, cross_validation=choice)
-
-
-def apply_compensation(adapter: DecoderAdapter, layer: nn.Module, matrix: torch.Tensor) -> None:
-    """Folds W' into every down projection of `layer` (Eq. 15), where its weights live (offloaded
-    weights are written back to CPU or the offload folder, see [`~optimum_gradmap.weights.materialized`])."""
-    with materialized(layer):
-        for target in adapter.get_down_projections(layer):
-            fold_into(target, matrix)
-
-
-def down_projection_backup(adapter: DecoderAdapter, layers: Sequence[nn.Module]) -> WeightBackup:
-    """A [`WeightBackup`] of the down projections of `layers`: what Stage 2's fold changes."""
-    return WeightBackup(
-        layers, lambda layer: [tensor for target in adapter.get_down_projections(layer) for tensor in linear_map_tensors(target)]
-    )

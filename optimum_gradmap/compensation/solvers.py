@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
+from .rotation import rotation
 from .statistics import CompensationStatistics
 
 # Ridge strengths tried by `reg_lambda="auto"`, relative to the data: ridge = alpha * tr(A) / d (the mean
@@ -43,6 +44,33 @@ class RidgeChoice:
     identity_error: float
 
 
+@dataclass
+class CompensationFit:
+    """A learned compensation matrix and the Stage 2 objective before and after.
+
+    Args:
+        matrix (`torch.Tensor` of shape `(d, d)`): W', float64 (the identity when `skipped`).
+        objective_identity (`float`): The objective at W' = I (no compensation).
+        objective_fitted (`float`): The objective at W'.
+        reg_lambda (`float`, *optional*): The lambda of Eq. 14 the fit used (chosen by
+            cross-validation with `reg_lambda="auto"`).
+        cross_validation ([`RidgeChoice`], *optional*): What cross-validation measured, with `"auto"`.
+        skipped (`bool`): No lambda beat W' = I on held-out calibration sequences: nothing to fold.
+    """
+
+    matrix: torch.Tensor
+    objective_identity: float
+    objective_fitted: float
+    reg_lambda: float | None = None
+    cross_validation: RidgeChoice | None = None
+    skipped: bool = False
+
+    @classmethod
+    def identity(cls, size: int, choice: RidgeChoice) -> CompensationFit:
+        """The fit that changes nothing, when cross-validation found no lambda that beats W' = I."""
+        return cls(torch.eye(size, dtype=torch.float64), 0.0, 0.0, cross_validation=choice, skipped=True)
+
+
 def lambda_for_strength(alpha: float, mean_eigenvalue: float, num_elements: int) -> float:
     """lambda of Eq. 14 for the relative strength `alpha`: the ridge alpha * tr(A) / d, divided by the M
     elements the mean squared error averages."""
@@ -54,17 +82,27 @@ def relative_ridge(statistics: CompensationStatistics, alpha: float) -> float:
     return alpha * statistics.mean_eigenvalue
 
 
-def _diagonal_solution(statistics: CompensationStatistics, ridge: float) -> torch.Tensor:
-    """The channel-wise scaling minimising the objective: w_k = (C_kk + rho) / (A_kk + rho), as a matrix."""
-    gram, cross = statistics.gram.diagonal(), statistics.cross.diagonal()
-    return torch.diag(torch.where(gram + ridge > 0, (cross + ridge) / (gram + ridge), torch.ones_like(gram)))
+def _diagonal_solutions(statistics: CompensationStatistics, ridges: Sequence[float], form: str) -> list[torch.Tensor]:
+    """The channel-wise scalings minimising the objective, w_k = (C_kk + rho) / (A_kk + rho), as matrices; with
+    `form="rotated_diagonal"`, in the rotated basis (A and C rotated to Q A Q^T and Q C Q^T), W' = Q^T diag(w) Q:
+    the objective is invariant under the rotation, and ||W' - I||_F = ||w - 1||."""
+    if form == "rotated_diagonal":
+        rotated = rotation(statistics.gram.shape[0]).to(statistics.gram)
+        gram, cross = (rotated @ statistics.gram * rotated).sum(1), (rotated @ statistics.cross * rotated).sum(1)
+    else:
+        gram, cross, rotated = statistics.gram.diagonal(), statistics.cross.diagonal(), None
+    solutions = []
+    for ridge in ridges:
+        scaling = torch.where(gram + ridge > 0, (cross + ridge) / (gram + ridge), torch.ones_like(gram))
+        solutions.append(torch.diag(scaling) if rotated is None else rotated.T @ (scaling[:, None] * rotated))
+    return solutions
 
 
 def ridge_solutions(statistics: CompensationStatistics, ridges: Sequence[float], form: str = "full") -> list[torch.Tensor]:
     """W' = (C + rho I)(A + rho I)^-1 for each ridge rho, from one eigendecomposition of A; with
-    `form="diagonal"`, the channel-wise scalings (C_kk + rho) / (A_kk + rho)."""
-    if form == "diagonal":
-        return [_diagonal_solution(statistics, ridge) for ridge in ridges]
+    `form="diagonal"` or `"rotated_diagonal"`, the channel-wise scalings (C_kk + rho) / (A_kk + rho)."""
+    if form != "full":
+        return _diagonal_solutions(statistics, ridges, form)
     eigenvalues, eigenvectors = torch.linalg.eigh(statistics.gram)
     identity = torch.eye(statistics.gram.shape[0], dtype=torch.float64)
     solutions = []
@@ -128,10 +166,11 @@ def cross_validate_ridge(
 
 def solve_closed_form(statistics: CompensationStatistics, reg_lambda: float, form: str = "full") -> torch.Tensor:
     """Exact minimiser of the Stage 2 objective, W' = (C + M lambda I)(A + M lambda I)^-1, in float64; with
-    `form="diagonal"`, over channel-wise scalings: w_k = (C_kk + M lambda) / (A_kk + M lambda)."""
+    `form="diagonal"` (or `"rotated_diagonal"`), over channel-wise scalings (in the rotated basis):
+    w_k = (C_kk + M lambda) / (A_kk + M lambda)."""
     ridge = statistics.num_elements * reg_lambda
-    if form == "diagonal":
-        return _diagonal_solution(statistics, ridge)
+    if form != "full":
+        return _diagonal_solutions(statistics, [ridge], form)[0]
     identity = torch.eye(statistics.gram.shape[0], dtype=torch.float64)
     lhs = statistics.gram + ridge * identity
     rhs = statistics.cross + ridge * identity
@@ -151,25 +190,64 @@ def adam_minimize(
     device: torch.device | str = "cpu",
     progress_bar: bool = True,
     description: str = "Fitting W' (Adam)",
+    start: torch.Tensor | None = None,
+    held_out: Callable[[torch.Tensor], float] | None = None,
+    check_every: int = 10,
+    patience: int = 5,
 ) -> torch.Tensor:
-    """Minimises `objective(W')` with full-batch Adam from W' = I, in float64: over every d x d matrix, or
-    over channel-wise scalings with `form="diagonal"`.
+    """Minimises `objective(W')` with full-batch Adam from W' = `start` (the identity by default), in float64:
+    over every d x d matrix, or over channel-wise scalings (in the rotated basis) with `form="diagonal"`
+    (`"rotated_diagonal"`).
+
+    Args:
+        objective (`Callable`): W' -> the loss to minimise (a scalar tensor).
+        size (`int`): d.
+        learning_rate (`float`), num_steps (`int`): Adam's step size and the number of steps.
+        form (`str`, defaults to `"full"`): What W' may be.
+        device (`torch.device` or `str`, defaults to `"cpu"`): Where W' lives.
+        progress_bar (`bool`), description (`str`): The progress bar.
+        start (`torch.Tensor`, *optional*): The W' to start from, of the form given (a full matrix).
+        held_out (`Callable`, *optional*): W' -> a loss on held-out data. With it, the W' returned is the one
+            with the lowest held-out loss among the start and every `check_every`-th step, and the fit stops
+            after `patience` checks without improvement (early stopping).
+        check_every (`int`, defaults to 10), patience (`int`, defaults to 5): See `held_out`.
 
     Returns:
         `torch.Tensor` of shape `(size, size)`: W'.
     """
-    if form == "diagonal":
-        parameter, as_matrix = torch.ones(size, dtype=torch.float64, device=device, requires_grad=True), torch.diag
-    else:
-        parameter = torch.eye(size, dtype=torch.float64, device=device, requires_grad=True)
+    if form == "full":
+        initial = torch.eye(size, dtype=torch.float64) if start is None else start.double()
+        parameter = initial.to(device).clone().requires_grad_(True)
         as_matrix = lambda matrix: matrix  # noqa: E731
+    else:
+        rotated = rotation(size).to(device) if form == "rotated_diagonal" else None
+        if start is None:
+            initial = torch.ones(size, dtype=torch.float64)
+        else:  # the scaling of a W' of this form: its diagonal, in the rotated basis
+            initial = (
+                start.to(device).double() if rotated is None else rotated @ start.to(device).double() @ rotated.T
+            ).diagonal()
+        parameter = initial.to(device).clone().requires_grad_(True)
+        as_matrix = torch.diag if rotated is None else (lambda scaling: rotated.T @ (scaling[:, None] * rotated))
     optimizer = torch.optim.Adam([parameter], lr=learning_rate)
+    best = (held_out(as_matrix(parameter.detach())), as_matrix(parameter.detach())) if held_out is not None else None
+    checks_without_improvement = 0
     with torch.enable_grad():
-        for _ in logging.tqdm(range(num_steps), desc=description, leave=False, disable=not progress_bar):
+        for step in logging.tqdm(range(1, num_steps + 1), desc=description, leave=False, disable=not progress_bar):
             optimizer.zero_grad(set_to_none=True)
             objective(as_matrix(parameter)).backward()
             optimizer.step()
-    return as_matrix(parameter.detach())
+            if held_out is not None and step % check_every == 0:
+                with torch.no_grad():
+                    matrix = as_matrix(parameter.detach())
+                    loss = held_out(matrix)
+                if loss < best[0]:
+                    best, checks_without_improvement = (loss, matrix.clone()), 0
+                else:
+                    checks_without_improvement += 1
+                    if checks_without_improvement >= patience:
+                        break
+    return best[1] if best is not None else as_matrix(parameter.detach())
 
 
 def solve_adam(

@@ -1,8 +1,7 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
 """Stage 2 as one call ([`compensate`]): which kept layers to fit, the fits in forward order, the
-rollback if anything fails, and the optional check on validation text; and the fit between Stage 1
-removals ([`compensate_run`], Prune&Comp's schedule)."""
+rollback if anything fails, and the optional check on validation text."""
 
 from __future__ import annotations
 
@@ -18,8 +17,11 @@ from ..configuration import GradMAPConfig
 from ..evaluation.perplexity import perplexity
 from ..surgery import LayerSnapshot
 from ..weights import WeightBackup
-from .fit import apply_compensation, down_projection_backup, learn_compensation
-from .statistics import hidden_state_means, record_layer_outputs
+from .activations import hidden_state_means, record_layer_outputs
+from .fit import learn_compensation
+from .folding import apply_compensation, down_projection_backup
+from .next_token import check_next_token_selection, chooses_by_next_token_loss, learn_by_next_token_loss
+from .refinement import refine
 from .targets import check_num_compensated_layers, compensation_targets
 
 logger = logging.get_logger(__name__)
@@ -31,6 +33,11 @@ MIN_TOKENS_PER_HIDDEN_UNIT = 16
 STAGE2_SETTINGS = (
     "compensation_target",
     "compensation_form",
+    "compensation_objective",
+    "compensation_selection",
+    "exclude_outlier_tokens",
+    "refinement_steps",
+    "refinement_lr",
     "num_compensated_layers",
     "solver",
     "reg_lambda",
@@ -55,6 +62,8 @@ class CompensationResult:
         skipped_layers (`dict[int, str]`): Target layers left as they were, and why.
         validation (`dict[str, float]`, *optional*): With validation data, its perplexity without and with
             the compensation, and whether the compensation was kept.
+        refinement (`dict[str, float]`, *optional*): With `refinement_steps`, the held-out distillation loss
+            before and after the refinement, and the step kept.
         seconds (`float`): Time Stage 2 took.
         backup (`WeightBackup`, *optional*): The folded tensors as they were before the fold; `restore()`
             undoes Stage 2 (to re-run it with other settings).
@@ -68,6 +77,7 @@ class CompensationResult:
     reg_lambda: dict[int, float] = field(default_factory=dict)
     skipped_layers: dict[int, str] = field(default_factory=dict)
     validation: dict[str, float] | None = None
+    refinement: dict[str, float] | None = None
     seconds: float = 0.0
     backup: WeightBackup | None = field(default=None, repr=False, compare=False)
 
@@ -83,6 +93,7 @@ class CompensationResult:
             "reg_lambda": by_layer(self.reg_lambda),
             "skipped_layers": by_layer(self.skipped_layers),
             "validation": self.validation,
+            "refinement": self.refinement,
             "seconds": self.seconds,
         }
 
@@ -130,6 +141,7 @@ def compensate(
     started = time.perf_counter()
     model, adapter = dense.model, dense.adapter
     adapter.check_supported(model, compensation=True)
+    check_next_token_selection(config, adapter)
     kept = dense.kept_layers()
     if config.compensation_target == "max_drift":
         check_num_compensated_layers(config.num_compensated_layers, len(kept))
@@ -156,6 +168,18 @@ def compensate(
     result.backup = down_projection_backup(adapter, [dense.layers[index] for index, _ in targets])
     try:
         folds = _fit_targets(dense, targets, shared_ids, first_sample, config, progress_bar, result)
+        if config.refinement_steps and folds:
+            result.refinement = refine(
+                dense,
+                [layer for layer, _ in folds],
+                adapter,
+                shared_ids,
+                first_sample,
+                config.refinement_steps,
+                config.refinement_lr,
+                config.batch_size,
+                progress_bar,
+            )
         if validation_ids is not None and folds:
             _keep_if_validated(dense, folds, validation_ids, config.batch_size, progress_bar, result)
         result.drift_after_compensation = drift_of(means("Compensated hidden states"))
@@ -194,7 +218,8 @@ def _fit_targets(
     folds = []
     for index, end in targets:
         layer = dense.layers[index]
-        fit = learn_compensation(model, adapter, layer, originals[end], shared_ids, config, progress_bar, first_sample)
+        learn = learn_by_next_token_loss if chooses_by_next_token_loss(config) else learn_compensation
+        fit = learn(model, adapter, layer, originals[end], shared_ids, config, progress_bar, first_sample)
         result.targets[index] = end
         if fit.skipped:
             result.skipped_layers[index] = "no lambda beat W' = I on held-out calibration sequences"
@@ -234,52 +259,3 @@ def _keep_if_validated(
         {index: "the compensation raised the validation perplexity" for index in result.compensated_layers}
     )
     result.compensated_layers, result.objective, result.reg_lambda = [], {}, {}
-
-
-@dataclass
-class RunCompensation:
-    """One compensation made during Stage 1, after a removal (`compensate_each_round`).
-
-    Args:
-        layer (`int`): The kept layer fitted (dense index).
-        target (`int`): The dense layer whose output it was fitted to (the end of the run of removed layers).
-        reg_lambda (`float`, *optional*): The lambda its fit used; `None` when it was left alone.
-        backup (`WeightBackup`): Its down projection(s) before the fold.
-    """
-
-    layer: int
-    target: int
-    reg_lambda: float | None
-    backup: WeightBackup = field(repr=False, compare=False)
-
-
-def compensate_run(
-    dense: LayerSnapshot,
-    calibration_ids: torch.LongTensor,
-    config: GradMAPConfig,
-    removed_layer: int,
-    progress_bar: bool = True,
-) -> RunCompensation | None:
-    """Compensation between removals (as Prune&Comp does): after `removed_layer` went, fits the kept
-    layer just before the run of removed layers it belongs to, to the dense hidden state at the end of
-    that run, and folds it, so that the next Stage 1 round scores the repaired model.
-
-    Returns:
-        [`RunCompensation`], or `None` when the run starts at layer 0 (no layer before it).
-    """
-    model, adapter = dense.model, dense.adapter
-    adapter.check_supported(model, compensation=True)
-    runs = compensation_targets(dense.kept_layers(), {}, dense.num_layers, "span_end", 0)
-    found = [(index, end) for index, end in runs if index < removed_layer <= end]
-    if not found:
-        return None
-    ((index, end),) = found
-    layer = dense.layers[index]
-    backup = down_projection_backup(adapter, [layer])
-    shared_ids, first_sample = distributed.shard(calibration_ids)  # all of them with one process
-    with dense.temporarily(range(dense.num_layers)):
-        (original,) = record_layer_outputs(model, [dense.layers[end]], shared_ids, config.batch_size, progress_bar)
-    fit = learn_compensation(model, adapter, layer, original, shared_ids, config, progress_bar, first_sample)
-    if not fit.skipped:
-        apply_compensation(adapter, layer, fit.matrix)
-    return RunCompensation(index, end, None if fit.skipped else fit.reg_lambda, backup)

@@ -1,7 +1,7 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""Stage 2's calibration passes: the mean hidden states behind the drift (Eq. 10), the dense outputs a
-layer is fitted to, and the sufficient statistics of the objective (Eq. 12-14).
+"""The sufficient statistics of the Stage 2 objective (Eq. 12-14), and the per-token rows of the fits that need
+more than them.
 
 The objective mean((W' y - r)^2) + lambda ||W' - I||^2, over all calibration tokens, with y the MLP output
 and r = x_O - x_F the target of its residual contribution, depends on the data only through A = sum y y^T,
@@ -11,7 +11,6 @@ device the model runs on, and moved to the CPU once, at the end of the pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,49 +18,7 @@ from torch import nn
 
 from .. import distributed
 from ..adapters import DecoderAdapter
-from ..passes import calibration_batches, for_each_layer_output, forward_hooks, layer_output
-
-
-def hidden_state_means(
-    model: nn.Module,
-    layers: Sequence[nn.Module],
-    input_ids: torch.LongTensor,
-    batch_size: int,
-    progress_bar: bool = True,
-    description: str = "Measuring hidden states",
-) -> torch.Tensor:
-    """Mean output hidden state of each layer over all calibration tokens.
-
-    Returns:
-        `torch.Tensor` of shape `(len(layers), hidden_size)`, float64, on CPU.
-    """
-    sums: list[torch.Tensor | None] = [None] * len(layers)
-
-    def accumulate(position: int, hidden: torch.Tensor) -> None:
-        total = hidden.reshape(-1, hidden.shape[-1]).sum(dim=0, dtype=torch.float64)
-        sums[position] = total if sums[position] is None else sums[position] + total
-
-    for_each_layer_output(model, layers, input_ids, batch_size, accumulate, description, progress_bar)
-    return torch.stack([total.cpu() for total in sums]) / input_ids.numel()
-
-
-def record_layer_outputs(
-    model: nn.Module,
-    layers: Sequence[nn.Module],
-    input_ids: torch.LongTensor,
-    batch_size: int,
-    progress_bar: bool = True,
-    description: str = "Recording original outputs",
-) -> list[torch.Tensor]:
-    """Output hidden states of the given layers on all calibration tokens, in float32 on CPU.
-
-    Returns:
-        `list[torch.Tensor]`, one tensor of shape `(num_samples, seq_len, hidden_size)` per layer.
-    """
-    outputs: list[list[torch.Tensor]] = [[] for _ in layers]
-    store = lambda position, hidden: outputs[position].append(hidden.float().cpu())  # noqa: E731
-    for_each_layer_output(model, layers, input_ids, batch_size, store, description, progress_bar)
-    return [torch.cat(chunks) for chunks in outputs]
+from .activations import CompensationBatch, for_each_compensation_batch
 
 
 @dataclass
@@ -118,42 +75,6 @@ class CompensationStatistics:
         )
 
 
-def for_each_compensation_batch(
-    model: nn.Module,
-    adapter: DecoderAdapter,
-    layer: nn.Module,
-    original_outputs: torch.Tensor,
-    input_ids: torch.LongTensor,
-    batch_size: int,
-    progress_bar: bool,
-    consume: Callable[[torch.Tensor, torch.Tensor, int], None],
-) -> None:
-    """Runs the pruned model and calls `consume(Y, R, first_sample)` per batch, with Y the MLP output and
-    R = X_O - X_F the target of the MLP's residual contribution, each `(samples, tokens, d)` in float64
-    on the model's device, and the index of the batch's first sample in `input_ids`."""
-    captured: dict[str, torch.Tensor] = {}
-    mlp = adapter.get_mlp(layer)
-    contribution_module = adapter.get_mlp_output_norm(layer) or mlp  # its output is what the layer adds to the residual
-    hooks = [
-        (mlp, lambda m, a, o: captured.__setitem__("mlp_output", layer_output(o))),
-        (contribution_module, lambda m, a, o: captured.__setitem__("contribution", layer_output(o))),
-        (layer, lambda m, a, o: captured.__setitem__("layer_output", layer_output(o))),
-    ]
-    start = 0
-    description = "Collecting compensation data"
-    with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches, forward_hooks(hooks):
-        for batch in batches:
-            model(input_ids=batch, use_cache=False)
-            pruned_output = captured["layer_output"].double()
-            # some families run the MLP on token-flattened rows: align with the layer output
-            contribution = captured["contribution"].double().reshape(pruned_output.shape)
-            ffn_input = pruned_output - contribution  # X_F
-            original = original_outputs[start : start + batch.shape[0]].to(ffn_input)
-            target = original - ffn_input  # R = X_O - X_F
-            consume(captured["mlp_output"].double().reshape(target.shape), target, start)
-            start += batch.shape[0]
-
-
 def compensation_statistics(
     model: nn.Module,
     adapter: DecoderAdapter,
@@ -164,6 +85,7 @@ def compensation_statistics(
     progress_bar: bool = True,
     num_folds: int = 1,
     first_sample: int = 0,
+    exclude_outliers: bool = False,
 ) -> CompensationStatistics | list[CompensationStatistics]:
     """Runs the pruned model on the calibration data and accumulates the Stage 2 statistics of `layer`.
 
@@ -181,6 +103,7 @@ def compensation_statistics(
             calibration sequences (sequence j in fold j mod `num_folds`), for cross-validation.
         first_sample (`int`, defaults to 0): The index of `input_ids[0]` in the whole calibration set
             (a process's share of it, see [`optimum_gradmap.distributed`]), which sets the folds.
+        exclude_outliers (`bool`, defaults to `False`): Leave out the [`outlier_tokens`].
 
     Returns:
         [`CompensationStatistics`] on CPU, or a list of one per fold when `num_folds > 1`.
@@ -189,28 +112,99 @@ def compensation_statistics(
     sums: dict[str, torch.Tensor] = {}  # created on the device of the first batch
     tokens = [0] * num_folds
 
-    def accumulate(mlp_output: torch.Tensor, target: torch.Tensor, batch_start: int) -> None:
+    def accumulate(batch: CompensationBatch) -> None:
+        mlp_output, target = batch.mlp_output, batch.target
         if not sums:
             options = {"dtype": torch.float64, "device": mlp_output.device}
             sums["gram"] = torch.zeros(num_folds, hidden_size, hidden_size, **options)
             sums["cross"] = torch.zeros(num_folds, hidden_size, hidden_size, **options)
             sums["energy"] = torch.zeros(num_folds, **options)
-        first = first_sample + batch_start
+        first = first_sample + batch.first_sample
         folds = [(first + position) % num_folds for position in range(mlp_output.shape[0])]
         for fold in sorted(set(folds)):
             rows = [position for position, sample_fold in enumerate(folds) if sample_fold == fold]
             every_row = len(rows) == mlp_output.shape[0]
-            y = (mlp_output if every_row else mlp_output[rows]).reshape(-1, hidden_size)
-            r = (target if every_row else target[rows]).reshape(-1, hidden_size)
+            y = mlp_output if every_row else mlp_output[rows]
+            r = target if every_row else target[rows]
+            if batch.kept is not None:  # the tokens kept, of the fold's sequences
+                kept = batch.kept if every_row else batch.kept[rows]
+                y, r = y[kept], r[kept]
+            y, r = y.reshape(-1, hidden_size), r.reshape(-1, hidden_size)
             sums["gram"][fold].add_(y.T @ y)
             sums["cross"][fold].add_(r.T @ y)
             sums["energy"][fold] += r.pow(2).sum()
             tokens[fold] += y.shape[0]
 
-    for_each_compensation_batch(model, adapter, layer, original_outputs, input_ids, batch_size, progress_bar, accumulate)
+    for_each_compensation_batch(
+        model, adapter, layer, original_outputs, input_ids, batch_size, progress_bar, accumulate, exclude_outliers
+    )
     gram, cross, energy = (sums[name].cpu() for name in ("gram", "cross", "energy"))
     folds = [CompensationStatistics(gram[f], cross[f], float(energy[f]), tokens[f]) for f in range(num_folds)]
     return folds if num_folds > 1 else folds[0]
+
+
+@dataclass
+class CompensationRows:
+    """Stage 2's data for one kept layer, one row per (kept) calibration token, float64, for the fits that need
+    more than the statistics (through a norm, the cosine objective).
+
+    Args:
+        mlp_output (`torch.Tensor` of shape `(rows, d)`): Y.
+        ffn_input (`torch.Tensor` of shape `(rows, d)`): X_F.
+        original (`torch.Tensor` of shape `(rows, d)`): X_O.
+        sample (`torch.Tensor` of shape `(rows,)`): The index of each row's sequence in the calibration set.
+    """
+
+    mlp_output: torch.Tensor
+    ffn_input: torch.Tensor
+    original: torch.Tensor
+    sample: torch.Tensor
+
+    @property
+    def target(self) -> torch.Tensor:
+        """R = X_O - X_F."""
+        return self.original - self.ffn_input
+
+    def select(self, rows: torch.Tensor) -> CompensationRows:
+        """The rows where the bool tensor `rows` is True."""
+        return CompensationRows(self.mlp_output[rows], self.ffn_input[rows], self.original[rows], self.sample[rows])
+
+    def statistics(self) -> CompensationStatistics:
+        """The sufficient statistics of these rows, on CPU."""
+        y, r = self.mlp_output, self.target
+        return CompensationStatistics((y.T @ y).cpu(), (r.T @ y).cpu(), float(r.pow(2).sum()), y.shape[0])
+
+
+def collect_rows(
+    model: nn.Module,
+    adapter: DecoderAdapter,
+    layer: nn.Module,
+    original_outputs: torch.Tensor,
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    progress_bar: bool = True,
+    first_sample: int = 0,
+    exclude_outliers: bool = False,
+) -> CompensationRows:
+    """Every (kept) calibration token's Y, X_F and X_O for `layer`, on the model's device; with several
+    processes, every process's rows, gathered as tensors in the order of the sequences."""
+    parts: list[CompensationRows] = []
+
+    def store(batch: CompensationBatch) -> None:
+        first = first_sample + batch.first_sample
+        y = batch.mlp_output
+        sample = torch.arange(first, first + y.shape[0], device=y.device)[:, None].expand(y.shape[:2])
+        kept = batch.kept if batch.kept is not None else torch.ones(y.shape[:2], dtype=torch.bool, device=y.device)
+        parts.append(CompensationRows(y[kept], batch.ffn_input[kept], batch.original[kept], sample[kept]))
+
+    for_each_compensation_batch(
+        model, adapter, layer, original_outputs, input_ids, batch_size, progress_bar, store, exclude_outliers
+    )
+    gathered = (
+        distributed.gather_rows(torch.cat([getattr(part, name) for part in parts]))
+        for name in ("mlp_output", "ffn_input", "original", "sample")
+    )
+    return CompensationRows(*gathered)
 
 
 def summed_over_processes(statistics: CompensationStatistics) -> CompensationStatistics:

@@ -3,18 +3,37 @@
 """Evaluation of dense and pruned models.
 
 - [`perplexity`]: perplexity under a named protocol (segment length) on a named dataset.
-- [`zero_shot`]: the paper's seven zero-shot tasks through lm-evaluation-harness.
+- [`zero_shot`]: the paper's seven zero-shot tasks (lm-evaluation-harness's definitions), every question recorded.
+- [`loglikelihood`]: answers' log-likelihoods, each question's context computed once.
+- [`comparison`]: two models compared question by question (paired difference, McNemar, retained %).
 - [`speed`]: decoding throughput and prefill latency with the KV cache.
 - [`suite`]: [`evaluate`], one call for a chosen set of these, returning an [`EvaluationResult`].
 """
 
+from .comparison import PairedAccuracy, ZeroShotComparison, compare_zero_shot, mcnemar_p_value
 from .perplexity import PerplexityResult, evaluation_segments, load_evaluation_segments, perplexity, protocol_name
 from .speed import SpeedResult, inference_speed
-from .suite import EvaluationResult, evaluate
-from .zero_shot import PAPER_TASKS, TaskResult, ZeroShotResult, zero_shot_accuracy
+from .suite import EvaluationResult, evaluate, records_path
+from .zero_shot import (
+    PAPER_TASKS,
+    SCREENING_SUBSETS,
+    STANDARD_SUBSETS,
+    QuestionRecord,
+    TaskResult,
+    ZeroShotResult,
+    zero_shot_accuracy,
+)
 
 __all__ = [
     "PAPER_TASKS",
+    "SCREENING_SUBSETS",
+    "STANDARD_SUBSETS",
+    "PairedAccuracy",
+    "QuestionRecord",
+    "ZeroShotComparison",
+    "compare_zero_shot",
+    "mcnemar_p_value",
+    "records_path",
     "EvaluationResult",
     "PerplexityResult",
     "SpeedResult",

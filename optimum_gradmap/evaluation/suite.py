@@ -5,7 +5,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -17,7 +18,7 @@ from ..data import check_dataset_name
 from ..files import write_atomically
 from .perplexity import PerplexityResult, load_evaluation_segments, perplexity, protocol_name
 from .speed import SpeedResult, inference_speed
-from .zero_shot import ZeroShotResult, zero_shot_accuracy
+from .zero_shot import STANDARD_SUBSETS, ZeroShotResult, zero_shot_accuracy
 
 logger = logging.get_logger(__name__)
 
@@ -39,12 +40,20 @@ class EvaluationResult:
     speed: SpeedResult | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The summary, JSON-serialisable (the zero-shot questions' records are not in it: see [`to_json`])."""
+        values = asdict(self)
+        values["zero_shot"] = self.zero_shot.to_dict() if self.zero_shot is not None else None
+        return values
 
     def to_json(self, path: str | None = None) -> str:
-        """Returns the result as JSON, and writes it to `path` (atomically) if given."""
+        """Returns the summary as JSON, and writes it to `path` if given, with every zero-shot question's
+        record beside it as JSON lines ([`records_path`]: one line per question, its task, id, answers'
+        log-likelihoods, choice and whether it is right). Both files are written atomically."""
         text = json.dumps(self.to_dict(), indent=2)
         if path is not None:
+            if self.zero_shot is not None:
+                lines = "".join(json.dumps(record) + "\n" for record in self.zero_shot.records())
+                write_atomically(records_path(path), lines)
             write_atomically(path, text + "\n")
         return text
 
@@ -56,11 +65,17 @@ class EvaluationResult:
                 f"  {entry.dataset} perplexity: {entry.perplexity:.3f} ({entry.protocol}, {entry.num_segments} segments)"
             )
         if self.zero_shot:
-            limit = f"first {self.zero_shot.limit} questions" if self.zero_shot.limit else "all questions"
-            for task in self.zero_shot.tasks:
+            zero_shot = self.zero_shot
+            for task in zero_shot.tasks:
                 norm = "" if task.acc_norm is None else f", acc_norm {task.acc_norm:.4f}"
-                lines.append(f"  {task.task} ({task.split}, {task.num_samples} questions): acc {task.acc:.4f}{norm}")
-            lines.append(f"  zero-shot average acc: {self.zero_shot.average_acc:.4f} ({limit} of each task)")
+                error = f" +/- {task.acc_stderr:.4f}" if task.acc_stderr is not None else ""
+                of = f" of {task.split_size}" if task.split_size and task.split_size != task.num_samples else ""
+                lines.append(f"  {task.task} ({task.split}, {task.num_samples}{of} questions): acc {task.acc:.4f}{error}{norm}")
+            questions = sum(task.num_samples for task in zero_shot.tasks)
+            lines.append(
+                f"  zero-shot: average acc {zero_shot.average_acc:.4f} over {len(zero_shot.tasks)} tasks, "
+                f"{zero_shot.pooled_acc:.4f} over all {questions} questions ({zero_shot.seconds:.0f} s)"
+            )
         if self.speed:
             speed = self.speed
             lines.append(
@@ -70,20 +85,33 @@ class EvaluationResult:
         return "\n".join(lines)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "EvaluationResult":
+    def from_dict(cls, values: dict[str, Any], records: Sequence[dict[str, Any]] = ()) -> "EvaluationResult":
+        """Builds a result from [`to_dict`]'s output and, optionally, the zero-shot questions' records."""
         values = dict(values)
         values["perplexities"] = [PerplexityResult(**entry) for entry in values.get("perplexities", [])]
         if values.get("zero_shot") is not None:
-            values["zero_shot"] = ZeroShotResult.from_dict(values["zero_shot"])
+            values["zero_shot"] = ZeroShotResult.from_dict(values["zero_shot"], records)
         if values.get("speed") is not None:
             values["speed"] = SpeedResult(**values["speed"])
         return cls(**values)
 
     @classmethod
     def from_json(cls, path: str) -> "EvaluationResult":
-        """Reads a result written by [`to_json`]."""
+        """Reads a result written by [`to_json`], with its questions' records when they are beside it."""
         with open(path, encoding="utf-8") as file:
-            return cls.from_dict(json.load(file))
+            values = json.load(file)
+        records = []
+        if os.path.isfile(records_path(path)):
+            with open(records_path(path), encoding="utf-8") as file:
+                records = [json.loads(line) for line in file if line.strip()]
+        return cls.from_dict(values, records)
+
+
+def records_path(path: str | os.PathLike) -> str:
+    """Where [`EvaluationResult.to_json`] writes the zero-shot questions' records for a summary at `path`:
+    `result.json` -> `result.questions.jsonl`."""
+    stem = os.fspath(path)[: -len(".json")] if os.fspath(path).endswith(".json") else os.fspath(path)
+    return stem + ".questions.jsonl"
 
 
 def evaluate(
@@ -94,6 +122,7 @@ def evaluate(
     max_segments: int | None = None,
     tasks: Sequence[str] = (),
     task_limit: int | None = None,
+    task_subsets: Mapping[str, int] = STANDARD_SUBSETS,
     task_data: str = "hub",
     speed: bool = False,
     batch_size: int = 8,
@@ -114,7 +143,9 @@ def evaluate(
             in the result through `num_segments`.
         tasks (`Sequence[str]`, defaults to `()`): Zero-shot tasks (see [`zero_shot_accuracy`]), e.g.
             `PAPER_TASKS` for the paper's seven.
-        task_limit (`int`, *optional*): Questions per task, for quick runs (stated in the result).
+        task_limit (`int`, *optional*): The first questions of each task only, for quick runs (stated in the result).
+        task_subsets (`Mapping[str, int]`, defaults to `STANDARD_SUBSETS`): Without `task_limit`, the tasks
+            scored on a fixed random subset of their questions, and its size (see [`zero_shot_accuracy`]).
         task_data (`str`, defaults to `"hub"`): `"hub"` or `"offline"`, see [`zero_shot_accuracy`].
         speed (`bool`, defaults to `False`): Also measure inference speed with
             [`inference_speed`]'s defaults.
@@ -143,7 +174,14 @@ def evaluate(
         logger.info(f"{name}: {dataset} perplexity {value:.3f} ({protocol_name(segment_length)}, {segments.shape[0]} segments)")
     if tasks:
         result.zero_shot = zero_shot_accuracy(
-            model, tokenizer, tasks, limit=task_limit, task_data=task_data, batch_size=batch_size, progress_bar=progress_bar
+            model,
+            tokenizer,
+            tasks,
+            limit=task_limit,
+            task_data=task_data,
+            batch_size=batch_size,
+            progress_bar=progress_bar,
+            subsets=task_subsets,
         )
         logger.info(f"{name}: zero-shot average accuracy {result.zero_shot.average_acc:.4f} over {len(tasks)} tasks")
     if speed:

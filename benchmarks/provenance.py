@@ -1,0 +1,88 @@
+"""Where a benchmark figure comes from: every row a benchmark writes carries `provenance()`, taken when the
+row's measurement starts and finished when it ends (`finish(...)`):
+
+- `commit` (and `dirty`: uncommitted changes to tracked files), `date` (UTC), the exact `command`;
+- the machine: CPU count, platform, torch and transformers versions;
+- `load_before` / `load_after`: the 1-, 5- and 15-minute load averages when the row started and ended;
+- `others_running`: the other processes that used more than 10% of a CPU when the row started or ended
+  (none means the machine was quiet, as far as two looks can tell), and `quiet`: no such process at
+  either end and a 1-minute load below 1 before the row started (the load at its end counts the row itself).
+
+A row copied from another measurement carries `copied_from` (what it was copied from) instead of being
+measured again; `mark_copy` adds it, and every table that shows the row says so.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+
+import torch
+import transformers
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _git(*arguments: str) -> str:
+    try:
+        return subprocess.run(["git", *arguments], cwd=_ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def other_busy_processes(threshold: float = 10.0) -> list[str]:
+    """The other processes using more than `threshold` percent of a CPU right now (from `ps`)."""
+    try:
+        lines = subprocess.run(
+            ["ps", "-eo", "pid,pcpu,args", "--no-headers"], capture_output=True, text=True, timeout=30
+        ).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return ["(ps failed)"]
+    busy = []
+    for line in lines:
+        pid, cpu, *command = line.split(maxsplit=2)
+        if int(pid) != os.getpid() and float(cpu) > threshold:
+            busy.append(f"{pid} {cpu}% {command[0][:120] if command else ''}")
+    return busy
+
+
+def provenance() -> dict:
+    """The provenance of a measurement that starts now (see the module docstring); `finish` completes it."""
+    return {
+        "commit": _git("rev-parse", "HEAD"),
+        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join([os.path.relpath(sys.argv[0], _ROOT), *sys.argv[1:]]),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "load_before": list(os.getloadavg()),
+        "others_running_before": other_busy_processes(),
+        "started": time.time(),
+    }
+
+
+def finish(record: dict) -> dict:
+    """Completes a provenance started by [`provenance`] when the measurement ends."""
+    record = dict(record)
+    record["load_after"] = list(os.getloadavg())
+    record["others_running_after"] = other_busy_processes()
+    record["seconds"] = time.time() - record.pop("started")
+    # the load at the end counts this measurement itself: only the load before it, and the others, tell
+    record["quiet"] = (
+        not record["others_running_before"] and not record["others_running_after"] and record["load_before"][0] < 1.0
+    )
+    return record
+
+
+def mark_copy(row: dict, source: str) -> dict:
+    """`row`, marked as a copy of `source` (a row of another measurement): shown as such wherever it appears."""
+    return {**row, "copied_from": source}

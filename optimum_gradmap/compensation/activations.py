@@ -1,0 +1,143 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""Stage 2's calibration passes: the mean hidden states behind the drift (Eq. 10), the dense outputs a layer
+is fitted to, and, batch by batch, what the fit of one kept layer needs ([`CompensationBatch`]: the MLP's
+output, the residual stream it is added to, the dense hidden state to match, and which tokens to use)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..adapters import DecoderAdapter
+from ..passes import calibration_batches, for_each_layer_output, forward_hooks, layer_output
+
+
+def hidden_state_means(
+    model: nn.Module,
+    layers: Sequence[nn.Module],
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    progress_bar: bool = True,
+    description: str = "Measuring hidden states",
+) -> torch.Tensor:
+    """Mean output hidden state of each layer over all calibration tokens.
+
+    Returns:
+        `torch.Tensor` of shape `(len(layers), hidden_size)`, float64, on CPU.
+    """
+    sums: list[torch.Tensor | None] = [None] * len(layers)
+
+    def accumulate(position: int, hidden: torch.Tensor) -> None:
+        total = hidden.reshape(-1, hidden.shape[-1]).sum(dim=0, dtype=torch.float64)
+        sums[position] = total if sums[position] is None else sums[position] + total
+
+    for_each_layer_output(model, layers, input_ids, batch_size, accumulate, description, progress_bar)
+    return torch.stack([total.cpu() for total in sums]) / input_ids.numel()
+
+
+def record_layer_outputs(
+    model: nn.Module,
+    layers: Sequence[nn.Module],
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    progress_bar: bool = True,
+    description: str = "Recording original outputs",
+) -> list[torch.Tensor]:
+    """Output hidden states of the given layers on all calibration tokens, in float32 on CPU.
+
+    Returns:
+        `list[torch.Tensor]`, one tensor of shape `(num_samples, seq_len, hidden_size)` per layer.
+    """
+    outputs: list[list[torch.Tensor]] = [[] for _ in layers]
+    store = lambda position, hidden: outputs[position].append(hidden.float().cpu())  # noqa: E731
+    for_each_layer_output(model, layers, input_ids, batch_size, store, description, progress_bar)
+    return [torch.cat(chunks) for chunks in outputs]
+
+
+# A token whose dense hidden state's norm exceeds this many times the median of its batch is an outlier.
+OUTLIER_NORM_FACTOR = 5.0
+
+
+def outlier_tokens(original: torch.Tensor, factor: float = OUTLIER_NORM_FACTOR) -> torch.Tensor:
+    """The tokens that carry massive activations (Sun et al., COLM 2024, "Massive Activations in Large
+    Language Models"; LinearPatch, Chen et al., NeurIPS 2025, Sec. 3.1): the first token of every sequence,
+    and every token whose dense hidden state's norm exceeds `factor` times the median norm of the batch.
+    Measured on SmolLM2-135M's calibration windows: the first token's norm is about 150 times the median
+    from layer 14 on, so in an L2 fit one such token weighs as much as 20,000 others.
+
+    Args:
+        original (`torch.Tensor` of shape `(samples, tokens, d)`): The dense hidden states.
+
+    Returns:
+        `torch.Tensor` of shape `(samples, tokens)`, bool: True for an outlier.
+    """
+    norms = original.norm(dim=-1)
+    outliers = norms > factor * norms.median()
+    outliers[:, 0] = True
+    return outliers
+
+
+@dataclass
+class CompensationBatch:
+    """One batch of Stage 2's data for a kept layer, each tensor `(samples, tokens, d)` in float64 on the
+    model's device.
+
+    Args:
+        mlp_output (`torch.Tensor`): Y, the MLP's output, which W' multiplies.
+        ffn_input (`torch.Tensor`): X_F, the residual stream the MLP's contribution is added to.
+        original (`torch.Tensor`): X_O, the dense hidden state the layer's output should match.
+        first_sample (`int`): The index of the batch's first sequence in the calibration sequences given.
+        kept (`torch.Tensor` of shape `(samples, tokens)`, *optional*): The tokens the fit uses (all when `None`).
+    """
+
+    mlp_output: torch.Tensor
+    ffn_input: torch.Tensor
+    original: torch.Tensor
+    first_sample: int
+    kept: torch.Tensor | None = None
+
+    @property
+    def target(self) -> torch.Tensor:
+        """R = X_O - X_F, the target of the MLP's residual contribution."""
+        return self.original - self.ffn_input
+
+
+def for_each_compensation_batch(
+    model: nn.Module,
+    adapter: DecoderAdapter,
+    layer: nn.Module,
+    original_outputs: torch.Tensor,
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    progress_bar: bool,
+    consume: Callable[[CompensationBatch], None],
+    exclude_outliers: bool = False,
+) -> None:
+    """Runs the pruned model and calls `consume` with each batch's [`CompensationBatch`]; with
+    `exclude_outliers`, its `kept` tokens leave out [`outlier_tokens`]."""
+    captured: dict[str, torch.Tensor] = {}
+    mlp = adapter.get_mlp(layer)
+    contribution_module = adapter.get_mlp_output_norm(layer) or mlp  # its output is what the layer adds to the residual
+    hooks = [
+        (mlp, lambda m, a, o: captured.__setitem__("mlp_output", layer_output(o))),
+        (contribution_module, lambda m, a, o: captured.__setitem__("contribution", layer_output(o))),
+        (layer, lambda m, a, o: captured.__setitem__("layer_output", layer_output(o))),
+    ]
+    start = 0
+    description = "Collecting compensation data"
+    with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches, forward_hooks(hooks):
+        for batch in batches:
+            model(input_ids=batch, use_cache=False)
+            pruned_output = captured["layer_output"].double()
+            # some families run the MLP on token-flattened rows: align with the layer output
+            contribution = captured["contribution"].double().reshape(pruned_output.shape)
+            ffn_input = pruned_output - contribution  # X_F
+            original = original_outputs[start : start + batch.shape[0]].to(ffn_input)
+            mlp_output = captured["mlp_output"].double().reshape(original.shape)
+            kept = ~outlier_tokens(original) if exclude_outliers else None
+            consume(CompensationBatch(mlp_output, ffn_input, original, start, kept))
+            start += batch.shape[0]

@@ -1,0 +1,70 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""Compensation between Stage 1 removals (`compensate_each_round`, Prune&Comp's schedule): after each removal,
+the kept layer before the run the removed layer belongs to is fitted to the run's dense end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import distributed
+from ..configuration import GradMAPConfig
+from ..surgery import LayerSnapshot
+from ..weights import WeightBackup
+from .activations import record_layer_outputs
+from .fit import learn_compensation
+from .folding import apply_compensation, down_projection_backup
+from .next_token import chooses_by_next_token_loss, learn_by_next_token_loss
+from .targets import compensation_targets
+
+
+@dataclass
+class RunCompensation:
+    """One compensation made during Stage 1, after a removal (`compensate_each_round`).
+
+    Args:
+        layer (`int`): The kept layer fitted (dense index).
+        target (`int`): The dense layer whose output it was fitted to (the end of the run of removed layers).
+        reg_lambda (`float`, *optional*): The lambda its fit used; `None` when it was left alone.
+        backup (`WeightBackup`): Its down projection(s) before the fold.
+    """
+
+    layer: int
+    target: int
+    reg_lambda: float | None
+    backup: WeightBackup = field(repr=False, compare=False)
+
+
+def compensate_run(
+    dense: LayerSnapshot,
+    calibration_ids: torch.LongTensor,
+    config: GradMAPConfig,
+    removed_layer: int,
+    progress_bar: bool = True,
+) -> RunCompensation | None:
+    """Compensation between removals (as Prune&Comp does): after `removed_layer` went, fits the kept
+    layer just before the run of removed layers it belongs to, to the dense hidden state at the end of
+    that run, and folds it, so that the next Stage 1 round scores the repaired model.
+
+    Returns:
+        [`RunCompensation`], or `None` when the run starts at layer 0 (no layer before it).
+    """
+    model, adapter = dense.model, dense.adapter
+    adapter.check_supported(model, compensation=True)
+    runs = compensation_targets(dense.kept_layers(), {}, dense.num_layers, "span_end", 0)
+    found = [(index, end) for index, end in runs if index < removed_layer <= end]
+    if not found:
+        return None
+    ((index, end),) = found
+    layer = dense.layers[index]
+    backup = down_projection_backup(adapter, [layer])
+    shared_ids, first_sample = distributed.shard(calibration_ids)  # all of them with one process
+    with dense.temporarily(range(dense.num_layers)):
+        (original,) = record_layer_outputs(model, [dense.layers[end]], shared_ids, config.batch_size, progress_bar)
+    learn = learn_by_next_token_loss if chooses_by_next_token_loss(config) else learn_compensation
+    fit = learn(model, adapter, layer, original, shared_ids, config, progress_bar, first_sample)
+    if not fit.skipped:
+        apply_compensation(adapter, layer, fit.matrix)
+    return RunCompensation(index, end, None if fit.skipped else fit.reg_lambda, backup)

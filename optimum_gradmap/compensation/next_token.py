@@ -1,0 +1,124 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""Choosing lambda by what the model predicts (`compensation_selection="next_token_loss"`), not by how close
+its hidden state comes to the dense one.
+
+The default `reg_lambda="auto"` picks, for each kept layer, the ridge strength whose W' best reproduces the
+dense hidden state on held-out calibration sequences. A hidden state that is closer in squared error is not
+always one from which the rest of the model predicts better. Here every strength of the grid is fitted on
+three of the four cross-validation folds of sequences, folded into the layer, and scored by the model's
+next-token loss on the fourth fold's sequences (the whole model runs: the later layers, the final norm and
+the head decide); W' = I (the layer left alone) is a candidate too. The strength with the lowest loss is then
+fitted on every sequence. The held-out criterion is the one LinearPatch (Chen et al., NeurIPS 2025, Sec. 3.3)
+and ReplaceMe report accuracy against; the grid and folds are those of the default.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .. import distributed
+from ..adapters import DecoderAdapter
+from ..configuration import GradMAPConfig
+from ..errors import InvalidInputError
+from ..evaluation.perplexity import perplexity
+from .folding import apply_compensation, down_projection_backup
+from .solvers import (
+    AUTO_NUM_FOLDS,
+    AUTO_RIDGE_GRID,
+    CompensationFit,
+    RidgeChoice,
+    lambda_for_strength,
+    relative_ridge,
+    ridge_solutions,
+    solve_closed_form,
+)
+from .statistics import compensation_statistics, summed_over_processes
+
+
+def chooses_by_next_token_loss(config: GradMAPConfig) -> bool:
+    """Whether `config` chooses lambda by the held-out next-token loss ([`learn_by_next_token_loss`])."""
+    return config.reg_lambda == "auto" and config.compensation_selection == "next_token_loss"
+
+
+def check_next_token_selection(config: GradMAPConfig, adapter: DecoderAdapter) -> None:
+    """Refuses, before anything changes, a next-token selection that cannot be made.
+
+    Raises:
+        InvalidInputError: with the cosine objective, or for a family with a norm after the MLP.
+    """
+    if chooses_by_next_token_loss(config) and (
+        adapter.mlp_output_norm_path is not None or config.compensation_objective != "mse"
+    ):
+        raise InvalidInputError(
+            "compensation_selection='next_token_loss' chooses among closed-form fits: it needs the mean-squared-error "
+            "objective and a family whose MLP output reaches the residual stream directly (no norm after the MLP)."
+        )
+
+
+def held_out_next_token_loss(model: nn.Module, input_ids: torch.LongTensor, batch_size: int, progress_bar: bool) -> float:
+    """The model's mean next-token loss on `input_ids` (this process's share; averaged over processes)."""
+    local = math.log(perplexity(model, input_ids, batch_size, progress_bar))
+    return float(distributed.average(torch.tensor(local, dtype=torch.float64), input_ids.numel()))
+
+
+def learn_by_next_token_loss(
+    model: nn.Module,
+    adapter: DecoderAdapter,
+    layer: nn.Module,
+    original_outputs: torch.Tensor,
+    input_ids: torch.LongTensor,
+    config: GradMAPConfig,
+    progress_bar: bool = True,
+    first_sample: int = 0,
+) -> CompensationFit:
+    """W' for one kept layer, its lambda chosen by the next-token loss on held-out calibration sequences (see
+    the module docstring). The model is left as it was (the candidates are folded and undone in turn).
+
+    Returns:
+        [`CompensationFit`]: its `cross_validation.heldout_error` holds each strength's held-out next-token
+        loss, and `identity_error` the loss with the layer left alone.
+    """
+    check_next_token_selection(config, adapter)
+    folds = compensation_statistics(
+        model,
+        adapter,
+        layer,
+        original_outputs,
+        input_ids,
+        config.batch_size,
+        progress_bar,
+        num_folds=AUTO_NUM_FOLDS,
+        first_sample=first_sample,
+        exclude_outliers=config.exclude_outlier_tokens,
+    )
+    folds = [summed_over_processes(fold) for fold in folds]
+    train = sum(folds[1:-1], folds[0])
+    held_out = input_ids[[i for i in range(input_ids.shape[0]) if (first_sample + i) % AUTO_NUM_FOLDS == AUTO_NUM_FOLDS - 1]]
+    candidates = ridge_solutions(train, [relative_ridge(train, alpha) for alpha in AUTO_RIDGE_GRID], config.compensation_form)
+    backup = down_projection_backup(adapter, [layer])
+
+    def loss_with(matrix: torch.Tensor) -> float:
+        apply_compensation(adapter, layer, matrix)
+        try:
+            return held_out_next_token_loss(model, held_out, config.batch_size, progress_bar)
+        finally:
+            backup.restore()
+
+    identity_loss = held_out_next_token_loss(model, held_out, config.batch_size, progress_bar)
+    losses = {alpha: loss_with(matrix) for alpha, matrix in zip(AUTO_RIDGE_GRID, candidates)}
+    best = min(AUTO_RIDGE_GRID, key=lambda alpha: (losses[alpha], -alpha))
+    choice = RidgeChoice(best if losses[best] < identity_loss else None, losses, identity_loss)
+    size = original_outputs.shape[-1]
+    if choice.alpha is None:
+        return CompensationFit.identity(size, choice)
+    total = sum(folds[1:], folds[0])
+    reg_lambda = lambda_for_strength(choice.alpha, total.mean_eigenvalue, total.num_elements)
+    matrix = solve_closed_form(total, reg_lambda, config.compensation_form)
+    identity = torch.eye(size, dtype=torch.float64)
+    return CompensationFit(
+        matrix, float(total.objective(identity, reg_lambda)), float(total.objective(matrix, reg_lambda)), reg_lambda, choice
+    )

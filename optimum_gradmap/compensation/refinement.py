@@ -1,0 +1,144 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""Output-aware refinement of the compensation matrices (`refinement_steps`; LinearPatch, Chen et al.,
+NeurIPS 2025, Sec. 3.3, "memory-efficient offline knowledge distillation", here on calibration text only).
+
+The closed-form fits each match a hidden state; the refinement then adjusts all of them together so that
+the pruned model's next-token distribution matches the dense model's. Each compensated layer gets a factor
+R (d x d, from the identity) on its MLP output, and Adam minimises, over the training folds' calibration
+sequences (three of the four cross-validation folds, in batches), the cross-entropy from the dense model's
+top-K next-token distribution (its K most likely tokens, renormalised; K = `TOP_K`) to the pruned model's:
+
+    - mean over tokens of sum_{k in top-K} p_dense(k) log p_pruned(k)
+
+which is the KL divergence of the two up to a constant. Only the factors are trained: every weight of the
+model is frozen, and the gradient reaches the factors through the layers after them, the final norm and the
+head. The held-out fold's loss is checked every `CHECK_EVERY` steps, and the factors with the lowest one (the
+identity included, i.e. the closed-form fits alone) are folded into the down projections: R W' W_down, exact
+like W'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from transformers.utils import logging
+
+from .. import distributed
+from ..adapters import DecoderAdapter
+from ..passes import calibration_mode, forward_hooks, input_device
+from ..surgery import LayerSnapshot
+from .folding import apply_compensation
+from .solvers import AUTO_NUM_FOLDS
+
+logger = logging.get_logger(__name__)
+
+# The dense model's most likely next tokens kept as the target of each position.
+TOP_K = 64
+# Held-out checks: every this many steps.
+CHECK_EVERY = 10
+
+
+def dense_top_k(dense: LayerSnapshot, input_ids: torch.LongTensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense model's `TOP_K` most likely next tokens at every position but the last, and their
+    probabilities renormalised over them: `(samples, tokens - 1, TOP_K)` indices and float32 probabilities."""
+    model = dense.model
+    indices, probabilities = [], []
+    with dense.temporarily(range(dense.num_layers)), calibration_mode(model):
+        for start in range(0, input_ids.shape[0], batch_size):
+            batch = input_ids[start : start + batch_size].to(input_device(model))
+            log_probs = torch.log_softmax(model(input_ids=batch, use_cache=False).logits[:, :-1].float(), dim=-1)
+            top = log_probs.topk(TOP_K, dim=-1)
+            indices.append(top.indices.cpu())
+            probabilities.append(torch.softmax(top.values, dim=-1).cpu())
+    return torch.cat(indices), torch.cat(probabilities)
+
+
+def _distillation_loss(
+    model: nn.Module, batch: torch.LongTensor, indices: torch.Tensor, probabilities: torch.Tensor
+) -> torch.Tensor:
+    """The cross-entropy from the dense top-K distribution to the model's, mean over positions."""
+    log_probs = torch.log_softmax(model(input_ids=batch, use_cache=False).logits[:, :-1].float(), dim=-1)
+    chosen = log_probs.gather(-1, indices.to(log_probs.device))
+    return -(probabilities.to(log_probs.device) * chosen).sum(-1).mean()
+
+
+def refine(
+    dense: LayerSnapshot,
+    layers: Sequence[nn.Module],
+    adapter: DecoderAdapter,
+    input_ids: torch.LongTensor,
+    first_sample: int,
+    num_steps: int,
+    learning_rate: float,
+    batch_size: int,
+    progress_bar: bool = True,
+) -> dict[str, float]:
+    """Refines the compensation of `layers` (already folded) by distillation from the dense model (see the module
+    docstring), and folds the factors with the lowest held-out loss.
+
+    Args:
+        dense ([`LayerSnapshot`]): The dense stack of the pruned model.
+        layers (`Sequence[nn.Module]`): The compensated layers.
+        adapter (`DecoderAdapter`): The family's adapter.
+        input_ids (`torch.LongTensor`): Calibration sequences (this process's share, from `first_sample`).
+        first_sample (`int`): The index of `input_ids[0]` in the calibration set (which sets the folds).
+        num_steps (`int`), learning_rate (`float`), batch_size (`int`): Adam's steps, step size and batches.
+        progress_bar (`bool`, defaults to `True`): Show a progress bar.
+
+    Returns:
+        `dict[str, float]`: the held-out loss before (`"start"`) and after (`"refined"`), and the step kept.
+    """
+    model = dense.model
+    folds = [(first_sample + i) % AUTO_NUM_FOLDS for i in range(input_ids.shape[0])]
+    train = [i for i, fold in enumerate(folds) if fold != AUTO_NUM_FOLDS - 1]
+    held_out = [i for i, fold in enumerate(folds) if fold == AUTO_NUM_FOLDS - 1]
+    indices, probabilities = dense_top_k(dense, input_ids, batch_size)
+    device, hidden_size = input_device(model), model.get_input_embeddings().weight.shape[1]
+    factors = [torch.eye(hidden_size, device=device, requires_grad=True) for _ in layers]
+    hooks = [
+        (adapter.get_mlp(layer), lambda module, args, output, factor=factor: _scaled(output, factor))
+        for layer, factor in zip(layers, factors)
+    ]
+
+    def held_out_loss() -> float:
+        total = 0.0
+        with torch.no_grad():
+            for start in range(0, len(held_out), batch_size):
+                rows = held_out[start : start + batch_size]
+                batch = input_ids[rows].to(device)
+                total += float(_distillation_loss(model, batch, indices[rows], probabilities[rows])) * len(rows)
+        return float(distributed.average(torch.tensor(total / len(held_out), dtype=torch.float64), len(held_out)))
+
+    optimizer = torch.optim.Adam(factors, lr=learning_rate)
+    generator = torch.Generator().manual_seed(0)
+    with calibration_mode(model, grad=True, freeze_parameters=True), forward_hooks(hooks):
+        start_loss = best_loss = held_out_loss()
+        best = [factor.detach().clone() for factor in factors]
+        best_step = 0
+        for step in logging.tqdm(
+            range(1, num_steps + 1), desc="Refining W' (distillation)", leave=False, disable=not progress_bar
+        ):
+            rows = [train[i] for i in torch.randperm(len(train), generator=generator)[:batch_size].tolist()]
+            optimizer.zero_grad(set_to_none=True)
+            _distillation_loss(model, input_ids[rows].to(device), indices[rows], probabilities[rows]).backward()
+            for factor in factors:  # every process takes the same step: the mean of their gradients
+                factor.grad = distributed.all_reduce_sum(factor.grad) / distributed.world_size()
+            optimizer.step()
+            if step % CHECK_EVERY == 0:
+                loss = held_out_loss()
+                if loss < best_loss:
+                    best_loss, best, best_step = loss, [factor.detach().clone() for factor in factors], step
+    for layer, factor in zip(layers, best):
+        apply_compensation(adapter, layer, factor.double().cpu())
+    logger.info(f"Refinement: held-out distillation loss {start_loss:.6g} -> {best_loss:.6g} (step {best_step} of {num_steps})")
+    return {"start": start_loss, "refined": best_loss, "step": best_step}
+
+
+def _scaled(output: object, factor: torch.Tensor) -> object:
+    """The MLP's output with its last dimension multiplied by `factor` (a tuple's first element, for MoE blocks)."""
+    if isinstance(output, tuple):
+        return (output[0] @ factor.T.to(output[0].dtype), *output[1:])
+    return output @ factor.T.to(output.dtype)

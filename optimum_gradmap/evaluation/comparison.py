@@ -1,0 +1,220 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""Paired comparison of two models' zero-shot answers, question by question.
+
+Two models evaluated on the same questions differ on few of them: their accuracies' difference is
+measured much more precisely from the pairs than from two independent accuracies. For each task and
+pooled over every question (each counted once):
+
+- each model's accuracy;
+- the paired difference d = mean over questions of (right_b - right_a), with its standard error
+  sd(right_b - right_a) / sqrt(n);
+- McNemar's exact test: under "no difference", a question one model gets right and the other wrong is as
+  likely to favour either, so the number favouring B among the n_discordant such questions is
+  Binomial(n_discordant, 1/2); the two-sided p-value;
+- with a reference model (the dense one), each model's retained accuracy: its accuracy as a percentage of
+  the reference's (per task, and for the average over tasks, as LinearPatch and ReplaceMe report it).
+
+The average over tasks (each task weighted equally, the papers' "zero-shot average") has the standard error
+sqrt(sum over tasks of SE_t^2) / number of tasks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import InvalidInputError
+from .zero_shot import ZeroShotResult
+
+
+def mcnemar_p_value(only_a: int, only_b: int) -> float:
+    """The two-sided p-value of McNemar's exact test: twice the probability of a split of the discordant
+    questions at least as uneven as (`only_a`, `only_b`) under Binomial(only_a + only_b, 1/2), at most 1."""
+    discordant = only_a + only_b
+    if discordant == 0:
+        return 1.0
+    smaller = min(only_a, only_b)
+    log_half = discordant * math.log(0.5)
+    tail = sum(
+        math.exp(math.lgamma(discordant + 1) - math.lgamma(k + 1) - math.lgamma(discordant - k + 1) + log_half)
+        for k in range(smaller + 1)
+    )
+    return min(1.0, 2.0 * tail)
+
+
+@dataclass
+class PairedAccuracy:
+    """Two models on the same questions of one task (or all tasks pooled).
+
+    Attributes:
+        task (`str`): The task, or `"pooled"` for every question of every task.
+        num_questions (`int`): Questions both models answered.
+        acc_a, acc_b (`float`): Each model's accuracy on them.
+        difference (`float`): acc_b - acc_a, the mean paired difference.
+        stderr (`float`): Its standard error, from the paired differences.
+        only_a, only_b (`int`): Questions only A, only B got right.
+        p_value (`float`): McNemar's exact two-sided p-value.
+        retained_a, retained_b (`float`, *optional*): Each accuracy as a percentage of the reference model's.
+    """
+
+    task: str
+    num_questions: int
+    acc_a: float
+    acc_b: float
+    difference: float
+    stderr: float
+    only_a: int
+    only_b: int
+    p_value: float
+    retained_a: float | None = None
+    retained_b: float | None = None
+
+    @classmethod
+    def from_answers(cls, task: str, right_a: Sequence[int], right_b: Sequence[int]) -> PairedAccuracy:
+        """From each model's right (1) / wrong (0) answer to the same questions, in the same order."""
+        n = len(right_a)
+        if n != len(right_b) or n == 0:
+            raise InvalidInputError(f"{task}: paired answers need the same, non-empty questions ({n} and {len(right_b)}).")
+        differences = [b - a for a, b in zip(right_a, right_b)]
+        mean = sum(differences) / n
+        variance = sum((d - mean) ** 2 for d in differences) / (n - 1) if n > 1 else 0.0
+        only_a, only_b = differences.count(-1), differences.count(1)
+        return cls(
+            task,
+            n,
+            sum(right_a) / n,
+            sum(right_b) / n,
+            mean,
+            math.sqrt(variance / n),
+            only_a,
+            only_b,
+            mcnemar_p_value(only_a, only_b),
+        )
+
+
+@dataclass
+class ZeroShotComparison:
+    """Model B against model A on the same zero-shot questions (see the module docstring).
+
+    Attributes:
+        model_a, model_b (`str`): Their names.
+        tasks (`list[PairedAccuracy]`): Per task.
+        pooled (`PairedAccuracy`): Every question of every task, each counted once.
+        average_a, average_b (`float`): The average over tasks of each model's accuracy.
+        average_difference (`float`), average_stderr (`float`): Their difference and its standard error.
+        reference (`str`, *optional*): The model retained accuracy is measured against.
+        average_reference (`float`, *optional*): Its average over tasks.
+        retained_a, retained_b (`float`, *optional*): Each average as a percentage of the reference's.
+    """
+
+    model_a: str
+    model_b: str
+    tasks: list[PairedAccuracy] = field(default_factory=list)
+    pooled: PairedAccuracy | None = None
+    average_a: float = 0.0
+    average_b: float = 0.0
+    average_difference: float = 0.0
+    average_stderr: float = 0.0
+    reference: str | None = None
+    average_reference: float | None = None
+    retained_a: float | None = None
+    retained_b: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        """A table for the terminal: per task and pooled, both accuracies, the difference with its standard
+        error and McNemar's p-value, and the retained accuracy against the reference."""
+        retained = self.reference is not None
+        lines = [
+            f"B = {self.model_b}  against  A = {self.model_a}" + (f"  (retained: % of {self.reference})" if retained else ""),
+            f"{'task':<15}{'questions':>10}{'acc A':>9}{'acc B':>9}{'B - A':>9}{'+/- SE':>9}{'only A':>8}{'only B':>8}{'p':>9}"
+            + (f"{'kept A %':>10}{'kept B %':>10}" if retained else ""),
+        ]
+        for entry in [*self.tasks, self.pooled]:
+            line = (
+                f"{entry.task:<15}{entry.num_questions:>10}{entry.acc_a:>9.4f}{entry.acc_b:>9.4f}{entry.difference:>+9.4f}"
+                f"{entry.stderr:>9.4f}{entry.only_a:>8}{entry.only_b:>8}{entry.p_value:>9.3g}"
+            )
+            if retained and entry.retained_a is not None:
+                line += f"{entry.retained_a:>10.1f}{entry.retained_b:>10.1f}"
+            lines.append(line)
+        average = (
+            f"average of {len(self.tasks)} tasks: A {self.average_a:.4f}, B {self.average_b:.4f}, "
+            f"B - A {self.average_difference:+.4f} +/- {self.average_stderr:.4f}"
+        )
+        if retained:
+            average += f"; retained: A {self.retained_a:.1f}%, B {self.retained_b:.1f}% of {self.average_reference:.4f}"
+        return "\n".join([*lines, average])
+
+
+def _answers(result: ZeroShotResult, name: str) -> dict[str, dict[int, int]]:
+    answers = {task.task: {question.doc_id: question.acc for question in task.questions} for task in result.tasks}
+    missing = [task for task, questions in answers.items() if not questions]
+    if missing:
+        raise InvalidInputError(
+            f"{name} has no per-question records for {', '.join(missing)}: evaluate it with this version of "
+            "optimum-gradmap and keep the .questions.jsonl file beside its JSON summary."
+        )
+    return answers
+
+
+def compare_zero_shot(
+    result_a: ZeroShotResult,
+    result_b: ZeroShotResult,
+    reference: ZeroShotResult | None = None,
+    names: Sequence[str] = ("A", "B", "reference"),
+) -> ZeroShotComparison:
+    """Compares two models' zero-shot answers question by question (see the module docstring).
+
+    Args:
+        result_a, result_b ([`ZeroShotResult`]): The two models' results, with their questions' records,
+            on the same tasks and questions.
+        reference ([`ZeroShotResult`], *optional*): The dense model's, on the same questions: each model's
+            accuracy is then also given as a percentage of its accuracy (retained accuracy).
+        names (`Sequence[str]`): The names of A, B and the reference, for the table.
+
+    Returns:
+        [`ZeroShotComparison`].
+
+    Raises:
+        InvalidInputError: when the two results do not hold the same tasks and questions, or no records.
+    """
+    answers_a, answers_b = _answers(result_a, names[0]), _answers(result_b, names[1])
+    answers_reference = _answers(reference, names[2]) if reference is not None else None
+    if list(answers_a) != list(answers_b) or any(set(answers_a[t]) != set(answers_b[t]) for t in answers_a):
+        raise InvalidInputError(
+            f"{names[0]} and {names[1]} were not evaluated on the same questions: evaluate both with the same tasks, "
+            "task data, limit and subsets."
+        )
+    comparison = ZeroShotComparison(names[0], names[1], reference=names[2] if reference is not None else None)
+    pooled_a, pooled_b = [], []
+    for task, questions in answers_a.items():
+        ids = sorted(questions)
+        right_a, right_b = [questions[i] for i in ids], [answers_b[task][i] for i in ids]
+        entry = PairedAccuracy.from_answers(task, right_a, right_b)
+        if answers_reference is not None:
+            reference_acc = sum(answers_reference[task][i] for i in ids) / len(ids)
+            entry.retained_a, entry.retained_b = 100 * entry.acc_a / reference_acc, 100 * entry.acc_b / reference_acc
+        comparison.tasks.append(entry)
+        pooled_a += right_a
+        pooled_b += right_b
+    comparison.pooled = PairedAccuracy.from_answers("pooled", pooled_a, pooled_b)
+    count = len(comparison.tasks)
+    comparison.average_a = sum(entry.acc_a for entry in comparison.tasks) / count
+    comparison.average_b = sum(entry.acc_b for entry in comparison.tasks) / count
+    comparison.average_difference = comparison.average_b - comparison.average_a
+    comparison.average_stderr = math.sqrt(sum(entry.stderr**2 for entry in comparison.tasks)) / count
+    if answers_reference is not None:
+        per_task = [sum(answers_reference[t][i] for i in answers_a[t]) / len(answers_a[t]) for t in answers_a]
+        comparison.average_reference = sum(per_task) / count
+        comparison.retained_a = 100 * comparison.average_a / comparison.average_reference
+        comparison.retained_b = 100 * comparison.average_b / comparison.average_reference
+        pooled_reference = sum(answers_reference[t][i] for t in answers_a for i in answers_a[t]) / len(pooled_a)
+        comparison.pooled.retained_a = 100 * comparison.pooled.acc_a / pooled_reference
+        comparison.pooled.retained_b = 100 * comparison.pooled.acc_b / pooled_reference
+    return comparison
