@@ -33,8 +33,8 @@ def add_config_arguments(
     """Adds one option per field of a config dataclass, named after the field (`--field_name`, and
     `--field-name`), with the field's default and the help in its metadata; the option's value type,
     choices (a `Literal`), list form (`nargs="+"`) and `--x/--no-x` (a `bool`) come from the field's type.
-    Fields with the metadata `group` form a required mutually exclusive group; a field with the metadata
-    `positional` is a positional argument.
+    Fields with the metadata `group` form a mutually exclusive group (the config says when one is required); a
+    field with the metadata `positional` is a positional argument.
 
     Args:
         parser (`argparse.ArgumentParser`): Where to add the options.
@@ -69,7 +69,7 @@ def add_config_arguments(
             options.pop("default")
         group = setting.metadata.get("group")
         if group and group not in groups:
-            groups[group] = parser.add_mutually_exclusive_group(required=True)
+            groups[group] = parser.add_mutually_exclusive_group()
         (groups[group] if group else parser).add_argument(*names, **options)
 
 

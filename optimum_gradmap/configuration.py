@@ -82,6 +82,25 @@ class GradMAPConfig:
         "Remove exactly these layers (indices in the dense model) and skip Stage 1's scoring. Stage 2 still applies.",
         group="amount",
     )
+    max_loss_increase: float | None = _setting(
+        None,
+        "Prune to a budget: layers are removed one at a time, and Stage 1 stops before the removal that would raise "
+        "the calibration loss more than this fraction above the dense model's (0.1: +10%). The K given "
+        "(`pruning_ratio`, `num_layers_to_prune`) is then a maximum; give none to allow all but one layer. The loss "
+        "after each removal is measured (the curve in the pruning report): free where the method measures it (SLEB, "
+        "a verified shortlist), one forward pass over the calibration set per round elsewhere.",
+    )
+    target_num_parameters: int | None = _setting(
+        None,
+        "Prune to a size: layers are removed one at a time until the model has no more parameters than this. The K "
+        "given is then a maximum; give none to allow all but one layer.",
+        minimum=1,
+    )
+    loss_curve: bool = _setting(
+        False,
+        "Measure the calibration loss after every removal (the curve in the pruning report; one forward pass per round "
+        "where the method does not measure it), without a budget. Always on with `max_loss_increase`.",
+    )
     importance: str | ImportanceMetric = _setting(
         "gradmap",
         "Which layer-importance metric Stage 1 uses: the name of a registered metric (`gradmap`, Eq. 5, the paper's; "
@@ -217,12 +236,18 @@ class GradMAPConfig:
 
     def __post_init__(self) -> None:
         given = [self.pruning_ratio is not None, self.num_layers_to_prune is not None, self.layers_to_prune is not None]
-        if sum(given) != 1:
+        if sum(given) > 1 or (sum(given) == 0 and not self.has_budget):
             raise InvalidInputError(
                 "Give exactly one of `pruning_ratio` (a fraction of the layers, e.g. 0.25), "
-                "`num_layers_to_prune` (a count, e.g. 8) and `layers_to_prune` (explicit layers, e.g. [20, 21]); "
+                "`num_layers_to_prune` (a count, e.g. 8) and `layers_to_prune` (explicit layers, e.g. [20, 21]), or a "
+                "budget (`max_loss_increase`, `target_num_parameters`); "
                 f"got pruning_ratio={self.pruning_ratio!r}, num_layers_to_prune={self.num_layers_to_prune!r}, "
                 f"layers_to_prune={self.layers_to_prune!r}."
+            )
+        if self.has_budget and self.layers_to_prune is not None:
+            raise InvalidInputError(
+                "`layers_to_prune` names the layers to remove: a budget (`max_loss_increase`, `target_num_parameters`) "
+                "has nothing to decide. Give `num_layers_to_prune` or `pruning_ratio` as the most to remove instead."
             )
         self._check_types()
         if self.layers_to_prune is not None:
@@ -265,6 +290,13 @@ class GradMAPConfig:
             or self.reg_lambda < 0
         ):
             raise InvalidInputError(f"`reg_lambda` must be a finite number >= 0 or 'auto', got {self.reg_lambda!r}.")
+        if self.max_loss_increase is not None and (
+            isinstance(self.max_loss_increase, bool)
+            or not isinstance(self.max_loss_increase, (int, float))
+            or not math.isfinite(self.max_loss_increase)
+            or self.max_loss_increase <= 0
+        ):
+            raise InvalidInputError(f"`max_loss_increase` must be a fraction > 0 (0.1: +10%), got {self.max_loss_increase!r}.")
         for name in ("adam_lr", "refinement_lr"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -309,12 +341,21 @@ class GradMAPConfig:
             )
         return {index % num_layers for index in self.protected_layers}
 
+    @property
+    def has_budget(self) -> bool:
+        """Whether Stage 1 stops at a budget or a size target (`max_loss_increase`, `target_num_parameters`), K
+        being only the most it may remove."""
+        return self.max_loss_increase is not None or self.target_num_parameters is not None
+
     def num_layers_to_remove(self, num_layers: int) -> int:
-        """Returns K for a model with `num_layers` decoder layers (ratio rounded half up)."""
+        """Returns K for a model with `num_layers` decoder layers (ratio rounded half up); with a budget, the
+        most that may be removed (all but one layer when no K is given)."""
         if self.num_layers_to_prune is not None:
             return self.num_layers_to_prune
         if self.layers_to_prune is not None:
             return len(self.layers_to_prune)
+        if self.pruning_ratio is None:
+            return num_layers - 1
         return int(math.floor(self.pruning_ratio * num_layers + 0.5))
 
     @property
@@ -439,7 +480,8 @@ def _docstring() -> str:
     lines = [
         'Everything that defines a GradMAP run (paper: "GradMAP", Method section).',
         "",
-        "Exactly one of `pruning_ratio`, `num_layers_to_prune` and `layers_to_prune` must be given. Values are validated",
+        "Exactly one of `pruning_ratio`, `num_layers_to_prune` and `layers_to_prune` must be given, or a budget",
+        "(`max_loss_increase`, `target_num_parameters`), with which K is a maximum. Values are validated",
         "when the config is built; what depends on the model (the number of layers to prune against its layer count)",
         "or on the file system (a calibration folder) is checked by [`GradMAPPruner.prune`] before the model is changed.",
         "",

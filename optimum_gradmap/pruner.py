@@ -204,7 +204,7 @@ class GradMAPPruner:
         self.result = PruningResult(
             model=model,
             original_num_layers=num_layers,
-            num_layers_to_prune=plan.num_to_prune,
+            num_layers_to_prune=len(selection.removed_layers),
             removed_layers=selection.removed_layers,
             kept_layers=selection.kept_layers,
             scores=selection.scores,
@@ -219,6 +219,10 @@ class GradMAPPruner:
                 {"layer": done.layer, "target": done.target, "reg_lambda": done.reg_lambda} for done in run_compensations
             ],
             dense_layer_config=copy.deepcopy(dense.config_values),
+            dense_loss=selection.dense_loss,
+            loss_curve=selection.losses,
+            stopped=selection.stopped,
+            rejected=selection.rejected,
         )
         self._dense = dense
         logger.info(
@@ -310,6 +314,59 @@ class GradMAPPruner:
         result.compensation = outcome
         result.timings["stage2"] = outcome.seconds
         logger.info(f"Stage 2 compensated layer(s) {outcome.compensated_layers} in {outcome.seconds:.1f}s.")
+        return result
+
+    def cut(self, result: PruningResult, num_layers_to_prune: int) -> PruningResult:
+        """Keeps only the first `num_layers_to_prune` removals of a Stage 1 run, without scoring again: removal
+        is nested (each round removes one layer from the model the earlier rounds left), so they are the layers a
+        run with that K removes. One run to the largest K a user might want (with `loss_curve=True`, its curve
+        says what each K costs) then gives any smaller K. Stage 2 is fitted for the K kept: call
+        [`~GradMAPPruner.compensate`] after the cut (a compensation made before it is undone).
+
+        ```python
+        result = pruner.select_layers(model)  # e.g. GradMAPConfig(num_layers_to_prune=12, loss_curve=True)
+        pruner.cut(result, 8)  # the model now lacks the first 8 layers removed; the other 4 are back
+        pruner.compensate(result)
+        ```
+
+        Args:
+            result ([`PruningResult`]): The last result of this pruner's `select_layers`.
+            num_layers_to_prune (`int`): How many of its removals to keep, from 1 to as many as it made.
+
+        Returns:
+            [`PruningResult`]: `result`, describing the model with the first `num_layers_to_prune` layers removed.
+        """
+        if result is not self.result or self._dense is None:
+            raise InvalidInputError(
+                "This pruner no longer holds the dense layers of that result: `cut` needs the result of this pruner's last "
+                "`select_layers`, before `prune` or `release` drops them."
+            )
+        made = len(result.removed_layers)
+        if (
+            isinstance(num_layers_to_prune, bool)
+            or not isinstance(num_layers_to_prune, int)
+            or not 1 <= num_layers_to_prune <= made
+        ):
+            raise InvalidInputError(
+                f"`num_layers_to_prune` must be between 1 and the {made} removals made, got {num_layers_to_prune!r}."
+            )
+        if result.config.compensate_each_round:
+            raise InvalidInputError(
+                "A run with `compensate_each_round` cannot be cut: its later fits depend on the layers removed after."
+            )
+        if result.compensation is not None:
+            result.compensation.undo()
+            result.compensation = None
+            result.timings.pop("stage2", None)
+        removed = result.removed_layers[:num_layers_to_prune]
+        result.kept_layers = [index for index in range(result.original_num_layers) if index not in removed]
+        self._dense.keep(result.kept_layers)
+        rounds = num_layers_to_prune if len(result.scores) == made else len(result.scores)  # one-shot: one round of scores
+        result.removed_layers, result.num_layers_to_prune = removed, num_layers_to_prune
+        result.scores, result.verified = result.scores[:rounds], result.verified[:num_layers_to_prune]
+        result.loss_curve = result.loss_curve[:num_layers_to_prune]
+        result.stopped, result.rejected = f"cut at {num_layers_to_prune} of the {made} layers Stage 1 removed", None
+        logger.info(f"Cut Stage 1 at {num_layers_to_prune} of {made} removals: removed {removed}.")
         return result
 
     def release(self) -> None:
@@ -434,7 +491,7 @@ class GradMAPPruner:
                 f"Cannot remove {num_to_prune} of the model's {num_layers} decoder layers: at least one must "
                 f"remain. Choose num_layers_to_prune <= {num_layers - 1}."
             )
-        if config.compensation:
+        if config.compensation and not config.has_budget:  # with a budget, K is known (and checked by Stage 2) once Stage 1 stops
             check_num_compensated_layers(config.num_compensated_layers, num_layers - num_to_prune)
         metric = get_importance_metric(config.importance, seed=config.seed)
         return Stage1Plan(
@@ -447,6 +504,9 @@ class GradMAPPruner:
             batch_size=config.batch_size,
             seed=config.seed,
             compensate_each_round=config.compensate_each_round,
+            max_loss_increase=config.max_loss_increase,
+            target_num_parameters=config.target_num_parameters,
+            loss_curve=config.loss_curve,
         )
 
     def _calibration_ids(

@@ -7,7 +7,8 @@ model card (`README.md`).
   kept / compensated layers (original indices), Stage 1 scores of every round, drift per layer
   before and after compensation, timings, environment, and evaluation results when run.
 - `importance.png`: each layer's Stage 1 score in every round; `drift.png`: each kept layer's mean
-  drift (Eq. 10) before and after compensation. They need matplotlib (`pip install matplotlib`);
+  drift (Eq. 10) before and after compensation; `loss_curve.png` (when the loss was followed): the
+  calibration loss after each removal, the budget and the K chosen. They need matplotlib (`pip install matplotlib`);
   without it the report and the model card are written without pictures.
 - `README.md`: a Hub model card (`huggingface_hub.ModelCard`) that says what was removed, what it
   cost, and how to load the model.
@@ -38,6 +39,7 @@ logger = logging.get_logger(__name__)
 REPORT_NAME = "pruning_report.json"
 IMPORTANCE_PICTURE = "importance.png"
 DRIFT_PICTURE = "drift.png"
+CURVE_PICTURE = "loss_curve.png"
 MODEL_CARD_NAME = "README.md"
 
 
@@ -147,7 +149,7 @@ def load_report(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def write_pictures(report: dict[str, Any], directory: str | os.PathLike) -> list[str]:
-    """Draws `importance.png` and `drift.png` into `directory`.
+    """Draws `importance.png`, `drift.png` and `loss_curve.png` (those the report has data for) into `directory`.
 
     Returns:
         `list[str]`: The file names written; empty when matplotlib is not installed (logged).
@@ -188,6 +190,11 @@ def write_pictures(report: dict[str, Any], directory: str | os.PathLike) -> list
         figure.tight_layout()
         figure.savefig(os.path.join(directory, IMPORTANCE_PICTURE), dpi=110)
         written.append(IMPORTANCE_PICTURE)
+    if report.get("dense_loss") is not None:
+        figure, axis = new_axis()
+        _draw_curve(axis, report)
+        figure.savefig(os.path.join(directory, CURVE_PICTURE), dpi=110)
+        written.append(CURVE_PICTURE)
     compensation = report.get("compensation") or {}
     if compensation.get("drift"):
         figure, axis = new_axis()
@@ -208,6 +215,41 @@ def write_pictures(report: dict[str, Any], directory: str | os.PathLike) -> list
         figure.savefig(os.path.join(directory, DRIFT_PICTURE), dpi=110)
         written.append(DRIFT_PICTURE)
     return written
+
+
+def _draw_curve(axis: Any, report: dict[str, Any]) -> None:
+    """The calibration loss against the number of layers removed, the budget line, the refused removal and the K chosen."""
+    dense, curve = report["dense_loss"], report["loss_curve"]
+    axis.plot(range(len(curve) + 1), [dense, *curve], marker="o", markersize=4, label="calibration loss after each removal")
+    budget = report["gradmap_config"].get("max_loss_increase")
+    if budget is not None:
+        axis.axhline(
+            dense * (1 + budget), color="tab:red", linestyle="--", label=f"budget: {100 * budget:+g}% over the dense model"
+        )
+    if report.get("rejected"):
+        rejected = report["rejected"]
+        axis.plot([len(curve) + 1], [rejected["loss"]], marker="x", color="tab:red", markersize=9, linestyle="none",
+                  label=f"refused: removing layer {rejected['layer']}")  # fmt: skip
+    axis.plot([len(curve)], [[dense, *curve][-1]], marker="*", color="tab:green", markersize=14, linestyle="none",
+              label=f"chosen: {len(curve)} layers removed")  # fmt: skip
+    axis.set_xlabel("layers removed (in removal order)")
+    axis.set_ylabel("calibration loss (mean next-token cross-entropy)")
+    axis.set_title(f"What each number of removed layers costs ({report['gradmap_config'].get('importance', 'gradmap')})")
+    axis.legend(fontsize=8)
+
+
+def curve_lines(report: dict[str, Any]) -> list[str]:
+    """The curve for the terminal: one line per number of layers removed."""
+    dense = report.get("dense_loss")
+    if dense is None:
+        return []
+    lines = [f"calibration loss:    dense {dense:.4f}"]
+    for count, (layer, loss) in enumerate(zip(report["removed_layers"], report["loss_curve"]), 1):
+        lines.append(f"  {count:>2} removed (layer {layer:>2}): {loss:.4f} ({loss / dense - 1:+.1%})")
+    if report.get("rejected"):
+        rejected = report["rejected"]
+        lines.append(f"  refused (layer {rejected['layer']:>2}): {rejected['loss']:.4f} ({rejected['loss'] / dense - 1:+.1%})")
+    return lines
 
 
 def _stage2_sentence(report: dict) -> str:
@@ -365,6 +407,9 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     for entry in (report.get("evaluation") or {}).get("perplexities", []):
         lines.append(f"{entry['dataset']} perplexity: {entry['perplexity']:.3f} ({entry['protocol']})")
+    lines += curve_lines(report)
+    if report.get("stopped"):
+        lines.append(f"stage 1 stopped:     {report['stopped']}")
     environment = report.get("environment", {})
     lines.append(
         f"made with:           optimum-gradmap {environment.get('optimum_gradmap')}, transformers "

@@ -53,6 +53,11 @@ class PruningResult:
         dense_layer_config (`dict[str, Any]`): The dense model's values of every config field that layer
             surgery rewrites (layer count, `layer_types`, `max_window_layers`, ...): with `kept_layers`, they
             let [`validate_checkpoint`] recompute what the saved config must say.
+        dense_loss (`float`, *optional*): The dense model's calibration loss, when the loss was followed
+            (`max_loss_increase`, `loss_curve`).
+        loss_curve (`list[float]`): The calibration loss after each removal, in removal order (the curve).
+        stopped (`str`, *optional*): Why Stage 1 stopped before K removals (a budget, a parameter target).
+        rejected (`dict[str, float]`, *optional*): The removal a budget refused: its layer and the loss it gave.
     """
 
     model: PreTrainedModel
@@ -71,6 +76,10 @@ class PruningResult:
     compensation: CompensationResult | None = None
     compensated_during_stage1: list[dict[str, Any]] = field(default_factory=list)
     dense_layer_config: dict[str, Any] = field(default_factory=dict)
+    dense_loss: float | None = None
+    loss_curve: list[float] = field(default_factory=list)
+    stopped: str | None = None
+    rejected: dict[str, float] | None = None
 
     @property
     def compensated_layers(self) -> list[int]:
@@ -96,6 +105,10 @@ class PruningResult:
             "compensation": self.compensation.to_dict() if self.compensation is not None else None,
             "compensated_during_stage1": self.compensated_during_stage1,
             "dense_layer_config": self.dense_layer_config,
+            "dense_loss": self.dense_loss,
+            "loss_curve": self.loss_curve,
+            "stopped": self.stopped,
+            "rejected": self.rejected,
             "timings": self.timings,
             "calibration_source": self.calibration_source,
             "calibration_sha256": self.calibration_sha256,

@@ -31,3 +31,26 @@ def naive_layer_scores(model: nn.Module, layers: Sequence[nn.Module], input_ids:
     model.zero_grad(set_to_none=True)
     model.train(was_training)
     return totals / input_ids.shape[0]
+
+
+def reference_removal_losses(
+    model: nn.Module, input_ids: torch.LongTensor, batch_size: int, positions: Sequence[int]
+) -> dict[int, float]:
+    """SLEB's criterion at the cost SLEB's own code pays: for each layer at `positions` (of the model as it is),
+    the calibration loss of the model without it, by one full forward pass over every calibration sequence
+    (the layer taken out of the stack for the pass). [`optimum_gradmap.importance.metrics.removal_losses`]
+    computes the same numbers starting each candidate from its recorded input.
+
+    Returns:
+        `dict[int, float]`: Position -> the mean next-token cross-entropy over all calibration tokens without it.
+    """
+    from .importance.metrics import calibration_loss
+    from .surgery import snapshot
+
+    stack = snapshot(model)
+    kept = list(range(stack.num_layers))
+    losses = {}
+    for position in positions:
+        with stack.temporarily([index for index in kept if index != position]):
+            losses[position] = calibration_loss(model, input_ids, batch_size, progress_bar=False)
+    return losses

@@ -380,3 +380,19 @@ def test_protected_layers_override_the_metrics_own_choice():
         GradMAPPruner(small_config(num_layers_to_prune=5, protected_layers=list(range(6))), progress_bar=False).prune(
             untouched, ids
         )
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_our_sleb_losses_equal_the_reference_cost_ones_on_every_family(model_type):
+    """`removal_losses` starts each candidate from its recorded input; SLEB's own code runs the whole model once
+    per candidate. The same losses, for less work."""
+    from optimum_gradmap.importance.metrics import removal_losses
+    from optimum_gradmap.testing import reference_removal_losses
+
+    model = tiny_model(model_type)
+    adapter = get_adapter(model)
+    ids = random_ids(6, 12)
+    positions = [1, 2, 4]
+    ours = removal_losses(model, adapter, ids, 3, positions, progress_bar=False)
+    reference = reference_removal_losses(model, ids, 3, positions)
+    assert ours == pytest.approx(reference, rel=1e-5)

@@ -13,7 +13,7 @@ import os
 
 from .common import InputError, add_logging_arguments, set_verbosity
 
-HELP = "Compare two models' zero-shot answers question by question (paired difference, McNemar, retained %)"
+HELP = "Compare two models' zero-shot answers question by question (paired difference, McNemar, retained share)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

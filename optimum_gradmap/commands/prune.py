@@ -33,6 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_config_arguments(parser, GradMAPConfig, choices={"importance": importance_metric_names()})
     parser.add_argument(
+        "--cut-from",
+        metavar="CHECKPOINT",
+        default=None,
+        help="cut an earlier run at --num-layers-to-prune K without scoring again: remove the first K layers that "
+        "CHECKPOINT's Stage 1 removed (its pruning_report.json; removal is nested, so they are the layers a run with K "
+        "removes), then run Stage 2 for that K",
+    )
+    parser.add_argument(
         "--validation-dataset",
         default=None,
         metavar="DATASET",
@@ -80,6 +88,8 @@ def _checked_prune_input(args: argparse.Namespace) -> tuple[GradMAPConfig, Model
     from ..data import check_dataset_name
 
     config = config_from_arguments(args, GradMAPConfig)
+    if args.cut_from is not None:
+        config = _cut(config, args.cut_from)
     if args.private and not args.push_to_hub:
         raise InputError("--private only applies with --push-to-hub REPO.")
     check_dataset_name(config.dataset, "calibration")
@@ -95,10 +105,29 @@ def _checked_prune_input(args: argparse.Namespace) -> tuple[GradMAPConfig, Model
     return config, loading
 
 
+def _cut(config: GradMAPConfig, checkpoint: str) -> GradMAPConfig:
+    """The config that removes the first `config.num_layers_to_prune` layers an earlier run removed."""
+    import dataclasses
+
+    from ..report import REPORT_NAME, load_report
+
+    if not os.path.isfile(os.path.join(checkpoint, REPORT_NAME)):
+        raise InputError(f"--cut-from {checkpoint}: no {REPORT_NAME} there; give a folder written by `optimum-gradmap prune`.")
+    removed = load_report(checkpoint)["removed_layers"]
+    if config.num_layers_to_prune is None or not 1 <= config.num_layers_to_prune <= len(removed):
+        raise InputError(
+            f"--cut-from needs --num-layers-to-prune K, between 1 and the {len(removed)} layers {checkpoint} removed."
+        )
+    print(f"Cutting {checkpoint}'s run at {config.num_layers_to_prune}: removing layers {removed[: config.num_layers_to_prune]}")
+    cut = {"layers_to_prune": removed[: config.num_layers_to_prune], "num_layers_to_prune": None, "max_loss_increase": None}
+    return dataclasses.replace(config, **cut, target_num_parameters=None, loss_curve=False)
+
+
 def run(args: argparse.Namespace) -> int:
     """`optimum-gradmap prune`: prunes, saves checkpoint + report + model card, optionally uploads."""
     from .. import distributed
     from ..pruner import GradMAPPruner
+    from ..report import curve_lines
 
     progress = set_verbosity(args)
     config, loading = _checked_prune_input(args)
@@ -144,6 +173,10 @@ def run(args: argparse.Namespace) -> int:
     if stage1_checkpoint is not None and args.stage1_checkpoint is None and os.path.isfile(stage1_checkpoint):
         os.remove(stage1_checkpoint)  # the default one: its work is in the checkpoint now
     print(f"Removed layers {result.removed_layers} of {result.original_num_layers} (in removal order); kept {result.kept_layers}")
+    for line in curve_lines(result.to_dict()):
+        print(line)
+    if result.stopped:
+        print(f"Stage 1 stopped: {result.stopped}.")
     if result.compensated_layers:
         print(f"Compensated layer(s) {result.compensated_layers}.")
     dense = {(e.dataset, e.protocol): e.perplexity for e in (dense_evaluation.perplexities if dense_evaluation else [])}

@@ -35,6 +35,9 @@ class ImportanceMetric:
     name: ClassVar[str]
     iterative: ClassVar[bool] = False
     mean_over_samples: ClassVar[bool] = False
+    # whether a layer's score is the calibration loss of the model without it (SLEB): the loss after a removal
+    # is then known without another pass
+    scores_are_losses: ClassVar[bool] = False
 
     def __init__(self, seed: int = 0):
         self.seed = seed

@@ -1,10 +1,18 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""Stage 1's removal loop (Algorithm 1 of the paper) and its resume checkpoint.
+"""Stage 1's removal loop (Algorithm 1 of the paper), its budget, and its resume checkpoint.
 
 Iterative metrics (GradMAP, SLEB) score the layers that remain, remove the lowest-scoring one and
 score again, until K layers are gone; one-shot metrics score once and remove the K lowest. Ties go
 to the lower layer index. Layers are always named by their index in the dense model.
+
+With a budget (`Stage1Plan.max_loss_increase`) or a parameter target, layers are removed one at a time and
+K is only a maximum: the loop stops before the removal that would raise the calibration loss more than the
+budget above the dense model's, or once the model has no more parameters than the target. The calibration
+loss after each removal (the curve, `Selection.losses`) comes free where the method measures it (SLEB's
+scores, a verified shortlist) and costs one forward pass over the calibration set elsewhere. Removal being
+nested, the first k layers of a run are the layers of a run with K = k: one run to the largest K gives the
+whole curve ([`GradMAPPruner.cut`] keeps its first k removals).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from ..adapters import DecoderAdapter
 from ..errors import InvalidInputError
 from ..files import write_atomically
 from ..surgery import LayerSnapshot
-from .metrics import removal_losses
+from .metrics import calibration_loss, removal_losses
 from .registry import ImportanceMetric
 
 logger = logging.get_logger(__name__)
@@ -45,6 +53,10 @@ class Selection:
             each shortlisted layer, every round (with `verify_halving`, a candidate dropped before the last
             rung has its mean over the rungs it was measured on).
         resumed_seconds (`float`): Seconds of the rounds replayed from a checkpoint (spent in an earlier run).
+        dense_loss (`float`, *optional*): The dense model's calibration loss, when the loss is followed.
+        losses (`list[float]`): The calibration loss after each removal (the curve), when it is followed.
+        stopped (`str`, *optional*): Why Stage 1 stopped before K removals (a budget, a parameter target).
+        rejected (`dict[str, float]`, *optional*): The removal a budget refused: its layer and the loss it gave.
     """
 
     removed_layers: list[int] = field(default_factory=list)
@@ -52,6 +64,10 @@ class Selection:
     scores: list[dict[int, float]] = field(default_factory=list)
     verified: list[dict[int, float]] = field(default_factory=list)
     resumed_seconds: float = 0.0
+    dense_loss: float | None = None
+    losses: list[float] = field(default_factory=list)
+    stopped: str | None = None
+    rejected: dict[str, float] | None = None
 
 
 class Stage1Checkpoint:
@@ -92,12 +108,19 @@ class Stage1Checkpoint:
                 )
 
     def save_round(
-        self, scores: dict[int, float], removed: list[int], seconds: float, verified: dict[int, float] | None = None
+        self,
+        scores: dict[int, float],
+        removed: list[int],
+        seconds: float,
+        verified: dict[int, float] | None = None,
+        loss: float | None = None,
     ) -> None:
         """Appends a finished round and rewrites the file (atomically: a crash leaves the old one)."""
         round_record = {"scores": {str(index): score for index, score in scores.items()}, "removed": removed, "seconds": seconds}
         if verified:
             round_record["verified"] = {str(index): loss for index, loss in verified.items()}
+        if loss is not None:
+            round_record["loss"] = loss
         self.rounds.append(round_record)
         write_atomically(self.path, json.dumps({"fingerprint": self.fingerprint, "rounds": self.rounds}, indent=1))
 
@@ -118,6 +141,10 @@ class Stage1Plan:
         seed (`int`, defaults to 0): The seed of the calibration draw and of random metrics.
         compensate_each_round (`bool`, defaults to `False`): Stage 2 runs after every removal (recorded in
             the fingerprint: it changes what later rounds score).
+        max_loss_increase (`float`, *optional*): The budget: stop before a removal that would raise the
+            calibration loss more than this fraction above the dense model's (0.1: +10%).
+        target_num_parameters (`int`, *optional*): Stop once the model has no more parameters than this.
+        loss_curve (`bool`, defaults to `False`): Measure the calibration loss after every removal.
     """
 
     metric: ImportanceMetric
@@ -129,11 +156,25 @@ class Stage1Plan:
     batch_size: int = 8
     seed: int = 0
     compensate_each_round: bool = False
+    max_loss_increase: float | None = None
+    target_num_parameters: int | None = None
+    loss_curve: bool = False
+
+    @property
+    def measures_loss(self) -> bool:
+        """Whether the calibration loss is measured after every removal (for the curve or the budget)."""
+        return self.loss_curve or self.max_loss_increase is not None
+
+    @property
+    def has_budget(self) -> bool:
+        """Whether a budget or a size target decides K (`num_to_prune` is then only the most to remove)."""
+        return self.max_loss_increase is not None or self.target_num_parameters is not None
 
     @property
     def one_per_round(self) -> bool:
-        """Whether every round removes one layer (iterative, or verified), rather than all K at once."""
-        return self.iterative or self.verify_top_k is not None
+        """Whether every round removes one layer (iterative, verified, or followed by a loss or a target),
+        rather than all K at once."""
+        return self.iterative or self.verify_top_k is not None or self.measures_loss or self.target_num_parameters is not None
 
     def protected_layers(self, num_layers: int) -> set[int]:
         """The layers never removed, for a model of `num_layers` layers."""
@@ -147,6 +188,9 @@ class Stage1Plan:
             "verify_top_k": self.verify_top_k,
             "compensate_each_round": self.compensate_each_round or None,
             "verify_halving": self.verify_halving or None,
+            "max_loss_increase": self.max_loss_increase,
+            "target_num_parameters": self.target_num_parameters,
+            "loss_curve": self.loss_curve or None,
         }
         return {
             **{key: value for key, value in settings.items() if value is not None},
@@ -295,12 +339,14 @@ class Round:
         removed (`list[int]`): The layers it removed.
         verified (`dict[int, float]`): With a verified shortlist, the calibration loss without each candidate.
         seconds (`float`): How long it took (as recorded, for a round replayed from a checkpoint).
+        loss (`float`, *optional*): The calibration loss after its removal, when it is followed.
     """
 
     scores: dict[int, float]
     removed: list[int]
     verified: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
+    loss: float | None = None
 
     @classmethod
     def from_saved(cls, saved: dict[str, Any]) -> Round:
@@ -310,6 +356,7 @@ class Round:
             removed=[int(index) for index in saved["removed"]],
             verified={int(index): loss for index, loss in saved.get("verified", {}).items()},
             seconds=saved["seconds"],
+            loss=saved.get("loss"),
         )
 
 
@@ -345,19 +392,28 @@ def remove_by_importance(
     """
     protected = plan.protected_layers(dense.num_layers)
     candidates = [index for index in range(dense.num_layers) if index not in protected]
-    if len(candidates) < plan.num_to_prune:
+    num_to_prune = min(plan.num_to_prune, len(candidates)) if plan.has_budget else plan.num_to_prune
+    if len(candidates) < num_to_prune:
         raise InvalidInputError(
             f"importance={plan.metric.name!r} never removes layers {sorted(protected)}, which leaves "
             f"{len(candidates)} candidates for {plan.num_to_prune} removals: prune fewer layers, or set `protected_layers`."
         )
     selection = Selection(kept_layers=list(range(dense.num_layers)))
-    num_rounds = plan.num_to_prune if plan.one_per_round else 1
+    num_rounds = num_to_prune if plan.one_per_round else 1
     saved_rounds = checkpoint.rounds if checkpoint is not None else []
     if saved_rounds:
         logger.info(f"Resuming Stage 1 from {checkpoint.path}: {len(saved_rounds)} of {num_rounds} rounds are done.")
+    if plan.measures_loss:
+        selection.dense_loss = _calibration_loss(dense, plan, calibration_ids, progress_bar)
+        logger.info(f"Dense model: calibration loss {selection.dense_loss:.6g}")
     previous_scores: dict[int, float] = {}
     for round_index in logging.tqdm(range(num_rounds), desc=f"Stage 1 ({plan.metric.name})", disable=not progress_bar):
         description = f"Round {round_index + 1}/{num_rounds}"
+        if plan.target_num_parameters is not None and dense.model.num_parameters() <= plan.target_num_parameters:
+            selection.stopped = (
+                f"the model has {dense.model.num_parameters():,} parameters, the target {plan.target_num_parameters:,}"
+            )
+            break
         started = time.perf_counter()
         replayed = round_index < len(saved_rounds)
         if replayed:
@@ -369,27 +425,79 @@ def remove_by_importance(
                 dense, plan, selection.kept_layers, remaining, previous_scores, calibration_ids, progress_bar, description
             )
         previous_scores = finished.scores
+        kept = [index for index in selection.kept_layers if index not in finished.removed]
+        dense.keep(kept)
+        if plan.measures_loss and finished.loss is None:
+            finished.loss = _loss_after(dense, plan, finished, calibration_ids, progress_bar)
+        if _over_budget(plan, selection, finished):
+            dense.keep(selection.kept_layers)  # the removal is refused: the model stays as the last round left it
+            break
         selection.scores.append(finished.scores)
         if finished.verified:
             selection.verified.append(finished.verified)
         selection.removed_layers.extend(finished.removed)
-        selection.kept_layers = [index for index in selection.kept_layers if index not in finished.removed]
-        dense.keep(selection.kept_layers)
+        selection.kept_layers = kept
+        if finished.loss is not None:
+            selection.losses.append(finished.loss)
         if after_removal is not None:
             for index in finished.removed:
                 after_removal(index)
         if not replayed:
             finished.seconds = time.perf_counter() - started
             if checkpoint is not None and distributed.is_main_process():
-                checkpoint.save_round(finished.scores, finished.removed, finished.seconds, finished.verified)
-        for index in finished.removed:
-            how = (
-                f"calibration loss without it {finished.verified[index]:.6g}"
-                if finished.verified
-                else f"score {finished.scores[index]:.6g}"
-            )
-            logger.info(f"{description}: removed layer {index} ({how})")
+                checkpoint.save_round(finished.scores, finished.removed, finished.seconds, finished.verified, finished.loss)
+        _log_round(description, finished, selection.dense_loss)
     return selection
+
+
+def _calibration_loss(dense: LayerSnapshot, plan: Stage1Plan, calibration_ids: torch.LongTensor, progress_bar: bool) -> float:
+    """The calibration loss of the model as it is now (each process on its share, averaged)."""
+    compute = lambda ids: {0: calibration_loss(dense.model, ids, plan.batch_size, progress_bar)}  # noqa: E731
+    return distributed.mean_over_samples(compute, calibration_ids)[0]
+
+
+def _loss_after(
+    dense: LayerSnapshot, plan: Stage1Plan, finished: Round, calibration_ids: torch.LongTensor, progress_bar: bool
+) -> float:
+    """The calibration loss after the round's removal: measured by the round already where the method
+    measures it (a verified shortlist, SLEB's scores), else by one pass over the calibration set."""
+    (removed,) = finished.removed
+    if finished.verified:
+        return finished.verified[removed]
+    if plan.metric.scores_are_losses:
+        return finished.scores[removed]
+    return _calibration_loss(dense, plan, calibration_ids, progress_bar)
+
+
+def _over_budget(plan: Stage1Plan, selection: Selection, finished: Round) -> bool:
+    """Whether the round's removal breaks the budget; if so, says why in `selection`."""
+    if plan.max_loss_increase is None or finished.loss is None:
+        return False
+    limit = selection.dense_loss * (1 + plan.max_loss_increase)
+    if finished.loss <= limit:
+        return False
+    (removed,) = finished.removed
+    increase = finished.loss / selection.dense_loss - 1
+    selection.rejected = {"layer": removed, "loss": finished.loss}
+    selection.stopped = (
+        f"removing layer {removed} next would raise the calibration loss to {finished.loss:.6g} ({increase:+.1%} over the "
+        f"dense model's {selection.dense_loss:.6g}), above the budget of {100 * plan.max_loss_increase:+g}%"
+    )
+    logger.info(f"Stage 1 stops: {selection.stopped}.")
+    return True
+
+
+def _log_round(description: str, finished: Round, dense_loss: float | None) -> None:
+    for index in finished.removed:
+        how = (
+            f"calibration loss without it {finished.verified[index]:.6g}"
+            if finished.verified
+            else f"score {finished.scores[index]:.6g}"
+        )
+        curve = ""
+        if finished.loss is not None and dense_loss is not None:
+            curve = f"; calibration loss now {finished.loss:.6g} ({finished.loss / dense_loss - 1:+.1%} over dense)"
+        logger.info(f"{description}: removed layer {index} ({how}){curve}")
 
 
 def _score_round(

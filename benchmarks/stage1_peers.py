@@ -1,0 +1,173 @@
+"""Stage 1 against SLEB at the cost of SLEB's own code: same model, ratio and calibration set, one run.
+
+Three selections, each on a fresh copy of the dense model, Stage 1 only (no Stage 2, so the layers alone are
+compared):
+
+- `sleb_reference`: SLEB's criterion computed as SLEB's code does it, one full forward pass over the whole
+  calibration set per candidate block (`optimum_gradmap.testing.reference_removal_losses`);
+- `sleb`: our SLEB, the same criterion with each candidate started from its recorded input
+  (`importance.metrics.removal_losses`): the same layers, less work;
+- `quality`: the `quality` preset's Stage 1 (GradMAP's bound per token, a shortlist of 8 checked by SLEB's
+  criterion with successive halving).
+
+Each row: the removed layers, Stage 1 seconds, held-out perplexity on Wikipedia and web text (128-token
+segments), and its provenance (commit, date, command, machine and its load, `benchmarks/provenance.py`);
+then the time ratios, computed only between rows of this one run. Timings mean something only on a quiet
+machine: check `quiet` in each row's provenance.
+
+    python benchmarks/stage1_peers.py --model smollm2-135m --ratio 0.25 --num-samples 32 --resume
+    python benchmarks/stage1_peers.py --model qwen2.5-coder-0.5b --ratio 0.25 --num-samples 32 --resume
+
+Writes benchmarks/results/stage1_peers-<model>-<ratio>-<num samples>.{json,md}, after every row; `--resume`
+keeps the rows already there (same settings, same calibration set by its SHA-256) and runs the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.provenance import finish, provenance  # noqa: E402
+from optimum_gradmap import GradMAPConfig, GradMAPPruner  # noqa: E402
+from optimum_gradmap.assets import MODEL_ASSETS, load_model  # noqa: E402
+from optimum_gradmap.configuration import PRESETS  # noqa: E402
+from optimum_gradmap.data import calibration_sha256  # noqa: E402
+from optimum_gradmap.evaluation import evaluate  # noqa: E402
+from optimum_gradmap.importance.metrics import SLEBImportance  # noqa: E402
+from optimum_gradmap.testing import reference_removal_losses  # noqa: E402
+
+
+class ReferenceCostSLEB(SLEBImportance):
+    """SLEB's criterion at the cost of SLEB's code: every candidate by a full forward pass over the calibration set
+    (the same losses as `sleb`, which the test suite checks on every family)."""
+
+    name = "sleb_reference"
+
+    def score_layers(self, model, adapter, input_ids, batch_size, positions, progress_bar=True, description="Scoring layers"):
+        return reference_removal_losses(model, input_ids, batch_size, positions)
+
+
+METHODS = {
+    "sleb_reference": lambda: {"importance": ReferenceCostSLEB()},
+    "sleb": lambda: {"importance": "sleb"},
+    "quality": lambda: dict(PRESETS["quality"]),
+}
+
+
+def held_out(model, tokenizer, max_segments: int) -> dict[str, float]:
+    evaluation = evaluate(
+        model,
+        tokenizer,
+        ("offline:wikipedia", "offline:web_text"),
+        segment_length=128,
+        max_segments=max_segments,
+        progress_bar=False,
+    )
+    return {entry.dataset: entry.perplexity for entry in evaluation.perplexities}
+
+
+def markdown(record: dict) -> str:
+    dense = record.get("dense_perplexity", {})
+    lines = [
+        f"dense: Wikipedia {dense.get('offline:wikipedia', 0):.3f}, web {dense.get('offline:web_text', 0):.3f}",
+        f"{record['settings']['model']}, ratio {record['settings']['ratio']}, {record['settings']['num_samples']} x 128 "
+        f"calibration (sha256 {record.get('calibration_sha256', '?')[:12]}), Stage 1 only",
+        "",
+        "| method | removed layers | same layers as reference SLEB | Stage 1 s | time / reference SLEB's | Wikipedia ppl "
+        "| web ppl | quiet |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    reference = next((row for row in record["rows"] if row["method"] == "sleb_reference"), None)
+    for row in record["rows"]:
+        share = f"{row['stage1_seconds'] / reference['stage1_seconds']:.3f}" if reference else "-"
+        same = sorted(row["removed_layers"]) == sorted(reference["removed_layers"]) if reference else "-"
+        ppl = row["perplexity"]
+        lines.append(
+            f"| {row['method']} | {row['removed_layers']} | {same} | {row['stage1_seconds']:.1f} | {share} | "
+            f"{ppl.get('offline:wikipedia', float('nan')):.3f} | {ppl.get('offline:web_text', float('nan')):.3f} | "
+            f"{row['provenance']['quiet']} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_ASSETS))
+    parser.add_argument("--ratio", type=float, default=0.25)
+    parser.add_argument("--num-samples", type=int, default=32, help="calibration sequences of 128 tokens (default 32)")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--max-eval-segments", type=int, default=128)
+    parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("optimum_gradmap").setLevel(logging.INFO)
+
+    settings = {
+        "model": args.model,
+        "ratio": args.ratio,
+        "num_samples": args.num_samples,
+        "max_eval_segments": args.max_eval_segments,
+    }
+    os.makedirs(args.output_dir, exist_ok=True)
+    path = os.path.join(args.output_dir, f"stage1_peers-{args.model}-{args.ratio}-{args.num_samples}")
+    record = {"settings": settings, "rows": []}
+    if args.resume and os.path.exists(f"{path}.json"):
+        with open(f"{path}.json", encoding="utf-8") as file:
+            record = json.load(file)
+        if record["settings"] != settings:
+            raise SystemExit(f"--resume: {path}.json has settings {record['settings']}, not {settings}")
+
+    def save() -> None:
+        with open(f"{path}.json", "w", encoding="utf-8") as file:
+            json.dump(record, file, indent=1)
+        with open(f"{path}.md", "w", encoding="utf-8") as file:
+            file.write(markdown(record) + "\n")
+
+    dense, tokenizer = load_model(args.model)
+    if "dense_perplexity" not in record:
+        record["dense_perplexity"] = held_out(dense, tokenizer, args.max_eval_segments)
+        save()
+    done = {row["method"] for row in record["rows"]}
+    for method in args.methods:
+        if method in done:
+            continue
+        model = copy.deepcopy(dense)
+        config = GradMAPConfig(
+            **{
+                **METHODS[method](),
+                "pruning_ratio": args.ratio,
+                "num_samples": args.num_samples,
+                "seq_len": 128,
+                "compensation": False,
+            }
+        )
+        started = provenance()
+        result = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False).prune(model, "offline:wikipedia")
+        origin = finish(started)
+        calibration = calibration_sha256(result.calibration_ids)
+        if record.setdefault("calibration_sha256", calibration) != calibration:
+            raise SystemExit(f"{method}: another calibration set ({calibration}) than the other rows'")
+        record["rows"].append(
+            {
+                "method": method,
+                "removed_layers": result.removed_layers,
+                "stage1_seconds": result.timings["stage1"],
+                "perplexity": held_out(model, tokenizer, args.max_eval_segments),
+                "provenance": origin,
+            }
+        )
+        save()
+        print(markdown(record).splitlines()[-1], flush=True)
+        del model
+    print(markdown(record))
+
+
+if __name__ == "__main__":
+    main()
