@@ -31,6 +31,7 @@ import platform
 
 import torch
 from compare import measure_held_out, save_record  # the same protocol and files as compare.py
+from provenance import mark_copy
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.assets import MODEL_ASSETS, load_model
@@ -63,10 +64,24 @@ def parse_variant(name: str) -> tuple[dict, bool, str]:
     return overrides, "validated" in changes, MIXED_CALIBRATION if "mixed" in changes else CALIBRATION
 
 
+def copied_from(row: dict, record: dict) -> str | None:
+    """Where a row's figures were copied from (`None` for a row measured by this script): the Stage 1 rows and the
+    paper's rows come from compare.py's record, a selection with the same removed set as another from that row.
+    Rows written before `copied_from` was recorded say it by their other keys."""
+    if "copied_from" in row:
+        return row["copied_from"]
+    if "same_model_as" in row:
+        return f"COPY of the {row['same_model_as']} row (same removed layers)"
+    if "from" in row or row["variant"] == "none":
+        return f"COPY of {row.get('from', record.get('stage1_rows_from', 'compare.py'))}"
+    return None
+
+
 def markdown(record: dict) -> str:
     lines = [
-        "| method | Stage 2 | removed layers | compensated (lambda) | wikipedia ppl | web_text ppl | zero-shot avg | Stage 2 s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | Stage 2 | removed layers | compensated (lambda) | wikipedia ppl | web_text ppl | zero-shot avg | Stage 2 s "
+        "| measured here, or copied from |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     methods = list(dict.fromkeys(row["method"] for row in record["rows"]))  # each method's rows together
     for row in sorted(record["rows"], key=lambda row: methods.index(row["method"])):
@@ -85,7 +100,7 @@ def markdown(record: dict) -> str:
             f"| {row['method']} | {row['variant']} | {' '.join(map(str, row['removed_layers']))} | {compensated or '-'} | "
             f"{wikipedia:.2f} | {web_text:.2f} | "
             f"{'-' if average is None else f'{average:.4f}'} | "
-            f"{'-' if seconds is None else f'{seconds:.1f}'} |"
+            f"{'-' if seconds is None else f'{seconds:.1f}'} | {copied_from(row, record) or 'measured'} |"
         )
     return "\n".join(lines)
 
@@ -163,14 +178,8 @@ def main() -> None:
             evaluation = dict(stage1["evaluation"])
             if not same_tasks:  # another question limit: its zero-shot figures do not compare
                 evaluation["zero_shot"] = None
-            record["rows"].append(
-                {
-                    "method": method,
-                    "variant": "none",
-                    "removed_layers": stage1["removed_layers"],
-                    "evaluation": evaluation,
-                }
-            )
+            row = {"method": method, "variant": "none", "removed_layers": stage1["removed_layers"], "evaluation": evaluation}
+            record["rows"].append(mark_copy(row, f"COPY of compare-{args.model}-{args.ratio}.json ({method}, Stage 1 only)"))
         if method in paper_rows and (method, "paper") not in done and "paper" not in args.variants and same_tasks:
             paper = paper_rows[method]  # the paper's Stage 2 as compare.py measured it, same protocol
             record["rows"].append(
@@ -181,7 +190,7 @@ def main() -> None:
                     "compensated_layers": paper.get("compensated_layers", []),
                     "stage2_seconds": paper["stage2_seconds"],
                     "evaluation": paper["evaluation"],
-                    "from": f"compare-{args.model}-{args.ratio}.json",
+                    "copied_from": f"COPY of compare-{args.model}-{args.ratio}.json ({method}, the paper's Stage 2)",
                 }
             )
     save()
@@ -195,14 +204,15 @@ def main() -> None:
                     row
                     for row in record["rows"]
                     if row["variant"] == variant
-                    and "same_model_as" not in row
+                    and copied_from(row, record) is None
                     and row["method"] != method
                     and sorted(row["removed_layers"]) == sorted(removed)
                 ),
                 None,
             )
             if twin is not None:
-                record["rows"].append({**twin, "method": method, "removed_layers": removed, "same_model_as": twin["method"]})
+                copy_of = f"COPY of the {twin['method']} row (same removed layers, same model)"
+                record["rows"].append(mark_copy({**twin, "method": method, "removed_layers": removed}, copy_of))
                 todo.remove(variant)
                 save()
         by_calibration: dict[str, list[str]] = {}  # one Stage 1 replay per calibration text
