@@ -23,6 +23,7 @@ so a long comparison can be split over several invocations; the settings must ma
 calibration set is checked to be the same one (by its SHA-256). Stage 1 saves its progress after
 every round in compare-<model>-<ratio>-<metric>-stage1.json (deleted once the method's rows are
 written); `--resume` goes on from there, so a stopped iterative run (SLEB) loses at most one round.
+Every row carries its provenance (`benchmarks/provenance.py`).
 """
 
 from __future__ import annotations
@@ -35,16 +36,20 @@ import logging
 import math
 import os
 import platform
+import sys
 import time
 
 import torch
 
-from optimum_gradmap import GradMAPConfig, GradMAPPruner
-from optimum_gradmap.assets import MODEL_ASSETS, load_model
-from optimum_gradmap.configuration import PAPER_STAGE2
-from optimum_gradmap.data import calibration_sha256
-from optimum_gradmap.evaluation import PAPER_TASKS, evaluate
-from optimum_gradmap.importance import IMPORTANCE_METRICS, importance_metric_names
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.provenance import finish, provenance  # noqa: E402
+from optimum_gradmap import GradMAPConfig, GradMAPPruner  # noqa: E402
+from optimum_gradmap.assets import MODEL_ASSETS, load_model  # noqa: E402
+from optimum_gradmap.configuration import PAPER_STAGE2  # noqa: E402
+from optimum_gradmap.data import calibration_sha256  # noqa: E402
+from optimum_gradmap.evaluation import PAPER_TASKS, evaluate  # noqa: E402
+from optimum_gradmap.importance import IMPORTANCE_METRICS, importance_metric_names  # noqa: E402
 
 
 def parse_method(method: str) -> tuple[str, dict]:
@@ -303,12 +308,15 @@ def main() -> None:
     done = {row["method"] for row in record["rows"]}
     if "dense" not in done:
         dense_row = {"method": "dense", "stage2": False, "removed_layers": [], "stage1_seconds": None, "stage2_seconds": None}
-        record["rows"].append({**dense_row, "drift": {}, "evaluation": measure(dense, "dense")})
+        started = provenance()
+        evaluation = measure(dense, "dense")
+        record["rows"].append({**dense_row, "drift": {}, "evaluation": evaluation, "provenance": finish(started)})
         save()
     for metric in args.metrics:
         if metric in done:
             print(f"{metric}: already in {prefix}.json, kept", flush=True)
             continue
+        started = provenance()  # both rows of the method: the Stage 2 row reports Stage 1's figures too
         model = copy.deepcopy(dense)
         importance, stage1_settings = parse_method(metric)
         config = GradMAPConfig(pruning_ratio=args.ratio, importance=importance, num_samples=args.num_samples, **stage1_settings)
@@ -328,6 +336,7 @@ def main() -> None:
         if "stage1_resumed" in result.timings:  # part of Stage 1 ran in an earlier invocation
             stage1["stage1_seconds_in_earlier_invocations"] = result.timings["stage1_resumed"]
         stage1_evaluation = measure(model, metric)
+        stage1_origin = finish(started)
         pruner.compensate(result, **PAPER_STAGE2)  # the paper's Stage 2 for every row, whatever the defaults
         drift = {str(index): value for index, value in result.compensation.drift.items()}
         summary = result.to_dict()  # every round's scores and, with a shortlist, the loss without each verified layer
@@ -343,8 +352,10 @@ def main() -> None:
                 "stage1_rounds": rounds,
                 "drift": drift,
                 "evaluation": stage1_evaluation,
+                "provenance": stage1_origin,
             }
         )
+        stage2_evaluation = measure(model, f"{metric} + Stage 2")
         record["rows"].append(
             {
                 **stage1,
@@ -352,7 +363,8 @@ def main() -> None:
                 "stage2_seconds": result.timings["stage2"],
                 "compensated_layers": result.compensated_layers,
                 "drift": drift,
-                "evaluation": measure(model, f"{metric} + Stage 2"),
+                "evaluation": stage2_evaluation,
+                "provenance": finish(started),
             }
         )
         save()

@@ -8,7 +8,8 @@ drift, lambdas, objectives and the SHA-256 of every folded weight and of the fin
 
 Every float is written with `repr` (all its digits), so two files are equal only if every figure is
 bit-identical. The default settings (SmolLM2-135M, 32 x 64 calibration tokens of offline Wikipedia, 3
-layers) take a few minutes on 2 CPU cores.
+layers) take a few minutes on 2 CPU cores. The record carries its provenance (`benchmarks/provenance.py`),
+which `--compare` leaves out.
 """
 
 from __future__ import annotations
@@ -16,15 +17,19 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import time
 
 import torch
 
-from optimum_gradmap import GradMAPConfig, GradMAPPruner
-from optimum_gradmap.assets import load_model
-from optimum_gradmap.configuration import PAPER_STAGE2
-from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.provenance import finish, provenance  # noqa: E402
+from optimum_gradmap import GradMAPConfig, GradMAPPruner  # noqa: E402
+from optimum_gradmap.assets import load_model  # noqa: E402
+from optimum_gradmap.configuration import PAPER_STAGE2  # noqa: E402
+from optimum_gradmap.data import calibration_sha256, prepare_calibration_data  # noqa: E402
 
 # name -> GradMAPConfig settings; each run prunes a fresh copy of the model with both stages.
 RUNS = {
@@ -89,6 +94,8 @@ def compare(before_path: str, after_path: str) -> int:
         before = json.load(file)
     with open(after_path) as file:
         after = json.load(file)
+    for record in (before, after):  # where and when each was measured: not a figure
+        record.pop("provenance", None)
     differences = []
 
     def walk(a, b, where):
@@ -120,7 +127,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.compare:
         return compare(*args.compare)
+    started = provenance()
     record = fingerprint(args.model, args.num_samples, args.seq_len, args.num_layers, args.runs)
+    record["provenance"] = finish(started)
     text = json.dumps(record, indent=1)
     if args.output:
         with open(args.output, "w") as file:

@@ -3,7 +3,7 @@ of `optimum_gradmap.evaluation` (perplexities, the seven zero-shot tasks, infere
 
 One Stage 1 run serves both pruned rows: the model is evaluated after Stage 1, then Stage 2 is
 applied to it and it is evaluated again. Every row uses the same perplexity segments and the same
-task sample limit.
+task sample limit. Every row carries its provenance (`benchmarks/provenance.py`).
 
     python benchmarks/evaluation.py --model smollm2-135m --ratio 0.25 --task-limit 200
 
@@ -16,14 +16,18 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 
 import torch
 
-from optimum_gradmap import GradMAPConfig, GradMAPPruner
-from optimum_gradmap.assets import MODEL_ASSETS, load_model
-from optimum_gradmap.configuration import PAPER_STAGE2
-from optimum_gradmap.evaluation import PAPER_TASKS, EvaluationResult, evaluate
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.provenance import finish, provenance  # noqa: E402
+from optimum_gradmap import GradMAPConfig, GradMAPPruner  # noqa: E402
+from optimum_gradmap.assets import MODEL_ASSETS, load_model  # noqa: E402
+from optimum_gradmap.configuration import PAPER_STAGE2  # noqa: E402
+from optimum_gradmap.evaluation import PAPER_TASKS, EvaluationResult, evaluate  # noqa: E402
 
 
 def table(rows: list[EvaluationResult]) -> str:
@@ -105,24 +109,27 @@ def main() -> None:
         "rows": [],
     }
 
-    def save(row: EvaluationResult) -> None:  # after every row: a late failure loses nothing measured
-        record["rows"].append(row.to_dict())
+    def save(row: EvaluationResult, started: dict) -> None:  # after every row: a late failure loses nothing measured
+        record["rows"].append({**row.to_dict(), "provenance": finish(started)})
         with open(path, "w", encoding="utf-8") as file:
             json.dump(record, file, indent=2)
 
+    started = provenance()
     rows = [measure(f"dense ({num_layers} layers)")]
-    save(rows[-1])
+    save(rows[-1], started)
+    started = provenance()  # the Stage 1 row: from the selection of its layers on
     selection = {"layers_to_prune": args.layers} if args.layers else {"pruning_ratio": args.ratio}
     pruner = GradMAPPruner(GradMAPConfig(**selection), tokenizer=tokenizer)
     pruning = pruner.select_layers(model, "offline:wikipedia")
     kept = len(pruning.kept_layers)
     stage1 = "given layers" if args.layers else "Stage 1"
     rows.append(measure(f"GradMAP {args.ratio:.0%}, {stage1} only ({kept} layers)"))
-    save(rows[-1])
+    save(rows[-1], started)
+    started = provenance()  # the Stage 2 row: from Stage 2 on
     pruner.compensate(pruning, **PAPER_STAGE2)  # the paper's Stage 2, as in the figures of docs/evaluation.md
     rows.append(measure(f"GradMAP {args.ratio:.0%}, {stage1} + Stage 2 ({kept} layers)"))
     record["pruning"] = pruning.to_dict()
-    save(rows[-1])
+    save(rows[-1], started)
 
     print()
     print(f"removed layers {pruning.removed_layers}, compensated {pruning.compensated_layers}")

@@ -9,7 +9,8 @@ script removes the layers GradMAP removed from SmolLM2-135M at 25% (see docs/res
     python benchmarks/inference_speed.py --batch-size 8 --device cuda --dtype bfloat16
 
 Prints the figures and the expected ratio L / (L - K), and writes
-benchmarks/results/inference_speed-<model>-<device>-<dtype>-batch<B>.json.
+benchmarks/results/inference_speed-<model>-<device>-<dtype>-batch<B>.json, which carries its provenance
+(`benchmarks/provenance.py`).
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ import argparse
 import json
 import os
 import platform
+import sys
 
 import torch
 
-from optimum_gradmap import load_report, remove_layers
-from optimum_gradmap.assets import MODEL_ASSETS, load_model
-from optimum_gradmap.evaluation import inference_speed
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.provenance import finish, provenance  # noqa: E402
+from optimum_gradmap import load_report, remove_layers  # noqa: E402
+from optimum_gradmap.assets import MODEL_ASSETS, load_model  # noqa: E402
+from optimum_gradmap.evaluation import inference_speed  # noqa: E402
 
 GRADMAP_SMOLLM2_25 = [26, 25, 21, 18, 14, 13, 17, 10]  # examples/prune_smollm2.py, docs/results.md
 
@@ -56,9 +61,11 @@ def main() -> None:
         warmup=args.warmup,
         repeats=args.repeats,
     )
+    started = provenance()
     dense = inference_speed(model, **settings)
     remove_layers(model, layers)
     pruned = inference_speed(model, **settings)
+    origin = finish(started)
 
     expected = dense.num_layers / pruned.num_layers
     decode_ratio = pruned.decode_tokens_per_second / dense.decode_tokens_per_second
@@ -84,6 +91,7 @@ def main() -> None:
         "decode_speedup": decode_ratio,
         "prefill_speedup": prefill_ratio,
         "expected_speedup": expected,
+        "provenance": origin,
     }
     if args.device.startswith("cuda"):
         record["machine"]["gpu"] = torch.cuda.get_device_name()

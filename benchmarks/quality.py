@@ -7,7 +7,8 @@ dense model's layers through `LayerSnapshot.temporarily`.
 
     python benchmarks/quality.py --model smollm2-135m --ratio 0.25
 
-Prints a table and writes benchmarks/results/quality-<model>-<ratio>.json.
+Prints a table and writes benchmarks/results/quality-<model>-<ratio>.json, which carries its provenance
+(`benchmarks/provenance.py`).
 """
 
 from __future__ import annotations
@@ -17,13 +18,17 @@ import json
 import os
 import platform
 import random
+import sys
 import time
 
 import torch
 
-from optimum_gradmap import GradMAPConfig, GradMAPPruner, load_evaluation_segments, perplexity, surgery
-from optimum_gradmap.assets import MODEL_ASSETS, load_model
-from optimum_gradmap.configuration import PAPER_STAGE2
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.provenance import finish, provenance  # noqa: E402
+from optimum_gradmap import GradMAPConfig, GradMAPPruner, load_evaluation_segments, perplexity, surgery  # noqa: E402
+from optimum_gradmap.assets import MODEL_ASSETS, load_model  # noqa: E402
+from optimum_gradmap.configuration import PAPER_STAGE2  # noqa: E402
 
 
 def main() -> None:
@@ -53,6 +58,7 @@ def main() -> None:
         f"evaluation: {segments.shape[0]} segments x 128 tokens of held-out Wikipedia"
     )
 
+    started = provenance()
     rows: dict[str, float] = {}
     rows["dense"] = perplexity(model, segments)
     print(f"dense: {rows['dense']:.3f}")
@@ -92,6 +98,7 @@ def main() -> None:
                 "stage2_seconds": result.timings["stage2"],
             }
             print(f"{name}, layer {result.compensated_layers}: {rows[name]:.3f}  [{result.timings['stage2']:.1f}s]")
+    origin = finish(started)
 
     report = {
         "model": args.model,
@@ -112,6 +119,7 @@ def main() -> None:
         "stage1_seconds": result.timings["stage1"],
         "environment": {"torch": torch.__version__, "platform": platform.platform(), "threads": torch.get_num_threads()},
         "date": time.strftime("%Y-%m-%d"),
+        "provenance": origin,
     }
     os.makedirs(args.output_dir, exist_ok=True)
     suffix = "layers-" + "-".join(map(str, args.layers)) if args.layers else str(args.ratio)

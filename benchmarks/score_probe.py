@@ -12,7 +12,8 @@ process, so the timings compare.
     python benchmarks/score_probe.py --model qwen2.5-coder-0.5b --resume
 
 Writes benchmarks/results/score_probe-<model>.{json,md}; with --resume, scores already in the JSON
-are kept (the calibration set is checked to be the same one).
+are kept (the calibration set is checked to be the same one). Every score, and the true damage
+(`true_damage_provenance`), carries its provenance (`benchmarks/provenance.py`).
 """
 
 from __future__ import annotations
@@ -21,17 +22,21 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 
 import torch
 
-from optimum_gradmap.adapters import get_adapter
-from optimum_gradmap.assets import MODEL_ASSETS, load_model
-from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
-from optimum_gradmap.importance import get_importance_metric
-from optimum_gradmap.importance.metrics import ResidualBranchMetric, removal_losses
-from optimum_gradmap.importance.residual import residual_branch_scores, stacked_statistics
-from optimum_gradmap.passes import calibration_batches
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.provenance import finish, provenance  # noqa: E402
+from optimum_gradmap.adapters import get_adapter  # noqa: E402
+from optimum_gradmap.assets import MODEL_ASSETS, load_model  # noqa: E402
+from optimum_gradmap.data import calibration_sha256, prepare_calibration_data  # noqa: E402
+from optimum_gradmap.importance import get_importance_metric  # noqa: E402
+from optimum_gradmap.importance.metrics import ResidualBranchMetric, removal_losses  # noqa: E402
+from optimum_gradmap.importance.residual import residual_branch_scores, stacked_statistics  # noqa: E402
+from optimum_gradmap.passes import calibration_batches  # noqa: E402
 
 SCORES = (
     "gradmap",
@@ -120,23 +125,26 @@ def main() -> None:
             file.write("\n".join(f"`{line}`  " for line in record["commands"]) + "\n\n" + markdown(record) + "\n")
 
     if "true_damage" not in record:
+        begun = provenance()
         started = time.perf_counter()
         dense_loss = calibration_loss(model, ids, args.batch_size)
         losses = removal_losses(model, adapter, ids, args.batch_size, range(num_layers), progress_bar=False)
         record["dense_loss"] = dense_loss
         record["true_damage"] = [losses[position] - dense_loss for position in range(num_layers)]
         record["true_damage_seconds"] = time.perf_counter() - started
+        record["true_damage_provenance"] = finish(begun)
         save()
         print(f"true damage measured in {record['true_damage_seconds']:.0f} s", flush=True)
     damage = record["true_damage"]
     true_order = sorted(range(num_layers), key=lambda index: (damage[index], index))
 
-    def keep(name: str, scores: list[float], seconds: float, shared_with: list[str]) -> None:
+    def keep(name: str, scores: list[float], seconds: float, shared_with: list[str], origin: dict) -> None:
         order = sorted(range(num_layers), key=lambda index: (scores[index], index))
         record["scores"][name] = {
             "scores": scores,
             "seconds": seconds,
             "shared_pass": shared_with,
+            "provenance": origin,
             "spearman": spearman(scores, damage),
             "first_choice": order[0],
             "first_choice_true_rank": true_order.index(order[0]) + 1,
@@ -151,6 +159,7 @@ def main() -> None:
     branch = [name for name in pending if isinstance(get_importance_metric(name), ResidualBranchMetric)]
     if len(branch) > 1:
         statistics = [type(get_importance_metric(name)).statistic for name in branch]
+        begun = provenance()  # one pass for every score of the branch: they share its provenance
         started = time.perf_counter()
         table = residual_branch_scores(
             model,
@@ -162,13 +171,16 @@ def main() -> None:
             progress_bar=False,
         )
         seconds = time.perf_counter() - started
+        origin = finish(begun)
         for column, name in enumerate(branch):
-            keep(name, table[:, column].tolist(), seconds, branch)
+            keep(name, table[:, column].tolist(), seconds, branch, origin)
         pending = [name for name in pending if name not in branch]
     for name in pending:
+        begun = provenance()
         started = time.perf_counter()
         scores = get_importance_metric(name).score(model, adapter, ids, args.batch_size, progress_bar=False)
-        keep(name, scores, time.perf_counter() - started, [])
+        seconds = time.perf_counter() - started
+        keep(name, scores, seconds, [], finish(begun))
     print(markdown(record))
 
 

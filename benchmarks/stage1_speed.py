@@ -19,12 +19,19 @@ machine is shared and noisy); the naive path runs once:
   on CPU, resident memory sampled every 5 ms over the first two batches, in a separate run where
   glibc returns every freed block of 64 KiB or more to the system (MALLOC_MMAP_THRESHOLD_), so that
   resident memory follows the live tensors; on CUDA, torch's peak allocated memory;
-- agreement of the scores (max relative difference, goal <= 1e-4) and of the layers removed.
+- agreement of the scores (max relative difference, goal <= 1e-4) and of the layers removed;
+- with `--workers forward prune_round`: one whole round through `GradMAPPruner.prune` (one layer removed,
+  compensation off, on a copy of the warm model) over one plain forward pass: the passes and everything
+  `prune` does around them.
+
+Figures of runs with other `--workers` go to a file named after them; every file carries its provenance
+(`benchmarks/provenance.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -35,7 +42,12 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.provenance import finish, provenance  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = ("forward", "gradient_passes", "fast", "prune_round", "naive")
 
 
 class PeakMemory:
@@ -124,15 +136,38 @@ def worker(args: argparse.Namespace) -> dict:
     elif args.worker == "fast":
         gradient_importance(model, layers, ids[: args.batch_size], args.batch_size, progress_bar=False)  # warm-up
         run = lambda: gradient_importance(model, layers, ids, args.batch_size, progress_bar=False)  # noqa: E731
+    elif args.worker == "prune_round":  # one round through the public API: everything `prune` does around the passes
+        from optimum_gradmap import GradMAPConfig, GradMAPPruner
+
+        config = GradMAPConfig(
+            num_layers_to_prune=1,
+            num_samples=args.num_samples,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            compensation=False,
+        )
+        pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
+        dense_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+        def prune_round() -> None:
+            pruned = copy.deepcopy(model)
+            pruner.prune(pruned, ids)
+            del pruned
+
+        gradient_importance(model, layers, ids[: args.batch_size], args.batch_size, progress_bar=False)  # warm-up
+        run = prune_round
     else:
         run = lambda: naive_layer_scores(model, layers, ids)  # noqa: E731
     if device.type == "cuda":
         torch.cuda.synchronize()
+    scores = None
     timings = []
     with PeakMemory(device) as memory:
         for _ in range(args.repeats if args.worker != "naive" and not args.memory_run else 1):
             start = time.perf_counter()
-            scores = run()
+            scores = run() if args.worker != "prune_round" else None
+            if args.worker == "prune_round":
+                assert all(torch.equal(tensor, dense_state[name]) for name, tensor in model.state_dict().items())
             if device.type == "cuda":
                 torch.cuda.synchronize()
             timings.append(time.perf_counter() - start)
@@ -160,43 +195,62 @@ def main() -> None:
         "--num-layers-to-prune", type=int, default=8, help="K, for comparing which layers a one-shot selection removes"
     )
     parser.add_argument("--memory-run", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--worker", choices=["forward", "gradient_passes", "fast", "naive"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--workers",
+        nargs="+",
+        default=["forward", "gradient_passes", "fast", "naive"],
+        choices=WORKERS,
+        help="what to time (default: all but prune_round; ratios need forward, the scores' agreement fast and naive)",
+    )
+    parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     parser.add_argument("--output-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     args = parser.parse_args()
+    suffix = "" if args.workers == parser.get_default("workers") else "-" + "-".join(args.workers)
 
     if args.worker:
         print(json.dumps(worker(args)))
         return
 
     results = {}
-    for kind in ("forward", "gradient_passes", "fast", "naive"):
+    started = provenance()
+    for kind in args.workers:
         command = [sys.executable, __file__, "--worker", kind] + [
             f"--{name.replace('_', '-')}={value}"
             for name, value in vars(args).items()
-            if name not in ("worker", "output_dir", "memory_run")
+            if name not in ("worker", "workers", "output_dir", "memory_run")
         ]
         completed = subprocess.run(command, capture_output=True, text=True, check=True)
         results[kind] = json.loads(completed.stdout.strip().splitlines()[-1])
         # Memory in its own run, where glibc hands every block of 64 KiB or more straight back to the
         # system when freed: resident memory then follows the live tensors, instead of keeping (or
         # hiding, after a warm-up) freed blocks.
-        environment = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-        completed = subprocess.run(command + ["--memory-run"], capture_output=True, text=True, check=True, env=environment)
-        results[kind]["peak_extra_bytes"] = json.loads(completed.stdout.strip().splitlines()[-1])["peak_extra_bytes"]
+        if kind != "prune_round":
+            environment = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+            completed = subprocess.run(command + ["--memory-run"], capture_output=True, text=True, check=True, env=environment)
+            results[kind]["peak_extra_bytes"] = json.loads(completed.stdout.strip().splitlines()[-1])["peak_extra_bytes"]
         print(f"{kind}: {results[kind]['seconds']:.1f} s, peak extra memory {results[kind]['peak_extra_bytes'] / 2**20:.0f} MiB")
+    origin = finish(started)
 
-    fast, naive = torch.tensor(results["fast"]["scores"]), torch.tensor(results["naive"]["scores"])
-    k = args.num_layers_to_prune
-    figures = {
-        "round_time_over_forward_time": results["fast"]["seconds"] / results["forward"]["seconds"],
-        "gradient_passes_over_forward_time": results["gradient_passes"]["seconds"] / results["forward"]["seconds"],
-        "speedup_over_naive": results["naive"]["seconds"] / results["fast"]["seconds"],
-        "peak_memory_over_weight_bytes": results["fast"]["peak_extra_bytes"] / results["fast"]["weight_bytes"],
-        "naive_peak_memory_over_weight_bytes": results["naive"]["peak_extra_bytes"] / results["naive"]["weight_bytes"],
-        "max_relative_score_difference": float(((fast - naive).abs() / naive).max()),
-        "same_first_removal": int(fast.argmin()) == int(naive.argmin()),
-        "same_k_lowest": sorted(fast.argsort()[:k].tolist()) == sorted(naive.argsort()[:k].tolist()),
-    }
+    figures = {}
+    forward = results.get("forward", {}).get("seconds")
+    for kind in ("gradient_passes", "fast", "prune_round"):
+        if forward and kind in results:
+            figures[f"{kind}_over_forward_time"] = results[kind]["seconds"] / forward
+    if "fast" in figures:
+        figures["round_time_over_forward_time"] = figures.pop("fast_over_forward_time")
+    if "fast" in results and "naive" in results:
+        fast, naive = torch.tensor(results["fast"]["scores"]), torch.tensor(results["naive"]["scores"])
+        k = args.num_layers_to_prune
+        figures.update(
+            {
+                "speedup_over_naive": results["naive"]["seconds"] / results["fast"]["seconds"],
+                "peak_memory_over_weight_bytes": results["fast"]["peak_extra_bytes"] / results["fast"]["weight_bytes"],
+                "naive_peak_memory_over_weight_bytes": results["naive"]["peak_extra_bytes"] / results["naive"]["weight_bytes"],
+                "max_relative_score_difference": float(((fast - naive).abs() / naive).max()),
+                "same_first_removal": int(fast.argmin()) == int(naive.argmin()),
+                f"same_{k}_lowest": sorted(fast.argsort()[:k].tolist()) == sorted(naive.argsort()[:k].tolist()),
+            }
+        )
     report = {
         "model": args.model,
         "device": args.device,
@@ -206,7 +260,7 @@ def main() -> None:
         "seconds": {kind: results[kind]["seconds"] for kind in results},
         "all_seconds": {kind: results[kind]["all_seconds"] for kind in results},
         "peak_extra_bytes": {kind: results[kind]["peak_extra_bytes"] for kind in results},
-        "weight_bytes": results["fast"]["weight_bytes"],
+        "weight_bytes": next(iter(results.values()))["weight_bytes"],
         "environment": {
             "torch": torch.__version__,
             "platform": platform.platform(),
@@ -214,27 +268,17 @@ def main() -> None:
             "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
         },
         "date": time.strftime("%Y-%m-%d"),
+        "provenance": origin,
     }
     os.makedirs(args.output_dir, exist_ok=True)
     path = os.path.join(
-        args.output_dir, f"stage1_speed-{args.model}-{args.device.split(':')[0]}-{args.dtype}-batch{args.batch_size}.json"
+        args.output_dir, f"stage1_speed-{args.model}-{args.device.split(':')[0]}-{args.dtype}-batch{args.batch_size}{suffix}.json"
     )
     with open(path, "w") as file:
         json.dump(report, file, indent=2)
     print()
-    print(f"round time / forward time:        {figures['round_time_over_forward_time']:.2f}   (goal <= 2.5)")
-    print(
-        f"  of which forward + loss gradient + input-gradient backward alone: {figures['gradient_passes_over_forward_time']:.2f}"
-    )
-    print(f"speed-up over naive per-sample:   {figures['speedup_over_naive']:.2f}x")
-    print(
-        f"peak memory / weight bytes:       {figures['peak_memory_over_weight_bytes']:.2f}   "
-        f"(goal <= 0.5; naive: {figures['naive_peak_memory_over_weight_bytes']:.2f})"
-    )
-    print(
-        f"max relative score difference:    {figures['max_relative_score_difference']:.2e} (goal <= 1e-4); "
-        f"same first removal: {figures['same_first_removal']}; same {k} lowest: {figures['same_k_lowest']}"
-    )
+    for name, value in figures.items():
+        print(f"{name}: {value:.3f}" if isinstance(value, float) else f"{name}: {value}")
     print(f"written to {path}")
 
 

@@ -18,6 +18,7 @@ settings; its calibration SHA-256 is checked against the one rebuilt here. Varia
   (`offline:wikipedia+offline:web_text`; Stage 1's layers stay compare.py's).
 
 Writes benchmarks/results/stage2-<model>-<ratio>.{json,md}; with `--resume`, rows already there are kept.
+Every row measured here carries its provenance (`benchmarks/provenance.py`); a copied row, `copied_from`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import platform
 
 import torch
 from compare import measure_held_out, save_record  # the same protocol and files as compare.py
-from provenance import mark_copy
+from provenance import finish, mark_copy, provenance
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.assets import MODEL_ASSETS, load_model
@@ -229,7 +230,9 @@ def main() -> None:
                 overrides, validated, _ = parse_variant(variant)
                 if validated and validation is None:  # in-domain held-out text: the calibration articles, another seed
                     validation = prepare_calibration_data(CALIBRATION, tokenizer, args.num_samples, 128, 1, CALIBRATION)
+                started = provenance()
                 pruner.compensate(result, validation_data=validation if validated else None, **overrides)
+                evaluation = measure(model, f"{method} + Stage 2 {variant}")
                 record["rows"].append(
                     {
                         "method": method,
@@ -241,7 +244,8 @@ def main() -> None:
                         "uncompensated_layers": {str(k): v for k, v in result.compensation.skipped_layers.items()},
                         "compensation_validation": result.compensation.validation,
                         "stage2_seconds": result.timings["stage2"],
-                        "evaluation": measure(model, f"{method} + Stage 2 {variant}"),
+                        "evaluation": evaluation,
+                        "provenance": finish(started),
                     }
                 )
                 save()

@@ -18,7 +18,8 @@ model's weight bytes (loading itself, which transformers does its own way, is no
 it, what the streamed mode must hold: the largest module's weights (a decoder layer, or the tied
 embedding / head), the stored layer inputs (layers x batch x tokens x hidden x 4 bytes) and one
 layer's activations. Time: the round is run twice, the second run counts. Also checks that both modes
-give the same scores. Writes benchmarks/results/streaming_memory-<model>-batch<B>.json.
+give the same scores. Writes benchmarks/results/streaming_memory-<model>-batch<B>.json, which carries the
+provenance of both subprocesses' measurement, taken in the parent (`benchmarks/provenance.py`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from provenance import finish, provenance  # noqa: E402
 from stage1_speed import PeakMemory  # noqa: E402  (the same sampler as the Stage 1 speed benchmark)
 
 
@@ -117,6 +119,7 @@ def main() -> None:
 
     environment = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     results = {}
+    started = provenance()
     for mode in ("in_memory", "layer_streamed"):
         command = [sys.executable, __file__, "--worker", mode, f"--model={args.model}", f"--num-samples={args.num_samples}"]
         command += [f"--seq-len={args.seq_len}", f"--batch-size={args.batch_size}"]
@@ -126,6 +129,7 @@ def main() -> None:
         results[mode] = json.loads(completed.stdout.strip().splitlines()[-1])
         figure = results[mode]["peak_extra_bytes"] / results[mode]["weight_bytes"]
         print(f"{mode}: {results[mode]['seconds']:.1f} s per round, peak memory {figure:.3f} x the weight bytes", flush=True)
+    origin = finish(started)
 
     sizes = module_bytes(args.model)
     streamed, in_memory = results["layer_streamed"], results["in_memory"]
@@ -148,6 +152,7 @@ def main() -> None:
         "results": results,
         "module_bytes": sizes,
         "figures": figures,
+        "provenance": origin,
     }
     os.makedirs(args.output_dir, exist_ok=True)
     path = os.path.join(args.output_dir, f"streaming_memory-{args.model}-batch{args.batch_size}.json")

@@ -1,0 +1,109 @@
+"""Every benchmark figure carries where it comes from: `benchmarks/provenance.py` gives the fields (commit, date,
+command, machine, the load and the other busy processes before and after, seconds, quiet), and every benchmark
+script that writes JSON takes a `provenance()` when a measurement starts and `finish(...)`es it when it ends."""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # benchmarks/ has no __init__.py: imported as the scripts import it
+
+from benchmarks import provenance as provenance_module  # noqa: E402
+from benchmarks.provenance import finish, provenance  # noqa: E402
+
+BENCHMARKS = ROOT / "benchmarks"
+FIELDS = {
+    "commit": str,
+    "dirty": bool,
+    "date": str,
+    "command": str,
+    "machine": dict,
+    "load_before": list,
+    "load_after": list,
+    "others_running_before": list,
+    "others_running_after": list,
+    "seconds": float,
+    "quiet": bool,
+}
+
+
+def test_a_finished_provenance_has_every_field_with_its_type_and_the_time_the_measurement_took():
+    started = provenance()
+    assert "started" in started
+    time.sleep(0.05)
+    record = finish(started)
+
+    assert set(record) == set(FIELDS), f"fields: {sorted(record)}"
+    for field, kind in FIELDS.items():
+        assert isinstance(record[field], kind), f"{field}: {record[field]!r} is not a {kind.__name__}"
+    assert "started" in started, "finish must not change the provenance it completes"
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    assert re.fullmatch(r"[0-9a-f]{40}", record["commit"]) and record["commit"] == head
+    date = datetime.datetime.fromisoformat(record["date"])
+    assert date.utcoffset() == datetime.timedelta(0)
+    assert abs((datetime.datetime.now(datetime.timezone.utc) - date).total_seconds()) < 60
+    assert record["command"]
+    assert set(record["machine"]) == {"cpu_count", "platform", "torch", "transformers"}
+    assert record["machine"]["cpu_count"] == os.cpu_count()
+    for field in ("load_before", "load_after"):
+        assert len(record[field]) == 3 and all(isinstance(value, float) and value >= 0 for value in record[field])
+    for field in ("others_running_before", "others_running_after"):
+        assert all(isinstance(process, str) for process in record[field])
+    assert record["seconds"] >= 0.05
+    assert record["quiet"] == (
+        not record["others_running_before"] and not record["others_running_after"] and record["load_before"][0] < 1.0
+    )
+
+
+def _calls(source: str) -> set[str]:
+    """The names of the functions `source` calls: `json.dump(...)` gives "json.dump", `finish(...)` "finish"."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            function = node.func
+            if isinstance(function, ast.Name):
+                names.add(function.id)
+            elif isinstance(function, ast.Attribute):
+                owner = function.value.id if isinstance(function.value, ast.Name) else ""
+                names.add(f"{owner}.{function.attr}" if owner else function.attr)
+    return names
+
+
+def without_provenance(source: str) -> bool:
+    """Whether a benchmark's source writes JSON (`json.dump` or `json.dumps`) without calling both `provenance()`
+    and `finish(...)`."""
+    calls = _calls(source)
+    writes_json = bool(calls & {"json.dump", "json.dumps"})
+    return writes_json and not {"provenance", "finish"} <= calls
+
+
+def test_the_check_finds_a_benchmark_that_writes_json_without_provenance():
+    assert without_provenance("import json\njson.dump({}, open('a.json', 'w'))\n")
+    assert without_provenance("import json\nstarted = provenance()\nprint(json.dumps({'provenance': started}))\n")
+    assert not without_provenance("import json\nstarted = provenance()\njson.dump({'provenance': finish(started)}, file)\n")
+    assert not without_provenance("print('no JSON written')\n")
+
+
+def test_every_benchmark_that_writes_json_records_provenance():
+    scripts = sorted(path for path in BENCHMARKS.glob("*.py") if path.name not in ("provenance.py", "__init__.py"))
+    assert scripts, f"no benchmark scripts found in {BENCHMARKS}"
+    missing = [path.name for path in scripts if without_provenance(path.read_text(encoding="utf-8"))]
+    assert not missing, (
+        f"these benchmarks write JSON but never call provenance() and finish(...) (benchmarks/provenance.py): {missing}"
+    )
+
+
+def test_mark_copy_adds_where_the_row_was_copied_from_and_keeps_the_rest():
+    row = {"method": "gradmap", "removed_layers": [3, 5], "evaluation": {"perplexities": []}}
+    copied = provenance_module.mark_copy(row, "COPY of compare-smollm2-135m-0.25.json (gradmap, Stage 1 only)")
+    assert copied == {**row, "copied_from": "COPY of compare-smollm2-135m-0.25.json (gradmap, Stage 1 only)"}
+    assert "copied_from" not in row, "mark_copy must not change the row it copies"
