@@ -1,6 +1,6 @@
 """Stage 1 against SLEB at the cost of SLEB's own code: same model, ratio and calibration set, one run.
 
-Three selections, each on a fresh copy of the dense model, Stage 1 only (no Stage 2, so the layers alone are
+Four selections, each on a fresh copy of the dense model, Stage 1 only (no Stage 2, so the layers alone are
 compared):
 
 - `sleb_reference`: SLEB's criterion computed as SLEB's code does it, one full forward pass over the whole
@@ -8,7 +8,10 @@ compared):
 - `sleb`: our SLEB, the same criterion with each candidate started from its recorded input
   (`importance.metrics.removal_losses`): the same layers, less work;
 - `quality`: the `quality` preset's Stage 1 (GradMAP's bound per token, a shortlist of 8 checked by SLEB's
-  criterion with successive halving).
+  criterion with successive halving, the check starting from the scoring pass's layer inputs);
+- `fast`: the `fast` preset's Stage 1 (relative magnitude, one pass without gradients, removal in one shot);
+- `quality_own_pass` (only when asked for with `--methods`): the same with the check running its own pass
+  through the layers before the candidates, as the preset did before `verify_from_scoring_pass`.
 
 Each row: the removed layers, Stage 1 seconds, held-out perplexity on Wikipedia and web text (128-token
 segments), and its provenance (commit, date, command, machine and its load, `benchmarks/provenance.py`);
@@ -57,6 +60,9 @@ METHODS = {
     "sleb_reference": lambda: {"importance": ReferenceCostSLEB()},
     "sleb": lambda: {"importance": "sleb"},
     "quality": lambda: dict(PRESETS["quality"]),
+    "fast": lambda: dict(PRESETS["fast"]),
+    # the preset before its shortlist check started from the scoring pass's layer inputs (a pass of its own)
+    "quality_own_pass": lambda: {**PRESETS["quality"], "verify_from_scoring_pass": False},
 }
 
 
@@ -79,17 +85,19 @@ def markdown(record: dict) -> str:
         f"{record['settings']['model']}, ratio {record['settings']['ratio']}, {record['settings']['num_samples']} x 128 "
         f"calibration (sha256 {record.get('calibration_sha256', '?')[:12]}), Stage 1 only",
         "",
-        "| method | removed layers | same layers as reference SLEB | Stage 1 s | time / reference SLEB's | Wikipedia ppl "
-        "| web ppl | quiet |",
-        "|---|---|---|---:|---:|---:|---:|---|",
+        "| method | removed layers | same layers as reference SLEB | Stage 1 s | time / reference SLEB's "
+        "| time / our SLEB's | Wikipedia ppl | web ppl | quiet |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     reference = next((row for row in record["rows"] if row["method"] == "sleb_reference"), None)
+    ours = next((row for row in record["rows"] if row["method"] == "sleb"), None)
     for row in record["rows"]:
         share = f"{row['stage1_seconds'] / reference['stage1_seconds']:.3f}" if reference else "-"
+        share_of_ours = f"{row['stage1_seconds'] / ours['stage1_seconds']:.3f}" if ours else "-"
         same = sorted(row["removed_layers"]) == sorted(reference["removed_layers"]) if reference else "-"
         ppl = row["perplexity"]
         lines.append(
-            f"| {row['method']} | {row['removed_layers']} | {same} | {row['stage1_seconds']:.1f} | {share} | "
+            f"| {row['method']} | {row['removed_layers']} | {same} | {row['stage1_seconds']:.1f} | {share} | {share_of_ours} | "
             f"{ppl.get('offline:wikipedia', float('nan')):.3f} | {ppl.get('offline:web_text', float('nan')):.3f} | "
             f"{row['provenance']['quiet']} |"
         )
@@ -101,7 +109,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_ASSETS))
     parser.add_argument("--ratio", type=float, default=0.25)
     parser.add_argument("--num-samples", type=int, default=32, help="calibration sequences of 128 tokens (default 32)")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=["sleb_reference", "sleb", "quality", "fast"], choices=list(METHODS))
     parser.add_argument("--max-eval-segments", type=int, default=128)
     parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--resume", action="store_true")

@@ -55,7 +55,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # as a per-token score, iterative, with a shortlist of eight checked by SLEB's criterion and successive
     # halving: SLEB's perplexity or better on SmolLM2-135M and Qwen2.5-Coder-0.5B at 25% in 25-31% of SLEB's
     # Stage 1 time; then the default Stage 2.
-    "quality": {"importance": "gradmap_bound_token", "verify_top_k": 8, "verify_halving": True},
+    "quality": {"importance": "gradmap_bound_token", "verify_top_k": 8, "verify_halving": True, "verify_from_scoring_pass": True},
     # Fastest selection: one pass, no gradients (relative magnitude, Samragh et al. 2023), removal in one shot;
     # then the default Stage 2.
     "fast": {"importance": "relative_magnitude"},
@@ -134,6 +134,14 @@ class GradMAPConfig:
         "Algorithm 1): the calibration sequences are split into ceil(log2 k) rungs, and after each rung only the "
         "better half of the candidates goes on. A shortlist of 8 then measures 58% of what verifying all 8 on every "
         "sequence does (see [`optimum_gradmap.importance.selection.verify_shortlist`]).",
+    )
+    verify_from_scoring_pass: bool = _setting(
+        False,
+        "With `verify_top_k`, the shortlist's check starts from the layer inputs the round's scoring pass computed "
+        "(kept for every remaining layer while it runs: remaining layers x num_samples x seq_len x hidden values, "
+        "in the model's dtype; the shortlist's only, after it), instead of a pass of its own through the layers "
+        "before the candidates: the same losses up to float rounding, up to one forward pass less per round. Used "
+        "with one process and the weights in memory; elsewhere the check runs its own pass.",
     )
     compensation: bool = _setting(True, "Run Stage 2 (projection compensation matrix, Eq. 10-15).")
     num_compensated_layers: int = _setting(
@@ -282,6 +290,11 @@ class GradMAPConfig:
             raise InvalidInputError(
                 "`verify_halving=True` changes how a verified shortlist is checked, and there is none: "
                 "set `verify_top_k` too (e.g. verify_top_k=8), or leave `verify_halving` off."
+            )
+        if self.verify_from_scoring_pass and self.verify_top_k is None:
+            raise InvalidInputError(
+                "`verify_from_scoring_pass=True` starts a verified shortlist's check from the scoring pass, and there is "
+                "no shortlist: set `verify_top_k` too (e.g. verify_top_k=8), or leave `verify_from_scoring_pass` off."
             )
         if self.reg_lambda != "auto" and (
             isinstance(self.reg_lambda, bool)

@@ -140,3 +140,86 @@ def forward_pre_hooks(hooks: Sequence[tuple[nn.Module, Callable]]) -> Iterator[N
     finally:
         for handle in handles:
             handle.remove()
+
+
+class RecordedLayerInputs:
+    """Keeps what some decoder layers receive during the passes over a calibration set run inside the block, so
+    that a later computation on the same model and sequences can start from them instead of running the layers
+    before them again (the verified shortlist does, [`~optimum_gradmap.importance.verify_shortlist`]).
+
+    Every call of the input embeddings opens a batch, identified by its token ids; the layers' inputs that follow
+    belong to it. A batch is kept when its ids are the next rows of `input_ids` and each layer ran once on it, so
+    other passes in the block (a check on a few tokens, say) are ignored. [`~RecordedLayerInputs.inputs`] gives
+    the inputs only if the kept batches cover every row of `input_ids` in order.
+
+    Memory: one `(num_samples, seq_len, hidden)` tensor per layer, in the dtype and on the device of its input.
+
+    Args:
+        model (`nn.Module`): The causal LM.
+        layers (`dict[int, nn.Module]`): The layers whose inputs to keep, by any key.
+        input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): The calibration sequences of the passes.
+    """
+
+    def __init__(self, model: nn.Module, layers: dict[int, nn.Module], input_ids: torch.LongTensor):
+        self.model = model
+        self.layers = dict(layers)
+        self.input_ids = input_ids
+        self.returns_tuple: bool | None = None
+        self._kept: dict[int, list[torch.Tensor]] = {key: [] for key in self.layers}
+        self._batch: dict[int, list[torch.Tensor]] = {}
+        self._batch_ids: torch.LongTensor | None = None
+        self._rows = 0
+        self._handles: list = []
+
+    def __enter__(self) -> "RecordedLayerInputs":
+        embeddings = self.model.get_input_embeddings()
+        self._handles.append(embeddings.register_forward_pre_hook(self._open_batch, with_kwargs=True))
+        for key, layer in self.layers.items():
+            self._handles.append(
+                layer.register_forward_pre_hook(
+                    lambda module, args, kwargs, key=key: self._keep(key, args, kwargs), with_kwargs=True
+                )
+            )
+        first = next(iter(self.layers.values()), None)
+        if first is not None:
+            self._handles.append(first.register_forward_hook(self._note_output))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._close_batch()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _open_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._close_batch()
+        ids = args[0] if args else kwargs.get("input")
+        self._batch_ids = ids if isinstance(ids, torch.Tensor) else None
+        self._batch = {key: [] for key in self.layers}
+
+    def _keep(self, key: int, args: tuple, kwargs: dict) -> None:
+        if self._batch_ids is not None:
+            self._batch[key].append(layer_input(args, kwargs).detach())
+
+    def _note_output(self, module: nn.Module, args: tuple, output: object) -> None:
+        self.returns_tuple = isinstance(output, (tuple, list))
+
+    def _close_batch(self) -> None:
+        ids, self._batch_ids = self._batch_ids, None
+        if ids is None or ids.dim() != 2:
+            return
+        expected = self.input_ids[self._rows : self._rows + ids.shape[0]]
+        if expected.shape != ids.shape or not torch.equal(expected, ids.to(expected.device)):
+            return
+        if any(len(inputs) != 1 for inputs in self._batch.values()):
+            return
+        for key, inputs in self._batch.items():
+            self._kept[key].append(inputs[0])
+        self._rows += ids.shape[0]
+
+    def inputs(self) -> dict[int, torch.Tensor] | None:
+        """Each layer's inputs over every calibration sequence, `(num_samples, seq_len, hidden)`, by its key; `None`
+        where the passes did not cover the calibration set in order, batch by batch. Call it once, after the block."""
+        if self._rows != self.input_ids.shape[0] or self.returns_tuple is None:
+            return None
+        return {key: torch.cat(self._kept.pop(key)) for key in list(self._kept)}  # one layer's batches freed at a time

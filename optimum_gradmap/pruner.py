@@ -501,6 +501,7 @@ class GradMAPPruner:
             protected=config.resolved_protected_layers(num_layers),
             verify_top_k=config.verify_top_k,
             verify_halving=config.verify_halving,
+            verify_from_scoring_pass=config.verify_from_scoring_pass,
             batch_size=config.batch_size,
             seed=config.seed,
             compensate_each_round=config.compensate_each_round,

@@ -10,6 +10,7 @@ import torch
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner, remove_layers
 from optimum_gradmap.adapters import get_adapter
+from optimum_gradmap.errors import InvalidInputError
 from optimum_gradmap.importance import IMPORTANCE_METRICS, TaylorImportance, get_importance_metric
 from optimum_gradmap.importance.metrics import ResidualBranchMetric, removal_losses
 from optimum_gradmap.importance.residual import residual_branch_scores, stacked_statistics
@@ -396,3 +397,74 @@ def test_our_sleb_losses_equal_the_reference_cost_ones_on_every_family(model_typ
     ours = removal_losses(model, adapter, ids, 3, positions, progress_bar=False)
     reference = reference_removal_losses(model, ids, 3, positions)
     assert ours == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_the_shortlist_check_from_the_scoring_pass_inputs_gives_the_same_losses_without_running_the_layers_before(model_type):
+    """`verify_from_scoring_pass`: the scoring pass records the remaining layers' inputs (and ignores its own check of a
+    few tokens), and the candidates start from them, so no layer before the first candidate runs again."""
+    from optimum_gradmap.importance import get_importance_metric
+    from optimum_gradmap.passes import RecordedLayerInputs
+
+    model = tiny_model(model_type)
+    adapter = get_adapter(model)
+    layers = adapter.get_layers(model)
+    ids = random_ids(7, 12)
+    positions = [1, 2, len(layers) - 1]
+    with RecordedLayerInputs(model, {position: layers[position] for position in positions}, ids) as recorder:
+        get_importance_metric("gradmap_bound_token").score_layers(model, adapter, ids, 3, positions, progress_bar=False)
+    recorded = recorder.inputs()
+    assert recorded is not None and all(recorded[p].shape[:2] == ids.shape for p in positions)
+    calls = []
+    handle = layers[0].register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        own_pass = removal_losses(model, adapter, ids, 3, positions, progress_bar=False)
+        ran_before = len(calls)
+        reused = removal_losses(
+            model, adapter, ids, 3, positions, progress_bar=False, layer_inputs=recorded, returns_tuple=recorder.returns_tuple
+        )
+    finally:
+        handle.remove()
+    assert ran_before == 3 and len(calls) == ran_before  # layer 0 ran once per batch for the check's own pass, then never
+    assert reused == pytest.approx(own_pass, rel=1e-5)
+
+
+def test_recorded_inputs_are_refused_when_the_passes_did_not_cover_the_calibration_set():
+    from optimum_gradmap.passes import RecordedLayerInputs
+
+    model, ids = tiny_model("llama", num_layers=4), random_ids(6, 12)
+    layers = get_adapter(model).get_layers(model)
+    with RecordedLayerInputs(model, {1: layers[1]}, ids) as recorder, torch.no_grad():
+        model(input_ids=ids[:3])  # half the sequences
+    assert recorder.inputs() is None
+    with RecordedLayerInputs(model, {1: layers[1]}, ids) as recorder, torch.no_grad():
+        model(input_ids=ids[3:])  # the other half first: out of order
+        model(input_ids=ids[:3])
+    assert recorder.inputs() is None
+    seen = []
+    handle = layers[1].register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True
+    )
+    with RecordedLayerInputs(model, {1: layers[1]}, ids) as recorder, torch.no_grad():
+        model(input_ids=ids[:1, :5])  # a check on a few tokens, ignored
+        model(input_ids=ids[:3])
+        model(input_ids=ids[3:])
+    handle.remove()
+    recorded = recorder.inputs()
+    assert recorded is not None and torch.equal(recorded[1], torch.cat(seen[1:]))
+
+
+def test_the_quality_settings_remove_the_same_layers_with_and_without_the_scoring_pass_inputs():
+    model, ids = tiny_model("llama", num_layers=8), random_ids(9, 12)
+    settings = dict(
+        importance="gradmap_bound_token", num_layers_to_prune=2, compensation=False, verify_top_k=4, verify_halving=True
+    )
+    own = GradMAPPruner(small_config(**settings), progress_bar=False).prune(copy.deepcopy(model), ids)
+    reused = GradMAPPruner(small_config(**settings, verify_from_scoring_pass=True), progress_bar=False).prune(
+        copy.deepcopy(model), ids
+    )
+    assert reused.removed_layers == own.removed_layers
+    for own_round, reused_round in zip(own.verified, reused.verified):
+        assert reused_round == pytest.approx(own_round, rel=1e-5)
+    with pytest.raises(InvalidInputError, match="verify_top_k"):
+        small_config(importance="gradmap_bound_token", verify_from_scoring_pass=True)

@@ -24,6 +24,7 @@ from:
 
 from __future__ import annotations
 
+import functools
 import logging as python_logging
 import math
 import os
@@ -191,6 +192,13 @@ def _import_lm_eval():
     return lm_eval, TaskManager
 
 
+@functools.cache
+def _standard_task_manager() -> Any:
+    """lm-eval's `TaskManager` over its standard tasks: indexing them takes seconds, so it is done once per process."""
+    _, TaskManager = _import_lm_eval()
+    return TaskManager()
+
+
 def _yaml_value(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -352,7 +360,7 @@ def zero_shot_accuracy(
                 names = write_offline_task_configs(tasks, task_dir)
                 manager = TaskManager(include_path=task_dir, include_defaults=False)
             else:
-                names, manager = {task: task for task in tasks}, TaskManager()
+                names, manager = {task: task for task in tasks}, _standard_task_manager()
             try:
                 loaded = manager.load([names[task] for task in tasks])["tasks"]
             except OSError as error:  # the Hub could not be reached, or has no such dataset; anything else is raised

@@ -31,7 +31,7 @@ The removal loop that calls the metrics is [`optimum_gradmap.importance.selectio
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -146,6 +146,8 @@ def removal_losses(
     positions: Sequence[int],
     progress_bar: bool = True,
     description: str = "Verifying removals",
+    layer_inputs: Mapping[int, torch.Tensor] | None = None,
+    returns_tuple: bool | None = None,
 ) -> dict[int, float]:
     """The calibration loss (mean next-token cross-entropy over all calibration tokens) of the model
     without the layer at each of `positions`, one layer at a time: SLEB's criterion.
@@ -154,6 +156,8 @@ def removal_losses(
     compute the same thing with or without it, so one pass per batch records each candidate's input
     (and stops after the deepest one), and the model without the candidate starts from its recorded
     input (a stand-in module at the head of the layer list returns it) and runs only the layers after it.
+    Given `layer_inputs` (what another pass over the same sequences recorded,
+    [`~optimum_gradmap.passes.RecordedLayerInputs`]), that first pass is not run at all.
 
     Args:
         model (`PreTrainedModel`): The model as it is now.
@@ -161,6 +165,9 @@ def removal_losses(
         input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
         batch_size (`int`): Sequences per pass.
         positions (`Sequence[int]`): Positions, in the current stack, of the layers to try removing.
+        layer_inputs (`Mapping[int, torch.Tensor]`, *optional*): Position -> the `(num_samples, seq_len, hidden)`
+            input of that layer on `input_ids`, for every position in `positions`.
+        returns_tuple (`bool`, *optional*): With `layer_inputs`: whether the model's layers return a tuple.
 
     Returns:
         `dict[int, float]`: Position -> loss without that layer.
@@ -170,7 +177,12 @@ def removal_losses(
     deepest = positions[-1]
     totals = dict.fromkeys(positions, 0.0)
     inputs: dict[int, torch.Tensor] = {}
-    returns_tuple: list[bool] = []
+    recorded = layer_inputs is not None
+    if recorded and (returns_tuple is None or any(layer_inputs[p].shape[0] != input_ids.shape[0] for p in positions)):
+        raise InvalidInputError(
+            "`layer_inputs` needs `returns_tuple` and one input row per calibration sequence for each position."
+        )
+    returns_tuple = [returns_tuple] if recorded else []
 
     def remember_input(position: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         inputs[position] = layer_input(args, kwargs)
@@ -181,12 +193,15 @@ def removal_losses(
 
     pre_hooks = [(stack.layers[p], lambda m, a, k, p=p: remember_input(p, m, a, k)) for p in positions]
     with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
-        for batch in batches:
-            with forward_pre_hooks(pre_hooks), forward_hooks([(stack.layers[deepest], stop)]):
-                try:
-                    model(input_ids=batch, use_cache=False)
-                except _StopForward:
-                    pass
+        for start, batch in zip(range(0, input_ids.shape[0], batch_size), batches):
+            if recorded:
+                inputs = {position: layer_inputs[position][start : start + batch.shape[0]] for position in positions}
+            else:
+                with forward_pre_hooks(pre_hooks), forward_hooks([(stack.layers[deepest], stop)]):
+                    try:
+                        model(input_ids=batch, use_cache=False)
+                    except _StopForward:
+                        pass
             for position in positions:
                 # run layers position+1.. from the recorded input of the layer at `position`
                 with stack.temporarily(range(position, stack.num_layers)):

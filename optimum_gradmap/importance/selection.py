@@ -17,11 +17,13 @@ whole curve ([`GradMAPPruner.cut`] keeps its first k removals).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -30,10 +32,11 @@ import torch
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from .. import distributed
+from .. import distributed, streaming
 from ..adapters import DecoderAdapter
 from ..errors import InvalidInputError
 from ..files import write_atomically
+from ..passes import RecordedLayerInputs
 from ..surgery import LayerSnapshot
 from .metrics import calibration_loss, removal_losses
 from .registry import ImportanceMetric
@@ -137,6 +140,8 @@ class Stage1Plan:
             ([`ImportanceMetric.protected_layers`]).
         verify_top_k (`int`, *optional*): Size of the shortlist verified each round ([`verify_shortlist`]).
         verify_halving (`bool`, defaults to `False`): Verify the shortlist by successive halving.
+        verify_from_scoring_pass (`bool`, defaults to `False`): Start the shortlist's check from the layer inputs the
+            round's scoring pass computed (one process, weights in memory; elsewhere the check runs its own pass).
         batch_size (`int`, defaults to 8): Sequences per pass.
         seed (`int`, defaults to 0): The seed of the calibration draw and of random metrics.
         compensate_each_round (`bool`, defaults to `False`): Stage 2 runs after every removal (recorded in
@@ -153,6 +158,7 @@ class Stage1Plan:
     protected: set[int] | None = None
     verify_top_k: int | None = None
     verify_halving: bool = False
+    verify_from_scoring_pass: bool = False
     batch_size: int = 8
     seed: int = 0
     compensate_each_round: bool = False
@@ -255,6 +261,8 @@ def verify_shortlist(
     halving: bool = False,
     progress_bar: bool = True,
     description: str = "Verifying removals",
+    layer_inputs: Mapping[int, torch.Tensor] | None = None,
+    returns_tuple: bool | None = None,
 ) -> tuple[dict[int, float], int]:
     """The calibration loss without each shortlisted layer ([`removal_losses`], SLEB's criterion), and the
     layer to remove.
@@ -280,6 +288,10 @@ def verify_shortlist(
         halving (`bool`, defaults to `False`): Use successive halving.
         progress_bar (`bool`, defaults to `True`): Show a progress bar per rung.
         description (`str`, defaults to `"Verifying removals"`): The progress bar's label.
+        layer_inputs (`Mapping[int, torch.Tensor]`, *optional*): Position -> that layer's input on every calibration
+            sequence, recorded by the scoring pass ([`~optimum_gradmap.passes.RecordedLayerInputs`]): the candidates
+            then start from them, and no pass runs the layers before them. One process only.
+        returns_tuple (`bool`, *optional*): With `layer_inputs`: whether the model's layers return a tuple.
 
     Returns:
         `tuple[dict[int, float], int]`: Position -> mean calibration loss without that layer (over the
@@ -298,8 +310,27 @@ def verify_shortlist(
             f"rung: use at least {num_rungs * distributed.world_size()} calibration sequences, or fewer processes."
         )
 
-    def measure(rung: torch.LongTensor, candidates: list[int], label: str) -> dict[int, float]:
-        """The loss without each of `candidates`, over the sequences `rung` (shared among the processes)."""
+    if layer_inputs is not None and distributed.world_size() > 1:
+        raise InvalidInputError(
+            "Recorded layer inputs cover one process's sequences: verify without them under several processes."
+        )
+    offsets = [0, *itertools.accumulate(rung.shape[0] for rung in rungs)]
+
+    def measure(rung_index: int, candidates: list[int], label: str) -> dict[int, float]:
+        """The loss without each of `candidates`, over the sequences of rung `rung_index` (shared among the processes)."""
+        if layer_inputs is not None:
+            start, end = offsets[rung_index], offsets[rung_index + 1]
+            return removal_losses(
+                model,
+                adapter,
+                rungs[rung_index],
+                batch_size,
+                candidates,
+                progress_bar,
+                label,
+                layer_inputs={position: layer_inputs[position][start:end] for position in candidates},
+                returns_tuple=returns_tuple,
+            )
         return distributed.mean_over_samples(
             partial(
                 removal_losses,
@@ -310,17 +341,17 @@ def verify_shortlist(
                 progress_bar=progress_bar,
                 description=label,
             ),
-            rung,
+            rungs[rung_index],
         )
 
     if num_rungs == 1:  # every candidate on every sequence: the losses as measured
-        losses = measure(calibration_ids, positions, description)
+        losses = measure(0, positions, description)
         return losses, min(positions, key=lambda position: (losses[position], position))
     totals = dict.fromkeys(positions, 0.0)
     counts = dict.fromkeys(positions, 0)
     racing = list(positions)
     for rung_index, rung in enumerate(rungs):
-        for position, loss in measure(rung, racing, f"{description}, rung {rung_index + 1}/{num_rungs}").items():
+        for position, loss in measure(rung_index, racing, f"{description}, rung {rung_index + 1}/{num_rungs}").items():
             totals[position] += loss * rung.shape[0]
             counts[position] += rung.shape[0]
         if rung_index < num_rungs - 1:
@@ -500,6 +531,17 @@ def _log_round(description: str, finished: Round, dense_loss: float | None) -> N
         logger.info(f"{description}: removed layer {index} ({how}){curve}")
 
 
+def _records_layer_inputs(plan: Stage1Plan, model: PreTrainedModel) -> bool:
+    """Whether this round's scoring pass keeps the layer inputs for the shortlist's check: asked for, with a
+    shortlist, one process and the weights in memory (layer streaming exists to hold one layer at a time)."""
+    return (
+        plan.verify_from_scoring_pass
+        and plan.verify_top_k is not None
+        and distributed.world_size() == 1
+        and not streaming.streams(model)
+    )
+
+
 def _score_round(
     dense: LayerSnapshot,
     plan: Stage1Plan,
@@ -513,11 +555,16 @@ def _score_round(
     """Scores the model as it is now (or, for a one-shot metric after its first round, reuses the first
     scores), verifies a shortlist if the plan says so, and says which layer(s) to remove."""
     model, adapter = dense.model, dense.adapter
+    recorder = None
     if plan.iterative or not previous_scores:
         positions = [kept.index(index) for index in remaining]
-        scored = score_on_shares(
-            plan.metric, model, adapter, calibration_ids, plan.batch_size, positions, progress_bar, description
-        )
+        if _records_layer_inputs(plan, model):
+            layers = adapter.get_layers(model)
+            recorder = RecordedLayerInputs(model, {position: layers[position] for position in positions}, calibration_ids)
+        with recorder or nullcontext():
+            scored = score_on_shares(
+                plan.metric, model, adapter, calibration_ids, plan.batch_size, positions, progress_bar, description
+            )
         scores = {kept[position]: float(score) for position, score in scored.items()}
     else:  # a one-shot metric: the first round's scores of the layers that remain
         scores = {index: previous_scores[index] for index in kept if index in previous_scores}
@@ -525,6 +572,11 @@ def _score_round(
     if plan.verify_top_k is None:
         return Round(scores, ranked[:1] if plan.one_per_round else ranked[: plan.num_to_prune])
     shortlist = ranked[: plan.verify_top_k]
+    layer_inputs = recorder.inputs() if recorder is not None else None
+    if recorder is not None and layer_inputs is None:
+        logger.info("The scoring pass did not run every calibration sequence in order: the shortlist check runs its own pass.")
+    if layer_inputs is not None:  # keep the shortlist's inputs only
+        layer_inputs = {kept.index(index): layer_inputs[kept.index(index)] for index in shortlist}
     losses, best = verify_shortlist(
         model,
         adapter,
@@ -534,5 +586,7 @@ def _score_round(
         halving=plan.verify_halving,
         progress_bar=progress_bar,
         description=description,
+        layer_inputs=layer_inputs,
+        returns_tuple=recorder.returns_tuple if recorder is not None else None,
     )
     return Round(scores, [kept[best]], verified={kept[position]: loss for position, loss in losses.items()})
