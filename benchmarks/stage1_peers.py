@@ -8,15 +8,15 @@ compared):
 - `sleb`: our SLEB, the same criterion with each candidate started from its recorded input
   (`importance.metrics.removal_losses`): the same layers, less work;
 - `quality`: the `quality` preset's Stage 1 (GradMAP's bound per token, a shortlist of 8 checked by SLEB's
-  criterion with successive halving, the check starting from the scoring pass's layer inputs);
+  criterion with successive halving);
 - `fast`: the `fast` preset's Stage 1 (relative magnitude, one pass without gradients, removal in one shot);
-- `quality_own_pass` (only when asked for with `--methods`): the same with the check running its own pass
-  through the layers before the candidates, as the preset did before `verify_from_scoring_pass`.
+- `quality_from_scoring_pass` (only when asked for with `--methods`): the same with the check starting from the
+  layer inputs the scoring pass computed (`verify_from_scoring_pass=True`) instead of a pass of its own.
 
 Each row: the removed layers, Stage 1 seconds, held-out perplexity on Wikipedia and web text (128-token
 segments), and its provenance (commit, date, command, machine and its load, `benchmarks/provenance.py`);
 then the time ratios, computed only between rows of this one run. Timings mean something only on a quiet
-machine: check `quiet` in each row's provenance.
+machine: the table shows, per row, how many other processes were busy when it started and ended.
 
     python benchmarks/stage1_peers.py --model smollm2-135m --ratio 0.25 --num-samples 32 --resume
     python benchmarks/stage1_peers.py --model qwen2.5-coder-0.5b --ratio 0.25 --num-samples 32 --resume
@@ -61,8 +61,8 @@ METHODS = {
     "sleb": lambda: {"importance": "sleb"},
     "quality": lambda: dict(PRESETS["quality"]),
     "fast": lambda: dict(PRESETS["fast"]),
-    # the preset before its shortlist check started from the scoring pass's layer inputs (a pass of its own)
-    "quality_own_pass": lambda: {**PRESETS["quality"], "verify_from_scoring_pass": False},
+    # the preset with its shortlist check started from the scoring pass's layer inputs instead of a pass of its own
+    "quality_from_scoring_pass": lambda: {**PRESETS["quality"], "verify_from_scoring_pass": True},
 }
 
 
@@ -86,8 +86,8 @@ def markdown(record: dict) -> str:
         f"calibration (sha256 {record.get('calibration_sha256', '?')[:12]}), Stage 1 only",
         "",
         "| method | removed layers | same layers as reference SLEB | Stage 1 s | time / reference SLEB's "
-        "| time / our SLEB's | Wikipedia ppl | web ppl | quiet |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|",
+        "| time / our SLEB's | Wikipedia ppl | web ppl | other processes busy at start / end | load before (1 min) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---:|",
     ]
     reference = next((row for row in record["rows"] if row["method"] == "sleb_reference"), None)
     ours = next((row for row in record["rows"] if row["method"] == "sleb"), None)
@@ -99,8 +99,11 @@ def markdown(record: dict) -> str:
         lines.append(
             f"| {row['method']} | {row['removed_layers']} | {same} | {row['stage1_seconds']:.1f} | {share} | {share_of_ours} | "
             f"{ppl.get('offline:wikipedia', float('nan')):.3f} | {ppl.get('offline:web_text', float('nan')):.3f} | "
-            f"{row['provenance']['quiet']} |"
+            f"{len(row['provenance']['others_running_before'])} / {len(row['provenance']['others_running_after'])} | "
+            f"{row['provenance']['load_before'][0]:.2f} |"
         )
+    notes = [f"- {row['method']}: {row['note']}" for row in record["rows"] if row.get("note")]
+    lines += ["", "The load before a row counts this run's own previous rows (the 1-minute average decays slowly).", *notes]
     return "\n".join(lines)
 
 
