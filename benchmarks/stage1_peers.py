@@ -175,7 +175,7 @@ def main() -> None:
             }
         )
         save()
-        print(markdown(record).splitlines()[-1], flush=True)
+        print(next(line for line in markdown(record).splitlines() if line.startswith(f"| {method} |")), flush=True)
         del model
     print(markdown(record))
 

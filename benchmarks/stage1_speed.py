@@ -165,7 +165,8 @@ def worker(args: argparse.Namespace) -> dict:
     with PeakMemory(device) as memory:
         for _ in range(args.repeats if args.worker != "naive" and not args.memory_run else 1):
             start = time.perf_counter()
-            scores = run() if args.worker != "prune_round" else None
+            outcome = run()
+            scores = outcome if args.worker != "prune_round" else None
             if args.worker == "prune_round":
                 assert all(torch.equal(tensor, dense_state[name]) for name, tensor in model.state_dict().items())
             if device.type == "cuda":
