@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
 import os
 import shutil
@@ -26,7 +25,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.provenance import finish, provenance  # noqa: E402
-from benchmarks.stage1_peers import held_out  # noqa: E402
+from benchmarks.stage1_peers import held_out, load_record, save_record  # noqa: E402
 from optimum_gradmap import GradMAPConfig, GradMAPPruner  # noqa: E402
 from optimum_gradmap.assets import MODEL_ASSETS, load_model  # noqa: E402
 from optimum_gradmap.data import calibration_sha256  # noqa: E402
@@ -73,18 +72,10 @@ def main() -> None:
     settings = {"model": args.model, "importance": args.importance, "num_samples": args.num_samples}
     os.makedirs(args.output_dir, exist_ok=True)
     path = os.path.join(args.output_dir, f"budget-{args.model}-{args.importance}-{args.num_samples}")
-    record = {"settings": settings, "rows": []}
-    if args.resume and os.path.exists(f"{path}.json"):
-        with open(f"{path}.json", encoding="utf-8") as file:
-            record = json.load(file)
-        if record["settings"] != settings:
-            raise SystemExit(f"--resume: {path}.json has settings {record['settings']}, not {settings}")
+    record = load_record(path, settings, args.resume)
 
     def save() -> None:
-        with open(f"{path}.json", "w", encoding="utf-8") as file:
-            json.dump(record, file, indent=1)
-        with open(f"{path}.md", "w", encoding="utf-8") as file:
-            file.write(markdown(record) + "\n")
+        save_record(path, record, markdown)
 
     dense, tokenizer = load_model(args.model)
     if "dense_perplexity" not in record:

@@ -78,6 +78,25 @@ def held_out(model, tokenizer, max_segments: int) -> dict[str, float]:
     return {entry.dataset: entry.perplexity for entry in evaluation.perplexities}
 
 
+def load_record(path: str, settings: dict, resume: bool) -> dict:
+    """The record at `path`.json when resuming (its settings must be `settings`), else a new one."""
+    if resume and os.path.exists(f"{path}.json"):
+        with open(f"{path}.json", encoding="utf-8") as file:
+            record = json.load(file)
+        if record["settings"] != settings:
+            raise SystemExit(f"--resume: {path}.json has settings {record['settings']}, not {settings}")
+        return record
+    return {"settings": settings, "rows": []}
+
+
+def save_record(path: str, record: dict, markdown) -> None:
+    """Writes `record` to `path`.json and its table (`markdown(record)`) to `path`.md."""
+    with open(f"{path}.json", "w", encoding="utf-8") as file:
+        json.dump(record, file, indent=1)
+    with open(f"{path}.md", "w", encoding="utf-8") as file:
+        file.write(markdown(record) + "\n")
+
+
 def markdown(record: dict) -> str:
     dense = record.get("dense_perplexity", {})
     lines = [
@@ -128,18 +147,10 @@ def main() -> None:
     }
     os.makedirs(args.output_dir, exist_ok=True)
     path = os.path.join(args.output_dir, f"stage1_peers-{args.model}-{args.ratio}-{args.num_samples}")
-    record = {"settings": settings, "rows": []}
-    if args.resume and os.path.exists(f"{path}.json"):
-        with open(f"{path}.json", encoding="utf-8") as file:
-            record = json.load(file)
-        if record["settings"] != settings:
-            raise SystemExit(f"--resume: {path}.json has settings {record['settings']}, not {settings}")
+    record = load_record(path, settings, args.resume)
 
     def save() -> None:
-        with open(f"{path}.json", "w", encoding="utf-8") as file:
-            json.dump(record, file, indent=1)
-        with open(f"{path}.md", "w", encoding="utf-8") as file:
-            file.write(markdown(record) + "\n")
+        save_record(path, record, markdown)
 
     dense, tokenizer = load_model(args.model)
     if "dense_perplexity" not in record:
