@@ -5,7 +5,8 @@ row's measurement starts and finished when it ends (`finish(...)`):
 - the machine: CPU count, platform, torch and transformers versions;
 - `load_before` / `load_after`: the 1-, 5- and 15-minute load averages when the row started and ended;
 - `others_running`: the other processes that used more than 10% of a CPU when the row started or ended
-  (none means the machine was quiet, as far as two looks can tell), and `quiet`: no such process at
+  (none means the machine was quiet, as far as two looks can tell; a stopped process, `kill -STOP`, uses none
+  and is listed in `others_stopped` instead), and `quiet`: no such process at
   either end and a 1-minute load below 1 before the row started (the load at its end counts the row itself).
 
 A row copied from another measurement carries `copied_from` (what it was copied from) instead of being
@@ -36,19 +37,28 @@ def _git(*arguments: str) -> str:
 
 
 def other_busy_processes(threshold: float = 10.0) -> list[str]:
-    """The other processes using more than `threshold` percent of a CPU right now (from `ps`)."""
+    """The other processes using more than `threshold` percent of a CPU (from `ps`), not counting stopped ones."""
+    return _other_processes(threshold, stopped=False)
+
+
+def other_stopped_processes(threshold: float = 10.0) -> list[str]:
+    """The other processes that used more than `threshold` percent of a CPU but are stopped now (`kill -STOP`)."""
+    return _other_processes(threshold, stopped=True)
+
+
+def _other_processes(threshold: float, stopped: bool) -> list[str]:
     try:
         lines = subprocess.run(
-            ["ps", "-eo", "pid,pcpu,args", "--no-headers"], capture_output=True, text=True, timeout=30
+            ["ps", "-eo", "pid,stat,pcpu,args", "--no-headers"], capture_output=True, text=True, timeout=30
         ).stdout.splitlines()
     except (OSError, subprocess.SubprocessError):
         return ["(ps failed)"]
-    busy = []
+    found = []
     for line in lines:
-        pid, cpu, *command = line.split(maxsplit=2)
-        if int(pid) != os.getpid() and float(cpu) > threshold:
-            busy.append(f"{pid} {cpu}% {command[0][:120] if command else ''}")
-    return busy
+        pid, state, cpu, *command = line.split(maxsplit=3)
+        if int(pid) != os.getpid() and float(cpu) > threshold and state.startswith("T") == stopped:
+            found.append(f"{pid} {cpu}% {command[0][:120] if command else ''}")
+    return found
 
 
 def provenance() -> dict:
@@ -66,6 +76,7 @@ def provenance() -> dict:
         },
         "load_before": list(os.getloadavg()),
         "others_running_before": other_busy_processes(),
+        "others_stopped_before": other_stopped_processes(),
         "started": time.time(),
     }
 
@@ -75,6 +86,7 @@ def finish(record: dict) -> dict:
     record = dict(record)
     record["load_after"] = list(os.getloadavg())
     record["others_running_after"] = other_busy_processes()
+    record["others_stopped_after"] = other_stopped_processes()
     record["seconds"] = time.time() - record.pop("started")
     # the load at the end counts this measurement itself: only the load before it, and the others, tell
     record["quiet"] = (

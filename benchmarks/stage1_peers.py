@@ -11,7 +11,9 @@ compared):
   criterion with successive halving);
 - `fast`: the `fast` preset's Stage 1 (relative magnitude, one pass without gradients, removal in one shot);
 - `quality_from_scoring_pass` (only when asked for with `--methods`): the same with the check starting from the
-  layer inputs the scoring pass computed (`verify_from_scoring_pass=True`) instead of a pass of its own.
+  layer inputs the scoring pass computed (`verify_from_scoring_pass=True`) instead of a pass of its own;
+- `paper` (only when asked for with `--methods`): the `paper` preset's Stage 1, GradMAP's Fisher-trace score
+  (Eq. 5), iterative (Algorithm 1).
 
 Each row: the removed layers, Stage 1 seconds, held-out perplexity on Wikipedia and web text (128-token
 segments), and its provenance (commit, date, command, machine and its load, `benchmarks/provenance.py`);
@@ -63,6 +65,7 @@ METHODS = {
     "fast": lambda: dict(PRESETS["fast"]),
     # the preset with its shortlist check started from the scoring pass's layer inputs instead of a pass of its own
     "quality_from_scoring_pass": lambda: {**PRESETS["quality"], "verify_from_scoring_pass": True},
+    "paper": lambda: {"importance": PRESETS["paper"]["importance"]},
 }
 
 

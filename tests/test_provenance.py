@@ -9,6 +9,7 @@ import datetime
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -30,6 +31,8 @@ FIELDS = {
     "load_after": list,
     "others_running_before": list,
     "others_running_after": list,
+    "others_stopped_before": list,
+    "others_stopped_after": list,
     "seconds": float,
     "quiet": bool,
 }
@@ -56,12 +59,31 @@ def test_a_finished_provenance_has_every_field_with_its_type_and_the_time_the_me
     assert record["machine"]["cpu_count"] == os.cpu_count()
     for field in ("load_before", "load_after"):
         assert len(record[field]) == 3 and all(isinstance(value, float) and value >= 0 for value in record[field])
-    for field in ("others_running_before", "others_running_after"):
+    for field in ("others_running_before", "others_running_after", "others_stopped_before", "others_stopped_after"):
         assert all(isinstance(process, str) for process in record[field])
     assert record["seconds"] >= 0.05
     assert record["quiet"] == (
         not record["others_running_before"] and not record["others_running_after"] and record["load_before"][0] < 1.0
     )
+
+
+def test_a_busy_process_stopped_with_sigstop_is_listed_as_stopped_and_not_as_running():
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        deadline = time.time() + 30
+        while f"{busy.pid} " not in " ".join(provenance_module.other_busy_processes()) and time.time() < deadline:
+            time.sleep(0.2)
+        running = [line.split()[0] for line in provenance_module.other_busy_processes()]
+        assert str(busy.pid) in running, "a process spinning on a CPU must be listed as busy"
+
+        busy.send_signal(signal.SIGSTOP)
+        time.sleep(0.3)
+        running = [line.split()[0] for line in provenance_module.other_busy_processes()]
+        stopped = [line.split()[0] for line in provenance_module.other_stopped_processes()]
+        assert str(busy.pid) not in running and str(busy.pid) in stopped
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def _calls(source: str) -> set[str]:
