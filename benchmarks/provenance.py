@@ -47,16 +47,16 @@ def other_stopped_processes(threshold: float = 10.0) -> list[str]:
 
 
 def _other_processes(threshold: float, stopped: bool) -> list[str]:
+    arguments = ["ps", "-eo", "pid,stat,pcpu,args", "--no-headers"]
     try:
-        lines = subprocess.run(
-            ["ps", "-eo", "pid,stat,pcpu,args", "--no-headers"], capture_output=True, text=True, timeout=30
-        ).stdout.splitlines()
+        lines = subprocess.run(arguments, capture_output=True, text=True, timeout=30).stdout.splitlines()
     except (OSError, subprocess.SubprocessError):
         return ["(ps failed)"]
     found = []
     for line in lines:
         pid, state, cpu, *command = line.split(maxsplit=3)
-        if int(pid) != os.getpid() and float(cpu) > threshold and state.startswith("T") == stopped:
+        is_this_look = command and command[0] == " ".join(arguments)  # `ps` itself, often at 100% as it starts
+        if int(pid) != os.getpid() and not is_this_look and float(cpu) > threshold and state.startswith("T") == stopped:
             found.append(f"{pid} {cpu}% {command[0][:120] if command else ''}")
     return found
 
