@@ -78,8 +78,9 @@ def test_a_busy_process_stopped_with_sigstop_is_listed_as_stopped_and_not_as_run
 
         busy.send_signal(signal.SIGSTOP)
         time.sleep(0.3)
-        running = [line.split()[0] for line in provenance_module.other_busy_processes()]
-        stopped = [line.split()[0] for line in provenance_module.other_stopped_processes()]
+        # threshold 0: its average use falls while it is stopped, and it must not count as busy at any threshold
+        running = [line.split()[0] for line in provenance_module.other_busy_processes(threshold=0.0)]
+        stopped = [line.split()[0] for line in provenance_module.other_stopped_processes(threshold=0.0)]
         assert str(busy.pid) not in running and str(busy.pid) in stopped
     finally:
         busy.kill()
