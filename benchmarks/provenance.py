@@ -38,31 +38,34 @@ def _git(*arguments: str) -> str:
 
 def other_busy_processes(threshold: float = 10.0) -> list[str]:
     """The other processes using more than `threshold` percent of a CPU (from `ps`), not counting stopped ones."""
-    return _other_processes(threshold, stopped=False)
+    return other_processes(threshold)[0]
 
 
 def other_stopped_processes(threshold: float = 10.0) -> list[str]:
     """The other processes that used more than `threshold` percent of a CPU but are stopped now (`kill -STOP`)."""
-    return _other_processes(threshold, stopped=True)
+    return other_processes(threshold)[1]
 
 
-def _other_processes(threshold: float, stopped: bool) -> list[str]:
+def other_processes(threshold: float = 10.0) -> tuple[list[str], list[str]]:
+    """The other processes that used more than `threshold` percent of a CPU, from one look with `ps`: those
+    running, and those stopped now."""
     arguments = ["ps", "-eo", "pid,stat,pcpu,args", "--no-headers"]
     try:
         lines = subprocess.run(arguments, capture_output=True, text=True, timeout=30).stdout.splitlines()
     except (OSError, subprocess.SubprocessError):
-        return ["(ps failed)"]
-    found = []
+        return ["(ps failed)"], []
+    running, stopped = [], []
     for line in lines:
         pid, state, cpu, *command = line.split(maxsplit=3)
         is_this_look = command and command[0] == " ".join(arguments)  # `ps` itself, often at 100% as it starts
-        if int(pid) != os.getpid() and not is_this_look and float(cpu) > threshold and state.startswith("T") == stopped:
-            found.append(f"{pid} {cpu}% {command[0][:120] if command else ''}")
-    return found
+        if int(pid) != os.getpid() and not is_this_look and float(cpu) > threshold:
+            (stopped if state.startswith("T") else running).append(f"{pid} {cpu}% {command[0][:120] if command else ''}")
+    return running, stopped
 
 
 def provenance() -> dict:
     """The provenance of a measurement that starts now (see the module docstring); `finish` completes it."""
+    running, stopped = other_processes()
     return {
         "commit": _git("rev-parse", "HEAD"),
         "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
@@ -75,8 +78,8 @@ def provenance() -> dict:
             "transformers": transformers.__version__,
         },
         "load_before": list(os.getloadavg()),
-        "others_running_before": other_busy_processes(),
-        "others_stopped_before": other_stopped_processes(),
+        "others_running_before": running,
+        "others_stopped_before": stopped,
         "started": time.time(),
     }
 
@@ -85,8 +88,7 @@ def finish(record: dict) -> dict:
     """Completes a provenance started by [`provenance`] when the measurement ends."""
     record = dict(record)
     record["load_after"] = list(os.getloadavg())
-    record["others_running_after"] = other_busy_processes()
-    record["others_stopped_after"] = other_stopped_processes()
+    record["others_running_after"], record["others_stopped_after"] = other_processes()
     record["seconds"] = time.time() - record.pop("started")
     # the load at the end counts this measurement itself: only the load before it, and the others, tell
     record["quiet"] = (
