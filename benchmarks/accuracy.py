@@ -60,7 +60,8 @@ assert PRESETS["fast"] == {"importance": "relative_magnitude"}
 # A variant is "stage1" (no Stage 2), "default" (GradMAPConfig's defaults today), "paper" (the paper's Stage 2), or
 # changes to the default joined by "+" (e.g. "rotated_diagonal+no_outliers").
 CHANGES: dict[str, dict] = {
-    "no_outliers": {"exclude_outlier_tokens": True},
+    "no_outliers": {"outlier_tokens": "exclude"},  # measured as `exclude_outlier_tokens=True` before its rename
+    "clip_outliers": {"outlier_tokens": "clip"},
     "diagonal": {"compensation_form": "diagonal"},
     "rotated_diagonal": {"compensation_form": "rotated_diagonal"},
     "cosine": {"compensation_objective": "cosine", "adam_lr": 1e-4, "adam_steps": 500},

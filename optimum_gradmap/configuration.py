@@ -33,6 +33,9 @@ CompensationForm = Literal["full", "diagonal", "rotated_diagonal"]
 CompensationObjective = Literal["mse", "cosine"]
 # How reg_lambda="auto" chooses lambda: held-out hidden-state error, or the held-out next-token loss of the model.
 CompensationSelection = Literal["hidden_state", "next_token_loss"]
+# What Stage 2's fit does with the tokens that carry massive activations: keep them (the paper), leave them out, or
+# weigh them as if their norm were clipped.
+OutlierTokens = Literal["keep", "exclude", "clip"]
 # How Stage 1's gradient passes run (see `optimum_gradmap.streaming`).
 ExecutionMode = Literal["auto", "in_memory", "layer_streamed"]
 EXECUTION_MODES: tuple[str, ...] = typing.get_args(ExecutionMode)
@@ -197,12 +200,15 @@ class GradMAPConfig:
         "folded in (the criterion LinearPatch and ReplaceMe report accuracy against; W' = I is a candidate), then "
         "fitted on every sequence. `next_token_loss` needs the `mse` objective and no norm after the MLP.",
     )
-    exclude_outlier_tokens: bool = _setting(
-        False,
-        "Leave out of Stage 2's fit the tokens that carry massive activations (Sun et al., COLM 2024; LinearPatch, "
-        "Sec. 3.1): the first token of every calibration sequence, and every token whose dense hidden state's norm "
-        "exceeds 5 times the median. On SmolLM2-135M the first token's norm is about 150 times the median: in an L2 "
-        "fit, one such token weighs as much as 20,000 others.",
+    outlier_tokens: OutlierTokens = _setting(
+        "keep",
+        "What Stage 2's fit does with the tokens that carry massive activations (Sun et al., COLM 2024; LinearPatch, "
+        "Chen et al., NeurIPS 2025, Sec. 3.1), those whose dense hidden state's norm exceeds 5 times the median: "
+        "`keep` them like every token (the paper); `exclude` them, with the first token of every calibration sequence; "
+        "or `clip` their weight: each token's squared error counts min(1, (5 x median / norm)^2), as if its norm were "
+        "clipped to 5 times the median (the influence clipping of robust regression, Huber 1964). On SmolLM2-135M the "
+        "first token's norm is about 150 times the median: kept, one such token weighs as much as 20,000 others; "
+        "clipped, as much as 25. `clip` needs the `mse` objective and no norm after the MLP.",
     )
     refinement_steps: int = _setting(
         0,
@@ -312,6 +318,12 @@ class GradMAPConfig:
             or self.max_loss_increase <= 0
         ):
             raise InvalidInputError(f"`max_loss_increase` must be a fraction > 0 (0.1: +10%), got {self.max_loss_increase!r}.")
+        if self.outlier_tokens == "clip" and self.compensation_objective != "mse":
+            raise InvalidInputError(
+                "outlier_tokens='clip' weighs each token's squared error, and compensation_objective="
+                f"{self.compensation_objective!r} has none: use compensation_objective='mse' with it, or "
+                "outlier_tokens='exclude'."
+            )
         for name in ("adam_lr", "refinement_lr"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:

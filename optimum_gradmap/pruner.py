@@ -24,8 +24,8 @@ from .compensation import (
     STAGE2_SETTINGS,
     RunCompensation,
     check_auto_lambda_data,
-    check_next_token_selection,
     check_num_compensated_layers,
+    check_stage2_settings,
     compensate,
     compensate_run,
 )
@@ -178,7 +178,7 @@ class GradMAPPruner:
         adapter = get_adapter(model)
         adapter.check_supported(model, config.compensation)
         if config.compensation or config.compensate_each_round:
-            check_next_token_selection(config, adapter)
+            check_stage2_settings(config, adapter)
         num_layers = adapter.num_layers(model)
         plan = self._stage1_plan(num_layers)
         calibration_ids = self._calibration_ids(model, calibration_data, tokenizer)

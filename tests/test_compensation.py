@@ -706,10 +706,93 @@ def test_statistics_without_outliers_count_only_the_kept_tokens():
     remove_layers(model, [3])
     target = dense_layers[2]
     every = compensation_statistics(model, adapter, target, original, ids, 4, progress_bar=False)
-    kept = compensation_statistics(model, adapter, target, original, ids, 4, progress_bar=False, exclude_outliers=True)
+    kept = compensation_statistics(model, adapter, target, original, ids, 4, progress_bar=False, outliers="exclude")
     assert every.num_tokens == 8 * 16
     assert kept.num_tokens <= 8 * 15  # the first token of each sequence at least
     assert not torch.equal(every.gram, kept.gram)
+
+
+def test_clipped_outlier_weights_match_a_hand_computation():
+    from optimum_gradmap.compensation import outlier_token_weights, outlier_tokens
+
+    hidden = torch.ones(2, 6, 4, dtype=torch.float64)  # norm 2 everywhere: the median
+    hidden[1, 3] *= 50  # norm 100 = 50 x the median
+    hidden[0, 2] *= 4  # norm 8, under 5 x the median
+    assert outlier_token_weights(hidden, "keep") is None
+    assert torch.equal(outlier_token_weights(hidden, "exclude"), (~outlier_tokens(hidden)).double())
+    expected = torch.ones(2, 6, dtype=torch.float64)
+    expected[1, 3] = (5 * 2 / 100) ** 2  # counts as a token of norm 10
+    assert torch.allclose(outlier_token_weights(hidden, "clip"), expected)  # the first token weighed by its norm
+
+
+def test_clipped_statistics_are_the_weighted_sums_and_their_fit_zeroes_the_weighted_objective_gradient():
+    from optimum_gradmap.compensation import collect_rows, outlier_token_weights
+
+    model = tiny_model("llama", num_layers=6)
+    adapter = get_adapter(model)
+    ids = random_ids(8, 16)
+    dense_layers = list(adapter.get_layers(model))
+    with torch.no_grad():
+        (original,) = record_layer_outputs(model, [dense_layers[3]], ids, 8, progress_bar=False)
+    original[:, 0] *= 40  # massive activations on the first tokens, as real models have
+    original[2, 5] *= 40
+    remove_layers(model, [3])
+    target = dense_layers[2]
+    clipped = compensation_statistics(model, adapter, target, original, ids, 8, progress_bar=False, outliers="clip")
+    rows = collect_rows(model, adapter, target, original, ids, 8, progress_bar=False)  # one batch: one median
+    weight = outlier_token_weights(original.double(), "clip").reshape(-1)
+    assert weight.min() < 0.01 and int((weight < 1).sum()) >= 8
+    y, r = rows.mlp_output, rows.target
+    assert torch.allclose(clipped.gram, y.T @ (weight[:, None] * y))
+    assert torch.allclose(clipped.cross, r.T @ (weight[:, None] * y))
+    assert clipped.target_energy == pytest.approx(float((weight * r.pow(2).sum(-1)).sum()))
+    assert clipped.num_tokens == 8 * 16
+
+    reg_lambda = 1e-7
+    matrix = solve_closed_form(clipped, reg_lambda).clone().requires_grad_(True)
+    brute_force = (weight[:, None] * (y @ matrix.T - r).pow(2)).sum() / y.numel()
+    brute_force = brute_force + reg_lambda * (matrix - torch.eye(32, dtype=torch.float64)).pow(2).sum()
+    assert float(brute_force.detach()) == pytest.approx(float(clipped.objective(matrix.detach(), reg_lambda)))
+    (gradient,) = torch.autograd.grad(brute_force, matrix)
+    assert gradient.abs().max() < 1e-10
+    every = compensation_statistics(model, adapter, target, original, ids, 8, progress_bar=False)
+    unweighted, identity = solve_closed_form(every, reg_lambda), torch.eye(32, dtype=torch.float64)
+    assert (unweighted - matrix.detach()).norm() > 0.1 * (unweighted - identity).norm()  # the weights change the fit
+
+
+def test_clipped_outlier_weights_are_refused_where_the_fit_weighs_every_token_alike():
+    from optimum_gradmap import GradMAPPruner
+    from optimum_gradmap.configuration import GradMAPConfig
+
+    with pytest.raises(ValueError, match="outlier_tokens='clip' weighs each token's squared error"):
+        GradMAPConfig(num_layers_to_prune=1, outlier_tokens="clip", compensation_objective="cosine")
+    model = tiny_model("gemma2", num_layers=6)
+    config = GradMAPConfig(layers_to_prune=[3], outlier_tokens="clip", num_samples=8, seq_len=16)
+    layers = list(model.model.layers)
+    with pytest.raises(ValueError, match="apply a norm after the MLP"):
+        GradMAPPruner(config, progress_bar=False).prune(model, random_ids(8, 16))
+    assert list(model.model.layers) == layers  # refused before Stage 1
+
+
+def test_clipped_outlier_weights_run_through_the_pruner_and_fit_another_matrix_than_every_token_alike():
+    from optimum_gradmap import GradMAPPruner
+    from optimum_gradmap.configuration import GradMAPConfig
+
+    ids = random_ids(32, 16)
+    ids[:, 0] = 5  # every sequence starts with token 5, whose embedding carries a massive activation
+    model = tiny_model("llama", num_layers=6)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[5] *= 300
+    config = GradMAPConfig(layers_to_prune=[3], num_samples=32, seq_len=16, reg_lambda=1e-7)
+    pruner = GradMAPPruner(config, progress_bar=False)
+    result = pruner.select_layers(model, ids)
+    down = model.model.layers[2].mlp.down_proj.weight
+    fitted = {}
+    for handling in ("keep", "clip"):
+        pruner.compensate(result, outlier_tokens=handling)
+        assert result.compensation.compensated_layers == [2] and result.config.outlier_tokens == handling
+        fitted[handling] = down.detach().clone()
+    assert not torch.allclose(fitted["keep"], fitted["clip"])
 
 
 def test_lambda_chosen_by_the_held_out_next_token_loss_is_the_candidate_with_the_lowest_loss():

@@ -41,8 +41,10 @@ The modules, in the order Stage 2 uses them:
 from .activations import (
     OUTLIER_NORM_FACTOR,
     CompensationBatch,
+    check_outlier_tokens,
     for_each_compensation_batch,
     hidden_state_means,
+    outlier_token_weights,
     outlier_tokens,
     record_layer_outputs,
 )
@@ -72,7 +74,7 @@ from .solvers import (
     solve_adam,
     solve_closed_form,
 )
-from .stage2 import MIN_TOKENS_PER_HIDDEN_UNIT, STAGE2_SETTINGS, CompensationResult, compensate
+from .stage2 import MIN_TOKENS_PER_HIDDEN_UNIT, STAGE2_SETTINGS, CompensationResult, check_stage2_settings, compensate
 from .statistics import (
     CompensationRows,
     CompensationStatistics,
@@ -95,7 +97,10 @@ __all__ = [
     "chooses_by_next_token_loss",
     "held_out_next_token_loss",
     "learn_by_next_token_loss",
+    "outlier_token_weights",
     "outlier_tokens",
+    "check_outlier_tokens",
+    "check_stage2_settings",
     "rotation",
     "TOP_K",
     "dense_top_k",

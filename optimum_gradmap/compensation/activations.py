@@ -2,7 +2,7 @@
 # Licensed under the Apache License, Version 2.0.
 """Stage 2's calibration passes: the mean hidden states behind the drift (Eq. 10), the dense outputs a layer
 is fitted to, and, batch by batch, what the fit of one kept layer needs ([`CompensationBatch`]: the MLP's
-output, the residual stream it is added to, the dense hidden state to match, and which tokens to use)."""
+output, the residual stream it is added to, the dense hidden state to match, and each token's weight)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from ..adapters import DecoderAdapter
+from ..configuration import GradMAPConfig
+from ..errors import InvalidInputError
 from ..passes import calibration_batches, for_each_layer_output, forward_hooks, layer_output
 
 
@@ -81,6 +83,42 @@ def outlier_tokens(original: torch.Tensor, factor: float = OUTLIER_NORM_FACTOR) 
     return outliers
 
 
+def outlier_token_weights(original: torch.Tensor, handling: str, factor: float = OUTLIER_NORM_FACTOR) -> torch.Tensor | None:
+    """Each token's weight in Stage 2's fit under `GradMAPConfig.outlier_tokens`.
+
+    Args:
+        original (`torch.Tensor` of shape `(samples, tokens, d)`): The dense hidden states.
+        handling (`str`): `"keep"` (every token weighs 1: the paper), `"exclude"` (0 for the [`outlier_tokens`],
+            1 for the others) or `"clip"` (min(1, (`factor` x median norm / norm)^2): a token's squared error counts
+            as if its dense hidden state's norm were clipped to `factor` times the batch's median; the first token
+            is weighed by its norm like any other).
+
+    Returns:
+        `torch.Tensor` of shape `(samples, tokens)`, float64, or `None` for `"keep"`.
+    """
+    if handling == "keep":
+        return None
+    if handling == "exclude":
+        return (~outlier_tokens(original, factor)).double()
+    norms = original.double().norm(dim=-1)
+    return (factor * norms.median() / norms.clamp_min(torch.finfo(torch.float64).tiny)).pow(2).clamp(max=1.0)
+
+
+def check_outlier_tokens(config: GradMAPConfig, adapter: DecoderAdapter) -> None:
+    """Refuses, before anything changes, `outlier_tokens="clip"` for a family whose MLP is followed by a norm
+    (its fit runs through the norm on every token's rows, which weighs tokens alike).
+
+    Raises:
+        InvalidInputError: for `"clip"` with a norm after the MLP.
+    """
+    if config.outlier_tokens == "clip" and adapter.mlp_output_norm_path is not None:
+        raise InvalidInputError(
+            f"outlier_tokens='clip' weighs each token's squared error in the closed-form fit, and {type(adapter).__name__}'s "
+            "layers apply a norm after the MLP, whose fit weighs every token alike: use outlier_tokens='exclude' "
+            "(or 'keep') for this family."
+        )
+
+
 @dataclass
 class CompensationBatch:
     """One batch of Stage 2's data for a kept layer, each tensor `(samples, tokens, d)` in float64 on the
@@ -91,14 +129,15 @@ class CompensationBatch:
         ffn_input (`torch.Tensor`): X_F, the residual stream the MLP's contribution is added to.
         original (`torch.Tensor`): X_O, the dense hidden state the layer's output should match.
         first_sample (`int`): The index of the batch's first sequence in the calibration sequences given.
-        kept (`torch.Tensor` of shape `(samples, tokens)`, *optional*): The tokens the fit uses (all when `None`).
+        weight (`torch.Tensor` of shape `(samples, tokens)`, *optional*): Each token's weight in the fit, float64 (0
+            leaves a token out; every token weighs 1 when `None`); see [`outlier_token_weights`].
     """
 
     mlp_output: torch.Tensor
     ffn_input: torch.Tensor
     original: torch.Tensor
     first_sample: int
-    kept: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
 
     @property
     def target(self) -> torch.Tensor:
@@ -115,10 +154,10 @@ def for_each_compensation_batch(
     batch_size: int,
     progress_bar: bool,
     consume: Callable[[CompensationBatch], None],
-    exclude_outliers: bool = False,
+    outliers: str = "keep",
 ) -> None:
-    """Runs the pruned model and calls `consume` with each batch's [`CompensationBatch`]; with
-    `exclude_outliers`, its `kept` tokens leave out [`outlier_tokens`]."""
+    """Runs the pruned model and calls `consume` with each batch's [`CompensationBatch`], its tokens weighed by
+    [`outlier_token_weights`] under `outliers` (`GradMAPConfig.outlier_tokens`)."""
     captured: dict[str, torch.Tensor] = {}
     mlp = adapter.get_mlp(layer)
     contribution_module = adapter.get_mlp_output_norm(layer) or mlp  # its output is what the layer adds to the residual
@@ -138,6 +177,5 @@ def for_each_compensation_batch(
             ffn_input = pruned_output - contribution  # X_F
             original = original_outputs[start : start + batch.shape[0]].to(ffn_input)
             mlp_output = captured["mlp_output"].double().reshape(original.shape)
-            kept = ~outlier_tokens(original) if exclude_outliers else None
-            consume(CompensationBatch(mlp_output, ffn_input, original, start, kept))
+            consume(CompensationBatch(mlp_output, ffn_input, original, start, outlier_token_weights(original, outliers)))
             start += batch.shape[0]

@@ -92,7 +92,7 @@ def learn_compensation(
             config.batch_size,
             progress_bar,
             first_sample,
-            config.exclude_outlier_tokens,
+            config.outlier_tokens,
         )
         if config.compensation_objective == "cosine":
             return learn_cosine(rows, config, progress_bar, norm)
@@ -110,7 +110,7 @@ def learn_compensation(
             progress_bar,
             num_folds=AUTO_NUM_FOLDS,
             first_sample=first_sample,
-            exclude_outliers=config.exclude_outlier_tokens,
+            outliers=config.outlier_tokens,
         )
         folds = [summed_over_processes(fold) for fold in folds]
         choice = cross_validate_ridge(folds, form=config.compensation_form)
@@ -128,7 +128,7 @@ def learn_compensation(
                 input_ids,
                 config.batch_size,
                 progress_bar,
-                exclude_outliers=config.exclude_outlier_tokens,
+                outliers=config.outlier_tokens,
             )
         )
         reg_lambda = config.reg_lambda

@@ -93,7 +93,7 @@ def learn_by_next_token_loss(
         progress_bar,
         num_folds=AUTO_NUM_FOLDS,
         first_sample=first_sample,
-        exclude_outliers=config.exclude_outlier_tokens,
+        outliers=config.outlier_tokens,
     )
     folds = [summed_over_processes(fold) for fold in folds]
     train = sum(folds[1:-1], folds[0])

@@ -13,11 +13,12 @@ from torch import nn
 from transformers.utils import logging
 
 from .. import distributed
+from ..adapters import DecoderAdapter
 from ..configuration import GradMAPConfig
 from ..evaluation.perplexity import perplexity
 from ..surgery import LayerSnapshot
 from ..weights import WeightBackup
-from .activations import hidden_state_means, record_layer_outputs
+from .activations import check_outlier_tokens, hidden_state_means, record_layer_outputs
 from .fit import learn_compensation
 from .folding import apply_compensation, down_projection_backup
 from .next_token import check_next_token_selection, chooses_by_next_token_loss, learn_by_next_token_loss
@@ -35,7 +36,7 @@ STAGE2_SETTINGS = (
     "compensation_form",
     "compensation_objective",
     "compensation_selection",
-    "exclude_outlier_tokens",
+    "outlier_tokens",
     "refinement_steps",
     "refinement_lr",
     "num_compensated_layers",
@@ -45,6 +46,18 @@ STAGE2_SETTINGS = (
     "adam_steps",
     "batch_size",
 )
+
+
+def check_stage2_settings(config: GradMAPConfig, adapter: DecoderAdapter) -> None:
+    """Refuses, before anything changes, Stage 2 settings that `adapter`'s family cannot run: a next-token
+    selection ([`check_next_token_selection`]) or clipped outlier weights ([`check_outlier_tokens`]) with a
+    norm after the MLP.
+
+    Raises:
+        InvalidInputError: saying which setting and what to use instead.
+    """
+    check_next_token_selection(config, adapter)
+    check_outlier_tokens(config, adapter)
 
 
 @dataclass
@@ -141,7 +154,7 @@ def compensate(
     started = time.perf_counter()
     model, adapter = dense.model, dense.adapter
     adapter.check_supported(model, compensation=True)
-    check_next_token_selection(config, adapter)
+    check_stage2_settings(config, adapter)
     kept = dense.kept_layers()
     if config.compensation_target == "max_drift":
         check_num_compensated_layers(config.num_compensated_layers, len(kept))

@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import distributed
 from ..adapters import DecoderAdapter
+from ..errors import InvalidInputError
 from .activations import CompensationBatch, for_each_compensation_batch
 
 
@@ -29,7 +30,8 @@ class CompensationStatistics:
         gram (`torch.Tensor` of shape `(d, d)`): A = sum over tokens of y y^T, y the MLP output.
         cross (`torch.Tensor` of shape `(d, d)`): C = sum over tokens of r y^T, r = x_O - x_F.
         target_energy (`float`): sum over tokens of ||r||^2.
-        num_tokens (`int`): The number of calibration tokens.
+        num_tokens (`int`): The number of calibration tokens (those with a weight above 0, where tokens are weighed:
+            the sums are then weighted sums).
     """
 
     gram: torch.Tensor
@@ -85,7 +87,7 @@ def compensation_statistics(
     progress_bar: bool = True,
     num_folds: int = 1,
     first_sample: int = 0,
-    exclude_outliers: bool = False,
+    outliers: str = "keep",
 ) -> CompensationStatistics | list[CompensationStatistics]:
     """Runs the pruned model on the calibration data and accumulates the Stage 2 statistics of `layer`.
 
@@ -103,7 +105,8 @@ def compensation_statistics(
             calibration sequences (sequence j in fold j mod `num_folds`), for cross-validation.
         first_sample (`int`, defaults to 0): The index of `input_ids[0]` in the whole calibration set
             (a process's share of it, see [`optimum_gradmap.distributed`]), which sets the folds.
-        exclude_outliers (`bool`, defaults to `False`): Leave out the [`outlier_tokens`].
+        outliers (`str`, defaults to `"keep"`): `GradMAPConfig.outlier_tokens`: each token's weight in the sums
+            ([`outlier_token_weights`]).
 
     Returns:
         [`CompensationStatistics`] on CPU, or a list of one per fold when `num_folds > 1`.
@@ -126,17 +129,21 @@ def compensation_statistics(
             every_row = len(rows) == mlp_output.shape[0]
             y = mlp_output if every_row else mlp_output[rows]
             r = target if every_row else target[rows]
-            if batch.kept is not None:  # the tokens kept, of the fold's sequences
-                kept = batch.kept if every_row else batch.kept[rows]
-                y, r = y[kept], r[kept]
-            y, r = y.reshape(-1, hidden_size), r.reshape(-1, hidden_size)
-            sums["gram"][fold].add_(y.T @ y)
-            sums["cross"][fold].add_(r.T @ y)
-            sums["energy"][fold] += r.pow(2).sum()
+            if batch.weight is None:
+                y, r = y.reshape(-1, hidden_size), r.reshape(-1, hidden_size)
+                weighted_y, squared = y, r.pow(2).sum()
+            else:  # the tokens weighed, of the fold's sequences; those of weight 0 left out
+                weight = batch.weight if every_row else batch.weight[rows]
+                used = weight > 0
+                y, r, weight = y[used], r[used], weight[used]
+                weighted_y, squared = y * weight[:, None], (r.pow(2).sum(dim=-1) * weight).sum()
+            sums["gram"][fold].add_(y.T @ weighted_y)
+            sums["cross"][fold].add_(r.T @ weighted_y)
+            sums["energy"][fold] += squared
             tokens[fold] += y.shape[0]
 
     for_each_compensation_batch(
-        model, adapter, layer, original_outputs, input_ids, batch_size, progress_bar, accumulate, exclude_outliers
+        model, adapter, layer, original_outputs, input_ids, batch_size, progress_bar, accumulate, outliers
     )
     gram, cross, energy = (sums[name].cpu() for name in ("gram", "cross", "energy"))
     folds = [CompensationStatistics(gram[f], cross[f], float(energy[f]), tokens[f]) for f in range(num_folds)]
@@ -184,22 +191,25 @@ def collect_rows(
     batch_size: int,
     progress_bar: bool = True,
     first_sample: int = 0,
-    exclude_outliers: bool = False,
+    outliers: str = "keep",
 ) -> CompensationRows:
-    """Every (kept) calibration token's Y, X_F and X_O for `layer`, on the model's device; with several
-    processes, every process's rows, gathered as tensors in the order of the sequences."""
+    """Every calibration token's Y, X_F and X_O for `layer` (those `outliers="exclude"` leaves out excepted), on
+    the model's device; with several processes, every process's rows, gathered as tensors in the order of the
+    sequences. The fits on rows weigh every row alike: `outliers="clip"` is refused ([`check_outlier_tokens`])."""
+    if outliers == "clip":
+        raise InvalidInputError(
+            "outlier_tokens='clip' weighs tokens in the closed-form fit only: the fits on rows weigh every token alike."
+        )
     parts: list[CompensationRows] = []
 
     def store(batch: CompensationBatch) -> None:
         first = first_sample + batch.first_sample
         y = batch.mlp_output
         sample = torch.arange(first, first + y.shape[0], device=y.device)[:, None].expand(y.shape[:2])
-        kept = batch.kept if batch.kept is not None else torch.ones(y.shape[:2], dtype=torch.bool, device=y.device)
+        kept = batch.weight > 0 if batch.weight is not None else torch.ones(y.shape[:2], dtype=torch.bool, device=y.device)
         parts.append(CompensationRows(y[kept], batch.ffn_input[kept], batch.original[kept], sample[kept]))
 
-    for_each_compensation_batch(
-        model, adapter, layer, original_outputs, input_ids, batch_size, progress_bar, store, exclude_outliers
-    )
+    for_each_compensation_batch(model, adapter, layer, original_outputs, input_ids, batch_size, progress_bar, store, outliers)
     gathered = (
         distributed.gather_rows(torch.cat([getattr(part, name) for part in parts]))
         for name in ("mlp_output", "ffn_input", "original", "sample")
