@@ -684,27 +684,41 @@ def test_the_cosine_objective_and_its_gradient_against_a_brute_force_computation
         assert float(parameter.grad[i, j]) == pytest.approx(numerical, rel=1e-2, abs=1e-5)
 
 
-def test_outlier_tokens_are_the_first_of_each_sequence_and_the_massive_ones():
-    from optimum_gradmap.compensation import outlier_tokens
+def test_outlier_tokens_are_the_first_of_each_sequence_and_the_massive_ones_and_clipping_weighs_them_by_their_norm():
+    from optimum_gradmap.compensation import outlier_token_weights, outlier_tokens
 
-    hidden = torch.ones(2, 6, 4, dtype=torch.float64)
-    hidden[1, 3] *= 50  # a massive activation inside the sequence
-    hidden[0, 2] *= 4  # large, but under 5 x the median
+    hidden = torch.ones(2, 6, 4, dtype=torch.float64)  # norm 2 everywhere: the median
+    hidden[1, 3] *= 50  # a massive activation inside the sequence: norm 100 = 50 x the median
+    hidden[0, 2] *= 4  # large (norm 8), but under 5 x the median
     expected = torch.zeros(2, 6, dtype=torch.bool)
     expected[:, 0] = True
     expected[1, 3] = True
     assert torch.equal(outlier_tokens(hidden), expected)
+    assert outlier_token_weights(hidden, "keep") is None
+    assert torch.equal(outlier_token_weights(hidden, "exclude"), (~expected).double())
+    clipped = torch.ones(2, 6, dtype=torch.float64)
+    clipped[1, 3] = (5 * 2 / 100) ** 2  # counts as a token of norm 10
+    assert torch.allclose(outlier_token_weights(hidden, "clip"), clipped)  # the first token weighed by its norm
 
 
-def test_statistics_without_outliers_count_only_the_kept_tokens():
+def _without_layer_three(batch_size: int, massive: bool = False):
+    """A tiny Llama without its layer 3, the dense output of that layer on 8 random sequences (with massive
+    activations on some tokens if asked), and its adapter and layer 2, the one to fit."""
     model = tiny_model("llama", num_layers=6)
     adapter = get_adapter(model)
     ids = random_ids(8, 16)
     dense_layers = list(adapter.get_layers(model))
     with torch.no_grad():
-        (original,) = record_layer_outputs(model, [dense_layers[3]], ids, 4, progress_bar=False)
+        (original,) = record_layer_outputs(model, [dense_layers[3]], ids, batch_size, progress_bar=False)
+    if massive:  # on the first tokens, as real models have, and one inside a sequence
+        original[:, 0] *= 40
+        original[2, 5] *= 40
     remove_layers(model, [3])
-    target = dense_layers[2]
+    return model, adapter, dense_layers[2], original, ids
+
+
+def test_statistics_without_outliers_count_only_the_kept_tokens():
+    model, adapter, target, original, ids = _without_layer_three(4)
     every = compensation_statistics(model, adapter, target, original, ids, 4, progress_bar=False)
     kept = compensation_statistics(model, adapter, target, original, ids, 4, progress_bar=False, outliers="exclude")
     assert every.num_tokens == 8 * 16
@@ -712,32 +726,10 @@ def test_statistics_without_outliers_count_only_the_kept_tokens():
     assert not torch.equal(every.gram, kept.gram)
 
 
-def test_clipped_outlier_weights_match_a_hand_computation():
-    from optimum_gradmap.compensation import outlier_token_weights, outlier_tokens
-
-    hidden = torch.ones(2, 6, 4, dtype=torch.float64)  # norm 2 everywhere: the median
-    hidden[1, 3] *= 50  # norm 100 = 50 x the median
-    hidden[0, 2] *= 4  # norm 8, under 5 x the median
-    assert outlier_token_weights(hidden, "keep") is None
-    assert torch.equal(outlier_token_weights(hidden, "exclude"), (~outlier_tokens(hidden)).double())
-    expected = torch.ones(2, 6, dtype=torch.float64)
-    expected[1, 3] = (5 * 2 / 100) ** 2  # counts as a token of norm 10
-    assert torch.allclose(outlier_token_weights(hidden, "clip"), expected)  # the first token weighed by its norm
-
-
 def test_clipped_statistics_are_the_weighted_sums_and_their_fit_zeroes_the_weighted_objective_gradient():
     from optimum_gradmap.compensation import collect_rows, outlier_token_weights
 
-    model = tiny_model("llama", num_layers=6)
-    adapter = get_adapter(model)
-    ids = random_ids(8, 16)
-    dense_layers = list(adapter.get_layers(model))
-    with torch.no_grad():
-        (original,) = record_layer_outputs(model, [dense_layers[3]], ids, 8, progress_bar=False)
-    original[:, 0] *= 40  # massive activations on the first tokens, as real models have
-    original[2, 5] *= 40
-    remove_layers(model, [3])
-    target = dense_layers[2]
+    model, adapter, target, original, ids = _without_layer_three(8, massive=True)
     clipped = compensation_statistics(model, adapter, target, original, ids, 8, progress_bar=False, outliers="clip")
     rows = collect_rows(model, adapter, target, original, ids, 8, progress_bar=False)  # one batch: one median
     weight = outlier_token_weights(original.double(), "clip").reshape(-1)
@@ -760,18 +752,11 @@ def test_clipped_statistics_are_the_weighted_sums_and_their_fit_zeroes_the_weigh
     assert (unweighted - matrix.detach()).norm() > 0.1 * (unweighted - identity).norm()  # the weights change the fit
 
 
-def test_clipped_outlier_weights_are_refused_where_the_fit_weighs_every_token_alike():
-    from optimum_gradmap import GradMAPPruner
+def test_clipped_outlier_weights_need_the_mean_squared_error_objective():
     from optimum_gradmap.configuration import GradMAPConfig
 
     with pytest.raises(ValueError, match="outlier_tokens='clip' weighs each token's squared error"):
         GradMAPConfig(num_layers_to_prune=1, outlier_tokens="clip", compensation_objective="cosine")
-    model = tiny_model("gemma2", num_layers=6)
-    config = GradMAPConfig(layers_to_prune=[3], outlier_tokens="clip", num_samples=8, seq_len=16)
-    layers = list(model.model.layers)
-    with pytest.raises(ValueError, match="apply a norm after the MLP"):
-        GradMAPPruner(config, progress_bar=False).prune(model, random_ids(8, 16))
-    assert list(model.model.layers) == layers  # refused before Stage 1
 
 
 def test_clipped_outlier_weights_run_through_the_pruner_and_fit_another_matrix_than_every_token_alike():
@@ -820,14 +805,21 @@ def test_lambda_chosen_by_the_held_out_next_token_loss_is_the_candidate_with_the
         assert fit.reg_lambda > 0 and fit.objective_fitted < fit.objective_identity
 
 
-def test_next_token_selection_needs_the_closed_form_objective_and_says_so():
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ({"compensation_selection": "next_token_loss"}, "needs the mean-squared-error objective and a family whose MLP output"),
+        ({"outlier_tokens": "clip"}, "apply a norm after the MLP"),
+    ],
+)
+def test_stage2_settings_a_family_with_a_norm_after_the_mlp_cannot_run_are_refused_before_stage1(setting, message):
     from optimum_gradmap import GradMAPPruner
     from optimum_gradmap.configuration import GradMAPConfig
 
     model = tiny_model("gemma2", num_layers=6)
-    config = GradMAPConfig(layers_to_prune=[3], compensation_selection="next_token_loss", num_samples=8, seq_len=16)
+    config = GradMAPConfig(layers_to_prune=[3], num_samples=8, seq_len=16, **setting)
     layers = list(model.model.layers)
-    with pytest.raises(ValueError, match="needs the mean-squared-error objective and a family whose MLP output"):
+    with pytest.raises(ValueError, match=message):
         GradMAPPruner(config, progress_bar=False).prune(model, random_ids(8, 16))
     assert list(model.model.layers) == layers  # refused before Stage 1
 
