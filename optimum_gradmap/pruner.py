@@ -119,6 +119,7 @@ class GradMAPPruner:
         tokenizer: PreTrainedTokenizerBase | None = None,
         stage1_checkpoint: str | os.PathLike | None = None,
         validation_data: CalibrationData = None,
+        compensation_data: CalibrationData = None,
     ) -> PruningResult:
         """Prunes `model` in place: Stage 1, then Stage 2 if `config.compensation`.
 
@@ -134,6 +135,9 @@ class GradMAPPruner:
                 [`~GradMAPPruner.select_layers`]).
             validation_data (*optional*): Text (any form `calibration_data` takes) that decides whether
                 Stage 2's compensation is kept: only if it lowers its perplexity (see [`~GradMAPPruner.compensate`]).
+            compensation_data (*optional*): Text Stage 2 fits on instead of the calibration sequences (any form
+                `calibration_data` takes); defaults to `config.compensation_dataset`, and without it to the
+                calibration sequences. Read before Stage 1 starts, so that bad data leaves the model untouched.
 
         Returns:
             [`PruningResult`]: `result.model` is the pruned model.
@@ -141,9 +145,12 @@ class GradMAPPruner:
         Raises:
             ValueError: for a model or data that cannot be pruned as configured; the model is left untouched.
         """
+        compensation_ids = None
+        if self.config.compensation:
+            compensation_ids = self._compensation_ids(self._resolve_model(model), compensation_data, self.config, tokenizer)
         result = self.select_layers(model, calibration_data, tokenizer, stage1_checkpoint)
         if self.config.compensation:
-            self.compensate(result, validation_data=validation_data)
+            self.compensate(result, validation_data=validation_data, compensation_data=compensation_ids)
         self.release()
         return result
 
@@ -262,7 +269,11 @@ class GradMAPPruner:
             raise
 
     def compensate(
-        self, result: PruningResult, validation_data: CalibrationData = None, **config_overrides: Any
+        self,
+        result: PruningResult,
+        validation_data: CalibrationData = None,
+        compensation_data: CalibrationData = None,
+        **config_overrides: Any,
     ) -> PruningResult:
         """Stage 2 on a model pruned by [`~GradMAPPruner.select_layers`] (see
         [`optimum_gradmap.compensation.compensate`]): measures the mean drift of every kept layer
@@ -284,6 +295,10 @@ class GradMAPPruner:
                 the config's `num_samples` and `seq_len` and seed `seed + 1`, so that the calibration dataset
                 itself gives other windows than the calibration ones) whose perplexity decides whether the
                 compensation is kept: it is undone if it does not lower it (`result.compensation.validation`).
+            compensation_data (*optional*): Text the fits use instead of the calibration sequences of `result` (any
+                form `calibration_data` takes, drawn with the config's `num_samples`, `seq_len` and `seed`); defaults
+                to `compensation_dataset`, and without it to the calibration sequences.
+                `result.compensation.calibration_sha256` says which sequences were used.
             config_overrides: Stage 2 settings of [`GradMAPConfig`] to use instead of the pruner's (those in
                 `optimum_gradmap.compensation.STAGE2_SETTINGS`); `result.config` records them.
 
@@ -301,6 +316,8 @@ class GradMAPPruner:
             raise InvalidInputError(f"{unknown} are not Stage 2 settings; these are: {list(STAGE2_SETTINGS)}.")
         config = dataclasses.replace(self.config, compensation=True, **config_overrides)  # the pruner's, not the last run's
         check_num_compensated_layers(config.num_compensated_layers, len(result.kept_layers))
+        fit_ids = self._compensation_ids(result.model, compensation_data, config)
+        fit_ids = result.calibration_ids if fit_ids is None else fit_ids
         validation_ids = None
         if validation_data is not None:
             # seed + 1: given the calibration dataset itself, validation is other windows of the same text
@@ -309,7 +326,7 @@ class GradMAPPruner:
             result.compensation.undo()
             result.compensation = None
             result.timings.pop("stage2", None)
-        outcome = compensate(self._dense, result.calibration_ids, config, self.progress_bar, validation_ids)
+        outcome = compensate(self._dense, fit_ids, config, self.progress_bar, validation_ids)
         result.config = config
         result.compensation = outcome
         result.timings["stage2"] = outcome.seconds
@@ -509,6 +526,23 @@ class GradMAPPruner:
             target_num_parameters=config.target_num_parameters,
             loss_curve=config.loss_curve,
         )
+
+    def _compensation_ids(
+        self,
+        model: PreTrainedModel,
+        compensation_data: CalibrationData,
+        config: GradMAPConfig,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> torch.LongTensor | None:
+        """The sequences Stage 2 fits on when they are not the calibration sequences (`compensation_data`, else
+        `config.compensation_dataset`), checked for `reg_lambda="auto"`; `None` when Stage 2 fits on those."""
+        data = compensation_data if compensation_data is not None else config.compensation_dataset
+        if data is None:
+            return None
+        ids = self._calibration_ids(model, data, tokenizer)
+        if config.reg_lambda == "auto":
+            check_auto_lambda_data(ids)
+        return ids
 
     def _calibration_ids(
         self,

@@ -405,6 +405,10 @@ def format_report(report: dict[str, Any]) -> str:
         f"calibration:         {config.get('num_samples')} x {config.get('seq_len')} tokens of "
         f"{report.get('calibration_source') or config.get('dataset')}",
     ]
+    fitted_on = compensation.get("calibration_sha256")
+    if fitted_on and fitted_on != report.get("calibration_sha256"):
+        source = config.get("compensation_dataset") or "the compensation_data given"
+        lines.append(f"stage 2 fitted on:   {source} (SHA-256 {fitted_on[:12]}), not the calibration sequences")
     for entry in (report.get("evaluation") or {}).get("perplexities", []):
         lines.append(f"{entry['dataset']} perplexity: {entry['perplexity']:.3f} ({entry['protocol']})")
     lines += curve_lines(report)

@@ -96,6 +96,10 @@ def test_inspect_prints_the_report(tiny_checkpoint, tmp_path, capsys):
             ["prune", "MODEL", "--num-layers-to-prune", "1", "--output", "OUT", "--evaluate", "wikitext3"],
             "Unknown evaluation dataset",
         ),
+        (
+            ["prune", "MODEL", "--num-layers-to-prune", "1", "--output", "OUT", "--compensation-dataset", "wikitext3"],
+            "Unknown calibration dataset 'wikitext3'",
+        ),
     ],
 )
 def test_bad_input_exits_with_2_and_says_what_to_fix(tiny_checkpoint, tmp_path, capsys, argv, message):

@@ -858,3 +858,81 @@ def test_the_distillation_loss_gradient_reaches_the_factor_as_brute_force_says_a
     result = GradMAPPruner(config, progress_bar=False).prune(tiny_model("llama", num_layers=6), ids)
     refined = result.compensation.refinement
     assert refined["refined"] <= refined["start"] and 0 <= refined["step"] <= 20
+
+
+def test_compensation_data_fits_stage2_on_other_sequences_and_leaves_stage1_as_it_was():
+    """`compensation_data`: Stage 1 scores the calibration sequences, Stage 2 fits on the other ones. With explicit
+    layers (no scoring), the result is the model pruned with those other sequences as its calibration data; with
+    scoring, the removed layers are those of the calibration sequences alone. The result says what Stage 2 used."""
+    from optimum_gradmap import GradMAPPruner
+    from optimum_gradmap.data import calibration_sha256
+
+    from .conftest import small_config
+
+    calibration, other = random_ids(8, 16, seed=0), random_ids(8, 16, seed=1)
+    explicit = small_config(num_layers_to_prune=None, layers_to_prune=[2, 3])
+    reference = tiny_model("llama", num_layers=6)
+    GradMAPPruner(explicit, progress_bar=False).prune(reference, other)
+    model = tiny_model("llama", num_layers=6)
+    result = GradMAPPruner(explicit, progress_bar=False).prune(model, calibration, compensation_data=other)
+    assert result.compensation.calibration_sha256 == calibration_sha256(other) != calibration_sha256(calibration)
+    assert result.compensated_layers == [1]
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    plain = tiny_model("llama", num_layers=6)
+    GradMAPPruner(explicit, progress_bar=False).prune(plain, calibration)
+    assert _changed_parameters(model, plain.state_dict()) == {"model.layers.1.mlp.down_proj.weight"}
+
+    scored = GradMAPPruner(small_config(), progress_bar=False)
+    stage1_only = GradMAPPruner(small_config(compensation=False), progress_bar=False)
+    removed = stage1_only.prune(tiny_model("llama", num_layers=6), calibration).removed_layers
+    result = scored.prune(tiny_model("llama", num_layers=6), calibration, compensation_data=other)
+    assert result.removed_layers == removed and result.compensation.calibration_sha256 == calibration_sha256(other)
+
+
+@pytest.mark.parametrize(
+    "compensation_data, message",
+    [
+        ("no-such-dataset", "no-such-dataset"),
+        (random_ids(3, 16), "reg_lambda='auto' cross-validates over calibration sequences: it needs at least 4"),
+        (random_ids(8, 16) + 10_000, "Calibration token ids must lie in"),
+    ],
+)
+def test_bad_compensation_data_is_refused_before_stage1_changes_the_model(compensation_data, message, byte_tokenizer):
+    from optimum_gradmap import GradMAPPruner
+    from optimum_gradmap.errors import InvalidInputError
+
+    from .conftest import small_config
+
+    model = tiny_model("llama", num_layers=6)
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(InvalidInputError, match=message):
+        pruner = GradMAPPruner(small_config(), tokenizer=byte_tokenizer, progress_bar=False)
+        pruner.prune(model, random_ids(8, 16), compensation_data=compensation_data)
+    assert len(model.model.layers) == 6 and _changed_parameters(model, state) == set()
+
+
+def test_compensation_dataset_is_a_stage2_setting_that_compensate_can_change(tmp_path, byte_tokenizer):
+    """`compensate(result, compensation_dataset=path)` refits Stage 2 on that text (drawn as calibration text is)
+    and records it in the result's config; the next `compensate` without it fits on the calibration set again."""
+    from optimum_gradmap import GradMAPPruner
+    from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
+    from optimum_gradmap.report import format_report
+
+    from .conftest import small_config
+
+    text = tmp_path / "serving.txt"
+    text.write_text(" ".join(f"request {i} asks for item {i * 7 % 13}." for i in range(400)), encoding="utf-8")
+    config = small_config()
+    pruner = GradMAPPruner(config, tokenizer=byte_tokenizer, progress_bar=False)
+    result = pruner.select_layers(tiny_model("llama", num_layers=6), random_ids(8, 16))
+    expected = prepare_calibration_data(str(text), byte_tokenizer, 8, 16, config.seed, config.dataset)
+    pruner.compensate(result, compensation_dataset=str(text))
+    assert result.compensation.calibration_sha256 == calibration_sha256(expected)
+    assert result.config.compensation_dataset == str(text)
+    report = format_report({**result.to_dict(), "gradmap_config": result.config.to_dict()})
+    assert f"stage 2 fitted on:   {text} (SHA-256 {calibration_sha256(expected)[:12]})" in report
+    pruner.compensate(result)
+    assert "stage 2 fitted on" not in format_report({**result.to_dict(), "gradmap_config": result.config.to_dict()})
+    assert result.compensation.calibration_sha256 == calibration_sha256(result.calibration_ids)
+    assert result.config.compensation_dataset is None

@@ -33,6 +33,8 @@ from .conftest import tiny_model
         ({"pruning_ratio": 0.25, "adam_lr": 0}, "`adam_lr` must be a finite number > 0"),
         ({"pruning_ratio": 0.25, "dataset": ""}, "`dataset` must be a non-empty string such as 'wikipedia'"),
         ({"pruning_ratio": 0.25, "text_column": ""}, "`text_column` must be a non-empty string such as 'text'"),
+        ({"pruning_ratio": 0.25, "compensation_dataset": ""}, "`compensation_dataset` must be a dataset name or path"),
+        ({"pruning_ratio": 0.25, "compensation_dataset": 3}, "`compensation_dataset` must be a dataset name or path"),
         ({"pruning_ratio": 0.25, "importance": "nope"}, "`importance` must be the name of a registered metric"),
         ({"pruning_ratio": 0.25, "execution": "fast"}, "`execution` must be one of ('auto', 'in_memory', 'layer_streamed')"),
         ({"pruning_ratio": 0.25, "compensation": "yes"}, "`compensation` must be True or False"),

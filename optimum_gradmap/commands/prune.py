@@ -93,6 +93,8 @@ def _checked_prune_input(args: argparse.Namespace) -> tuple[GradMAPConfig, Model
     if args.private and not args.push_to_hub:
         raise InputError("--private only applies with --push-to-hub REPO.")
     check_dataset_name(config.dataset, "calibration")
+    if config.compensation_dataset is not None:
+        check_dataset_name(config.compensation_dataset, "calibration")
     for dataset in args.evaluate or ():
         check_dataset_name(dataset, "evaluation")
     if args.max_segments is not None and args.max_segments < 1:

@@ -15,6 +15,7 @@ from transformers.utils import logging
 from .. import distributed
 from ..adapters import DecoderAdapter
 from ..configuration import GradMAPConfig
+from ..data import calibration_sha256
 from ..evaluation.perplexity import perplexity
 from ..surgery import LayerSnapshot
 from ..weights import WeightBackup
@@ -37,6 +38,7 @@ STAGE2_SETTINGS = (
     "compensation_objective",
     "compensation_selection",
     "outlier_tokens",
+    "compensation_dataset",
     "refinement_steps",
     "refinement_lr",
     "num_compensated_layers",
@@ -78,6 +80,8 @@ class CompensationResult:
         refinement (`dict[str, float]`, *optional*): With `refinement_steps`, the held-out distillation loss
             before and after the refinement, and the step kept.
         seconds (`float`): Time Stage 2 took.
+        calibration_sha256 (`str`, *optional*): The SHA-256 of the sequences the fits used (the calibration set, or
+            `compensation_dataset`'s sequences), as `optimum_gradmap.data.calibration_sha256` gives it.
         backup (`WeightBackup`, *optional*): The folded tensors as they were before the fold; `restore()`
             undoes Stage 2 (to re-run it with other settings).
     """
@@ -92,6 +96,7 @@ class CompensationResult:
     validation: dict[str, float] | None = None
     refinement: dict[str, float] | None = None
     seconds: float = 0.0
+    calibration_sha256: str | None = None
     backup: WeightBackup | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
@@ -108,6 +113,7 @@ class CompensationResult:
             "validation": self.validation,
             "refinement": self.refinement,
             "seconds": self.seconds,
+            "calibration_sha256": self.calibration_sha256,
         }
 
     def undo(self) -> None:
@@ -168,7 +174,7 @@ def compensate(
         dense_means = means("Dense hidden states")
     pruned_means = means("Pruned hidden states")
     drift_of = lambda means: {index: float((dense_means[index] - means[p]).norm()) for p, index in enumerate(kept)}  # noqa: E731
-    result = CompensationResult(drift=drift_of(pruned_means))
+    result = CompensationResult(drift=drift_of(pruned_means), calibration_sha256=calibration_sha256(calibration_ids))
     _warn_if_few_tokens(calibration_ids, dense_means.shape[-1], config)
     targets = compensation_targets(
         kept, result.drift, dense.num_layers, config.compensation_target, config.num_compensated_layers
