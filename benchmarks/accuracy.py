@@ -16,8 +16,8 @@ and McNemar's test; the dense model's row gives retained accuracy. Every row car
 (benchmarks/provenance.py).
 
 A variant is `stage1`, `default`, `paper` or changes to the default joined by `+` (`CHANGES`); `mixed` fits
-Stage 2 on Wikipedia and web text in equal parts instead of the calibration set (Stage 1's layers stay the same;
-each row records the SHA-256 of the sequences its Stage 2 fitted on).
+Stage 2 on Wikipedia and web text in equal parts instead of the calibration set (`compensation_dataset`; Stage 1's
+layers stay the same); each Stage 2 row records the SHA-256 of the sequences its fits used.
 
 Writes benchmarks/results/accuracy-<model>-<ratio>.{json,md} (`-screening` with `--protocol screening`: 400
 questions per task, for comparing many variants); with `--resume`, rows already there are kept.
@@ -26,7 +26,6 @@ questions per task, for comparing many variants); with `--resume`, rows already 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import os
@@ -72,11 +71,10 @@ CHANGES: dict[str, dict] = {
     "cosine": {"compensation_objective": "cosine", "adam_lr": 1e-4, "adam_steps": 500},
     "next_token": {"compensation_selection": "next_token_loss"},
     "refined": {"refinement_steps": 100, "refinement_lr": 1e-4},
-    "mixed": {},  # Stage 2 fitted on MIXED_CALIBRATION instead of CALIBRATION (Stage 1's layers stay the same)
+    # Stage 2 fitted on Wikipedia and web text in equal parts, the same number of sequences (the web pages' calibration
+    # half; the held-out web text is the other half), as benchmarks/stage2.py's `mixed`; Stage 1's layers stay the same
+    "mixed": {"compensation_dataset": "offline:wikipedia+offline:web_text"},
 }
-# "mixed": Wikipedia and web text in equal parts, the same number of sequences (the web pages' calibration half; the
-# held-out web text is the other half), as benchmarks/stage2.py's `mixed`.
-MIXED_CALIBRATION = "offline:wikipedia+offline:web_text"
 PROTOCOLS = {"standard": STANDARD_SUBSETS, "screening": SCREENING_SUBSETS}
 
 
@@ -90,11 +88,6 @@ def variant_settings(name: str) -> dict | None:
     if any(change not in CHANGES for change in changes):
         raise SystemExit(f"unknown variant {name!r}: stage1, default, paper, or '+'-joined changes from {list(CHANGES)}")
     return {key: value for change in changes for key, value in CHANGES[change].items()}
-
-
-def variant_calibration(name: str) -> str:
-    """The calibration text a variant's Stage 2 fits on."""
-    return MIXED_CALIBRATION if "mixed" in name.split("+") else CALIBRATION
 
 
 def layers_of(model: str, ratio: float, selection: str) -> tuple[list[int], str]:
@@ -239,45 +232,38 @@ def main() -> None:
     dense = done("dense", "dense")
 
     layers, layers_from = layers_of(args.model, args.ratio, args.selection)
-    todo = [variant for variant in args.variants if done(args.selection, variant) is None]
-    by_calibration: dict[str, list[str]] = {}  # one Stage 1 model per calibration text Stage 2 fits on
-    for variant in todo:
-        by_calibration.setdefault(variant_calibration(variant), []).append(variant)
-    for calibration_name, variants in by_calibration.items():
-        pruned = copy.deepcopy(model)
-        data = calibration if calibration_name == CALIBRATION else calibration_name
-        config = GradMAPConfig(layers_to_prune=layers, num_samples=args.num_samples, seq_len=128, dataset=CALIBRATION)
-        pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
-        result = pruner.select_layers(pruned, data)
-        for variant in variants:
-            started = provenance()
-            row = {"selection": args.selection, "variant": variant, "label": f"{args.selection} + {variant}"}
-            row.update(removed_layers=layers, layers_from=layers_from)
-            row["stage2_calibration"] = calibration_name
-            row["stage2_calibration_sha256"] = calibration_sha256(result.calibration_ids)
-            settings = variant_settings(variant)
-            if settings is not None:
-                pruner.compensate(result, **settings)
-                compensation = result.compensation
-                row.update(
-                    compensated_layers=compensation.compensated_layers,
-                    compensation_lambda={str(k): v for k, v in compensation.reg_lambda.items()},
-                    skipped_layers={str(k): v for k, v in compensation.skipped_layers.items()},
-                    stage2_seconds=compensation.seconds,
-                    stage2_settings=settings,
-                )
-            elif result.compensation is not None:  # back to the Stage 1 model
-                result.compensation.undo()
-                result.compensation = None
-            row["evaluation"] = measure(pruned, tokenizer, row["label"], args.max_segments, args.batch_size, subsets)
-            stage1 = done(args.selection, "stage1")
-            if variant != "stage1" and stage1 is not None:
-                row["against_stage1"] = paired(row, stage1, dense)
-            row["against_dense"] = paired(row, dense, dense)
-            row["provenance"] = finish(started)
-            record["rows"].append(row)
-            save()
-        del pruned, pruner, result
+    config = GradMAPConfig(layers_to_prune=layers, num_samples=args.num_samples, seq_len=128, dataset=CALIBRATION)
+    pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
+    result = pruner.select_layers(model, calibration)
+    for variant in args.variants:
+        if done(args.selection, variant) is not None:
+            continue
+        started = provenance()
+        row = {"selection": args.selection, "variant": variant, "label": f"{args.selection} + {variant}"}
+        row.update(removed_layers=layers, layers_from=layers_from)
+        settings = variant_settings(variant)
+        if settings is not None:
+            pruner.compensate(result, **settings)
+            compensation = result.compensation
+            row.update(
+                compensated_layers=compensation.compensated_layers,
+                compensation_lambda={str(k): v for k, v in compensation.reg_lambda.items()},
+                skipped_layers={str(k): v for k, v in compensation.skipped_layers.items()},
+                stage2_seconds=compensation.seconds,
+                stage2_settings=settings,
+                stage2_calibration_sha256=compensation.calibration_sha256,
+            )
+        elif result.compensation is not None:  # back to the Stage 1 model
+            result.compensation.undo()
+            result.compensation = None
+        row["evaluation"] = measure(model, tokenizer, row["label"], args.max_segments, args.batch_size, subsets)
+        stage1 = done(args.selection, "stage1")
+        if variant != "stage1" and stage1 is not None:
+            row["against_stage1"] = paired(row, stage1, dense)
+        row["against_dense"] = paired(row, dense, dense)
+        row["provenance"] = finish(started)
+        record["rows"].append(row)
+        save()
     print(markdown(record))
 
 
