@@ -148,6 +148,11 @@ class GradMAPPruner:
         compensation_ids = None
         if self.config.compensation:
             compensation_ids = self._compensation_ids(self._resolve_model(model), compensation_data, self.config, tokenizer)
+        elif compensation_data is not None or self.config.compensation_dataset is not None:
+            raise InvalidInputError(
+                "Text for Stage 2 was given (`compensation_data` or `compensation_dataset`), but Stage 2 is off "
+                "(`compensation=False`): turn it on, or leave the text out."
+            )
         result = self.select_layers(model, calibration_data, tokenizer, stage1_checkpoint)
         if self.config.compensation:
             self.compensate(result, validation_data=validation_data, compensation_data=compensation_ids)

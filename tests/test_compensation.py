@@ -912,6 +912,22 @@ def test_bad_compensation_data_is_refused_before_stage1_changes_the_model(compen
     assert len(model.model.layers) == 6 and _changed_parameters(model, state) == set()
 
 
+def test_compensation_data_without_stage2_is_refused_before_anything_changes():
+    from optimum_gradmap import GradMAPPruner
+    from optimum_gradmap.errors import InvalidInputError
+
+    from .conftest import small_config
+
+    model = tiny_model("llama", num_layers=6)
+    for config, data in (
+        (small_config(compensation=False), random_ids(8, 16, seed=1)),
+        (small_config(compensation=False, compensation_dataset="offline:web_text"), None),
+    ):
+        with pytest.raises(InvalidInputError, match="but Stage 2 is off"):
+            GradMAPPruner(config, progress_bar=False).prune(model, random_ids(8, 16), compensation_data=data)
+        assert len(model.model.layers) == 6
+
+
 def test_compensation_dataset_is_a_stage2_setting_that_compensate_can_change(tmp_path, byte_tokenizer):
     """`compensate(result, compensation_dataset=path)` refits Stage 2 on that text (drawn as calibration text is)
     and records it in the result's config; the next `compensate` without it fits on the calibration set again."""
