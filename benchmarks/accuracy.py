@@ -152,6 +152,23 @@ def paired(row: dict, against: dict, dense: dict | None) -> dict:
     return comparison.to_dict()
 
 
+def print_pairs(record: dict, a: str, b: str) -> None:
+    """Variant `b` against variant `a` on the same questions, for every selection that has both: pooled paired
+    change (points), its standard error and McNemar's p, with and without BoolQ."""
+    rows = {(row["selection"], row["variant"]): row for row in record["rows"]}
+    for selection in dict.fromkeys(row["selection"] for row in record["rows"]):
+        if (selection, a) not in rows or (selection, b) not in rows:
+            continue
+        answers = [rows[(selection, variant)]["evaluation"]["zero_shot"]["answers"] for variant in (a, b)]
+        for label, skip in (("all tasks", ()), ("without BoolQ", ("boolq",))):
+            kept = [{task: v for task, v in side.items() if task not in skip} for side in answers]
+            pooled = compare_zero_shot(from_compact(kept[0]), from_compact(kept[1])).pooled
+            print(
+                f"{selection}: {b} - {a}, {label} ({pooled.num_questions} questions): "
+                f"{100 * pooled.difference:+.2f} ± {100 * pooled.stderr:.2f} points, p = {pooled.p_value:.3g}"
+            )
+
+
 def markdown(record: dict) -> str:
     lines = [
         f"# Accuracy: {record['model']} at {record['ratio']:g}",
@@ -195,6 +212,12 @@ def main() -> None:
     parser.add_argument("--max-segments", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument(
+        "--pair",
+        nargs=2,
+        metavar=("A", "B"),
+        help="measure nothing: print, for every selection in the record with both variants, B's paired change against A",
+    )
     args = parser.parse_args()
     logging.getLogger("optimum_gradmap").setLevel(logging.WARNING)
     torch.manual_seed(0)
@@ -205,7 +228,7 @@ def main() -> None:
     prefix = os.path.join(RESULTS, f"accuracy-{args.model}-{args.ratio:g}{suffix}")
     subsets = PROTOCOLS[args.protocol]
     record = {"model": args.model, "ratio": args.ratio, "protocol": args.protocol, "subsets": subsets, "rows": []}
-    if args.resume and os.path.isfile(prefix + ".json"):
+    if (args.resume or args.pair) and os.path.isfile(prefix + ".json"):
         with open(prefix + ".json", encoding="utf-8") as file:
             record = json.load(file)
 
@@ -219,6 +242,9 @@ def main() -> None:
     def done(selection: str, variant: str) -> dict | None:
         return next((r for r in record["rows"] if (r["selection"], r["variant"]) == (selection, variant)), None)
 
+    if args.pair:
+        print_pairs(record, *args.pair)
+        return
     model, tokenizer = load_model(args.model)
     calibration = prepare_calibration_data(CALIBRATION, tokenizer, args.num_samples, 128, 0, CALIBRATION)
     record["calibration_sha256"] = calibration_sha256(calibration)
