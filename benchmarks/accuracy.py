@@ -4,6 +4,7 @@ question by question.
 
     python benchmarks/accuracy.py --model smollm2-135m --ratio 0.25 --selection gradmap --variants stage1 default paper
     python benchmarks/accuracy.py --model smollm2-135m --ratio 0.25 --selection sleb --variants stage1 default --resume
+    python benchmarks/accuracy.py --protocol screening --pair default mixed   # two saved variants, paired
 
 The removed layers of a selection are those benchmarks/compare.py recorded for its method on the same
 model, ratio and calibration set (`--selection gradmap` -> the `gradmap` row; `quality` -> the `quality`
