@@ -99,6 +99,15 @@ def layers_of(model: str, ratio: float, selection: str) -> tuple[list[int], str]
     return row["removed_layers"], f"{os.path.relpath(path, os.path.dirname(RESULTS))}, row {SELECTIONS[selection]!r}"
 
 
+def same_layers_as(record: dict, model: str, ratio: float, selection: str, layers: list[int]) -> str | None:
+    """The selection already in `record` whose removed layers are `selection`'s (in any order), if any: the same
+    pruned model, measured once under that selection's name."""
+    for other in dict.fromkeys(row["selection"] for row in record["rows"]):
+        if other not in (selection, "dense") and sorted(layers_of(model, ratio, other)[0]) == sorted(layers):
+            return other
+    return None
+
+
 def compact_answers(zero_shot: ZeroShotResult) -> dict[str, dict]:
     """Every question's right (1) / wrong (0), per task, with the questions' ids: enough to pair two rows."""
     return {
@@ -184,6 +193,8 @@ def markdown(record: dict) -> str:
         "| eval s | quiet |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    for selection, twin in record.get("same_layers", {}).items():
+        lines.insert(2, f"{selection}'s removed layers are {twin}'s (the same set): its rows are {twin}'s, measured once.\n")
     for row in record["rows"]:
         evaluation = row["evaluation"]
         wikipedia, web = (entry["perplexity"] for entry in evaluation["perplexities"])
@@ -259,6 +270,12 @@ def main() -> None:
     dense = done("dense", "dense")
 
     layers, layers_from = layers_of(args.model, args.ratio, args.selection)
+    twin = same_layers_as(record, args.model, args.ratio, args.selection, layers)
+    if twin is not None:  # the same model: one set of rows, no copy
+        record.setdefault("same_layers", {})[args.selection] = twin
+        save()
+        print(f"{args.selection}'s removed layers are {twin}'s ({sorted(layers)}): its rows are {twin}'s; nothing measured")
+        return
     config = GradMAPConfig(layers_to_prune=layers, num_samples=args.num_samples, seq_len=128, dataset=CALIBRATION)
     pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
     result = pruner.select_layers(model, calibration)
