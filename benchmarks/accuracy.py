@@ -5,6 +5,7 @@ question by question.
     python benchmarks/accuracy.py --model smollm2-135m --ratio 0.25 --selection gradmap --variants stage1 default paper
     python benchmarks/accuracy.py --model smollm2-135m --ratio 0.25 --selection sleb --variants stage1 default --resume
     python benchmarks/accuracy.py --protocol screening --pair default mixed   # two saved variants, paired
+    python benchmarks/accuracy.py --protocol screening --goal default mixed   # the issue's goal, per selection
 
 The removed layers of a selection are those benchmarks/compare.py recorded for its method on the same
 model, ratio and calibration set (`--selection gradmap` -> the `gradmap` row; `quality` -> the `quality`
@@ -179,6 +180,54 @@ def print_pairs(record: dict, a: str, b: str) -> None:
             )
 
 
+def meets_goal(row: dict, stage1: dict) -> bool:
+    """Issue 38's condition on one row: both held-out perplexities below Stage 1's and a pooled paired change
+    against Stage 1 of at least -1 standard error."""
+    lower = all(
+        mine["perplexity"] < theirs["perplexity"]
+        for mine, theirs in zip(row["evaluation"]["perplexities"], stage1["evaluation"]["perplexities"])
+    )
+    pooled = row["against_stage1"]["pooled"]
+    return lower and pooled["difference"] >= -pooled["stderr"]
+
+
+def goal_table(record: dict, variants: list[str]) -> str:
+    """Markdown: per selection (rows) and Stage 2 variant (columns), the pooled paired change against Stage 1 in
+    points, its standard error and the change in standard errors, then Wikipedia / web-text perplexity; bold where
+    the goal's condition holds; the mean change and the number of rows meeting the condition per variant, over the
+    selections that have every variant."""
+    rows = {(row["selection"], row["variant"]): row for row in record["rows"]}
+    selections = [s for s in dict.fromkeys(row["selection"] for row in record["rows"]) if (s, "stage1") in rows]
+    perplexities = lambda row: " / ".join(f"{p['perplexity']:,.1f}" for p in row["evaluation"]["perplexities"])  # noqa: E731
+    lines = ["| layers of | Stage 1 | " + " | ".join(variants) + " |", "|---|---|" + "---|" * len(variants)]
+    changes: dict[str, list[float]] = {variant: [] for variant in variants}
+    passed: dict[str, int] = {variant: 0 for variant in variants}
+    complete = [s for s in selections if all((s, v) in rows for v in variants)]
+    for selection in selections:
+        stage1 = rows[(selection, "stage1")]
+        cells = [selection, perplexities(stage1)]
+        for variant in variants:
+            row = rows.get((selection, variant))
+            if row is None:
+                cells.append("not measured")
+                continue
+            pooled = row["against_stage1"]["pooled"]
+            change, stderr = 100 * pooled["difference"], 100 * pooled["stderr"]
+            text = f"{change:+.2f} ± {stderr:.2f} ({change / stderr:+.1f} SE)"
+            good = meets_goal(row, stage1)
+            cells.append(f"{f'**{text}**' if good else text}; {perplexities(row)}")
+            if selection in complete:
+                changes[variant].append(change)
+                passed[variant] += good
+        lines.append("| " + " | ".join(cells) + " |")
+    if complete:
+        lines.append(
+            f"| mean change ({len(complete)} rows) | | " + " | ".join(f"{sum(c) / len(c):+.2f}" for c in changes.values()) + " |"
+        )
+        lines.append("| rows meeting the condition | | " + " | ".join(f"{passed[v]} of {len(complete)}" for v in variants) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(record: dict) -> str:
     lines = [
         f"# Accuracy: {record['model']} at {record['ratio']:g}",
@@ -225,6 +274,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument(
+        "--goal",
+        nargs="+",
+        metavar="VARIANT",
+        help="measure nothing: print the issue's goal table (change against Stage 1 per selection) for these variants",
+    )
+    parser.add_argument(
         "--pair",
         nargs=2,
         metavar=("A", "B"),
@@ -240,7 +295,7 @@ def main() -> None:
     prefix = os.path.join(RESULTS, f"accuracy-{args.model}-{args.ratio:g}{suffix}")
     subsets = PROTOCOLS[args.protocol]
     record = {"model": args.model, "ratio": args.ratio, "protocol": args.protocol, "subsets": subsets, "rows": []}
-    if (args.resume or args.pair) and os.path.isfile(prefix + ".json"):
+    if (args.resume or args.pair or args.goal) and os.path.isfile(prefix + ".json"):
         with open(prefix + ".json", encoding="utf-8") as file:
             record = json.load(file)
 
@@ -256,6 +311,9 @@ def main() -> None:
 
     if args.pair:
         print_pairs(record, *args.pair)
+        return
+    if args.goal:
+        print(goal_table(record, args.goal))
         return
     model, tokenizer = load_model(args.model)
     calibration = prepare_calibration_data(CALIBRATION, tokenizer, args.num_samples, 128, 0, CALIBRATION)
