@@ -222,7 +222,9 @@ def goal_table(record: dict, variants: list[str]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if complete:
         lines.append(
-            f"| mean change ({len(complete)} rows) | | " + " | ".join(f"{sum(c) / len(c):+.2f}" for c in changes.values()) + " |"
+            f"| mean change, {len(complete)} selections | | "
+            + " | ".join(f"{sum(c) / len(c):+.2f}" for c in changes.values())
+            + " |"
         )
         lines.append("| rows meeting the condition | | " + " | ".join(f"{passed[v]} of {len(complete)}" for v in variants) + " |")
     return "\n".join(lines) + "\n"
