@@ -68,6 +68,7 @@ assert PRESETS["fast"] == {"importance": "relative_magnitude"}
 CHANGES: dict[str, dict] = {
     "no_outliers": {"outlier_tokens": "exclude"},  # measured as `exclude_outlier_tokens=True` before its rename
     "clip_outliers": {"outlier_tokens": "clip"},
+    "preserve_outliers": {"outlier_tokens": "preserve"},
     "diagonal": {"compensation_form": "diagonal"},
     "rotated_diagonal": {"compensation_form": "rotated_diagonal"},
     "cosine": {"compensation_objective": "cosine", "adam_lr": 1e-4, "adam_steps": 500},

@@ -952,3 +952,29 @@ def test_compensation_dataset_is_a_stage2_setting_that_compensate_can_change(tmp
     assert "stage 2 fitted on" not in format_report({**result.to_dict(), "gradmap_config": result.config.to_dict()})
     assert result.compensation.calibration_sha256 == calibration_sha256(result.calibration_ids)
     assert result.config.compensation_dataset is None
+
+
+def test_preserved_outliers_are_fitted_to_stay_as_they_are():
+    from optimum_gradmap.compensation import collect_rows, outlier_tokens
+
+    model, adapter, target, original, ids = _without_layer_three(8, massive=True)
+    preserved = compensation_statistics(model, adapter, target, original, ids, 8, progress_bar=False, outliers="preserve")
+    rows = collect_rows(model, adapter, target, original, ids, 8, progress_bar=False)  # one batch: one median
+    held = outlier_tokens(original.double()).reshape(-1)
+    assert int(held.sum()) >= 9  # the first token of each of the 8 sequences, and the massive one inside
+    y, r = rows.mlp_output, rows.target
+    r_held = torch.where(held[:, None], y, r)  # no norm after a Llama MLP: what the layer adds now is y
+    assert torch.allclose(preserved.gram, y.T @ y)
+    assert torch.allclose(preserved.cross, r_held.T @ y)
+    assert preserved.target_energy == pytest.approx(float(r_held.pow(2).sum()))
+    assert preserved.num_tokens == 8 * 16
+
+    excluded = compensation_statistics(model, adapter, target, original, ids, 8, progress_bar=False, outliers="exclude")
+    change = {}
+    for name, statistics in (("preserve", preserved), ("exclude", excluded)):
+        matrix = solve_closed_form(statistics, 1e-7)
+        change[name] = float((y[held] @ matrix.T - y[held]).norm() / y[held].norm())
+        others = float((y[~held] @ matrix.T - r[~held]).norm() / (y[~held] - r[~held]).norm())
+        assert others < 1  # the other tokens still move toward the dense hidden state
+    # the preserve fit minimises the others' error plus the outliers' change, the exclude fit the others' alone
+    assert change["preserve"] < change["exclude"], change

@@ -89,14 +89,15 @@ def outlier_token_weights(original: torch.Tensor, handling: str, factor: float =
     Args:
         original (`torch.Tensor` of shape `(samples, tokens, d)`): The dense hidden states.
         handling (`str`): `"keep"` (every token weighs 1: the paper), `"exclude"` (0 for the [`outlier_tokens`],
-            1 for the others) or `"clip"` (min(1, (`factor` x median norm / norm)^2): a token's squared error counts
+            1 for the others), `"clip"` (min(1, (`factor` x median norm / norm)^2): a token's squared error counts
             as if its dense hidden state's norm were clipped to `factor` times the batch's median; the first token
-            is weighed by its norm like any other).
+            is weighed by its norm like any other) or `"preserve"` (every token weighs 1: the outliers' targets
+            change instead, see [`for_each_compensation_batch`]).
 
     Returns:
-        `torch.Tensor` of shape `(samples, tokens)`, float64, or `None` for `"keep"`.
+        `torch.Tensor` of shape `(samples, tokens)`, float64, or `None` for `"keep"` and `"preserve"`.
     """
-    if handling == "keep":
+    if handling in ("keep", "preserve"):
         return None
     if handling == "exclude":
         return (~outlier_tokens(original, factor)).double()
@@ -157,7 +158,9 @@ def for_each_compensation_batch(
     outliers: str = "keep",
 ) -> None:
     """Runs the pruned model and calls `consume` with each batch's [`CompensationBatch`], its tokens weighed by
-    [`outlier_token_weights`] under `outliers` (`GradMAPConfig.outlier_tokens`)."""
+    [`outlier_token_weights`] under `outliers` (`GradMAPConfig.outlier_tokens`). With `outliers="preserve"`, the
+    [`outlier_tokens`]' dense hidden states are replaced by the pruned layer's outputs for them: their target is to
+    stay as they are (W' = I fits them exactly)."""
     captured: dict[str, torch.Tensor] = {}
     mlp = adapter.get_mlp(layer)
     contribution_module = adapter.get_mlp_output_norm(layer) or mlp  # its output is what the layer adds to the residual
@@ -177,5 +180,8 @@ def for_each_compensation_batch(
             ffn_input = pruned_output - contribution  # X_F
             original = original_outputs[start : start + batch.shape[0]].to(ffn_input)
             mlp_output = captured["mlp_output"].double().reshape(original.shape)
-            consume(CompensationBatch(mlp_output, ffn_input, original, start, outlier_token_weights(original, outliers)))
+            weight = outlier_token_weights(original, outliers)
+            if outliers == "preserve":
+                original = torch.where(outlier_tokens(original)[..., None], pruned_output, original)
+            consume(CompensationBatch(mlp_output, ffn_input, original, start, weight))
             start += batch.shape[0]
