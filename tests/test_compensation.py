@@ -759,7 +759,7 @@ def test_clipped_outlier_weights_need_the_mean_squared_error_objective():
         GradMAPConfig(num_layers_to_prune=1, outlier_tokens="clip", compensation_objective="cosine")
 
 
-def test_clipped_outlier_weights_run_through_the_pruner_and_fit_another_matrix_than_every_token_alike():
+def test_clipped_and_preserved_outliers_run_through_the_pruner_and_fit_another_matrix_than_every_token_alike():
     from optimum_gradmap import GradMAPPruner
     from optimum_gradmap.configuration import GradMAPConfig
 
@@ -773,11 +773,12 @@ def test_clipped_outlier_weights_run_through_the_pruner_and_fit_another_matrix_t
     result = pruner.select_layers(model, ids)
     down = model.model.layers[2].mlp.down_proj.weight
     fitted = {}
-    for handling in ("keep", "clip"):
+    for handling in ("keep", "clip", "preserve"):
         pruner.compensate(result, outlier_tokens=handling)
         assert result.compensation.compensated_layers == [2] and result.config.outlier_tokens == handling
         fitted[handling] = down.detach().clone()
     assert not torch.allclose(fitted["keep"], fitted["clip"])
+    assert not torch.allclose(fitted["keep"], fitted["preserve"])
 
 
 def test_lambda_chosen_by_the_held_out_next_token_loss_is_the_candidate_with_the_lowest_loss():
