@@ -215,8 +215,9 @@ class GradMAPConfig:
         "al.): `exclude` leaves W' free to change them, and on SmolLM2-135M (Block Influence's layers at 25%, fitted on "
         "Wikipedia and web text) the fit of layer 11 changed the first token's MLP output by three times its norm and "
         "held-out Wikipedia perplexity rose from 102.8 (Stage 1 alone) to 3,788.6 (docs/results.md, Accuracy); with "
-        '`compensation_selection="next_token_loss"`, which judges each fit by the whole model\'s loss, that fit was '
-        "left out. `preserve` measured as `keep` there (the same perplexities, the same answers to 0.1 point).",
+        '`compensation_selection="next_token_loss"`, which judges each fit by the whole model\'s loss, the fit of '
+        "that layer was left out (measured on Wikipedia alone). `preserve` measured as `keep` there (the same "
+        "perplexities, the same answers to 0.1 point).",
     )
     compensation_dataset: str | None = _setting(
         None,
