@@ -214,7 +214,7 @@ def goal_table(record: dict, variants: list[str]) -> str:
                 continue
             pooled = row["against_stage1"]["pooled"]
             change, stderr = 100 * pooled["difference"], 100 * pooled["stderr"]
-            text = f"{change:+.2f} ± {stderr:.2f} ({change / stderr:+.1f} SE)"
+            text = f"{change:+.2f} ± {stderr:.2f} ({change / stderr:+.2f} SE)"
             good = meets_goal(row, stage1)
             cells.append(f"{f'**{text}**' if good else text}; {perplexities(row)}")
             if selection in complete:
