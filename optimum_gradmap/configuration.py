@@ -33,8 +33,8 @@ CompensationForm = Literal["full", "diagonal", "rotated_diagonal"]
 CompensationObjective = Literal["mse", "cosine"]
 # How reg_lambda="auto" chooses lambda: held-out hidden-state error, or the held-out next-token loss of the model.
 CompensationSelection = Literal["hidden_state", "next_token_loss"]
-# What Stage 2's fit does with the tokens that carry massive activations: keep them (the paper), leave them out, or
-# weigh them as if their norm were clipped.
+# What Stage 2's fit does with the tokens that carry massive activations: keep them (the paper), leave them out,
+# weigh them as if their norm were clipped, or fit them to stay as they are.
 OutlierTokens = Literal["keep", "exclude", "clip", "preserve"]
 # How Stage 1's gradient passes run (see `optimum_gradmap.streaming`).
 ExecutionMode = Literal["auto", "in_memory", "layer_streamed"]
