@@ -101,10 +101,20 @@ def layers_of(model: str, ratio: float, selection: str) -> tuple[list[int], str]
     return row["removed_layers"], f"{os.path.relpath(path, os.path.dirname(RESULTS))}, row {SELECTIONS[selection]!r}"
 
 
+def rows_by_key(record: dict) -> dict[tuple[str, str], dict]:
+    """`record`'s rows by (selection, variant)."""
+    return {(row["selection"], row["variant"]): row for row in record["rows"]}
+
+
+def selections_in(record: dict) -> list[str]:
+    """The selections `record` has rows for, in the order they were first measured."""
+    return list(dict.fromkeys(row["selection"] for row in record["rows"]))
+
+
 def same_layers_as(record: dict, model: str, ratio: float, selection: str, layers: list[int]) -> str | None:
     """The selection already in `record` whose removed layers are `selection`'s (in any order), if any: the same
     pruned model, measured once under that selection's name."""
-    for other in dict.fromkeys(row["selection"] for row in record["rows"]):
+    for other in selections_in(record):
         if other not in (selection, "dense") and sorted(layers_of(model, ratio, other)[0]) == sorted(layers):
             return other
     return None
@@ -167,8 +177,8 @@ def paired(row: dict, against: dict, dense: dict | None) -> dict:
 def print_pairs(record: dict, a: str, b: str) -> None:
     """Variant `b` against variant `a` on the same questions, for every selection that has both: pooled paired
     change (points), its standard error and McNemar's p, with and without BoolQ."""
-    rows = {(row["selection"], row["variant"]): row for row in record["rows"]}
-    for selection in dict.fromkeys(row["selection"] for row in record["rows"]):
+    rows = rows_by_key(record)
+    for selection in selections_in(record):
         if (selection, a) not in rows or (selection, b) not in rows:
             continue
         answers = [rows[(selection, variant)]["evaluation"]["zero_shot"]["answers"] for variant in (a, b)]
@@ -197,8 +207,8 @@ def goal_table(record: dict, variants: list[str]) -> str:
     points, its standard error and the change in standard errors, then Wikipedia / web-text perplexity; bold where
     the goal's condition holds; the mean change and the number of rows meeting the condition per variant, over the
     selections that have every variant."""
-    rows = {(row["selection"], row["variant"]): row for row in record["rows"]}
-    selections = [s for s in dict.fromkeys(row["selection"] for row in record["rows"]) if (s, "stage1") in rows]
+    rows = rows_by_key(record)
+    selections = [s for s in selections_in(record) if (s, "stage1") in rows]
     perplexities = lambda row: " / ".join(f"{p['perplexity']:,.1f}" for p in row["evaluation"]["perplexities"])  # noqa: E731
     lines = ["| layers of | Stage 1 | " + " | ".join(variants) + " |", "|---|---|" + "---|" * len(variants)]
     changes: dict[str, list[float]] = {variant: [] for variant in variants}
@@ -310,7 +320,7 @@ def main() -> None:
             file.write(markdown(record))
 
     def done(selection: str, variant: str) -> dict | None:
-        return next((r for r in record["rows"] if (r["selection"], r["variant"]) == (selection, variant)), None)
+        return rows_by_key(record).get((selection, variant))
 
     if args.pair:
         print_pairs(record, *args.pair)

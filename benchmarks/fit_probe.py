@@ -73,7 +73,7 @@ def main() -> None:
     pruner.compensate(result, **settings)
     fitted_weights = [weight.detach().clone() for weight in down_projections]
     changed = [i for i, (a, b) in enumerate(zip(stage1_weights, fitted_weights)) if not torch.equal(a, b)]
-    kept_dense_index = [i for i in range(len(kept) + len(layers)) if i not in layers]
+    kept_dense_index = result.kept_layers  # dense-model index of each kept layer
     record.update(
         compensated_layers=result.compensation.compensated_layers,
         compensation_lambda={str(k): v for k, v in result.compensation.reg_lambda.items()},
