@@ -4,8 +4,8 @@ question by question.
 
     python benchmarks/accuracy.py --model smollm2-135m --ratio 0.25 --selection gradmap --variants stage1 default paper
     python benchmarks/accuracy.py --model smollm2-135m --ratio 0.25 --selection sleb --variants stage1 default --resume
-    python benchmarks/accuracy.py --protocol screening --pair default mixed   # two saved variants, paired
-    python benchmarks/accuracy.py --protocol screening --goal default mixed   # the issue's goal, per selection
+    python benchmarks/accuracy.py --protocol screening --pair previous_default mixed   # two saved variants, paired
+    python benchmarks/accuracy.py --protocol screening --goal previous_default mixed   # the issue's goal, per selection
 
 The removed layers of a selection are those benchmarks/compare.py recorded for its method on the same
 model, ratio and calibration set (`--selection gradmap` -> the `gradmap` row; `quality` -> the `quality`
@@ -17,7 +17,11 @@ Stage 2 variant, its paired difference against the Stage 1 model: per task and p
 and McNemar's test; the dense model's row gives retained accuracy. Every row carries its provenance
 (benchmarks/provenance.py).
 
-A variant is `stage1`, `default`, `paper` or changes to the default joined by `+` (`CHANGES`); `mixed` fits
+A variant is `stage1`; `default`, the library's default Stage 2 when the row is measured; `paper`
+(`PAPER_STAGE2`); `previous_default`, the default Stage 2 before issue 38 changed it (`PREVIOUS_DEFAULT_STAGE2`: rows
+measured as `default` before the change carry that name now, with `renamed_from`); or changes to the previous default
+joined by `+` (`CHANGES`; `next_token+no_outliers` has the settings the default has had since, on a family without a
+norm after the MLP, so `default` there measures it again under another name); `mixed` fits
 Stage 2 on Wikipedia and web text in equal parts instead of the calibration set (`compensation_dataset`; Stage 1's
 layers stay the same); each Stage 2 row records the SHA-256 of the sequences its fits used.
 
@@ -38,7 +42,7 @@ from provenance import finish, provenance
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.assets import MODEL_ASSETS, load_model
-from optimum_gradmap.configuration import PAPER_STAGE2, PRESETS
+from optimum_gradmap.configuration import PAPER_STAGE2, PRESETS, PREVIOUS_DEFAULT_STAGE2
 from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
 from optimum_gradmap.evaluation import (
     PAPER_TASKS,
@@ -63,8 +67,9 @@ SELECTIONS = {
 }
 assert PRESETS["quality"] == {"importance": "gradmap_bound_token", "verify_top_k": 8, "verify_halving": True}
 assert PRESETS["fast"] == {"importance": "relative_magnitude"}
-# A variant is "stage1" (no Stage 2), "default" (GradMAPConfig's defaults today), "paper" (the paper's Stage 2), or
-# changes to the default joined by "+" (e.g. "rotated_diagonal+no_outliers").
+# A variant is "stage1" (no Stage 2), "default" (GradMAPConfig's defaults today), "paper" (the paper's Stage 2),
+# "previous_default" (the default before issue 38), or changes to the previous default joined by "+" (e.g.
+# "rotated_diagonal+no_outliers"), so that a name keeps what it measured when the default changes.
 CHANGES: dict[str, dict] = {
     "no_outliers": {"outlier_tokens": "exclude"},  # measured as `exclude_outlier_tokens=True` before its rename
     "clip_outliers": {"outlier_tokens": "clip"},
@@ -82,15 +87,17 @@ PROTOCOLS = {"standard": STANDARD_SUBSETS, "screening": SCREENING_SUBSETS}
 
 
 def variant_settings(name: str) -> dict | None:
-    """The Stage 2 settings of a variant (`None`: Stage 1 only)."""
+    """The Stage 2 settings of a variant (`None`: Stage 1 only; `{}`: the library's defaults)."""
     if name == "stage1":
         return None
-    if name in ("default", "paper"):
-        return {} if name == "default" else dict(PAPER_STAGE2)
+    if name in ("default", "paper", "previous_default"):
+        return {"default": {}, "paper": dict(PAPER_STAGE2), "previous_default": dict(PREVIOUS_DEFAULT_STAGE2)}[name]
     changes = name.split("+")
     if any(change not in CHANGES for change in changes):
-        raise SystemExit(f"unknown variant {name!r}: stage1, default, paper, or '+'-joined changes from {list(CHANGES)}")
-    return {key: value for change in changes for key, value in CHANGES[change].items()}
+        raise SystemExit(
+            f"unknown variant {name!r}: stage1, default, paper, previous_default, or '+'-joined changes from {list(CHANGES)}"
+        )
+    return {**PREVIOUS_DEFAULT_STAGE2, **{key: value for change in changes for key, value in CHANGES[change].items()}}
 
 
 def layers_of(model: str, ratio: float, selection: str) -> tuple[list[int], str]:

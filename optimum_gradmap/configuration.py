@@ -31,11 +31,13 @@ CompensationTarget = Literal["max_drift", "span_end"]
 CompensationForm = Literal["full", "diagonal", "rotated_diagonal"]
 # What Stage 2 minimises: the paper's mean squared error (Eq. 12), or the per-token cosine distance (ReplaceMe's).
 CompensationObjective = Literal["mse", "cosine"]
-# How reg_lambda="auto" chooses lambda: held-out hidden-state error, or the held-out next-token loss of the model.
-CompensationSelection = Literal["hidden_state", "next_token_loss"]
+# How reg_lambda="auto" chooses lambda: held-out hidden-state error, the held-out next-token loss of the model, or
+# the next-token loss where the family and objective allow it and the hidden-state error elsewhere.
+CompensationSelection = Literal["auto", "hidden_state", "next_token_loss"]
 # What Stage 2's fit does with the tokens that carry massive activations: keep them (the paper), leave them out,
-# weigh them as if their norm were clipped, or fit them to stay as they are.
-OutlierTokens = Literal["keep", "exclude", "clip", "preserve"]
+# weigh them as if their norm were clipped, fit them to stay as they are, or leave them out where the next-token loss
+# chooses lambda and keep them elsewhere.
+OutlierTokens = Literal["auto", "keep", "exclude", "clip", "preserve"]
 # How Stage 1's gradient passes run (see `optimum_gradmap.streaming`).
 ExecutionMode = Literal["auto", "in_memory", "layer_streamed"]
 EXECUTION_MODES: tuple[str, ...] = typing.get_args(ExecutionMode)
@@ -49,7 +51,12 @@ PAPER_STAGE2: dict[str, Any] = {
     "compensation_form": "full",
     "num_compensated_layers": 1,
     "reg_lambda": 1e-3,
+    "compensation_selection": "hidden_state",
+    "outlier_tokens": "keep",
 }
+# The default Stage 2 of issue 19 (until issue 38 changed the default): the span-end fits with lambda chosen by the
+# held-out hidden-state error, every token in the fit. Pinned where those measurements are reproduced.
+PREVIOUS_DEFAULT_STAGE2: dict[str, Any] = {"compensation_selection": "hidden_state", "outlier_tokens": "keep"}
 PRESETS: dict[str, dict[str, Any]] = {
     # GradMAP exactly as published: the gradient score (Eq. 5), iterative (Algorithm 1), and the paper's Stage 2
     # (pinned, so that the preset keeps its meaning if a default changes).
@@ -193,18 +200,23 @@ class GradMAPConfig:
         "step with the lowest cosine distance on held-out calibration sequences (the last of the cross-validation folds).",
     )
     compensation_selection: CompensationSelection = _setting(
-        "hidden_state",
+        "auto",
         'With `reg_lambda="auto"`, how each layer\'s lambda is chosen: `hidden_state`, the lowest squared error of the '
-        "hidden state on held-out calibration sequences (4-fold cross-validation); or `next_token_loss`, the lowest "
+        "hidden state on held-out calibration sequences (4-fold cross-validation); `next_token_loss`, the lowest "
         "next-token loss of the whole model on the held-out fold, each candidate fitted on the other three folds and "
         "folded in (the criterion LinearPatch and ReplaceMe report accuracy against; W' = I is a candidate), then "
-        "fitted on every sequence. `next_token_loss` needs the `mse` objective and no norm after the MLP.",
+        "fitted on every sequence; it needs the `mse` objective and no norm after the MLP. `auto` (the default since "
+        "issue 38; `hidden_state` before): `next_token_loss` where it can run, `hidden_state` elsewhere (the cosine "
+        "objective; a family with a norm after the MLP: Gemma 2 and 3, OLMo 2). With the default `outlier_tokens` it "
+        "kept more zero-shot accuracy than `hidden_state` did on SmolLM2-135M, for less perplexity gain and about twice "
+        "the Stage 2 time (docs/results.md, Accuracy).",
     )
     outlier_tokens: OutlierTokens = _setting(
-        "keep",
+        "auto",
         "What Stage 2's fit does with the tokens that carry massive activations (Sun et al., COLM 2024; LinearPatch, "
         "Chen et al., NeurIPS 2025, Sec. 3.1), those whose dense hidden state's norm exceeds 5 times the median: "
-        "`keep` them like every token (the paper); `exclude` them, with the first token of every calibration sequence; "
+        "`keep` them like every token (the paper, and the default before issue 38); `exclude` them, with the first "
+        "token of every calibration sequence; "
         "or `clip` their weight: each token's squared error counts min(1, (5 x median / norm)^2), as if its norm were "
         "clipped to 5 times the median (the influence clipping of robust regression, Huber 1964). On SmolLM2-135M the "
         "first token's norm is about 150 times the median: kept, one such token weighs as much as 20,000 others; "
@@ -217,7 +229,9 @@ class GradMAPConfig:
         "held-out Wikipedia perplexity rose from 102.8 (Stage 1 alone) to 3,788.6 (docs/results.md, Accuracy); with "
         '`compensation_selection="next_token_loss"`, which judges each fit by the whole model\'s loss, the fit of '
         "that layer was left out (measured on Wikipedia alone). `preserve` measured as `keep` there (the same "
-        "perplexities, the same answers to 0.1 point).",
+        "perplexities, the same answers to 0.1 point). `auto` (the default since issue 38): `exclude` where lambda is "
+        "chosen by the next-token loss, which guards against such a fit, and `keep` elsewhere (on GradMAP's layers of "
+        "SmolLM2-135M at 25%, `exclude` with the hidden-state selection did not lower web-text perplexity).",
     )
     compensation_dataset: str | None = _setting(
         None,

@@ -191,7 +191,8 @@ def test_span_end_stage2_lowers_the_error_it_reports_and_auto_lambda_leaves_alon
     after = torch.nn.functional.mse_loss(_layer_output(model, layer, ids), dense_end).item()
     assert after < before and after <= objective["fitted"] * (1 + 1e-4)
 
-    pruner.compensate(result, reg_lambda="auto")  # undoes the first fold, then fits again
+    # undoes the first fold, then fits again, lambda by the hidden state's held-out error, every token in the fit
+    pruner.compensate(result, reg_lambda="auto", compensation_selection="hidden_state", outlier_tokens="keep")
     if result.compensated_layers:
         assert result.compensation.reg_lambda[1] > 0 and result.compensation.objective[1]["identity"] == pytest.approx(
             before, rel=1e-4

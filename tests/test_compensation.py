@@ -11,7 +11,7 @@ from optimum_gradmap.compensation import (
     solve_adam,
     solve_closed_form,
 )
-from optimum_gradmap.configuration import PAPER_STAGE2
+from optimum_gradmap.configuration import PAPER_STAGE2, PREVIOUS_DEFAULT_STAGE2
 from optimum_gradmap.surgery import remove_layers
 from optimum_gradmap.weights import fold_into
 
@@ -445,7 +445,8 @@ def test_a_layer_cross_validation_leaves_alone_is_reported_and_untouched(monkeyp
     model = tiny_model("llama", num_layers=6)
     ids = random_ids(8, 16)
     monkeypatch.setattr(compensation.fit, "cross_validate_ridge", lambda *args, **kwargs: RidgeChoice(None, {}, 1.0))
-    pruner = GradMAPPruner(small_config(reg_lambda="auto"), tokenizer=byte_tokenizer, progress_bar=False)
+    config = small_config(reg_lambda="auto", compensation_selection="hidden_state")  # the selection patched above
+    pruner = GradMAPPruner(config, tokenizer=byte_tokenizer, progress_bar=False)
     result = pruner.select_layers(model, ids)
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     pruner.compensate(result)
@@ -473,7 +474,7 @@ def test_validation_text_keeps_the_compensation_only_if_it_lowers_its_perplexity
 
     ids = random_ids(8, 16)
     model = tiny_model("llama", num_layers=6)
-    pruner = GradMAPPruner(small_config(), progress_bar=False)
+    pruner = GradMAPPruner(small_config(compensation_selection="hidden_state"), progress_bar=False)  # patched below
     result = pruner.select_layers(model, ids)
     stage1_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     stage1 = perplexity(model, ids, 4, progress_bar=False)
@@ -510,7 +511,9 @@ def test_compensation_between_removals_repairs_each_run_before_the_next_round_sc
     plain_result = plain.select_layers(tiny_model("llama", num_layers=8), ids)
     model = tiny_model("llama", num_layers=8)
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    pruner = GradMAPPruner(small_config(num_layers_to_prune=3, compensate_each_round=True), progress_bar=False)
+    # lambda by the hidden state's error: on random tokens the next-token loss leaves these fits out
+    settings = dict(num_layers_to_prune=3, compensate_each_round=True, **PREVIOUS_DEFAULT_STAGE2)
+    pruner = GradMAPPruner(small_config(**settings), progress_bar=False)
     result = pruner.select_layers(model, ids)
     assert result.scores[0] == plain_result.scores[0]
     assert result.scores[1] != plain_result.scores[1]
@@ -807,6 +810,43 @@ def test_lambda_chosen_by_the_held_out_next_token_loss_is_the_candidate_with_the
 
 
 @pytest.mark.parametrize(
+    "model_type, selection, outliers",
+    [("llama", "next_token_loss", "exclude"), ("gemma2", "hidden_state", "keep")],  # gemma2: a norm after the MLP
+)
+def test_the_default_stage2_chooses_lambda_by_the_next_token_loss_without_outliers_where_it_runs_and_as_before_elsewhere(
+    model_type, selection, outliers, monkeypatch
+):
+    from optimum_gradmap import GradMAPPruner
+    from optimum_gradmap.compensation import resolve_selection, stage2
+    from optimum_gradmap.configuration import GradMAPConfig
+
+    adapter = get_adapter(tiny_model(model_type, num_layers=4))
+    default = resolve_selection(GradMAPConfig(num_layers_to_prune=1), adapter)
+    assert (default.compensation_selection, default.outlier_tokens) == (selection, outliers)
+    for settings in ({"compensation_objective": "cosine"}, {"compensation_selection": "hidden_state"}):
+        resolved = resolve_selection(GradMAPConfig(num_layers_to_prune=1, **settings), adapter)
+        assert (resolved.compensation_selection, resolved.outlier_tokens) == ("hidden_state", "keep")
+    fixed = resolve_selection(GradMAPConfig(num_layers_to_prune=1, reg_lambda=1e-3), adapter)
+    assert fixed.outlier_tokens == "keep"  # no selection to guard the fit: every token, as the paper
+    named = resolve_selection(GradMAPConfig(num_layers_to_prune=1, outlier_tokens="preserve"), adapter)
+    assert (named.compensation_selection, named.outlier_tokens) == (selection, "preserve")
+
+    calls = []
+    for name, learner in (("learn_by_next_token_loss", "next_token_loss"), ("learn_compensation", "hidden_state")):
+        learn = getattr(stage2, name)
+
+        def spy(*args, learn=learn, learner=learner):
+            calls.append((learner, args[5].outlier_tokens))  # args[5]: the config the fit reads
+            return learn(*args)
+
+        monkeypatch.setattr(stage2, name, spy)
+    config = GradMAPConfig(layers_to_prune=[3], num_samples=16, seq_len=16, batch_size=4)
+    result = GradMAPPruner(config, progress_bar=False).prune(tiny_model(model_type, num_layers=6), random_ids(16, 16))
+    assert calls == [(selection, outliers)] and set(result.compensation.targets) == {2}
+    assert result.config.compensation_selection == "auto"  # what was asked for, as the user wrote it
+
+
+@pytest.mark.parametrize(
     "setting, message",
     [
         ({"compensation_selection": "next_token_loss"}, "needs the mean-squared-error objective and a family whose MLP output"),
@@ -855,7 +895,15 @@ def test_the_distillation_loss_gradient_reaches_the_factor_as_brute_force_says_a
             assert float(factor.grad[i, j]) == pytest.approx((values[0] - values[1]) / (2 * step), rel=0.05, abs=1e-6)
     dense.restore()
 
-    config = GradMAPConfig(layers_to_prune=[3], num_samples=8, seq_len=16, batch_size=2, refinement_steps=20, refinement_lr=1e-2)
+    config = GradMAPConfig(
+        layers_to_prune=[3],
+        num_samples=8,
+        seq_len=16,
+        batch_size=2,
+        refinement_steps=20,
+        refinement_lr=1e-2,
+        **PREVIOUS_DEFAULT_STAGE2,
+    )  # lambda by the hidden state's error: on random tokens the next-token loss leaves the fit out
     result = GradMAPPruner(config, progress_bar=False).prune(tiny_model("llama", num_layers=6), ids)
     refined = result.compensation.refinement
     assert refined["refined"] <= refined["start"] and 0 <= refined["step"] <= 20

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from optimum_gradmap import GradMAPConfig
-from optimum_gradmap.configuration import CONFIG_NAME, PAPER_STAGE2
+from optimum_gradmap.configuration import CONFIG_NAME, PAPER_STAGE2, PREVIOUS_DEFAULT_STAGE2
 
 from .conftest import tiny_model
 
@@ -52,14 +52,18 @@ def test_stage1_defaults_follow_the_paper_and_stage2_defaults_are_span_end_with_
     assert (config.num_samples, config.seq_len, config.adam_lr) == (128, 128, 1e-3)
     assert config.importance == "gradmap" and config.iterative is None  # None: the metric's own choice (GradMAP: iterative)
     assert config.compensation and (config.compensation_target, config.reg_lambda) == ("span_end", "auto")
+    assert (config.compensation_selection, config.outlier_tokens) == ("auto", "auto")  # since issue 38
     assert config.dataset == "wikipedia"
-    # the paper's Stage 2 (Eq. 10-15), pinned by the "paper" preset and the benchmarks
+    # the paper's Stage 2 (Eq. 10-15), pinned by the "paper" preset and the benchmarks, whatever the defaults
     assert PAPER_STAGE2 == {
         "compensation_target": "max_drift",
         "compensation_form": "full",
         "num_compensated_layers": 1,
         "reg_lambda": 1e-3,
+        "compensation_selection": "hidden_state",
+        "outlier_tokens": "keep",
     }
+    assert PREVIOUS_DEFAULT_STAGE2 == {"compensation_selection": "hidden_state", "outlier_tokens": "keep"}
 
 
 @pytest.mark.parametrize(

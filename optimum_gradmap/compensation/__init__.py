@@ -57,6 +57,8 @@ from .next_token import (
     chooses_by_next_token_loss,
     held_out_next_token_loss,
     learn_by_next_token_loss,
+    next_token_selection_runs,
+    resolve_selection,
 )
 from .refinement import TOP_K, dense_top_k, refine
 from .rotation import hadamard_matrix, rotation
@@ -97,6 +99,8 @@ __all__ = [
     "chooses_by_next_token_loss",
     "held_out_next_token_loss",
     "learn_by_next_token_loss",
+    "next_token_selection_runs",
+    "resolve_selection",
     "outlier_token_weights",
     "outlier_tokens",
     "check_outlier_tokens",

@@ -16,7 +16,7 @@ from ..weights import WeightBackup
 from .activations import record_layer_outputs
 from .fit import learn_compensation
 from .folding import apply_compensation, down_projection_backup
-from .next_token import chooses_by_next_token_loss, learn_by_next_token_loss
+from .next_token import chooses_by_next_token_loss, learn_by_next_token_loss, resolve_selection
 from .targets import compensation_targets
 
 
@@ -53,6 +53,7 @@ def compensate_run(
     """
     model, adapter = dense.model, dense.adapter
     adapter.check_supported(model, compensation=True)
+    config = resolve_selection(config, adapter)
     runs = compensation_targets(dense.kept_layers(), {}, dense.num_layers, "span_end", 0)
     found = [(index, end) for index, end in runs if index < removed_layer <= end]
     if not found:

@@ -1,21 +1,22 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""Choosing lambda by what the model predicts (`compensation_selection="next_token_loss"`), not by how close
-its hidden state comes to the dense one.
+"""Choosing lambda by what the model predicts (`compensation_selection="next_token_loss"`, and the default `"auto"`
+where it can run), not by how close its hidden state comes to the dense one.
 
-The default `reg_lambda="auto"` picks, for each kept layer, the ridge strength whose W' best reproduces the
+`compensation_selection="hidden_state"` picks, for each kept layer, the ridge strength whose W' best reproduces the
 dense hidden state on held-out calibration sequences. A hidden state that is closer in squared error is not
 always one from which the rest of the model predicts better. Here every strength of the grid is fitted on
 three of the four cross-validation folds of sequences, folded into the layer, and scored by the model's
 next-token loss on the fourth fold's sequences (the whole model runs: the later layers, the final norm and
 the head decide); W' = I (the layer left alone) is a candidate too. The strength with the lowest loss is then
 fitted on every sequence. The held-out criterion is the one LinearPatch (Chen et al., NeurIPS 2025, Sec. 3.3)
-and ReplaceMe report accuracy against; the grid and folds are those of the default.
+and ReplaceMe report accuracy against; the grid and folds are those of the hidden-state selection.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -38,24 +39,48 @@ from .solvers import (
 )
 from .statistics import compensation_statistics, summed_over_processes
 
+# Held-out losses closer than this (relative) are a tie, decided for the stronger lambda: a float32 model's loss
+# moves by about this much with the order of its sums (another batch split, another number of processes).
+LOSS_TIE_TOLERANCE = 1e-6
+
+
+def next_token_selection_runs(config: GradMAPConfig, adapter: DecoderAdapter) -> bool:
+    """Whether the next-token selection can choose among `config`'s fits for `adapter`'s family: they are closed-form
+    fits of the `mse` objective, folded where the MLP's output reaches the residual stream directly."""
+    return adapter.mlp_output_norm_path is None and config.compensation_objective == "mse"
+
+
+def resolve_selection(config: GradMAPConfig, adapter: DecoderAdapter) -> GradMAPConfig:
+    """`config` with its `"auto"` Stage 2 choices made for `adapter`'s family: `compensation_selection="auto"` is
+    `"next_token_loss"` where [`next_token_selection_runs`], else `"hidden_state"`; `outlier_tokens="auto"` is
+    `"exclude"` where lambda is chosen by the next-token loss, else `"keep"`."""
+    selection = config.compensation_selection
+    if selection == "auto":
+        selection = "next_token_loss" if next_token_selection_runs(config, adapter) else "hidden_state"
+    outliers = config.outlier_tokens
+    if outliers == "auto":
+        outliers = "exclude" if config.reg_lambda == "auto" and selection == "next_token_loss" else "keep"
+    return replace(config, compensation_selection=selection, outlier_tokens=outliers)
+
 
 def chooses_by_next_token_loss(config: GradMAPConfig) -> bool:
-    """Whether `config` chooses lambda by the held-out next-token loss ([`learn_by_next_token_loss`])."""
+    """Whether `config` (its `"auto"` choices resolved by [`resolve_selection`]) chooses lambda by the held-out
+    next-token loss ([`learn_by_next_token_loss`])."""
     return config.reg_lambda == "auto" and config.compensation_selection == "next_token_loss"
 
 
 def check_next_token_selection(config: GradMAPConfig, adapter: DecoderAdapter) -> None:
-    """Refuses, before anything changes, a next-token selection that cannot be made.
+    """Refuses, before anything changes, a next-token selection asked for by name that cannot be made (`"auto"`
+    falls back to the hidden-state selection instead).
 
     Raises:
         InvalidInputError: with the cosine objective, or for a family with a norm after the MLP.
     """
-    if chooses_by_next_token_loss(config) and (
-        adapter.mlp_output_norm_path is not None or config.compensation_objective != "mse"
-    ):
+    if chooses_by_next_token_loss(config) and not next_token_selection_runs(config, adapter):
         raise InvalidInputError(
             "compensation_selection='next_token_loss' chooses among closed-form fits: it needs the mean-squared-error "
-            "objective and a family whose MLP output reaches the residual stream directly (no norm after the MLP)."
+            "objective and a family whose MLP output reaches the residual stream directly (no norm after the MLP). "
+            "Use compensation_selection='auto' (the next-token loss where it can run) or 'hidden_state'."
         )
 
 
@@ -110,7 +135,10 @@ def learn_by_next_token_loss(
 
     identity_loss = held_out_next_token_loss(model, held_out, config.batch_size, progress_bar)
     losses = {alpha: loss_with(matrix) for alpha, matrix in zip(AUTO_RIDGE_GRID, candidates)}
-    best = min(AUTO_RIDGE_GRID, key=lambda alpha: (losses[alpha], -alpha))
+    # the strongest lambda among those whose loss is the lowest up to float rounding: processes that sum the loss in
+    # another order (optimum_gradmap.distributed) then choose alike
+    lowest = min(losses.values())
+    best = max(alpha for alpha in AUTO_RIDGE_GRID if losses[alpha] <= lowest + LOSS_TIE_TOLERANCE * abs(lowest))
     choice = RidgeChoice(best if losses[best] < identity_loss else None, losses, identity_loss)
     size = original_outputs.shape[-1]
     if choice.alpha is None:

@@ -22,7 +22,7 @@ from ..weights import WeightBackup
 from .activations import check_outlier_tokens, hidden_state_means, record_layer_outputs
 from .fit import learn_compensation
 from .folding import apply_compensation, down_projection_backup
-from .next_token import check_next_token_selection, chooses_by_next_token_loss, learn_by_next_token_loss
+from .next_token import check_next_token_selection, chooses_by_next_token_loss, learn_by_next_token_loss, resolve_selection
 from .refinement import refine
 from .targets import check_num_compensated_layers, compensation_targets
 
@@ -161,6 +161,7 @@ def compensate(
     model, adapter = dense.model, dense.adapter
     adapter.check_supported(model, compensation=True)
     check_stage2_settings(config, adapter)
+    config = resolve_selection(config, adapter)
     kept = dense.kept_layers()
     if config.compensation_target == "max_drift":
         check_num_compensated_layers(config.num_compensated_layers, len(kept))
