@@ -127,8 +127,16 @@ def prune_and_save(case: str, folder: str):
     else:
         model, tokenizer = tiny_model(case), None
         # random weights rank the last layers lowest; keep them (and the first) so that the removed layers lie
-        # inside the stack: per-layer config fields then change, and Stage 2 has a kept layer to compensate
-        config = GradMAPConfig(num_layers_to_prune=2, num_samples=8, seq_len=32, protected_layers=[0, TINY_LAYERS - 1])
+        # inside the stack: per-layer config fields then change, and Stage 2 has a kept layer to compensate. On
+        # random tokens the default's next-token loss leaves most fits out; lambda by the hidden state's error
+        # folds a W' in every family, so that what is served carries one.
+        config = GradMAPConfig(
+            num_layers_to_prune=2,
+            num_samples=8,
+            seq_len=32,
+            protected_layers=[0, TINY_LAYERS - 1],
+            compensation_selection="hidden_state",
+        )
         data = torch.randint(3, 512, (8, 32), generator=torch.Generator().manual_seed(0))
     pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
     result = pruner.prune(model, data)
