@@ -70,6 +70,7 @@ assert PRESETS["fast"] == {"importance": "relative_magnitude"}
 # A variant is "stage1" (no Stage 2), "default" (GradMAPConfig's defaults today), "paper" (the paper's Stage 2),
 # "previous_default" (the default before issue 38), or changes to the previous default joined by "+" (e.g.
 # "rotated_diagonal+no_outliers"), so that a name keeps what it measured when the default changes.
+NAMED_VARIANTS: dict[str, dict] = {"default": {}, "paper": PAPER_STAGE2, "previous_default": PREVIOUS_DEFAULT_STAGE2}
 CHANGES: dict[str, dict] = {
     "no_outliers": {"outlier_tokens": "exclude"},  # measured as `exclude_outlier_tokens=True` before its rename
     "clip_outliers": {"outlier_tokens": "clip"},
@@ -90,12 +91,12 @@ def variant_settings(name: str) -> dict | None:
     """The Stage 2 settings of a variant (`None`: Stage 1 only; `{}`: the library's defaults)."""
     if name == "stage1":
         return None
-    if name in ("default", "paper", "previous_default"):
-        return {"default": {}, "paper": dict(PAPER_STAGE2), "previous_default": dict(PREVIOUS_DEFAULT_STAGE2)}[name]
+    if name in NAMED_VARIANTS:
+        return dict(NAMED_VARIANTS[name])
     changes = name.split("+")
     if any(change not in CHANGES for change in changes):
         raise SystemExit(
-            f"unknown variant {name!r}: stage1, default, paper, previous_default, or '+'-joined changes from {list(CHANGES)}"
+            f"unknown variant {name!r}: stage1, {', '.join(NAMED_VARIANTS)}, or '+'-joined changes from {list(CHANGES)}"
         )
     return {**PREVIOUS_DEFAULT_STAGE2, **{key: value for change in changes for key, value in CHANGES[change].items()}}
 
