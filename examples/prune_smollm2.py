@@ -8,7 +8,7 @@ dense, Stage-1-only and final models. Stage 1 is the paper's gradient score (the
 the default one (the layer before each removed run, lambda by cross-validation); `--preset paper` runs
 GradMAP exactly as published, `--preset quality` the best selection measured.
 
-    python examples/prune_smollm2.py                  # the README's main job (~20 minutes on 2 CPU cores)
+    python examples/prune_smollm2.py                  # the README's main job (~28 minutes on 2 CPU cores)
     python examples/prune_smollm2.py --num-samples 32 --max-eval-segments 64   # a quick look
 
 With Hub access, `--model HuggingFaceTB/SmolLM2-135M` (any Hub id or local folder) works too.
