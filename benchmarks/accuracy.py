@@ -281,16 +281,22 @@ def markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments that name a pruned model's layers (`--model`, `--ratio`, `--selection`: see `layers_of`) and its
+    calibration set (`--num-samples` sequences of 128 tokens of `CALIBRATION`)."""
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_ASSETS))
     parser.add_argument("--ratio", type=float, default=0.25)
     parser.add_argument("--selection", default="gradmap", choices=sorted(SELECTIONS))
+    parser.add_argument("--num-samples", type=int, default=128)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_layer_arguments(parser)
     parser.add_argument(
         "--variants", nargs="+", default=["stage1", "default", "paper"], help="stage1, default, paper, or changes"
     )
     parser.add_argument("--protocol", default="standard", choices=list(PROTOCOLS), help="which zero-shot questions")
-    parser.add_argument("--num-samples", type=int, default=128)
     parser.add_argument("--max-segments", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--resume", action="store_true")

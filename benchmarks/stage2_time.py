@@ -22,11 +22,11 @@ import os
 import statistics
 
 import torch
-from accuracy import CALIBRATION, RESULTS, SELECTIONS, layers_of, variant_settings
+from accuracy import CALIBRATION, RESULTS, add_layer_arguments, layers_of, variant_settings
 from provenance import finish, provenance
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
-from optimum_gradmap.assets import MODEL_ASSETS, load_model
+from optimum_gradmap.assets import load_model
 from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
 
 
@@ -61,12 +61,9 @@ def markdown(record: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_ASSETS))
-    parser.add_argument("--ratio", type=float, default=0.25)
-    parser.add_argument("--selection", default="gradmap", choices=sorted(SELECTIONS))
+    add_layer_arguments(parser)
     parser.add_argument("--variants", nargs="+", default=["previous_default", "default"])
     parser.add_argument("--repeats", type=int, default=1, help="runs of each variant, alternating (default 1)")
-    parser.add_argument("--num-samples", type=int, default=128)
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
     logging.getLogger("optimum_gradmap").setLevel(logging.WARNING)
