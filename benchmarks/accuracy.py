@@ -26,7 +26,8 @@ Stage 2 on Wikipedia and web text in equal parts instead of the calibration set 
 layers stay the same); each Stage 2 row records the SHA-256 of the sequences its fits used.
 
 Writes benchmarks/results/accuracy-<model>-<ratio>.{json,md} (`-screening` with `--protocol screening`: 400
-questions per task, for comparing many variants); with `--resume`, rows already there are kept.
+questions per task, for comparing many variants; `-cuda` with `--device cuda`, so that rows of different devices
+are never paired); with `--resume`, rows already there are kept.
 """
 
 from __future__ import annotations
@@ -299,6 +300,11 @@ def main() -> None:
     parser.add_argument("--protocol", default="standard", choices=list(PROTOCOLS), help="which zero-shot questions")
     parser.add_argument("--max-segments", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model runs (e.g. cuda); rows from another device than cpu go to their own file, '-<device>'",
+    )
     parser.add_argument("--resume", action="store_true")
     parser.add_argument(
         "--goal",
@@ -318,7 +324,7 @@ def main() -> None:
 
     for variant in args.variants:
         variant_settings(variant)  # refuses an unknown one before anything runs
-    suffix = "" if args.protocol == "standard" else f"-{args.protocol}"
+    suffix = ("" if args.protocol == "standard" else f"-{args.protocol}") + ("" if args.device == "cpu" else f"-{args.device}")
     prefix = os.path.join(RESULTS, f"accuracy-{args.model}-{args.ratio:g}{suffix}")
     subsets = PROTOCOLS[args.protocol]
     record = {"model": args.model, "ratio": args.ratio, "protocol": args.protocol, "subsets": subsets, "rows": []}
@@ -343,6 +349,7 @@ def main() -> None:
         print(goal_table(record, args.goal))
         return
     model, tokenizer = load_model(args.model)
+    model.to(args.device)
     calibration = prepare_calibration_data(CALIBRATION, tokenizer, args.num_samples, 128, 0, CALIBRATION)
     record["calibration_sha256"] = calibration_sha256(calibration)
     if done("dense", "dense") is None:
