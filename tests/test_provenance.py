@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+import torch
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # benchmarks/ has no __init__.py: imported as the scripts import it
 
@@ -55,7 +57,8 @@ def test_a_finished_provenance_has_every_field_with_its_type_and_the_time_the_me
     assert date.utcoffset() == datetime.timedelta(0)
     assert abs((datetime.datetime.now(datetime.timezone.utc) - date).total_seconds()) < 60
     assert record["command"]
-    assert set(record["machine"]) == {"cpu_count", "platform", "torch", "transformers"}
+    assert set(record["machine"]) == {"cpu_count", "platform", "torch", "transformers", "accelerator"}
+    assert record["machine"]["accelerator"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     assert record["machine"]["cpu_count"] == os.cpu_count()
     for field in ("load_before", "load_after"):
         assert len(record[field]) == 3 and all(isinstance(value, float) and value >= 0 for value in record[field])
