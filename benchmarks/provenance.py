@@ -3,7 +3,8 @@ row's measurement starts and finished when it ends (`finish(...)`):
 
 - `commit` (and `dirty`: uncommitted changes to tracked files), `date` (UTC), the exact `command`;
 - the machine: CPU count, platform, torch and transformers versions, the GPU if one is visible (`accelerator`);
-  where the copy of the repository has no git history (the lent GPU machine), `commit` is `$PROVENANCE_COMMIT`;
+  `$PROVENANCE_COMMIT`, where set, is the `commit` (a copy of the repository whose git history is not that of its
+  files, as on the lent GPU machine, names the commit it was copied from that way);
 - `load_before` / `load_after`: the 1-, 5- and 15-minute load averages when the row started and ended;
 - `others_running`: the other processes that used more than 10% of a CPU when the row started or ended
   (none means the machine was quiet, as far as two looks can tell; a stopped process, `kill -STOP`, uses none
@@ -68,7 +69,7 @@ def provenance() -> dict:
     """The provenance of a measurement that starts now (see the module docstring); `finish` completes it."""
     running, stopped = other_processes()
     return {
-        "commit": _git("rev-parse", "HEAD") or os.environ.get("PROVENANCE_COMMIT", ""),
+        "commit": os.environ.get("PROVENANCE_COMMIT") or _git("rev-parse", "HEAD"),
         "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([os.path.relpath(sys.argv[0], _ROOT), *sys.argv[1:]]),
