@@ -6,6 +6,7 @@ question by question.
     python benchmarks/accuracy.py --model smollm2-135m --ratio 0.25 --selection sleb --variants stage1 default --resume
     python benchmarks/accuracy.py --protocol screening --pair previous_default mixed   # two saved variants, paired
     python benchmarks/accuracy.py --protocol screening --goal previous_default mixed   # the issue's goal, per selection
+    python benchmarks/accuracy.py --device cuda --boolq-yes-rate   # how often each row's model answered BoolQ "yes"
 
 The removed layers of a selection are those benchmarks/compare.py recorded for its method on the same
 model, ratio and calibration set (`--selection gradmap` -> the `gradmap` row; `quality` -> the `quality`
@@ -42,7 +43,7 @@ import torch
 from provenance import finish, provenance
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
-from optimum_gradmap.assets import MODEL_ASSETS, load_model
+from optimum_gradmap.assets import MODEL_ASSETS, get_task_data_paths, load_model
 from optimum_gradmap.configuration import PAPER_STAGE2, PRESETS, PREVIOUS_DEFAULT_STAGE2
 from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
 from optimum_gradmap.evaluation import (
@@ -200,6 +201,25 @@ def print_pairs(record: dict, a: str, b: str) -> None:
             )
 
 
+def print_boolq_yes_rates(record: dict) -> None:
+    """For every row, how often the model answered BoolQ "yes" (from its right/wrong answers and the labels of the
+    offline validation split), beside how often "yes" is the right answer: BoolQ's accuracy moves with this bias."""
+    import datasets
+
+    (path,) = get_task_data_paths(["boolq"]).values()
+    labels = datasets.Dataset.from_file(path)["answer"]
+    for row in record["rows"]:
+        answers = row["evaluation"]["zero_shot"]["answers"]["boolq"]
+        questions = list(zip(answers["doc_ids"], answers["acc"]))
+        says_yes = sum((right == "1") == bool(labels[doc_id]) for doc_id, right in questions)
+        is_yes = sum(bool(labels[doc_id]) for doc_id, _ in questions)
+        accuracy = answers["acc"].count("1") / len(questions)
+        print(
+            f"{row['selection']} + {row['variant']}: answers yes on {says_yes / len(questions):.3f} of {len(questions)} "
+            f"questions (yes is right on {is_yes / len(questions):.3f}), accuracy {accuracy:.3f}"
+        )
+
+
 def meets_goal(row: dict, stage1: dict) -> bool:
     """Issue 38's condition on one row: both held-out perplexities below Stage 1's and a pooled paired change
     against Stage 1 of at least -1 standard error."""
@@ -318,6 +338,11 @@ def main() -> None:
         metavar=("A", "B"),
         help="measure nothing: print, for every selection in the record with both variants, B's paired change against A",
     )
+    parser.add_argument(
+        "--boolq-yes-rate",
+        action="store_true",
+        help="measure nothing: print how often each row's model answered BoolQ 'yes'",
+    )
     args = parser.parse_args()
     logging.getLogger("optimum_gradmap").setLevel(logging.WARNING)
     torch.manual_seed(0)
@@ -328,7 +353,7 @@ def main() -> None:
     prefix = os.path.join(RESULTS, f"accuracy-{args.model}-{args.ratio:g}{suffix}")
     subsets = PROTOCOLS[args.protocol]
     record = {"model": args.model, "ratio": args.ratio, "protocol": args.protocol, "subsets": subsets, "rows": []}
-    if (args.resume or args.pair or args.goal) and os.path.isfile(prefix + ".json"):
+    if (args.resume or args.pair or args.goal or args.boolq_yes_rate) and os.path.isfile(prefix + ".json"):
         with open(prefix + ".json", encoding="utf-8") as file:
             record = json.load(file)
 
@@ -347,6 +372,9 @@ def main() -> None:
         return
     if args.goal:
         print(goal_table(record, args.goal))
+        return
+    if args.boolq_yes_rate:
+        print_boolq_yes_rates(record)
         return
     model, tokenizer = load_model(args.model)
     model.to(args.device)
