@@ -872,14 +872,15 @@ def test_the_distillation_loss_gradient_reaches_the_factor_as_brute_force_says_a
     from optimum_gradmap.passes import forward_hooks
     from optimum_gradmap.surgery import snapshot
 
-    model = tiny_model("llama", num_layers=6)
+    # float64: the gradient checked here is ~1e-7, below what a float32 loss difference over 2 * step resolves
+    model = tiny_model("llama", num_layers=6).double()
     ids = random_ids(8, 16)
     dense = snapshot(model)
     dense.keep([0, 1, 2, 4, 5])
     indices, probabilities = dense_top_k(dense, ids, 4)
     assert indices.shape == (8, 15, refinement.TOP_K) and torch.allclose(probabilities.sum(-1), torch.ones(8, 15))
     layer = model.model.layers[2]
-    factor = torch.eye(32, requires_grad=True)
+    factor = torch.eye(32, dtype=torch.float64, requires_grad=True)
     hooks = [(layer.mlp, lambda module, args, output: refinement._scaled(output, factor))]
     with forward_hooks(hooks):
         loss = refinement._distillation_loss(model, ids[:2], indices[:2], probabilities[:2])
