@@ -7,6 +7,7 @@ question by question.
     python benchmarks/accuracy.py --protocol screening --pair previous_default mixed   # two saved variants, paired
     python benchmarks/accuracy.py --protocol screening --goal previous_default mixed   # the goal, per selection
     python benchmarks/accuracy.py --device cuda --boolq-yes-rate   # how often each row's model answered BoolQ "yes"
+    python benchmarks/accuracy.py --model qwen2.5-coder-0.5b --variants --resume   # the dense model's row only
 
 The removed layers of a selection are those benchmarks/compare.py recorded for its method on the same
 model, ratio and calibration set (`--selection gradmap` -> the `gradmap` row; `quality` -> the `quality`
@@ -315,7 +316,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_layer_arguments(parser)
     parser.add_argument(
-        "--variants", nargs="+", default=["stage1", "default", "paper"], help="stage1, default, paper, or changes"
+        "--variants",
+        nargs="*",
+        default=["stage1", "default", "paper"],
+        help="stage1, default, paper, or changes; none: the dense model's row only",
     )
     parser.add_argument("--protocol", default="standard", choices=list(PROTOCOLS), help="which zero-shot questions")
     parser.add_argument("--max-segments", type=int, default=128)
@@ -388,6 +392,9 @@ def main() -> None:
         )
         save()
     dense = done("dense", "dense")
+    if not args.variants:
+        print(markdown(record))
+        return
 
     layers, layers_from = layers_of(args.model, args.ratio, args.selection)
     twin = same_layers_as(record, args.model, args.ratio, args.selection, layers)
