@@ -702,6 +702,35 @@ def test_outlier_tokens_are_the_first_of_each_sequence_and_the_massive_ones_and_
     clipped = torch.ones(2, 6, dtype=torch.float64)
     clipped[1, 3] = (5 * 2 / 100) ** 2  # counts as a token of norm 10
     assert torch.allclose(outlier_token_weights(hidden, "clip"), clipped)  # the first token weighed by its norm
+    with pytest.raises(ValueError, match="'auto' is resolved first"):
+        outlier_token_weights(hidden, "auto")
+
+
+def test_auto_outlier_tokens_mean_what_the_fit_function_chooses_lambda_by():
+    """Called directly, `learn_compensation` (lambda by the hidden state's error) reads `outlier_tokens="auto"` as
+    "keep", and `learn_by_next_token_loss` as "exclude" (`resolve_selection`): never as clipped weights."""
+    from optimum_gradmap import GradMAPConfig
+    from optimum_gradmap.compensation import learn_by_next_token_loss, learn_compensation
+
+    dense = tiny_model("llama", num_layers=5)
+    ids = random_ids(num_samples=8, seq_len=12)
+    target = dense.model.layers[3]
+    (original,) = record_layer_outputs(dense, [target], ids, batch_size=4, progress_bar=False)
+    original = original.clone()
+    original[:, 0] *= 100  # a massive first token, which clipping would weigh down
+    remove_layers(dense, [1])
+    adapter = get_adapter(dense)
+
+    def fitted(learn, **settings) -> torch.Tensor:
+        config = GradMAPConfig(num_layers_to_prune=1, batch_size=4, **settings)
+        return learn(dense, adapter, target, original, ids, config, progress_bar=False).matrix
+
+    keep = fitted(learn_compensation, reg_lambda=1e-3, outlier_tokens="keep")
+    torch.testing.assert_close(fitted(learn_compensation, reg_lambda=1e-3, outlier_tokens="auto"), keep)
+    assert not torch.allclose(fitted(learn_compensation, reg_lambda=1e-3, outlier_tokens="clip"), keep)
+    torch.testing.assert_close(
+        fitted(learn_by_next_token_loss, outlier_tokens="auto"), fitted(learn_by_next_token_loss, outlier_tokens="exclude")
+    )
 
 
 def _without_layer_three(batch_size: int, massive: bool = False):

@@ -101,6 +101,11 @@ def outlier_token_weights(original: torch.Tensor, handling: str, factor: float =
         return None
     if handling == "exclude":
         return (~outlier_tokens(original, factor)).double()
+    if handling != "clip":
+        raise ValueError(
+            f"outlier_tokens={handling!r}: expected 'keep', 'exclude', 'clip' or 'preserve' ('auto' is resolved first, "
+            "by `resolve_selection`)."
+        )
     norms = original.double().norm(dim=-1)
     return (factor * norms.median() / norms.clamp_min(torch.finfo(torch.float64).tiny)).pow(2).clamp(max=1.0)
 

@@ -1,8 +1,11 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""Learning W' for one kept layer (Eq. 12-14) and folding it into the layer's down projection(s) (Eq. 15)."""
+"""Learning W' for one kept layer (Eq. 12-14); [`optimum_gradmap.compensation.folding`] folds it into the layer's down
+projection(s) (Eq. 15)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -13,6 +16,7 @@ from ..configuration import GradMAPConfig
 from ..errors import InvalidInputError
 from ..weights import materialized
 from .cosine import learn_cosine
+from .next_token import resolve_selection
 from .solvers import (
     AUTO_NUM_FOLDS,
     CompensationFit,
@@ -71,8 +75,9 @@ def learn_compensation(
         original_outputs (`torch.Tensor` of shape `(num_samples, seq_len, d)`): The dense hidden states it
             is fitted to.
         input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
-        config ([`GradMAPConfig`]): `solver`, `reg_lambda`, `compensation_form`, `adam_lr`, `adam_steps`
-            and `batch_size` are read.
+        config ([`GradMAPConfig`]): `solver`, `reg_lambda`, `compensation_form`, `compensation_objective`,
+            `outlier_tokens` (`"auto"` is `"keep"` here: this fit chooses lambda by the hidden state's error, see
+            [`resolve_selection`]), `adam_lr`, `adam_steps` and `batch_size` are read.
         progress_bar (`bool`, defaults to `True`): Show progress bars.
         first_sample (`int`, defaults to 0): The index of `input_ids[0]` in the whole calibration set.
 
@@ -81,6 +86,7 @@ def learn_compensation(
     """
     if config.reg_lambda == "auto" and not distributed.is_distributed():  # the pruner checks the whole set
         check_auto_lambda_data(input_ids)
+    config = resolve_selection(replace(config, compensation_selection="hidden_state"), adapter)
     norm = adapter.get_mlp_output_norm(layer)
     if norm is not None or config.compensation_objective == "cosine":
         rows = collect_rows(

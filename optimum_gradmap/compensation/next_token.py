@@ -102,11 +102,13 @@ def learn_by_next_token_loss(
 ) -> CompensationFit:
     """W' for one kept layer, its lambda chosen by the next-token loss on held-out calibration sequences (see
     the module docstring). The model is left as it was (the candidates are folded and undone in turn).
+    `config.outlier_tokens="auto"` is `"exclude"` here ([`resolve_selection`]).
 
     Returns:
         [`CompensationFit`]: its `cross_validation.heldout_error` holds each strength's held-out next-token
         loss, and `identity_error` the loss with the layer left alone.
     """
+    config = resolve_selection(replace(config, compensation_selection="next_token_loss"), adapter)
     check_next_token_selection(config, adapter)
     folds = compensation_statistics(
         model,
