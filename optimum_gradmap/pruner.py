@@ -188,7 +188,7 @@ class GradMAPPruner:
         config = self.config
         model = self._resolve_model(model)
         adapter = get_adapter(model)
-        adapter.check_supported(model, config.compensation)
+        adapter.check_supported(model, config.compensation or config.compensate_each_round)
         if config.compensation or config.compensate_each_round:
             check_stage2_settings(config, adapter)
         num_layers = adapter.num_layers(model)
@@ -320,9 +320,16 @@ class GradMAPPruner:
         if unknown:
             raise InvalidInputError(f"{unknown} are not Stage 2 settings; these are: {list(STAGE2_SETTINGS)}.")
         config = dataclasses.replace(self.config, compensation=True, **config_overrides)  # the pruner's, not the last run's
+        # every check before the previous fit is undone: a refused re-run leaves the result as it was
+        adapter = get_adapter(result.model)
+        adapter.check_supported(result.model, compensation=True)
+        check_stage2_settings(config, adapter)
         check_num_compensated_layers(config.num_compensated_layers, len(result.kept_layers))
         fit_ids = self._compensation_ids(result.model, compensation_data, config)
-        fit_ids = result.calibration_ids if fit_ids is None else fit_ids
+        if fit_ids is None:
+            fit_ids = result.calibration_ids
+            if config.reg_lambda == "auto":
+                check_auto_lambda_data(fit_ids)
         validation_ids = None
         if validation_data is not None:
             # seed + 1: given the calibration dataset itself, validation is other windows of the same text

@@ -151,6 +151,14 @@ def test_stage2_rerun_with_other_settings_replaces_the_first_fit():
     assert result.compensated_layers  # a refused re-run changes nothing
     with pytest.raises(ValueError, match="`reg_lambda` must be a finite number"):
         pruner.compensate(result, reg_lambda=-1.0)
+    fitted = result.compensation
+    with torch.no_grad():
+        compensated_logits = model(ids).logits
+    with pytest.raises(ValueError, match="compensation_selection='next_token_loss' chooses among closed-form fits"):
+        pruner.compensate(result, compensation_selection="next_token_loss", compensation_objective="cosine")
+    assert result.compensation is fitted  # refused before the fit was undone: the model is as it was
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, compensated_logits, rtol=0, atol=0)
     pruner.release()
     with pytest.raises(ValueError, match="no longer holds the dense layers"):
         pruner.compensate(result)
