@@ -1,7 +1,7 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
 """The `optimum-gradmap` command line (also `optimum-cli gradmap`): the commands of
-[`optimum_gradmap.commands`] (`prune`, `evaluate`, `inspect`, `verify-serving`), their parser, and what
+[`optimum_gradmap.commands`] (`prune`, `evaluate`, `compare`, `inspect`, `verify-serving`), their parser, and what
 their errors become. Every `GradMAPConfig` field is a `prune` option under its own name (`--pruning_ratio`
 or `--pruning-ratio`), with the config's default and help.
 
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace, prog: str = PROG) -> int:
     """Runs a parsed command and turns errors into exit codes and messages: 2 for bad input
     ([`InvalidInputError`], an unsupported architecture, an output folder that cannot be written), 1 for any
     other error. With `-v`,
-    the traceback is printed too. The logging settings the command makes (see `_set_verbosity`) are undone
+    the traceback is printed too. The logging settings the command makes (see `set_verbosity`) are undone
     when it returns, for callers that run it in-process."""
     library_logger = std_logging.getLogger(LIBRARY_LOGGER)
     saved = (library_logger.level, library_logger.propagate, list(library_logger.handlers), logging.get_verbosity())

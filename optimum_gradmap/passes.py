@@ -145,7 +145,7 @@ def forward_pre_hooks(hooks: Sequence[tuple[nn.Module, Callable]]) -> Iterator[N
 class RecordedLayerInputs:
     """Keeps what some decoder layers receive during the passes over a calibration set run inside the block, so
     that a later computation on the same model and sequences can start from them instead of running the layers
-    before them again (the verified shortlist does, [`~optimum_gradmap.importance.verify_shortlist`]).
+    before them again (the verified shortlist does, [`~optimum_gradmap.importance.selection.verify_shortlist`]).
 
     Every call of the input embeddings opens a batch, identified by its token ids; the layers' inputs that follow
     belong to it. A batch is kept when its ids are the next rows of `input_ids` and each layer ran once on it, so

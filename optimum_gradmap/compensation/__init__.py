@@ -8,8 +8,10 @@ kept layer i the drift is (Eq. 10)
     delta_i = || E_x[H_i(x)] - E_x[H'_i(x)] ||_2
 
 with H_i the output of layer i in the original model and H'_i in the pruned one, on the same
-calibration tokens. For the layer(s) with the largest drift a d x d matrix W' is learned so that
-the pruned layer's output matches the original one (Eq. 12-14):
+calibration tokens. For the layer(s) with the largest drift (the paper's placement, `compensation_target=
+"max_drift"`; the default, `"span_end"`, fits the kept layer before each run of removed layers to the dense
+output at the run's end) a d x d matrix W' is learned so that the pruned layer's output matches the original
+one (Eq. 12-14):
 
     min_W'  MSE(W' Y + X_F, X_O)  +  lambda || W' - I ||_F^2
 

@@ -135,11 +135,14 @@ def compensate(
        dense stack is run from `dense`, then the pruned one is put back);
     2. the target layers ([`compensation_targets`], `config.compensation_target`), fitted in forward
        order, each on the model that already carries the earlier corrections;
-    3. a warning when the calibration set has fewer than `MIN_TOKENS_PER_HIDDEN_UNIT` tokens per
-       hidden unit, below which W' was measured to overfit with the paper's lambda;
-    4. the fit of W' (Eq. 12-14, [`learn_compensation`]; with `reg_lambda="auto"`, lambda chosen by
-       cross-validation, and a layer where no lambda beats W' = I left alone) and its fold into the
-       down projection(s) (Eq. 15);
+    3. with a fixed `reg_lambda`, a warning when the calibration set has fewer than
+       `MIN_TOKENS_PER_HIDDEN_UNIT` tokens per hidden unit, below which W' was measured to overfit with the
+       paper's lambda;
+    4. the fit of W' (Eq. 12-14) and its fold into the down projection(s) (Eq. 15); with
+       `reg_lambda="auto"`, lambda is chosen by the held-out next-token loss ([`learn_by_next_token_loss`],
+       `compensation_selection="next_token_loss"`, the default where it can run) or by cross-validation of the
+       hidden state's error ([`learn_compensation`], `"hidden_state"`), and a layer where no lambda beats W' = I
+       is left alone;
     5. with `validation_ids`, the perplexity on them with and without the compensation: it is kept
        only if it lowers it;
     6. the drift again, after the folds.

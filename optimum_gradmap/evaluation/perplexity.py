@@ -87,7 +87,7 @@ class PerplexityResult:
     """One perplexity and how it was measured.
 
     Attributes:
-        dataset (`str`): The dataset's name in [`optimum_gradmap.data.load_text`] (`"wikipedia"` is
+        dataset (`str`): The dataset's name in [`optimum_gradmap.data.load_text`] (`"offline:wikipedia"` is
             the held-out offline Wikipedia, never WikiText-2; `"wikitext2"` is the Hub's test split).
         protocol (`str`): See [`protocol_name`].
         segment_length (`int`): Segment length.

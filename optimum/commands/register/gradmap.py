@@ -1,6 +1,6 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""Registers `optimum-cli gradmap {prune,evaluate,inspect,verify-serving}` with Optimum's command line.
+"""Registers `optimum-cli gradmap {prune,evaluate,compare,inspect,verify-serving}` with Optimum's command line.
 
 Optimum imports every module of the `optimum.commands.register` namespace package (PEP 420: no
 `__init__.py`) and registers its `REGISTER_COMMANDS`. The commands, their help texts and their
