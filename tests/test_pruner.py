@@ -458,6 +458,15 @@ def test_stage2_refuses_a_configuration_the_adapter_cannot_compensate_even_when_
     assert state.keys() == model.state_dict().keys()
     assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
 
+    # fits between Stage 1's removals: refused, the model left as it was
+    fresh = tiny_model("opt", num_layers=6, do_layer_norm_before=False)
+    fresh_state = state_copy(fresh)
+    each_round = GradMAPPruner(small_config(compensation=False, compensate_each_round=True), progress_bar=False)
+    with pytest.raises(UnsupportedArchitectureError, match="do_layer_norm_before=False"):
+        each_round.select_layers(fresh, random_ids(8, 16))
+    assert fresh_state.keys() == fresh.state_dict().keys()
+    assert all(torch.equal(fresh_state[name], tensor) for name, tensor in fresh.state_dict().items())
+
 
 def test_push_to_hub_uploads_a_model_the_pruner_did_not_prune_too(monkeypatch, byte_tokenizer):
     import os
