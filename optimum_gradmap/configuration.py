@@ -165,7 +165,8 @@ class GradMAPConfig:
     solver: Solver = _setting(
         "closed_form",
         "How W' is learned: `closed_form` solves the objective of Eq. 12-14 exactly (ridge regression in float64); "
-        "`adam` minimises the same objective with Adam, as the paper does.",
+        '`adam` minimises the same objective with Adam, as the paper does (with `compensation_selection="auto"`, lambda '
+        "is then chosen by the hidden state's error: the next-token selection chooses among closed-form fits).",
     )
     reg_lambda: float | Literal["auto"] = _setting(
         "auto",
@@ -205,9 +206,10 @@ class GradMAPConfig:
         "hidden state on held-out calibration sequences (4-fold cross-validation); `next_token_loss`, the lowest "
         "next-token loss of the whole model on the held-out fold, each candidate fitted on the other three folds and "
         "folded in (the criterion LinearPatch and ReplaceMe report accuracy against; W' = I is a candidate), then "
-        "fitted on every sequence; it needs the `mse` objective and no norm after the MLP. `auto` (the default since "
-        "issue 38; `hidden_state` before): `next_token_loss` where it can run, `hidden_state` elsewhere (the cosine "
-        "objective; a family with a norm after the MLP: Gemma 2 and 3, OLMo 2). With the default `outlier_tokens` it "
+        "fitted on every sequence; it needs the `mse` objective, the `closed_form` solver and no norm after the MLP. "
+        "`auto` (the default since issue 38; `hidden_state` before): `next_token_loss` where it can run, "
+        '`hidden_state` elsewhere (the cosine objective; `solver="adam"`; a family with a norm after the MLP: '
+        "Gemma 2 and 3, OLMo 2). With the default `outlier_tokens` it "
         "kept more zero-shot accuracy than `hidden_state` did on SmolLM2-135M, for less perplexity gain and about twice "
         "the Stage 2 time (docs/results.md, Accuracy).",
     )

@@ -847,14 +847,19 @@ def test_the_default_stage2_chooses_lambda_by_the_next_token_loss_without_outlie
 ):
     from optimum_gradmap import GradMAPPruner
     from optimum_gradmap.compensation import resolve_selection, stage2
+    from optimum_gradmap.compensation.next_token import check_next_token_selection
     from optimum_gradmap.configuration import GradMAPConfig
 
     adapter = get_adapter(tiny_model(model_type, num_layers=4))
     default = resolve_selection(GradMAPConfig(num_layers_to_prune=1), adapter)
     assert (default.compensation_selection, default.outlier_tokens) == (selection, outliers)
-    for settings in ({"compensation_objective": "cosine"}, {"compensation_selection": "hidden_state"}):
+    for settings in ({"compensation_objective": "cosine"}, {"solver": "adam"}, {"compensation_selection": "hidden_state"}):
         resolved = resolve_selection(GradMAPConfig(num_layers_to_prune=1, **settings), adapter)
         assert (resolved.compensation_selection, resolved.outlier_tokens) == ("hidden_state", "keep")
+    with pytest.raises(ValueError, match="it needs solver='closed_form'"):  # asked for by name: refused, not ignored
+        check_next_token_selection(
+            GradMAPConfig(num_layers_to_prune=1, compensation_selection="next_token_loss", solver="adam"), adapter
+        )
     fixed = resolve_selection(GradMAPConfig(num_layers_to_prune=1, reg_lambda=1e-3), adapter)
     assert fixed.outlier_tokens == "keep"  # no selection to guard the fit: every token, as the paper
     named = resolve_selection(GradMAPConfig(num_layers_to_prune=1, outlier_tokens="preserve"), adapter)
@@ -878,7 +883,7 @@ def test_the_default_stage2_chooses_lambda_by_the_next_token_loss_without_outlie
 @pytest.mark.parametrize(
     "setting, message",
     [
-        ({"compensation_selection": "next_token_loss"}, "needs the mean-squared-error objective and a family whose MLP output"),
+        ({"compensation_selection": "next_token_loss"}, "the mean-squared-error objective and a family whose MLP output"),
         ({"outlier_tokens": "clip"}, "apply a norm after the MLP"),
     ],
 )

@@ -46,8 +46,9 @@ LOSS_TIE_TOLERANCE = 1e-6
 
 def next_token_selection_runs(config: GradMAPConfig, adapter: DecoderAdapter) -> bool:
     """Whether the next-token selection can choose among `config`'s fits for `adapter`'s family: they are closed-form
-    fits of the `mse` objective, folded where the MLP's output reaches the residual stream directly."""
-    return adapter.mlp_output_norm_path is None and config.compensation_objective == "mse"
+    fits (`solver="closed_form"`) of the `mse` objective, folded where the MLP's output reaches the residual stream
+    directly."""
+    return adapter.mlp_output_norm_path is None and config.compensation_objective == "mse" and config.solver == "closed_form"
 
 
 def resolve_selection(config: GradMAPConfig, adapter: DecoderAdapter) -> GradMAPConfig:
@@ -74,12 +75,13 @@ def check_next_token_selection(config: GradMAPConfig, adapter: DecoderAdapter) -
     falls back to the hidden-state selection instead).
 
     Raises:
-        InvalidInputError: with the cosine objective, or for a family with a norm after the MLP.
+        InvalidInputError: with the cosine objective, with `solver="adam"`, or for a family with a norm after the MLP.
     """
     if chooses_by_next_token_loss(config) and not next_token_selection_runs(config, adapter):
         raise InvalidInputError(
-            "compensation_selection='next_token_loss' chooses among closed-form fits: it needs the mean-squared-error "
-            "objective and a family whose MLP output reaches the residual stream directly (no norm after the MLP). "
+            "compensation_selection='next_token_loss' chooses among closed-form fits: it needs solver='closed_form', the "
+            "mean-squared-error objective and a family whose MLP output reaches the residual stream directly (no norm "
+            "after the MLP). "
             "Use compensation_selection='auto' (the next-token loss where it can run) or 'hidden_state'."
         )
 
