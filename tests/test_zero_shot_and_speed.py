@@ -123,6 +123,19 @@ def test_bridge_rejects_bad_arguments_before_running_anything(scorer, tokenizer)
         zero_shot_accuracy(scorer, tokenizer, ["piqa"], limit=0)
 
 
+def test_evaluate_refuses_bad_zero_shot_settings_before_the_perplexities_run(scorer, tokenizer, monkeypatch):
+    from optimum_gradmap.evaluation import suite
+
+    def perplexity_ran(*args, **kwargs):
+        raise AssertionError("the perplexities ran before the zero-shot settings were checked")
+
+    monkeypatch.setattr(suite, "load_evaluation_segments", perplexity_ran)
+    with pytest.raises(ValueError, match="Unknown task.*mmlu"):
+        evaluate(scorer, tokenizer, perplexity_datasets=("offline:wikipedia",), tasks=["mmlu"], progress_bar=False)
+    with pytest.raises(ValueError, match="'offline' or 'hub'"):
+        evaluate(scorer, tokenizer, perplexity_datasets=("offline:wikipedia",), tasks=["piqa"], task_data="local")
+
+
 def test_hub_tasks_without_network_name_the_offline_alternative(scorer, tokenizer, no_network, monkeypatch):
     import datasets
 

@@ -18,7 +18,7 @@ from ..data import check_dataset_name
 from ..files import write_atomically
 from .perplexity import PerplexityResult, load_evaluation_segments, perplexity, protocol_name
 from .speed import SpeedResult, inference_speed
-from .zero_shot import STANDARD_SUBSETS, ZeroShotResult, zero_shot_accuracy
+from .zero_shot import STANDARD_SUBSETS, ZeroShotResult, check_zero_shot_settings, zero_shot_accuracy
 
 logger = logging.get_logger(__name__)
 
@@ -157,6 +157,8 @@ def evaluate(
         [`EvaluationResult`].
     """
     name = model_name or getattr(model, "name_or_path", "") or type(model).__name__
+    if tasks:  # checked before the perplexities run, as the dataset names are
+        check_zero_shot_settings(tasks, task_data, task_limit)
     result = EvaluationResult(model=name)
     for dataset in [check_dataset_name(name, "evaluation") for name in perplexity_datasets]:  # all checked first
         segments = load_evaluation_segments(dataset, tokenizer, segment_length, max_segments)

@@ -308,6 +308,28 @@ def _score_task(model, tokenizer, task, name: str, ids: list[int], batch_size: i
     return records
 
 
+def check_zero_shot_settings(tasks: Sequence[str], task_data: str, limit: int | None) -> None:
+    """Refuses, before anything runs, zero-shot settings [`zero_shot_accuracy`] cannot use.
+
+    Args:
+        tasks (`Sequence[str]`): Task names, from `PAPER_TASKS`.
+        task_data (`str`): `"hub"` or `"offline"`.
+        limit (`int`, *optional*): Questions per task.
+
+    Raises:
+        InvalidInputError: saying which setting is wrong and what it can be.
+    """
+    unknown = [task for task in tasks if task not in _STANDARD_TASKS]
+    if unknown:
+        raise InvalidInputError(f"Unknown task(s) {', '.join(unknown)}. Available: {', '.join(PAPER_TASKS)}.")
+    if not tasks:
+        raise InvalidInputError(f"`tasks` is empty; choose from {', '.join(PAPER_TASKS)}.")
+    if task_data not in ("offline", "hub"):
+        raise InvalidInputError(f"`task_data` must be 'offline' or 'hub', got {task_data!r}.")
+    if limit is not None and limit < 1:
+        raise InvalidInputError(f"`limit` must be a positive number of questions per task, got {limit}.")
+
+
 def zero_shot_accuracy(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
@@ -338,15 +360,7 @@ def zero_shot_accuracy(
     Returns:
         [`ZeroShotResult`].
     """
-    unknown = [task for task in tasks if task not in _STANDARD_TASKS]
-    if unknown:
-        raise InvalidInputError(f"Unknown task(s) {', '.join(unknown)}. Available: {', '.join(PAPER_TASKS)}.")
-    if not tasks:
-        raise InvalidInputError(f"`tasks` is empty; choose from {', '.join(PAPER_TASKS)}.")
-    if task_data not in ("offline", "hub"):
-        raise InvalidInputError(f"`task_data` must be 'offline' or 'hub', got {task_data!r}.")
-    if limit is not None and limit < 1:
-        raise InvalidInputError(f"`limit` must be a positive number of questions per task, got {limit}.")
+    check_zero_shot_settings(tasks, task_data, limit)
     lm_eval, TaskManager = _import_lm_eval()
     started = time.perf_counter()
     lm_eval_logger = python_logging.getLogger("lm_eval")
