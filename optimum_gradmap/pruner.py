@@ -324,7 +324,7 @@ class GradMAPPruner:
         adapter = get_adapter(result.model)
         adapter.check_supported(result.model, compensation=True)
         check_stage2_settings(config, adapter)
-        check_num_compensated_layers(config.num_compensated_layers, len(result.kept_layers))
+        check_num_compensated_layers(config.num_compensated_layers, len(result.kept_layers), config.compensation_target)
         fit_ids = self._compensation_ids(result.model, compensation_data, config)
         if fit_ids is None:
             fit_ids = result.calibration_ids
@@ -521,7 +521,7 @@ class GradMAPPruner:
                 f"remain. Choose num_layers_to_prune <= {num_layers - 1}."
             )
         if config.compensation and not config.has_budget:  # with a budget, K is known (and checked by Stage 2) once Stage 1 stops
-            check_num_compensated_layers(config.num_compensated_layers, num_layers - num_to_prune)
+            check_num_compensated_layers(config.num_compensated_layers, num_layers - num_to_prune, config.compensation_target)
         metric = get_importance_metric(config.importance, seed=config.seed)
         return Stage1Plan(
             metric=metric,

@@ -381,6 +381,26 @@ def test_max_drift_targets_are_the_most_drifted_layers_each_fitted_to_itself():
     assert compensation_targets(list(drift), drift, 8, "max_drift", 6) == [(0, 0), (1, 1), (2, 2), (5, 5)]  # never a zero drift
 
 
+def test_num_compensated_layers_beyond_the_kept_layers_is_refused_only_where_it_is_read():
+    """Z only matters to `max_drift`; `span_end` fits one layer per removed run whatever Z is."""
+    from optimum_gradmap import GradMAPPruner
+    from optimum_gradmap.compensation import check_num_compensated_layers
+
+    from .conftest import small_config
+
+    with pytest.raises(ValueError, match="num_compensated_layers=5 exceeds the 4 layers"):
+        check_num_compensated_layers(5, 4)
+    check_num_compensated_layers(5, 4, "span_end")
+
+    ids = random_ids(8, 16)
+    with pytest.raises(ValueError, match="num_compensated_layers=5 exceeds the 4 layers"):
+        config = small_config(num_compensated_layers=5, compensation_target="max_drift")
+        GradMAPPruner(config, progress_bar=False).prune(tiny_model("llama", num_layers=6), ids)
+    config = small_config(num_compensated_layers=5, compensation_target="span_end")
+    result = GradMAPPruner(config, progress_bar=False).prune(tiny_model("llama", num_layers=6), ids)
+    assert result.compensated_layers and len(result.kept_layers) == 4
+
+
 def _outputs(model, layers, ids, mlp_of=None):
     """Output hidden states of `layers` (and the MLP output of `mlp_of`) on `ids`, float64."""
     adapter = get_adapter(model)

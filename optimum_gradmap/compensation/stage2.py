@@ -166,8 +166,7 @@ def compensate(
     check_stage2_settings(config, adapter)
     config = resolve_selection(config, adapter)
     kept = dense.kept_layers()
-    if config.compensation_target == "max_drift":
-        check_num_compensated_layers(config.num_compensated_layers, len(kept))
+    check_num_compensated_layers(config.num_compensated_layers, len(kept), config.compensation_target)
     shared_ids, first_sample = distributed.shard(calibration_ids)  # all of them with one process
 
     def means(description: str) -> torch.Tensor:

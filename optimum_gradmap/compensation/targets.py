@@ -9,9 +9,23 @@ from collections.abc import Sequence
 from ..errors import InvalidInputError
 
 
-def check_num_compensated_layers(num_compensated_layers: int, num_kept_layers: int) -> None:
-    """Raises a `ValueError` when Z exceeds the layers that remain after pruning."""
-    if num_compensated_layers > num_kept_layers:
+def check_num_compensated_layers(
+    num_compensated_layers: int, num_kept_layers: int, compensation_target: str = "max_drift"
+) -> None:
+    """Refuses a Z (`num_compensated_layers`) larger than the number of layers that remain after pruning.
+
+    Only `compensation_target="max_drift"` reads Z: `"span_end"` fits one layer per run of removed layers
+    whatever Z is, so nothing is checked for it.
+
+    Args:
+        num_compensated_layers (`int`): Z, how many kept layers Stage 2 fits.
+        num_kept_layers (`int`): the decoder layers that remain after pruning.
+        compensation_target (`str`, defaults to `"max_drift"`): the configuration's `compensation_target`.
+
+    Raises:
+        `InvalidInputError` (a `ValueError`): Z exceeds `num_kept_layers` under `"max_drift"`.
+    """
+    if compensation_target == "max_drift" and num_compensated_layers > num_kept_layers:
         raise InvalidInputError(
             f"num_compensated_layers={num_compensated_layers} exceeds the {num_kept_layers} layers that remain after pruning."
         )
