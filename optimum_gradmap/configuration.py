@@ -4,8 +4,9 @@
 type, default and help. The command line's `prune` options are generated from its fields
 ([`optimum_gradmap.arguments`]), and its docstring from the same help texts.
 
-This module imports nothing from the package but the metric registry (a leaf), and touches no file:
-names that depend on the file system (a calibration folder) are checked when they are used.
+From the package this module imports the errors and the metric registry (to check a metric's name), which
+loads the `importance` package with it; nothing there imports this module back. It touches no file: names that
+depend on the file system (a calibration folder) are checked when they are used.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ CompensationSelection = Literal["auto", "hidden_state", "next_token_loss"]
 OutlierTokens = Literal["auto", "keep", "exclude", "clip", "preserve"]
 # How Stage 1's gradient passes run (see `optimum_gradmap.streaming`).
 ExecutionMode = Literal["auto", "in_memory", "layer_streamed"]
-EXECUTION_MODES: tuple[str, ...] = typing.get_args(ExecutionMode)
 # Named settings ([`GradMAPConfig.from_preset`], `--preset` on the command line), chosen from the measurements
 # in docs/results.md; every other field keeps its default.
 # The paper's Stage 2 (Eq. 10-15): one W' (any d x d matrix) at the kept layer with the largest mean drift,

@@ -69,7 +69,7 @@ class TextDataset:
 
     Args:
         name (`str`): Its name in `GradMAPConfig(dataset=...)`, `evaluate(...)` and the command line.
-        description (`str`): Where the text comes from.
+        description (`str`): Where the text comes from (shown in the pruning report's calibration source).
         splits (`tuple[str, ...]`): Which of `"calibration"` and `"evaluation"` it has.
         load (`Callable[[str], list[str]]`): Returns the documents of a split.
         one_stream (`bool`): Calibration windows are drawn from the documents joined into one stream
@@ -396,6 +396,8 @@ def describe_calibration_data(calibration_data: CalibrationData, default_dataset
         return f"the dataset saved in {calibration_data!r} (column {text_column!r})"
     if isinstance(calibration_data, str) and os.path.exists(calibration_data):
         return f"the text in {calibration_data!r}"
+    if isinstance(calibration_data, str) and calibration_data in DATASETS:
+        return f"dataset {calibration_data!r} ({DATASETS[calibration_data].description})"
     if isinstance(calibration_data, str):
         return f"dataset {calibration_data!r}"
     if is_hf_dataset(calibration_data):

