@@ -29,6 +29,7 @@ from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from .configuration import GradMAPConfig
+from .errors import InvalidInputError
 from .passes import input_device
 
 if TYPE_CHECKING:
@@ -143,8 +144,24 @@ def write_report(
 
 
 def load_report(directory: str | os.PathLike) -> dict[str, Any]:
-    """Reads the `pruning_report.json` written next to a GradMAP checkpoint."""
-    with open(os.path.join(directory, REPORT_NAME), encoding="utf-8") as file:
+    """Reads the `pruning_report.json` written next to a GradMAP checkpoint.
+
+    Args:
+        directory (`str` or `os.PathLike`): A folder written by `GradMAPPruner.save_pretrained`,
+            `PruningResult.save_pretrained` or `optimum-gradmap prune`.
+
+    Returns:
+        `dict[str, Any]`: The report, as written.
+
+    Raises:
+        `InvalidInputError` (a `ValueError`): the folder has no `pruning_report.json`.
+    """
+    path = os.path.join(directory, REPORT_NAME)
+    if not os.path.isfile(path):
+        raise InvalidInputError(
+            f"{os.fspath(directory)} has no {REPORT_NAME}: give a folder written by `save_pretrained` or `optimum-gradmap prune`."
+        )
+    with open(path, encoding="utf-8") as file:
         return json.load(file)
 
 

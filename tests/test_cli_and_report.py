@@ -96,6 +96,10 @@ def test_inspect_prints_the_report(tiny_checkpoint, tmp_path, capsys):
         ),
         (["prune", "./no/such/folder", "--num-layers-to-prune", "1", "--output", "OUT"], "is not a folder"),
         (["inspect", "MODEL"], "has no pruning_report.json"),
+        (
+            ["prune", "MODEL", "--cut-from", "MODEL", "--num-layers-to-prune", "1", "--output", "OUT"],
+            "has no pruning_report.json",
+        ),
         (["evaluate", "MODEL", "--perplexity-datasets", "--tasks", "mmlu"], "Unknown task(s) mmlu"),
         (
             ["prune", "MODEL", "--num-layers-to-prune", "1", "--output", "OUT", "--evaluate", "wikitext3"],
@@ -405,3 +409,10 @@ def test_writing_the_pictures_leaves_the_plotting_backend_of_the_process_alone(t
     assert write_pictures(report, tmp_path) == ["importance.png", "drift.png"]
     assert matplotlib.get_backend() == "svg"
     assert (tmp_path / "importance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_load_report_of_a_folder_without_one_says_what_to_give(tmp_path):
+    from optimum_gradmap import load_report
+
+    with pytest.raises(ValueError, match="has no pruning_report.json: give a folder written by `save_pretrained`"):
+        load_report(tmp_path)

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-
-from .common import InputError
 
 HELP = "Print the pruning report of a checkpoint"
 
@@ -21,10 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """`optimum-gradmap inspect`: prints a checkpoint's pruning report."""
-    from ..report import REPORT_NAME, format_report, load_report
+    from ..report import format_report, load_report
 
-    if not os.path.isfile(os.path.join(args.checkpoint, REPORT_NAME)):
-        raise InputError(f"{args.checkpoint} has no {REPORT_NAME}: give a folder written by `optimum-gradmap prune`.")
     report = load_report(args.checkpoint)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

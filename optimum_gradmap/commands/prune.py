@@ -111,10 +111,8 @@ def _cut(config: GradMAPConfig, checkpoint: str) -> GradMAPConfig:
     """The config that removes the first `config.num_layers_to_prune` layers an earlier run removed."""
     import dataclasses
 
-    from ..report import REPORT_NAME, load_report
+    from ..report import load_report
 
-    if not os.path.isfile(os.path.join(checkpoint, REPORT_NAME)):
-        raise InputError(f"--cut-from {checkpoint}: no {REPORT_NAME} there; give a folder written by `optimum-gradmap prune`.")
     removed = load_report(checkpoint)["removed_layers"]
     if config.num_layers_to_prune is None or not 1 <= config.num_layers_to_prune <= len(removed):
         raise InputError(
