@@ -56,7 +56,7 @@ def _version(package: str) -> str | None:
 def build_report(
     model: PreTrainedModel,
     summary: dict[str, Any],
-    config: GradMAPConfig | None = None,
+    config: GradMAPConfig,
     base_model: str | None = None,
     base_model_revision: str | None = None,
     license: str | None = None,
@@ -78,8 +78,6 @@ def build_report(
     Returns:
         `dict`: JSON-serialisable.
     """
-    if config is None:
-        raise TypeError("`build_report` needs the GradMAPConfig of the run (`config=`).")
     return {
         "base_model": base_model or getattr(model, "name_or_path", "") or None,
         "base_model_revision": base_model_revision or getattr(model.config, "_commit_hash", None),
