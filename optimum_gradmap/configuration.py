@@ -46,6 +46,16 @@ ExecutionMode = Literal["auto", "in_memory", "layer_streamed"]
 # The paper's Stage 2 (Eq. 10-15): one W' (any d x d matrix) at the kept layer with the largest mean drift,
 # fitted to that layer's own dense output with lambda 1e-3. Pinned wherever "the paper's Stage 2" is meant (the
 # "paper" preset, the benchmarks), whatever the defaults are.
+# The settings that only choose which layers go: unused where `layers_to_prune` names them.
+STAGE1_SELECTION_SETTINGS: tuple[str, ...] = (
+    "importance",
+    "iterative",
+    "protected_layers",
+    "verify_top_k",
+    "verify_halving",
+    "verify_from_scoring_pass",
+    "execution",
+)
 PAPER_STAGE2: dict[str, Any] = {
     "compensation_target": "max_drift",
     "compensation_form": "full",
@@ -89,7 +99,9 @@ class GradMAPConfig:
     num_layers_to_prune: int | None = _setting(None, "Number K of decoder layers to remove.", minimum=1, group="amount")
     layers_to_prune: list[int] | None = _setting(
         None,
-        "Remove exactly these layers (indices in the dense model) and skip Stage 1's scoring. Stage 2 still applies.",
+        "Remove exactly these layers (indices in the dense model) and skip Stage 1's scoring. Stage 2 still applies. "
+        "The settings that choose layers (`importance`, `verify_top_k`, ...) are then unused (a warning names those "
+        "given); `loss_curve`, `compensate_each_round`, a budget and a protected layer in the list are refused.",
         group="amount",
     )
     max_loss_increase: float | None = _setting(
@@ -304,6 +316,12 @@ class GradMAPConfig:
                 "has nothing to decide. Give `num_layers_to_prune` or `pruning_ratio` as the most to remove instead."
             )
         self._check_types()
+        if self.layers_to_prune is not None and (self.loss_curve or self.compensate_each_round):
+            raise InvalidInputError(
+                "`layers_to_prune` removes the named layers at once, without Stage 1's rounds: `loss_curve` and "
+                "`compensate_each_round` have no rounds to act on. Turn them off, or give `num_layers_to_prune` (or "
+                "`pruning_ratio`) to let Stage 1 choose the layers one round at a time."
+            )
         if self.layers_to_prune is not None:
             layers = list(self.layers_to_prune)
             if (
@@ -412,6 +430,18 @@ class GradMAPConfig:
                 f"decoder layers, indexed 0 to {num_layers - 1} (or -{num_layers} to -1)."
             )
         return {index % num_layers for index in self.protected_layers}
+
+    def unused_stage1_settings(self) -> list[str]:
+        """The settings that choose layers (`importance`, `iterative`, `verify_top_k`, ...) given values other than
+        their defaults although `layers_to_prune` names the layers: Stage 1 does not score, so they are not used.
+
+        Returns:
+            `list[str]`: Their names; empty without `layers_to_prune`.
+        """
+        if self.layers_to_prune is None:
+            return []
+        defaults = {item.name: item.default for item in fields(self)}
+        return [name for name in STAGE1_SELECTION_SETTINGS if getattr(self, name) != defaults[name]]
 
     @property
     def has_budget(self) -> bool:

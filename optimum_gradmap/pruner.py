@@ -520,6 +520,18 @@ class GradMAPPruner:
                 f"Cannot remove {num_to_prune} of the model's {num_layers} decoder layers: at least one must "
                 f"remain. Choose num_layers_to_prune <= {num_layers - 1}."
             )
+        protected = config.resolved_protected_layers(num_layers)
+        if config.layers_to_prune is not None and protected and protected & set(config.layers_to_prune):
+            raise InvalidInputError(
+                f"layers_to_prune={config.layers_to_prune} names the protected layer(s) "
+                f"{sorted(protected & set(config.layers_to_prune))} (protected_layers={config.protected_layers}): "
+                "remove them from one of the two lists."
+            )
+        if config.unused_stage1_settings():
+            logger.warning(
+                f"layers_to_prune={config.layers_to_prune} names the layers to remove, so Stage 1 scores nothing: "
+                f"{', '.join(config.unused_stage1_settings())} are not used."
+            )
         if config.compensation and not config.has_budget:  # with a budget, K is known (and checked by Stage 2) once Stage 1 stops
             check_num_compensated_layers(config.num_compensated_layers, num_layers - num_to_prune, config.compensation_target)
         metric = get_importance_metric(config.importance, seed=config.seed)
@@ -527,7 +539,7 @@ class GradMAPPruner:
             metric=metric,
             iterative=metric.iterative if config.iterative is None else config.iterative,
             num_to_prune=num_to_prune,
-            protected=config.resolved_protected_layers(num_layers),
+            protected=protected,
             verify_top_k=config.verify_top_k,
             verify_halving=config.verify_halving,
             verify_from_scoring_pass=config.verify_from_scoring_pass,

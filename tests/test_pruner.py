@@ -176,6 +176,25 @@ def test_explicit_layers_skip_scoring_and_are_still_compensated():
     assert model.config.num_hidden_layers == 4
 
 
+def test_explicit_layers_say_which_stage1_settings_they_leave_unused_and_refuse_contradictions(caplog):
+    ids = random_ids(8, 16)
+    model = tiny_model("llama", num_layers=6)
+    explicit = dict(num_layers_to_prune=None, layers_to_prune=[4, 1])
+    with caplog.at_level("WARNING"):
+        result = GradMAPPruner(small_config(**explicit, importance="sleb", verify_top_k=2), progress_bar=False).prune(model, ids)
+    assert result.removed_layers == [4, 1] and "importance, verify_top_k are not used" in caplog.text
+    assert GradMAPConfig(**explicit).unused_stage1_settings() == []
+
+    model = tiny_model("llama", num_layers=6)
+    state = state_copy(model)
+    with pytest.raises(ValueError, match=r"names the protected layer\(s\) \[1\]"):
+        GradMAPPruner(small_config(**explicit, protected_layers=[0, 1]), progress_bar=False).prune(model, ids)
+    assert_untouched(model, state, 6)
+    for rounds in ({"loss_curve": True}, {"compensate_each_round": True}):
+        with pytest.raises(ValueError, match="have no rounds to act on"):
+            GradMAPConfig(**explicit, **rounds)
+
+
 def test_ratio_is_turned_into_a_layer_count():
     model = tiny_model("llama", num_layers=6)
     result = GradMAPPruner(
