@@ -36,7 +36,7 @@ from optimum_gradmap.data import calibration_sha256, prepare_calibration_data  #
 from optimum_gradmap.importance import get_importance_metric  # noqa: E402
 from optimum_gradmap.importance.metrics import ResidualBranchMetric, removal_losses  # noqa: E402
 from optimum_gradmap.importance.residual import residual_branch_scores, stacked_statistics  # noqa: E402
-from optimum_gradmap.passes import calibration_batches  # noqa: E402
+from optimum_gradmap.passes import mean_next_token_loss  # noqa: E402
 
 SCORES = (
     "gradmap",
@@ -68,17 +68,6 @@ def spearman(a: list[float], b: list[float]) -> float:
     x, y = ranks(a), ranks(b)
     x, y = x - x.mean(), y - y.mean()
     return float((x * y).sum() / (x.norm() * y.norm()))
-
-
-def calibration_loss(model, ids: torch.LongTensor, batch_size: int) -> float:
-    total = 0.0
-    with calibration_batches(model, ids, batch_size, progress_bar=False) as batches:
-        for batch in batches:
-            logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-            total += torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
-            ).item()
-    return total / (ids.shape[0] * (ids.shape[1] - 1))
 
 
 def main() -> None:
@@ -127,7 +116,7 @@ def main() -> None:
     if "true_damage" not in record:
         begun = provenance()
         started = time.perf_counter()
-        dense_loss = calibration_loss(model, ids, args.batch_size)
+        dense_loss = mean_next_token_loss(model, ids, args.batch_size, progress_bar=False)
         losses = removal_losses(model, adapter, ids, args.batch_size, range(num_layers), progress_bar=False)
         record["dense_loss"] = dense_loss
         record["true_damage"] = [losses[position] - dense_loss for position in range(num_layers)]

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.utils import logging
 
@@ -91,6 +92,36 @@ def calibration_batches(
             input_ids[start : start + batch_size].to(device)
             for start in logging.tqdm(starts, desc=description, leave=False, disable=not progress_bar)
         )
+
+
+def mean_next_token_loss(
+    model: nn.Module,
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    progress_bar: bool = True,
+    description: str = "Next-token loss",
+) -> float:
+    """The mean next-token cross-entropy of `model` over every predicted token of `input_ids`: the calibration
+    loss of SLEB's criterion on calibration sequences, the log of the perplexity on evaluation segments.
+
+    Args:
+        model (`nn.Module`): A causal LM, run as it is.
+        input_ids (`torch.LongTensor` of shape `(num_sequences, sequence_length)`): Each row is predicted
+            from its first token on (`sequence_length - 1` predictions per row).
+        batch_size (`int`): Sequences per forward pass.
+        progress_bar (`bool`, defaults to `True`): Show a progress bar.
+        description (`str`, defaults to `"Next-token loss"`): The progress bar's label.
+
+    Returns:
+        `float`: The mean loss in nats per predicted token.
+    """
+    total = 0.0
+    with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
+        for batch in batches:
+            logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+            labels = batch[:, 1:].to(logits.device)
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum").item()
+    return total / (input_ids.shape[0] * (input_ids.shape[1] - 1))
 
 
 def for_each_layer_output(

@@ -44,7 +44,7 @@ def reference_removal_losses(
     Returns:
         `dict[int, float]`: Position -> the mean next-token cross-entropy over all calibration tokens without it.
     """
-    from .importance.metrics import calibration_loss
+    from .passes import mean_next_token_loss
     from .surgery import snapshot
 
     stack = snapshot(model)
@@ -52,5 +52,5 @@ def reference_removal_losses(
     losses = {}
     for position in positions:
         with stack.temporarily([index for index in kept if index != position]):
-            losses[position] = calibration_loss(model, input_ids, batch_size, progress_bar=False)
+            losses[position] = mean_next_token_loss(model, input_ids, batch_size, progress_bar=False)
     return losses

@@ -13,7 +13,7 @@ import torch
 from optimum_gradmap import GradMAPPruner, remove_layers
 from optimum_gradmap.cli import main
 from optimum_gradmap.errors import InvalidInputError
-from optimum_gradmap.importance.metrics import calibration_loss
+from optimum_gradmap.passes import mean_next_token_loss
 from optimum_gradmap.report import CURVE_PICTURE, REPORT_NAME, format_report, load_report
 
 from .conftest import random_ids, small_config, tiny_model
@@ -25,7 +25,7 @@ def _independent_curve(model: torch.nn.Module, ids: torch.LongTensor, removed: l
     for count in range(1, len(removed) + 1):
         pruned = copy.deepcopy(model)
         remove_layers(pruned, removed[:count])
-        curve.append(calibration_loss(pruned, ids, batch_size=4, progress_bar=False))
+        curve.append(mean_next_token_loss(pruned, ids, batch_size=4, progress_bar=False))
     return curve
 
 
@@ -38,7 +38,7 @@ def test_the_curve_is_the_calibration_loss_after_each_removal(importance):
     config = small_config(importance=importance, num_layers_to_prune=4, loss_curve=True, compensation=False)
     result = GradMAPPruner(config, progress_bar=False).prune(model, ids)
     assert len(result.loss_curve) == len(result.removed_layers) == 4
-    assert result.dense_loss == pytest.approx(calibration_loss(dense, ids, batch_size=4, progress_bar=False), rel=1e-5)
+    assert result.dense_loss == pytest.approx(mean_next_token_loss(dense, ids, batch_size=4, progress_bar=False), rel=1e-5)
     assert result.loss_curve == pytest.approx(_independent_curve(dense, ids, result.removed_layers), rel=1e-5)
     assert result.stopped is None
 

@@ -15,7 +15,6 @@ and ReplaceMe report accuracy against; the grid and folds are those of the hidde
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import torch
@@ -25,7 +24,7 @@ from .. import distributed
 from ..adapters import DecoderAdapter
 from ..configuration import GradMAPConfig
 from ..errors import InvalidInputError
-from ..evaluation.perplexity import perplexity
+from ..passes import mean_next_token_loss
 from .folding import apply_compensation, down_projection_backup
 from .solvers import (
     AUTO_NUM_FOLDS,
@@ -88,7 +87,7 @@ def check_next_token_selection(config: GradMAPConfig, adapter: DecoderAdapter) -
 
 def held_out_next_token_loss(model: nn.Module, input_ids: torch.LongTensor, batch_size: int, progress_bar: bool) -> float:
     """The model's mean next-token loss on `input_ids` (this process's share; averaged over processes)."""
-    local = math.log(perplexity(model, input_ids, batch_size, progress_bar))
+    local = mean_next_token_loss(model, input_ids, batch_size, progress_bar, description="Held-out next-token loss")
     return float(distributed.average(torch.tensor(local, dtype=torch.float64), input_ids.numel()))
 
 

@@ -14,14 +14,13 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging
 
 from ..data import load_text, tokenize_text
 from ..errors import InvalidInputError
-from ..passes import calibration_batches
+from ..passes import mean_next_token_loss
 
 logger = logging.get_logger(__name__)
 
@@ -66,15 +65,7 @@ def perplexity(
         batch_size (`int`, defaults to 8): Segments per forward pass.
         progress_bar (`bool`, defaults to `True`): Show a progress bar.
     """
-    total_nll = 0.0
-    total_tokens = 0
-    with calibration_batches(model, segments, batch_size, "Perplexity", progress_bar) as batches:
-        for batch in batches:
-            logits = model(input_ids=batch, use_cache=False).logits[:, :-1, :].float()
-            labels = batch[:, 1:].to(logits.device)
-            total_nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum").item()
-            total_tokens += labels.numel()
-    return math.exp(total_nll / total_tokens)
+    return math.exp(mean_next_token_loss(model, segments, batch_size, progress_bar, description="Perplexity"))
 
 
 def protocol_name(segment_length: int) -> str:

@@ -214,23 +214,6 @@ def removal_losses(
     return {position: total / (input_ids.shape[0] * (input_ids.shape[1] - 1)) for position, total in totals.items()}
 
 
-def calibration_loss(
-    model: PreTrainedModel,
-    input_ids: torch.LongTensor,
-    batch_size: int,
-    progress_bar: bool = True,
-    description: str = "Calibration loss",
-) -> float:
-    """The calibration loss of the model as it is: the mean next-token cross-entropy over all calibration tokens
-    (the criterion of SLEB and of [`removal_losses`], over the same tokens)."""
-    total = 0.0
-    with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
-        for batch in batches:
-            logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum").item()
-    return total / (input_ids.shape[0] * (input_ids.shape[1] - 1))
-
-
 @register_importance_metric
 class SLEBImportance(ImportanceMetric):
     """SLEB (Song et al., 2024, "SLEB: Streamlining LLMs through Redundancy Verification and

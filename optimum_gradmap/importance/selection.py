@@ -36,9 +36,9 @@ from .. import distributed, streaming
 from ..adapters import DecoderAdapter
 from ..errors import InvalidInputError
 from ..files import write_atomically
-from ..passes import RecordedLayerInputs
+from ..passes import RecordedLayerInputs, mean_next_token_loss
 from ..surgery import LayerSnapshot
-from .metrics import calibration_loss, removal_losses
+from .metrics import removal_losses
 from .registry import ImportanceMetric
 
 logger = logging.get_logger(__name__)
@@ -483,7 +483,7 @@ def remove_by_importance(
 
 def _calibration_loss(dense: LayerSnapshot, plan: Stage1Plan, calibration_ids: torch.LongTensor, progress_bar: bool) -> float:
     """The calibration loss of the model as it is now (each process on its share, averaged)."""
-    compute = lambda ids: {0: calibration_loss(dense.model, ids, plan.batch_size, progress_bar)}  # noqa: E731
+    compute = lambda ids: {0: mean_next_token_loss(dense.model, ids, plan.batch_size, progress_bar, "Calibration loss")}  # noqa: E731
     return distributed.mean_over_samples(compute, calibration_ids)[0]
 
 
