@@ -230,13 +230,13 @@ def test_a_failure_during_stage2_leaves_the_model_as_stage1_left_it(monkeypatch)
             raise RuntimeError("out of memory (simulated)")
         return real_learn(*args, **kwargs)
 
-    monkeypatch.setattr(compensation.stage2, "learn_compensation", fail_on_the_second_layer)
+    monkeypatch.setattr(compensation.fit, "learn_compensation", fail_on_the_second_layer)
     with pytest.raises(RuntimeError, match="simulated"):
         pruner.compensate(result)
     assert len(calls) == 2  # the first layer was folded before the failure
     assert _changed_parameters(model, state) == set() and model.state_dict().keys() == state.keys()
     assert result.compensated_layers == [] and "stage2" not in result.timings
-    monkeypatch.setattr(compensation.stage2, "learn_compensation", real_learn)
+    monkeypatch.setattr(compensation.fit, "learn_compensation", real_learn)
     pruner.compensate(result)  # the dense layers are still there: Stage 2 can run again
     assert len(result.compensated_layers) == 2
 

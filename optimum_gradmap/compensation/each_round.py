@@ -14,9 +14,9 @@ from ..configuration import GradMAPConfig
 from ..surgery import LayerSnapshot
 from ..weights import WeightBackup
 from .activations import record_layer_outputs
-from .fit import learn_compensation
-from .folding import apply_compensation, down_projection_backup
-from .next_token import chooses_by_next_token_loss, learn_by_next_token_loss, resolve_selection
+from .fit import fit_and_fold
+from .folding import down_projection_backup
+from .next_token import resolve_selection
 from .targets import compensation_targets
 
 
@@ -64,8 +64,5 @@ def compensate_run(
     shared_ids, first_sample = distributed.shard(calibration_ids)  # all of them with one process
     with dense.temporarily(range(dense.num_layers)):
         (original,) = record_layer_outputs(model, [dense.layers[end]], shared_ids, config.batch_size, progress_bar)
-    learn = learn_by_next_token_loss if chooses_by_next_token_loss(config) else learn_compensation
-    fit = learn(model, adapter, layer, original, shared_ids, config, progress_bar, first_sample)
-    if not fit.skipped:
-        apply_compensation(adapter, layer, fit.matrix)
+    fit = fit_and_fold(model, adapter, layer, original, shared_ids, config, progress_bar, first_sample)
     return RunCompensation(index, end, None if fit.skipped else fit.reg_lambda, backup)

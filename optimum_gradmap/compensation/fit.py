@@ -16,7 +16,8 @@ from ..configuration import GradMAPConfig
 from ..errors import InvalidInputError
 from ..weights import materialized
 from .cosine import learn_cosine
-from .next_token import resolve_selection
+from .folding import apply_compensation
+from .next_token import chooses_by_next_token_loss, learn_by_next_token_loss, resolve_selection
 from .solvers import (
     AUTO_NUM_FOLDS,
     CompensationFit,
@@ -150,6 +151,35 @@ def learn_compensation(
         reg_lambda=reg_lambda,
         cross_validation=choice,
     )
+
+
+def fit_and_fold(
+    model: nn.Module,
+    adapter: DecoderAdapter,
+    layer: nn.Module,
+    original_outputs: torch.Tensor,
+    input_ids: torch.LongTensor,
+    config: GradMAPConfig,
+    progress_bar: bool = True,
+    first_sample: int = 0,
+) -> CompensationFit:
+    """Learns W' for one kept layer the way `config` chooses lambda, and folds it into the layer's down
+    projection unless the fit was `skipped` (no lambda beat W' = I). The choice: the held-out next-token loss
+    ([`learn_by_next_token_loss`]) where `config.compensation_selection` resolves to it, else the held-out
+    hidden-state error ([`learn_compensation`]).
+
+    Args:
+        model, adapter, layer, original_outputs, input_ids, config, progress_bar, first_sample: As in
+            [`learn_compensation`].
+
+    Returns:
+        [`CompensationFit`]: The fit, folded unless `skipped`.
+    """
+    learn = learn_by_next_token_loss if chooses_by_next_token_loss(config) else learn_compensation
+    fit = learn(model, adapter, layer, original_outputs, input_ids, config, progress_bar, first_sample)
+    if not fit.skipped:
+        apply_compensation(adapter, layer, fit.matrix)
+    return fit
 
 
 def _learn_through_norm(rows: CompensationRows, norm: nn.Module, config: GradMAPConfig, progress_bar: bool) -> CompensationFit:

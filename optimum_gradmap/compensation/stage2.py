@@ -20,9 +20,9 @@ from ..evaluation.perplexity import perplexity
 from ..surgery import LayerSnapshot
 from ..weights import WeightBackup
 from .activations import check_outlier_tokens, hidden_state_means, record_layer_outputs
-from .fit import learn_compensation
+from .fit import fit_and_fold
 from .folding import apply_compensation, down_projection_backup
-from .next_token import check_next_token_selection, chooses_by_next_token_loss, learn_by_next_token_loss, resolve_selection
+from .next_token import check_next_token_selection, resolve_selection
 from .refinement import refine
 from .targets import check_num_compensated_layers, compensation_targets
 
@@ -240,14 +240,12 @@ def _fit_targets(
     folds = []
     for index, end in targets:
         layer = dense.layers[index]
-        learn = learn_by_next_token_loss if chooses_by_next_token_loss(config) else learn_compensation
-        fit = learn(model, adapter, layer, originals[end], shared_ids, config, progress_bar, first_sample)
+        fit = fit_and_fold(model, adapter, layer, originals[end], shared_ids, config, progress_bar, first_sample)
         result.targets[index] = end
         if fit.skipped:
             result.skipped_layers[index] = "no lambda beat W' = I on held-out calibration sequences"
             logger.info(f"Layer {index} left uncompensated: no lambda beat W' = I on held-out calibration sequences.")
             continue
-        apply_compensation(adapter, layer, fit.matrix)
         folds.append((layer, fit.matrix))
         result.compensated_layers.append(index)
         result.objective[index] = {"identity": fit.objective_identity, "fitted": fit.objective_fitted}
