@@ -506,7 +506,7 @@ def test_validation_text_keeps_the_compensation_only_if_it_lowers_its_perplexity
             fit.matrix = 3 * torch.eye(fit.matrix.shape[0], dtype=torch.float64)
             return fit
 
-        monkeypatch.setattr(compensation.stage2, "learn_compensation", tripled)
+        monkeypatch.setattr(compensation.fit, "learn_compensation", tripled)
     pruner.compensate(result, validation_data=ids)
     outcome = result.compensation.validation
     assert outcome["without"] == pytest.approx(stage1, rel=1e-6)

@@ -459,7 +459,7 @@ def test_a_failed_stage2_rerun_leaves_a_result_that_describes_the_stage1_model(m
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("out of memory (simulated)")
 
-    monkeypatch.setattr(compensation.stage2, "learn_compensation", out_of_memory)
+    monkeypatch.setattr(compensation.fit, "learn_compensation", out_of_memory)
     with pytest.raises(RuntimeError, match="simulated"):
         pruner.compensate(result, reg_lambda=0.1)
     with torch.no_grad():
