@@ -866,7 +866,7 @@ def test_the_default_stage2_chooses_lambda_by_the_next_token_loss_without_outlie
     model_type, selection, outliers, monkeypatch
 ):
     from optimum_gradmap import GradMAPPruner
-    from optimum_gradmap.compensation import resolve_selection, stage2
+    from optimum_gradmap.compensation import fit, resolve_selection
     from optimum_gradmap.compensation.next_token import check_next_token_selection
     from optimum_gradmap.configuration import GradMAPConfig
 
@@ -887,13 +887,13 @@ def test_the_default_stage2_chooses_lambda_by_the_next_token_loss_without_outlie
 
     calls = []
     for name, learner in (("learn_by_next_token_loss", "next_token_loss"), ("learn_compensation", "hidden_state")):
-        learn = getattr(stage2, name)
+        learn = getattr(fit, name)
 
         def spy(*args, learn=learn, learner=learner):
             calls.append((learner, args[5].outlier_tokens))  # args[5]: the config the fit reads
             return learn(*args)
 
-        monkeypatch.setattr(stage2, name, spy)
+        monkeypatch.setattr(fit, name, spy)
     config = GradMAPConfig(layers_to_prune=[3], num_samples=16, seq_len=16, batch_size=4)
     result = GradMAPPruner(config, progress_bar=False).prune(tiny_model(model_type, num_layers=6), random_ids(16, 16))
     assert calls == [(selection, outliers)] and set(result.compensation.targets) == {2}

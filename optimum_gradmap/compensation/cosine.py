@@ -27,9 +27,8 @@ from .solvers import (
     AUTO_NUM_FOLDS,
     CompensationFit,
     adam_minimize,
+    closed_form_at_strength,
     cross_validate_ridge,
-    relative_ridge,
-    ridge_solutions,
     solve_closed_form,
 )
 from .statistics import CompensationRows
@@ -97,5 +96,5 @@ def _mean_squared_error_start(rows: CompensationRows, folds: torch.Tensor, train
     )
     if choice.alpha is None:
         return torch.eye(size, dtype=torch.float64), choice, None
-    ridge = relative_ridge(statistics, choice.alpha)
-    return ridge_solutions(statistics, [ridge], config.compensation_form)[0], choice, ridge / statistics.num_elements
+    matrix, reg_lambda = closed_form_at_strength(statistics, choice.alpha, config.compensation_form)
+    return matrix, choice, reg_lambda

@@ -143,14 +143,7 @@ def learn_compensation(
         matrix = solve_closed_form(statistics, reg_lambda, config.compensation_form)
     else:
         matrix = solve_adam(statistics, reg_lambda, config.adam_lr, config.adam_steps, progress_bar, config.compensation_form)
-    identity = torch.eye(matrix.shape[0], dtype=torch.float64)
-    return CompensationFit(
-        matrix,
-        float(statistics.objective(identity, reg_lambda)),
-        float(statistics.objective(matrix, reg_lambda)),
-        reg_lambda=reg_lambda,
-        cross_validation=choice,
-    )
+    return CompensationFit.measured(matrix, statistics, reg_lambda, choice)
 
 
 def fit_and_fold(

@@ -31,10 +31,9 @@ from .solvers import (
     AUTO_RIDGE_GRID,
     CompensationFit,
     RidgeChoice,
-    lambda_for_strength,
+    closed_form_at_strength,
     relative_ridge,
     ridge_solutions,
-    solve_closed_form,
 )
 from .statistics import compensation_statistics, summed_over_processes
 
@@ -147,9 +146,5 @@ def learn_by_next_token_loss(
     if choice.alpha is None:
         return CompensationFit.identity(size, choice)
     total = sum(folds[1:], folds[0])
-    reg_lambda = lambda_for_strength(choice.alpha, total.mean_eigenvalue, total.num_elements)
-    matrix = solve_closed_form(total, reg_lambda, config.compensation_form)
-    identity = torch.eye(size, dtype=torch.float64)
-    return CompensationFit(
-        matrix, float(total.objective(identity, reg_lambda)), float(total.objective(matrix, reg_lambda)), reg_lambda, choice
-    )
+    matrix, reg_lambda = closed_form_at_strength(total, choice.alpha, config.compensation_form)
+    return CompensationFit.measured(matrix, total, reg_lambda, choice)

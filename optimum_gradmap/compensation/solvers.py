@@ -70,6 +70,15 @@ class CompensationFit:
         """The fit that changes nothing, when cross-validation found no lambda that beats W' = I."""
         return cls(torch.eye(size, dtype=torch.float64), 0.0, 0.0, cross_validation=choice, skipped=True)
 
+    @classmethod
+    def measured(
+        cls, matrix: torch.Tensor, statistics: CompensationStatistics, reg_lambda: float, choice: RidgeChoice | None = None
+    ) -> CompensationFit:
+        """The fit `matrix`, with the Eq. 12 objective of `statistics` at W' = I and at W'."""
+        identity = torch.eye(matrix.shape[0], dtype=torch.float64)
+        objective_identity = float(statistics.objective(identity, reg_lambda))
+        return cls(matrix, objective_identity, float(statistics.objective(matrix, reg_lambda)), reg_lambda, choice)
+
 
 def lambda_for_strength(alpha: float, mean_eigenvalue: float, num_elements: int) -> float:
     """lambda of Eq. 14 for the relative strength `alpha`: the ridge alpha * tr(A) / d, divided by the M
@@ -179,6 +188,17 @@ def solve_closed_form(statistics: CompensationStatistics, reg_lambda: float, for
         return torch.linalg.solve(lhs, rhs.T).T
     except RuntimeError:  # singular A with lambda = 0: take the minimum-norm least-squares solution
         return torch.linalg.lstsq(lhs, rhs.T, driver="gelsd").solution.T
+
+
+def closed_form_at_strength(statistics: CompensationStatistics, alpha: float, form: str = "full") -> tuple[torch.Tensor, float]:
+    """The exact W' at the relative strength `alpha` (what cross-validation chose) and the lambda of Eq. 14 it
+    stands for ([`lambda_for_strength`]).
+
+    Returns:
+        `tuple[torch.Tensor, float]`: W' ([`solve_closed_form`]) and lambda.
+    """
+    reg_lambda = lambda_for_strength(alpha, statistics.mean_eigenvalue, statistics.num_elements)
+    return solve_closed_form(statistics, reg_lambda, form), reg_lambda
 
 
 def adam_minimize(
