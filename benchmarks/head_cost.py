@@ -66,7 +66,7 @@ def main() -> None:
         return loss(model(input_ids=ids, use_cache=False).logits[:, :-1].float())
 
     def decoder() -> torch.Tensor:
-        return adapter.get_decoder(model)(input_ids=ids, use_cache=False)[0]
+        return adapter.final_hidden_states(model, input_ids=ids, use_cache=False)
 
     def final_positions_only() -> float:
         return loss(adapter.compute_logits(model, decoder()[:, :-1]).float())

@@ -152,6 +152,12 @@ class DecoderAdapter:
             logits = torch.tanh(logits / softcap) * softcap
         return logits
 
+    def final_hidden_states(self, model: PreTrainedModel, **inputs: Any) -> torch.Tensor:
+        """Runs the decoder ([`get_decoder`]) on `inputs` (`input_ids` or `inputs_embeds`, masks, ...) and returns
+        its final hidden states: with [`compute_logits`], the model's forward split at the head, so that a
+        caller forms logits only where it needs them."""
+        return self.get_decoder(model)(**inputs)[0]
+
     def check_supported(self, model: PreTrainedModel, compensation: bool) -> None:
         """Raises [`UnsupportedArchitectureError`] for configurations of the family that cannot be
         pruned (or compensated) correctly. Called before the model is changed."""

@@ -124,8 +124,7 @@ def _decoder_and_head(model: nn.Module) -> tuple[Callable | None, Callable | Non
         adapter = get_adapter(model)
     except UnsupportedArchitectureError:
         return None, None
-    decoder = adapter.get_decoder(model)
-    return (lambda **inputs: decoder(**inputs)[0]), (lambda hidden: adapter.compute_logits(model, hidden))
+    return (lambda **inputs: adapter.final_hidden_states(model, **inputs)), (lambda hidden: adapter.compute_logits(model, hidden))
 
 
 def _score_rows(model: nn.Module, rows: Sequence[_PackedRow], fast: bool) -> list[list[tuple[float, bool]]]:

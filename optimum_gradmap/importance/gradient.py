@@ -372,10 +372,9 @@ def split_at_lm_head(
     Returns:
         `(decoder, head, width)`: the two maps and the width of the head's output.
     """
-    decoder_module = adapter.get_decoder(model)
 
     def decoder(inputs_embeds: torch.Tensor) -> torch.Tensor:
-        return decoder_module(inputs_embeds=inputs_embeds, use_cache=False)[0]
+        return adapter.final_hidden_states(model, inputs_embeds=inputs_embeds, use_cache=False)
 
     def head(hidden_states: torch.Tensor) -> torch.Tensor:
         return adapter.compute_logits(model, hidden_states)
