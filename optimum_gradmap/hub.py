@@ -5,8 +5,12 @@
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Callable
 
 from transformers.utils import logging
+
+from . import distributed
 
 logger = logging.get_logger(__name__)
 
@@ -32,6 +36,27 @@ def upload_checkpoint(
     commit = api.upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model", commit_message=commit_message)
     logger.info(f"Uploaded {folder} to https://huggingface.co/{repo_id}")
     return getattr(commit, "commit_url", str(commit))
+
+
+def save_and_upload(
+    save: Callable[[str], object],
+    repo_id: str,
+    private: bool | None = None,
+    token: str | bool | None = None,
+    commit_message: str = "Upload model pruned with GradMAP",
+) -> str:
+    """Saves a checkpoint with `save(folder)` into a temporary folder and uploads it ([`upload_checkpoint`]).
+    With several processes ([`optimum_gradmap.distributed`]), every process saves (a collective step) and the
+    main process uploads; every process returns the URL.
+
+    Returns:
+        `str`: The URL of the commit.
+    """
+    with tempfile.TemporaryDirectory() as folder:
+        save(folder)
+        return distributed.on_main_process(
+            lambda: upload_checkpoint(folder, repo_id, private=private, token=token, commit_message=commit_message)
+        )
 
 
 def base_model_license(repo_id: str, revision: str | None = None) -> str | None:

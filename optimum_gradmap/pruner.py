@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from . import distributed, streaming, surgery
+from . import streaming, surgery
 from .adapters import get_adapter
 from .checkpoint import save_checkpoint
 from .compensation import (
@@ -32,7 +31,7 @@ from .compensation import (
 from .configuration import GradMAPConfig
 from .data import CalibrationData, calibration_sha256, describe_calibration_data, is_text_data, prepare_calibration_data
 from .errors import InvalidInputError
-from .hub import upload_checkpoint
+from .hub import save_and_upload
 from .importance import get_importance_metric
 from .importance.selection import Selection, Stage1Checkpoint, Stage1Plan, remove_by_importance, remove_explicit_layers
 from .result import PruningResult
@@ -478,12 +477,13 @@ class GradMAPPruner:
             return self.result.push_to_hub(
                 repo_id, tokenizer=tokenizer, private=private, token=token, commit_message=commit_message, **save_kwargs
             )
-        with tempfile.TemporaryDirectory() as folder:
-            self.save_pretrained(folder, model=model, tokenizer=tokenizer, repo_id=repo_id, **save_kwargs)
-            message = commit_message or self.commit_message()
-            return distributed.on_main_process(
-                lambda: upload_checkpoint(folder, repo_id, private=private, token=token, commit_message=message)
-            )
+        return save_and_upload(
+            lambda folder: self.save_pretrained(folder, model=model, tokenizer=tokenizer, repo_id=repo_id, **save_kwargs),
+            repo_id,
+            private=private,
+            token=token,
+            commit_message=commit_message or self.commit_message(),
+        )
 
     def commit_message(self) -> str:
         """The Hub commit message for the last pruning: which layers were removed and compensated."""

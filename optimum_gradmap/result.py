@@ -5,20 +5,18 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from . import distributed
 from .checkpoint import save_checkpoint
 from .compensation import CompensationResult
 from .configuration import GradMAPConfig
 from .data import calibration_sha256
 from .errors import InvalidInputError
-from .hub import upload_checkpoint
+from .hub import save_and_upload
 from .report import build_report
 
 if TYPE_CHECKING:
@@ -204,9 +202,10 @@ class PruningResult:
         Returns:
             `str`: The URL of the commit.
         """
-        with tempfile.TemporaryDirectory() as folder:
-            self.save_pretrained(folder, tokenizer=tokenizer, repo_id=repo_id, **save_kwargs)
-            message = commit_message or self.commit_message()
-            return distributed.on_main_process(
-                lambda: upload_checkpoint(folder, repo_id, private=private, token=token, commit_message=message)
-            )
+        return save_and_upload(
+            lambda folder: self.save_pretrained(folder, tokenizer=tokenizer, repo_id=repo_id, **save_kwargs),
+            repo_id,
+            private=private,
+            token=token,
+            commit_message=commit_message or self.commit_message(),
+        )

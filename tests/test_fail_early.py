@@ -204,7 +204,7 @@ def test_the_default_output_is_results_as_they_come_without_library_info_dumps(t
 
 def test_push_to_hub_uploads_nothing_when_its_staged_checkpoint_fails_validation(monkeypatch):
     uploads = []
-    monkeypatch.setattr("optimum_gradmap.result.upload_checkpoint", lambda folder, *args, **kwargs: uploads.append(folder))
+    monkeypatch.setattr("optimum_gradmap.hub.upload_checkpoint", lambda folder, *args, **kwargs: uploads.append(folder))
     pruner = GradMAPPruner(small_config(), progress_bar=False)
     result = pruner.prune(tiny_model("llama", num_layers=6), random_ids(8, 16))
 

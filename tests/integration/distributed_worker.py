@@ -59,7 +59,7 @@ def main() -> None:
 
 def failures(folder: str, result) -> None:
     """A save that fails on the main process, and an upload: what each rank saw."""
-    import optimum_gradmap.result
+    import optimum_gradmap.hub
 
     os.makedirs(folder, exist_ok=True)
     blocked = os.path.join(folder, "a-file")
@@ -78,7 +78,7 @@ def failures(folder: str, result) -> None:
         uploads.append(sorted(os.listdir(checkpoint_folder)))
         return f"https://huggingface.co/{repo_id}/commit/0"
 
-    optimum_gradmap.result.upload_checkpoint = upload_checkpoint
+    optimum_gradmap.hub.upload_checkpoint = upload_checkpoint
     found["url"] = result.push_to_hub("me/tiny-pruned")
     found["uploads"] = uploads
     with open(os.path.join(folder, f"rank-{distributed.rank()}.json"), "w", encoding="utf-8") as file:
