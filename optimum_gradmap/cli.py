@@ -30,34 +30,45 @@ from .errors import InvalidInputError
 
 PROG = "optimum-gradmap"
 DESCRIPTION = f"Layer pruning of causal LMs with GradMAP: {', '.join(COMMANDS)}"
-__all__ = ["COMMANDS", "DESCRIPTION", "build_parser", "default_stage1_checkpoint", "main", "preset_in", "run"]
+__all__ = [
+    "COMMANDS",
+    "DESCRIPTION",
+    "add_command_arguments",
+    "build_parser",
+    "default_stage1_checkpoint",
+    "main",
+    "preset_in",
+    "run",
+]
 
 
-def build_parser(prog: str = PROG, preset: str | None = None) -> argparse.ArgumentParser:
+def build_parser(prog: str = PROG, argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The `optimum-gradmap` argument parser with its subcommands (`COMMANDS`).
 
     Args:
         prog (`str`): The program name in messages.
-        preset (`str`, *optional*): A name in `PRESETS`: its settings become the defaults of `prune`'s
-            options, so that options given on the command line still override them.
+        argv (`Sequence[str]`, *optional*): The arguments about to be parsed: a `--preset` among them sets the
+            defaults of `prune`'s options ([`add_command_arguments`]).
     """
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     subparsers = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
-    for name, (help_text, add_arguments, run) in COMMANDS.items():
+    for name, (help_text, _, run) in COMMANDS.items():
         subparser = subparsers.add_parser(
             name, help=help_text, description=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter
         )
-        add_arguments(subparser)
+        add_command_arguments(subparser, name, argv)
         subparser.set_defaults(run=run)
-        if name == "prune":
-            set_preset_defaults(subparser, preset)
     return parser
 
 
-def set_preset_defaults(parser: argparse.ArgumentParser, preset: str | None) -> None:
-    """Makes a preset's settings the defaults of `prune`'s options (named after the config fields), so that
-    options given on the command line still override them. An unknown or absent name changes nothing."""
-    parser.set_defaults(**PRESETS.get(preset, {}))
+def add_command_arguments(parser: argparse.ArgumentParser, name: str, argv: Sequence[str]) -> None:
+    """Adds the options of the command `name` to `parser` (for the `optimum-gradmap` script and `optimum-cli
+    gradmap` alike). The options of `prune` are named after the config fields, and a `--preset` in `argv` makes
+    its settings their defaults, so that options given on the command line still override them (an unknown
+    preset changes nothing here; `prune` refuses it)."""
+    COMMANDS[name][1](parser)
+    if name == "prune":
+        parser.set_defaults(**PRESETS.get(preset_in(argv), {}))
 
 
 def preset_in(argv: Sequence[str]) -> str | None:
@@ -92,7 +103,7 @@ def run(args: argparse.Namespace, prog: str = PROG) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `optimum-gradmap` console script."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(preset=preset_in(argv))
+    parser = build_parser(argv=argv)
     args = parser.parse_args(argv)
     args.command_line = [PROG, *argv]
     if not getattr(args, "run", None):

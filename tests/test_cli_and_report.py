@@ -336,12 +336,12 @@ def test_prune_calibrates_on_a_saved_dataset_folder_and_its_text_column(tiny_che
 
 
 def test_a_preset_sets_the_defaults_and_explicit_options_override_it():
-    from optimum_gradmap.cli import build_parser, preset_in
+    from optimum_gradmap.cli import build_parser
     from optimum_gradmap.configuration import PRESETS
 
     def parse(*options):
         argv = ["prune", "MODEL", "--pruning-ratio", "0.25", "--output", "OUT", *options]
-        return build_parser(preset=preset_in(argv)).parse_args(argv)
+        return build_parser(argv=argv).parse_args(argv)
 
     assert parse().importance == "gradmap" and parse("--preset", "paper").importance == "gradmap"
     for name, settings in PRESETS.items():

@@ -11,7 +11,7 @@ import sys
 
 from optimum.commands.base import BaseOptimumCLICommand, CommandInfo
 
-from optimum_gradmap.cli import COMMANDS, DESCRIPTION, preset_in, run, set_preset_defaults
+from optimum_gradmap.cli import COMMANDS, DESCRIPTION, add_command_arguments, run
 
 
 def _leaf_command(name: str) -> type:
@@ -23,9 +23,7 @@ def _leaf_command(name: str) -> type:
         @staticmethod
         def parse_args(parser):
             parser.description = COMMANDS[name][0]
-            COMMANDS[name][1](parser)
-            if name == "prune":  # a preset sets the defaults of the other options, so it is read first
-                set_preset_defaults(parser, preset_in(sys.argv[1:]))
+            add_command_arguments(parser, name, sys.argv[1:])
 
         def run(self):
             self.args.run = COMMANDS[name][2]
