@@ -962,6 +962,10 @@ def test_the_distillation_loss_gradient_reaches_the_factor_as_brute_force_says_a
     result = GradMAPPruner(config, progress_bar=False).prune(tiny_model("llama", num_layers=6), ids)
     refined = result.compensation.refinement
     assert refined["refined"] <= refined["start"] and 0 <= refined["step"] <= 20
+    # OPT with word embeddings narrower than the residual stream (OPT-350m's projections): W' is hidden x hidden
+    opt = tiny_model("opt", num_layers=6, word_embed_proj_dim=16)
+    refined = GradMAPPruner(config, progress_bar=False).prune(opt, ids).compensation.refinement
+    assert refined["refined"] <= refined["start"]
 
 
 def test_compensation_data_fits_stage2_on_other_sequences_and_leaves_stage1_as_it_was():

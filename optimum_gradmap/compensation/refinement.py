@@ -96,7 +96,7 @@ def refine(
     train = [i for i, fold in enumerate(folds) if fold != AUTO_NUM_FOLDS - 1]
     held_out = [i for i, fold in enumerate(folds) if fold == AUTO_NUM_FOLDS - 1]
     indices, probabilities = dense_top_k(dense, input_ids, batch_size)
-    device, hidden_size = input_device(model), model.get_input_embeddings().weight.shape[1]
+    device, hidden_size = input_device(model), adapter.get_text_config(model).hidden_size  # the residual stream's width
     factors = [torch.eye(hidden_size, device=device, requires_grad=True) for _ in layers]
     hooks = [
         (adapter.get_mlp(layer), lambda module, args, output, factor=factor: _scaled(output, factor))

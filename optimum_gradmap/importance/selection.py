@@ -202,7 +202,7 @@ class Stage1Plan:
             **{key: value for key, value in settings.items() if value is not None},
             "model_type": model.config.model_type,
             "num_layers": num_layers,
-            "hidden_size": model.get_input_embeddings().weight.shape[1],
+            "hidden_size": model.get_input_embeddings().weight.shape[1],  # the embedding width, as saved checkpoints have it
             "importance": self.metric.name,
             "iterative": self.iterative,
             "seed": self.seed,
