@@ -357,15 +357,6 @@ def sample_windows(documents: Sequence[torch.LongTensor], num_samples: int, seq_
     )
 
 
-def sample_sequences(token_ids: torch.LongTensor, num_samples: int, seq_len: int, seed: int) -> torch.LongTensor:
-    """Draws `num_samples` random windows of `seq_len` tokens from a token stream (paper: 128 x 128).
-
-    Returns:
-        `torch.LongTensor` of shape `(num_samples, seq_len)`.
-    """
-    return sample_windows([token_ids], num_samples, seq_len, seed)
-
-
 def calibration_sha256(calibration_ids: torch.LongTensor) -> str:
     """The SHA-256 of a calibration set's token ids: equal for the same sequences in the same order."""
     return hashlib.sha256(calibration_ids.cpu().numpy().tobytes()).hexdigest()

@@ -8,7 +8,7 @@ import torch
 
 from optimum_gradmap import GradMAPConfig, perplexity
 from optimum_gradmap.assets import wikipedia_documents
-from optimum_gradmap.data import load_text, prepare_calibration_data, sample_sequences
+from optimum_gradmap.data import load_text, prepare_calibration_data, sample_windows
 from optimum_gradmap.evaluation import evaluation_segments, load_evaluation_segments
 
 from .conftest import random_ids, tiny_model
@@ -24,9 +24,9 @@ def test_offline_wikipedia_is_split_by_document_without_overlap():
 
 def test_sampled_windows_are_reproducible_and_lie_in_the_stream():
     stream = torch.arange(1000)
-    first = sample_sequences(stream, num_samples=16, seq_len=32, seed=3)
-    assert torch.equal(first, sample_sequences(stream, num_samples=16, seq_len=32, seed=3))
-    assert not torch.equal(first, sample_sequences(stream, num_samples=16, seq_len=32, seed=4))
+    first = sample_windows([stream], num_samples=16, seq_len=32, seed=3)
+    assert torch.equal(first, sample_windows([stream], num_samples=16, seq_len=32, seed=3))
+    assert not torch.equal(first, sample_windows([stream], num_samples=16, seq_len=32, seed=4))
     assert all(torch.equal(row, torch.arange(int(row[0]), int(row[0]) + 32)) for row in first)
 
 
@@ -243,7 +243,6 @@ def test_a_datasets_dataset_is_calibration_data_with_its_text_column(byte_tokeni
 
 
 def test_windows_are_drawn_uniformly_over_positions_inside_documents():
-    from optimum_gradmap.data import sample_windows
 
     documents = [torch.arange(0, 10), torch.arange(100, 103), torch.arange(200, 230)]
     windows = sample_windows(documents, num_samples=4000, seq_len=5, seed=0)
@@ -255,8 +254,6 @@ def test_windows_are_drawn_uniformly_over_positions_inside_documents():
     assert share == pytest.approx(6 / 32, abs=0.02)
     with pytest.raises(ValueError, match="The longest calibration document has 30 tokens, fewer than one sequence"):
         sample_windows(documents, 2, 31, 0)
-    stream = torch.arange(1000)
-    assert torch.equal(sample_windows([stream], 16, 32, 3), sample_sequences(stream, 16, 32, 3))
 
 
 def test_a_mixture_draws_equal_parts_each_as_its_dataset_alone_would(monkeypatch, byte_tokenizer):
