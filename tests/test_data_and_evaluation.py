@@ -243,7 +243,6 @@ def test_a_datasets_dataset_is_calibration_data_with_its_text_column(byte_tokeni
 
 
 def test_windows_are_drawn_uniformly_over_positions_inside_documents():
-
     documents = [torch.arange(0, 10), torch.arange(100, 103), torch.arange(200, 230)]
     windows = sample_windows(documents, num_samples=4000, seq_len=5, seed=0)
     firsts = windows[:, 0]
