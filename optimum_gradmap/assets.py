@@ -35,7 +35,7 @@ import zipfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from transformers.utils import logging
 
@@ -43,6 +43,7 @@ from .errors import InvalidInputError
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.get_logger(__name__)
 
@@ -443,7 +444,9 @@ def _convert_gguf(gguf_path: str, checkpoint: str) -> None:
     os.replace(staging, checkpoint)
 
 
-def load_model(name: str, dtype: "torch.dtype | None" = None, architecture: str | None = None, **kwargs):
+def load_model(
+    name: str, dtype: torch.dtype | None = None, architecture: str | None = None, **kwargs: Any
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Loads an offline model asset and its tokenizer.
 
     Args:

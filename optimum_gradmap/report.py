@@ -33,6 +33,8 @@ from .errors import InvalidInputError
 from .passes import input_device
 
 if TYPE_CHECKING:
+    from huggingface_hub import ModelCard
+
     from .evaluation import EvaluationResult
 
 logger = logging.get_logger(__name__)
@@ -336,7 +338,9 @@ def _zero_shot_row(
     return label, _average_with_stderr(dense) if dense else "", pruned
 
 
-def build_model_card(report: dict[str, Any], pictures: list[str], repo_id: str | None = None, title: str | None = None):
+def build_model_card(
+    report: dict[str, Any], pictures: list[str], repo_id: str | None = None, title: str | None = None
+) -> ModelCard:
     """A `huggingface_hub.ModelCard` for the pruned checkpoint.
 
     Args:

@@ -62,7 +62,15 @@ class GradMAPImportance(ImportanceMetric):
     mean_over_samples = True
     iterative = True
 
-    def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
+    def score(
+        self,
+        model: PreTrainedModel,
+        adapter: DecoderAdapter,
+        input_ids: torch.LongTensor,
+        batch_size: int,
+        progress_bar: bool = True,
+        description: str = "Scoring layers",
+    ) -> list[float]:
         layers = adapter.get_layers(model)
         units = [unit for layer in layers for unit in adapter.get_per_sample_units(layer)]
         scores = gradient_importance(model, layers, input_ids, batch_size, progress_bar, description, units, adapter)
@@ -114,7 +122,15 @@ class BlockInfluence(ImportanceMetric):
     name = "block_influence"
     mean_over_samples = True
 
-    def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
+    def score(
+        self,
+        model: PreTrainedModel,
+        adapter: DecoderAdapter,
+        input_ids: torch.LongTensor,
+        batch_size: int,
+        progress_bar: bool = True,
+        description: str = "Scoring layers",
+    ) -> list[float]:
         def influence(hidden_in: torch.Tensor, hidden_out: torch.Tensor) -> torch.Tensor:
             return 1.0 - F.cosine_similarity(hidden_in, hidden_out, dim=-1)
 
@@ -233,12 +249,29 @@ class SLEBImportance(ImportanceMetric):
     def protected_layers(self, num_layers: int) -> set[int]:
         return {0, num_layers - 1}
 
-    def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
+    def score(
+        self,
+        model: PreTrainedModel,
+        adapter: DecoderAdapter,
+        input_ids: torch.LongTensor,
+        batch_size: int,
+        progress_bar: bool = True,
+        description: str = "Scoring layers",
+    ) -> list[float]:
         positions = range(adapter.num_layers(model))
         losses = removal_losses(model, adapter, input_ids, batch_size, positions, progress_bar, description)
         return [losses[position] for position in positions]
 
-    def score_layers(self, model, adapter, input_ids, batch_size, positions, progress_bar=True, description="Scoring layers"):
+    def score_layers(
+        self,
+        model: PreTrainedModel,
+        adapter: DecoderAdapter,
+        input_ids: torch.LongTensor,
+        batch_size: int,
+        positions: Sequence[int],
+        progress_bar: bool = True,
+        description: str = "Scoring layers",
+    ) -> dict[int, float]:
         return removal_losses(model, adapter, input_ids, batch_size, positions, progress_bar, description)
 
 
@@ -270,7 +303,15 @@ class TaylorImportance(ImportanceMetric):
     def protected_layers(self, num_layers: int) -> set[int]:
         return set(range(min(self.protect_first, num_layers))) | set(range(max(0, num_layers - self.protect_last), num_layers))
 
-    def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
+    def score(
+        self,
+        model: PreTrainedModel,
+        adapter: DecoderAdapter,
+        input_ids: torch.LongTensor,
+        batch_size: int,
+        progress_bar: bool = True,
+        description: str = "Scoring layers",
+    ) -> list[float]:
         parameters = [list(layer.parameters()) for layer in adapter.get_layers(model)]
         saved_grads = {id(p): p.grad for group in parameters for p in group}
         for group in parameters:
@@ -306,7 +347,15 @@ class RelativeMagnitude(ImportanceMetric):
     name = "relative_magnitude"
     mean_over_samples = True
 
-    def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
+    def score(
+        self,
+        model: PreTrainedModel,
+        adapter: DecoderAdapter,
+        input_ids: torch.LongTensor,
+        batch_size: int,
+        progress_bar: bool = True,
+        description: str = "Scoring layers",
+    ) -> list[float]:
         def magnitude(hidden_in: torch.Tensor, hidden_out: torch.Tensor) -> torch.Tensor:
             return (hidden_out - hidden_in).norm(dim=-1) / hidden_out.norm(dim=-1).clamp_min(1e-12)
 
@@ -321,7 +370,15 @@ class RandomImportance(ImportanceMetric):
 
     name = "random"
 
-    def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
+    def score(
+        self,
+        model: PreTrainedModel,
+        adapter: DecoderAdapter,
+        input_ids: torch.LongTensor,
+        batch_size: int,
+        progress_bar: bool = True,
+        description: str = "Scoring layers",
+    ) -> list[float]:
         generator = torch.Generator().manual_seed(self.seed)
         return torch.rand(adapter.num_layers(model), generator=generator, dtype=torch.float64).tolist()
 
@@ -335,7 +392,15 @@ class ResidualBranchMetric(ImportanceMetric):
     mean_over_samples = True
     statistic: ClassVar[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
 
-    def score(self, model, adapter, input_ids, batch_size, progress_bar=True, description="Scoring layers"):
+    def score(
+        self,
+        model: PreTrainedModel,
+        adapter: DecoderAdapter,
+        input_ids: torch.LongTensor,
+        batch_size: int,
+        progress_bar: bool = True,
+        description: str = "Scoring layers",
+    ) -> list[float]:
         layers = adapter.get_layers(model)
         statistic = type(self).statistic
         return residual_branch_scores(
