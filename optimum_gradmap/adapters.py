@@ -108,44 +108,103 @@ class DecoderAdapter:
 
     # ----------------------------------------------------------------------------------------- access
     def get_layers(self, model: nn.Module) -> nn.ModuleList:
-        """Returns the model's decoder layers."""
+        """Returns the model's decoder layers.
+
+        Args:
+            model (`nn.Module`): A model of the family.
+
+        Returns:
+            `nn.ModuleList`: The layers at `layers_path`, in forward order.
+        """
         layers = get_submodule(model, self.layers_path)
         if not isinstance(layers, nn.ModuleList):
             raise TypeError(f"`{self.layers_path}` of {type(model).__name__} is a {type(layers).__name__}, not a ModuleList.")
         return layers
 
     def num_layers(self, model: nn.Module) -> int:
-        """Returns the number of decoder layers the model currently runs."""
+        """Returns the number of decoder layers the model currently runs.
+
+        Args:
+            model (`nn.Module`): A model of the family.
+
+        Returns:
+            `int`: The length of [`get_layers`].
+        """
         return len(self.get_layers(model))
 
     def get_mlp(self, layer: nn.Module) -> nn.Module:
-        """Returns the MLP of `layer`, whose output Y Stage 2 multiplies by W'."""
+        """Returns the MLP of `layer`, whose output Y Stage 2 multiplies by W'.
+
+        Args:
+            layer (`nn.Module`): A decoder layer.
+
+        Returns:
+            `nn.Module`: The module at `mlp_path`.
+        """
         return get_submodule(layer, self.mlp_path)
 
     def get_mlp_output_norm(self, layer: nn.Module) -> nn.Module | None:
-        """Returns the norm applied to the MLP output before the residual add, if the family has one."""
+        """Returns the norm applied to the MLP output before the residual add, if the family has one.
+
+        Args:
+            layer (`nn.Module`): A decoder layer.
+
+        Returns:
+            `nn.Module` or `None`: The module at `mlp_output_norm_path`; `None` where the MLP output reaches the
+            residual stream directly.
+        """
         return get_submodule(layer, self.mlp_output_norm_path) if self.mlp_output_norm_path else None
 
     def get_down_projections(self, layer: nn.Module) -> list[nn.Module | nn.Parameter]:
-        """Returns the last linear maps of `layer`'s MLP, into which Stage 2 folds W'."""
+        """Returns the last linear maps of `layer`'s MLP, into which Stage 2 folds W'.
+
+        Args:
+            layer (`nn.Module`): A decoder layer.
+
+        Returns:
+            `list[nn.Module | nn.Parameter]`: Those of `down_projection_paths` the layer has (several for a
+            mixture of experts: every expert's, and a shared expert's).
+        """
         found = [get_submodule(layer, path) for path in self.down_projection_paths if _has_submodule(layer, path)]
         if not found:
             raise AttributeError(f"{type(layer).__name__} has none of the down projections {self.down_projection_paths}.")
         return found
 
     def get_per_sample_units(self, layer: nn.Module) -> list[nn.Module]:
-        """Returns the modules of `layer` that Stage 1 scores as a whole."""
+        """Returns the modules of `layer` that Stage 1 scores as a whole.
+
+        Args:
+            layer (`nn.Module`): A decoder layer.
+
+        Returns:
+            `list[nn.Module]`: Those of `per_sample_units` the layer has.
+        """
         return [get_submodule(layer, path) for path in self.per_sample_units if _has_submodule(layer, path)]
 
     def get_decoder(self, model: PreTrainedModel) -> nn.Module:
         """Returns the part of the model that maps `inputs_embeds` to the final hidden states (the
-        input of the language-model head)."""
+        input of the language-model head).
+
+        Args:
+            model (`PreTrainedModel`): A causal LM of the family.
+
+        Returns:
+            `nn.Module`: `model.base_model` by default.
+        """
         return model.base_model
 
     def compute_logits(self, model: PreTrainedModel, hidden_states: torch.Tensor) -> torch.Tensor:
         """Maps final hidden states to logits, as the model's own forward does: the output embedding,
         then `final_logit_softcapping` where the config sets it (Gemma2). Stage 1 applies it to a few
-        tokens at a time, so the logits of a whole batch never exist at once."""
+        tokens at a time, so the logits of a whole batch never exist at once.
+
+        Args:
+            model (`PreTrainedModel`): A causal LM of the family.
+            hidden_states (`torch.Tensor` of shape `(..., hidden_size)`): Final hidden states ([`final_hidden_states`]).
+
+        Returns:
+            `torch.Tensor` of shape `(..., vocab_size)`: The logits.
+        """
         logits = model.get_output_embeddings()(hidden_states)
         softcap = getattr(self.get_text_config(model), "final_logit_softcapping", None)
         if softcap:
@@ -155,15 +214,36 @@ class DecoderAdapter:
     def final_hidden_states(self, model: PreTrainedModel, **inputs: Any) -> torch.Tensor:
         """Runs the decoder ([`get_decoder`]) on `inputs` (`input_ids` or `inputs_embeds`, masks, ...) and returns
         its final hidden states: with [`compute_logits`], the model's forward split at the head, so that a
-        caller forms logits only where it needs them."""
+        caller forms logits only where it needs them.
+
+        Args:
+            model (`PreTrainedModel`): A causal LM of the family.
+            inputs: The decoder's keyword arguments.
+
+        Returns:
+            `torch.Tensor` of shape `(batch_size, sequence_length, hidden_size)`.
+        """
         return self.get_decoder(model)(**inputs)[0]
 
     def check_supported(self, model: PreTrainedModel, compensation: bool) -> None:
         """Raises [`UnsupportedArchitectureError`] for configurations of the family that cannot be
-        pruned (or compensated) correctly. Called before the model is changed."""
+        pruned (or compensated) correctly. Called before the model is changed.
+
+        Args:
+            model (`PreTrainedModel`): The model about to be pruned.
+            compensation (`bool`): Whether Stage 2 (or `compensate_each_round`) will fold W' into it.
+        """
 
     def get_text_config(self, model: PreTrainedModel) -> PretrainedConfig:
-        """Returns the config that describes the decoder stack."""
+        """Returns the config that describes the decoder stack.
+
+        Args:
+            model (`PreTrainedModel`): A model of the family.
+
+        Returns:
+            `PretrainedConfig`: `model.config.get_text_config(decoder=True)` by default (the text config of a
+            multimodal model).
+        """
         return model.config.get_text_config(decoder=True)
 
     # ------------------------------------------------------------------------- layer-dependent config
@@ -174,6 +254,13 @@ class DecoderAdapter:
         One general rule: every list or tuple field whose length equals the layer count (`layer_types`,
         per-layer head counts, ...), plus the `known_per_layer_config_fields` the config has as lists,
         whatever their length (a stale copy of the dense model's list is then caught).
+
+        Args:
+            config (`PretrainedConfig`): The text config.
+            num_layers (`int`): The number of layers it describes.
+
+        Returns:
+            `list[str]`: The field names.
         """
         return [
             name

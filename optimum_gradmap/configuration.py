@@ -418,6 +418,12 @@ class GradMAPConfig:
         """`protected_layers` as dense-model indices for a model with `num_layers` layers (negative
         ones counted from the end), or `None` for the metric's own default.
 
+        Args:
+            num_layers (`int`): The dense model's number of decoder layers.
+
+        Returns:
+            `set[int]` or `None`.
+
         Raises:
             ValueError: for an index outside the model's layers.
         """
@@ -451,7 +457,14 @@ class GradMAPConfig:
 
     def num_layers_to_remove(self, num_layers: int) -> int:
         """Returns K for a model with `num_layers` decoder layers (ratio rounded half up); with a budget, the
-        most that may be removed (all but one layer when no K is given)."""
+        most that may be removed (all but one layer when no K is given).
+
+        Args:
+            num_layers (`int`): The dense model's number of decoder layers.
+
+        Returns:
+            `int`: K.
+        """
         if self.num_layers_to_prune is not None:
             return self.num_layers_to_prune
         if self.layers_to_prune is not None:
@@ -481,6 +494,13 @@ class GradMAPConfig:
         config = GradMAPConfig.from_preset("quality", pruning_ratio=0.25)
         ```
 
+        Args:
+            preset (`str`): A name in `PRESETS` (`"paper"`, `"quality"`, `"fast"`).
+            kwargs: Other fields, and overrides of the preset's.
+
+        Returns:
+            [`GradMAPConfig`].
+
         Raises:
             ValueError: for an unknown preset name; the message lists them.
         """
@@ -490,7 +510,14 @@ class GradMAPConfig:
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any]) -> "GradMAPConfig":
-        """Builds a config from [`~GradMAPConfig.to_dict`]'s output. Unknown keys are an error."""
+        """Builds a config from [`~GradMAPConfig.to_dict`]'s output. Unknown keys are an error.
+
+        Args:
+            config_dict (`dict[str, Any]`): Field names and values.
+
+        Returns:
+            [`GradMAPConfig`].
+        """
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(config_dict) - known)
         if unknown:
@@ -501,7 +528,14 @@ class GradMAPConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> str:
-        """Writes `gradmap_config.json` into `save_directory` and returns its path."""
+        """Writes `gradmap_config.json` into `save_directory` (created if missing).
+
+        Args:
+            save_directory (`str` or `os.PathLike`): The folder.
+
+        Returns:
+            `str`: The path of the file written.
+        """
         os.makedirs(save_directory, exist_ok=True)
         path = os.path.join(save_directory, CONFIG_NAME)
         with open(path, "w", encoding="utf-8") as file:

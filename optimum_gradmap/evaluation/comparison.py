@@ -32,7 +32,15 @@ from .zero_shot import ZeroShotResult
 
 def mcnemar_p_value(only_a: int, only_b: int) -> float:
     """The two-sided p-value of McNemar's exact test: twice the probability of a split of the discordant
-    questions at least as uneven as (`only_a`, `only_b`) under Binomial(only_a + only_b, 1/2), at most 1."""
+    questions at least as uneven as (`only_a`, `only_b`) under Binomial(only_a + only_b, 1/2), at most 1.
+
+    Args:
+        only_a (`int`): Questions only model A answers right.
+        only_b (`int`): Questions only model B answers right.
+
+    Returns:
+        `float`: The p-value.
+    """
     discordant = only_a + only_b
     if discordant == 0:
         return 1.0
@@ -74,7 +82,16 @@ class PairedAccuracy:
 
     @classmethod
     def from_answers(cls, task: str, right_a: Sequence[int], right_b: Sequence[int]) -> PairedAccuracy:
-        """From each model's right (1) / wrong (0) answer to the same questions, in the same order."""
+        """From each model's right (1) / wrong (0) answer to the same questions, in the same order.
+
+        Args:
+            task (`str`): The task's name.
+            right_a (`Sequence[int]`): Model A's answers, 1 right, 0 wrong.
+            right_b (`Sequence[int]`): Model B's, for the same questions.
+
+        Returns:
+            [`PairedAccuracy`].
+        """
         n = len(right_a)
         if n != len(right_b) or n == 0:
             raise InvalidInputError(f"{task}: paired answers need the same, non-empty questions ({n} and {len(right_b)}).")

@@ -48,7 +48,14 @@ class EvaluationResult:
     def to_json(self, path: str | None = None) -> str:
         """Returns the summary as JSON, and writes it to `path` if given, with every zero-shot question's
         record beside it as JSON lines ([`records_path`]: one line per question, its task, id, answers'
-        log-likelihoods, choice and whether it is right). Both files are written atomically."""
+        log-likelihoods, choice and whether it is right). Both files are written atomically.
+
+        Args:
+            path (`str`, *optional*): Where to write the summary.
+
+        Returns:
+            `str`: The summary as JSON.
+        """
         text = json.dumps(self.to_dict(), indent=2)
         if path is not None:
             if self.zero_shot is not None:
@@ -86,7 +93,15 @@ class EvaluationResult:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], records: Sequence[dict[str, Any]] = ()) -> "EvaluationResult":
-        """Builds a result from [`to_dict`]'s output and, optionally, the zero-shot questions' records."""
+        """Builds a result from [`to_dict`]'s output and, optionally, the zero-shot questions' records.
+
+        Args:
+            values (`dict[str, Any]`): [`to_dict`]'s output.
+            records (`Sequence[dict[str, Any]]`, *optional*): The questions' records ([`records_path`]'s lines).
+
+        Returns:
+            [`EvaluationResult`].
+        """
         values = dict(values)
         values["perplexities"] = [PerplexityResult(**entry) for entry in values.get("perplexities", [])]
         if values.get("zero_shot") is not None:
@@ -97,7 +112,14 @@ class EvaluationResult:
 
     @classmethod
     def from_json(cls, path: str) -> "EvaluationResult":
-        """Reads a result written by [`to_json`], with its questions' records when they are beside it."""
+        """Reads a result written by [`to_json`], with its questions' records when they are beside it.
+
+        Args:
+            path (`str`): The summary's path.
+
+        Returns:
+            [`EvaluationResult`].
+        """
         with open(path, encoding="utf-8") as file:
             values = json.load(file)
         records = []
@@ -109,7 +131,14 @@ class EvaluationResult:
 
 def records_path(path: str | os.PathLike) -> str:
     """Where [`EvaluationResult.to_json`] writes the zero-shot questions' records for a summary at `path`:
-    `result.json` -> `result.questions.jsonl`."""
+    `result.json` -> `result.questions.jsonl`.
+
+    Args:
+        path (`str` or `os.PathLike`): The summary's path.
+
+    Returns:
+        `str`: The records' path.
+    """
     stem = os.fspath(path)[: -len(".json")] if os.fspath(path).endswith(".json") else os.fspath(path)
     return stem + ".questions.jsonl"
 
