@@ -73,6 +73,7 @@ def outlier_tokens(original: torch.Tensor, factor: float = OUTLIER_NORM_FACTOR) 
 
     Args:
         original (`torch.Tensor` of shape `(samples, tokens, d)`): The dense hidden states.
+        factor (`float`, defaults to `OUTLIER_NORM_FACTOR`): How many times the median norm makes an outlier.
 
     Returns:
         `torch.Tensor` of shape `(samples, tokens)`, bool: True for an outlier.
@@ -93,6 +94,7 @@ def outlier_token_weights(original: torch.Tensor, handling: str, factor: float =
             as if its dense hidden state's norm were clipped to `factor` times the batch's median; the first token
             is weighed by its norm like any other) or `"preserve"` (every token weighs 1: the outliers' targets
             change instead, see [`for_each_compensation_batch`]).
+        factor (`float`, defaults to `OUTLIER_NORM_FACTOR`): As in [`outlier_tokens`].
 
     Returns:
         `torch.Tensor` of shape `(samples, tokens)`, float64, or `None` for `"keep"` and `"preserve"`.
