@@ -46,11 +46,11 @@ ExecutionMode = Literal["auto", "in_memory", "layer_streamed"]
 # The paper's Stage 2 (Eq. 10-15): one W' (any d x d matrix) at the kept layer with the largest mean drift,
 # fitted to that layer's own dense output with lambda 1e-3. Pinned wherever "the paper's Stage 2" is meant (the
 # "paper" preset, the benchmarks), whatever the defaults are.
-# The settings that only choose which layers go: unused where `layers_to_prune` names them.
+# The settings that only choose which layers go: unused where `layers_to_prune` names them (`protected_layers` is
+# not among them: a protected layer in `layers_to_prune` is refused).
 STAGE1_SELECTION_SETTINGS: tuple[str, ...] = (
     "importance",
     "iterative",
-    "protected_layers",
     "verify_top_k",
     "verify_halving",
     "verify_from_scoring_pass",
