@@ -41,11 +41,6 @@ CompensationSelection = Literal["auto", "hidden_state", "next_token_loss"]
 OutlierTokens = Literal["auto", "keep", "exclude", "clip", "preserve"]
 # How Stage 1's gradient passes run (see `optimum_gradmap.streaming`).
 ExecutionMode = Literal["auto", "in_memory", "layer_streamed"]
-# Named settings ([`GradMAPConfig.from_preset`], `--preset` on the command line), chosen from the measurements
-# in docs/results.md; every other field keeps its default.
-# The paper's Stage 2 (Eq. 10-15): one W' (any d x d matrix) at the kept layer with the largest mean drift,
-# fitted to that layer's own dense output with lambda 1e-3. Pinned wherever "the paper's Stage 2" is meant (the
-# "paper" preset, the benchmarks), whatever the defaults are.
 # The settings that only choose which layers go: unused where `layers_to_prune` names them (`protected_layers` is
 # not among them: a protected layer in `layers_to_prune` is refused).
 STAGE1_SELECTION_SETTINGS: tuple[str, ...] = (
@@ -56,6 +51,11 @@ STAGE1_SELECTION_SETTINGS: tuple[str, ...] = (
     "verify_from_scoring_pass",
     "execution",
 )
+# Named settings ([`GradMAPConfig.from_preset`], `--preset` on the command line), chosen from the measurements
+# in docs/results.md; every other field keeps its default.
+# The paper's Stage 2 (Eq. 10-15): one W' (any d x d matrix) at the kept layer with the largest mean drift,
+# fitted to that layer's own dense output with lambda 1e-3. Pinned wherever "the paper's Stage 2" is meant (the
+# "paper" preset, the benchmarks), whatever the defaults are.
 PAPER_STAGE2: dict[str, Any] = {
     "compensation_target": "max_drift",
     "compensation_form": "full",

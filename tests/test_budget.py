@@ -156,6 +156,8 @@ def test_the_cli_prunes_to_a_budget_and_cuts_an_earlier_run(tiny_checkpoint, tmp
     assert "Stage 1 stopped: removing layer" in printed and "above the budget of +1e-05%" in printed
     assert main([*cut, "5", "--output", str(tmp_path / "bad"), *common]) == 2
     assert "between 1 and the 4 layers" in capsys.readouterr().err
+    assert main([*cut, "2", "--compensate-each-round", "--output", str(tmp_path / "bad"), *common]) == 2
+    assert "a run with --compensate-each-round (this one or the one it cuts) cannot be cut" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "bad") and os.path.isfile(tmp_path / "curve" / REPORT_NAME)
 
 

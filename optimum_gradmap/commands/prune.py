@@ -113,7 +113,13 @@ def _cut(config: GradMAPConfig, checkpoint: str) -> GradMAPConfig:
 
     from ..report import load_report
 
-    removed = load_report(checkpoint)["removed_layers"]
+    report = load_report(checkpoint)
+    if config.compensate_each_round or report["gradmap_config"].get("compensate_each_round"):
+        raise InputError(
+            "--cut-from replays the first K removals without Stage 1's fits: a run with --compensate-each-round (this "
+            "one or the one it cuts) cannot be cut, its later fits depend on the layers removed after."
+        )
+    removed = report["removed_layers"]
     if config.num_layers_to_prune is None or not 1 <= config.num_layers_to_prune <= len(removed):
         raise InputError(
             f"--cut-from needs --num-layers-to-prune K, between 1 and the {len(removed)} layers {checkpoint} removed."
