@@ -147,7 +147,7 @@ def test_stage2_rerun_with_other_settings_replaces_the_first_fit():
     with pytest.raises(ValueError, match="not Stage 2 settings"):
         pruner.compensate(result, importance="sleb")
     with pytest.raises(ValueError, match="num_compensated_layers=5 exceeds the 4 layers"):
-        pruner.compensate(result, num_compensated_layers=5)
+        pruner.compensate(result, num_compensated_layers=5, compensation_target="max_drift")
     assert result.compensated_layers  # a refused re-run changes nothing
     with pytest.raises(ValueError, match="`reg_lambda` must be a finite number"):
         pruner.compensate(result, reg_lambda=-1.0)
@@ -209,7 +209,11 @@ def test_ratio_is_turned_into_a_layer_count():
         ({"num_layers_to_prune": 6}, None, "Cannot remove 6 of the model's 6 decoder layers"),
         ({"num_layers_to_prune": 9}, None, "Cannot remove 9 of the model's 6 decoder layers"),
         ({"num_layers_to_prune": None, "pruning_ratio": 0.05}, None, "rounds to 0 layers"),
-        ({"num_layers_to_prune": 3, "num_compensated_layers": 4}, None, "exceeds the 3 layers that remain"),
+        (
+            {"num_layers_to_prune": 3, "num_compensated_layers": 4, "compensation_target": "max_drift"},
+            None,
+            "exceeds the 3 layers that remain",
+        ),
         ({"num_layers_to_prune": None, "layers_to_prune": [2, 6]}, None, "names layers the model does not have"),
         ({}, [""], "calibration text is empty"),
         ({}, [], "`calibration_data` must be"),
