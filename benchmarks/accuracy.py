@@ -29,12 +29,17 @@ layers stay the same); each Stage 2 row records the SHA-256 of the sequences its
 
 Writes benchmarks/results/accuracy-<model>-<ratio>.{json,md} (`-screening` with `--protocol screening`: 400
 questions per task, for comparing many variants; `-cuda` with `--device cuda`, so that rows of different devices
-are never paired); with `--resume`, rows already there are kept.
+are never paired); with `--resume`, rows already there are kept. A row is saved as it goes (its perplexities, then
+each task as it ends, under `in_progress`): a run stopped halfway resumes at the row's next task with `--resume`,
+on the same weights only (their SHA-256, taken after Stage 2; Stage 2 runs again), and the row keeps each part's
+provenance (`parts`; quiet only if every part was).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -51,11 +56,14 @@ from optimum_gradmap.evaluation import (
     PAPER_TASKS,
     SCREENING_SUBSETS,
     STANDARD_SUBSETS,
+    EvaluationResult,
+    PerplexityResult,
     QuestionRecord,
     TaskResult,
     ZeroShotResult,
     compare_zero_shot,
     evaluate,
+    zero_shot_accuracy,
 )
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -152,26 +160,96 @@ def from_compact(answers: dict[str, dict]) -> ZeroShotResult:
     return ZeroShotResult(tasks=tasks)
 
 
-def measure(model, tokenizer, label: str, max_segments: int, batch_size: int, subsets: dict) -> dict:
-    started = time.perf_counter()
-    result = evaluate(
-        model,
-        tokenizer,
-        ("offline:wikipedia", "offline:web_text"),
-        segment_length=128,
-        max_segments=max_segments,
-        tasks=PAPER_TASKS,
-        task_subsets=subsets,
-        task_data="offline",
-        batch_size=batch_size,
-        model_name=label,
-        progress_bar=False,
+def model_sha256(model) -> str:
+    """SHA-256 of every weight of `model`: the same model (pruned and compensated the same way) when a row resumes."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def measure(model, tokenizer, label: str, max_segments: int, batch_size: int, subsets: dict, progress: dict, save) -> dict:
+    """The row's evaluation: the two perplexities, then the seven tasks one at a time, each kept in `progress` and
+    saved (`save()`) as it ends, so that a row stopped halfway resumes at its next task (`--resume`). Each task is
+    scored the same way alone as beside the others (`ZeroShotResult.merge`); `seconds` sums the parts'."""
+    if "perplexities" not in progress:
+        started = time.perf_counter()
+        result = evaluate(
+            model,
+            tokenizer,
+            ("offline:wikipedia", "offline:web_text"),
+            segment_length=128,
+            max_segments=max_segments,
+            batch_size=batch_size,
+            model_name=label,
+            progress_bar=False,
+        )
+        progress["perplexities"] = result.to_dict()["perplexities"]
+        progress["perplexity_seconds"] = time.perf_counter() - started
+        save()
+    tasks = progress.setdefault("tasks", {})
+    for task in PAPER_TASKS:
+        if task in tasks:
+            continue
+        zero_shot = zero_shot_accuracy(
+            model, tokenizer, [task], task_data="offline", batch_size=batch_size, progress_bar=False, subsets=subsets
+        )
+        tasks[task] = {"summary": zero_shot.to_dict(), "answers": compact_answers(zero_shot)[task]}
+        print(f"{label}: {task} acc {zero_shot.tasks[0].acc:.4f} ({zero_shot.seconds:.0f} s), saved", flush=True)
+        save()
+    parts = []
+    for task in PAPER_TASKS:
+        part = ZeroShotResult.from_dict(tasks[task]["summary"])
+        part.tasks[0].questions = from_compact({task: tasks[task]["answers"]}).tasks[0].questions
+        parts.append(part)
+    zero_shot = ZeroShotResult.merge(parts)
+    result = EvaluationResult(
+        model=label, perplexities=[PerplexityResult(**entry) for entry in progress["perplexities"]], zero_shot=zero_shot
     )
     summary = result.to_dict()
-    summary["zero_shot"]["answers"] = compact_answers(result.zero_shot)
-    summary["seconds"] = time.perf_counter() - started
+    summary["zero_shot"]["answers"] = compact_answers(zero_shot)
+    summary["seconds"] = progress["perplexity_seconds"] + zero_shot.seconds
     print(result.summary(), flush=True)
     return summary
+
+
+def measure_row(
+    record: dict, selection: str, variant: str, model, settings: dict, measure_model, save, started: dict
+) -> tuple[dict, dict]:
+    """Measures one row with `measure_model(progress, save)` (`started`: its `provenance()`, taken before the model was
+    made, Stage 2 included), resuming what `record["in_progress"]` kept of this row when that was measured on the
+    same weights (`model_sha256`) with the same `settings` (segments, batch size, lm-eval version); returns its
+    evaluation and provenance. A row measured in parts (stopped and resumed) has each part's provenance in `parts`:
+    its own commit, date and load are the last part's, its `seconds` the parts' sum, and it is quiet only if every
+    part was. (Stage 2 runs again on a resume: where it is not bit for bit repeatable, as on some GPUs, the row
+    starts over.)"""
+    key, fingerprint = f"{selection} + {variant}", model_sha256(model)
+    in_progress = record.setdefault("in_progress", {})
+    progress = in_progress.get(key)
+    if progress is not None and (progress["model_sha256"], progress["settings"]) != (fingerprint, settings):
+        print(f"the saved part of {key} was measured on other weights or settings ({progress['settings']}): started over")
+        progress = None
+    if progress is None:
+        progress = in_progress[key] = {"model_sha256": fingerprint, "settings": settings, "parts": []}
+    progress["parts"].append(finish(started))
+
+    def save_part() -> None:
+        progress["parts"][-1] = finish(started)
+        save()
+
+    evaluation = measure_model(progress, save_part)
+    parts = progress["parts"]
+    parts[-1] = finish(started)
+    row_provenance = dict(parts[-1])
+    if len(parts) > 1:
+        row_provenance.update(
+            parts=parts, seconds=sum(part["seconds"] for part in parts), quiet=all(part["quiet"] for part in parts)
+        )
+    del in_progress[key]
+    if not in_progress:
+        del record["in_progress"]
+    return evaluation, row_provenance
 
 
 def paired(row: dict, against: dict, dense: dict | None) -> dict:
@@ -276,7 +354,8 @@ def markdown(record: dict) -> str:
         f"# Accuracy: {record['model']} at {record['ratio']:g}",
         "",
         "Held-out perplexity (first 128 segments of 128 tokens), the 7-task zero-shot average and pooled accuracy "
-        f"({record['questions']} questions, protocol {record['protocol']!r}: subsets {record['subsets']}, other splits whole), "
+        f"({record.get('questions', 'not yet counted')} questions, protocol {record['protocol']!r}: "
+        f"subsets {record['subsets']}, other splits whole), "
         "and the "
         "paired change against Stage 1 only (pooled over every question, +/- its standard error; McNemar p), retained "
         "% of the dense model's 7-task average. Every row measured (no copy), with its provenance in the JSON.",
@@ -287,6 +366,9 @@ def markdown(record: dict) -> str:
     ]
     for selection, twin in record.get("same_layers", {}).items():
         lines.insert(2, f"{selection}'s removed layers are {twin}'s (the same set): its rows are {twin}'s, measured once.\n")
+    for key, progress in record.get("in_progress", {}).items():
+        measured = ", ".join(progress.get("tasks", {})) or "none"
+        lines.insert(2, f"In progress (not a row yet): {key}, tasks measured: {measured}.\n")
     for row in record["rows"]:
         evaluation = row["evaluation"]
         wikipedia, web = (entry["perplexity"] for entry in evaluation["perplexities"])
@@ -362,7 +444,9 @@ def main() -> None:
             record = json.load(file)
 
     def save() -> None:
-        record["questions"] = sum(len(kept["acc"]) for kept in record["rows"][0]["evaluation"]["zero_shot"]["answers"].values())
+        if record["rows"]:
+            answers = record["rows"][0]["evaluation"]["zero_shot"]["answers"]
+            record["questions"] = sum(len(kept["acc"]) for kept in answers.values())
         with open(prefix + ".json", "w", encoding="utf-8") as file:
             json.dump(record, file, indent=1)
         with open(prefix + ".md", "w", encoding="utf-8") as file:
@@ -384,11 +468,24 @@ def main() -> None:
     model.to(args.device)
     calibration = prepare_calibration_data(CALIBRATION, tokenizer, args.num_samples, 128, 0, CALIBRATION)
     record["calibration_sha256"] = calibration_sha256(calibration)
+
+    settings = {
+        "max_segments": args.max_segments,
+        "batch_size": args.batch_size,
+        "lm_eval": importlib.metadata.version("lm_eval"),
+    }
+
+    def measure_model(label: str):
+        return lambda progress, save_part: measure(
+            model, tokenizer, label, args.max_segments, args.batch_size, subsets, progress, save_part
+        )
+
     if done("dense", "dense") is None:
-        started = provenance()
-        evaluation = measure(model, tokenizer, "dense", args.max_segments, args.batch_size, subsets)
+        evaluation, row_provenance = measure_row(
+            record, "dense", "dense", model, settings, measure_model("dense"), save, provenance()
+        )
         record["rows"].append(
-            {"selection": "dense", "variant": "dense", "label": "dense", "evaluation": evaluation, "provenance": finish(started)}
+            {"selection": "dense", "variant": "dense", "label": "dense", "evaluation": evaluation, "provenance": row_provenance}
         )
         save()
     dense = done("dense", "dense")
@@ -427,12 +524,14 @@ def main() -> None:
         elif result.compensation is not None:  # back to the Stage 1 model
             result.compensation.undo()
             result.compensation = None
-        row["evaluation"] = measure(model, tokenizer, row["label"], args.max_segments, args.batch_size, subsets)
+        row["evaluation"], row_provenance = measure_row(
+            record, args.selection, variant, model, settings, measure_model(row["label"]), save, started
+        )
         stage1 = done(args.selection, "stage1")
         if variant != "stage1" and stage1 is not None:
             row["against_stage1"] = paired(row, stage1, dense)
         row["against_dense"] = paired(row, dense, dense)
-        row["provenance"] = finish(started)
+        row["provenance"] = row_provenance
         record["rows"].append(row)
         save()
     print(markdown(record))

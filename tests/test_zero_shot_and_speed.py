@@ -11,7 +11,15 @@ import torch
 
 from optimum_gradmap import remove_layers
 from optimum_gradmap.assets import get_task_data_paths
-from optimum_gradmap.evaluation import PAPER_TASKS, EvaluationResult, evaluate, inference_speed, zero_shot_accuracy
+from optimum_gradmap.errors import InvalidInputError
+from optimum_gradmap.evaluation import (
+    PAPER_TASKS,
+    EvaluationResult,
+    ZeroShotResult,
+    evaluate,
+    inference_speed,
+    zero_shot_accuracy,
+)
 
 from .conftest import tiny_model
 
@@ -104,6 +112,61 @@ def test_bridge_accuracy_matches_a_hand_computation_on_the_in_memory_model(seven
     assert entry.acc == pytest.approx(acc)
     if task == "arc_easy":
         assert entry.acc_norm == pytest.approx(acc_norm)
+
+
+def test_tasks_scored_one_call_each_merge_into_the_one_calls_result(seven_tasks, scorer, tokenizer):
+    parts = [
+        zero_shot_accuracy(scorer, tokenizer, [task], limit=LIMIT, task_data="offline", batch_size=4, progress_bar=False)
+        for task in reversed(PAPER_TASKS)
+    ]
+    merged = ZeroShotResult.merge(parts[::-1])
+    assert [entry.task for entry in merged.tasks] == list(PAPER_TASKS)
+    for whole, part in zip(seven_tasks.tasks, merged.tasks):
+        assert part.questions == whole.questions and part.acc == whole.acc and part.acc_norm == whole.acc_norm
+    summary, whole_summary = merged.to_dict(), seven_tasks.to_dict()
+    assert summary.pop("seconds") == pytest.approx(sum(part.seconds for part in parts))
+    whole_summary.pop("seconds")
+    assert summary == whole_summary
+
+
+def test_merge_keeps_each_tasks_subset_and_round_trips_through_the_summary(scorer, tokenizer, no_network):
+    subsets = {"boolq": 3, "arc_easy": 4}
+    kwargs = dict(task_data="offline", batch_size=4, progress_bar=False, subsets=subsets)
+    whole = zero_shot_accuracy(scorer, tokenizer, ["boolq", "arc_easy"], **kwargs)
+    parts = []
+    for task in ["boolq", "arc_easy"]:  # as benchmarks/accuracy.py keeps them: the summary, then the records
+        measured = zero_shot_accuracy(scorer, tokenizer, [task], **kwargs)
+        parts.append(ZeroShotResult.from_dict(json.loads(json.dumps(measured.to_dict())), measured.records()))
+    merged = ZeroShotResult.merge(parts)
+    assert merged.subsets == whole.subsets == subsets
+    assert [entry.num_samples for entry in merged.tasks] == [3, 4]
+    assert [entry.questions for entry in merged.tasks] == [entry.questions for entry in whole.tasks]
+    assert (merged.average_acc, merged.average_best, merged.pooled_acc) == (
+        whole.average_acc,
+        whole.average_best,
+        whole.pooled_acc,
+    )
+
+
+def test_merge_refuses_what_is_not_one_evaluation_split_by_task(seven_tasks):
+    boolq = ZeroShotResult(tasks=seven_tasks.tasks[:1], limit=LIMIT, lm_eval_version=seven_tasks.lm_eval_version)
+    with pytest.raises(InvalidInputError, match="appears in more than one"):
+        ZeroShotResult.merge([seven_tasks, boolq])
+    other_limit = ZeroShotResult(tasks=seven_tasks.tasks[:1], limit=LIMIT + 1, lm_eval_version=seven_tasks.lm_eval_version)
+    with pytest.raises(InvalidInputError, match="differ in"):
+        ZeroShotResult.merge(
+            [ZeroShotResult(tasks=seven_tasks.tasks[1:], limit=LIMIT, lm_eval_version=seven_tasks.lm_eval_version), other_limit]
+        )
+    summary_only = ZeroShotResult.from_dict(seven_tasks.to_dict())  # without the questions' records
+    with pytest.raises(InvalidInputError, match="questions' records"):
+        ZeroShotResult.merge([summary_only])
+    other_seed = ZeroShotResult(tasks=seven_tasks.tasks[:1], limit=LIMIT, seed=1, lm_eval_version=seven_tasks.lm_eval_version)
+    with pytest.raises(InvalidInputError, match="differ in"):
+        ZeroShotResult.merge(
+            [ZeroShotResult(tasks=seven_tasks.tasks[1:], limit=LIMIT, lm_eval_version=seven_tasks.lm_eval_version), other_seed]
+        )
+    with pytest.raises(InvalidInputError, match="at least one"):
+        ZeroShotResult.merge([])
 
 
 def test_bridge_sees_the_pruned_model_in_memory(scorer, tokenizer, no_network):

@@ -163,6 +163,56 @@ class ZeroShotResult:
             task.pop("questions")
         return summary
 
+    def update_averages(self) -> None:
+        """Sets `average_acc`, `average_best` and `pooled_acc` from `tasks` (whose questions' records `pooled_acc` needs)."""
+        self.average_acc = sum(entry.acc for entry in self.tasks) / len(self.tasks)
+        self.average_best = sum(entry.acc if entry.acc_norm is None else entry.acc_norm for entry in self.tasks) / len(self.tasks)
+        every = [question.acc for entry in self.tasks for question in entry.questions]
+        self.pooled_acc = sum(every) / len(every)
+
+    @classmethod
+    def merge(cls, results: Sequence[ZeroShotResult]) -> ZeroShotResult:
+        """Joins results measured separately on different tasks (e.g. one [`zero_shot_accuracy`] call per task,
+        saved as each ends, so that a long evaluation can stop and resume) into the result of one call on all of
+        them: the tasks in the given order, their averages computed again, the seconds summed. Every task is
+        scored the same way alone as beside others, so the result is the one call's, up to its seconds.
+
+        Args:
+            results (`Sequence[ZeroShotResult]`): Results with their questions' records, on different tasks, with
+                the same limit, seed and lm-eval version.
+
+        Returns:
+            [`ZeroShotResult`].
+
+        Raises:
+            InvalidInputError: when `results` is empty, a task appears twice, a task has no questions' records, or
+                the results differ in limit, seed or lm-eval version.
+        """
+        if not results:
+            raise InvalidInputError("ZeroShotResult.merge needs at least one result.")
+        tasks = [entry for result in results for entry in result.tasks]
+        names = [entry.task for entry in tasks]
+        if len(set(names)) != len(names):
+            raise InvalidInputError(f"ZeroShotResult.merge: a task appears in more than one result ({names}).")
+        if any(not entry.questions for entry in tasks):
+            raise InvalidInputError("ZeroShotResult.merge needs every task's questions' records (to pool them).")
+        settings = {(result.limit, result.seed, result.lm_eval_version) for result in results}
+        if len(settings) > 1:
+            raise InvalidInputError(
+                f"ZeroShotResult.merge: the results differ in (limit, seed, lm-eval version): {sorted(settings, key=str)}."
+            )
+        first = results[0]
+        merged = cls(
+            tasks=tasks,
+            limit=first.limit,
+            subsets={task: size for result in results for task, size in result.subsets.items()},
+            seed=first.seed,
+            lm_eval_version=first.lm_eval_version,
+            seconds=sum(result.seconds for result in results),
+        )
+        merged.update_averages()
+        return merged
+
     def records(self) -> list[dict[str, Any]]:
         """Every question's record, with its task's name: the JSON lines written beside the summary."""
         return [{"task": task.task, **asdict(question)} for task in self.tasks for question in task.questions]
@@ -401,11 +451,6 @@ def zero_shot_accuracy(
                 logger.info(f"{task}: acc {acc:.4f} on {len(records)} of {split_size} questions")
     finally:
         lm_eval_logger.setLevel(previous_level)
-    result.average_acc = sum(entry.acc for entry in result.tasks) / len(result.tasks)
-    result.average_best = sum(entry.acc if entry.acc_norm is None else entry.acc_norm for entry in result.tasks) / len(
-        result.tasks
-    )
-    every = [question.acc for entry in result.tasks for question in entry.questions]
-    result.pooled_acc = sum(every) / len(every)
+    result.update_averages()
     result.seconds = time.perf_counter() - started
     return result
