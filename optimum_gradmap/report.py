@@ -115,7 +115,7 @@ def _zero_shot_against_dense(evaluation: EvaluationResult | None, dense: Evaluat
         comparison = compare_zero_shot(
             dense.zero_shot, evaluation.zero_shot, reference=dense.zero_shot, names=("dense", "pruned", "dense")
         )
-    except ValueError as error:  # other questions, or no records: the table shows both averages without the pairing
+    except InvalidInputError as error:  # other questions, or no records: the table shows both averages without the pairing
         logger.info(f"The pruning report compares no zero-shot answers: {error}")
         return None
     return comparison.to_dict()
@@ -316,9 +316,11 @@ def _cost_table(report: dict[str, Any]) -> str:
 
 
 def _average_with_stderr(zero_shot: dict[str, Any]) -> str:
-    """The average over tasks, with its standard error (from the tasks' own)."""
-    errors = [task["acc_stderr"] for task in zero_shot["tasks"] if task.get("acc_stderr") is not None]
-    stderr = (sum(error**2 for error in errors) ** 0.5 / len(zero_shot["tasks"])) if errors else None
+    """The average over tasks, with its standard error sqrt(sum of the tasks' SE^2) / number of tasks when every
+    task has one (a sum over only some of them would understate it: then none is given)."""
+    errors = [task.get("acc_stderr") for task in zero_shot["tasks"]]
+    complete = bool(errors) and all(error is not None for error in errors)
+    stderr = (sum(error**2 for error in errors) ** 0.5 / len(errors)) if complete else None
     return f"{zero_shot['average_acc']:.4f}" + (f" ± {stderr:.4f}" if stderr is not None else "")
 
 
@@ -331,10 +333,8 @@ def _zero_shot_row(
     label = f"zero-shot average accuracy ({len(zero_shot['tasks'])} tasks, {questions} questions)"
     pruned = _average_with_stderr(zero_shot)
     if paired is not None:
-        pruned += (
-            f" ({paired['retained_b']:.1f}% of dense; paired difference {paired['average_difference']:+.4f} ± "
-            f"{paired['average_stderr']:.4f})"
-        )
+        retained = "retained undefined" if paired["retained_b"] is None else f"{paired['retained_b']:.1f}% of dense"
+        pruned += f" ({retained}; paired difference {paired['average_difference']:+.4f} ± {paired['average_stderr']:.4f})"
     return label, _average_with_stderr(dense) if dense else "", pruned
 
 

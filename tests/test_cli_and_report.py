@@ -13,8 +13,11 @@ import sys
 import pytest
 from transformers import AutoModelForCausalLM
 
-from optimum_gradmap import load_report
+from optimum_gradmap import GradMAPPruner, load_report
 from optimum_gradmap.cli import main
+from optimum_gradmap.evaluation import QuestionRecord, TaskResult, ZeroShotResult
+
+from .conftest import random_ids, small_config, tiny_model
 
 CHECKPOINT_FILES = {"config.json", "model.safetensors", "gradmap_config.json", "pruning_report.json", "README.md"}
 
@@ -416,3 +419,52 @@ def test_load_report_of_a_folder_without_one_says_what_to_give(tmp_path):
 
     with pytest.raises(ValueError, match="has no pruning_report.json: give a folder written by `save_pretrained`"):
         load_report(tmp_path)
+
+
+def _zero_shot(answers: dict[str, list[int]], stderr: dict[str, float | None]) -> ZeroShotResult:
+    tasks = []
+    for task, right in answers.items():
+        questions = [QuestionRecord(i, [0.0, -1.0], 0 if r else 1, None, 0, r) for i, r in enumerate(right)]
+        acc = sum(right) / len(right)
+        tasks.append(TaskResult(task, "validation", "offline", len(right), acc, acc_stderr=stderr[task], questions=questions))
+    result = ZeroShotResult(tasks=tasks)
+    result.update_averages()
+    return result
+
+
+def _zero_shot_card_row(folder) -> list[str]:
+    card = (folder / "README.md").read_text(encoding="utf-8")
+    (row,) = [line for line in card.splitlines() if line.startswith("| zero-shot average accuracy")]
+    return [cell.strip() for cell in row.strip("|").split("|")]
+
+
+def test_the_report_of_a_dense_model_with_zero_accuracy_on_a_task_is_saved_with_its_comparison(tmp_path):
+    from optimum_gradmap.evaluation import EvaluationResult
+
+    pruner = GradMAPPruner(small_config(num_layers_to_prune=1, compensation=False), progress_bar=False)
+    pruner.prune(tiny_model("llama", num_layers=4), random_ids(8, 16))
+    dense = _zero_shot({"piqa": [0, 0, 0, 0], "arc_easy": [1, 1, 0, 0]}, {"piqa": 0.0, "arc_easy": 0.25})
+    pruned = _zero_shot({"piqa": [1, 0, 0, 0], "arc_easy": [1, 0, 0, 0]}, {"piqa": 0.2, "arc_easy": 0.2})
+    pruner.save_pretrained(
+        tmp_path, evaluation=EvaluationResult("pruned", zero_shot=pruned), dense_evaluation=EvaluationResult("dense", zero_shot=dense)
+    )
+    paired = load_report(tmp_path)["zero_shot_against_dense"]
+    piqa, arc_easy = paired["tasks"]
+    assert piqa["retained_b"] is None and arc_easy["retained_b"] == pytest.approx(50.0)
+    assert paired["retained_b"] == pytest.approx(100 * 0.25 / 0.25)  # averages: pruned 0.25, dense 0.25
+    _, _, pruned_cell = _zero_shot_card_row(tmp_path)
+    assert "100.0% of dense" in pruned_cell and "paired difference" in pruned_cell
+
+
+def test_the_cards_average_has_a_standard_error_only_when_every_task_has_one(tmp_path):
+    from optimum_gradmap.evaluation import EvaluationResult
+
+    pruner = GradMAPPruner(small_config(num_layers_to_prune=1, compensation=False), progress_bar=False)
+    pruner.prune(tiny_model("llama", num_layers=4), random_ids(8, 16))
+    answers = {"piqa": [1, 0, 1, 0], "arc_easy": [1, 1, 1, 0]}
+    every = _zero_shot(answers, {"piqa": 0.3, "arc_easy": 0.4})
+    some = _zero_shot(answers, {"piqa": 0.3, "arc_easy": None})
+    pruner.save_pretrained(tmp_path / "every", evaluation=EvaluationResult("every", zero_shot=every))
+    pruner.save_pretrained(tmp_path / "some", evaluation=EvaluationResult("some", zero_shot=some))
+    assert _zero_shot_card_row(tmp_path / "every")[2] == f"{every.average_acc:.4f} ± {(0.3**2 + 0.4**2) ** 0.5 / 2:.4f}"
+    assert _zero_shot_card_row(tmp_path / "some")[2] == f"{some.average_acc:.4f}"  # half an SE would claim too much

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from optimum_gradmap.errors import InvalidInputError
 from optimum_gradmap.evaluation import (
     EvaluationResult,
     PairedAccuracy,
@@ -125,3 +126,58 @@ def test_each_questions_context_computed_once_gives_the_log_likelihoods_of_answe
         assert [greedy for _, greedy in found] == [greedy for _, greedy in wanted]
     # Gemma2's attention does not follow a packed mask: detected, and every answer is scored on its own
     assert ("does not follow a packed attention mask" in caplog.text) == (family == "gemma2")
+
+
+def test_a_reference_accuracy_of_zero_leaves_that_retained_accuracy_undefined_instead_of_dividing_by_zero():
+    dense = _result("dense", {"piqa": [0, 0, 0, 0], "arc_easy": [1, 1, 0, 0]})
+    a = _result("a", {"piqa": [1, 0, 1, 0], "arc_easy": [1, 0, 0, 0]})
+    b = _result("b", {"piqa": [1, 1, 1, 0], "arc_easy": [0, 1, 1, 0]})
+    comparison = compare_zero_shot(a, b, reference=dense, names=("a", "b", "dense"))
+    piqa, arc = comparison.tasks
+    assert piqa.retained_a is None and piqa.retained_b is None  # x% of 0 is no number
+    assert (arc.retained_a, arc.retained_b) == (pytest.approx(50.0), pytest.approx(100.0))
+    assert comparison.average_reference == pytest.approx(0.25)
+    assert comparison.retained_b == pytest.approx(100 * comparison.average_b / 0.25)
+    assert "dense" in comparison.summary()
+    # every task at 0 for the reference: no retained share at all, and the table still prints
+    zero = _result("dense", {"piqa": [0, 0, 0, 0], "arc_easy": [0, 0, 0, 0]})
+    comparison = compare_zero_shot(a, b, reference=zero, names=("a", "b", "dense"))
+    assert comparison.retained_a is comparison.retained_b is comparison.pooled.retained_b is None
+    assert "retained" in comparison.summary() and "undefined" in comparison.summary()
+
+
+def test_questions_missing_from_the_reference_are_a_clear_error_naming_the_task_and_how_many():
+    a = _result("a", {"piqa": [1, 0, 1, 0], "arc_easy": [1, 0, 0]})
+    b = _result("b", {"piqa": [1, 1, 1, 0], "arc_easy": [0, 1, 1]})
+    reference = _result("dense", {"piqa": [1, 1], "arc_easy": [1, 1, 1]})  # piqa's questions 2 and 3 are missing
+    with pytest.raises(InvalidInputError, match=r"dense has no answers to 2 of the 4 piqa questions"):
+        compare_zero_shot(a, b, reference=reference, names=("a", "b", "dense"))
+    without_task = _result("dense", {"piqa": [1, 1, 1, 1]})
+    with pytest.raises(InvalidInputError, match=r"dense has no answers to 3 of the 3 arc_easy questions"):
+        compare_zero_shot(a, b, reference=without_task, names=("a", "b", "dense"))
+
+
+def test_tasks_listed_in_another_order_are_paired_by_name():
+    answers_a = {"piqa": [1, 0, 1, 0], "arc_easy": [1, 0, 0, 0, 1, 1]}
+    answers_b = {"piqa": [1, 1, 1, 0], "arc_easy": [0, 1, 1, 0, 1, 1]}
+    dense = _result("dense", {"piqa": [1, 1, 1, 0], "arc_easy": [1, 1, 0, 0, 1, 1]})
+    in_order = compare_zero_shot(_result("a", answers_a), _result("b", answers_b), reference=dense)
+    b_reversed = _result("b", dict(reversed(list(answers_b.items()))))
+    dense_reversed = _result("dense", {"arc_easy": [1, 1, 0, 0, 1, 1], "piqa": [1, 1, 1, 0]})
+    reordered = compare_zero_shot(_result("a", answers_a), b_reversed, reference=dense_reversed)
+    assert reordered.to_dict() == in_order.to_dict()  # A's order, the same numbers
+    with pytest.raises(InvalidInputError, match="not evaluated on the same questions"):
+        compare_zero_shot(_result("a", answers_a), _result("b", {"piqa": [1, 1, 1, 0]}))
+
+
+@pytest.mark.parametrize("field", ["split", "source"])
+def test_results_on_another_split_or_source_are_refused(field):
+    a = _result("a", {"piqa": [1, 0, 1, 0], "arc_easy": [1, 0, 0, 0]})
+    b = _result("b", {"piqa": [1, 1, 1, 0], "arc_easy": [0, 1, 1, 0]})
+    other = _result("other", {"piqa": [1, 1, 1, 0], "arc_easy": [0, 1, 1, 0]})
+    setattr(other.tasks[1], field, "elsewhere")
+    was = getattr(a.tasks[1], field)
+    with pytest.raises(InvalidInputError, match=rf"arc_easy: a was scored on {field} '{was}', other on 'elsewhere'"):
+        compare_zero_shot(a, other, names=("a", "other", "reference"))
+    with pytest.raises(InvalidInputError, match=rf"arc_easy: a was scored on {field} '{was}', reference on 'elsewhere'"):
+        compare_zero_shot(a, b, reference=other, names=("a", "b", "reference"))

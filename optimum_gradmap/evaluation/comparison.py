@@ -13,7 +13,11 @@ pooled over every question (each counted once):
   likely to favour either, so the number favouring B among the n_discordant such questions is
   Binomial(n_discordant, 1/2); the two-sided p-value;
 - with a reference model (the dense one), each model's retained accuracy: its accuracy as a percentage of
-  the reference's (per task, and for the average over tasks, as LinearPatch and ReplaceMe report it).
+  the reference's (per task, and for the average over tasks, as LinearPatch and ReplaceMe report it);
+  undefined (`None`) where the reference's accuracy is 0.
+
+Tasks are paired by name (the results may list them in any order), and only results scored on the same
+split of the same data: a task scored on its validation split is never paired with its test split.
 
 The average over tasks (each task weighted equally, the papers' "zero-shot average") has the standard error
 sqrt(sum over tasks of SE_t^2) / number of tasks.
@@ -65,7 +69,8 @@ class PairedAccuracy:
         stderr (`float`): Its standard error, from the paired differences.
         only_a, only_b (`int`): Questions only A, only B got right.
         p_value (`float`): McNemar's exact two-sided p-value.
-        retained_a, retained_b (`float`, *optional*): Each accuracy as a percentage of the reference model's.
+        retained_a, retained_b (`float`, *optional*): Each accuracy as a percentage of the reference model's
+            (`None` without a reference, or where its accuracy is 0).
     """
 
     task: str
@@ -124,7 +129,8 @@ class ZeroShotComparison:
         average_difference (`float`), average_stderr (`float`): Their difference and its standard error.
         reference (`str`, *optional*): The model retained accuracy is measured against.
         average_reference (`float`, *optional*): Its average over tasks.
-        retained_a, retained_b (`float`, *optional*): Each average as a percentage of the reference's.
+        retained_a, retained_b (`float`, *optional*): Each average as a percentage of the reference's (`None`
+            without a reference, or where its average is 0).
     """
 
     model_a: str
@@ -157,16 +163,27 @@ class ZeroShotComparison:
                 f"{entry.task:<15}{entry.num_questions:>10}{entry.acc_a:>9.4f}{entry.acc_b:>9.4f}{entry.difference:>+9.4f}"
                 f"{entry.stderr:>9.4f}{entry.only_a:>8}{entry.only_b:>8}{entry.p_value:>9.3g}"
             )
-            if retained and entry.retained_a is not None:
-                line += f"{entry.retained_a:>10.1f}{entry.retained_b:>10.1f}"
+            if retained:
+                line += _percent_column(entry.retained_a) + _percent_column(entry.retained_b)
             lines.append(line)
         average = (
             f"average of {len(self.tasks)} tasks: A {self.average_a:.4f}, B {self.average_b:.4f}, "
             f"B - A {self.average_difference:+.4f} +/- {self.average_stderr:.4f}"
         )
-        if retained:
+        if retained and self.retained_a is not None:
             average += f"; retained: A {self.retained_a:.1f}%, B {self.retained_b:.1f}% of {self.average_reference:.4f}"
+        elif retained:
+            average += f"; retained: undefined (the reference's average is {self.average_reference:.4f})"
         return "\n".join([*lines, average])
+
+
+def _percent_column(value: float | None) -> str:
+    return f"{'undefined':>10}" if value is None else f"{value:>10.1f}"
+
+
+def _retained(accuracy: float, reference_accuracy: float) -> float | None:
+    """`accuracy` as a percentage of `reference_accuracy`; `None` (undefined) where the reference's is 0."""
+    return 100 * accuracy / reference_accuracy if reference_accuracy > 0 else None
 
 
 def _answers(result: ZeroShotResult, name: str) -> dict[str, dict[int, int]]:
@@ -180,6 +197,33 @@ def _answers(result: ZeroShotResult, name: str) -> dict[str, dict[int, int]]:
     return answers
 
 
+def _check_same_data(result: ZeroShotResult, other: ZeroShotResult, name: str, other_name: str) -> None:
+    """Refuses to pair tasks that `result` and `other` scored on another split or from another source."""
+    scored = {task.task: task for task in other.tasks}
+    for task in result.tasks:
+        if task.task not in scored:
+            continue
+        for field_name in ("split", "source"):
+            mine, theirs = getattr(task, field_name), getattr(scored[task.task], field_name)
+            if mine != theirs:
+                raise InvalidInputError(
+                    f"{task.task}: {name} was scored on {field_name} {mine!r}, {other_name} on {theirs!r}: their "
+                    "answers are to other questions and cannot be paired. Evaluate both on the same split with the same "
+                    "task data (`task_data`, `--task-data`)."
+                )
+
+
+def _check_reference_covers(answers: dict[str, dict[int, int]], reference: dict[str, dict[int, int]], names: Sequence[str]) -> None:
+    """Refuses a reference that did not answer every question the two models were compared on."""
+    for task, questions in answers.items():
+        missing = set(questions) - set(reference.get(task, {}))
+        if missing:
+            raise InvalidInputError(
+                f"{names[2]} has no answers to {len(missing)} of the {len(questions)} {task} questions {names[0]} and "
+                f"{names[1]} were evaluated on: evaluate the reference with the same tasks, task data, limit and subsets."
+            )
+
+
 def compare_zero_shot(
     result_a: ZeroShotResult,
     result_b: ZeroShotResult,
@@ -190,24 +234,32 @@ def compare_zero_shot(
 
     Args:
         result_a, result_b ([`ZeroShotResult`]): The two models' results, with their questions' records,
-            on the same tasks and questions.
-        reference ([`ZeroShotResult`], *optional*): The dense model's, on the same questions: each model's
-            accuracy is then also given as a percentage of its accuracy (retained accuracy).
-        names (`Sequence[str]`): The names of A, B and the reference, for the table.
+            on the same tasks (in any order), questions, splits and data sources.
+        reference ([`ZeroShotResult`], *optional*): The dense model's, on the same questions (or more): each
+            model's accuracy is then also given as a percentage of its accuracy (retained accuracy, undefined
+            where the reference's accuracy is 0).
+        names (`Sequence[str]`, defaults to `("A", "B", "reference")`): The names of A, B and the reference,
+            for the table and the errors.
 
     Returns:
-        [`ZeroShotComparison`].
+        [`ZeroShotComparison`]: the tasks in `result_a`'s order.
 
     Raises:
-        InvalidInputError: when the two results do not hold the same tasks and questions, or no records.
+        InvalidInputError: when the two results do not hold the same tasks and questions, a task was scored on
+            another split or from another source, the reference misses some of the questions, or a result has
+            no records.
     """
     answers_a, answers_b = _answers(result_a, names[0]), _answers(result_b, names[1])
     answers_reference = _answers(reference, names[2]) if reference is not None else None
-    if list(answers_a) != list(answers_b) or any(set(answers_a[t]) != set(answers_b[t]) for t in answers_a):
+    if set(answers_a) != set(answers_b) or any(set(answers_a[t]) != set(answers_b[t]) for t in answers_a):
         raise InvalidInputError(
             f"{names[0]} and {names[1]} were not evaluated on the same questions: evaluate both with the same tasks, "
             "task data, limit and subsets."
         )
+    _check_same_data(result_a, result_b, names[0], names[1])
+    if reference is not None:
+        _check_same_data(result_a, reference, names[0], names[2])
+        _check_reference_covers(answers_a, answers_reference, names)
     comparison = ZeroShotComparison(names[0], names[1], reference=names[2] if reference is not None else None)
     pooled_a, pooled_b = [], []
     for task, questions in answers_a.items():
@@ -216,7 +268,7 @@ def compare_zero_shot(
         entry = PairedAccuracy.from_answers(task, right_a, right_b)
         if answers_reference is not None:
             reference_acc = sum(answers_reference[task][i] for i in ids) / len(ids)
-            entry.retained_a, entry.retained_b = 100 * entry.acc_a / reference_acc, 100 * entry.acc_b / reference_acc
+            entry.retained_a, entry.retained_b = _retained(entry.acc_a, reference_acc), _retained(entry.acc_b, reference_acc)
         comparison.tasks.append(entry)
         pooled_a += right_a
         pooled_b += right_b
@@ -229,9 +281,9 @@ def compare_zero_shot(
     if answers_reference is not None:
         per_task = [sum(answers_reference[t][i] for i in answers_a[t]) / len(answers_a[t]) for t in answers_a]
         comparison.average_reference = sum(per_task) / count
-        comparison.retained_a = 100 * comparison.average_a / comparison.average_reference
-        comparison.retained_b = 100 * comparison.average_b / comparison.average_reference
+        comparison.retained_a = _retained(comparison.average_a, comparison.average_reference)
+        comparison.retained_b = _retained(comparison.average_b, comparison.average_reference)
         pooled_reference = sum(answers_reference[t][i] for t in answers_a for i in answers_a[t]) / len(pooled_a)
-        comparison.pooled.retained_a = 100 * comparison.pooled.acc_a / pooled_reference
-        comparison.pooled.retained_b = 100 * comparison.pooled.acc_b / pooled_reference
+        comparison.pooled.retained_a = _retained(comparison.pooled.acc_a, pooled_reference)
+        comparison.pooled.retained_b = _retained(comparison.pooled.acc_b, pooled_reference)
     return comparison
