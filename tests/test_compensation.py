@@ -1086,3 +1086,34 @@ def test_preserved_outliers_are_fitted_to_stay_as_they_are():
         assert others < 1  # the other tokens still move toward the dense hidden state
     # the preserve fit minimises the others' error plus the outliers' change, the exclude fit the others' alone
     assert change["preserve"] < change["exclude"], change
+
+
+def test_validation_after_refinement_keeps_exactly_the_model_it_validated(monkeypatch):
+    """With `refinement_steps` and validation data, the compensation kept is the one validated: the fits' W' and the
+    refinement's R together, not W' alone re-applied (issue 55, 4.2). The logits compared are the validated model's."""
+    from optimum_gradmap import GradMAPPruner
+    from optimum_gradmap.compensation import stage2
+
+    from .conftest import small_config
+
+    ids, probe = random_ids(8, 16), random_ids(2, 16, seed=1)
+    model = tiny_model("llama", num_layers=6)
+    config = small_config(batch_size=2, refinement_steps=20, refinement_lr=1e-2, **PREVIOUS_DEFAULT_STAGE2)
+    pruner = GradMAPPruner(config, progress_bar=False)
+    result = pruner.select_layers(model, ids)
+    validated = {}
+    keep_if_validated = stage2._keep_if_validated
+
+    def record_the_validated_model(dense, *args, **kwargs):
+        validated["state"] = {name: tensor.clone() for name, tensor in dense.model.state_dict().items()}
+        with torch.no_grad():
+            validated["logits"] = dense.model(probe).logits
+        return keep_if_validated(dense, *args, **kwargs)
+
+    monkeypatch.setattr(stage2, "_keep_if_validated", record_the_validated_model)
+    pruner.compensate(result, validation_data=ids)
+    assert result.compensation.refinement["step"] > 0  # the refinement changed the fits: R is not the identity
+    assert result.compensation.validation["kept"] and result.compensated_layers
+    assert _changed_parameters(model, validated["state"]) == set()
+    with torch.no_grad():
+        torch.testing.assert_close(model(probe).logits, validated["logits"], rtol=0, atol=0)

@@ -21,7 +21,7 @@ from ..surgery import LayerSnapshot
 from ..weights import WeightBackup
 from .activations import check_outlier_tokens, hidden_state_means, record_layer_outputs
 from .fit import fit_and_fold
-from .folding import apply_compensation, down_projection_backup
+from .folding import down_projection_backup
 from .next_token import check_next_token_selection, resolve_selection
 from .refinement import refine
 from .targets import check_num_compensated_layers, compensation_targets
@@ -265,15 +265,19 @@ def _keep_if_validated(
     progress_bar: bool,
     result: CompensationResult,
 ) -> None:
-    """Perplexity on `validation_ids` with the folds and without them; leaves the better model and says so in `result`."""
+    """Perplexity on `validation_ids` with the folds and without them; leaves the better model and says so in `result`.
+
+    The model validated with the compensation is kept exactly as it was measured: its folded tensors (the fits' W'
+    and, with `refinement_steps`, the refinement's R) are copied before they are undone, and copied back if kept.
+    """
+    validated = down_projection_backup(dense.adapter, [layer for layer, _ in folds])
     with_compensation = perplexity(dense.model, validation_ids, batch_size, progress_bar)
     result.undo()
     without = perplexity(dense.model, validation_ids, batch_size, progress_bar)
     kept = with_compensation < without
     result.validation = {"without": without, "with": with_compensation, "kept": kept}
     if kept:
-        for layer, matrix in folds:
-            apply_compensation(dense.adapter, layer, matrix)
+        validated.restore()
         return
     result.skipped_layers.update(
         {index: "the compensation raised the validation perplexity" for index in result.compensated_layers}
