@@ -1117,3 +1117,33 @@ def test_validation_after_refinement_keeps_exactly_the_model_it_validated(monkey
     assert _changed_parameters(model, validated["state"]) == set()
     with torch.no_grad():
         torch.testing.assert_close(model(probe).logits, validated["logits"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mixtral"])
+def test_a_fit_between_removals_that_fails_mid_fold_leaves_the_weights_as_they_were(monkeypatch, model_type):
+    """compensate_each_round: a fit that folds into one down projection and then fails is undone by its own backup,
+    so the failed Stage 1 leaves the model exactly as it came (issue 55, 4.7). Mixtral: one expert of several."""
+    from optimum_gradmap import GradMAPPruner
+    from optimum_gradmap.compensation import each_round
+    from optimum_gradmap.weights import fold_into
+
+    from .conftest import small_config
+
+    model = tiny_model(model_type, num_layers=6)
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    layers, config_before = list(model.model.layers), model.config.to_dict()
+    folded = []
+
+    def fold_one_then_fail(model, adapter, layer, *args, **kwargs):
+        target = adapter.get_down_projections(layer)[0]
+        fold_into(target, 2 * torch.eye(model.config.hidden_size, dtype=torch.float64))
+        folded.append(layer)
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(each_round, "fit_and_fold", fold_one_then_fail)
+    settings = dict(num_layers_to_prune=2, compensate_each_round=True, **PREVIOUS_DEFAULT_STAGE2)
+    with pytest.raises(RuntimeError, match="simulated"):
+        GradMAPPruner(small_config(**settings), progress_bar=False).prune(model, random_ids(8, 16))
+    assert folded  # the fit did fold before it failed
+    assert list(model.model.layers) == layers and model.config.to_dict() == config_before
+    assert _changed_parameters(model, state) == set() and model.state_dict().keys() == state.keys()

@@ -48,6 +48,8 @@ def compensate_run(
     layer just before the run of removed layers it belongs to, to the dense hidden state at the end of
     that run, and folds it, so that the next Stage 1 round scores the repaired model.
 
+    If the fit fails, its down projection(s) are put back as they were before the error propagates.
+
     Returns:
         [`RunCompensation`], or `None` when the run starts at layer 0 (no layer before it).
     """
@@ -62,7 +64,11 @@ def compensate_run(
     layer = dense.layers[index]
     backup = down_projection_backup(adapter, [layer])
     shared_ids, first_sample = distributed.shard(calibration_ids)  # all of them with one process
-    with dense.temporarily(range(dense.num_layers)):
-        (original,) = record_layer_outputs(model, [dense.layers[end]], shared_ids, config.batch_size, progress_bar)
-    fit = fit_and_fold(model, adapter, layer, original, shared_ids, config, progress_bar, first_sample)
+    try:
+        with dense.temporarily(range(dense.num_layers)):
+            (original,) = record_layer_outputs(model, [dense.layers[end]], shared_ids, config.batch_size, progress_bar)
+        fit = fit_and_fold(model, adapter, layer, original, shared_ids, config, progress_bar, first_sample)
+    except BaseException:  # a fit that failed mid-fold (one down projection of several, or one of its tensors)
+        backup.restore()
+        raise
     return RunCompensation(index, end, None if fit.skipped else fit.reg_lambda, backup)
