@@ -27,6 +27,7 @@ from . import distributed
 from .adapters import DecoderAdapter, get_adapter
 from .configuration import GradMAPConfig
 from .errors import InvalidInputError
+from .files import file_mode, folder_mode
 from .report import REPORT_NAME, write_report
 from .surgery import rewrite_fields
 
@@ -204,6 +205,22 @@ def check_output_location(
     return target
 
 
+def _give_umask_modes(folder: str) -> None:
+    """Gives `folder`, and every folder and file in it, the mode the umask gives a new one ([`folder_mode`],
+    [`file_mode`]: 0o755 and 0o644 with the usual 022), so that another user, or a server running under another
+    UID, reads the checkpoint as it reads any other: `tempfile.mkdtemp` creates the staging folder 0700, and
+    safetensors >= 0.8 writes the weights 0600 (it renames a temporary file into place)."""
+    files, folders = file_mode(), folder_mode()
+    os.chmod(folder, folders)
+    for root, subfolders, names in os.walk(folder):
+        for name in subfolders:
+            os.chmod(os.path.join(root, name), folders)
+        for name in names:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, files)
+
+
 def replace_folder(staging: str, target: str) -> None:
     """Moves the complete folder `staging` to `target`, replacing what was there: each step is a rename,
     so an interruption leaves either the old folder or the new one (and at worst a hidden leftover beside it)."""
@@ -294,6 +311,7 @@ def _write_checkpoint(
         if report is not None:
             write_report(report, staging, repo_id, title=repo_id or os.path.basename(target))
         validate_checkpoint(staging)
+        _give_umask_modes(staging)
         replace_folder(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -107,6 +107,26 @@ def test_a_failed_save_leaves_the_old_folder_untouched_or_no_folder(tmp_path, mo
     assert validate_checkpoint(tmp_path / "old")["num_layers"] == 4
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_saved_files_and_folders_have_the_umasks_modes_like_any_other_file(tmp_path, umask):
+    from optimum_gradmap.files import write_atomically
+
+    pruner = GradMAPPruner(small_config(num_layers_to_prune=1, compensation=False), progress_bar=False)
+    pruner.prune(tiny_model("llama", num_layers=4), random_ids(8, 16))
+    previous = os.umask(umask)
+    try:
+        pruner.save_pretrained(tmp_path / "checkpoint")
+        write_atomically(tmp_path / "stage1.json", "{}")
+    finally:
+        os.umask(previous)
+    mode = lambda path: os.stat(path).st_mode & 0o777  # noqa: E731
+    assert mode(tmp_path / "checkpoint") == 0o777 & ~umask  # readable by the group (and others, with 022)
+    assert {name: mode(tmp_path / "checkpoint" / name) for name in os.listdir(tmp_path / "checkpoint")} == {
+        name: 0o666 & ~umask for name in os.listdir(tmp_path / "checkpoint")
+    }
+    assert mode(tmp_path / "stage1.json") == 0o666 & ~umask
+
+
 def test_a_model_name_that_is_neither_a_folder_nor_on_the_hub_says_so(tmp_path, capsys, monkeypatch):
     def offline(*args, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in the cache.")
