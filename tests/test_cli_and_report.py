@@ -468,3 +468,19 @@ def test_the_cards_average_has_a_standard_error_only_when_every_task_has_one(tmp
     pruner.save_pretrained(tmp_path / "some", evaluation=EvaluationResult("some", zero_shot=some))
     assert _zero_shot_card_row(tmp_path / "every")[2] == f"{every.average_acc:.4f} ± {(0.3**2 + 0.4**2) ** 0.5 / 2:.4f}"
     assert _zero_shot_card_row(tmp_path / "some")[2] == f"{some.average_acc:.4f}"  # half an SE would claim too much
+
+
+@pytest.mark.parametrize(
+    "option", [["--max-loss-increase", "0.1"], ["--target-num-parameters", "1000"], ["--loss-curve"]], ids=lambda o: o[0]
+)
+def test_cut_from_refuses_the_budget_target_and_curve_options_it_cannot_apply(tiny_checkpoint, tmp_path, capsys, option):
+    pruner = GradMAPPruner(small_config(num_layers_to_prune=3, compensation=False), progress_bar=False)
+    pruner.prune(tiny_model("llama", num_layers=6), random_ids(8, 16))
+    pruner.save_pretrained(tmp_path / "earlier")
+    output = tmp_path / "out"
+    argv = ["prune", tiny_checkpoint, "--cut-from", str(tmp_path / "earlier"), "--num-layers-to-prune", "2", "-q"]
+    argv += ["--dataset", "offline:wikipedia", "--num-samples", "8", "--seq-len", "16", "--no-compensation"]
+    assert main([*argv, *option, "--output", str(output)]) == 2
+    error = capsys.readouterr().err
+    assert f"--cut-from cannot apply {option[0]}" in error and "--num-layers-to-prune" in error
+    assert not os.path.exists(output)

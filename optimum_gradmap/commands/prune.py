@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="cut an earlier run at --num-layers-to-prune K without scoring again: remove the first K layers that "
         "CHECKPOINT's Stage 1 removed (its pruning_report.json; removal is nested, so they are the layers a run with K "
-        "removes), then run Stage 2 for that K",
+        "removes), then run Stage 2 for that K (no Stage 1 round runs: --max-loss-increase, --target-num-parameters "
+        "and --loss-curve are refused)",
     )
     parser.add_argument(
         "--validation-dataset",
@@ -108,11 +109,31 @@ def _checked_prune_input(args: argparse.Namespace) -> tuple[GradMAPConfig, Model
 
 
 def _cut(config: GradMAPConfig, checkpoint: str) -> GradMAPConfig:
-    """The config that removes the first `config.num_layers_to_prune` layers an earlier run removed."""
+    """The config that removes the first `config.num_layers_to_prune` layers an earlier run removed.
+
+    The cut runs no Stage 1 round: a budget, a parameter target or a loss curve would have nothing to decide or
+    measure, so they are refused rather than ignored."""
     import dataclasses
 
     from ..report import load_report
 
+    given = [
+        option
+        for option, value in (
+            ("--max-loss-increase", config.max_loss_increase),
+            ("--target-num-parameters", config.target_num_parameters),
+            ("--loss-curve", config.loss_curve or None),
+        )
+        if value is not None
+    ]
+    if given:
+        raise InputError(
+            f"--cut-from cannot apply {', '.join(given)}: it replays the first K layers {checkpoint}'s Stage 1 removed, "
+            "without Stage 1's rounds, so there is no removal to stop or loss to follow. Drop "
+            f"{'it' if len(given) == 1 else 'them'} and choose K yourself: `optimum-gradmap inspect {checkpoint}` prints "
+            "the calibration loss after each removal when that run followed it (--loss-curve or a budget), and its "
+            "parameters; then give --num-layers-to-prune K."
+        )
     report = load_report(checkpoint)
     if config.compensate_each_round or report["gradmap_config"].get("compensate_each_round"):
         raise InputError(
@@ -125,8 +146,7 @@ def _cut(config: GradMAPConfig, checkpoint: str) -> GradMAPConfig:
             f"--cut-from needs --num-layers-to-prune K, between 1 and the {len(removed)} layers {checkpoint} removed."
         )
     print(f"Cutting {checkpoint}'s run at {config.num_layers_to_prune}: removing layers {removed[: config.num_layers_to_prune]}")
-    cut = {"layers_to_prune": removed[: config.num_layers_to_prune], "num_layers_to_prune": None, "max_loss_increase": None}
-    return dataclasses.replace(config, **cut, target_num_parameters=None, loss_curve=False)
+    return dataclasses.replace(config, layers_to_prune=removed[: config.num_layers_to_prune], num_layers_to_prune=None)
 
 
 def run(args: argparse.Namespace) -> int:
