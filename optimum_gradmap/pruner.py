@@ -10,13 +10,14 @@ import copy
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from . import streaming, surgery
+from . import distributed, streaming, surgery
 from .adapters import get_adapter
 from .checkpoint import save_checkpoint
 from .compensation import (
@@ -28,6 +29,7 @@ from .compensation import (
     compensate,
     compensate_run,
 )
+from .compensation.refinement import check_refinement_data
 from .configuration import GradMAPConfig
 from .data import CalibrationData, calibration_sha256, describe_calibration_data, is_text_data, prepare_calibration_data
 from .errors import InvalidInputError
@@ -79,8 +81,10 @@ class GradMAPPruner:
         self.tokenizer = tokenizer
         self.progress_bar = progress_bar
         self.result: PruningResult | None = None
-        # Between Stage 1 and the end of Stage 2: the dense stack of `self.result`.
+        # Between Stage 1 and the end of Stage 2: the dense stack of `self.result`, and the fits made between Stage 1's
+        # removals (`compensate_each_round`), with their backups.
         self._dense: surgery.LayerSnapshot | None = None
+        self._run_compensations: list[RunCompensation] = []
         # Where `from_pretrained` loaded the model from (`revision`, `token`, ...): a tokenizer loaded later comes from there too.
         self._location: dict[str, Any] = {}
 
@@ -127,34 +131,59 @@ class GradMAPPruner:
             calibration_data: `None` (use `config.dataset`), a dataset name, a `datasets.Dataset`, a
                 list of strings, a list of token-id lists, or a `LongTensor` of shape `(N, T)` (see
                 [`~optimum_gradmap.data.prepare_calibration_data`]).
-            tokenizer (`PreTrainedTokenizerBase`, *optional*): For text; defaults to the pruner's
-                tokenizer, else the one saved with the model.
+            tokenizer (`PreTrainedTokenizerBase`, *optional*): For text (`calibration_data`, `validation_data` and
+                `compensation_data`); defaults to the pruner's tokenizer, else the one saved with the model.
             stage1_checkpoint (`str` or `os.PathLike`, *optional*): A JSON file where Stage 1 saves
                 its progress after every round, and from which an interrupted run resumes (see
                 [`~GradMAPPruner.select_layers`]).
             validation_data (*optional*): Text (any form `calibration_data` takes) that decides whether
                 Stage 2's compensation is kept: only if it lowers its perplexity (see [`~GradMAPPruner.compensate`]).
+                Read and checked before Stage 1 starts.
             compensation_data (*optional*): Text Stage 2 fits on instead of the calibration sequences (any form
                 `calibration_data` takes); defaults to `config.compensation_dataset`, and without it to the
-                calibration sequences. Read before Stage 1 starts, so that bad data leaves the model untouched.
+                calibration sequences. Read and checked before Stage 1 starts.
 
         Returns:
             [`PruningResult`]: `result.model` is the pruned model.
 
         Raises:
-            ValueError: for a model or data that cannot be pruned as configured; the model is left untouched.
+            InvalidInputError (a `ValueError`): for a model, settings or data that cannot be pruned as configured
+                (Stage 2's included), before anything changes; the model is left untouched. With a budget, a
+                `num_compensated_layers` larger than the layers Stage 1 leaves stops Stage 1 at the removal that
+                leaves too few, and its removals are undone.
+            Any other error (an interruption, running out of memory) raised once Stage 1 started propagates after the
+            model was put back as it came: the same layers, config and weights.
         """
-        compensation_ids = None
-        if self.config.compensation:
-            compensation_ids = self._compensation_ids(self._resolve_model(model), compensation_data, self.config, tokenizer)
-        elif compensation_data is not None or self.config.compensation_dataset is not None:
+        config = self.config
+        model = self._resolve_model(model)
+        compensation_ids = validation_ids = None
+        if config.compensation:
+            compensation_ids = self._compensation_ids(model, compensation_data, config, tokenizer)
+            if validation_data is not None:
+                validation_ids = self._validation_ids(model, validation_data, config, tokenizer)
+        elif compensation_data is not None or config.compensation_dataset is not None:
             raise InvalidInputError(
                 "Text for Stage 2 was given (`compensation_data` or `compensation_dataset`), but Stage 2 is off "
                 "(`compensation=False`): turn it on, or leave the text out."
             )
-        result = self.select_layers(model, calibration_data, tokenizer, stage1_checkpoint)
-        if self.config.compensation:
-            self.compensate(result, validation_data=validation_data, compensation_data=compensation_ids)
+        elif validation_data is not None:
+            raise InvalidInputError(
+                "`validation_data` was given, but Stage 2 is off (`compensation=False`): it decides whether Stage 2's "
+                "compensation is kept. Turn Stage 2 on, or leave `validation_data` out."
+            )
+
+        def check_fit_data(calibration_ids: torch.LongTensor) -> None:  # Stage 2 fits on them: checked before Stage 1
+            if config.compensation and compensation_ids is None:
+                self._check_fit_ids(calibration_ids, config)
+
+        result = self._select_layers(model, calibration_data, tokenizer, stage1_checkpoint, check_fit_data)
+        if config.compensation:
+            fit_ids = compensation_ids if compensation_ids is not None else result.calibration_ids
+            try:
+                self._compensate(result, config, fit_ids, validation_ids)
+            except BaseException:
+                self._roll_back(result)
+                raise
         self.release()
         return result
 
@@ -184,6 +213,18 @@ class GradMAPPruner:
         Returns:
             [`PruningResult`]: The model has lost its K layers; Stage 2 has not run.
         """
+        return self._select_layers(model, calibration_data, tokenizer, stage1_checkpoint)
+
+    def _select_layers(
+        self,
+        model: PreTrainedModel | None,
+        calibration_data: CalibrationData,
+        tokenizer: PreTrainedTokenizerBase | None,
+        stage1_checkpoint: str | os.PathLike | None,
+        check_calibration_ids: Callable[[torch.LongTensor], None] | None = None,
+    ) -> PruningResult:
+        """[`~GradMAPPruner.select_layers`], calling `check_calibration_ids` with the calibration sequences once they
+        are read, before anything changes."""
         config = self.config
         model = self._resolve_model(model)
         adapter = get_adapter(model)
@@ -195,6 +236,8 @@ class GradMAPPruner:
         calibration_ids = self._calibration_ids(model, calibration_data, tokenizer)
         if config.reg_lambda == "auto" and (config.compensation or config.compensate_each_round):
             check_auto_lambda_data(calibration_ids)  # before Stage 1 changes anything
+        if check_calibration_ids is not None:
+            check_calibration_ids(calibration_ids)
         checkpoint = None
         if stage1_checkpoint is not None:
             if config.layers_to_prune is not None:
@@ -235,7 +278,7 @@ class GradMAPPruner:
             stopped=selection.stopped,
             rejected=selection.rejected,
         )
-        self._dense = dense
+        self._dense, self._run_compensations = dense, run_compensations
         logger.info(
             f"Stage 1 removed layers {selection.removed_layers} of {num_layers} in {timings['stage1']:.1f}s; "
             f"{len(selection.kept_layers)} remain."
@@ -254,16 +297,18 @@ class GradMAPPruner:
         config = self.config
         run_compensations: list[RunCompensation] = []
 
-        def compensate_after(removed: int) -> None:  # compensate_each_round: Prune&Comp's repair between removals
-            done = compensate_run(dense, calibration_ids, config, removed, self.progress_bar)
-            if done is not None:
-                run_compensations.append(done)
+        def after_removal(removed: int) -> None:
+            if config.compensation and config.has_budget:  # K is known only as Stage 1 goes: checked at each removal
+                self._check_layers_left_for_stage2(dense, removed, plan)
+            if config.compensate_each_round:  # Prune&Comp's repair between removals
+                done = compensate_run(dense, calibration_ids, config, removed, self.progress_bar)
+                if done is not None:
+                    run_compensations.append(done)
 
         try:
             if config.layers_to_prune is not None:
                 return remove_explicit_layers(dense, config.layers_to_prune), run_compensations
             with streaming.execution_mode(config.execution):
-                after_removal = compensate_after if config.compensate_each_round else None
                 selection = remove_by_importance(dense, plan, calibration_ids, checkpoint, self.progress_bar, after_removal)
             return selection, run_compensations
         except BaseException:
@@ -277,6 +322,7 @@ class GradMAPPruner:
         result: PruningResult,
         validation_data: CalibrationData = None,
         compensation_data: CalibrationData = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         **config_overrides: Any,
     ) -> PruningResult:
         """Stage 2 on a model pruned by [`~GradMAPPruner.select_layers`] (see
@@ -303,6 +349,8 @@ class GradMAPPruner:
                 form `calibration_data` takes, drawn with the config's `num_samples`, `seq_len` and `seed`); defaults
                 to `compensation_dataset`, and without it to the calibration sequences.
                 `result.compensation.calibration_sha256` says which sequences were used.
+            tokenizer (`PreTrainedTokenizerBase`, *optional*): For text in `validation_data` or `compensation_data`;
+                defaults to the pruner's tokenizer, else the one saved with the model.
             config_overrides: Stage 2 settings of [`GradMAPConfig`] to use instead of the pruner's (those in
                 `optimum_gradmap.compensation.STAGE2_SETTINGS`); `result.config` records them.
 
@@ -324,15 +372,23 @@ class GradMAPPruner:
         adapter.check_supported(result.model, compensation=True)
         check_stage2_settings(config, adapter)
         check_num_compensated_layers(config.num_compensated_layers, len(result.kept_layers), config.compensation_target)
-        fit_ids = self._compensation_ids(result.model, compensation_data, config)
+        fit_ids = self._compensation_ids(result.model, compensation_data, config, tokenizer)
         if fit_ids is None:
             fit_ids = result.calibration_ids
-            if config.reg_lambda == "auto":
-                check_auto_lambda_data(fit_ids)
+            self._check_fit_ids(fit_ids, config)
         validation_ids = None
         if validation_data is not None:
-            # seed + 1: given the calibration dataset itself, validation is other windows of the same text
-            validation_ids = self._calibration_ids(result.model, validation_data, self.tokenizer, seed=config.seed + 1)
+            validation_ids = self._validation_ids(result.model, validation_data, config, tokenizer)
+        return self._compensate(result, config, fit_ids, validation_ids)
+
+    def _compensate(
+        self,
+        result: PruningResult,
+        config: GradMAPConfig,
+        fit_ids: torch.LongTensor,
+        validation_ids: torch.LongTensor | None,
+    ) -> PruningResult:
+        """Stage 2 on checked inputs: undoes the previous fit of `result`, if any, and fits again."""
         if result.compensation is not None:  # back to the Stage 1 model, which the result then describes
             result.compensation.undo()
             result.compensation = None
@@ -400,6 +456,7 @@ class GradMAPPruner:
     def release(self) -> None:
         """Drops the dense layers kept for Stage 2 (after [`~GradMAPPruner.select_layers`]), freeing their memory."""
         self._dense = None
+        self._run_compensations = []
 
     def save_pretrained(
         self,
@@ -532,8 +589,15 @@ class GradMAPPruner:
                 f"layers_to_prune={config.layers_to_prune} names the layers to remove, so Stage 1 scores nothing: "
                 f"{', '.join(config.unused_stage1_settings())} are not used."
             )
-        if config.compensation and not config.has_budget:  # with a budget, K is known (and checked by Stage 2) once Stage 1 stops
+        if config.compensation and not config.has_budget:
             check_num_compensated_layers(config.num_compensated_layers, num_layers - num_to_prune, config.compensation_target)
+        elif config.compensation and config.compensation_target == "max_drift" and config.num_compensated_layers > num_layers:
+            # with a budget, K is known only as Stage 1 goes (checked at each removal); no budget keeps more than all
+            raise InvalidInputError(
+                f"num_compensated_layers={config.num_compensated_layers} exceeds the {num_layers} layers the model has: "
+                f"Stage 2 cannot fit more layers than remain after pruning. Use num_compensated_layers <= "
+                f"{num_layers - num_to_prune} (valid whatever the budget removes), or compensation_target='span_end'."
+            )
         metric = get_importance_metric(config.importance, seed=config.seed)
         return Stage1Plan(
             metric=metric,
@@ -564,9 +628,55 @@ class GradMAPPruner:
         if data is None:
             return None
         ids = self._calibration_ids(model, data, tokenizer)
-        if config.reg_lambda == "auto":
-            check_auto_lambda_data(ids)
+        self._check_fit_ids(ids, config)
         return ids
+
+    def _validation_ids(
+        self,
+        model: PreTrainedModel,
+        validation_data: CalibrationData,
+        config: GradMAPConfig,
+        tokenizer: PreTrainedTokenizerBase | None,
+    ) -> torch.LongTensor:
+        """The sequences whose perplexity decides whether Stage 2's compensation is kept, drawn with seed `seed + 1`:
+        given the calibration dataset itself, they are other windows of the same text."""
+        return self._calibration_ids(model, validation_data, tokenizer, seed=config.seed + 1)
+
+    @staticmethod
+    def _check_fit_ids(fit_ids: torch.LongTensor, config: GradMAPConfig) -> None:
+        """Refuses, before anything changes, sequences Stage 2 cannot fit on as `config` says: too few for
+        `reg_lambda="auto"`'s folds or `refinement_steps`'s held-out fold, or fewer than the processes sharing them."""
+        if config.reg_lambda == "auto":
+            check_auto_lambda_data(fit_ids)
+        if config.refinement_steps:
+            check_refinement_data(fit_ids)
+        distributed.shard_bounds(fit_ids.shape[0])
+
+    def _check_layers_left_for_stage2(self, dense: surgery.LayerSnapshot, removed: int, plan: Stage1Plan) -> None:
+        """With a budget, refuses the removal after which fewer layers remain than Stage 2 fits (`max_drift`'s
+        `num_compensated_layers`): Stage 2 would fail, so Stage 1 stops there (and its removals are undone)."""
+        config, num_kept = self.config, len(dense.kept_layers())
+        if config.compensation_target == "max_drift" and config.num_compensated_layers > num_kept:
+            raise InvalidInputError(
+                f"num_compensated_layers={config.num_compensated_layers} exceeds the {num_kept} layers that remain once "
+                f"Stage 1 removed layer {removed}: with a budget it may remove up to {plan.num_to_prune} of the "
+                f"{dense.num_layers} layers. Use num_compensated_layers <= {dense.num_layers - plan.num_to_prune} (valid "
+                "whatever the budget removes), a smaller num_layers_to_prune, or compensation_target='span_end'. "
+                "Stage 1's removals were undone."
+            )
+
+    def _roll_back(self, result: PruningResult) -> None:
+        """Puts the model of `result` back as `prune` got it (after an error once Stage 1 started): undoes Stage 2's
+        folds, the fits made between removals, and the removals, then forgets the result."""
+        if result.compensation is not None:
+            result.compensation.undo()
+            result.compensation = None
+        for done in reversed(self._run_compensations):
+            done.backup.restore()
+        if self._dense is not None:
+            self._dense.restore()
+        self.result = None
+        self.release()
 
     def _calibration_ids(
         self,

@@ -238,3 +238,117 @@ def test_push_to_hub_uploads_nothing_when_its_staged_checkpoint_fails_validation
     monkeypatch.setattr("optimum_gradmap.checkpoint.validate_checkpoint", lambda path: {})
     result.push_to_hub("someone/model")
     assert len(uploads) == 1 and not os.path.exists(uploads[0])  # staged in a temporary folder, uploaded, removed
+
+
+# --- prune leaves the model as it came on any error (issue 55, 4.3) --------------------------------------------------
+
+
+def _as_it_came(model) -> tuple:
+    """What `prune` must leave as it was on an error: the layer objects, their indices, the config and every weight."""
+    layers = list(model.model.layers)
+    return layers, [layer.self_attn.layer_idx for layer in layers], model.config.to_dict(), {
+        name: tensor.clone() for name, tensor in model.state_dict().items()
+    }
+
+
+def _assert_as_it_came(model, before: tuple) -> None:
+    layers, indices, config, state = before
+    assert list(model.model.layers) == layers and [layer.self_attn.layer_idx for layer in layers] == indices
+    assert model.config.to_dict() == config
+    assert model.state_dict().keys() == state.keys()
+    assert [name for name, tensor in model.state_dict().items() if not torch.equal(tensor, state[name])] == []
+
+
+@pytest.fixture
+def no_stage1(monkeypatch):
+    """Fails the test if Stage 1 starts: the checks must come first."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Stage 1 started before the input was checked")
+
+    monkeypatch.setattr("optimum_gradmap.pruner.remove_by_importance", refuse)
+    monkeypatch.setattr("optimum_gradmap.pruner.remove_explicit_layers", refuse)
+
+
+@pytest.mark.parametrize(
+    "settings, inputs, message",
+    [
+        ({}, dict(validation_data=random_ids(8, 16) + 10_000), "Calibration token ids must lie in"),
+        ({}, dict(validation_data=[TEXT]), "needs a tokenizer"),  # no tokenizer anywhere, and a model without a name
+        (dict(compensation=False), dict(validation_data=random_ids(8, 16)), "`validation_data` was given, but Stage 2 is off"),
+        (dict(reg_lambda=1e-3, refinement_steps=5), dict(calibration_data=random_ids(3, 16)), "refinement_steps"),
+        (
+            dict(num_layers_to_prune=None, max_loss_increase=10.0, compensation_target="max_drift", num_compensated_layers=7),
+            {},
+            "num_compensated_layers=7 exceeds the 6 layers",
+        ),
+    ],
+    ids=["validation-out-of-vocabulary", "validation-text-without-tokenizer", "validation-without-stage2",
+         "refinement-without-held-out-fold", "budget-z-beyond-every-layer"],  # fmt: skip
+)
+def test_stage2_input_is_checked_before_stage1_and_the_model_left_as_it_came(settings, inputs, message, no_stage1):
+    from optimum_gradmap.errors import InvalidInputError
+
+    model = tiny_model("llama", num_layers=6)
+    before = _as_it_came(model)
+    inputs = {"calibration_data": random_ids(8, 16), **inputs}
+    with pytest.raises(InvalidInputError, match=message):
+        GradMAPPruner(small_config(**settings), progress_bar=False).prune(model, **inputs)
+    _assert_as_it_came(model, before)
+
+
+def test_validation_text_is_tokenized_with_the_tokenizer_given_to_prune(byte_tokenizer):
+    model = tiny_model("llama", num_layers=6)  # no name to load a tokenizer from, and the pruner has none
+    pruner = GradMAPPruner(small_config(), progress_bar=False)
+    result = pruner.prune(model, random_ids(8, 16), tokenizer=byte_tokenizer, validation_data=[TEXT])
+    assert result.compensation.validation is not None and len(model.model.layers) == 4
+
+
+def test_a_budget_that_leaves_fewer_layers_than_num_compensated_layers_stops_stage1_and_rolls_it_back(monkeypatch):
+    """With a budget, K is known only as Stage 1 goes: the removal that leaves fewer layers than Stage 2 fits stops it
+    (not Stage 2 after it), and every removal is undone."""
+    from optimum_gradmap.errors import InvalidInputError
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Stage 2 started")
+
+    monkeypatch.setattr("optimum_gradmap.pruner.compensate", refuse)
+    model = tiny_model("llama", num_layers=6)
+    before = _as_it_came(model)
+    settings = dict(num_layers_to_prune=3, max_loss_increase=100.0, compensation_target="max_drift", num_compensated_layers=5)
+    with pytest.raises(InvalidInputError, match="num_compensated_layers=5 exceeds the 4 layers"):
+        GradMAPPruner(small_config(**settings), progress_bar=False).prune(model, random_ids(8, 16))
+    _assert_as_it_came(model, before)
+
+
+@pytest.mark.parametrize("compensate_each_round", [False, True])
+def test_a_failure_in_stage2_under_prune_rolls_back_stage1(monkeypatch, compensate_each_round):
+    """`prune` is one operation: when Stage 2 fails, Stage 1's removals (and, with `compensate_each_round`, its fits)
+    are undone too, and the pruner can prune again."""
+    from optimum_gradmap.compensation import each_round, stage2
+    from optimum_gradmap.configuration import PREVIOUS_DEFAULT_STAGE2
+
+    fits_between_removals = []
+    fit_and_fold = each_round.fit_and_fold
+
+    def counted(*args, **kwargs):
+        fits_between_removals.append(1)
+        return fit_and_fold(*args, **kwargs)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(each_round, "fit_and_fold", counted)
+    monkeypatch.setattr(stage2, "fit_and_fold", fail)
+    model = tiny_model("llama", num_layers=6)
+    before = _as_it_came(model)
+    pruner = GradMAPPruner(
+        small_config(compensate_each_round=compensate_each_round, **PREVIOUS_DEFAULT_STAGE2), progress_bar=False
+    )
+    with pytest.raises(RuntimeError, match="simulated"):
+        pruner.prune(model, random_ids(8, 16))
+    assert bool(fits_between_removals) is compensate_each_round
+    _assert_as_it_came(model, before)
+    assert pruner.result is None
+    monkeypatch.setattr(stage2, "fit_and_fold", fit_and_fold)
+    assert len(pruner.prune(model, random_ids(8, 16)).kept_layers) == 4

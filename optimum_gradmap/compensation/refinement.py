@@ -28,6 +28,7 @@ from transformers.utils import logging
 
 from .. import distributed
 from ..adapters import DecoderAdapter
+from ..errors import InvalidInputError
 from ..passes import calibration_mode, forward_hooks, input_device
 from ..surgery import LayerSnapshot
 from .folding import apply_compensation
@@ -39,6 +40,25 @@ logger = logging.get_logger(__name__)
 TOP_K = 64
 # Held-out checks: every this many steps.
 CHECK_EVERY = 10
+
+
+def check_refinement_data(input_ids: torch.LongTensor) -> None:
+    """`refinement_steps` trains on three of the `AUTO_NUM_FOLDS` folds of the calibration sequences (sequence j in
+    fold j mod `AUTO_NUM_FOLDS`) and keeps the step with the lowest loss on the last: it needs one sequence per fold
+    at least.
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): The sequences Stage 2 fits on, all of them.
+
+    Raises:
+        InvalidInputError: with fewer than `AUTO_NUM_FOLDS` sequences, saying what to change.
+    """
+    if input_ids.shape[0] < AUTO_NUM_FOLDS:
+        raise InvalidInputError(
+            f"refinement_steps holds out one calibration sequence in {AUTO_NUM_FOLDS} to choose the step it keeps: it needs "
+            f"at least {AUTO_NUM_FOLDS} sequences, got {input_ids.shape[0]}. Use more calibration sequences (num_samples, "
+            "or compensation_data), or refinement_steps=0."
+        )
 
 
 def dense_top_k(dense: LayerSnapshot, input_ids: torch.LongTensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
