@@ -94,6 +94,72 @@ def calibration_batches(
         )
 
 
+class StopForward(Exception):
+    """Raised by a forward hook to end a pass once everything it was run for has been read (the layers after it,
+    the final norm and the head are then not run). [`run_model`] catches it."""
+
+
+def run_model(model: nn.Module, batch: torch.LongTensor) -> object | None:
+    """`model(input_ids=batch, use_cache=False)`, ended early without error where a hook raised [`StopForward`].
+
+    Returns:
+        The model's output, or `None` when a hook ended the pass.
+    """
+    try:
+        return model(input_ids=batch, use_cache=False)
+    except StopForward:
+        return None
+
+
+@contextmanager
+def stop_after(module: nn.Module) -> Iterator[None]:
+    """Inside the block, every forward pass ends (with [`StopForward`]) as soon as `module` has run: its own forward
+    hooks, registered before this block, have seen its output."""
+    def stop(module: nn.Module, args: tuple, output: object) -> None:
+        raise StopForward
+
+    with forward_hooks([(module, stop)]):
+        yield
+
+
+def summed_next_token_loss(logits: torch.Tensor, input_ids: torch.LongTensor) -> torch.Tensor:
+    """The next-token cross-entropy of `logits` for `input_ids`, summed over every predicted token (each row predicted
+    from its first token on), computed in float32 and returned as a float64 scalar on the logits' device: summed over
+    batches without a host synchronisation.
+
+    Args:
+        logits (`torch.Tensor` of shape `(batch, seq_len, vocab)`): The model's logits on `input_ids`.
+        input_ids (`torch.LongTensor` of shape `(batch, seq_len)`): The sequences.
+    """
+    predicted = logits[:, :-1].float()
+    labels = input_ids[:, 1:].to(predicted.device)
+    return F.cross_entropy(predicted.reshape(-1, predicted.shape[-1]), labels.reshape(-1), reduction="sum").double()
+
+
+def next_token_loss_sum(
+    model: nn.Module,
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    progress_bar: bool = True,
+    description: str = "Next-token loss",
+) -> tuple[torch.Tensor, int]:
+    """The next-token cross-entropy of `model` summed over every predicted token of `input_ids`, and the number of
+    those tokens: what a mean over several processes' shares adds up (a share may hold no sequence at all).
+
+    Returns:
+        `tuple[torch.Tensor, int]`: The sum (a float64 scalar on CPU; 0 for no sequence) and the count of predicted
+        tokens.
+    """
+    total = None
+    with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
+        for batch in batches:
+            batch_total = summed_next_token_loss(model(input_ids=batch, use_cache=False).logits, batch)
+            total = batch_total if total is None else total + batch_total
+    if total is None:
+        return torch.zeros((), dtype=torch.float64), 0
+    return total.cpu(), input_ids.shape[0] * (input_ids.shape[1] - 1)
+
+
 def mean_next_token_loss(
     model: nn.Module,
     input_ids: torch.LongTensor,
@@ -114,14 +180,17 @@ def mean_next_token_loss(
 
     Returns:
         `float`: The mean loss in nats per predicted token.
+
+    Raises:
+        ValueError: for no sequence, or sequences of one token (nothing to predict).
     """
-    total = 0.0
-    with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
-        for batch in batches:
-            logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-            labels = batch[:, 1:].to(logits.device)
-            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum").item()
-    return total / (input_ids.shape[0] * (input_ids.shape[1] - 1))
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] < 2:
+        raise ValueError(
+            f"The next-token loss needs at least one sequence of two tokens or more; got input ids of shape "
+            f"{tuple(input_ids.shape)}."
+        )
+    total, count = next_token_loss_sum(model, input_ids, batch_size, progress_bar, description)
+    return float(total) / count
 
 
 def for_each_layer_output(
@@ -134,11 +203,21 @@ def for_each_layer_output(
     progress_bar: bool = True,
 ) -> None:
     """Runs a [`calibration_batches`] pass and calls `consume(position, hidden_states)` with the output of
-    each of `layers` (its position in `layers`, and the hidden states it returned) for every batch."""
-    hooks = [(layer, lambda module, args, output, p=p: consume(p, layer_output(output))) for p, layer in enumerate(layers)]
+    each of `layers` (its position in `layers`, and the hidden states it returned) for every batch. Each forward
+    pass ends once every one of `layers` has run: the layers after them and the head are not computed."""
+    seen: set[int] = set()
+
+    def read(position: int, output: object) -> None:
+        consume(position, layer_output(output))
+        seen.add(position)
+        if len(seen) == len(layers):
+            raise StopForward
+
+    hooks = [(layer, lambda module, args, output, p=p: read(p, output)) for p, layer in enumerate(layers)]
     with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches, forward_hooks(hooks):
         for batch in batches:
-            model(input_ids=batch, use_cache=False)
+            seen.clear()
+            run_model(model, batch)
 
 
 def layer_input(args: tuple, kwargs: dict) -> torch.Tensor:

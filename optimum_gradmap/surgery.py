@@ -125,6 +125,26 @@ class LayerSnapshot:
             if previous_device_map is not None:
                 self.model.hf_device_map = previous_device_map
 
+    @contextmanager
+    def replaying(self, position: int, hidden_states: Any, as_tuple: bool) -> Iterator[None]:
+        """Inside the block the model runs, in place of the kept layers up to original index `position` (included),
+        one stand-in ([`ReplayedHiddenStates`]) that returns `hidden_states`, then the kept layers after `position`:
+        a pass that starts from what those layers received, recorded earlier, instead of computing it again. The
+        embeddings, masks and position embeddings are the model's own; the stack and config are restored on exit.
+
+        Args:
+            position (`int`): The original index of a kept layer: the last one the stand-in replaces.
+            hidden_states (`torch.Tensor` of shape `(batch, seq_len, hidden)`): What the layers after `position`
+                receive (the output of layer `position`, or, to drop it, its input).
+            as_tuple (`bool`): Whether the model's layers return a tuple (the stand-in returns what they return).
+        """
+        kept = self.kept_layers()
+        if position not in kept:
+            raise InvalidInputError(f"Layer {position} is not kept (kept: {kept}): there is nothing to replay in its place.")
+        with self.temporarily(kept[kept.index(position) :]):
+            self.replace(0, ReplayedHiddenStates(hidden_states, as_tuple))
+            yield
+
     def replace(self, position: int, module: nn.Module) -> nn.Module:
         """Puts `module` at `position` of the model's layer list (no renumbering, no config change) and
         returns the layer it replaces. For stand-ins during a pass (SLEB replays recorded hidden states)."""
@@ -132,6 +152,19 @@ class LayerSnapshot:
         replaced = layers[position]
         layers[position] = module
         return replaced
+
+
+class ReplayedHiddenStates(nn.Module):
+    """Stands in for the first layers of a model during a pass ([`LayerSnapshot.replaying`]): returns the hidden states
+    they produced earlier, whatever it is called with."""
+
+    def __init__(self, hidden_states: Any, as_tuple: bool):
+        super().__init__()
+        self.hidden_states = hidden_states
+        self.as_tuple = as_tuple
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return (self.hidden_states,) if self.as_tuple else self.hidden_states
 
 
 def layer_dependent_fields(adapter: DecoderAdapter, config: PretrainedConfig, num_layers: int) -> list[str]:

@@ -54,3 +54,65 @@ def reference_removal_losses(
         with stack.temporarily([index for index in kept if index != position]):
             losses[position] = mean_next_token_loss(model, input_ids, batch_size, progress_bar=False)
     return losses
+
+
+def reference_next_token_choice(
+    model: nn.Module,
+    adapter: object,
+    layer: nn.Module,
+    original_outputs: torch.Tensor,
+    input_ids: torch.LongTensor,
+    config: object,
+) -> object:
+    """The next-token selection of lambda ([`optimum_gradmap.compensation.learn_by_next_token_loss`]) by its
+    definition, at the cost it had before the held-out inputs were recorded: every candidate W' (each strength of the
+    grid, fitted on the three training folds) folded into `layer` in turn and scored by a pass of the whole model over
+    the held-out sequences; W' = I scored the same way. One process.
+
+    Returns:
+        [`~optimum_gradmap.compensation.RidgeChoice`]: The chosen strength (`None`: the layer is left alone), each
+        strength's held-out loss and the identity's.
+    """
+    from dataclasses import replace
+
+    from .compensation import (
+        AUTO_NUM_FOLDS,
+        AUTO_RIDGE_GRID,
+        RidgeChoice,
+        apply_compensation,
+        compensation_statistics,
+        down_projection_backup,
+        held_out_next_token_loss,
+        relative_ridge,
+        resolve_selection,
+        ridge_solutions,
+    )
+    from .compensation.next_token import LOSS_TIE_TOLERANCE
+
+    config = resolve_selection(replace(config, compensation_selection="next_token_loss"), adapter)
+    folds = compensation_statistics(
+        model,
+        adapter,
+        layer,
+        original_outputs,
+        input_ids,
+        config.batch_size,
+        progress_bar=False,
+        num_folds=AUTO_NUM_FOLDS,
+        outliers=config.outlier_tokens,
+    )
+    train = sum(folds[1:-1], folds[0])
+    held_out = input_ids[AUTO_NUM_FOLDS - 1 :: AUTO_NUM_FOLDS]
+    candidates = ridge_solutions(train, [relative_ridge(train, alpha) for alpha in AUTO_RIDGE_GRID], config.compensation_form)
+    backup = down_projection_backup(adapter, [layer])
+    identity_loss = held_out_next_token_loss(model, held_out, config.batch_size, progress_bar=False)
+    losses = {}
+    for alpha, matrix in zip(AUTO_RIDGE_GRID, candidates):
+        apply_compensation(adapter, layer, matrix)
+        try:
+            losses[alpha] = held_out_next_token_loss(model, held_out, config.batch_size, progress_bar=False)
+        finally:
+            backup.restore()
+    lowest = min(losses.values())
+    best = max(alpha for alpha in losses if losses[alpha] <= lowest + LOSS_TIE_TOLERANCE * abs(lowest))
+    return RidgeChoice(best if losses[best] < identity_loss else None, losses, identity_loss)

@@ -30,6 +30,9 @@ CASES = {
         10,
     ),
     "taylor_moe": ("mixtral", dict(num_layers_to_prune=2, importance="taylor", protected_layers=[0, 5]), 8),
+    # the default Stage 2 on 6 sequences: shares of 3, so rank 0 holds no held-out sequence (j mod 4 = 3) of the
+    # next-token selection, and the outlier threshold's median is taken over both shares
+    "default_stage2_no_held_out_sequence_on_rank_0": ("llama", dict(num_layers_to_prune=2), 6),
 }
 
 

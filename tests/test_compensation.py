@@ -1147,3 +1147,62 @@ def test_a_fit_between_removals_that_fails_mid_fold_leaves_the_weights_as_they_w
     assert folded  # the fit did fold before it failed
     assert list(model.model.layers) == layers and model.config.to_dict() == config_before
     assert _changed_parameters(model, state) == set() and model.state_dict().keys() == state.keys()
+
+
+def _next_token_families():
+    """The families whose Stage 2 fits the next-token selection chooses among (no norm after the MLP)."""
+    from .conftest import FAMILIES
+
+    return [family for family in FAMILIES if get_adapter(tiny_model(family, num_layers=2)).mlp_output_norm_path is None]
+
+
+@pytest.mark.parametrize("family", _next_token_families())
+@pytest.mark.parametrize("removed, fitted", [(3, 2), (1, 0)])  # layer 0: no layer before it to skip
+def test_the_next_token_selection_run_from_the_fitted_layer_chooses_as_the_whole_model_does(family, removed, fitted):
+    """Each candidate scored from the fitted layer on (its input recorded once) gives the losses and the choice of
+    a pass of the whole model per candidate (`optimum_gradmap.testing.reference_next_token_choice`)."""
+    from optimum_gradmap.compensation import learn_by_next_token_loss
+    from optimum_gradmap.configuration import GradMAPConfig
+    from optimum_gradmap.testing import reference_next_token_choice
+
+    model = tiny_model(family, num_layers=6)
+    adapter = get_adapter(model)
+    ids = random_ids(16, 16)
+    dense_layers = list(adapter.get_layers(model))
+    with torch.no_grad():
+        (original,) = record_layer_outputs(model, [dense_layers[removed]], ids, 4, progress_bar=False)
+    remove_layers(model, [removed])
+    config = GradMAPConfig(num_layers_to_prune=1, batch_size=4)
+    fit = learn_by_next_token_loss(model, adapter, dense_layers[fitted], original, ids, config, progress_bar=False)
+    reference = reference_next_token_choice(model, adapter, dense_layers[fitted], original, ids, config)
+    assert fit.cross_validation.alpha == reference.alpha
+    assert fit.cross_validation.identity_error == pytest.approx(reference.identity_error, rel=1e-6)
+    for alpha, loss in reference.heldout_error.items():
+        assert fit.cross_validation.heldout_error[alpha] == pytest.approx(loss, rel=1e-6)
+    assert len(set(reference.heldout_error.values())) > 1  # the candidates differ: the comparison means something
+
+
+@pytest.mark.parametrize("outliers", ["exclude", "clip", "preserve"])
+def test_the_outlier_threshold_is_a_property_of_the_calibration_set_not_of_the_batch(outliers):
+    """One median over every calibration token: the statistics do not depend on how the sequences are batched."""
+    model, adapter, target, original, ids = _without_layer_three(8, massive=True)
+    original[6:] *= 10  # the last quarter of the sequences has larger norms: a per-batch median would differ
+    whole = compensation_statistics(model, adapter, target, original, ids, 8, progress_bar=False, outliers=outliers)
+    for batch_size in (1, 3):
+        batched = compensation_statistics(model, adapter, target, original, ids, batch_size, progress_bar=False, outliers=outliers)
+        assert batched.num_tokens == whole.num_tokens
+        torch.testing.assert_close(batched.gram, whole.gram)
+        torch.testing.assert_close(batched.cross, whole.cross)
+        assert batched.target_energy == pytest.approx(whole.target_energy)
+
+
+def test_a_held_out_loss_over_no_sequence_adds_nothing_instead_of_dividing_by_zero():
+    from optimum_gradmap.passes import next_token_loss_sum
+
+    model = tiny_model("llama", num_layers=2)
+    total, count = next_token_loss_sum(model, random_ids(0, 16), 4, progress_bar=False)
+    assert float(total) == 0.0 and count == 0
+    with pytest.raises(ValueError, match="at least one sequence"):
+        from optimum_gradmap.passes import mean_next_token_loss
+
+        mean_next_token_loss(model, random_ids(0, 16), 4, progress_bar=False)

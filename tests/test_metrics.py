@@ -104,7 +104,7 @@ def test_sleb_is_the_calibration_loss_without_each_layer(model_type):
     before = copy.deepcopy(model.config.to_dict())
     assert _score("sleb", model, ids) == pytest.approx(expected, rel=1e-5)
     layers = get_adapter(model).get_layers(model)
-    assert len(layers) == 4 and all(type(layer).__name__ != "_ReplayedPrefix" for layer in layers)  # every layer is back
+    assert len(layers) == 4 and all(type(layer).__name__ != "ReplayedHiddenStates" for layer in layers)  # every layer is back
     assert model.config.to_dict() == before
 
 

@@ -13,9 +13,18 @@ import torch
 from torch import nn
 
 from ..adapters import DecoderAdapter
+from .. import distributed
 from ..configuration import GradMAPConfig
 from ..errors import InvalidInputError
-from ..passes import calibration_batches, for_each_layer_output, forward_hooks, layer_output
+from ..passes import (
+    calibration_batches,
+    for_each_layer_output,
+    forward_hooks,
+    layer_input,
+    layer_output,
+    run_model,
+    stop_after,
+)
 
 
 def hidden_state_means(
@@ -60,40 +69,62 @@ def record_layer_outputs(
     return [torch.cat(chunks) for chunks in outputs]
 
 
-# A token whose dense hidden state's norm exceeds this many times the median of its batch is an outlier.
+# A token whose dense hidden state's norm exceeds this many times the median norm over the calibration set is an outlier.
 OUTLIER_NORM_FACTOR = 5.0
 
 
-def outlier_tokens(original: torch.Tensor, factor: float = OUTLIER_NORM_FACTOR) -> torch.Tensor:
+def median_token_norm(original: torch.Tensor) -> float:
+    """The median norm of the dense hidden states over every calibration token: the scale of [`outlier_tokens`] and
+    the clipped weights, a property of the calibration set. With several processes ([`optimum_gradmap.distributed`]),
+    `original` is this process's share, and the median is taken over every process's tokens (their norms gathered),
+    so that neither the batch size nor the number of processes changes it.
+
+    Args:
+        original (`torch.Tensor` of shape `(samples, tokens, d)`): The dense hidden states (this process's share).
+
+    Returns:
+        `float`: The median (the lower middle value for an even count, as `torch.median` takes it).
+    """
+    norms = original.reshape(-1, original.shape[-1]).double().norm(dim=-1)
+    return float(distributed.gather_rows(norms).median())
+
+
+def outlier_tokens(original: torch.Tensor, median_norm: float | None = None, factor: float = OUTLIER_NORM_FACTOR) -> torch.Tensor:
     """The tokens that carry massive activations (Sun et al., COLM 2024, "Massive Activations in Large
     Language Models"; LinearPatch, Chen et al., NeurIPS 2025, Sec. 3.1): the first token of every sequence,
-    and every token whose dense hidden state's norm exceeds `factor` times the median norm of the batch.
+    and every token whose dense hidden state's norm exceeds `factor` times the median norm over the calibration set.
     Measured on SmolLM2-135M's calibration windows: the first token's norm is about 150 times the median
     from layer 14 on, so in an L2 fit one such token weighs as much as 20,000 others.
 
     Args:
         original (`torch.Tensor` of shape `(samples, tokens, d)`): The dense hidden states.
+        median_norm (`float`, *optional*): The median norm over the whole calibration set ([`median_token_norm`]);
+            defaults to the median over `original`'s tokens (then `original` should be the whole set).
         factor (`float`, defaults to `OUTLIER_NORM_FACTOR`): How many times the median norm makes an outlier.
 
     Returns:
         `torch.Tensor` of shape `(samples, tokens)`, bool: True for an outlier.
     """
-    norms = original.norm(dim=-1)
-    outliers = norms > factor * norms.median()
+    norms = original.double().norm(dim=-1)
+    median_norm = float(norms.median()) if median_norm is None else median_norm
+    outliers = norms > factor * median_norm
     outliers[:, 0] = True
     return outliers
 
 
-def outlier_token_weights(original: torch.Tensor, handling: str, factor: float = OUTLIER_NORM_FACTOR) -> torch.Tensor | None:
+def outlier_token_weights(
+    original: torch.Tensor, handling: str, median_norm: float | None = None, factor: float = OUTLIER_NORM_FACTOR
+) -> torch.Tensor | None:
     """Each token's weight in Stage 2's fit under `GradMAPConfig.outlier_tokens`.
 
     Args:
         original (`torch.Tensor` of shape `(samples, tokens, d)`): The dense hidden states.
         handling (`str`): `"keep"` (every token weighs 1: the paper), `"exclude"` (0 for the [`outlier_tokens`],
             1 for the others), `"clip"` (min(1, (`factor` x median norm / norm)^2): a token's squared error counts
-            as if its dense hidden state's norm were clipped to `factor` times the batch's median; the first token
-            is weighed by its norm like any other) or `"preserve"` (every token weighs 1: the outliers' targets
+            as if its dense hidden state's norm were clipped to `factor` times the calibration set's median; the first
+            token is weighed by its norm like any other) or `"preserve"` (every token weighs 1: the outliers' targets
             change instead, see [`for_each_compensation_batch`]).
+        median_norm (`float`, *optional*): As in [`outlier_tokens`].
         factor (`float`, defaults to `OUTLIER_NORM_FACTOR`): As in [`outlier_tokens`].
 
     Returns:
@@ -102,14 +133,15 @@ def outlier_token_weights(original: torch.Tensor, handling: str, factor: float =
     if handling in ("keep", "preserve"):
         return None
     if handling == "exclude":
-        return (~outlier_tokens(original, factor)).double()
+        return (~outlier_tokens(original, median_norm, factor)).double()
     if handling != "clip":
         raise ValueError(
             f"outlier_tokens={handling!r}: expected 'keep', 'exclude', 'clip' or 'preserve' ('auto' is resolved first, "
             "by `resolve_selection`)."
         )
     norms = original.double().norm(dim=-1)
-    return (factor * norms.median() / norms.clamp_min(torch.finfo(torch.float64).tiny)).pow(2).clamp(max=1.0)
+    median_norm = float(norms.median()) if median_norm is None else median_norm
+    return (factor * median_norm / norms.clamp_min(torch.finfo(torch.float64).tiny)).pow(2).clamp(max=1.0)
 
 
 def check_outlier_tokens(config: GradMAPConfig, adapter: DecoderAdapter) -> None:
@@ -139,6 +171,9 @@ class CompensationBatch:
         first_sample (`int`): The index of the batch's first sequence in the calibration sequences given.
         weight (`torch.Tensor` of shape `(samples, tokens)`, *optional*): Each token's weight in the fit, float64 (0
             leaves a token out; every token weighs 1 when `None`); see [`outlier_token_weights`].
+        layer_input (`torch.Tensor`, *optional*): The hidden states the layer received, as it received them (the
+            model's dtype): the next-token selection runs the model from this layer on from them.
+        layer_returns_tuple (`bool`, *optional*): Whether the layer returns a tuple (what a stand-in must return).
     """
 
     mlp_output: torch.Tensor
@@ -146,6 +181,8 @@ class CompensationBatch:
     original: torch.Tensor
     first_sample: int
     weight: torch.Tensor | None = None
+    layer_input: torch.Tensor | None = None
+    layer_returns_tuple: bool | None = None
 
     @property
     def target(self) -> torch.Tensor:
@@ -165,30 +202,53 @@ def for_each_compensation_batch(
     outliers: str = "keep",
 ) -> None:
     """Runs the pruned model and calls `consume` with each batch's [`CompensationBatch`], its tokens weighed by
-    [`outlier_token_weights`] under `outliers` (`GradMAPConfig.outlier_tokens`). With `outliers="preserve"`, the
-    [`outlier_tokens`]' dense hidden states are replaced by the pruned layer's outputs for them: their target is to
-    stay as they are (W' = I fits them exactly)."""
-    captured: dict[str, torch.Tensor] = {}
+    [`outlier_token_weights`] under `outliers` (`GradMAPConfig.outlier_tokens`), against the median norm of the whole
+    calibration set ([`median_token_norm`]: neither the batch size nor the number of processes changes a weight).
+    With `outliers="preserve"`, the [`outlier_tokens`]' dense hidden states are replaced by the pruned layer's outputs
+    for them: their target is to stay as they are (W' = I fits them exactly). Each forward pass ends after `layer`:
+    the layers after it and the head are not run."""
+    captured: dict[str, object] = {}
     mlp = adapter.get_mlp(layer)
     contribution_module = adapter.get_mlp_output_norm(layer) or mlp  # its output is what the layer adds to the residual
+
+    def capture_layer(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        captured["layer_input"] = layer_input(args, kwargs)
+        captured["layer_output"] = layer_output(output)
+        captured["returns_tuple"] = isinstance(output, (tuple, list))
+
     hooks = [
         (mlp, lambda m, a, o: captured.__setitem__("mlp_output", layer_output(o))),
         (contribution_module, lambda m, a, o: captured.__setitem__("contribution", layer_output(o))),
-        (layer, lambda m, a, o: captured.__setitem__("layer_output", layer_output(o))),
     ]
+    median_norm = median_token_norm(original_outputs) if outliers != "keep" else None
     start = 0
     description = "Collecting compensation data"
-    with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches, forward_hooks(hooks):
-        for batch in batches:
-            model(input_ids=batch, use_cache=False)
-            pruned_output = captured["layer_output"].double()
-            # some families run the MLP on token-flattened rows: align with the layer output
-            contribution = captured["contribution"].double().reshape(pruned_output.shape)
-            ffn_input = pruned_output - contribution  # X_F
-            original = original_outputs[start : start + batch.shape[0]].to(ffn_input)
-            mlp_output = captured["mlp_output"].double().reshape(original.shape)
-            weight = outlier_token_weights(original, outliers)
-            if outliers == "preserve":
-                original = torch.where(outlier_tokens(original)[..., None], pruned_output, original)
-            consume(CompensationBatch(mlp_output, ffn_input, original, start, weight))
-            start += batch.shape[0]
+    handle = layer.register_forward_hook(capture_layer, with_kwargs=True)
+    try:
+        with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches, forward_hooks(hooks):
+            with stop_after(layer):
+                for batch in batches:
+                    run_model(model, batch)
+                    pruned_output = captured["layer_output"].double()
+                    # some families run the MLP on token-flattened rows: align with the layer output
+                    contribution = captured["contribution"].double().reshape(pruned_output.shape)
+                    ffn_input = pruned_output - contribution  # X_F
+                    original = original_outputs[start : start + batch.shape[0]].to(ffn_input)
+                    mlp_output = captured["mlp_output"].double().reshape(original.shape)
+                    weight = outlier_token_weights(original, outliers, median_norm)
+                    if outliers == "preserve":
+                        original = torch.where(outlier_tokens(original, median_norm)[..., None], pruned_output, original)
+                    consume(
+                        CompensationBatch(
+                            mlp_output,
+                            ffn_input,
+                            original,
+                            start,
+                            weight,
+                            layer_input=captured["layer_input"],
+                            layer_returns_tuple=captured["returns_tuple"],
+                        )
+                    )
+                    start += batch.shape[0]
+    finally:
+        handle.remove()

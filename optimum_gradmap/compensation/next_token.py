@@ -6,11 +6,16 @@ where it can run), not by how close its hidden state comes to the dense one.
 `compensation_selection="hidden_state"` picks, for each kept layer, the ridge strength whose W' best reproduces the
 dense hidden state on held-out calibration sequences. A hidden state that is closer in squared error is not
 always one from which the rest of the model predicts better. Here every strength of the grid is fitted on
-three of the four cross-validation folds of sequences, folded into the layer, and scored by the model's
-next-token loss on the fourth fold's sequences (the whole model runs: the later layers, the final norm and
-the head decide); W' = I (the layer left alone) is a candidate too. The strength with the lowest loss is then
-fitted on every sequence. The held-out criterion is the one LinearPatch (Chen et al., NeurIPS 2025, Sec. 3.3)
-and ReplaceMe report accuracy against; the grid and folds are those of the hidden-state selection.
+three of the four cross-validation folds of sequences (sequences j with j mod 4 in {0, 1, 2}), folded into the layer,
+and scored by the model's next-token loss on the fourth fold's sequences (the later layers, the final norm and the
+head decide, over every predicted position); W' = I (the layer left alone) is a candidate too. The strength with the
+lowest loss is then fitted on every sequence. The held-out criterion is the one LinearPatch (Chen et al., NeurIPS
+2025, Sec. 3.3) and ReplaceMe report accuracy against; the grid is that of the hidden-state selection.
+
+The layers before the fitted one compute the same thing for every candidate: their output on the held-out sequences
+is recorded once, in the pass that collects the fit's statistics, and each candidate runs from the fitted layer on
+([`HeldOutLoss`]). [`optimum_gradmap.testing.reference_next_token_choice`] computes the same choice with a pass of the
+whole model per candidate.
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from .. import distributed
+from .. import distributed, surgery
 from ..adapters import DecoderAdapter
 from ..configuration import GradMAPConfig
 from ..errors import InvalidInputError
-from ..passes import mean_next_token_loss
+from ..passes import calibration_batches, next_token_loss_sum, summed_next_token_loss
+from .activations import CompensationBatch
 from .folding import apply_compensation, down_projection_backup
 from .solvers import (
     AUTO_NUM_FOLDS,
@@ -85,9 +91,81 @@ def check_next_token_selection(config: GradMAPConfig, adapter: DecoderAdapter) -
 
 
 def held_out_next_token_loss(model: nn.Module, input_ids: torch.LongTensor, batch_size: int, progress_bar: bool) -> float:
-    """The model's mean next-token loss on `input_ids` (this process's share; averaged over processes)."""
-    local = mean_next_token_loss(model, input_ids, batch_size, progress_bar, description="Held-out next-token loss")
-    return float(distributed.average(torch.tensor(local, dtype=torch.float64), input_ids.numel()))
+    """The whole model's mean next-token loss on `input_ids`: with several processes, this process's share of the
+    held-out sequences (which may hold none), the mean taken over every process's predicted tokens."""
+    total, count = next_token_loss_sum(model, input_ids, batch_size, progress_bar, description="Held-out next-token loss")
+    return mean_over_processes(total, count)
+
+
+def mean_over_processes(total: torch.Tensor, count: int) -> float:
+    """`total / count` over every process's sums and counts ([`optimum_gradmap.distributed`]): a process with nothing
+    to add gives 0 and 0."""
+    sums = distributed.all_reduce_sum(torch.stack([total.double().cpu(), torch.tensor(float(count), dtype=torch.float64)]))
+    return float(sums[0] / sums[1])
+
+
+def is_held_out(sample: int) -> bool:
+    """Whether calibration sequence `sample` (its index in the whole calibration set) is one of the held-out sequences
+    the next-token selection scores its candidates on: those of the last cross-validation fold."""
+    return sample % AUTO_NUM_FOLDS == AUTO_NUM_FOLDS - 1
+
+
+class HeldOutLoss:
+    """The model's next-token loss on the held-out sequences, computed from `layer` on: the input `layer` receives on
+    them does not depend on what is folded into `layer` or the layers after it, so it is recorded once (in the pass
+    that collects the fit's statistics) and every candidate runs only `layer`, the layers after it, the final norm
+    and the head, over every predicted position ([`LayerSnapshot.replaying`]). Exact: the same computation as the
+    whole model's pass ([`held_out_next_token_loss`]) for every layer from `layer` on, batch by batch.
+
+    Args:
+        model (`nn.Module`): The pruned model.
+        adapter (`DecoderAdapter`): Its family's adapter.
+        layer (`nn.Module`): The kept layer whose fits are scored.
+        input_ids (`torch.LongTensor` of shape `(num_held_out, seq_len)`): This process's held-out sequences (maybe
+            none).
+        layer_inputs (`torch.Tensor` of shape `(num_held_out, seq_len, d)`, *optional*): What `layer` received on
+            them (`None` with no sequence).
+        returns_tuple (`bool`): Whether the model's layers return a tuple.
+        batch_size (`int`): Sequences per pass.
+        progress_bar (`bool`): Show a progress bar.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        adapter: DecoderAdapter,
+        layer: nn.Module,
+        input_ids: torch.LongTensor,
+        layer_inputs: torch.Tensor | None,
+        returns_tuple: bool,
+        batch_size: int,
+        progress_bar: bool,
+    ):
+        self.model = model
+        self.stack = surgery.snapshot(model, adapter)
+        self.position = next(position for position, kept in enumerate(self.stack.layers) if kept is layer)
+        self.input_ids = input_ids
+        self.layer_inputs = layer_inputs
+        self.returns_tuple = returns_tuple
+        self.batch_size = batch_size
+        self.progress_bar = progress_bar
+
+    def __call__(self) -> float:
+        """The mean next-token loss on the held-out sequences of the model as it is now (over every process)."""
+        total, count = torch.zeros((), dtype=torch.float64), 0
+        num_sequences = self.input_ids.shape[0]
+        description = "Held-out next-token loss"
+        with calibration_batches(self.model, self.input_ids, self.batch_size, description, self.progress_bar) as batches:
+            for start, batch in zip(range(0, num_sequences, self.batch_size), batches):
+                if self.position == 0:  # no layer before it to skip
+                    logits = self.model(input_ids=batch, use_cache=False).logits
+                else:
+                    inputs = self.layer_inputs[start : start + batch.shape[0]]
+                    with self.stack.replaying(self.position - 1, inputs, self.returns_tuple):
+                        logits = self.model(input_ids=batch, use_cache=False).logits
+                total = total.to(logits.device) + summed_next_token_loss(logits, batch)
+                count += batch.shape[0] * (batch.shape[1] - 1)
+        return mean_over_processes(total, count)
 
 
 def learn_by_next_token_loss(
@@ -104,12 +182,25 @@ def learn_by_next_token_loss(
     the module docstring). The model is left as it was (the candidates are folded and undone in turn).
     `config.outlier_tokens="auto"` is `"exclude"` here ([`resolve_selection`]).
 
+    One pass over the calibration sequences collects the statistics of every fold and, for the held-out sequences,
+    the input of `layer`; each candidate is then scored from `layer` on ([`HeldOutLoss`]).
+
     Returns:
         [`CompensationFit`]: its `cross_validation.heldout_error` holds each strength's held-out next-token
         loss, and `identity_error` the loss with the layer left alone.
     """
     config = resolve_selection(replace(config, compensation_selection="next_token_loss"), adapter)
     check_next_token_selection(config, adapter)
+    held_out_inputs: list[torch.Tensor] = []
+    returns_tuple: list[bool] = []
+
+    def keep_held_out_inputs(batch: CompensationBatch) -> None:
+        first = first_sample + batch.first_sample
+        rows = [row for row in range(batch.mlp_output.shape[0]) if is_held_out(first + row)]
+        if rows:
+            held_out_inputs.append(batch.layer_input[rows])
+        returns_tuple[:] = [batch.layer_returns_tuple]
+
     folds = compensation_statistics(
         model,
         adapter,
@@ -121,30 +212,45 @@ def learn_by_next_token_loss(
         num_folds=AUTO_NUM_FOLDS,
         first_sample=first_sample,
         outliers=config.outlier_tokens,
+        on_batch=keep_held_out_inputs,
     )
     folds = [summed_over_processes(fold) for fold in folds]
     train = sum(folds[1:-1], folds[0])
-    held_out = input_ids[[i for i in range(input_ids.shape[0]) if (first_sample + i) % AUTO_NUM_FOLDS == AUTO_NUM_FOLDS - 1]]
+    held_out = input_ids[[row for row in range(input_ids.shape[0]) if is_held_out(first_sample + row)]]
+    loss = HeldOutLoss(
+        model,
+        adapter,
+        layer,
+        held_out,
+        torch.cat(held_out_inputs) if held_out_inputs else None,
+        bool(returns_tuple and returns_tuple[0]),
+        config.batch_size,
+        progress_bar,
+    )
     candidates = ridge_solutions(train, [relative_ridge(train, alpha) for alpha in AUTO_RIDGE_GRID], config.compensation_form)
     backup = down_projection_backup(adapter, [layer])
 
     def loss_with(matrix: torch.Tensor) -> float:
         apply_compensation(adapter, layer, matrix)
         try:
-            return held_out_next_token_loss(model, held_out, config.batch_size, progress_bar)
+            return loss()
         finally:
             backup.restore()
 
-    identity_loss = held_out_next_token_loss(model, held_out, config.batch_size, progress_bar)
+    identity_loss = loss()
     losses = {alpha: loss_with(matrix) for alpha, matrix in zip(AUTO_RIDGE_GRID, candidates)}
-    # the strongest lambda among those whose loss is the lowest up to float rounding: processes that sum the loss in
-    # another order (optimum_gradmap.distributed) then choose alike
-    lowest = min(losses.values())
-    best = max(alpha for alpha in AUTO_RIDGE_GRID if losses[alpha] <= lowest + LOSS_TIE_TOLERANCE * abs(lowest))
-    choice = RidgeChoice(best if losses[best] < identity_loss else None, losses, identity_loss)
+    choice = _choose(losses, identity_loss)
     size = original_outputs.shape[-1]
     if choice.alpha is None:
         return CompensationFit.identity(size, choice)
     total = sum(folds[1:], folds[0])
     matrix, reg_lambda = closed_form_at_strength(total, choice.alpha, config.compensation_form)
     return CompensationFit.measured(matrix, total, reg_lambda, choice)
+
+
+def _choose(losses: dict[float, float], identity_loss: float) -> RidgeChoice:
+    """The strongest lambda among those whose held-out loss is the lowest up to float rounding (processes that sum
+    the loss in another order, [`optimum_gradmap.distributed`], then choose alike); `None` unless it beats W' = I."""
+    lowest = min(losses.values())
+    best = max(alpha for alpha in losses if losses[alpha] <= lowest + LOSS_TIE_TOLERANCE * abs(lowest))
+    return RidgeChoice(best if losses[best] < identity_loss else None, losses, identity_loss)

@@ -11,6 +11,7 @@ device the model runs on, and moved to the CPU once, at the end of the pass.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +89,7 @@ def compensation_statistics(
     num_folds: int = 1,
     first_sample: int = 0,
     outliers: str = "keep",
+    on_batch: Callable[[CompensationBatch], None] | None = None,
 ) -> CompensationStatistics | list[CompensationStatistics]:
     """Runs the pruned model on the calibration data and accumulates the Stage 2 statistics of `layer`.
 
@@ -107,6 +109,8 @@ def compensation_statistics(
             (a process's share of it, see [`optimum_gradmap.distributed`]), which sets the folds.
         outliers (`str`, defaults to `"keep"`): `GradMAPConfig.outlier_tokens`: each token's weight in the sums
             ([`outlier_token_weights`]).
+        on_batch (`Callable`, *optional*): Called with every [`CompensationBatch`] too, to keep what else a caller
+            needs from the same pass.
 
     Returns:
         [`CompensationStatistics`] on CPU, or a list of one per fold when `num_folds > 1`.
@@ -141,6 +145,8 @@ def compensation_statistics(
             sums["cross"][fold].add_(r.T @ weighted_y)
             sums["energy"][fold] += squared
             tokens[fold] += y.shape[0]
+        if on_batch is not None:
+            on_batch(batch)
 
     for_each_compensation_batch(
         model, adapter, layer, original_outputs, input_ids, batch_size, progress_bar, accumulate, outliers

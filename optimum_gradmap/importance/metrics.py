@@ -43,7 +43,16 @@ from transformers.utils import logging
 from .. import surgery
 from ..adapters import DecoderAdapter
 from ..errors import InvalidInputError
-from ..passes import calibration_batches, forward_hooks, forward_pre_hooks, layer_input, layer_output
+from ..passes import (
+    calibration_batches,
+    forward_hooks,
+    forward_pre_hooks,
+    layer_input,
+    layer_output,
+    run_model,
+    stop_after,
+    summed_next_token_loss,
+)
 from . import residual
 from .gradient import gradient_importance, loss_gradient_passes
 from .registry import IMPORTANCE_METRICS, ImportanceMetric, register_importance_metric
@@ -138,22 +147,6 @@ class BlockInfluence(ImportanceMetric):
         return _mean_over_tokens(model, layers, input_ids, batch_size, influence, progress_bar, description)
 
 
-class _ReplayedPrefix(nn.Module):
-    """Stands in for the first layers of a model: returns the hidden states they produced earlier."""
-
-    def __init__(self, hidden_states: torch.Tensor, as_tuple: bool):
-        super().__init__()
-        self.hidden_states = hidden_states
-        self.as_tuple = as_tuple
-
-    def forward(self, *args, **kwargs):
-        return (self.hidden_states,) if self.as_tuple else self.hidden_states
-
-
-class _StopForward(Exception):
-    """Ends a forward pass once every hidden state it was run for has been recorded."""
-
-
 def removal_losses(
     model: PreTrainedModel,
     adapter: DecoderAdapter,
@@ -191,7 +184,7 @@ def removal_losses(
     stack = surgery.snapshot(model, adapter)
     positions = sorted(set(positions))
     deepest = positions[-1]
-    totals = dict.fromkeys(positions, 0.0)
+    totals: dict[int, torch.Tensor] = {}
     inputs: dict[int, torch.Tensor] = {}
     recorded = layer_inputs is not None
     if recorded and (returns_tuple is None or any(layer_inputs[p].shape[0] != input_ids.shape[0] for p in positions)):
@@ -203,9 +196,8 @@ def removal_losses(
     def remember_input(position: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         inputs[position] = layer_input(args, kwargs)
 
-    def stop(module: nn.Module, args: tuple, output: object) -> None:
+    def note_output(module: nn.Module, args: tuple, output: object) -> None:
         returns_tuple.append(isinstance(output, (tuple, list)))  # the stand-in returns what a layer returns
-        raise _StopForward
 
     pre_hooks = [(stack.layers[p], lambda m, a, k, p=p: remember_input(p, m, a, k)) for p in positions]
     with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
@@ -213,21 +205,17 @@ def removal_losses(
             if recorded:
                 inputs = {position: layer_inputs[position][start : start + batch.shape[0]] for position in positions}
             else:
-                with forward_pre_hooks(pre_hooks), forward_hooks([(stack.layers[deepest], stop)]):
-                    try:
-                        model(input_ids=batch, use_cache=False)
-                    except _StopForward:
-                        pass
+                with forward_pre_hooks(pre_hooks), forward_hooks([(stack.layers[deepest], note_output)]):
+                    with stop_after(stack.layers[deepest]):
+                        run_model(model, batch)
             for position in positions:
                 # run layers position+1.. from the recorded input of the layer at `position`
-                with stack.temporarily(range(position, stack.num_layers)):
-                    stack.replace(0, _ReplayedPrefix(inputs[position], returns_tuple[0]))
-                    logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-                totals[position] += F.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
-                ).item()
+                with stack.replaying(position, inputs[position], returns_tuple[0]):
+                    loss = summed_next_token_loss(model(input_ids=batch, use_cache=False).logits, batch)
+                totals[position] = loss if position not in totals else totals[position] + loss
             inputs.clear()
-    return {position: total / (input_ids.shape[0] * (input_ids.shape[1] - 1)) for position, total in totals.items()}
+    num_predicted = input_ids.shape[0] * (input_ids.shape[1] - 1)
+    return {position: float(totals[position]) / num_predicted for position in positions}
 
 
 @register_importance_metric
