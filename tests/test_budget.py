@@ -88,6 +88,33 @@ def test_a_parameter_target_removes_layers_until_the_model_is_small_enough():
     assert GradMAPPruner(with_a_maximum, progress_bar=False).prune(tiny_model("llama", 6), ids).num_layers_to_prune == 2
 
 
+def test_a_parameter_target_the_maximum_k_cannot_reach_is_warned_about_with_what_was_reached(caplog):
+    import logging
+
+    model, ids = tiny_model("llama", num_layers=6), random_ids(8, 16)
+    per_layer = sum(parameter.numel() for parameter in get_layers(model)[0].parameters())
+    target = model.num_parameters() - 3 * per_layer
+    library = logging.getLogger("optimum_gradmap")
+    handled = not library.propagate  # the command line (an earlier test) stops it propagating to caplog's root handler
+    if handled:
+        library.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("WARNING", logger="optimum_gradmap"):
+            config = small_config(num_layers_to_prune=2, target_num_parameters=target, compensation=False)
+            result = GradMAPPruner(config, progress_bar=False).prune(model, ids)
+            (warning,) = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+            caplog.clear()
+            reachable = small_config(num_layers_to_prune=3, target_num_parameters=target, compensation=False)
+            GradMAPPruner(reachable, progress_bar=False).prune(tiny_model("llama", 6), ids)
+            assert [record for record in caplog.records if record.levelname == "WARNING"] == []
+    finally:
+        if handled:
+            library.removeHandler(caplog.handler)
+    assert result.num_layers_to_prune == 2 and model.num_parameters() == target + per_layer
+    assert f"{target + per_layer:,} parameters" in warning and f"target_num_parameters={target:,}" in warning
+    assert "2 layers, the most allowed" in warning and "num_layers_to_prune" in warning
+
+
 @pytest.mark.parametrize("importance", ["gradmap", "sleb"])
 def test_cutting_a_run_at_k_gives_the_layers_and_the_model_of_a_run_with_k(importance):
     ids = random_ids(8, 16)

@@ -478,7 +478,31 @@ def remove_by_importance(
             if checkpoint is not None and distributed.is_main_process():
                 checkpoint.save_round(finished.scores, finished.removed, finished.seconds, finished.verified, finished.loss)
         _log_round(description, finished, selection.dense_loss)
+    _warn_if_target_missed(dense, plan, selection, len(candidates))
     return selection
+
+
+def _warn_if_target_missed(dense: LayerSnapshot, plan: Stage1Plan, selection: Selection, num_candidates: int) -> None:
+    """Warns when Stage 1 made every removal it was allowed and the model is still above the parameter target (a
+    budget that stopped it first says so in `selection.stopped` instead)."""
+    if plan.target_num_parameters is None or selection.stopped is not None:
+        return
+    num_parameters = dense.model.num_parameters()
+    if num_parameters <= plan.target_num_parameters:
+        return
+    removed = len(selection.removed_layers)
+    if removed < plan.num_to_prune:  # the protected layers left fewer candidates than K
+        limit = (
+            f"the {num_candidates} that are not protected (protected layers: {sorted(plan.protected_layers(dense.num_layers))})"
+        )
+        further = "protect fewer layers (`protected_layers`)"
+    else:
+        limit = f"the most allowed (K = {plan.num_to_prune}, from `num_layers_to_prune` or `pruning_ratio`)"
+        further = "raise `num_layers_to_prune` or `pruning_ratio` (or give neither: all but one layer are then allowed)"
+    logger.warning(
+        f"Stage 1 removed {removed} layers, {limit}, and the model still has {num_parameters:,} parameters, above "
+        f"target_num_parameters={plan.target_num_parameters:,}. To go further, {further}."
+    )
 
 
 def _calibration_loss(dense: LayerSnapshot, plan: Stage1Plan, calibration_ids: torch.LongTensor, progress_bar: bool) -> float:
