@@ -101,3 +101,38 @@ def test_command_line_under_torchrun(tiny_checkpoint, tmp_path):
         report = json.load(file)
     assert len(report["removed_layers"]) == 2
     assert AutoModelForCausalLM.from_pretrained(str(output)).config.num_hidden_layers == 4
+
+
+# --- Stage 2's held-out decisions over processes (issue 55, 4.5 and 4.6) ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_process_stage2_run(tmp_path_factory) -> str:
+    output = str(tmp_path_factory.mktemp("distributed_stage2"))
+    run_two_processes([os.path.join(ROOT, "tests", "integration", "stage2_worker.py"), output])
+    return output
+
+
+def _stage2_ranks(output: str, case: str) -> list[dict]:
+    ranks = []
+    for rank in (0, 1):
+        with open(os.path.join(output, case, f"rank-{rank}.json"), encoding="utf-8") as file:
+            ranks.append(json.load(file))
+    assert [found["world_size"] for found in ranks] == [2, 2]
+    return ranks
+
+
+def test_refinement_with_the_held_out_fold_on_one_process_means_over_every_held_out_sequence(two_process_stage2_run):
+    """6 sequences on 2 processes: rank 0's share holds no held-out sequence. It adds nothing to the held-out loss, which
+    is the mean over the one held-out sequence there is, as with one process (issue 55, 4.5)."""
+    from tests.integration.stage2_worker import stage2_case_inputs
+
+    case = "refinement_held_out_on_one_process"
+    ranks = _stage2_ranks(two_process_stage2_run, case)
+    assert ranks[0] == ranks[1]  # every process took the same steps and kept the same one
+    model, config, calibration_ids, _ = stage2_case_inputs(case)
+    single = GradMAPPruner(config, progress_bar=False).prune(model, calibration_ids).compensation.refinement
+    refined = ranks[0]["refinement"]
+    assert refined["start"] == pytest.approx(single["start"], rel=1e-5)
+    assert refined["refined"] <= refined["start"] and 0 <= refined["step"] <= config.refinement_steps
+

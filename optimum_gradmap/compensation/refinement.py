@@ -53,10 +53,14 @@ def check_refinement_data(input_ids: torch.LongTensor) -> None:
     Raises:
         InvalidInputError: with fewer than `AUTO_NUM_FOLDS` sequences, saying what to change.
     """
-    if input_ids.shape[0] < AUTO_NUM_FOLDS:
+    _check_num_sequences(input_ids.shape[0])
+
+
+def _check_num_sequences(num_sequences: int) -> None:
+    if num_sequences < AUTO_NUM_FOLDS:
         raise InvalidInputError(
             f"refinement_steps holds out one calibration sequence in {AUTO_NUM_FOLDS} to choose the step it keeps: it needs "
-            f"at least {AUTO_NUM_FOLDS} sequences, got {input_ids.shape[0]}. Use more calibration sequences (num_samples, "
+            f"at least {AUTO_NUM_FOLDS} sequences, got {num_sequences}. Use more calibration sequences (num_samples, "
             "or compensation_data), or refinement_steps=0."
         )
 
@@ -99,6 +103,10 @@ def refine(
     """Refines the compensation of `layers` (already folded) by distillation from the dense model (see the module
     docstring), and folds the factors with the lowest held-out loss.
 
+    Under `torch.distributed` each process works on its share of the sequences, and a share may hold no held-out (or no
+    training) sequence: it then adds nothing to the sums that every process all-reduces. The held-out loss is the mean
+    over all processes' held-out sequences, and each step follows the gradient of the mean over all their batches.
+
     Args:
         dense ([`LayerSnapshot`]): The dense stack of the pruned model.
         layers (`Sequence[nn.Module]`): The compensated layers.
@@ -110,11 +118,19 @@ def refine(
 
     Returns:
         `dict[str, float]`: the held-out loss before (`"start"`) and after (`"refined"`), and the step kept.
+
+    Raises:
+        InvalidInputError: with fewer than `AUTO_NUM_FOLDS` sequences over all processes (no held-out fold).
     """
     model = dense.model
     folds = [(first_sample + i) % AUTO_NUM_FOLDS for i in range(input_ids.shape[0])]
     train = [i for i, fold in enumerate(folds) if fold != AUTO_NUM_FOLDS - 1]
     held_out = [i for i, fold in enumerate(folds) if fold == AUTO_NUM_FOLDS - 1]
+    batch_rows = min(batch_size, len(train))  # the rows of this process's batch at every step (0 with no training share)
+    # over all processes: sequences, held-out sequences, and rows of a step's batches
+    counts = distributed.all_reduce_sum(torch.tensor([input_ids.shape[0], len(held_out), batch_rows], dtype=torch.float64))
+    num_sequences, num_held_out, num_batch_rows = (int(count) for count in counts.tolist())
+    _check_num_sequences(num_sequences)
     indices, probabilities = dense_top_k(dense, input_ids, batch_size)
     device, hidden_size = input_device(model), adapter.get_text_config(model).hidden_size  # the residual stream's width
     factors = [torch.eye(hidden_size, device=device, requires_grad=True) for _ in layers]
@@ -124,13 +140,13 @@ def refine(
     ]
 
     def held_out_loss() -> float:
-        total = 0.0
+        total = 0.0  # the sum over this process's held-out sequences of their loss (0 for none)
         with torch.no_grad():
             for start in range(0, len(held_out), batch_size):
                 rows = held_out[start : start + batch_size]
                 batch = input_ids[rows].to(device)
                 total += float(_distillation_loss(model, batch, indices[rows], probabilities[rows])) * len(rows)
-        return float(distributed.average(torch.tensor(total / len(held_out), dtype=torch.float64), len(held_out)))
+        return float(distributed.all_reduce_sum(torch.tensor(total, dtype=torch.float64)) / num_held_out)
 
     optimizer = torch.optim.Adam(factors, lr=learning_rate)
     generator = torch.Generator().manual_seed(0)
@@ -143,9 +159,12 @@ def refine(
         ):
             rows = [train[i] for i in torch.randperm(len(train), generator=generator)[:batch_size].tolist()]
             optimizer.zero_grad(set_to_none=True)
-            _distillation_loss(model, input_ids[rows].to(device), indices[rows], probabilities[rows]).backward()
-            for factor in factors:  # every process takes the same step: the mean of their gradients
-                factor.grad = distributed.all_reduce_sum(factor.grad) / distributed.world_size()
+            if rows:
+                _distillation_loss(model, input_ids[rows].to(device), indices[rows], probabilities[rows]).backward()
+            if distributed.is_distributed():  # every process takes the same step: that of the mean over all batches
+                for factor in factors:
+                    local = factor.grad * len(rows) if factor.grad is not None else torch.zeros_like(factor)
+                    factor.grad = distributed.all_reduce_sum(local) / num_batch_rows
             optimizer.step()
             if step % CHECK_EVERY == 0:
                 loss = held_out_loss()
