@@ -163,3 +163,13 @@ def mean_over_samples(compute: Callable[[torch.LongTensor], dict[int, float]], i
     keys = sorted(values)
     means = average(torch.tensor([values[key] for key in keys], dtype=torch.float64), local.shape[0])
     return dict(zip(keys, means.tolist()))
+
+
+def shard_any(input_ids: torch.LongTensor) -> tuple[torch.LongTensor, int]:
+    """Like [`shard`], for sequences that may be fewer than the processes (held-out or validation sequences): this
+    process's contiguous share, possibly empty, and the index of its first sequence in `input_ids`. What a process
+    computes on it must add up over processes with an empty share counting zero ([`all_reduce_sum`] of sums and
+    counts), and every process must still take part in that all-reduce."""
+    size, process, num_samples = world_size(), rank(), input_ids.shape[0]
+    start, stop = process * num_samples // size, (process + 1) * num_samples // size
+    return input_ids[start:stop], start

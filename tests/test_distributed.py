@@ -136,3 +136,27 @@ def test_refinement_with_the_held_out_fold_on_one_process_means_over_every_held_
     assert refined["start"] == pytest.approx(single["start"], rel=1e-5)
     assert refined["refined"] <= refined["start"] and 0 <= refined["step"] <= config.refinement_steps
 
+
+@pytest.mark.parametrize("case", ["validation_shares_of_two_and_three", "validation_share_of_none_on_rank_0"])
+def test_each_process_validates_its_share_and_all_take_the_decision_of_one_process(two_process_stage2_run, case):
+    """Validation perplexity under torchrun: each process scores its contiguous share of the validation sequences (none,
+    for rank 0 with one sequence), the losses are combined over processes, and every process keeps or undoes the
+    compensation alike, as one process on all the sequences does (issue 55, 4.6)."""
+    from tests.conftest import random_ids
+    from tests.integration.stage2_worker import stage2_case_inputs
+
+    ranks = _stage2_ranks(two_process_stage2_run, case)
+    model, config, calibration_ids, validation_ids = stage2_case_inputs(case)
+    num_validation = validation_ids.shape[0]
+    for rank, found in enumerate(ranks):
+        share = list(range(rank * num_validation // 2, (rank + 1) * num_validation // 2))
+        assert found["validated_sequences"] == sorted(share * 2)  # with the compensation and without it
+    assert ranks[0] == {**ranks[1], "validated_sequences": ranks[0]["validated_sequences"]}  # the same decision
+    single = GradMAPPruner(config, progress_bar=False).prune(model, calibration_ids, validation_data=validation_ids)
+    shared, alone = ranks[0]["validation"], single.compensation.validation
+    assert shared["kept"] is alone["kept"] and ranks[0]["compensated_layers"] == single.compensated_layers
+    assert shared["with"] == pytest.approx(alone["with"], rel=1e-5)
+    assert shared["without"] == pytest.approx(alone["without"], rel=1e-5)
+    with torch.no_grad():
+        logits = single.model(random_ids(2, 16, seed=1)).logits
+    torch.testing.assert_close(torch.tensor(ranks[0]["logits"]).view_as(logits), logits, rtol=1e-5, atol=1e-5)

@@ -5,6 +5,7 @@ rollback if anything fails, and the optional check on validation text."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ from .. import distributed
 from ..adapters import DecoderAdapter
 from ..configuration import GradMAPConfig
 from ..data import calibration_sha256
-from ..evaluation.perplexity import perplexity
+from ..passes import next_token_loss_sum
 from ..surgery import LayerSnapshot
 from ..weights import WeightBackup
 from .activations import check_outlier_tokens, hidden_state_means, record_layer_outputs
@@ -144,7 +145,8 @@ def compensate(
        hidden state's error ([`learn_compensation`], `"hidden_state"`), and a layer where no lambda beats W' = I
        is left alone;
     5. with `validation_ids`, the perplexity on them with and without the compensation: it is kept
-       only if it lowers it;
+       only if it lowers it (under `torch.distributed`, each process scores its share of them and the losses are
+       summed over processes, so that every process takes the same decision);
     6. the drift again, after the folds.
 
     If anything fails, every folded tensor is put back: the model is left as Stage 1 left it. A
@@ -271,9 +273,9 @@ def _keep_if_validated(
     and, with `refinement_steps`, the refinement's R) are copied before they are undone, and copied back if kept.
     """
     validated = down_projection_backup(dense.adapter, [layer for layer, _ in folds])
-    with_compensation = perplexity(dense.model, validation_ids, batch_size, progress_bar)
+    with_compensation = _validation_perplexity(dense.model, validation_ids, batch_size, progress_bar)
     result.undo()
-    without = perplexity(dense.model, validation_ids, batch_size, progress_bar)
+    without = _validation_perplexity(dense.model, validation_ids, batch_size, progress_bar)
     kept = with_compensation < without
     result.validation = {"without": without, "with": with_compensation, "kept": kept}
     if kept:
@@ -283,3 +285,13 @@ def _keep_if_validated(
         {index: "the compensation raised the validation perplexity" for index in result.compensated_layers}
     )
     result.compensated_layers, result.objective, result.reg_lambda = [], {}, {}
+
+
+def _validation_perplexity(model: nn.Module, validation_ids: torch.LongTensor, batch_size: int, progress_bar: bool) -> float:
+    """The perplexity of `model` on `validation_ids` (exp of the mean next-token loss over every predicted token). Under
+    `torch.distributed` each process scores its contiguous share (possibly none) and the summed losses and token counts
+    are all-reduced: every process gets the same number, that of one process on all the sequences."""
+    share, _ = distributed.shard_any(validation_ids)
+    total, count = next_token_loss_sum(model, share, batch_size, progress_bar, "Validation perplexity")
+    summed = distributed.all_reduce_sum(torch.stack([total.double(), torch.tensor(float(count), dtype=torch.float64)]))
+    return math.exp(float(summed[0]) / float(summed[1]))
