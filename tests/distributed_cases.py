@@ -4,6 +4,8 @@ tests/integration/distributed_worker.py (each of the torchrun processes)."""
 from __future__ import annotations
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from optimum_gradmap import GradMAPConfig
 from tests.conftest import random_ids, tiny_model
@@ -11,7 +13,7 @@ from tests.conftest import random_ids, tiny_model
 # case -> (family, config settings, calibration sequences). 10 sequences over 2 processes: shares of 5, so
 # the cross-validation folds (sequence j in fold j mod 4) must be counted from each share's first sequence.
 CASES = {
-    "gradmap_paper_stage2": ("llama", dict(num_layers_to_prune=2), 8),
+    "gradmap_default_stage2": ("llama", dict(num_layers_to_prune=2), 8),  # GradMAP, then the default Stage 2
     "bound_halving_shortlist_span_end_auto": (  # 3 candidates: 2 rungs of 5 sequences, shares of 2 and 3
         "llama",
         dict(
@@ -41,3 +43,18 @@ def case_inputs(case: str) -> tuple[torch.nn.Module, GradMAPConfig, torch.LongTe
     family, settings, num_samples = CASES[case]
     config = GradMAPConfig(**settings, num_samples=num_samples, seq_len=16, batch_size=2)
     return tiny_model(family, num_layers=6), config, random_ids(num_samples, 16), random_ids(2, 16, seed=1)
+
+
+# The perplexity `prune --evaluate` measures, shared by the processes: dataset, segments (5 over 2 processes: shares
+# of 2 and 3) and the model it is measured on.
+EVALUATION = {"dataset": "offline:wikipedia", "max_segments": 5}
+
+
+def evaluation_inputs() -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+    """The model and tokenizer of the shared evaluation: a tiny Llama and a byte-level tokenizer (256 tokens, one
+    per byte, as tests/conftest.py's `byte_tokenizer` fixture)."""
+    byte_encoder = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer = Tokenizer(models.BPE(vocab={symbol: index for index, symbol in enumerate(sorted(byte_encoder))}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tiny_model("llama", num_layers=4), PreTrainedTokenizerFast(tokenizer_object=tokenizer)

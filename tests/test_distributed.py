@@ -10,10 +10,11 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from optimum_gradmap import GradMAPPruner, distributed
-from tests.distributed_cases import CASES, case_inputs
+from optimum_gradmap.evaluation import evaluate
+from tests.distributed_cases import CASES, EVALUATION, case_inputs, evaluation_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,6 +79,32 @@ def test_a_failed_save_on_the_main_process_raises_on_every_rank_and_only_the_mai
     assert ranks[0]["url"] == ranks[1]["url"] == "https://huggingface.co/me/tiny-pruned/commit/0"
 
 
+def _ranks(folder: str) -> list[dict]:
+    found = []
+    for rank in (0, 1):
+        with open(os.path.join(folder, f"rank-{rank}.json"), encoding="utf-8") as file:
+            found.append(json.load(file))
+    return found
+
+
+def test_prune_evaluate_shares_the_segments_among_the_processes_and_each_gets_the_whole_perplexity(two_process_run):
+    ranks = _ranks(os.path.join(two_process_run, "evaluation"))
+    assert [found["rows"] for found in ranks] == [2, 3]  # 5 segments: each process ran its share, none waited idle
+    assert ranks[0]["evaluation"] is not None and ranks[0]["evaluation"] == ranks[1]["evaluation"]
+    model, tokenizer = evaluation_inputs()
+    single = evaluate(model, tokenizer, [EVALUATION["dataset"]], max_segments=EVALUATION["max_segments"], progress_bar=False)
+    (shared,), (alone,) = ranks[0]["evaluation"]["perplexities"], single.perplexities
+    assert shared["num_segments"] == alone.num_segments == 5 and shared["protocol"] == alone.protocol
+    assert shared["num_predicted_tokens"] == alone.num_predicted_tokens
+    assert shared["perplexity"] == pytest.approx(alone.perplexity, rel=1e-6)  # float sums in another order
+
+
+def test_a_stage1_checkpoint_the_main_process_cannot_write_raises_on_every_rank(two_process_run):
+    ranks = _ranks(os.path.join(two_process_run, "stage1-checkpoint"))
+    assert ranks[0]["error"] is not None and ranks[0]["error"].split(":")[0] in ("FileExistsError", "NotADirectoryError")
+    assert ranks[1]["error"].startswith(f"RuntimeError: The main process (rank 0) failed: {ranks[0]['error']}")
+
+
 def test_one_process_is_the_identity():
     ids = torch.arange(12).view(6, 2)
     assert not distributed.is_distributed()
@@ -95,12 +122,19 @@ def test_command_line_under_torchrun(tiny_checkpoint, tmp_path):
     output = tmp_path / "pruned"
     arguments = ["-m", "optimum_gradmap.cli", "prune", tiny_checkpoint, "--num-layers-to-prune", "2", "--dataset", str(text)]
     arguments += ["--num-samples", "8", "--seq-len", "16", "--batch-size", "2", "--reg-lambda", "auto", "--output", str(output)]
+    arguments += ["--evaluate", "offline:wikipedia", "--max-segments", "3"]  # shares of 1 and 2 segments
     completed = run_two_processes(arguments)
     assert completed.stdout.count("Removed layers") == 1  # the main process reports, once
+    assert completed.stdout.count("dense model: offline:wikipedia perplexity") == 1
     with open(output / "pruning_report.json", encoding="utf-8") as file:
         report = json.load(file)
     assert len(report["removed_layers"]) == 2
-    assert AutoModelForCausalLM.from_pretrained(str(output)).config.num_hidden_layers == 4
+    for evaluation in (report["dense_evaluation"], report["evaluation"]):
+        assert [(e["dataset"], e["num_segments"]) for e in evaluation["perplexities"]] == [("offline:wikipedia", 3)]
+    pruned = AutoModelForCausalLM.from_pretrained(str(output))
+    assert pruned.config.num_hidden_layers == 4
+    alone = evaluate(pruned, AutoTokenizer.from_pretrained(str(output)), ["offline:wikipedia"], max_segments=3, progress_bar=False)
+    assert report["evaluation"]["perplexities"][0]["perplexity"] == pytest.approx(alone.perplexities[0].perplexity, rel=1e-5)
 
 
 # --- Stage 2's held-out decisions over processes (issue 55, 4.5 and 4.6) ----------------------------------------------

@@ -475,8 +475,12 @@ def remove_by_importance(
                 after_removal(index)
         if not replayed:
             finished.seconds = time.perf_counter() - started
-            if checkpoint is not None and distributed.is_main_process():
-                checkpoint.save_round(finished.scores, finished.removed, finished.seconds, finished.verified, finished.loss)
+            if checkpoint is not None:  # written by the main process; if it fails, every process raises
+                distributed.on_main_process(
+                    partial(
+                        checkpoint.save_round, finished.scores, finished.removed, finished.seconds, finished.verified, finished.loss
+                    )
+                )
         _log_round(description, finished, selection.dense_loss)
     _warn_if_target_missed(dense, plan, selection, len(candidates))
     return selection

@@ -11,10 +11,17 @@ processes agree with one another and with a single process. No process may gathe
 Then what happens when the main process fails, in OUTPUT/failures/rank-R.json: a save that fails on
 rank 0 (its output is an existing file) must raise on every rank, none waiting for the others; and
 `push_to_hub` must upload once, from rank 0, every rank getting its URL.
+
+Then `prune --evaluate`'s perplexity, in OUTPUT/evaluation/rank-R.json: every rank must evaluate its share of
+the segments (the rows its model ran) and get the perplexity of all of them. Last, in
+OUTPUT/stage1-checkpoint/rank-R.json: a Stage 1 checkpoint that rank 0 cannot write must raise on every rank
+(the others must not run on into the next round's collective and wait there for rank 0).
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
 import os
 import sys
@@ -24,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from optimum_gradmap import GradMAPPruner, distributed  # noqa: E402
-from tests.distributed_cases import CASES, case_inputs  # noqa: E402
+from tests.distributed_cases import CASES, EVALUATION, case_inputs, evaluation_inputs  # noqa: E402
 
 
 def _forbidden(*args, **kwargs):
@@ -33,6 +40,8 @@ def _forbidden(*args, **kwargs):
 
 def main() -> None:
     output = sys.argv[1]
+    # a rank left waiting for another (the failure this checks for) fails in minutes, not the default half hour
+    torch.distributed.init_process_group(backend="gloo", timeout=datetime.timedelta(seconds=300))
     assert distributed.init_from_environment(), "run me with torchrun --nproc-per-node 2"
     torch.distributed.all_gather_object = _forbidden
     for case in CASES:
@@ -54,7 +63,44 @@ def main() -> None:
             json.dump(found, file)
         result.save_pretrained(os.path.join(folder, "checkpoint"))
     failures(os.path.join(output, "failures"), result)
+    shared_evaluation(os.path.join(output, "evaluation"))
+    stage1_checkpoint_failure(os.path.join(output, "stage1-checkpoint"))  # last: without the fix, the ranks part here
     torch.distributed.destroy_process_group()
+
+
+def _write(folder: str, found: dict) -> None:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"rank-{distributed.rank()}.json"), "w", encoding="utf-8") as file:
+        json.dump(found, file)
+
+
+def shared_evaluation(folder: str) -> None:
+    """`prune --evaluate`'s perplexity on each rank, with the rows of segments this rank's model ran."""
+    from optimum_gradmap.commands.prune import _measure_perplexity
+
+    model, tokenizer = evaluation_inputs()
+    rows = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    arguments = argparse.Namespace(evaluate=[EVALUATION["dataset"]], max_segments=EVALUATION["max_segments"])
+    result = _measure_perplexity(model, tokenizer, arguments, progress=False)
+    _write(folder, {"evaluation": result.to_dict() if result is not None else None, "rows": sum(rows)})
+
+
+def stage1_checkpoint_failure(folder: str) -> None:
+    """A Stage 1 checkpoint that rank 0 cannot write (its folder is a file): what each rank raised."""
+    os.makedirs(folder, exist_ok=True)
+    blocked = os.path.join(folder, "a-file")
+    if distributed.is_main_process():
+        with open(blocked, "w") as file:
+            file.write("in the way")
+    distributed.barrier()
+    model, config, calibration_ids, _ = case_inputs("gradmap_default_stage2")
+    try:
+        GradMAPPruner(config, progress_bar=False).prune(model, calibration_ids, stage1_checkpoint=os.path.join(blocked, "s1.json"))
+        found = {"error": None}
+    except Exception as error:  # noqa: BLE001
+        found = {"error": f"{type(error).__name__}: {error}"}
+    _write(folder, found)
 
 
 def failures(folder: str, result) -> None:
