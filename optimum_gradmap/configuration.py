@@ -182,9 +182,14 @@ class GradMAPConfig:
     )
     reg_lambda: float | Literal["auto"] = _setting(
         "auto",
-        "lambda in Eq. 14, the weight of ||W' - I||_F^2 (the paper uses 1e-3). `auto` chooses it for each layer by "
-        "cross-validation over calibration sequences (4 folds, a log grid of strengths relative to the data), and "
-        "leaves a layer alone when no lambda beats W' = I on the held-out sequences.",
+        "lambda in Eq. 14, the weight of ||W' - I||_F^2 (the paper uses 1e-3). `auto` chooses it for each layer among "
+        "a log grid of strengths relative to the data, on calibration sequences held out of the fit, fits the chosen "
+        "strength again on all of them, and leaves a layer alone when no strength beats W' = I on the held-out "
+        "sequences. How sequences are held out follows `compensation_selection`: with `next_token_loss` (what the "
+        "default `auto` runs where it can) one fold is held out, each strength being fitted on the sequences j with "
+        "j % 4 != 3 and judged by the model's next-token loss on those with j % 4 == 3; with `hidden_state`, 4-fold "
+        "cross-validation of the hidden state's squared error, each fold held out in turn (where a norm follows the "
+        "MLP, Gemma2/3 and OLMo2, each strength is an Adam fit and only the fold j % 4 == 3 is held out).",
     )
     compensation_target: CompensationTarget = _setting(
         "span_end",

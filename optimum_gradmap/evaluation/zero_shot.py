@@ -396,7 +396,7 @@ def zero_shot_accuracy(
     Args:
         model (`nn.Module`): A causal LM (`PreTrainedModel`), dense or pruned in place.
         tokenizer (`PreTrainedTokenizerBase`): Its tokenizer.
-        tasks (`Sequence[str]`, defaults to the paper's seven): Names from `PAPER_TASKS`.
+        tasks (`Sequence[str]`, defaults to `PAPER_TASKS`): Names from `PAPER_TASKS` (all seven of the paper by default).
         limit (`int`, *optional*): Score only the first `limit` questions of each task, for quick looks.
             Compare only results with the same limit.
         task_data (`str`, defaults to `"hub"`): `"hub"` (lm-eval's standard tasks from the Hugging Face
