@@ -39,6 +39,8 @@ CompensationSelection = Literal["auto", "hidden_state", "next_token_loss"]
 # weigh them as if their norm were clipped, fit them to stay as they are, or leave them out where the next-token loss
 # chooses lambda and keep them elsewhere.
 OutlierTokens = Literal["auto", "keep", "exclude", "clip", "preserve"]
+# How the next-token selection searches the strengths of the grid (`GradMAPConfig.lambda_search`).
+LambdaSearch = Literal["grid", "golden"]
 # How Stage 1's gradient passes run (see `optimum_gradmap.streaming`).
 ExecutionMode = Literal["auto", "in_memory", "layer_streamed"]
 # The settings that only choose which layers go: unused where `layers_to_prune` names them (`protected_layers` is
@@ -230,10 +232,21 @@ class GradMAPConfig:
         "kept more zero-shot accuracy than `hidden_state` did on SmolLM2-135M, for less perplexity gain and about twice "
         "the Stage 2 time (docs/results.md, Accuracy).",
     )
+    lambda_search: LambdaSearch = _setting(
+        "golden",
+        'How `compensation_selection="next_token_loss"` searches the strengths of the grid: `grid` scores every one '
+        "(nine held-out passes, and W' = I; the only search before issue 55); `golden` (the default) narrows a "
+        "golden-section search over log lambda (four or five passes, then the stronger neighbours a tie would choose), "
+        "which chooses as `grid` does where the held-out loss has one minimum over the grid, and chose as it did on "
+        "every fit measured (benchmarks/next_token_selection.py). The hidden-state selection always scores the whole "
+        "grid (it costs no model pass).",
+    )
     outlier_tokens: OutlierTokens = _setting(
         "auto",
         "What Stage 2's fit does with the tokens that carry massive activations (Sun et al., COLM 2024; LinearPatch, "
-        "Chen et al., NeurIPS 2025, Sec. 3.1), those whose dense hidden state's norm exceeds 5 times the median: "
+        "Chen et al., NeurIPS 2025, Sec. 3.1), those whose dense hidden state's norm exceeds 5 times the median norm "
+        "over every calibration token (one threshold for the calibration set, whatever the batch size or number of "
+        "processes; per batch before issue 55): "
         "`keep` them like every token (the paper, and the default before issue 38); `exclude` them, with the first "
         "token of every calibration sequence; "
         "or `clip` their weight: each token's squared error counts min(1, (5 x median / norm)^2), as if its norm were "

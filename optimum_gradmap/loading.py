@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from .errors import InvalidInputError
 from .hub import base_model_license
+from .precision import compute_device, resolve_dtype
 
 OFFLINE_MODEL_PREFIX = "offline:"
 
@@ -81,7 +82,12 @@ class ModelLoading:
         positional=True,
     )
     revision: str | None = _option(None, "Hub revision (branch, tag or commit) of the model")
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = _option("float32", "the weights' dtype")
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "checkpoint"] = _option(
+        "float32",
+        "the dtype the model computes in: auto (bfloat16 where the hardware computes it natively: CUDA compute "
+        "capability >= 8.0, CPUs with AVX512-BF16 or AMX; float32 elsewhere), float32, bfloat16, float16, or checkpoint "
+        "(the dtype it was saved in). Scores, Stage 2's statistics and solves, and losses stay in float32 or float64",
+    )
     device: str | None = _option(None, "device to run on, e.g. cpu, cuda, cuda:1 (None: cpu)")
     device_map: str | None = _option(None, "accelerate device map, e.g. auto, to spread a large model (overrides --device)")
     max_memory: str | None = _option(
@@ -138,7 +144,6 @@ class ModelLoading:
         Returns:
             `tuple[PreTrainedModel, PreTrainedTokenizerBase]`
         """
-        import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.check_device()
@@ -148,7 +153,7 @@ class ModelLoading:
             placement["max_memory"] = self.max_memory_per_device()
         if self.offload_folder:
             placement["offload_folder"] = self.offload_folder
-        dtype = "auto" if self.dtype == "auto" else getattr(torch, self.dtype)
+        dtype = resolve_dtype(self.dtype, compute_device(self.device, self.device_map))
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **location, **placement)
         if self.device and not self.device_map:
             model.to(self.device)

@@ -115,6 +115,7 @@ def run_model(model: nn.Module, batch: torch.LongTensor) -> object | None:
 def stop_after(module: nn.Module) -> Iterator[None]:
     """Inside the block, every forward pass ends (with [`StopForward`]) as soon as `module` has run: its own forward
     hooks, registered before this block, have seen its output."""
+
     def stop(module: nn.Module, args: tuple, output: object) -> None:
         raise StopForward
 

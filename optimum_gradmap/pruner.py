@@ -36,6 +36,7 @@ from .errors import InvalidInputError
 from .hub import save_and_upload
 from .importance import get_importance_metric
 from .importance.selection import Selection, Stage1Checkpoint, Stage1Plan, remove_by_importance, remove_explicit_layers
+from .precision import compute_device, resolve_dtype
 from .result import PruningResult
 
 if TYPE_CHECKING:
@@ -105,7 +106,13 @@ class GradMAPPruner:
                 it from; defaults to `model_name_or_path`, with the same `revision`, `token`,
                 `cache_dir`, `local_files_only`, `trust_remote_code` and `subfolder` as the model.
             model_kwargs: Passed to `AutoModelForCausalLM.from_pretrained` (`dtype`, `device_map`, `revision`, ...).
+                `dtype` is read as the CLI's `--dtype` ([`optimum_gradmap.precision.resolve_dtype`]): `"auto"` is
+                bfloat16 where the hardware computes it natively and float32 elsewhere (not the checkpoint's dtype,
+                which is `"checkpoint"`); a `torch.dtype` is used as it is.
         """
+        if "dtype" in model_kwargs:
+            device = compute_device(device_map=model_kwargs.get("device_map"))
+            model_kwargs = {**model_kwargs, "dtype": resolve_dtype(model_kwargs["dtype"], device)}
         model = AutoModelForCausalLM.from_pretrained(model_name_or_path, **model_kwargs)
         location = {key: model_kwargs[key] for key in _LOCATION_KWARGS if key in model_kwargs}
         if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):

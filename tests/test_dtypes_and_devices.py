@@ -89,3 +89,76 @@ def test_model_dispatched_with_a_device_map(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         assert (reloaded(ids).logits - expected_model(ids).logits).abs().max().item() < 1e-5
+
+
+def test_auto_dtype_is_bfloat16_on_this_machine_exactly_where_its_cpu_computes_bfloat16_natively():
+    from optimum_gradmap.precision import has_native_bfloat16, resolve_dtype
+
+    capabilities = torch.cpu.get_capabilities()
+    native = bool(capabilities.get("avx512_bf16") or capabilities.get("amx_bf16"))
+    assert has_native_bfloat16("cpu") == native
+    assert resolve_dtype("auto") == (torch.bfloat16 if native else torch.float32)
+    assert resolve_dtype("auto", "cpu") == resolve_dtype("auto")
+
+
+@pytest.mark.parametrize(
+    "device, capabilities, cuda_capability, expected",
+    [
+        ("cpu", {"avx512_bf16": True}, None, torch.bfloat16),
+        ("cpu", {"amx_bf16": True, "avx512_bf16": False}, None, torch.bfloat16),
+        ("cpu", {"avx512_bf16": False, "avx2": True}, None, torch.float32),
+        ("cpu", {}, None, torch.float32),
+        ("cuda", {}, (8, 0), torch.bfloat16),
+        ("cuda:1", {}, (9, 0), torch.bfloat16),
+        ("cuda", {"avx512_bf16": True}, (7, 5), torch.float32),
+        ("mps", {"avx512_bf16": True}, None, torch.float32),
+    ],
+)
+def test_auto_dtype_follows_the_hardware_capability(monkeypatch, device, capabilities, cuda_capability, expected):
+    from optimum_gradmap.precision import resolve_dtype
+
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_capability is not None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: cuda_capability)
+    assert resolve_dtype("auto", device) == expected
+
+
+def test_named_dtypes_resolve_to_themselves_and_a_wrong_name_says_what_is_accepted():
+    from optimum_gradmap.errors import InvalidInputError
+    from optimum_gradmap.precision import resolve_dtype
+
+    assert resolve_dtype("float32") == torch.float32 and resolve_dtype("bfloat16") == torch.bfloat16
+    assert resolve_dtype("float16") == torch.float16 and resolve_dtype(torch.float16) == torch.float16
+    assert resolve_dtype("checkpoint") == "auto"  # transformers' name for the checkpoint's own dtype
+    with pytest.raises(InvalidInputError, match="auto, float32, bfloat16, float16, checkpoint"):
+        resolve_dtype("fp8")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_dtype_option_auto_loads_the_model_in_the_dtype_the_hardware_computes_natively(tiny_checkpoint, monkeypatch, native):
+    from optimum_gradmap import GradMAPConfig
+    from optimum_gradmap.loading import ModelLoading
+
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bf16": native})
+    model, _ = ModelLoading(model=tiny_checkpoint, dtype="auto").load(tiny_checkpoint)
+    assert model.dtype == (torch.bfloat16 if native else torch.float32)
+    pruner = GradMAPPruner.from_pretrained(tiny_checkpoint, GradMAPConfig(num_layers_to_prune=1), dtype="auto")
+    assert pruner.model.dtype == model.dtype
+
+
+def test_stage2_statistics_and_losses_of_a_bfloat16_model_are_computed_in_float64_and_float32():
+    from optimum_gradmap.compensation import compensation_statistics, record_layer_outputs
+    from optimum_gradmap.passes import next_token_loss_sum
+    from optimum_gradmap.surgery import remove_layers
+
+    model = tiny_model("llama", num_layers=4).to(torch.bfloat16)
+    ids = random_ids(8, 16)
+    target = model.model.layers[1]
+    (original,) = record_layer_outputs(model, [model.model.layers[2]], ids, 4, progress_bar=False)
+    assert original.dtype == torch.float32
+    remove_layers(model, [2])
+    statistics = compensation_statistics(model, get_adapter(model), target, original, ids, 4, progress_bar=False)
+    assert statistics.gram.dtype == statistics.cross.dtype == torch.float64
+    total, count = next_token_loss_sum(model, ids, 4, progress_bar=False)
+    assert total.dtype == torch.float64 and count == 8 * 15 and torch.isfinite(total)

@@ -267,7 +267,9 @@ def _measure_perplexity(model: Any, tokenizer: Any, args: argparse.Namespace, pr
         )
         if distributed.is_main_process():  # as `evaluate` says it, as soon as it is known
             entry = result.perplexities[-1]
-            logger.info(f"{result.model}: {dataset} perplexity {entry.perplexity:.3f} ({entry.protocol}, {entry.num_segments} segments)")
+            logger.info(
+                f"{result.model}: {dataset} perplexity {entry.perplexity:.3f} ({entry.protocol}, {entry.num_segments} segments)"
+            )
     for entry in result.perplexities if label and distributed.is_main_process() else ():
         print(f"{label}: {entry.dataset} perplexity {entry.perplexity:.3f} ({entry.protocol})", flush=True)
     return result

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..adapters import DecoderAdapter
 from .. import distributed
+from ..adapters import DecoderAdapter
 from ..configuration import GradMAPConfig
 from ..errors import InvalidInputError
 from ..passes import (
@@ -34,20 +34,30 @@ def hidden_state_means(
     batch_size: int,
     progress_bar: bool = True,
     description: str = "Measuring hidden states",
-) -> torch.Tensor:
-    """Mean output hidden state of each layer over all calibration tokens.
+    record: Sequence[int] = (),
+) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+    """Mean output hidden state of each layer over all calibration tokens; with `record`, in the same pass, the whole
+    output of the layers at those positions of `layers` (what [`record_layer_outputs`] gives).
 
     Returns:
-        `torch.Tensor` of shape `(len(layers), hidden_size)`, float64, on CPU.
+        `torch.Tensor` of shape `(len(layers), hidden_size)`, float64, on CPU; with `record`, a tuple of it and the
+        `list[torch.Tensor]` of recorded outputs, `(num_samples, seq_len, hidden_size)` each in float32 on CPU, in the
+        order of `record`.
     """
     sums: list[torch.Tensor | None] = [None] * len(layers)
+    outputs: dict[int, list[torch.Tensor]] = {position: [] for position in record}
 
     def accumulate(position: int, hidden: torch.Tensor) -> None:
         total = hidden.reshape(-1, hidden.shape[-1]).sum(dim=0, dtype=torch.float64)
         sums[position] = total if sums[position] is None else sums[position] + total
+        if position in outputs:
+            outputs[position].append(hidden.float().cpu())
 
     for_each_layer_output(model, layers, input_ids, batch_size, accumulate, description, progress_bar)
-    return torch.stack([total.cpu() for total in sums]) / input_ids.numel()
+    means = torch.stack([total.cpu() for total in sums]) / input_ids.numel()
+    if not record:
+        return means
+    return means, [torch.cat(outputs[position]) for position in record]
 
 
 def record_layer_outputs(

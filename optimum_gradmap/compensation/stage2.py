@@ -25,7 +25,7 @@ from .fit import fit_and_fold
 from .folding import down_projection_backup
 from .next_token import check_next_token_selection, resolve_selection
 from .refinement import refine
-from .targets import check_num_compensated_layers, compensation_targets
+from .targets import check_num_compensated_layers, compensation_targets, targets_need_drift
 
 logger = logging.get_logger(__name__)
 
@@ -38,6 +38,7 @@ STAGE2_SETTINGS = (
     "compensation_form",
     "compensation_objective",
     "compensation_selection",
+    "lambda_search",
     "outlier_tokens",
     "compensation_dataset",
     "refinement_steps",
@@ -175,8 +176,16 @@ def compensate(
         local = hidden_state_means(model, adapter.get_layers(model), shared_ids, config.batch_size, progress_bar, description)
         return distributed.average(local, shared_ids.numel())
 
+    # where the targets do not depend on the drift, the dense outputs they are fitted to are recorded in the pass that
+    # measures the dense means
+    originals: dict[int, torch.Tensor] = {}
+    if not targets_need_drift(config.compensation_target):
+        early = compensation_targets(kept, {}, dense.num_layers, config.compensation_target, config.num_compensated_layers)
+        originals = dict.fromkeys(sorted({end for _, end in early}))
     with dense.temporarily(range(dense.num_layers)):
-        dense_means = means("Dense hidden states")
+        local_means, recorded = _means_and_outputs(model, dense.layers, list(originals), shared_ids, config, progress_bar)
+    originals.update(zip(originals, recorded))
+    dense_means = distributed.average(local_means, shared_ids.numel())
     pruned_means = means("Pruned hidden states")
     drift_of = lambda means: {index: float((dense_means[index] - means[p]).norm()) for p, index in enumerate(kept)}  # noqa: E731
     result = CompensationResult(drift=drift_of(pruned_means), calibration_sha256=calibration_sha256(calibration_ids))
@@ -191,7 +200,7 @@ def compensate(
 
     result.backup = down_projection_backup(adapter, [dense.layers[index] for index, _ in targets])
     try:
-        folds = _fit_targets(dense, targets, shared_ids, first_sample, config, progress_bar, result)
+        folds = _fit_targets(dense, targets, originals, shared_ids, first_sample, config, progress_bar, result)
         if config.refinement_steps and folds:
             result.refinement = refine(
                 dense,
@@ -224,21 +233,42 @@ def _warn_if_few_tokens(calibration_ids: torch.LongTensor, hidden_size: int, con
         )
 
 
+def _means_and_outputs(
+    model: nn.Module,
+    layers: list[nn.Module],
+    record: list[int],
+    shared_ids: torch.LongTensor,
+    config: GradMAPConfig,
+    progress_bar: bool,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The dense pass: this process's mean output of every layer, and the whole outputs of the layers `record`."""
+    description = "Dense hidden states"
+    if not record:
+        return hidden_state_means(model, layers, shared_ids, config.batch_size, progress_bar, description), []
+    return hidden_state_means(model, layers, shared_ids, config.batch_size, progress_bar, description, record=record)
+
+
 def _fit_targets(
     dense: LayerSnapshot,
     targets: list[tuple[int, int]],
+    originals: dict[int, torch.Tensor],
     shared_ids: torch.LongTensor,
     first_sample: int,
     config: GradMAPConfig,
     progress_bar: bool,
     result: CompensationResult,
 ) -> list[tuple[nn.Module, torch.Tensor]]:
-    """Fits and folds every target in forward order (recording each in `result`); returns the folds made."""
+    """Fits and folds every target in forward order (recording each in `result`); returns the folds made. `originals`
+    holds the dense outputs already recorded, by layer; the others are recorded first."""
     model, adapter = dense.model, dense.adapter
-    with dense.temporarily(range(dense.num_layers)):
-        ends = sorted({end for _, end in targets})
-        recorded = record_layer_outputs(model, [dense.layers[end] for end in ends], shared_ids, config.batch_size, progress_bar)
-        originals = dict(zip(ends, recorded))
+    missing = sorted({end for _, end in targets} - set(originals))
+    if missing:
+        with dense.temporarily(range(dense.num_layers)):
+            layers = [dense.layers[end] for end in missing]
+            originals = {
+                **originals,
+                **dict(zip(missing, record_layer_outputs(model, layers, shared_ids, config.batch_size, progress_bar))),
+            }
     folds = []
     for index, end in targets:
         layer = dense.layers[index]

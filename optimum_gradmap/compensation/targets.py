@@ -31,6 +31,11 @@ def check_num_compensated_layers(
         )
 
 
+def targets_need_drift(target: str) -> bool:
+    """Whether [`compensation_targets`] reads the drift for `target` (`"max_drift"`), or only the kept layers."""
+    return target == "max_drift"
+
+
 def compensation_targets(
     kept: Sequence[int], drift: dict[int, float], num_layers: int, target: str, num_compensated_layers: int
 ) -> list[tuple[int, int]]:

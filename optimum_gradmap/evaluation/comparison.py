@@ -213,7 +213,9 @@ def _check_same_data(result: ZeroShotResult, other: ZeroShotResult, name: str, o
                 )
 
 
-def _check_reference_covers(answers: dict[str, dict[int, int]], reference: dict[str, dict[int, int]], names: Sequence[str]) -> None:
+def _check_reference_covers(
+    answers: dict[str, dict[int, int]], reference: dict[str, dict[int, int]], names: Sequence[str]
+) -> None:
     """Refuses a reference that did not answer every question the two models were compared on."""
     for task, questions in answers.items():
         missing = set(questions) - set(reference.get(task, {}))

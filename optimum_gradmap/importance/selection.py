@@ -478,7 +478,12 @@ def remove_by_importance(
             if checkpoint is not None:  # written by the main process; if it fails, every process raises
                 distributed.on_main_process(
                     partial(
-                        checkpoint.save_round, finished.scores, finished.removed, finished.seconds, finished.verified, finished.loss
+                        checkpoint.save_round,
+                        finished.scores,
+                        finished.removed,
+                        finished.seconds,
+                        finished.verified,
+                        finished.loss,
                     )
                 )
         _log_round(description, finished, selection.dense_loss)
