@@ -446,7 +446,9 @@ def test_the_report_of_a_dense_model_with_zero_accuracy_on_a_task_is_saved_with_
     dense = _zero_shot({"piqa": [0, 0, 0, 0], "arc_easy": [1, 1, 0, 0]}, {"piqa": 0.0, "arc_easy": 0.25})
     pruned = _zero_shot({"piqa": [1, 0, 0, 0], "arc_easy": [1, 0, 0, 0]}, {"piqa": 0.2, "arc_easy": 0.2})
     pruner.save_pretrained(
-        tmp_path, evaluation=EvaluationResult("pruned", zero_shot=pruned), dense_evaluation=EvaluationResult("dense", zero_shot=dense)
+        tmp_path,
+        evaluation=EvaluationResult("pruned", zero_shot=pruned),
+        dense_evaluation=EvaluationResult("dense", zero_shot=dense),
     )
     paired = load_report(tmp_path)["zero_shot_against_dense"]
     piqa, arc_easy = paired["tasks"]

@@ -133,7 +133,9 @@ def test_command_line_under_torchrun(tiny_checkpoint, tmp_path):
         assert [(e["dataset"], e["num_segments"]) for e in evaluation["perplexities"]] == [("offline:wikipedia", 3)]
     pruned = AutoModelForCausalLM.from_pretrained(str(output))
     assert pruned.config.num_hidden_layers == 4
-    alone = evaluate(pruned, AutoTokenizer.from_pretrained(str(output)), ["offline:wikipedia"], max_segments=3, progress_bar=False)
+    alone = evaluate(
+        pruned, AutoTokenizer.from_pretrained(str(output)), ["offline:wikipedia"], max_segments=3, progress_bar=False
+    )
     assert report["evaluation"]["perplexities"][0]["perplexity"] == pytest.approx(alone.perplexities[0].perplexity, rel=1e-5)
 
 

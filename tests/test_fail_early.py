@@ -246,9 +246,12 @@ def test_push_to_hub_uploads_nothing_when_its_staged_checkpoint_fails_validation
 def _as_it_came(model) -> tuple:
     """What `prune` must leave as it was on an error: the layer objects, their indices, the config and every weight."""
     layers = list(model.model.layers)
-    return layers, [layer.self_attn.layer_idx for layer in layers], model.config.to_dict(), {
-        name: tensor.clone() for name, tensor in model.state_dict().items()
-    }
+    return (
+        layers,
+        [layer.self_attn.layer_idx for layer in layers],
+        model.config.to_dict(),
+        {name: tensor.clone() for name, tensor in model.state_dict().items()},
+    )
 
 
 def _assert_as_it_came(model, before: tuple) -> None:
@@ -283,8 +286,13 @@ def no_stage1(monkeypatch):
             "num_compensated_layers=7 exceeds the 6 layers",
         ),
     ],
-    ids=["validation-out-of-vocabulary", "validation-text-without-tokenizer", "validation-without-stage2",
-         "refinement-without-held-out-fold", "budget-z-beyond-every-layer"],  # fmt: skip
+    ids=[
+        "validation-out-of-vocabulary",
+        "validation-text-without-tokenizer",
+        "validation-without-stage2",
+        "refinement-without-held-out-fold",
+        "budget-z-beyond-every-layer",
+    ],  # fmt: skip
 )
 def test_stage2_input_is_checked_before_stage1_and_the_model_left_as_it_came(settings, inputs, message, no_stage1):
     from optimum_gradmap.errors import InvalidInputError

@@ -96,7 +96,9 @@ def stage1_checkpoint_failure(folder: str) -> None:
     distributed.barrier()
     model, config, calibration_ids, _ = case_inputs("gradmap_default_stage2")
     try:
-        GradMAPPruner(config, progress_bar=False).prune(model, calibration_ids, stage1_checkpoint=os.path.join(blocked, "s1.json"))
+        GradMAPPruner(config, progress_bar=False).prune(
+            model, calibration_ids, stage1_checkpoint=os.path.join(blocked, "s1.json")
+        )
         found = {"error": None}
     except Exception as error:  # noqa: BLE001
         found = {"error": f"{type(error).__name__}: {error}"}
