@@ -81,7 +81,13 @@ assert PRESETS["fast"] == {"importance": "relative_magnitude"}
 # A variant is "stage1" (no Stage 2), "default" (GradMAPConfig's defaults today), "paper" (the paper's Stage 2),
 # "previous_default" (the default before issue 38), or changes to the previous default joined by "+" (e.g.
 # "rotated_diagonal+no_outliers"), so that a name keeps what it measured when the default changes.
-NAMED_VARIANTS: dict[str, dict] = {"default": {}, "paper": PAPER_STAGE2, "previous_default": PREVIOUS_DEFAULT_STAGE2}
+# `grid`: the default Stage 2 with every strength of the grid scored (its only search before issue 55)
+NAMED_VARIANTS: dict[str, dict] = {
+    "default": {},
+    "paper": PAPER_STAGE2,
+    "previous_default": PREVIOUS_DEFAULT_STAGE2,
+    "grid": {"lambda_search": "grid"},
+}
 CHANGES: dict[str, dict] = {
     "no_outliers": {"outlier_tokens": "exclude"},  # measured as `exclude_outlier_tokens=True` before its rename
     "clip_outliers": {"outlier_tokens": "clip"},

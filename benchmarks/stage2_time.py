@@ -9,7 +9,7 @@ The removed layers are those of `--selection` in compare-<model>-<ratio>.json (a
 the variants are accuracy.py's (`default`, `paper`, `previous_default`, or changes joined by `+`). Nothing is
 evaluated: each row is one Stage 2 run (`GradMAPPruner.compensate`) and its seconds, the layers it fitted and
 their lambdas, then the fold is undone. Writes benchmarks/results/stage2_time-<model>-<ratio>-<selection>.{json,md};
-with `--resume`, rows already there are kept. Every row carries its provenance (`benchmarks/provenance.py`):
+with `--resume`, rows already there are kept; `--label NAME` appends `-NAME` to the file's name. Every row carries its provenance (`benchmarks/provenance.py`):
 compare only rows whose `quiet` is true.
 """
 
@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["previous_default", "default"])
     parser.add_argument("--repeats", type=int, default=1, help="runs of each variant, alternating (default 1)")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--label", default=None, help="suffix of the result file's name, to keep earlier records apart")
     args = parser.parse_args()
     logging.getLogger("optimum_gradmap").setLevel(logging.WARNING)
     torch.manual_seed(0)
@@ -73,6 +74,8 @@ def main() -> None:
         parser.error("every variant must run a Stage 2 (`stage1` has none to time)")
 
     path = os.path.join(RESULTS, f"stage2_time-{args.model}-{args.ratio:g}-{args.selection}")
+    if args.label:
+        path += f"-{args.label}"
     layers, layers_from = layers_of(args.model, args.ratio, args.selection)
     record = {"model": args.model, "ratio": args.ratio, "selection": args.selection, "num_samples": args.num_samples, "rows": []}
     if args.resume and os.path.isfile(path + ".json"):
