@@ -180,17 +180,29 @@ def learn_by_next_token_loss(
     first_sample: int = 0,
 ) -> CompensationFit:
     """W' for one kept layer, its lambda chosen by the next-token loss on held-out calibration sequences (see
-    the module docstring). The model is left as it was (the candidates are folded and undone in turn).
-    `config.outlier_tokens="auto"` is `"exclude"` here ([`resolve_selection`]).
+    the module docstring): this function always chooses lambda, whatever `config.reg_lambda` says, so
+    `config.outlier_tokens="auto"` is `"exclude"` here ([`resolve_selection`] with `reg_lambda="auto"`). The model is
+    left as it was (the candidates are folded and undone in turn).
 
     One pass over the calibration sequences collects the statistics of every fold and, for the held-out sequences,
-    the input of `layer`; each candidate is then scored from `layer` on ([`HeldOutLoss`]).
+    the input of `layer`; each candidate is then scored from `layer` on ([`HeldOutLoss`]), every strength of the grid
+    or those `config.lambda_search` scores ([`searched_losses`]).
+
+    Args:
+        model (`nn.Module`): The pruned model.
+        adapter (`DecoderAdapter`): Its family's adapter.
+        layer (`nn.Module`): The kept layer to fit.
+        original_outputs (`torch.Tensor` of shape `(num_samples, seq_len, d)`): The dense hidden states it is fitted to.
+        input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): This process's calibration sequences.
+        config ([`GradMAPConfig`]): `compensation_form`, `outlier_tokens`, `lambda_search` and `batch_size` are read.
+        progress_bar (`bool`, defaults to `True`): Show progress bars.
+        first_sample (`int`, defaults to 0): The index of `input_ids[0]` in the whole calibration set.
 
     Returns:
-        [`CompensationFit`]: its `cross_validation.heldout_error` holds each strength's held-out next-token
+        [`CompensationFit`]: its `cross_validation.heldout_error` holds each scored strength's held-out next-token
         loss, and `identity_error` the loss with the layer left alone.
     """
-    config = resolve_selection(replace(config, compensation_selection="next_token_loss"), adapter)
+    config = resolve_selection(replace(config, compensation_selection="next_token_loss", reg_lambda="auto"), adapter)
     check_next_token_selection(config, adapter)
     held_out_inputs: list[torch.Tensor] = []
     returns_tuple: list[bool] = []
