@@ -14,8 +14,12 @@ process on all the sequences:
   relative magnitude, SLEB's losses and the verified shortlists) as weighted means ([`average`]);
   other metrics (Taylor+, random) are computed by every process on all sequences;
 - Stage 2: the mean hidden states (drift), the sufficient statistics of the fit (A, C, ||r||^2 and
-  token counts, per cross-validation fold), and, where a norm follows the MLP (Gemma2/3, OLMo2),
-  the fit's stored activations, gathered as tensors ([`gather_rows`]).
+  token counts, per cross-validation fold), the median token norm behind the outlier threshold (the norms
+  gathered), the held-out next-token losses of the lambda candidates, the refinement's held-out loss and the
+  validation perplexity (summed losses and token counts: a process whose share holds none of those sequences adds
+  zero), and, where a norm follows the MLP (Gemma2/3, OLMo2), the fit's stored activations, gathered as tensors
+  ([`gather_rows`]);
+- the CLI's `--evaluate` perplexity: each process scores its share of the segments.
 
 Only the main process ([`is_main_process`]) writes files and uploads, through [`on_main_process`], which
 hands its result, or its failure, to every process. Without an initialised process group of

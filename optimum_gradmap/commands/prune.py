@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--validation-dataset",
         default=None,
         metavar="DATASET",
-        help="keep Stage 2's compensation only if it lowers the perplexity on this dataset (read like --dataset)",
+        help="keep Stage 2's compensation only if it lowers the perplexity on this dataset (read like --dataset; "
+        "needs Stage 2: refused with --no-compensation)",
     )
     parser.add_argument("--output", "-o", required=True, help="folder for the pruned checkpoint, report and model card")
     parser.add_argument(
