@@ -20,7 +20,7 @@ import os
 
 import torch
 from accuracy import CALIBRATION, RESULTS
-from provenance import finish, provenance
+from provenance import finish, provenance, wait_until_quiet
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner, load_evaluation_segments, perplexity
 from optimum_gradmap.assets import load_model
@@ -85,6 +85,7 @@ def main() -> None:
     for dtype in args.dtypes:
         if any(row["dtype"] == dtype for row in record["rows"]):
             continue
+        wait_until_quiet()
         started = provenance()
         model, tokenizer = load_model(args.model, dtype=getattr(torch, dtype))
         calibration = prepare_calibration_data(CALIBRATION, tokenizer, args.num_samples, 128, 0, CALIBRATION)

@@ -65,6 +65,18 @@ def other_processes(threshold: float = 10.0) -> tuple[list[str], list[str]]:
     return running, stopped
 
 
+def wait_until_quiet(max_seconds: float = 300.0, poll: float = 5.0) -> float:
+    """Waits, at most `max_seconds`, until the 1-minute load average falls below 1 and no other process uses more
+    than 10% of a CPU: a row measured right after the previous one (in the same process) then starts on a machine
+    that its own predecessor no longer loads, and `quiet` can say so. Returns the seconds waited."""
+    started = time.time()
+    while time.time() - started < max_seconds:
+        if os.getloadavg()[0] < 1.0 and not other_busy_processes():
+            break
+        time.sleep(poll)
+    return time.time() - started
+
+
 def provenance() -> dict:
     """The provenance of a measurement that starts now (see the module docstring); `finish` completes it."""
     running, stopped = other_processes()

@@ -9,8 +9,9 @@ The removed layers are those of `--selection` in compare-<model>-<ratio>.json (a
 the variants are accuracy.py's (`default`, `paper`, `previous_default`, or changes joined by `+`). Nothing is
 evaluated: each row is one Stage 2 run (`GradMAPPruner.compensate`) and its seconds, the layers it fitted and
 their lambdas, then the fold is undone. Writes benchmarks/results/stage2_time-<model>-<ratio>-<selection>.{json,md};
-with `--resume`, rows already there are kept; `--label NAME` appends `-NAME` to the file's name. Every row carries its provenance (`benchmarks/provenance.py`):
-compare only rows whose `quiet` is true.
+with `--resume`, rows already there are kept; `--label NAME` appends `-NAME` to the file's name. Each row waits (at
+most 5 minutes) for a 1-minute load below 1 before it starts. Every row carries its provenance
+(`benchmarks/provenance.py`): compare only rows whose `quiet` is true.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import statistics
 
 import torch
 from accuracy import CALIBRATION, RESULTS, add_layer_arguments, layers_of, variant_settings
-from provenance import finish, provenance
+from provenance import finish, provenance, wait_until_quiet
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.assets import load_model
@@ -96,6 +97,7 @@ def main() -> None:
         for variant in args.variants:
             if (variant, repeat) in done:
                 continue
+            wait_until_quiet()
             started = provenance()
             pruner.compensate(result, **settings[variant])
             compensation = result.compensation
