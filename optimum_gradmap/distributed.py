@@ -140,6 +140,13 @@ def average(local_mean: torch.Tensor, local_count: int) -> torch.Tensor:
     return (total / count).to(local_mean.dtype)
 
 
+def mean_from_sums(total: torch.Tensor, count: int) -> float:
+    """`total / count` over every process's sum and count (one all-reduce): a process with nothing to add (an empty
+    share, [`shard_any`]) gives 0 and 0, and must still call it."""
+    sums = all_reduce_sum(torch.stack([total.detach().double().cpu(), torch.tensor(float(count), dtype=torch.float64)]))
+    return float(sums[0] / sums[1])
+
+
 def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
     """Every process's `tensor` (the same trailing shape, any number of rows), concatenated along the first
     dimension in rank order: with contiguous shards, the order of the sequences. Sent as tensors (rows

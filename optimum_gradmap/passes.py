@@ -194,6 +194,24 @@ def mean_next_token_loss(
     return float(total) / count
 
 
+def shared_mean_next_token_loss(
+    model: nn.Module,
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    progress_bar: bool = True,
+    description: str = "Next-token loss",
+) -> float:
+    """[`mean_next_token_loss`] with the sequences shared among processes ([`optimum_gradmap.distributed`]): every
+    process calls it with the same `input_ids`, scores its contiguous share of them (possibly none) and the summed
+    losses and token counts are all-reduced, so that every process gets the mean over all of them, that of one
+    process on every sequence. Without a process group it is [`mean_next_token_loss`]."""
+    from . import distributed
+
+    share, _ = distributed.shard_any(input_ids)
+    total, count = next_token_loss_sum(model, share, batch_size, progress_bar, description)
+    return distributed.mean_from_sums(total, count)
+
+
 def for_each_layer_output(
     model: nn.Module,
     layers: Sequence[nn.Module],

@@ -145,6 +145,37 @@ class LayerSnapshot:
             self.replace(0, ReplayedHiddenStates(hidden_states, as_tuple))
             yield
 
+    @contextmanager
+    def starting_at(self, first: int, input_ids: Any, hidden_states: Any, as_tuple: bool) -> Iterator[None]:
+        """Inside the block, the model's passes over sequences among `input_ids` start at kept layer `first` (an
+        original index): one stand-in ([`ReplayedSequences`]) in place of the kept layers before it returns, for each
+        sequence of a pass, the hidden states `first` received on it earlier (`hidden_states`, one row per row of
+        `input_ids`). Token ids decide what those layers compute, so this is exact while they are unchanged: Stage 2
+        fits layers in forward order, and every pass of a fit starts at the layer fitted before it. Where `first` is
+        the first kept layer, the block runs the model as it is. The stack and config are restored on exit.
+
+        Args:
+            first (`int`): The original index of a kept layer.
+            input_ids (`torch.LongTensor` of shape `(num_sequences, seq_len)`): The sequences recorded.
+            hidden_states (`torch.Tensor` of shape `(num_sequences, seq_len, hidden)`): What `first` received on each.
+            as_tuple (`bool`): Whether the model's layers return a tuple.
+        """
+        kept = self.kept_layers()
+        if first not in kept:
+            raise InvalidInputError(f"Layer {first} is not kept (kept: {kept}): no pass can start there.")
+        position = kept.index(first)
+        if position == 0:
+            yield
+            return
+        stand_in = ReplayedSequences(input_ids, hidden_states, as_tuple)
+        handle = self.model.get_input_embeddings().register_forward_pre_hook(stand_in.read_ids, with_kwargs=True)
+        try:
+            with self.temporarily(kept[position - 1 :]):
+                self.replace(0, stand_in)
+                yield
+        finally:
+            handle.remove()
+
     def replace(self, position: int, module: nn.Module) -> nn.Module:
         """Puts `module` at `position` of the model's layer list (no renumbering, no config change) and
         returns the layer it replaces. For stand-ins during a pass (SLEB replays recorded hidden states)."""
@@ -165,6 +196,34 @@ class ReplayedHiddenStates(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return (self.hidden_states,) if self.as_tuple else self.hidden_states
+
+
+class ReplayedSequences(nn.Module):
+    """Stands in for the first layers of a model ([`LayerSnapshot.starting_at`]): returns, for each sequence of the
+    current pass (its token ids, read when the input embeddings run), the hidden states those layers produced for it
+    earlier. A sequence that was not recorded is an error, never a silent guess."""
+
+    def __init__(self, input_ids: Any, hidden_states: Any, as_tuple: bool):
+        super().__init__()
+        self.rows = {_sequence_key(sequence): row for row, sequence in enumerate(input_ids)}
+        self.hidden_states = hidden_states
+        self.as_tuple = as_tuple
+        self.current_ids: Any = None
+
+    def read_ids(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.current_ids = args[0] if args else kwargs.get("input")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            rows = [self.rows[_sequence_key(sequence)] for sequence in self.current_ids]
+        except (KeyError, TypeError) as error:
+            raise RuntimeError("A pass started from recorded hidden states ran on a sequence that was not recorded.") from error
+        hidden_states = self.hidden_states[rows]
+        return (hidden_states,) if self.as_tuple else hidden_states
+
+
+def _sequence_key(sequence: Any) -> bytes:
+    return sequence.detach().cpu().numpy().tobytes()
 
 
 def layer_dependent_fields(adapter: DecoderAdapter, config: PretrainedConfig, num_layers: int) -> list[str]:

@@ -200,3 +200,57 @@ def test_validate_checkpoint_catches_per_layer_fields_cut_to_length_instead_of_s
         (folder / "config.json").write_text(json.dumps(config))
         with pytest.raises(InvalidCheckpointError, match=f"config {field_name}=.* is stale"):
             validate_checkpoint(folder)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text", "opt", "qwen2_moe"])
+def test_a_pass_started_at_a_layer_from_its_recorded_inputs_gives_the_whole_models_logits(family):
+    """`LayerSnapshot.starting_at`: the stand-in returns each sequence's recorded input (looked up by its ids, in
+    any order and any subset), the model's own masks and position embeddings do the rest."""
+    from optimum_gradmap.passes import RecordedLayerInputs, calibration_batches
+
+    model = tiny_model(family, num_layers=6).eval()
+    ids = random_ids(8, 16)
+    stack = surgery.snapshot(model)
+    with torch.no_grad():
+        expected = model(ids).logits
+        with RecordedLayerInputs(model, {3: stack.layers[3]}, ids) as recorder:
+            with calibration_batches(model, ids, 4, progress_bar=False) as batches:
+                for batch in batches:
+                    model(input_ids=batch, use_cache=False)
+        recorded = recorder.inputs()[3]
+        order = torch.tensor([5, 2, 7])
+        with stack.starting_at(3, ids, recorded, recorder.returns_tuple):
+            assert len(list(surgery.get_adapter(model).get_layers(model))) == 4  # a stand-in and layers 3, 4, 5
+            started = model(ids[order]).logits
+        assert stack.kept_layers() == list(range(6))
+    torch.testing.assert_close(started, expected[order], rtol=1e-5, atol=1e-5)
+
+
+def test_a_pass_started_from_recorded_inputs_refuses_a_sequence_that_was_not_recorded():
+    model = tiny_model("llama", num_layers=4).eval()
+    ids = random_ids(4, 16)
+    stack = surgery.snapshot(model)
+    hidden = torch.zeros(4, 16, model.config.hidden_size)
+    with stack.starting_at(2, ids, hidden, False), pytest.raises(RuntimeError, match="not recorded"):
+        model(random_ids(1, 16, seed=5))
+    assert stack.kept_layers() == list(range(4))  # put back after the error
+
+
+def test_stage2_started_at_the_previous_target_fits_exactly_what_it_fits_from_the_first_layer(monkeypatch):
+    """Every pass of a fit starts at the previous target (what it received recorded once): bit for bit the folds,
+    lambdas and choices of passes run from the first layer."""
+    from optimum_gradmap import GradMAPConfig
+    from optimum_gradmap.compensation import stage2
+
+    def prune(start_at_targets: bool) -> tuple[dict, dict]:
+        if not start_at_targets:
+            monkeypatch.setattr(stage2, "_start_of", lambda layer, recorder: None)
+        model = tiny_model("llama", num_layers=8)
+        config = GradMAPConfig(layers_to_prune=[2, 5, 6], num_samples=16, seq_len=16, batch_size=4)
+        result = GradMAPPruner(config, progress_bar=False).prune(model, random_ids(16, 16))
+        return result.compensation.to_dict(), {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+    started, started_weights = prune(True)
+    whole, whole_weights = prune(False)
+    assert started["targets"] == {"1": 2, "4": 6} and started == {**whole, "seconds": started["seconds"]}
+    assert all(torch.equal(tensor, whole_weights[name]) for name, tensor in started_weights.items())

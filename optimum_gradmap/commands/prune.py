@@ -227,50 +227,24 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure_perplexity(model: Any, tokenizer: Any, args: argparse.Namespace, progress: bool, label: str | None = None) -> Any:
     """With `--evaluate`, the model's perplexity on those datasets (printed with `label` by the main process);
-    `None` without it.
-
-    Measured as [`optimum_gradmap.evaluate`] measures it (non-overlapping 128-token segments, 8 per pass). With
-    several processes ([`optimum_gradmap.distributed`]) each evaluates its share of the segments and the mean
-    losses are averaged ([`distributed.mean_over_samples`]): every process gets the perplexity of all of them, and
-    none waits idle in a collective (and runs into the process group's timeout) while another evaluates."""
-    import inspect
-    import math
-
+    `None` without it. With several processes ([`optimum_gradmap.distributed`]) each scores its share of the segments
+    (`evaluate(..., shared_by_processes=True)`): every process gets the perplexity of all of them, and none waits idle
+    in a collective (and runs into the process group's timeout) while another evaluates."""
     from .. import distributed
-    from ..data import check_dataset_name
-    from ..evaluation import EvaluationResult, PerplexityResult, evaluate, load_evaluation_segments, protocol_name
-    from ..passes import mean_next_token_loss
+    from ..evaluation import evaluate
 
     if args.evaluate is None:
         return None
-    defaults = {name: parameter.default for name, parameter in inspect.signature(evaluate).parameters.items()}
-    segment_length, batch_size = 128, defaults["batch_size"]
-    result = EvaluationResult(model=getattr(model, "name_or_path", "") or type(model).__name__)
-    for dataset in [check_dataset_name(name, "evaluation") for name in args.evaluate or defaults["perplexity_datasets"]]:
-        segments = load_evaluation_segments(dataset, tokenizer, segment_length, args.max_segments)
-
-        def mean_loss(ids: Any) -> dict[int, float]:
-            return {0: mean_next_token_loss(model, ids, batch_size, progress, description="Perplexity")}
-
-        if segments.shape[0] >= distributed.world_size():
-            loss = distributed.mean_over_samples(mean_loss, segments)[0]
-        else:  # fewer segments than processes: each evaluates them all
-            loss = mean_loss(segments)[0]
-        result.perplexities.append(
-            PerplexityResult(
-                dataset=dataset,
-                protocol=protocol_name(segment_length),
-                segment_length=segment_length,
-                num_segments=segments.shape[0],
-                num_predicted_tokens=segments.shape[0] * (segment_length - 1),
-                perplexity=math.exp(loss),
-            )
-        )
-        if distributed.is_main_process():  # as `evaluate` says it, as soon as it is known
-            entry = result.perplexities[-1]
-            logger.info(
-                f"{result.model}: {dataset} perplexity {entry.perplexity:.3f} ({entry.protocol}, {entry.num_segments} segments)"
-            )
+    datasets = {"perplexity_datasets": args.evaluate} if args.evaluate else {}
+    result = evaluate(
+        model,
+        tokenizer,
+        **datasets,
+        segment_length=128,
+        max_segments=args.max_segments,
+        progress_bar=progress,
+        shared_by_processes=True,
+    )
     for entry in result.perplexities if label and distributed.is_main_process() else ():
         print(f"{label}: {entry.dataset} perplexity {entry.perplexity:.3f} ({entry.protocol})", flush=True)
     return result

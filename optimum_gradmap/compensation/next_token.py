@@ -95,14 +95,7 @@ def held_out_next_token_loss(model: nn.Module, input_ids: torch.LongTensor, batc
     """The whole model's mean next-token loss on `input_ids`: with several processes, this process's share of the
     held-out sequences (which may hold none), the mean taken over every process's predicted tokens."""
     total, count = next_token_loss_sum(model, input_ids, batch_size, progress_bar, description="Held-out next-token loss")
-    return mean_over_processes(total, count)
-
-
-def mean_over_processes(total: torch.Tensor, count: int) -> float:
-    """`total / count` over every process's sums and counts ([`optimum_gradmap.distributed`]): a process with nothing
-    to add gives 0 and 0."""
-    sums = distributed.all_reduce_sum(torch.stack([total.double().cpu(), torch.tensor(float(count), dtype=torch.float64)]))
-    return float(sums[0] / sums[1])
+    return distributed.mean_from_sums(total, count)
 
 
 def is_held_out(sample: int) -> bool:
@@ -166,7 +159,7 @@ class HeldOutLoss:
                         logits = self.model(input_ids=batch, use_cache=False).logits
                 total = total.to(logits.device) + summed_next_token_loss(logits, batch)
                 count += batch.shape[0] * (batch.shape[1] - 1)
-        return mean_over_processes(total, count)
+        return distributed.mean_from_sums(total, count)
 
 
 def learn_by_next_token_loss(

@@ -5,9 +5,10 @@ rollback if anything fails, and the optional check on validation text."""
 
 from __future__ import annotations
 
-import math
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -17,7 +18,8 @@ from .. import distributed
 from ..adapters import DecoderAdapter
 from ..configuration import GradMAPConfig
 from ..data import calibration_sha256
-from ..passes import next_token_loss_sum
+from ..evaluation.perplexity import perplexity
+from ..passes import RecordedLayerInputs
 from ..surgery import LayerSnapshot
 from ..weights import WeightBackup
 from .activations import check_outlier_tokens, hidden_state_means, record_layer_outputs
@@ -179,6 +181,7 @@ def compensate(
     # where the targets do not depend on the drift, the dense outputs they are fitted to are recorded in the pass that
     # measures the dense means
     originals: dict[int, torch.Tensor] = {}
+    early: list[tuple[int, int]] = []
     if not targets_need_drift(config.compensation_target):
         early = compensation_targets(kept, {}, dense.num_layers, config.compensation_target, config.num_compensated_layers)
         originals = dict.fromkeys(sorted({end for _, end in early}))
@@ -186,7 +189,11 @@ def compensate(
         local_means, recorded = _means_and_outputs(model, dense.layers, list(originals), shared_ids, config, progress_bar)
     originals.update(zip(originals, recorded))
     dense_means = distributed.average(local_means, shared_ids.numel())
-    pruned_means = means("Pruned hidden states")
+    # where the first target is known, what it receives is recorded in the pruned pass: its fit starts there
+    first = early[0][0] if early else None
+    with RecordedLayerInputs(model, {first: dense.layers[first]} if first is not None else {}, shared_ids) as recorder:
+        pruned_means = means("Pruned hidden states")
+    start = _start_of(first, recorder)
     drift_of = lambda means: {index: float((dense_means[index] - means[p]).norm()) for p, index in enumerate(kept)}  # noqa: E731
     result = CompensationResult(drift=drift_of(pruned_means), calibration_sha256=calibration_sha256(calibration_ids))
     _warn_if_few_tokens(calibration_ids, dense_means.shape[-1], config)
@@ -200,7 +207,7 @@ def compensate(
 
     result.backup = down_projection_backup(adapter, [dense.layers[index] for index, _ in targets])
     try:
-        folds = _fit_targets(dense, targets, originals, shared_ids, first_sample, config, progress_bar, result)
+        folds = _fit_targets(dense, targets, originals, start, shared_ids, first_sample, config, progress_bar, result)
         if config.refinement_steps and folds:
             result.refinement = refine(
                 dense,
@@ -248,10 +255,26 @@ def _means_and_outputs(
     return hidden_state_means(model, layers, shared_ids, config.batch_size, progress_bar, description, record=record)
 
 
+class _Start(NamedTuple):
+    """Where the passes of a fit can start: what kept layer `layer` (an original index) received on every calibration
+    sequence of this process, recorded while the layers before it were as they are now."""
+
+    layer: int
+    hidden_states: torch.Tensor
+    returns_tuple: bool
+
+
+def _start_of(layer: int | None, recorder: RecordedLayerInputs) -> _Start | None:
+    """What `recorder` kept of `layer`'s inputs, as a [`_Start`]; `None` where it kept nothing."""
+    inputs = recorder.inputs() if layer is not None else None
+    return _Start(layer, inputs[layer], recorder.returns_tuple) if inputs is not None else None
+
+
 def _fit_targets(
     dense: LayerSnapshot,
     targets: list[tuple[int, int]],
     originals: dict[int, torch.Tensor],
+    start: _Start | None,
     shared_ids: torch.LongTensor,
     first_sample: int,
     config: GradMAPConfig,
@@ -259,7 +282,12 @@ def _fit_targets(
     result: CompensationResult,
 ) -> list[tuple[nn.Module, torch.Tensor]]:
     """Fits and folds every target in forward order (recording each in `result`); returns the folds made. `originals`
-    holds the dense outputs already recorded, by layer; the others are recorded first."""
+    holds the dense outputs already recorded, by layer; the others are recorded first.
+
+    A fit changes only its layer, and the targets come in forward order: the layers before a target are the same as
+    when the previous target ran. So every pass of a fit starts at the previous target ([`LayerSnapshot.starting_at`],
+    from what it received, recorded during the previous fit's own statistics pass; `start` for the first), not at
+    the first layer: the same numbers, without running the layers before it again."""
     model, adapter = dense.model, dense.adapter
     missing = sorted({end for _, end in targets} - set(originals))
     if missing:
@@ -272,7 +300,12 @@ def _fit_targets(
     folds = []
     for index, end in targets:
         layer = dense.layers[index]
-        fit = fit_and_fold(model, adapter, layer, originals[end], shared_ids, config, progress_bar, first_sample)
+        with ExitStack() as passes:
+            if start is not None:
+                passes.enter_context(dense.starting_at(start.layer, shared_ids, start.hidden_states, start.returns_tuple))
+            recorder = passes.enter_context(RecordedLayerInputs(model, {index: layer}, shared_ids))
+            fit = fit_and_fold(model, adapter, layer, originals[end], shared_ids, config, progress_bar, first_sample)
+        start = _start_of(index, recorder)
         result.targets[index] = end
         if fit.skipped:
             result.skipped_layers[index] = "no lambda beat W' = I on held-out calibration sequences"
@@ -303,9 +336,9 @@ def _keep_if_validated(
     and, with `refinement_steps`, the refinement's R) are copied before they are undone, and copied back if kept.
     """
     validated = down_projection_backup(dense.adapter, [layer for layer, _ in folds])
-    with_compensation = _validation_perplexity(dense.model, validation_ids, batch_size, progress_bar)
+    with_compensation = perplexity(dense.model, validation_ids, batch_size, progress_bar, shared_by_processes=True)
     result.undo()
-    without = _validation_perplexity(dense.model, validation_ids, batch_size, progress_bar)
+    without = perplexity(dense.model, validation_ids, batch_size, progress_bar, shared_by_processes=True)
     kept = with_compensation < without
     result.validation = {"without": without, "with": with_compensation, "kept": kept}
     if kept:
@@ -315,13 +348,3 @@ def _keep_if_validated(
         {index: "the compensation raised the validation perplexity" for index in result.compensated_layers}
     )
     result.compensated_layers, result.objective, result.reg_lambda = [], {}, {}
-
-
-def _validation_perplexity(model: nn.Module, validation_ids: torch.LongTensor, batch_size: int, progress_bar: bool) -> float:
-    """The perplexity of `model` on `validation_ids` (exp of the mean next-token loss over every predicted token). Under
-    `torch.distributed` each process scores its contiguous share (possibly none) and the summed losses and token counts
-    are all-reduced: every process gets the same number, that of one process on all the sequences."""
-    share, _ = distributed.shard_any(validation_ids)
-    total, count = next_token_loss_sum(model, share, batch_size, progress_bar, "Validation perplexity")
-    summed = distributed.all_reduce_sum(torch.stack([total.double(), torch.tensor(float(count), dtype=torch.float64)]))
-    return math.exp(float(summed[0]) / float(summed[1]))

@@ -20,7 +20,7 @@ from transformers.utils import logging
 
 from ..data import load_text, tokenize_text
 from ..errors import InvalidInputError
-from ..passes import mean_next_token_loss
+from ..passes import mean_next_token_loss, shared_mean_next_token_loss
 
 logger = logging.get_logger(__name__)
 
@@ -56,6 +56,7 @@ def perplexity(
     segments: torch.LongTensor,
     batch_size: int = 8,
     progress_bar: bool = True,
+    shared_by_processes: bool = False,
 ) -> float:
     """Perplexity of `model` on pre-cut segments: exp(mean next-token NLL over all predicted tokens).
 
@@ -64,7 +65,13 @@ def perplexity(
         segments (`torch.LongTensor` of shape `(num_segments, segment_length)`): From [`load_evaluation_segments`].
         batch_size (`int`, defaults to 8): Segments per forward pass.
         progress_bar (`bool`, defaults to `True`): Show a progress bar.
+        shared_by_processes (`bool`, defaults to `False`): Under `torch.distributed`, every process calls this with
+            the same segments, scores its share of them and gets the perplexity of all
+            ([`~optimum_gradmap.passes.shared_mean_next_token_loss`]). Without it, each process scores every segment
+            (as a call on the main process alone needs).
     """
+    if shared_by_processes:
+        return math.exp(shared_mean_next_token_loss(model, segments, batch_size, progress_bar, description="Perplexity"))
     return math.exp(mean_next_token_loss(model, segments, batch_size, progress_bar, description="Perplexity"))
 
 

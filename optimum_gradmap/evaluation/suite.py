@@ -157,6 +157,7 @@ def evaluate(
     batch_size: int = 8,
     model_name: str | None = None,
     progress_bar: bool = True,
+    shared_by_processes: bool = False,
 ) -> EvaluationResult:
     """Evaluates an in-memory model on a chosen set of perplexities, zero-shot tasks and speed.
 
@@ -181,6 +182,9 @@ def evaluate(
         batch_size (`int`, defaults to 8): Segments or requests per forward pass.
         model_name (`str`, *optional*): Label stored in the result; defaults to the model's name.
         progress_bar (`bool`, defaults to `True`): Show progress bars.
+        shared_by_processes (`bool`, defaults to `False`): Under `torch.distributed`, every process calls this and the
+            perplexity segments are shared among them ([`perplexity`]); the zero-shot tasks and speed, if asked for,
+            run on every process.
 
     Returns:
         [`EvaluationResult`].
@@ -191,7 +195,7 @@ def evaluate(
     result = EvaluationResult(model=name)
     for dataset in [check_dataset_name(name, "evaluation") for name in perplexity_datasets]:  # all checked first
         segments = load_evaluation_segments(dataset, tokenizer, segment_length, max_segments)
-        value = perplexity(model, segments, batch_size=batch_size, progress_bar=progress_bar)
+        value = perplexity(model, segments, batch_size, progress_bar, shared_by_processes)
         result.perplexities.append(
             PerplexityResult(
                 dataset=dataset,
