@@ -6,7 +6,7 @@ rollback if anything fails, and the optional check on validation text."""
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -222,7 +222,8 @@ def compensate(
             )
         if validation_ids is not None and folds:
             _keep_if_validated(dense, folds, validation_ids, config.batch_size, progress_bar, result)
-        result.drift_after_compensation = drift_of(means("Compensated hidden states"))
+        compensated_means = _compensated_means(dense, pruned_means, start, shared_ids, config, progress_bar)
+        result.drift_after_compensation = drift_of(compensated_means)
     except BaseException:
         result.undo()
         raise
@@ -262,6 +263,25 @@ class _Start(NamedTuple):
     layer: int
     hidden_states: torch.Tensor
     returns_tuple: bool
+
+
+def _compensated_means(
+    dense: LayerSnapshot,
+    pruned_means: torch.Tensor,
+    start: _Start | None,
+    shared_ids: torch.LongTensor,
+    config: GradMAPConfig,
+    progress_bar: bool,
+) -> torch.Tensor:
+    """The mean output of every kept layer after the folds (for the drift after compensation). Stage 2 changes no
+    layer before the first target: there the means are the pruned model's, and the pass starts at the first target
+    from what it received (`start`, recorded in the pruned pass) where that was recorded."""
+    model, kept = dense.model, dense.kept_layers()
+    first = kept.index(start.layer) if start is not None else 0
+    layers = [dense.layers[index] for index in kept[first:]]
+    with dense.starting_at(start.layer, shared_ids, start.hidden_states, start.returns_tuple) if start else nullcontext():
+        local = hidden_state_means(model, layers, shared_ids, config.batch_size, progress_bar, "Compensated hidden states")
+    return torch.cat([pruned_means[:first], distributed.average(local, shared_ids.numel())])
 
 
 def _start_of(layer: int | None, recorder: RecordedLayerInputs) -> _Start | None:
