@@ -34,15 +34,30 @@ def hidden_state_means(
     batch_size: int,
     progress_bar: bool = True,
     description: str = "Measuring hidden states",
-    record: Sequence[int] = (),
-) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
-    """Mean output hidden state of each layer over all calibration tokens; with `record`, in the same pass, the whole
-    output of the layers at those positions of `layers` (what [`record_layer_outputs`] gives).
+) -> torch.Tensor:
+    """Mean output hidden state of each layer over all calibration tokens.
 
     Returns:
-        `torch.Tensor` of shape `(len(layers), hidden_size)`, float64, on CPU; with `record`, a tuple of it and the
-        `list[torch.Tensor]` of recorded outputs, `(num_samples, seq_len, hidden_size)` each in float32 on CPU, in the
-        order of `record`.
+        `torch.Tensor` of shape `(len(layers), hidden_size)`, float64, on CPU.
+    """
+    return hidden_state_means_and_outputs(model, layers, input_ids, batch_size, (), progress_bar, description)[0]
+
+
+def hidden_state_means_and_outputs(
+    model: nn.Module,
+    layers: Sequence[nn.Module],
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    record: Sequence[int],
+    progress_bar: bool = True,
+    description: str = "Measuring hidden states",
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """In one pass, [`hidden_state_means`] and the whole output of the layers at positions `record` of `layers` (what
+    [`record_layer_outputs`] gives).
+
+    Returns:
+        `tuple[torch.Tensor, list[torch.Tensor]]`: The means, `(len(layers), hidden_size)` in float64 on CPU, and the
+        recorded outputs, `(num_samples, seq_len, hidden_size)` each in float32 on CPU, in the order of `record`.
     """
     sums: list[torch.Tensor | None] = [None] * len(layers)
     outputs: dict[int, list[torch.Tensor]] = {position: [] for position in record}
@@ -55,8 +70,6 @@ def hidden_state_means(
 
     for_each_layer_output(model, layers, input_ids, batch_size, accumulate, description, progress_bar)
     means = torch.stack([total.cpu() for total in sums]) / input_ids.numel()
-    if not record:
-        return means
     return means, [torch.cat(outputs[position]) for position in record]
 
 

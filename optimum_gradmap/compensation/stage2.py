@@ -22,7 +22,7 @@ from ..evaluation.perplexity import perplexity
 from ..passes import RecordedLayerInputs
 from ..surgery import LayerSnapshot
 from ..weights import WeightBackup
-from .activations import check_outlier_tokens, hidden_state_means, record_layer_outputs
+from .activations import check_outlier_tokens, hidden_state_means, hidden_state_means_and_outputs, record_layer_outputs
 from .fit import fit_and_fold
 from .folding import down_projection_backup
 from .next_token import check_next_token_selection, resolve_selection
@@ -186,7 +186,9 @@ def compensate(
         early = compensation_targets(kept, {}, dense.num_layers, config.compensation_target, config.num_compensated_layers)
         originals = dict.fromkeys(sorted({end for _, end in early}))
     with dense.temporarily(range(dense.num_layers)):
-        local_means, recorded = _means_and_outputs(model, dense.layers, list(originals), shared_ids, config, progress_bar)
+        local_means, recorded = hidden_state_means_and_outputs(
+            model, dense.layers, shared_ids, config.batch_size, list(originals), progress_bar, "Dense hidden states"
+        )
     originals.update(zip(originals, recorded))
     dense_means = distributed.average(local_means, shared_ids.numel())
     # where the first target is known, what it receives is recorded in the pruned pass: its fit starts there
@@ -239,21 +241,6 @@ def _warn_if_few_tokens(calibration_ids: torch.LongTensor, hidden_size: int, con
             "can overfit and raise held-out perplexity. Use more calibration data (the paper uses 128 x 128 tokens), "
             "or reg_lambda='auto'."
         )
-
-
-def _means_and_outputs(
-    model: nn.Module,
-    layers: list[nn.Module],
-    record: list[int],
-    shared_ids: torch.LongTensor,
-    config: GradMAPConfig,
-    progress_bar: bool,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The dense pass: this process's mean output of every layer, and the whole outputs of the layers `record`."""
-    description = "Dense hidden states"
-    if not record:
-        return hidden_state_means(model, layers, shared_ids, config.batch_size, progress_bar, description), []
-    return hidden_state_means(model, layers, shared_ids, config.batch_size, progress_bar, description, record=record)
 
 
 class _Start(NamedTuple):
