@@ -5,6 +5,7 @@ each stage's seconds, and the held-out perplexity after both stages on Wikipedia
 
     python benchmarks/dtype.py --model smollm2-135m --ratio 0.25 --dtypes float32 bfloat16 --resume
     python benchmarks/dtype.py --model qwen2.5-coder-0.5b --ratio 0.25 --resume
+    python benchmarks/dtype.py --num-layers-to-prune 4 --num-samples 16   # the issue's first measurement's setting
 
 Stage 1 is the library's default (GradMAP's gradient score), Stage 2 its default; `--dtypes` run in the order given,
 one row each. Writes benchmarks/results/dtype-<model>-<ratio>.{json,md}; with `--resume`, rows already there are
@@ -32,7 +33,7 @@ EVALUATION = ("offline:wikipedia", "offline:web_text")
 def markdown(record: dict) -> str:
     """The rows, then each bfloat16 row against the float32 row: same layers, perplexity ratio, time ratios."""
     lines = [
-        f"# float32 and bfloat16: {record['model']}, {record['ratio']:g}",
+        f"# float32 and bfloat16: {record['model']}, {record.get('num_layers_to_prune') or record['ratio']}",
         "",
         f"GradMAP's Stage 1 and the default Stage 2 from weights loaded in each dtype; calibration {record['num_samples']} "
         f"x 128 tokens of Wikipedia, {record['calibration_sha256'][:12]}; perplexity on the first {record['max_segments']} "
@@ -69,6 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--ratio", type=float, default=0.25)
+    parser.add_argument("--num-layers-to-prune", type=int, default=None, help="K instead of --ratio (the file is named -k<K>)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--num-samples", type=int, default=128)
     parser.add_argument("--max-segments", type=int, default=128)
@@ -76,8 +78,16 @@ def main() -> None:
     args = parser.parse_args()
     logging.getLogger("optimum_gradmap").setLevel(logging.WARNING)
 
-    path = os.path.join(RESULTS, f"dtype-{args.model}-{args.ratio:g}")
-    record = {"model": args.model, "ratio": args.ratio, "num_samples": args.num_samples, "max_segments": args.max_segments}
+    size = f"k{args.num_layers_to_prune}" if args.num_layers_to_prune else f"{args.ratio:g}"
+    calibration = f"-{args.num_samples}x128" if args.num_samples != 128 else ""
+    path = os.path.join(RESULTS, f"dtype-{args.model}-{size}{calibration}")
+    record = {
+        "model": args.model,
+        "ratio": args.ratio,
+        "num_layers_to_prune": args.num_layers_to_prune,
+        "num_samples": args.num_samples,
+        "max_segments": args.max_segments,
+    }
     record["rows"] = []
     if args.resume and os.path.isfile(path + ".json"):
         with open(path + ".json", encoding="utf-8") as file:
@@ -90,7 +100,8 @@ def main() -> None:
         model, tokenizer = load_model(args.model, dtype=getattr(torch, dtype))
         calibration = prepare_calibration_data(CALIBRATION, tokenizer, args.num_samples, 128, 0, CALIBRATION)
         record["calibration_sha256"] = calibration_sha256(calibration)
-        config = GradMAPConfig(pruning_ratio=args.ratio, num_samples=args.num_samples, seq_len=128, dataset=CALIBRATION)
+        size = {"num_layers_to_prune": args.num_layers_to_prune} if args.num_layers_to_prune else {"pruning_ratio": args.ratio}
+        config = GradMAPConfig(**size, num_samples=args.num_samples, seq_len=128, dataset=CALIBRATION)
         pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
         result = pruner.select_layers(model, calibration)
         pruner.compensate(result)
