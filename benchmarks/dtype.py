@@ -79,8 +79,8 @@ def main() -> None:
     logging.getLogger("optimum_gradmap").setLevel(logging.WARNING)
 
     size = f"k{args.num_layers_to_prune}" if args.num_layers_to_prune else f"{args.ratio:g}"
-    calibration = f"-{args.num_samples}x128" if args.num_samples != 128 else ""
-    path = os.path.join(RESULTS, f"dtype-{args.model}-{size}{calibration}")
+    suffix = f"-{args.num_samples}x128" if args.num_samples != 128 else ""
+    path = os.path.join(RESULTS, f"dtype-{args.model}-{size}{suffix}")
     record = {
         "model": args.model,
         "ratio": args.ratio,
