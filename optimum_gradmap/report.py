@@ -5,7 +5,8 @@ model card (`README.md`).
 
 - `pruning_report.json`: base model and revision, library versions, the GradMAP config, removed /
   kept / compensated layers (original indices), Stage 1 scores of every round, drift per layer
-  before and after compensation, timings, environment, and evaluation results when run.
+  before and after compensation, timings, environment, and evaluation results when run, with the fidelity to
+  the dense model where measured (the KL divergence beside each perplexity, the zero-shot flips).
 - `importance.png`: each layer's Stage 1 score in every round; `drift.png`: each kept layer's mean
   drift (Eq. 10) before and after compensation; `loss_curve.png` (when the loss was followed): the
   calibration loss after each removal, the budget and the K chosen. They need matplotlib (`pip install matplotlib`);
@@ -91,6 +92,7 @@ def build_report(
         "evaluation": evaluation.to_dict() if evaluation is not None else None,
         "dense_evaluation": dense_evaluation.to_dict() if dense_evaluation is not None else None,
         "zero_shot_against_dense": _zero_shot_against_dense(evaluation, dense_evaluation),
+        "flips_against_dense": _flips_against_dense(evaluation, dense_evaluation),
         "environment": {
             "optimum_gradmap": _version("optimum-gradmap"),
             "transformers": transformers.__version__,
@@ -119,6 +121,22 @@ def _zero_shot_against_dense(evaluation: EvaluationResult | None, dense: Evaluat
         logger.info(f"The pruning report compares no zero-shot answers: {error}")
         return None
     return comparison.to_dict()
+
+
+def _flips_against_dense(evaluation: EvaluationResult | None, dense: EvaluationResult | None) -> dict[str, Any] | None:
+    """The pruned model's zero-shot flips against the dense model's answers (Dutta et al., "Accuracy is Not All You
+    Need", NeurIPS 2024): counted from both evaluations' records where both have them on the same questions, else
+    those the evaluation carries (`evaluate(..., reference=...)`), else none."""
+    from .evaluation import flips
+
+    if evaluation is None:
+        return None
+    if dense is not None and dense.zero_shot is not None and evaluation.zero_shot is not None:
+        try:
+            return flips(evaluation.zero_shot, dense.zero_shot, names=("pruned", "dense")).to_dict()
+        except InvalidInputError as error:  # other questions, or no records
+            logger.info(f"The pruning report counts no flips against the dense evaluation: {error}")
+    return evaluation.flips.to_dict() if evaluation.flips is not None else None
 
 
 def write_report(
@@ -309,10 +327,41 @@ def _cost_table(report: dict[str, Any]) -> str:
                 f"{entry['perplexity']:.3f}",
             )
         )
+        if entry.get("kl_to_reference") is not None:
+            rows.append(_kl_row(entry))
     if evaluation.get("zero_shot"):
         rows.append(_zero_shot_row(evaluation["zero_shot"], dense.get("zero_shot"), report.get("zero_shot_against_dense")))
+    if report.get("flips_against_dense"):
+        rows.append(_flips_row(report["flips_against_dense"]))
     lines = ["| | dense | pruned |", "|---|---|---|"] + [f"| {name} | {dense} | {pruned} |" for name, dense, pruned in rows]
+    has_kl = any(entry.get("kl_to_reference") is not None for entry in evaluation.get("perplexities", []))
+    if has_kl or report.get("flips_against_dense"):
+        lines += [
+            "",
+            "KL divergence: KL(p_dense || p_pruned) of the next-token distributions, in nats per predicted token, on the "
+            "perplexity segments, ± its standard error over segments. Flips: the share of zero-shot questions whose "
+            'right/wrong differs from the dense model\'s answer. Both from Dutta et al., "Accuracy is Not All You Need" '
+            "(NeurIPS 2024): they show what compression changes where accuracy differences cancel out.",
+        ]
     return "\n".join(lines)
+
+
+def _kl_row(entry: dict[str, Any]) -> tuple[str, str, str]:
+    """The model card's row of a perplexity's KL divergence from the reference model, with its standard error."""
+    error = f" ± {entry['kl_stderr']:.4f}" if entry.get("kl_stderr") is not None else ""
+    label = f"{entry['dataset']} KL divergence from {entry.get('reference') or 'the reference'} ({entry['protocol']})"
+    return label, "", f"{entry['kl_to_reference']:.4f}{error}"
+
+
+def _flips_row(flips: dict[str, Any]) -> tuple[str, str, str]:
+    """The model card's row of the zero-shot flips against the reference, pooled over every question."""
+    pooled = flips["pooled"]
+    label = f"zero-shot flips against {flips['reference']} ({len(flips['tasks'])} tasks, {pooled['num_questions']} questions)"
+    pruned = (
+        f"{pooled['flips']:.2%} ({pooled['right_to_wrong']} right → wrong, {pooled['wrong_to_right']} wrong → right; "
+        f"answer changed on {pooled['answer_changes']:.2%})"
+    )
+    return label, "", pruned
 
 
 def _average_with_stderr(zero_shot: dict[str, Any]) -> str:
@@ -429,7 +478,18 @@ def format_report(report: dict[str, Any]) -> str:
         source = config.get("compensation_dataset") or "the compensation_data given"
         lines.append(f"stage 2 fitted on:   {source} (SHA-256 {fitted_on[:12]}), not the calibration sequences")
     for entry in (report.get("evaluation") or {}).get("perplexities", []):
-        lines.append(f"{entry['dataset']} perplexity: {entry['perplexity']:.3f} ({entry['protocol']})")
+        line = f"{entry['dataset']} perplexity: {entry['perplexity']:.3f} ({entry['protocol']})"
+        if entry.get("kl_to_reference") is not None:
+            error = f" +/- {entry['kl_stderr']:.4f}" if entry.get("kl_stderr") is not None else ""
+            line += f"; KL from {entry.get('reference')}: {entry['kl_to_reference']:.4f}{error} nats/token"
+        lines.append(line)
+    flips = report.get("flips_against_dense")
+    if flips:
+        pooled = flips["pooled"]
+        lines.append(
+            f"zero-shot flips:     {pooled['flips']:.2%} of {pooled['num_questions']} questions against {flips['reference']} "
+            f"({pooled['right_to_wrong']} right -> wrong, {pooled['wrong_to_right']} wrong -> right)"
+        )
     lines += curve_lines(report)
     if report.get("stopped"):
         lines.append(f"stage 1 stopped:     {report['stopped']}")

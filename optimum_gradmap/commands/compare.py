@@ -3,7 +3,9 @@
 """`optimum-gradmap compare`: two models' zero-shot answers compared question by question, from the JSON
 files `optimum-gradmap evaluate --output` writes (with their `.questions.jsonl` records): per task and
 pooled, each accuracy, the paired difference with its standard error, McNemar's exact test, and with
-`--reference` (the dense model's evaluation) the retained accuracy."""
+`--reference` (the dense model's evaluation) the retained accuracy and the two models' flips against it (the share of
+questions whose right/wrong differs from the reference's; Dutta et al., "Accuracy is Not All You Need", NeurIPS
+2024), compared the same way."""
 
 from __future__ import annotations
 
@@ -13,14 +15,18 @@ import os
 
 from .common import InputError, add_logging_arguments, set_verbosity
 
-HELP = "Compare two models' zero-shot answers question by question (paired difference, McNemar, retained share)"
+HELP = "Compare two models' zero-shot answers question by question (paired difference, McNemar, retained share, flips)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `compare`."""
     parser.add_argument("model_a", metavar="A", help="evaluation JSON of the first model (`evaluate --output`)")
     parser.add_argument("model_b", metavar="B", help="evaluation JSON of the second model, on the same questions")
-    parser.add_argument("--reference", default=None, help="evaluation JSON of the dense model: retained accuracy against it")
+    parser.add_argument(
+        "--reference",
+        default=None,
+        help="evaluation JSON of the dense model: retained accuracy against it, and each model's flips against its answers",
+    )
     parser.add_argument("--output", "-o", default=None, help="write the comparison as JSON to this file")
     add_logging_arguments(parser)
 

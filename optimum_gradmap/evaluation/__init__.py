@@ -5,12 +5,24 @@
 - [`perplexity`]: perplexity under a named protocol (segment length) on a named dataset.
 - [`zero_shot`]: the paper's seven zero-shot tasks (lm-evaluation-harness's definitions), every question recorded.
 - [`loglikelihood`]: answers' log-likelihoods, each question's context computed once.
-- [`comparison`]: two models compared question by question (paired difference, McNemar, retained %).
+- [`comparison`]: two models compared question by question (paired difference, McNemar, retained %, and with a
+  reference their flips against it).
+- [`fidelity`]: fidelity to the dense model (Dutta et al., "Accuracy is Not All You Need", NeurIPS 2024): flips (the
+  questions whose right/wrong changed) and the next-token KL divergence on the perplexity segments.
 - [`speed`]: decoding throughput and prefill latency with the KV cache.
 - [`suite`]: [`evaluate`], one call for a chosen set of these, returning an [`EvaluationResult`].
 """
 
-from .comparison import PairedAccuracy, ZeroShotComparison, compare_zero_shot, mcnemar_p_value
+from .comparison import PairedAccuracy, PairedFlips, ZeroShotComparison, compare_zero_shot, mcnemar_p_value
+from .fidelity import (
+    FlipsResult,
+    KLDivergence,
+    TaskFlips,
+    check_flips_reference,
+    flips,
+    next_token_kl,
+    next_token_kl_per_segment,
+)
 from .perplexity import PerplexityResult, evaluation_segments, load_evaluation_segments, perplexity, protocol_name
 from .speed import SpeedResult, inference_speed
 from .suite import EvaluationResult, evaluate, records_path
@@ -29,20 +41,28 @@ __all__ = [
     "SCREENING_SUBSETS",
     "STANDARD_SUBSETS",
     "PairedAccuracy",
+    "PairedFlips",
     "QuestionRecord",
     "ZeroShotComparison",
     "compare_zero_shot",
     "mcnemar_p_value",
     "records_path",
     "EvaluationResult",
+    "FlipsResult",
+    "KLDivergence",
     "PerplexityResult",
     "SpeedResult",
+    "TaskFlips",
     "TaskResult",
     "ZeroShotResult",
+    "check_flips_reference",
     "evaluate",
     "evaluation_segments",
+    "flips",
     "inference_speed",
     "load_evaluation_segments",
+    "next_token_kl",
+    "next_token_kl_per_segment",
     "perplexity",
     "protocol_name",
     "zero_shot_accuracy",

@@ -21,6 +21,12 @@ split of the same data: a task scored on its validation split is never paired wi
 
 The average over tasks (each task weighted equally, the papers' "zero-shot average") has the standard error
 sqrt(sum over tasks of SE_t^2) / number of tasks.
+
+With a reference, the two models' flips against it are compared the same way, per task and pooled: a question
+flips when a model's right/wrong differs from the reference's (Dutta et al., "Accuracy is Not All You Need",
+NeurIPS 2024: flips track what compression damages better than accuracy differences, in which flips either way
+cancel out). The paired difference of the flip shares, its standard error and McNemar's test are computed from each
+question's flip flags (1 flipped, 0 not) exactly as the accuracies' are from its right/wrong flags.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import InvalidInputError
-from .zero_shot import ZeroShotResult
+from .zero_shot import QuestionRecord, ZeroShotResult
 
 
 def mcnemar_p_value(only_a: int, only_b: int) -> float:
@@ -55,6 +61,22 @@ def mcnemar_p_value(only_a: int, only_b: int) -> float:
         for k in range(smaller + 1)
     )
     return min(1.0, 2.0 * tail)
+
+
+def _paired_flags(
+    task: str, flags_a: Sequence[int], flags_b: Sequence[int]
+) -> tuple[int, float, float, float, float, int, int, float]:
+    """The paired comparison of two models' 0/1 flags on the same questions, in the same order (right answers, or flips):
+    the number of questions, each model's mean, the mean difference (b - a), its standard error sd(b - a) / sqrt(n),
+    the questions flagged for A only and for B only, and McNemar's exact p-value."""
+    n = len(flags_a)
+    if n != len(flags_b) or n == 0:
+        raise InvalidInputError(f"{task}: paired answers need the same, non-empty questions ({n} and {len(flags_b)}).")
+    differences = [b - a for a, b in zip(flags_a, flags_b)]
+    mean = sum(differences) / n
+    variance = sum((d - mean) ** 2 for d in differences) / (n - 1) if n > 1 else 0.0
+    only_a, only_b = differences.count(-1), differences.count(1)
+    return n, sum(flags_a) / n, sum(flags_b) / n, mean, math.sqrt(variance / n), only_a, only_b, mcnemar_p_value(only_a, only_b)
 
 
 @dataclass
@@ -97,24 +119,48 @@ class PairedAccuracy:
         Returns:
             [`PairedAccuracy`].
         """
-        n = len(right_a)
-        if n != len(right_b) or n == 0:
-            raise InvalidInputError(f"{task}: paired answers need the same, non-empty questions ({n} and {len(right_b)}).")
-        differences = [b - a for a, b in zip(right_a, right_b)]
-        mean = sum(differences) / n
-        variance = sum((d - mean) ** 2 for d in differences) / (n - 1) if n > 1 else 0.0
-        only_a, only_b = differences.count(-1), differences.count(1)
-        return cls(
-            task,
-            n,
-            sum(right_a) / n,
-            sum(right_b) / n,
-            mean,
-            math.sqrt(variance / n),
-            only_a,
-            only_b,
-            mcnemar_p_value(only_a, only_b),
-        )
+        return cls(task, *_paired_flags(task, right_a, right_b))
+
+
+@dataclass
+class PairedFlips:
+    """Two models' flips against the same reference (the dense model) on the same questions of one task, or all
+    tasks pooled. A question flips when a model's right/wrong differs from the reference's (Dutta et al., "Accuracy
+    is Not All You Need", NeurIPS 2024).
+
+    Attributes:
+        task (`str`): The task, or `"pooled"` for every question of every task.
+        num_questions (`int`): Questions both models and the reference answered.
+        flips_a, flips_b (`float`): The share of them each model flips.
+        difference (`float`): flips_b - flips_a, the mean paired difference.
+        stderr (`float`): Its standard error, from the paired differences of the flip flags.
+        only_a, only_b (`int`): Questions only A, only B flips.
+        p_value (`float`): McNemar's exact two-sided p-value.
+    """
+
+    task: str
+    num_questions: int
+    flips_a: float
+    flips_b: float
+    difference: float
+    stderr: float
+    only_a: int
+    only_b: int
+    p_value: float
+
+    @classmethod
+    def from_flags(cls, task: str, flipped_a: Sequence[int], flipped_b: Sequence[int]) -> PairedFlips:
+        """From each model's flip flag (1 flipped, 0 not) on the same questions, in the same order.
+
+        Args:
+            task (`str`): The task's name.
+            flipped_a (`Sequence[int]`): Model A's flags.
+            flipped_b (`Sequence[int]`): Model B's, for the same questions.
+
+        Returns:
+            [`PairedFlips`].
+        """
+        return cls(task, *_paired_flags(task, flipped_a, flipped_b))
 
 
 @dataclass
@@ -131,6 +177,8 @@ class ZeroShotComparison:
         average_reference (`float`, *optional*): Its average over tasks.
         retained_a, retained_b (`float`, *optional*): Each average as a percentage of the reference's (`None`
             without a reference, or where its average is 0).
+        flips (`list[PairedFlips]`): With a reference, per task, the two models' flips against it.
+        pooled_flips ([`PairedFlips`], *optional*): With a reference, their flips over every question of every task.
     """
 
     model_a: str
@@ -145,13 +193,16 @@ class ZeroShotComparison:
     average_reference: float | None = None
     retained_a: float | None = None
     retained_b: float | None = None
+    flips: list[PairedFlips] = field(default_factory=list)
+    pooled_flips: PairedFlips | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def summary(self) -> str:
         """A table for the terminal: per task and pooled, both accuracies, the difference with its standard
-        error and McNemar's p-value, and the retained accuracy against the reference."""
+        error and McNemar's p-value, and the retained accuracy against the reference; with a reference, a second
+        table of the two models' flips against it."""
         retained = self.reference is not None
         lines = [
             f"B = {self.model_b}  against  A = {self.model_a}" + (f"  (retained: % of {self.reference})" if retained else ""),
@@ -174,7 +225,19 @@ class ZeroShotComparison:
             average += f"; retained: A {self.retained_a:.1f}%, B {self.retained_b:.1f}% of {self.average_reference:.4f}"
         elif retained:
             average += f"; retained: undefined (the reference's average is {self.average_reference:.4f})"
-        return "\n".join([*lines, average])
+        lines.append(average)
+        if self.pooled_flips is not None:
+            lines += [
+                f"flips against {self.reference} (share of questions whose right/wrong differs from its answer)",
+                f"{'task':<15}{'questions':>10}{'flips A':>9}{'flips B':>9}{'B - A':>9}{'+/- SE':>9}{'only A':>8}{'only B':>8}"
+                f"{'p':>9}",
+            ]
+            for entry in [*self.flips, self.pooled_flips]:
+                lines.append(
+                    f"{entry.task:<15}{entry.num_questions:>10}{entry.flips_a:>9.4f}{entry.flips_b:>9.4f}"
+                    f"{entry.difference:>+9.4f}{entry.stderr:>9.4f}{entry.only_a:>8}{entry.only_b:>8}{entry.p_value:>9.3g}"
+                )
+        return "\n".join(lines)
 
 
 def _percent_column(value: float | None) -> str:
@@ -186,15 +249,21 @@ def _retained(accuracy: float, reference_accuracy: float) -> float | None:
     return 100 * accuracy / reference_accuracy if reference_accuracy > 0 else None
 
 
-def _answers(result: ZeroShotResult, name: str) -> dict[str, dict[int, int]]:
-    answers = {task.task: {question.doc_id: question.acc for question in task.questions} for task in result.tasks}
-    missing = [task for task, questions in answers.items() if not questions]
+def _records(result: ZeroShotResult, name: str) -> dict[str, dict[int, QuestionRecord]]:
+    """Every task's questions' records by question id; refuses a result with a task without records."""
+    records = {task.task: {question.doc_id: question for question in task.questions} for task in result.tasks}
+    missing = [task for task, questions in records.items() if not questions]
     if missing:
         raise InvalidInputError(
             f"{name} has no per-question records for {', '.join(missing)}: evaluate it with this version of "
             "optimum-gradmap and keep the .questions.jsonl file beside its JSON summary."
         )
-    return answers
+    return records
+
+
+def _answers(result: ZeroShotResult, name: str) -> dict[str, dict[int, int]]:
+    """Every task's right (1) / wrong (0) answers by question id."""
+    return {task: {i: record.acc for i, record in questions.items()} for task, questions in _records(result, name).items()}
 
 
 def _check_same_data(result: ZeroShotResult, other: ZeroShotResult, name: str, other_name: str) -> None:
@@ -213,16 +282,15 @@ def _check_same_data(result: ZeroShotResult, other: ZeroShotResult, name: str, o
                 )
 
 
-def _check_reference_covers(
-    answers: dict[str, dict[int, int]], reference: dict[str, dict[int, int]], names: Sequence[str]
-) -> None:
-    """Refuses a reference that did not answer every question the two models were compared on."""
+def _check_reference_covers(answers: dict[str, dict], reference: dict[str, dict], evaluated: str, reference_name: str) -> None:
+    """Refuses a reference that did not answer every question `answers` holds (by task, then question id); `evaluated`
+    says who answered them ("A and B were", "the model was")."""
     for task, questions in answers.items():
         missing = set(questions) - set(reference.get(task, {}))
         if missing:
             raise InvalidInputError(
-                f"{names[2]} has no answers to {len(missing)} of the {len(questions)} {task} questions {names[0]} and "
-                f"{names[1]} were evaluated on: evaluate the reference with the same tasks, task data, limit and subsets."
+                f"{reference_name} has no answers to {len(missing)} of the {len(questions)} {task} questions {evaluated} "
+                "evaluated on: evaluate the reference with the same tasks, task data, limit and subsets."
             )
 
 
@@ -239,7 +307,7 @@ def compare_zero_shot(
             on the same tasks (in any order), questions, splits and data sources.
         reference ([`ZeroShotResult`], *optional*): The dense model's, on the same questions (or more): each
             model's accuracy is then also given as a percentage of its accuracy (retained accuracy, undefined
-            where the reference's accuracy is 0).
+            where the reference's accuracy is 0), and the two models' flips against it are compared.
         names (`Sequence[str]`, defaults to `("A", "B", "reference")`): The names of A, B and the reference,
             for the table and the errors.
 
@@ -261,20 +329,28 @@ def compare_zero_shot(
     _check_same_data(result_a, result_b, names[0], names[1])
     if reference is not None:
         _check_same_data(result_a, reference, names[0], names[2])
-        _check_reference_covers(answers_a, answers_reference, names)
+        _check_reference_covers(answers_a, answers_reference, f"{names[0]} and {names[1]} were", names[2])
     comparison = ZeroShotComparison(names[0], names[1], reference=names[2] if reference is not None else None)
-    pooled_a, pooled_b = [], []
+    pooled_a, pooled_b, pooled_flips_a, pooled_flips_b = [], [], [], []
     for task, questions in answers_a.items():
         ids = sorted(questions)
         right_a, right_b = [questions[i] for i in ids], [answers_b[task][i] for i in ids]
         entry = PairedAccuracy.from_answers(task, right_a, right_b)
         if answers_reference is not None:
-            reference_acc = sum(answers_reference[task][i] for i in ids) / len(ids)
+            right_reference = [answers_reference[task][i] for i in ids]
+            reference_acc = sum(right_reference) / len(ids)
             entry.retained_a, entry.retained_b = _retained(entry.acc_a, reference_acc), _retained(entry.acc_b, reference_acc)
+            flipped_a = [int(a != r) for a, r in zip(right_a, right_reference)]
+            flipped_b = [int(b != r) for b, r in zip(right_b, right_reference)]
+            comparison.flips.append(PairedFlips.from_flags(task, flipped_a, flipped_b))
+            pooled_flips_a += flipped_a
+            pooled_flips_b += flipped_b
         comparison.tasks.append(entry)
         pooled_a += right_a
         pooled_b += right_b
     comparison.pooled = PairedAccuracy.from_answers("pooled", pooled_a, pooled_b)
+    if answers_reference is not None:
+        comparison.pooled_flips = PairedFlips.from_flags("pooled", pooled_flips_a, pooled_flips_b)
     count = len(comparison.tasks)
     comparison.average_a = sum(entry.acc_a for entry in comparison.tasks) / count
     comparison.average_b = sum(entry.acc_b for entry in comparison.tasks) / count

@@ -92,6 +92,11 @@ class PerplexityResult:
         num_segments (`int`): Segments evaluated.
         num_predicted_tokens (`int`): Tokens whose negative log-likelihood was averaged.
         perplexity (`float`): exp of that average.
+        kl_to_reference (`float`, *optional*): With a reference model, the next-token KL divergence
+            KL(p_reference || p_model) in nats, averaged over the same predicted tokens
+            ([`~optimum_gradmap.evaluation.next_token_kl`]; Dutta et al., "Accuracy is Not All You Need", NeurIPS 2024).
+        kl_stderr (`float`, *optional*): Its standard error over segments.
+        reference (`str`, *optional*): The reference model's name.
     """
 
     dataset: str
@@ -100,3 +105,6 @@ class PerplexityResult:
     num_segments: int
     num_predicted_tokens: int
     perplexity: float
+    kl_to_reference: float | None = None
+    kl_stderr: float | None = None
+    reference: str | None = None

@@ -1,6 +1,11 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""One call that evaluates a model on a chosen set of measurements, and its JSON-serialisable result."""
+"""One call that evaluates a model on a chosen set of measurements, and its JSON-serialisable result.
+
+Given the dense model or its evaluation, the result also says how faithful the model stays to it (Dutta et al.,
+"Accuracy is Not All You Need", NeurIPS 2024; [`optimum_gradmap.evaluation.fidelity`]): the next-token KL divergence
+beside every perplexity (`reference_model`), and the zero-shot flips (`reference`).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,9 @@ from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging
 
 from ..data import check_dataset_name
+from ..errors import InvalidInputError
 from ..files import write_atomically
+from .fidelity import FlipsResult, check_flips_reference, flips, next_token_kl
 from .perplexity import PerplexityResult, load_evaluation_segments, perplexity, protocol_name
 from .speed import SpeedResult, inference_speed
 from .zero_shot import STANDARD_SUBSETS, ZeroShotResult, check_zero_shot_settings, zero_shot_accuracy
@@ -32,17 +39,21 @@ class EvaluationResult:
         perplexities (`list[PerplexityResult]`): One entry per dataset and protocol.
         zero_shot ([`ZeroShotResult`], *optional*): Zero-shot task accuracies, when run.
         speed ([`SpeedResult`], *optional*): Inference speed, when measured.
+        flips ([`FlipsResult`], *optional*): The zero-shot flips against a reference model's answers, when given
+            (Dutta et al., "Accuracy is Not All You Need", NeurIPS 2024).
     """
 
     model: str
     perplexities: list[PerplexityResult] = field(default_factory=list)
     zero_shot: ZeroShotResult | None = None
     speed: SpeedResult | None = None
+    flips: FlipsResult | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The summary, JSON-serialisable (the zero-shot questions' records are not in it: see [`to_json`])."""
         values = asdict(self)
         values["zero_shot"] = self.zero_shot.to_dict() if self.zero_shot is not None else None
+        values["flips"] = self.flips.to_dict() if self.flips is not None else None
         return values
 
     def to_json(self, path: str | None = None) -> str:
@@ -65,12 +76,15 @@ class EvaluationResult:
         return text
 
     def summary(self) -> str:
-        """A few readable lines: every perplexity, task accuracy and speed measured."""
+        """A few readable lines: every perplexity (with its KL divergence from the reference model), task accuracy,
+        flips against the reference and speed measured."""
         lines = [f"Evaluation of {self.model}"]
         for entry in self.perplexities:
-            lines.append(
-                f"  {entry.dataset} perplexity: {entry.perplexity:.3f} ({entry.protocol}, {entry.num_segments} segments)"
-            )
+            line = f"  {entry.dataset} perplexity: {entry.perplexity:.3f} ({entry.protocol}, {entry.num_segments} segments)"
+            if entry.kl_to_reference is not None:
+                error = f" +/- {entry.kl_stderr:.4f}" if entry.kl_stderr is not None else ""
+                line += f"; KL from {entry.reference}: {entry.kl_to_reference:.4f}{error} nats/token"
+            lines.append(line)
         if self.zero_shot:
             zero_shot = self.zero_shot
             for task in zero_shot.tasks:
@@ -83,6 +97,8 @@ class EvaluationResult:
                 f"  zero-shot: average acc {zero_shot.average_acc:.4f} over {len(zero_shot.tasks)} tasks, "
                 f"{zero_shot.pooled_acc:.4f} over all {questions} questions ({zero_shot.seconds:.0f} s)"
             )
+        if self.flips:
+            lines += [f"  flips: {line}" for line in self.flips.summary_lines()]
         if self.speed:
             speed = self.speed
             lines.append(
@@ -108,6 +124,8 @@ class EvaluationResult:
             values["zero_shot"] = ZeroShotResult.from_dict(values["zero_shot"], records)
         if values.get("speed") is not None:
             values["speed"] = SpeedResult(**values["speed"])
+        if values.get("flips") is not None:
+            values["flips"] = FlipsResult.from_dict(values["flips"])
         return cls(**values)
 
     @classmethod
@@ -158,8 +176,13 @@ def evaluate(
     model_name: str | None = None,
     progress_bar: bool = True,
     shared_by_processes: bool = False,
+    reference_model: nn.Module | None = None,
+    reference_model_name: str | None = None,
+    reference: EvaluationResult | None = None,
 ) -> EvaluationResult:
-    """Evaluates an in-memory model on a chosen set of perplexities, zero-shot tasks and speed.
+    """Evaluates an in-memory model on a chosen set of perplexities, zero-shot tasks and speed, and its fidelity to a
+    reference (the dense model): the next-token KL divergence beside every perplexity, and the zero-shot flips
+    (Dutta et al., "Accuracy is Not All You Need", NeurIPS 2024; [`~optimum_gradmap.evaluation.fidelity`]).
 
     Args:
         model (`nn.Module`): A causal LM (dense, or pruned in place; no save/reload needed).
@@ -183,30 +206,55 @@ def evaluate(
         model_name (`str`, *optional*): Label stored in the result; defaults to the model's name.
         progress_bar (`bool`, defaults to `True`): Show progress bars.
         shared_by_processes (`bool`, defaults to `False`): Under `torch.distributed`, every process calls this and the
-            perplexity segments are shared among them ([`perplexity`]); the zero-shot tasks and speed, if asked for,
-            run on every process.
+            perplexity segments (and the KL divergence's) are shared among them ([`perplexity`]); the zero-shot tasks
+            and speed, if asked for, run on every process.
+        reference_model (`nn.Module`, *optional*): The dense model, with the same tokenizer (its parameters may be on
+            another device): beside every perplexity, the next-token KL divergence of `model` from it on the same
+            segments, with its standard error over segments ([`~optimum_gradmap.evaluation.next_token_kl`]).
+        reference_model_name (`str`, *optional*): Label of `reference_model` stored in the result; defaults to its name.
+        reference ([`EvaluationResult`], *optional*): The dense model's evaluation, with its zero-shot questions'
+            records on the same tasks and questions: the result's `flips` against its answers
+            ([`~optimum_gradmap.evaluation.flips`]). Needs `tasks`; checked before anything runs.
 
     Returns:
         [`EvaluationResult`].
+
+    Raises:
+        InvalidInputError: for an unknown dataset or task, bad zero-shot settings, or a `reference` without the
+            records the flips of `tasks` need (or given without `tasks`), before anything runs.
     """
     name = model_name or getattr(model, "name_or_path", "") or type(model).__name__
     if tasks:  # checked before the perplexities run, as the dataset names are
         check_zero_shot_settings(tasks, task_data, task_limit)
+    if reference is not None and not tasks:
+        raise InvalidInputError(
+            f"`reference` ({reference.model}) gives the zero-shot flips against its answers, and no `tasks` are run: "
+            "give the tasks it was evaluated on, or leave `reference` out."
+        )
+    if reference is not None:
+        check_flips_reference(reference.zero_shot, tasks, task_data, task_limit, task_subsets, name=reference.model)
+    if reference_model is not None:
+        reference_model_name = (
+            reference_model_name or getattr(reference_model, "name_or_path", "") or type(reference_model).__name__
+        )
     result = EvaluationResult(model=name)
     for dataset in [check_dataset_name(name, "evaluation") for name in perplexity_datasets]:  # all checked first
         segments = load_evaluation_segments(dataset, tokenizer, segment_length, max_segments)
         value = perplexity(model, segments, batch_size, progress_bar, shared_by_processes)
-        result.perplexities.append(
-            PerplexityResult(
-                dataset=dataset,
-                protocol=protocol_name(segment_length),
-                segment_length=segment_length,
-                num_segments=segments.shape[0],
-                num_predicted_tokens=segments.shape[0] * (segment_length - 1),
-                perplexity=value,
-            )
+        entry = PerplexityResult(
+            dataset=dataset,
+            protocol=protocol_name(segment_length),
+            segment_length=segment_length,
+            num_segments=segments.shape[0],
+            num_predicted_tokens=segments.shape[0] * (segment_length - 1),
+            perplexity=value,
         )
         logger.info(f"{name}: {dataset} perplexity {value:.3f} ({protocol_name(segment_length)}, {segments.shape[0]} segments)")
+        if reference_model is not None:
+            kl = next_token_kl(model, reference_model, segments, batch_size, progress_bar, shared_by_processes)
+            entry.kl_to_reference, entry.kl_stderr, entry.reference = kl.mean, kl.stderr, reference_model_name
+            logger.info(f"{name}: {dataset} KL divergence from {reference_model_name} {kl.mean:.4f} nats/token")
+        result.perplexities.append(entry)
     if tasks:
         result.zero_shot = zero_shot_accuracy(
             model,
@@ -219,6 +267,9 @@ def evaluate(
             subsets=task_subsets,
         )
         logger.info(f"{name}: zero-shot average accuracy {result.zero_shot.average_acc:.4f} over {len(tasks)} tasks")
+        if reference is not None:
+            result.flips = flips(result.zero_shot, reference.zero_shot, names=(name, reference.model))
+            logger.info(f"{name}: {result.flips.pooled.flips:.2%} of the zero-shot answers flipped against {reference.model}")
     if speed:
         result.speed = inference_speed(model)
         logger.info(f"{name}: decoding {result.speed.decode_tokens_per_second:.1f} tokens/s")

