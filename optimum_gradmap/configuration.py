@@ -41,6 +41,8 @@ CompensationSelection = Literal["auto", "hidden_state", "next_token_loss"]
 OutlierTokens = Literal["auto", "keep", "exclude", "clip", "preserve"]
 # How the next-token selection searches the strengths of the grid (`GradMAPConfig.lambda_search`).
 LambdaSearch = Literal["grid", "golden"]
+# What the heal stage trains (see `optimum_gradmap.heal`).
+HealTrainable = Literal["lora", "norms", "down_projections", "before_removed", "all"]
 # How Stage 1's gradient passes run (see `optimum_gradmap.streaming`).
 ExecutionMode = Literal["auto", "in_memory", "layer_streamed"]
 # The settings that only choose which layers go: unused where `layers_to_prune` names them (`protected_layers` is
@@ -294,6 +296,45 @@ class GradMAPConfig:
         "Measured worse than one fit after Stage 1 (SmolLM2-135M, 25%: held-out Wikipedia / web-text perplexity "
         "164.7 / 610.8 against 77.8 / 213.6, docs/results.md).",
     )
+    heal_tokens: int = _setting(
+        0,
+        "Heal, an optional third stage after Stage 2 (see [`optimum_gradmap.heal`]): distil the dense model's next-token "
+        "distribution (its top-64 tokens and the rest, forward KL, computed ahead) into the pruned model on this many "
+        "tokens of `heal_dataset`, then merge what was trained into plain weights. 0: off (the default).",
+        minimum=0,
+    )
+    heal_dataset: str = _setting(
+        "c4",
+        "The text the heal stage trains on (any name `dataset` takes, `offline:web_text` included, or a path), cut into "
+        "non-overlapping windows of `heal_seq_len` tokens: `heal_validation_sequences` of them held out, the others "
+        "trained on. Web text by default, other text than the calibration set's Wikipedia.",
+    )
+    heal_trainable: HealTrainable = _setting(
+        "lora",
+        "What the heal stage trains: `lora` (LoRA adapters of rank `heal_lora_rank` on every linear map of the kept "
+        "layers, merged into the weights; needs PEFT), `norms` (every normalisation weight), `down_projections` (the "
+        "down projections of Stage 2's compensated layers), `before_removed` (every weight of the kept layer before "
+        "each removed run), or `all` (every weight of the kept layers: small models only, AdamW holds three copies).",
+    )
+    heal_lr: float | None = _setting(
+        None,
+        "The heal stage's peak AdamW learning rate (linear warm-up over 5% of the steps, cosine decay to a tenth). "
+        "None: 2e-4 for `lora`, 1e-3 for `norms`, 3e-5 for the others.",
+    )
+    heal_batch_size: int = _setting(8, "Sequences per heal step (over all processes).", minimum=1)
+    heal_seq_len: int = _setting(128, "Tokens per heal sequence.", minimum=2)
+    heal_lora_rank: int = _setting(8, "The rank of the heal stage's LoRA adapters (SLEB's and Shortened LLaMA's 8).", minimum=1)
+    heal_validation_sequences: int = _setting(
+        32,
+        "Sequences of the heal text held out: their KL to the dense model chooses the state the heal stage keeps.",
+        minimum=1,
+    )
+    heal_check_every: int = _setting(25, "Heal steps between two held-out checks.", minimum=1)
+    heal_autocast: bool = _setting(
+        True,
+        "Run the heal stage's passes under bfloat16 autocast where the hardware computes bfloat16 natively (CUDA "
+        "compute capability 8.0 or more, CPUs with AVX512-BF16 or AMX) and the model is float32.",
+    )
     adam_lr: float = _setting(1e-3, "Adam learning rate (paper: 1e-3).")
     adam_steps: int = _setting(2000, "Number of full-batch Adam steps.", minimum=1)
     num_samples: int = _setting(128, "Number of calibration sequences (paper: 128).", minimum=1)
@@ -398,6 +439,13 @@ class GradMAPConfig:
                 f"{self.compensation_objective!r} has none: use compensation_objective='mse' with it, or "
                 "outlier_tokens='exclude'."
             )
+        if self.heal_lr is not None and (
+            isinstance(self.heal_lr, bool)
+            or not isinstance(self.heal_lr, (int, float))
+            or not math.isfinite(self.heal_lr)
+            or self.heal_lr <= 0
+        ):
+            raise InvalidInputError(f"`heal_lr` must be a finite number > 0, or None for the default, got {self.heal_lr!r}.")
         for name in ("adam_lr", "refinement_lr"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -409,7 +457,7 @@ class GradMAPConfig:
                 "`compensation_dataset` must be a dataset name or path such as 'wikipedia+c4', or None (Stage 2 fits "
                 f"on the calibration sequences), got {self.compensation_dataset!r}."
             )
-        for name in ("dataset", "text_column"):
+        for name in ("dataset", "text_column", "heal_dataset"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise InvalidInputError(
                     f"`{name}` must be a non-empty string such as {_default(name)!r}, got {getattr(self, name)!r}."

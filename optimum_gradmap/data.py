@@ -45,8 +45,11 @@ from typing import Any, Union
 
 import torch
 from transformers import PreTrainedTokenizerBase
+from transformers.utils import logging
 
 from .errors import InvalidInputError
+
+logger = logging.get_logger(__name__)
 
 SPLITS = ("calibration", "evaluation")
 MIXTURE_SEPARATOR = "+"  # "offline:wikipedia+offline:web_text": calibration windows drawn in equal parts from each
@@ -489,3 +492,87 @@ def prepare_calibration_data(
             f"got shape {tuple(ids.shape)} and dtype {ids.dtype}."
         )
     return ids.long()
+
+
+def _text_documents(data: Any, text_column: str) -> list[str]:
+    """The documents of text data in any form `prepare_calibration_data` reads as text: a dataset name (or names joined
+    by `+`, their documents together), a local path, a `datasets.Dataset` or a list of strings (one stream)."""
+    if isinstance(data, str) and os.path.exists(data):
+        return load_local_documents(data, text_column)
+    if isinstance(data, str):
+        names = check_dataset_name(data, "calibration").split(MIXTURE_SEPARATOR)
+        return [document for name in names for document in _calibration_documents(name)]
+    if is_hf_dataset(data):
+        return _dataset_texts(data, text_column)
+    return ["\n\n".join(data)]
+
+
+def prepare_heal_data(
+    data: CalibrationData,
+    tokenizer: PreTrainedTokenizerBase | None,
+    num_train: int,
+    num_validation: int,
+    seq_len: int,
+    seed: int,
+    text_column: str = "text",
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """The training and held-out sequences of the heal stage ([`optimum_gradmap.heal`]), which never overlap.
+
+    Text (a dataset name, names joined by `+`, a local path, a `datasets.Dataset`, a list of strings) is tokenized
+    document by document and cut into non-overlapping windows of `seq_len` tokens (each inside one document; the tails
+    are dropped); the windows are shuffled with `seed`, the first `num_validation` are held out and the next
+    `num_train` are trained on. When the text has fewer windows than that, the training windows repeat (in a new order
+    each time), and a warning says how many passes over the text the budget makes. Token ids (a list of lists, or a
+    `LongTensor` of shape `(N, T)`) are used as given: the last `num_validation` rows are held out and the others
+    trained on, repeated if `num_train` is larger.
+
+    Args:
+        data: The heal text, in any form `prepare_calibration_data` takes (`None` is not accepted: resolve the default
+            dataset first).
+        tokenizer (`PreTrainedTokenizerBase`, *optional*): Needed for text.
+        num_train (`int`): Training sequences wanted.
+        num_validation (`int`): Held-out sequences wanted.
+        seq_len (`int`): Tokens per sequence (for text).
+        seed (`int`): The shuffle's seed.
+        text_column (`str`, defaults to `"text"`): The text column of a `datasets.Dataset`.
+
+    Returns:
+        `tuple[torch.LongTensor, torch.LongTensor]`: the training `(num_train, T)` and held-out `(num_validation, T)`
+        sequences.
+
+    Raises:
+        InvalidInputError: for data that gives fewer than `num_validation + 1` sequences.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    if is_text_data(data):
+        if tokenizer is None:
+            raise InvalidInputError("Heal text needs a tokenizer: pass `tokenizer=` or a model whose name points to one.")
+        windows = [
+            window
+            for document in tokenize_documents(_text_documents(data, text_column), tokenizer)
+            for window in document[: document.numel() // seq_len * seq_len].view(-1, seq_len)
+        ]
+        if len(windows) < num_validation + 1:
+            raise InvalidInputError(
+                f"The heal text gives {len(windows)} windows of {seq_len} tokens: at least {num_validation + 1} are needed "
+                f"({num_validation} held out and one to train on). Give more text (`heal_dataset`), or a smaller "
+                "`heal_seq_len` or `heal_validation_sequences`."
+            )
+        ids = torch.stack(windows)[torch.randperm(len(windows), generator=generator)]
+        validation, train = ids[:num_validation], ids[num_validation:]
+    else:
+        ids = prepare_calibration_data(data, tokenizer, 0, seq_len, seed, "", text_column)
+        if ids.shape[0] < num_validation + 1:
+            raise InvalidInputError(
+                f"The heal token ids have {ids.shape[0]} sequences: at least {num_validation + 1} are needed "
+                f"({num_validation} held out, the last rows, and one to train on)."
+            )
+        train, validation = ids[: ids.shape[0] - num_validation], ids[ids.shape[0] - num_validation :]
+    passes = -(-num_train // train.shape[0])
+    if passes > 1:
+        logger.warning(
+            f"The heal text has {train.shape[0]} training sequences of {train.shape[1]} tokens: a budget of {num_train} "
+            f"sequences goes over it {passes} times."
+        )
+    order = torch.cat([torch.randperm(train.shape[0], generator=generator) for _ in range(passes)])[:num_train]
+    return train[order], validation

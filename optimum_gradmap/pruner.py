@@ -6,6 +6,7 @@ architecture adapter, and hands back a [`PruningResult`]."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -31,8 +32,16 @@ from .compensation import (
 )
 from .compensation.refinement import check_refinement_data
 from .configuration import GradMAPConfig
-from .data import CalibrationData, calibration_sha256, describe_calibration_data, is_text_data, prepare_calibration_data
+from .data import (
+    CalibrationData,
+    calibration_sha256,
+    describe_calibration_data,
+    is_text_data,
+    prepare_calibration_data,
+    prepare_heal_data,
+)
 from .errors import InvalidInputError
+from .heal import HEAL_SETTINGS, check_heal_settings, heal
 from .hub import save_and_upload
 from .importance import get_importance_metric
 from .importance.selection import Selection, Stage1Checkpoint, Stage1Plan, remove_by_importance, remove_explicit_layers
@@ -130,8 +139,11 @@ class GradMAPPruner:
         stage1_checkpoint: str | os.PathLike | None = None,
         validation_data: CalibrationData = None,
         compensation_data: CalibrationData = None,
+        heal_data: CalibrationData = None,
+        heal_checkpoint: str | os.PathLike | None = None,
     ) -> PruningResult:
-        """Prunes `model` in place: Stage 1, then Stage 2 if `config.compensation`.
+        """Prunes `model` in place: Stage 1, then Stage 2 if `config.compensation`, then the heal stage if
+        `config.heal_tokens` ([`~GradMAPPruner.heal`]).
 
         Args:
             model (`PreTrainedModel`, *optional*): Defaults to the pruner's model.
@@ -149,6 +161,10 @@ class GradMAPPruner:
             compensation_data (*optional*): Text Stage 2 fits on instead of the calibration sequences (any form
                 `calibration_data` takes); defaults to `config.compensation_dataset`, and without it to the
                 calibration sequences. Read and checked before Stage 1 starts.
+            heal_data (*optional*): Text the heal stage trains on (any form `calibration_data` takes); defaults to
+                `config.heal_dataset`. Read and checked before Stage 1 starts.
+            heal_checkpoint (`str` or `os.PathLike`, *optional*): A file where the heal stage saves its state at every
+                held-out check, and from which an interrupted heal resumes ([`optimum_gradmap.heal.heal`]).
 
         Returns:
             [`PruningResult`]: `result.model` is the pruned model.
@@ -159,10 +175,16 @@ class GradMAPPruner:
                 `num_compensated_layers` larger than the layers Stage 1 leaves stops Stage 1 at the removal that
                 leaves too few, and its removals are undone.
             Any other error (an interruption, running out of memory) raised once Stage 1 started propagates after the
-            model was put back as it came: the same layers, config and weights.
+            model was put back as it came: the same layers, config and weights. Ctrl-C during the heal stage is not an
+            error: it stops training and keeps its best state so far (`result.heal.interrupted`).
         """
         config = self.config
         model = self._resolve_model(model)
+        heal_ids = self._heal_ids(model, heal_data, config, tokenizer) if config.heal_tokens else None
+        if heal_ids is None and heal_data is not None:
+            raise InvalidInputError(
+                "`heal_data` was given, but the heal stage is off (`heal_tokens=0`): give it a budget, or leave the text out."
+            )
         compensation_ids = validation_ids = None
         if config.compensation:
             compensation_ids = self._compensation_ids(model, compensation_data, config, tokenizer)
@@ -188,6 +210,12 @@ class GradMAPPruner:
             fit_ids = compensation_ids if compensation_ids is not None else result.calibration_ids
             try:
                 self._compensate(result, config, fit_ids, validation_ids)
+            except BaseException:
+                self._roll_back(result)
+                raise
+        if heal_ids is not None:
+            try:
+                self._heal(result, config, heal_ids, None, heal_checkpoint)
             except BaseException:
                 self._roll_back(result)
                 raise
@@ -373,6 +401,7 @@ class GradMAPPruner:
         unknown = sorted(set(config_overrides) - set(STAGE2_SETTINGS))
         if unknown:
             raise InvalidInputError(f"{unknown} are not Stage 2 settings; these are: {list(STAGE2_SETTINGS)}.")
+        _refuse_after_heal(result, "Stage 2")
         config = dataclasses.replace(self.config, compensation=True, **config_overrides)  # the pruner's, not the last run's
         # every check before the previous fit is undone: a refused re-run leaves the result as it was
         adapter = get_adapter(result.model)
@@ -407,6 +436,131 @@ class GradMAPPruner:
         logger.info(f"Stage 2 compensated layer(s) {outcome.compensated_layers} in {outcome.seconds:.1f}s.")
         return result
 
+    def heal(
+        self,
+        result: PruningResult,
+        heal_data: CalibrationData = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        teacher: PreTrainedModel | None = None,
+        checkpoint: str | os.PathLike | None = None,
+        **config_overrides: Any,
+    ) -> PruningResult:
+        """The heal stage on a pruned result ([`optimum_gradmap.heal`]): distils the dense model's next-token
+        distribution into the pruned model on `config.heal_tokens` tokens of other text than the calibration set, and
+        merges what was trained into plain weights. `prune` runs it after Stage 2 when `config.heal_tokens > 0`.
+
+        ```python
+        result = pruner.select_layers(model, data)
+        pruner.compensate(result)
+        pruner.heal(result, heal_tokens=200_000, heal_dataset="offline:web_text")
+        pruner.release()
+        ```
+
+        Args:
+            result ([`PruningResult`]): A pruned result.
+            heal_data (*optional*): The text to train on (any form `calibration_data` takes); defaults to
+                `heal_dataset`.
+            tokenizer (`PreTrainedTokenizerBase`, *optional*): For text; defaults to the pruner's tokenizer.
+            teacher (`PreTrainedModel`, *optional*): The dense model. Without it, the dense model is the pruned one with
+                its removed layers put back and Stage 2's folds undone, which this pruner holds for the result of its
+                last `select_layers` until `prune` or `release` drops them (no second copy of the weights).
+            checkpoint (`str` or `os.PathLike`, *optional*): A file where the state is saved at every held-out check,
+                and from which an interrupted heal resumes.
+            config_overrides: Heal settings of [`GradMAPConfig`] (those in `optimum_gradmap.heal.HEAL_SETTINGS`) to
+                use instead of the pruner's; `heal_tokens` defaults to the config's, and must be > 0.
+
+        Returns:
+            [`PruningResult`]: `result`, with `result.heal` filled in and `result.timings["heal"]`.
+
+        Raises:
+            InvalidInputError: for settings or text that cannot heal, a result healed already, or no teacher; the model
+                is left as it was. Any other error during training leaves the model as it was before the call; Ctrl-C
+                keeps the best state so far.
+        """
+        unknown = sorted(set(config_overrides) - set(HEAL_SETTINGS))
+        if unknown:
+            raise InvalidInputError(f"{unknown} are not heal settings; these are: {list(HEAL_SETTINGS)}.")
+        config = dataclasses.replace(self.config, **config_overrides)
+        if not config.heal_tokens:
+            raise InvalidInputError("The heal stage needs a budget: give `heal_tokens` (e.g. heal_tokens=200_000).")
+        if teacher is None and (result is not self.result or self._dense is None):
+            raise InvalidInputError(
+                "This pruner no longer holds the dense layers of that result, which the heal stage's teacher is made of: "
+                "call `heal` before `prune` or `release` drops them, or give the dense model as `teacher=`."
+            )
+        heal_ids = self._heal_ids(result.model, heal_data, config, tokenizer)
+        return self._heal(result, config, heal_ids, teacher, checkpoint)
+
+    def _heal(
+        self,
+        result: PruningResult,
+        config: GradMAPConfig,
+        heal_ids: tuple[torch.LongTensor, torch.LongTensor, str],
+        teacher: PreTrainedModel | None,
+        checkpoint: str | os.PathLike | None,
+    ) -> PruningResult:
+        """The heal stage on checked inputs."""
+        if result.heal is not None:
+            raise InvalidInputError(
+                "This result was healed already: the heal stage changed the kept layers, so the pruner's dense layers "
+                "no longer make the dense model. Heal once, or start again from the dense model."
+            )
+        if teacher is not None:
+            teacher_context = lambda: contextlib.nullcontext(teacher)  # noqa: E731
+        else:
+            backups = [done.backup for done in self._run_compensations]
+            if result.compensation is not None and result.compensation.backup is not None:
+                backups.append(result.compensation.backup)
+            teacher_context = lambda: self._dense.dense_model(backups)  # noqa: E731
+        train_ids, validation_ids, source = heal_ids
+        result.heal = heal(
+            result.model,
+            get_adapter(result.model),
+            teacher_context,
+            train_ids,
+            validation_ids,
+            trainable=config.heal_trainable,
+            learning_rate=config.heal_lr,
+            batch_size=config.heal_batch_size,
+            check_every=config.heal_check_every,
+            lora_rank=config.heal_lora_rank,
+            autocast=config.heal_autocast,
+            kept=result.kept_layers,
+            num_layers=result.original_num_layers,
+            compensated=result.compensated_layers,
+            dataset=source,
+            checkpoint=checkpoint,
+            progress_bar=self.progress_bar,
+        )
+        result.config = config
+        result.timings["heal"] = result.heal.seconds
+        return result
+
+    def _heal_ids(
+        self,
+        model: PreTrainedModel,
+        heal_data: CalibrationData,
+        config: GradMAPConfig,
+        tokenizer: PreTrainedTokenizerBase | None,
+    ) -> tuple[torch.LongTensor, torch.LongTensor, str]:
+        """The heal stage's training and held-out sequences (`heal_data`, else `config.heal_dataset`), drawn with seed
+        `seed + 2`, and where they came from, after the checks of its settings on `model`."""
+        check_heal_settings(model, config)
+        data = heal_data if heal_data is not None else config.heal_dataset
+        train_ids, validation_ids = prepare_heal_data(
+            data,
+            self._tokenizer_for(model, data, tokenizer),
+            -(-config.heal_tokens // config.heal_seq_len),
+            config.heal_validation_sequences,
+            config.heal_seq_len,
+            config.seed + 2,
+            config.text_column,
+        )
+        for ids in (train_ids, validation_ids):
+            _check_token_ids(ids, model)
+        distributed.shard_bounds(train_ids.shape[0])
+        return train_ids, validation_ids, describe_calibration_data(data, config.heal_dataset, config.text_column)
+
     def cut(self, result: PruningResult, num_layers_to_prune: int) -> PruningResult:
         """Keeps only the first `num_layers_to_prune` removals of a Stage 1 run, without scoring again: removal
         is nested (each round removes one layer from the model the earlier rounds left), so they are the layers a
@@ -432,6 +586,7 @@ class GradMAPPruner:
                 "This pruner no longer holds the dense layers of that result: `cut` needs the result of this pruner's last "
                 "`select_layers`, before `prune` or `release` drops them."
             )
+        _refuse_after_heal(result, "a cut")
         made = len(result.removed_layers)
         if (
             isinstance(num_layers_to_prune, bool)
@@ -692,8 +847,25 @@ class GradMAPPruner:
         tokenizer: PreTrainedTokenizerBase | None,
         seed: int | None = None,
     ) -> torch.LongTensor:
+        config = self.config
+        ids = prepare_calibration_data(
+            calibration_data,
+            self._tokenizer_for(model, calibration_data, tokenizer),
+            config.num_samples,
+            config.seq_len,
+            config.seed if seed is None else seed,
+            config.dataset,
+            config.text_column,
+        )
+        _check_token_ids(ids, model)
+        return ids
+
+    def _tokenizer_for(
+        self, model: PreTrainedModel, data: CalibrationData, tokenizer: PreTrainedTokenizerBase | None
+    ) -> PreTrainedTokenizerBase | None:
+        """`tokenizer`, else the pruner's, else (for text) the one saved with the model, which the pruner then keeps."""
         tokenizer = tokenizer or self.tokenizer
-        if tokenizer is None and is_text_data(calibration_data):
+        if tokenizer is None and is_text_data(data):
             name = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
             if not name:
                 raise InvalidInputError(
@@ -702,17 +874,20 @@ class GradMAPPruner:
             location = self._location or {"revision": getattr(model.config, "_commit_hash", None)}
             tokenizer = AutoTokenizer.from_pretrained(name, **location)
             self.tokenizer = tokenizer
-        config = self.config
-        ids = prepare_calibration_data(
-            calibration_data,
-            tokenizer,
-            config.num_samples,
-            config.seq_len,
-            config.seed if seed is None else seed,
-            config.dataset,
-            config.text_column,
+        return tokenizer
+
+
+def _check_token_ids(ids: torch.LongTensor, model: PreTrainedModel) -> None:
+    """Refuses token ids outside the model's vocabulary."""
+    vocab_size = model.get_input_embeddings().weight.shape[0]
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise InvalidInputError(f"Calibration token ids must lie in [0, {vocab_size}), the model's vocabulary.")
+
+
+def _refuse_after_heal(result: PruningResult, what: str) -> None:
+    """Refuses to change a healed result's stack or folds: the heal stage trained the model they left."""
+    if result.heal is not None:
+        raise InvalidInputError(
+            f"This result was healed: {what} would undo what the heal stage's training built on. Run {what} before "
+            "healing (heal last), or start again from the dense model."
         )
-        vocab_size = model.get_input_embeddings().weight.shape[0]
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-            raise InvalidInputError(f"Calibration token ids must lie in [0, {vocab_size}), the model's vocabulary.")
-        return ids

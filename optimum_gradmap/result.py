@@ -16,6 +16,7 @@ from .compensation import CompensationResult
 from .configuration import GradMAPConfig
 from .data import calibration_sha256
 from .errors import InvalidInputError
+from .heal import HealResult
 from .hub import save_and_upload
 from .report import build_report
 
@@ -56,6 +57,8 @@ class PruningResult:
         loss_curve (`list[float]`): The calibration loss after each removal, in removal order (the curve).
         stopped (`str`, *optional*): Why Stage 1 stopped before K removals (a budget, a parameter target).
         rejected (`dict[str, float]`, *optional*): The removal a budget refused: its layer and the loss it gave.
+        heal ([`~optimum_gradmap.heal.HealResult`], *optional*): What the heal stage did (what it trained, on which
+            text, the held-out KL curve); `None` without it.
     """
 
     model: PreTrainedModel
@@ -78,6 +81,7 @@ class PruningResult:
     loss_curve: list[float] = field(default_factory=list)
     stopped: str | None = None
     rejected: dict[str, float] | None = None
+    heal: HealResult | None = None
 
     @property
     def compensated_layers(self) -> list[int]:
@@ -107,6 +111,7 @@ class PruningResult:
             "loss_curve": self.loss_curve,
             "stopped": self.stopped,
             "rejected": self.rejected,
+            "heal": self.heal.to_dict() if self.heal is not None else None,
             "timings": self.timings,
             "calibration_source": self.calibration_source,
             "calibration_sha256": self.calibration_sha256,

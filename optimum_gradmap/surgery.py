@@ -39,6 +39,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from .adapters import DecoderAdapter, get_adapter, get_submodule
 from .errors import InvalidInputError
+from .weights import WeightBackup, restored
 
 
 @dataclass
@@ -124,6 +125,22 @@ class LayerSnapshot:
             _set_config_values(config, previous_values)
             if previous_device_map is not None:
                 self.model.hf_device_map = previous_device_map
+
+    @contextmanager
+    def dense_model(self, fold_backups: Sequence[WeightBackup] = ()) -> Iterator[PreTrainedModel]:
+        """The dense model, for the block: every layer of the snapshot runs, and the weights that folds changed since
+        the snapshot hold their values from before the folds; the stack, the config and the weights are put back after
+        the block (even when it raises). A teacher for distillation without a second copy of the model.
+
+        Args:
+            fold_backups (`Sequence[WeightBackup]`): The backups of every fold made since the snapshot, in the order they
+                were taken (the fits between Stage 1's removals, then Stage 2's).
+
+        Yields:
+            `PreTrainedModel`: The model, dense inside the block.
+        """
+        with self.temporarily(range(self.num_layers)), restored(fold_backups):
+            yield self.model
 
     @contextmanager
     def replaying(self, position: int, hidden_states: Any, as_tuple: bool) -> Iterator[None]:

@@ -214,3 +214,33 @@ class WeightBackup:
             with materialized(layer):
                 for name, value in saved:
                     layer.get_parameter(name).copy_(value)
+
+    def current(self) -> WeightBackup:
+        """A backup of the same parameters with the values they hold now."""
+        backup = WeightBackup([], lambda layer: [])
+        for layer, saved in self._copies:
+            with materialized(layer):
+                backup._copies.append(
+                    (layer, [(name, layer.get_parameter(name).detach().to("cpu", copy=True)) for name, _ in saved])
+                )
+        return backup
+
+
+@contextmanager
+def restored(backups: Sequence[WeightBackup]) -> Iterator[None]:
+    """Inside the block, the parameters hold the values of `backups` (restored from the last to the first, so that
+    the oldest backup's values win where two hold the same parameter); after it, exactly the values they held before
+    it, even when the block raises. With the backups of every fold made since a snapshot, this gives the snapshot's
+    weights back for a while (the dense model, as a teacher).
+
+    Args:
+        backups (`Sequence[WeightBackup]`): In the order they were taken.
+    """
+    now = [backup.current() for backup in backups]
+    try:
+        for backup in reversed(backups):
+            backup.restore()
+        yield
+    finally:
+        for backup in now:
+            backup.restore()

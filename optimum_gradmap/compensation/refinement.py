@@ -31,6 +31,7 @@ from ..adapters import DecoderAdapter
 from ..errors import InvalidInputError
 from ..passes import calibration_mode, forward_hooks, input_device
 from ..surgery import LayerSnapshot
+from ..weights import WeightBackup
 from .folding import apply_compensation
 from .solvers import AUTO_NUM_FOLDS
 
@@ -65,12 +66,14 @@ def _check_num_sequences(num_sequences: int) -> None:
         )
 
 
-def dense_top_k(dense: LayerSnapshot, input_ids: torch.LongTensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_top_k(
+    dense: LayerSnapshot, input_ids: torch.LongTensor, batch_size: int, fold_backups: Sequence[WeightBackup]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The dense model's `TOP_K` most likely next tokens at every position but the last, and their
-    probabilities renormalised over them: `(samples, tokens - 1, TOP_K)` indices and float32 probabilities."""
-    model = dense.model
+    probabilities renormalised over them: `(samples, tokens - 1, TOP_K)` indices and float32 probabilities.
+    The dense model is the snapshot's stack with the folds of `fold_backups` undone ([`LayerSnapshot.dense_model`])."""
     indices, probabilities = [], []
-    with dense.temporarily(range(dense.num_layers)), calibration_mode(model):
+    with dense.dense_model(fold_backups) as model, calibration_mode(model):
         for start in range(0, input_ids.shape[0], batch_size):
             batch = input_ids[start : start + batch_size].to(input_device(model))
             log_probs = torch.log_softmax(model(input_ids=batch, use_cache=False).logits[:, :-1].float(), dim=-1)
@@ -98,6 +101,7 @@ def refine(
     num_steps: int,
     learning_rate: float,
     batch_size: int,
+    fold_backups: Sequence[WeightBackup],
     progress_bar: bool = True,
 ) -> dict[str, float]:
     """Refines the compensation of `layers` (already folded) by distillation from the dense model (see the module
@@ -114,6 +118,9 @@ def refine(
         input_ids (`torch.LongTensor`): Calibration sequences (this process's share, from `first_sample`).
         first_sample (`int`): The index of `input_ids[0]` in the calibration set (which sets the folds).
         num_steps (`int`), learning_rate (`float`), batch_size (`int`): Adam's steps, step size and batches.
+        fold_backups (`Sequence[WeightBackup]`): The backups of Stage 2's folds (those of `layers`): the teacher is the
+            snapshot's stack with them undone (before issue 56 it ran with them in). The fits `compensate_each_round`
+            made between Stage 1's removals stay in, as in the rest of Stage 2.
         progress_bar (`bool`, defaults to `True`): Show a progress bar.
 
     Returns:
@@ -131,7 +138,7 @@ def refine(
     counts = distributed.all_reduce_sum(torch.tensor([input_ids.shape[0], len(held_out), batch_rows], dtype=torch.float64))
     num_sequences, num_held_out, num_batch_rows = (int(count) for count in counts.tolist())
     _check_num_sequences(num_sequences)
-    indices, probabilities = dense_top_k(dense, input_ids, batch_size)
+    indices, probabilities = dense_top_k(dense, input_ids, batch_size, fold_backups)
     device, hidden_size = input_device(model), adapter.get_text_config(model).hidden_size  # the residual stream's width
     factors = [torch.eye(hidden_size, device=device, requires_grad=True) for _ in layers]
     hooks = [

@@ -220,6 +220,7 @@ def compensate(
                 config.refinement_steps,
                 config.refinement_lr,
                 config.batch_size,
+                [result.backup],
                 progress_bar,
             )
         if validation_ids is not None and folds:

@@ -1,0 +1,243 @@
+"""The heal stage: distillation from the dense model into the pruned one (optimum_gradmap.heal)."""
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from optimum_gradmap import GradMAPConfig, GradMAPPruner
+from optimum_gradmap.adapters import get_adapter
+from optimum_gradmap.data import prepare_heal_data
+from optimum_gradmap.errors import InvalidInputError
+from optimum_gradmap.heal import TOP_K, TeacherTargets, _rest_log_prob, heal, teacher_targets, top_k_kl
+
+from .conftest import random_ids, small_config, tiny_model
+
+HEAL = dict(heal_seq_len=16, heal_validation_sequences=8, heal_batch_size=4, heal_check_every=4, heal_autocast=False)
+
+
+def peaked_model(num_layers: int = 6, seed: int = 0) -> nn.Module:
+    """A tiny Llama whose next-token distributions are far from uniform (its head scaled up), so that removing
+    layers moves them."""
+    model = tiny_model("llama", num_layers=num_layers, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    return model
+
+
+def held_out_kl(model: nn.Module, teacher: nn.Module, ids: torch.LongTensor) -> float:
+    """The mean over positions of the top-K-and-rest KL, computed here from both models' logits."""
+    targets = teacher_targets(teacher, ids, batch_size=64, progress_bar=False)
+    with torch.no_grad():
+        return float(top_k_kl(model(input_ids=ids).logits[:, :-1], targets).double().mean())
+
+
+def full_kl(model: nn.Module, teacher: nn.Module, ids: torch.LongTensor) -> float:
+    with torch.no_grad():
+        log_p = torch.log_softmax(teacher(input_ids=ids).logits[:, :-1].double(), -1)
+        log_q = torch.log_softmax(model(input_ids=ids).logits[:, :-1].double(), -1)
+    return float((log_p.exp() * (log_p - log_q)).sum(-1).mean())
+
+
+def test_top_k_kl_is_the_kl_of_the_top_k_and_the_rest_and_at_most_the_full_kl():
+    torch.manual_seed(0)
+    teacher_logits, student_logits = torch.randn(2, 5, 200) * 3, torch.randn(2, 5, 200) * 3
+    log_p, log_q = torch.log_softmax(teacher_logits, -1), torch.log_softmax(student_logits, -1)
+    top = log_p.topk(TOP_K, -1)
+    mask = torch.zeros_like(log_p, dtype=torch.bool).scatter(-1, top.indices, True)
+    p_rest, q_rest = log_p.exp().masked_fill(mask, 0).sum(-1), log_q.exp().masked_fill(mask, 0).sum(-1)
+    p_top, q_top = log_p.exp().gather(-1, top.indices), log_q.exp().gather(-1, top.indices)
+    expected = (p_top * (p_top / q_top).log()).sum(-1) + p_rest * (p_rest / q_rest).log()
+    targets = TeacherTargets(top.indices.int(), top.values, _rest_log_prob(log_p, top.indices))
+    kl = top_k_kl(student_logits, targets)
+    torch.testing.assert_close(kl, expected, rtol=1e-4, atol=1e-6)
+    full = (log_p.exp() * (log_p - log_q)).sum(-1)
+    assert torch.all(kl <= full + 1e-5) and torch.all(kl >= -1e-6)
+    assert float(top_k_kl(teacher_logits, targets).abs().max()) < 1e-5  # the teacher against itself
+
+
+@pytest.mark.parametrize("compensate_each_round", [False, True])
+def test_the_teacher_is_the_dense_model_with_the_removed_layers_back_and_the_folds_undone(compensate_each_round):
+    model = peaked_model()
+    dense = copy.deepcopy(model)
+    ids = random_ids(16, 16)
+    config = small_config(num_samples=16, compensate_each_round=compensate_each_round, reg_lambda=1e-3)
+    pruner = GradMAPPruner(config, model, progress_bar=False)
+    result = pruner.select_layers(model, ids)
+    pruner.compensate(result)
+    assert result.compensated_layers or result.compensated_during_stage1  # folds to undo
+    backups = [done.backup for done in pruner._run_compensations] + [result.compensation.backup]
+    probe = random_ids(4, 16, seed=3)
+    before = model(input_ids=probe).logits
+    with pruner._dense.dense_model(backups) as teacher:
+        torch.testing.assert_close(teacher(input_ids=probe).logits, dense(input_ids=probe).logits, rtol=0, atol=0)
+    torch.testing.assert_close(model(input_ids=probe).logits, before, rtol=0, atol=0)  # the pruned model is back
+
+
+@pytest.mark.parametrize("trainable, learning_rate", [("lora", 1e-4), ("norms", 1e-3), ("before_removed", 1e-4), ("all", 1e-4)])
+def test_heal_lowers_the_held_out_kl_and_keeps_the_best_state_as_plain_weights(trainable, learning_rate):
+    model = peaked_model()
+    dense = copy.deepcopy(model)
+    heal_ids = random_ids(64, 16, seed=1)
+    config = small_config(
+        num_samples=16, num_layers_to_prune=3, heal_tokens=48 * 16, heal_trainable=trainable, heal_lr=learning_rate, **HEAL
+    )
+    result = GradMAPPruner(config, model, progress_bar=False).prune(model, random_ids(16, 16), heal_data=heal_ids)
+    healed = result.heal
+    assert healed.trainable == trainable and healed.steps == healed.num_steps == 12
+    assert healed.best_kl < healed.start_kl
+    assert healed.kl_curve[0] == [0, healed.start_kl] and min(kl for _, kl in healed.kl_curve) == healed.best_kl
+    # the held-out sequences are the ones prepare_heal_data holds out; the model holds the best state
+    _, validation = prepare_heal_data(heal_ids, None, 48, 8, 16, config.seed + 2)
+    assert held_out_kl(model, dense, validation) == pytest.approx(healed.best_kl, rel=1e-4)
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    assert all(type(module) is nn.Linear for name, module in model.named_modules() if name.endswith("proj"))
+    assert result.timings["heal"] == healed.seconds and result.to_dict()["heal"]["best_kl"] == healed.best_kl
+
+
+def test_heal_trains_only_what_it_names():
+    model = peaked_model()
+    config = small_config(
+        num_samples=16, num_layers_to_prune=3, heal_tokens=16 * 16, heal_trainable="norms", heal_lr=1e-2, **HEAL
+    )
+    pruner = GradMAPPruner(config, model, progress_bar=False)
+    result = pruner.select_layers(model, random_ids(16, 16))
+    pruner.compensate(result)
+    before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+    pruner.heal(result, heal_data=random_ids(64, 16, seed=1))
+    changed = {name for name, parameter in model.named_parameters() if not torch.equal(parameter, before[name])}
+    assert changed and all("norm" in name for name in changed)
+
+
+def test_a_healed_checkpoint_is_standard(tmp_path, byte_tokenizer):
+    model = peaked_model()
+    config = small_config(num_samples=16, heal_tokens=16 * 16, heal_lr=1e-4, **HEAL)
+    pruner = GradMAPPruner(config, model, tokenizer=byte_tokenizer, progress_bar=False)
+    result = pruner.prune(model, random_ids(16, 16), heal_data=random_ids(64, 16, seed=1))
+    result.save_pretrained(tmp_path / "healed")  # checked by validate_checkpoint
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "healed")
+    probe = random_ids(2, 16, seed=5)
+    torch.testing.assert_close(reloaded(input_ids=probe).logits, model(input_ids=probe).logits)
+    assert set(reloaded.state_dict()) == set(model.state_dict())
+
+
+def test_ctrl_c_keeps_the_best_state_so_far_and_a_checkpoint_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
+    def pruned():
+        model = peaked_model()
+        teacher = copy.deepcopy(model)
+        config = small_config(num_samples=16, num_layers_to_prune=3, compensation=False)
+        result = GradMAPPruner(config, model, progress_bar=False).prune(model, random_ids(16, 16))
+        return model, teacher, result.kept_layers
+
+    train, validation = random_ids(40, 16, seed=1), random_ids(8, 16, seed=2)
+
+    def run(model, teacher, kept, checkpoint=None):
+        return heal(
+            model, get_adapter(model), lambda: contextlib.nullcontext(teacher), train, validation, "all", 1e-4, 4, 2,
+            autocast=False, kept=kept, num_layers=6, checkpoint=checkpoint, progress_bar=False,
+        )  # fmt: skip
+
+    model, teacher, kept = pruned()
+    uninterrupted = run(model, teacher, kept)
+    expected = copy.deepcopy(model.state_dict())
+
+    model, teacher, kept = pruned()
+    calls = {"steps": 0}
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def interrupt_at_step_7(*args, **kwargs):
+        calls["steps"] += 1
+        if calls["steps"] == 7:
+            raise KeyboardInterrupt
+        return clip(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", interrupt_at_step_7)
+    interrupted = run(model, teacher, kept, tmp_path / "heal.pt")
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    assert interrupted.interrupted and interrupted.steps == 6
+    assert held_out_kl(model, teacher, validation) == pytest.approx(interrupted.best_kl, rel=1e-4)
+
+    model, teacher, kept = pruned()
+    resumed = run(model, teacher, kept, tmp_path / "heal.pt")
+    assert not resumed.interrupted and resumed.steps == uninterrupted.steps == 10
+    assert [tokens for tokens, _ in resumed.kl_curve] == [tokens for tokens, _ in uninterrupted.kl_curve]
+    assert [kl for _, kl in resumed.kl_curve] == pytest.approx([kl for _, kl in uninterrupted.kl_curve], rel=1e-5)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-7)
+
+
+def test_heal_data_holds_out_windows_that_training_never_sees(byte_tokenizer):
+    text = [" ".join(f"word{i}" for i in range(3000))]
+    train, validation = prepare_heal_data(text, byte_tokenizer, 100, 10, 32, seed=0)
+    assert train.shape == (100, 32) and validation.shape == (10, 32)
+    held_out = {tuple(row.tolist()) for row in validation}
+    assert not held_out & {tuple(row.tolist()) for row in train}
+    with pytest.raises(InvalidInputError, match="at least 11 are needed"):
+        prepare_heal_data(["short text"], byte_tokenizer, 100, 10, 32, seed=0)
+
+
+def test_refusals_leave_the_model_untouched():
+    model = peaked_model()
+    state = copy.deepcopy(model.state_dict())
+    with pytest.raises(InvalidInputError, match="heal stage is off"):
+        GradMAPPruner(small_config(), model, progress_bar=False).prune(model, random_ids(), heal_data=random_ids(32, 16))
+    with pytest.raises(InvalidInputError, match="Stage 2 is off"):
+        config = small_config(compensation=False, heal_tokens=256, heal_trainable="down_projections", **HEAL)
+        GradMAPPruner(config, model, progress_bar=False).prune(model, random_ids(), heal_data=random_ids(32, 16))
+    with pytest.raises(InvalidInputError, match="heal_lr"):
+        small_config(heal_lr=-1.0)
+    with pytest.raises(InvalidInputError, match="heal_trainable"):
+        small_config(heal_trainable="everything")
+    assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
+    assert len(model.model.layers) == 6
+
+    config = small_config(num_samples=16, heal_tokens=16 * 16, heal_trainable="norms", **HEAL)
+    pruner = GradMAPPruner(config, model, progress_bar=False)
+    result = pruner.select_layers(model, random_ids(16, 16))
+    with pytest.raises(InvalidInputError, match="not heal settings"):
+        pruner.heal(result, heal_data=random_ids(32, 16), reg_lambda=1.0)
+    pruner.heal(result, heal_data=random_ids(32, 16))
+    with pytest.raises(InvalidInputError, match="healed already"):
+        pruner.heal(result, heal_data=random_ids(32, 16))
+    with pytest.raises(InvalidInputError, match="was healed"):
+        pruner.compensate(result)
+    pruner.release()
+    with pytest.raises(InvalidInputError, match="teacher="):
+        pruner.heal(result, heal_data=random_ids(32, 16))
+
+
+def test_heal_settings_are_config_fields_and_cli_options():
+    from optimum_gradmap.heal import HEAL_SETTINGS, HEAL_TRAINABLE_CHOICES
+
+    fields = set(GradMAPConfig.__dataclass_fields__)
+    assert set(HEAL_SETTINGS) <= fields and {name for name in fields if name.startswith("heal_")} == set(HEAL_SETTINGS)
+    assert GradMAPConfig(pruning_ratio=0.25).heal_tokens == 0  # off by default
+    assert set(HEAL_TRAINABLE_CHOICES) == {"lora", "norms", "down_projections", "before_removed", "all"}
+
+
+def test_the_refinement_distils_from_the_dense_model_not_from_the_folded_one(monkeypatch):
+    """`refinement_steps`'s teacher had Stage 2's folds in until issue 56: it is the dense model now."""
+    from optimum_gradmap.compensation import refinement
+
+    model = peaked_model()
+    dense = copy.deepcopy(model)
+    ids = random_ids(8, 16)
+    seen = {}
+    dense_top_k = refinement.dense_top_k
+
+    def record(*args, **kwargs):
+        seen["targets"] = dense_top_k(*args, **kwargs)
+        return seen["targets"]
+
+    monkeypatch.setattr(refinement, "dense_top_k", record)
+    config = small_config(refinement_steps=2, reg_lambda=0.0, num_layers_to_prune=3, compensation_selection="hidden_state")
+    result = GradMAPPruner(config, model, progress_bar=False).prune(model, ids)
+    assert result.compensated_layers
+    with torch.no_grad():
+        log_probs = torch.log_softmax(dense(input_ids=ids).logits[:, :-1], -1)
+    top = log_probs.topk(refinement.TOP_K, -1)
+    torch.testing.assert_close(seen["targets"][1], torch.softmax(top.values, -1))
+    assert torch.equal(seen["targets"][0], top.indices)
