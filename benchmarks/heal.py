@@ -1,0 +1,279 @@
+"""Heal (issue 56): what distilling the dense model back into the pruned one brings, judged by fidelity to the dense
+model (flips, KL) as well as accuracy and perplexity, on one model, ratio and selection of removed layers.
+
+    python benchmarks/heal.py --model smollm2-135m --ratio 0.25 --selection gradmap --variants dense stage1 default
+    python benchmarks/heal.py --model smollm2-135m --ratio 0.25 --variants lora@150000 --resume
+    python benchmarks/heal.py --model smollm2-135m --ratio 0.25 --variants lora@40000 norms@40000 all@40000 \
+        --no-tasks --label trainables --resume   # the trainable choices on held-out KL and perplexity alone
+
+A variant is `dense`, `stage1` (Stage 1 alone), `default` (Stage 1 and the default Stage 2), or a heal after them:
+`TRAINABLE@TOKENS` (`heal_trainable` and `heal_tokens`), optionally `+lr=VALUE` (`heal_lr`). The removed layers are
+those benchmarks/compare.py recorded for `--selection` (as in benchmarks/accuracy.py). Calibration: 128 x 128 tokens
+of offline Wikipedia (the benchmarks' set, its SHA-256 in the record). The heal text is the calibration half of the
+offline web pages (`offline:web_text`, about 146k SmolLM2 tokens, other text than the calibration set; a larger
+budget goes over it more than once, which the row states), cut into non-overlapping 128-token windows, 32 of them
+held out to choose the state kept.
+
+Each row: held-out perplexity on the first `--max-segments` 128-token segments of held-out Wikipedia and of the
+other half of the web pages, the next-token KL divergence from the dense model on the same segments (mean per
+token, standard error over segments), the seven zero-shot tasks offline under `--protocol` (`screening`: 400
+questions per task; `standard`: whole validation splits, HellaSwag and BoolQ subsets) with every question's choice,
+the flips against the dense row (right/wrong changed, chosen answer changed; with and without BoolQ), and the paired
+accuracy against `stage1` and `default`; for a heal row, what was trained, its seconds, and its held-out KL curve.
+Every row carries its provenance (benchmarks/provenance.py). Writes
+benchmarks/results/heal-<model>-<ratio>-<selection>-<protocol>[-<label>].{json,md}; with `--resume`, rows already
+there are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from dataclasses import asdict
+
+import torch
+from accuracy import CALIBRATION, RESULTS, layers_of
+from provenance import finish, provenance
+
+from optimum_gradmap import GradMAPConfig, GradMAPPruner
+from optimum_gradmap.assets import load_model
+from optimum_gradmap.data import calibration_sha256, load_documents, prepare_calibration_data, tokenize_documents
+from optimum_gradmap.evaluation import (
+    PAPER_TASKS,
+    SCREENING_SUBSETS,
+    STANDARD_SUBSETS,
+    QuestionRecord,
+    TaskResult,
+    ZeroShotResult,
+    compare_zero_shot,
+    evaluate,
+    flips,
+)
+
+PROTOCOLS = {"standard": STANDARD_SUBSETS, "screening": SCREENING_SUBSETS}
+HEAL_TEXT = "offline:web_text"
+PERPLEXITY_DATASETS = ("offline:wikipedia", "offline:web_text")
+# Stage 1's seconds for GradMAP's layers on SmolLM2-135M 25% in float32, on this machine type, quiet (the main job,
+# benchmarks/results/main_job-smollm2-135m.json): the unit of the heal budgets.
+STAGE1_SECONDS = {("smollm2-135m", 0.25): 476.3}
+
+
+def parse_variant(name: str) -> dict | None:
+    """`None` for `dense`, `stage1`, `default`; else the heal settings of `TRAINABLE@TOKENS[+lr=VALUE]`."""
+    if name in ("dense", "stage1", "default"):
+        return None
+    head, *options = name.split("+")
+    trainable, _, tokens = head.partition("@")
+    if not tokens.isdigit():
+        raise SystemExit(f"unknown variant {name!r}: dense, stage1, default, or TRAINABLE@TOKENS[+lr=VALUE]")
+    settings = {"heal_trainable": trainable, "heal_tokens": int(tokens), "heal_dataset": HEAL_TEXT}
+    for option in options:
+        key, _, value = option.partition("=")
+        if key != "lr":
+            raise SystemExit(f"unknown option {option!r} in {name!r}: only lr=VALUE")
+        settings["heal_lr"] = float(value)
+    return settings
+
+
+def compact(zero_shot: ZeroShotResult) -> dict[str, dict]:
+    """Every question's id, right/wrong and choice, per task: enough to pair two rows and count flips."""
+    return {
+        task.task: {
+            "doc_ids": [q.doc_id for q in task.questions],
+            "acc": "".join(str(q.acc) for q in task.questions),
+            "choice": [q.choice for q in task.questions],
+        }
+        for task in zero_shot.tasks
+    }
+
+
+def expand(answers: dict[str, dict], skip: tuple[str, ...] = ()) -> ZeroShotResult:
+    tasks = []
+    for task, kept in answers.items():
+        if task in skip:
+            continue
+        questions = [
+            QuestionRecord(i, [], choice, None, 0, int(a)) for i, a, choice in zip(kept["doc_ids"], kept["acc"], kept["choice"])
+        ]
+        tasks.append(
+            TaskResult(
+                task, "validation", "", len(questions), sum(q.acc for q in questions) / len(questions), questions=questions
+            )
+        )
+    return ZeroShotResult(tasks=tasks)
+
+
+def markdown(record: dict) -> str:
+    lines = [
+        f"# Heal: {record['model']}, {record['ratio']:g}, layers of {record['selection']} ({record['protocol']} protocol)",
+        "",
+        f"Removed layers {record['removed_layers']} ({record['layers_from']}); calibration {record['calibration']} "
+        f"{record['calibration_sha256'][:12]}; heal text {HEAL_TEXT}. KL: next-token KL divergence from the dense model "
+        "on the held-out segments (nats per token, +/- SE over segments). Flips: share of questions whose right/wrong "
+        "differs from the dense model's (BoolQ left out; in brackets with it), answer changes: whose chosen answer "
+        "differs. Paired: pooled accuracy change against Stage 1 alone and against Stage 1 + default Stage 2, points "
+        "+/- SE.",
+        "",
+        "| row | Wikipedia ppl | web ppl | KL Wikipedia | KL web | flips | answer changes | accuracy | vs Stage 1 | "
+        "vs Stage 1 + 2 | heal seconds | heal tokens | quiet | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in record["rows"]:
+        evaluation = row["evaluation"]
+        ppl = [f"{entry['perplexity']:.2f}" for entry in evaluation["perplexities"]]
+        kl = [
+            f"{entry['kl_to_reference']:.4f} +/- {entry['kl_stderr']:.4f}" if entry.get("kl_to_reference") is not None else "-"
+            for entry in evaluation["perplexities"]
+        ]
+        fidelity = row.get("flips_without_boolq")
+        flips_cell = changes_cell = "-"
+        if fidelity:
+            flips_cell = f"{100 * fidelity['flips']:.1f}% ({100 * row['flips']['flips']:.1f}%)"
+            changes_cell = f"{100 * fidelity['answer_changes']:.1f}%"
+        accuracy = f"{row['pooled_acc']:.4f}" if row.get("pooled_acc") is not None else "-"
+        paired = [
+            f"{100 * row[key]['difference']:+.2f} +/- {100 * row[key]['stderr']:.2f}" if row.get(key) else "-"
+            for key in ("against_stage1", "against_default")
+        ]
+        heal = row.get("heal") or {}
+        heal_seconds = f"{heal['seconds']:.0f}" if heal else "-"
+        heal_tokens = f"{heal['trained_tokens']:,}" if heal else "-"
+        quiet = "yes" if row["provenance"]["quiet"] else "no"
+        lines.append(
+            f"| {row['variant']} | {ppl[0]} | {ppl[1]} | {kl[0]} | {kl[1]} | {flips_cell} | {changes_cell} | {accuracy} | "
+            f"{paired[0]} | {paired[1]} | {heal_seconds} | {heal_tokens} | {quiet} | {row['provenance']['commit'][:8]} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--ratio", type=float, default=0.25)
+    parser.add_argument("--selection", default="gradmap")
+    parser.add_argument("--variants", nargs="+", default=["dense", "stage1", "default"])
+    parser.add_argument("--protocol", choices=list(PROTOCOLS), default="screening")
+    parser.add_argument("--no-tasks", action="store_true", help="perplexities and KL only")
+    parser.add_argument("--max-segments", type=int, default=128)
+    parser.add_argument("--num-samples", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--label", default=None)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.manual_seed(0)
+
+    removed, layers_from = layers_of(args.model, args.ratio, args.selection)
+    suffix = "-notasks" if args.no_tasks else ""
+    name = f"heal-{args.model}-{args.ratio:g}-{args.selection}-{args.protocol}{suffix}" + (f"-{args.label}" if args.label else "")
+    path = os.path.join(RESULTS, name + ".json")
+    record = {
+        "model": args.model,
+        "ratio": args.ratio,
+        "selection": args.selection,
+        "protocol": args.protocol,
+        "subsets": PROTOCOLS[args.protocol],
+        "removed_layers": removed,
+        "layers_from": layers_from,
+        "calibration": f"{CALIBRATION}, {args.num_samples} x 128",
+        "heal_text": HEAL_TEXT,
+        "stage1_seconds_reference": STAGE1_SECONDS.get((args.model, args.ratio)),
+        "rows": [],
+    }
+    if args.resume and os.path.exists(path):
+        with open(path, encoding="utf-8") as file:
+            record = json.load(file)
+    done = {row["variant"] for row in record["rows"]}
+
+    def save() -> None:
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(record, file, indent=1)
+        with open(path[: -len(".json")] + ".md", "w", encoding="utf-8") as file:
+            file.write(markdown(record))
+
+    dense_model, tokenizer = load_model(args.model)
+    calibration = prepare_calibration_data(CALIBRATION, tokenizer, args.num_samples, 128, 0, CALIBRATION)
+    record["calibration_sha256"] = calibration_sha256(calibration)
+    heal_windows = sum(ids.numel() // 128 for ids in tokenize_documents(load_documents(HEAL_TEXT, "calibration"), tokenizer))
+    heal_windows -= GradMAPConfig.__dataclass_fields__["heal_validation_sequences"].default
+    rows = {row["variant"]: row for row in record["rows"]}
+    for variant in args.variants:
+        if variant in done:
+            print(f"{variant}: already measured, kept")
+            continue
+        heal_settings = parse_variant(variant)
+        started = provenance()
+        row: dict = {"variant": variant}
+        if variant == "dense":
+            model = dense_model
+        else:
+            model, _ = load_model(args.model)
+            config = GradMAPConfig(
+                layers_to_prune=removed,
+                num_samples=args.num_samples,
+                compensation=variant != "stage1",
+                **(heal_settings or {}),
+            )
+            pruner = GradMAPPruner(config, model, tokenizer)
+            result = pruner.prune(model, calibration)
+            row["timings"] = result.timings
+            row["compensated_layers"] = result.compensated_layers
+            if result.heal is not None:
+                row["heal"] = result.heal.to_dict()
+                row["heal"]["passes_over_text"] = result.heal.budget_tokens / (heal_windows * 128)
+        tick = time.perf_counter()
+        evaluation = evaluate(
+            model,
+            tokenizer,
+            PERPLEXITY_DATASETS,
+            segment_length=128,
+            max_segments=args.max_segments,
+            tasks=() if args.no_tasks else PAPER_TASKS,
+            task_subsets=PROTOCOLS[args.protocol],
+            task_data="offline",
+            batch_size=args.batch_size,
+            model_name=variant,
+            progress_bar=False,
+            reference_model=None if variant == "dense" else dense_model,
+            reference_model_name="dense",
+        )
+        row["evaluation_seconds"] = time.perf_counter() - tick
+        summary = evaluation.to_dict()
+        summary.pop("flips", None)
+        if evaluation.zero_shot is not None:
+            summary["zero_shot"]["answers"] = compact(evaluation.zero_shot)
+            row["pooled_acc"] = evaluation.zero_shot.pooled_acc
+        row["evaluation"] = summary
+        print(evaluation.summary(), flush=True)
+        if evaluation.zero_shot is not None and "dense" in rows and variant != "dense":
+            dense_answers = rows["dense"]["evaluation"]["zero_shot"]["answers"]
+            mine = summary["zero_shot"]["answers"]
+            row["flips"] = asdict(flips(expand(mine), expand(dense_answers)).pooled)
+            row["flips_without_boolq"] = asdict(flips(expand(mine, ("boolq",)), expand(dense_answers, ("boolq",))).pooled)
+            for key, other in (("against_stage1", "stage1"), ("against_default", "default")):
+                if other in rows and other != variant:
+                    comparison = compare_zero_shot(
+                        expand(rows[other]["evaluation"]["zero_shot"]["answers"]), expand(mine), names=(other, variant, "dense")
+                    )
+                    row[key] = asdict(comparison.pooled)
+                    row[key + "_without_boolq"] = asdict(
+                        compare_zero_shot(
+                            expand(rows[other]["evaluation"]["zero_shot"]["answers"], ("boolq",)),
+                            expand(mine, ("boolq",)),
+                        ).pooled
+                    )
+        row["provenance"] = finish(started)
+        record["rows"].append(row)
+        rows[variant] = row
+        save()
+        print(f"{variant}: saved to {path}", flush=True)
+        if variant != "dense":
+            del model
+    print(markdown(record))
+
+
+if __name__ == "__main__":
+    main()
