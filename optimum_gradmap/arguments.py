@@ -28,7 +28,10 @@ def _value_parser(kinds: Sequence[Any]) -> Any:
 
 
 def add_config_arguments(
-    parser: argparse.ArgumentParser, config_class: type, choices: dict[str, Sequence[str]] | None = None
+    parser: argparse.ArgumentParser,
+    config_class: type,
+    choices: dict[str, Sequence[str]] | None = None,
+    only: Sequence[str] | None = None,
 ) -> None:
     """Adds one option per field of a config dataclass, named after the field (`--field_name`, and
     `--field-name`), with the field's default and the help in its metadata; the option's value type,
@@ -41,10 +44,13 @@ def add_config_arguments(
         config_class (`type`): The dataclass (`GradMAPConfig`).
         choices (`dict[str, Sequence[str]]`, *optional*): Choices of fields whose values are only known at
             run time (the registered importance metrics).
+        only (`Sequence[str]`, *optional*): Add only these fields (the heal settings of `optimum-gradmap heal`).
     """
     hints = typing.get_type_hints(config_class)
     groups: dict[str, Any] = {}
     for setting in fields(config_class):
+        if only is not None and setting.name not in only:
+            continue
         annotation = hints[setting.name]
         is_union = typing.get_origin(annotation) is typing.Union or isinstance(annotation, types.UnionType)
         kinds = [kind for kind in (typing.get_args(annotation) if is_union else (annotation,)) if kind is not type(None)]

@@ -56,13 +56,13 @@ from typing import Any, get_args
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
 from . import distributed
 from .adapters import DecoderAdapter
 from .configuration import GradMAPConfig, HealTrainable
-from .data import calibration_sha256
+from .data import CalibrationData, calibration_sha256, prepare_heal_data
 from .errors import InvalidInputError
 from .passes import calibration_mode, input_device
 from .precision import has_native_bfloat16
@@ -130,6 +130,32 @@ def check_heal_settings(model: nn.Module, config: GradMAPConfig) -> None:
             "The heal stage trains the model and cannot train weights Accelerate offloaded to the CPU or disk: load the "
             "model on devices that hold it (a larger device, or `torchrun` with several), or set heal_tokens=0."
         )
+
+
+def heal_sequences(
+    data: CalibrationData, tokenizer: PreTrainedTokenizerBase | None, config: GradMAPConfig
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """The training and held-out sequences of a heal run as `config` says: `heal_tokens` worth of `heal_seq_len`-token
+    windows of `data` (or `config.heal_dataset`) and `heal_validation_sequences` held out, shuffled with seed
+    `seed + 2` ([`~optimum_gradmap.data.prepare_heal_data`]).
+
+    Args:
+        data: The heal text in any form calibration data takes, or `None` for `config.heal_dataset`.
+        tokenizer (`PreTrainedTokenizerBase`, *optional*): Needed for text.
+        config ([`GradMAPConfig`]): Its `heal_*` settings, `seed` and `text_column` are read.
+
+    Returns:
+        `tuple[torch.LongTensor, torch.LongTensor]`: the training and held-out sequences.
+    """
+    return prepare_heal_data(
+        config.heal_dataset if data is None else data,
+        tokenizer,
+        -(-config.heal_tokens // config.heal_seq_len),
+        config.heal_validation_sequences,
+        config.heal_seq_len,
+        config.seed + 2,
+        config.text_column,
+    )
 
 
 @dataclass

@@ -138,8 +138,12 @@ class ModelLoading:
             limits[int(device) if device.isdigit() else device] = size
         return limits
 
-    def load(self, path: str) -> tuple[Any, Any]:
+    def load(self, path: str, with_tokenizer: bool = True) -> tuple[Any, Any]:
         """Loads the model and tokenizer at `path` (from [`resolve`]) with these options.
+
+        Args:
+            path (`str`): Where to load from.
+            with_tokenizer (`bool`, defaults to `True`): Also load the tokenizer (`None` in its place otherwise).
 
         Returns:
             `tuple[PreTrainedModel, PreTrainedTokenizerBase]`
@@ -157,4 +161,4 @@ class ModelLoading:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **location, **placement)
         if self.device and not self.device_map:
             model.to(self.device)
-        return model, AutoTokenizer.from_pretrained(path, **location)
+        return model, AutoTokenizer.from_pretrained(path, **location) if with_tokenizer else None

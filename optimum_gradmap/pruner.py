@@ -38,10 +38,9 @@ from .data import (
     describe_calibration_data,
     is_text_data,
     prepare_calibration_data,
-    prepare_heal_data,
 )
 from .errors import InvalidInputError
-from .heal import HEAL_SETTINGS, check_heal_settings, heal
+from .heal import HEAL_SETTINGS, check_heal_settings, heal, heal_sequences
 from .hub import save_and_upload
 from .importance import get_importance_metric
 from .importance.selection import Selection, Stage1Checkpoint, Stage1Plan, remove_by_importance, remove_explicit_layers
@@ -547,15 +546,7 @@ class GradMAPPruner:
         `seed + 2`, and where they came from, after the checks of its settings on `model`."""
         check_heal_settings(model, config)
         data = heal_data if heal_data is not None else config.heal_dataset
-        train_ids, validation_ids = prepare_heal_data(
-            data,
-            self._tokenizer_for(model, data, tokenizer),
-            -(-config.heal_tokens // config.heal_seq_len),
-            config.heal_validation_sequences,
-            config.heal_seq_len,
-            config.seed + 2,
-            config.text_column,
-        )
+        train_ids, validation_ids = heal_sequences(data, self._tokenizer_for(model, data, tokenizer), config)
         for ids in (train_ids, validation_ids):
             _check_token_ids(ids, model)
         distributed.shard_bounds(train_ids.shape[0])

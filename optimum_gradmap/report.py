@@ -44,6 +44,7 @@ REPORT_NAME = "pruning_report.json"
 IMPORTANCE_PICTURE = "importance.png"
 DRIFT_PICTURE = "drift.png"
 CURVE_PICTURE = "loss_curve.png"
+HEAL_PICTURE = "heal_kl.png"
 MODEL_CARD_NAME = "README.md"
 
 
@@ -184,7 +185,8 @@ def load_report(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def write_pictures(report: dict[str, Any], directory: str | os.PathLike) -> list[str]:
-    """Draws `importance.png`, `drift.png` and `loss_curve.png` (those the report has data for) into `directory`.
+    """Draws `importance.png`, `drift.png`, `loss_curve.png` and `heal_kl.png` (those the report has data for) into
+    `directory`.
 
     Returns:
         `list[str]`: The file names written; empty when matplotlib is not installed (logged).
@@ -249,7 +251,35 @@ def write_pictures(report: dict[str, Any], directory: str | os.PathLike) -> list
         figure.tight_layout()
         figure.savefig(os.path.join(directory, DRIFT_PICTURE), dpi=110)
         written.append(DRIFT_PICTURE)
+    heal = report.get("heal") or {}
+    if heal.get("kl_curve"):
+        figure, axis = new_axis()
+        tokens, kl = zip(*heal["kl_curve"])
+        axis.plot(tokens, kl, marker="o", markersize=3, label="held-out KL from the dense model")
+        axis.plot([heal["best_tokens"]], [heal["best_kl"]], marker="*", color="tab:green", markersize=14, linestyle="none",
+                  label=f"kept: {heal['best_kl']:.4f} after {heal['best_tokens']:,} tokens")  # fmt: skip
+        axis.set_xlabel(f"tokens trained ({heal['dataset']})")
+        axis.set_ylabel("next-token KL (top-64 and the rest), nats/token")
+        axis.set_title(f"Heal: distillation from the dense model ({heal['trainable']})")
+        axis.legend(fontsize=8)
+        figure.tight_layout()
+        figure.savefig(os.path.join(directory, HEAL_PICTURE), dpi=110)
+        written.append(HEAL_PICTURE)
     return written
+
+
+def _heal_sentence(report: dict[str, Any]) -> str:
+    """What the heal stage did, in words; empty without it."""
+    heal = report.get("heal")
+    if not heal:
+        return ""
+    stopped = " (stopped early by the user)" if heal.get("interrupted") else ""
+    return (
+        f"Then the heal stage distilled the dense model into it{stopped}: {heal['trainable']} "
+        f"({heal['num_trainable_parameters']:,} parameters) trained on {heal['trained_tokens']:,} tokens of "
+        f"{heal['dataset']} (SHA-256 {heal['train_sha256'][:12]}), merged into the weights; held-out KL from the dense "
+        f"model {heal['start_kl']:.4f} -> {heal['best_kl']:.4f} nats/token."
+    )
 
 
 def _draw_curve(axis: Any, report: dict[str, Any]) -> None:
@@ -415,7 +445,7 @@ def build_model_card(
     name = repo_id or "path/to/this/checkpoint"
     removed, num_layers = report["removed_layers"], report["original_num_layers"]
     metric = report["gradmap_config"].get("importance", "gradmap")
-    stage2 = _stage2_sentence(report)
+    stage2 = " ".join(part for part in (_stage2_sentence(report), _heal_sentence(report)) if part)
     picture_lines = "\n\n".join(f"![{picture}]({picture})" for picture in pictures)
     timings = ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in report["timings"].items())
     content = f"""---
@@ -483,6 +513,12 @@ def format_report(report: dict[str, Any]) -> str:
             error = f" +/- {entry['kl_stderr']:.4f}" if entry.get("kl_stderr") is not None else ""
             line += f"; KL from {entry.get('reference')}: {entry['kl_to_reference']:.4f}{error} nats/token"
         lines.append(line)
+    heal = report.get("heal")
+    if heal:
+        lines.append(
+            f"heal:                {heal['trainable']} on {heal['trained_tokens']:,} tokens of {heal['dataset']}, held-out "
+            f"KL {heal['start_kl']:.4f} -> {heal['best_kl']:.4f}" + (" (interrupted)" if heal.get("interrupted") else "")
+        )
     flips = report.get("flips_against_dense")
     if flips:
         pooled = flips["pooled"]

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from optimum_gradmap import GradMAPPruner, distributed
 from optimum_gradmap.evaluation import evaluate
-from tests.distributed_cases import CASES, EVALUATION, case_inputs, evaluation_inputs
+from tests.distributed_cases import CASES, EVALUATION, case_heal_data, case_inputs, evaluation_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,7 +45,7 @@ def test_two_processes_prune_like_one(two_process_run, case):
     assert ranks[0] == {**ranks[1], "world_size": 2}  # every process took the same decisions, bit for bit
 
     model, config, calibration_ids, probe_ids = case_inputs(case)
-    single = GradMAPPruner(config, progress_bar=False).prune(model, calibration_ids)
+    single = GradMAPPruner(config, progress_bar=False).prune(model, calibration_ids, heal_data=case_heal_data(case))
     found = ranks[0]
     assert found["removed_layers"] == single.removed_layers
     assert found["compensated_layers"] == single.compensated_layers
@@ -54,6 +54,10 @@ def test_two_processes_prune_like_one(two_process_run, case):
         for index, score in single_round.items():
             assert shared_round[str(index)] == pytest.approx(score, rel=1e-6, abs=1e-12)  # float32 sums, other order
     assert {int(k): v for k, v in found["compensation_lambda"].items()} == pytest.approx(single.compensation.reg_lambda, rel=1e-6)
+    if single.heal is not None:  # data-parallel heal: the same steps as one process, and they lowered the held-out KL
+        assert single.heal.best_tokens > 0
+        assert [tokens for tokens, _ in found["heal_kl_curve"]] == [tokens for tokens, _ in single.heal.kl_curve]
+        assert [kl for _, kl in found["heal_kl_curve"]] == pytest.approx([kl for _, kl in single.heal.kl_curve], rel=1e-4)
     with torch.no_grad():
         single_logits = single.model(probe_ids).logits
     torch.testing.assert_close(torch.tensor(found["logits"]).view_as(single_logits), single_logits, rtol=1e-5, atol=1e-5)

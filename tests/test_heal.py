@@ -241,3 +241,41 @@ def test_the_refinement_distils_from_the_dense_model_not_from_the_folded_one(mon
     top = log_probs.topk(refinement.TOP_K, -1)
     torch.testing.assert_close(seen["targets"][1], torch.softmax(top.values, -1))
     assert torch.equal(seen["targets"][0], top.indices)
+
+
+def test_prune_command_heals_and_the_heal_command_heals_a_saved_checkpoint(tiny_checkpoint, tmp_path, capsys):
+    import os
+
+    from optimum_gradmap import load_report
+    from optimum_gradmap.cli import main
+
+    common = ["--dataset", "offline:wikipedia", "--num-samples", "16", "--seq-len", "16", "-q"]
+    heal_options = ["--heal-tokens", "512", "--heal-dataset", "offline:web_text", "--heal-seq-len", "16",
+                    "--heal-validation-sequences", "8", "--heal-batch-size", "4", "--heal-check-every", "2",
+                    "--heal-trainable", "norms", "--no-heal-autocast"]  # fmt: skip
+    healed = str(tmp_path / "healed")
+    assert main(["prune", tiny_checkpoint, "--num-layers-to-prune", "2", *common, *heal_options, "--output", healed]) == 0
+    report = load_report(healed)
+    assert report["heal"]["trainable"] == "norms" and report["heal"]["trained_tokens"] == 512
+    assert report["gradmap_config"]["heal_tokens"] == 512 and "heal" in report["timings"]
+    assert os.path.isfile(os.path.join(healed, "heal_kl.png"))
+    assert "heal stage distilled the dense model" in open(os.path.join(healed, "README.md"), encoding="utf-8").read()
+    assert "Healed norms on 512 tokens" in capsys.readouterr().out
+    assert not os.path.exists(os.path.join(tmp_path, ".healed.heal.pt"))  # the default heal checkpoint is removed
+
+    pruned, later = str(tmp_path / "pruned"), str(tmp_path / "healed-later")
+    assert main(["prune", tiny_checkpoint, "--num-layers-to-prune", "2", *common, "--output", pruned]) == 0
+    argv = ["heal", pruned, "--teacher", tiny_checkpoint, *heal_options, "--output", later]
+    assert main(argv) == 0
+    report, before = load_report(later), load_report(pruned)
+    assert report["removed_layers"] == before["removed_layers"] and report["heal"]["dataset"].startswith(
+        "dataset 'offline:web_text'"
+    )
+    assert report["heal"]["best_kl"] <= report["heal"]["start_kl"]
+    assert AutoModelForCausalLM.from_pretrained(later).config.num_hidden_layers == 4
+    assert main(["heal", later, "--teacher", tiny_checkpoint, *heal_options, "--output", str(tmp_path / "twice")]) == 2
+    assert "healed already" in capsys.readouterr().err
+    other = str(tmp_path / "other-teacher")
+    tiny_model("llama", num_layers=5).save_pretrained(other)
+    assert main(["heal", pruned, "--teacher", other, *heal_options, "--output", str(tmp_path / "x")]) == 2
+    assert "pruned from a model of 6" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from ..arguments import add_config_arguments, config_from_arguments
 from ..configuration import PRESETS, GradMAPConfig
 from ..loading import ModelLoading
 from .common import InputError, add_logging_arguments, set_verbosity
+from .heal import default_heal_checkpoint
 
 logger = logging.get_logger(__name__)
 
@@ -101,6 +102,8 @@ def _checked_prune_input(args: argparse.Namespace) -> tuple[GradMAPConfig, Model
     check_dataset_name(config.dataset, "calibration")
     if config.compensation_dataset is not None:
         check_dataset_name(config.compensation_dataset, "calibration")
+    if config.heal_tokens and not os.path.exists(config.heal_dataset):
+        check_dataset_name(config.heal_dataset, "calibration")
     for dataset in args.evaluate or ():
         check_dataset_name(dataset, "evaluation")
     if args.max_segments is not None and args.max_segments < 1:
@@ -165,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
     stage1_checkpoint = args.stage1_checkpoint
     if stage1_checkpoint is None and config.layers_to_prune is None:
         stage1_checkpoint = default_stage1_checkpoint(args.output)
+    heal_checkpoint = default_heal_checkpoint(args.output) if config.heal_tokens else None
     resolved = loading.resolve()  # a model name that is no folder, no asset and not on the Hub: refused here
 
     several = distributed.init_from_environment()  # under torchrun / accelerate launch: data parallel
@@ -176,7 +180,9 @@ def run(args: argparse.Namespace) -> int:
     dense_evaluation = _measure_perplexity(model, tokenizer, args, progress, label="dense model")
     pruner = GradMAPPruner(config, model=model, tokenizer=tokenizer, progress_bar=progress)
     try:
-        result = pruner.prune(stage1_checkpoint=stage1_checkpoint, validation_data=args.validation_dataset)
+        result = pruner.prune(
+            stage1_checkpoint=stage1_checkpoint, validation_data=args.validation_dataset, heal_checkpoint=heal_checkpoint
+        )
     except KeyboardInterrupt:
         command = shlex.join(getattr(args, "command_line", None) or [os.path.basename(sys.argv[0]), *sys.argv[1:]])
         saved = stage1_checkpoint is not None and os.path.isfile(stage1_checkpoint)
@@ -203,6 +209,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if stage1_checkpoint is not None and args.stage1_checkpoint is None and os.path.isfile(stage1_checkpoint):
         os.remove(stage1_checkpoint)  # the default one: its work is in the checkpoint now
+    if heal_checkpoint is not None and os.path.isfile(heal_checkpoint):
+        os.remove(heal_checkpoint)
     print(f"Removed layers {result.removed_layers} of {result.original_num_layers} (in removal order); kept {result.kept_layers}")
     for line in curve_lines(result.to_dict()):
         print(line)
@@ -210,6 +218,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"Stage 1 stopped: {result.stopped}.")
     if result.compensated_layers:
         print(f"Compensated layer(s) {result.compensated_layers}.")
+    if result.heal is not None:
+        healed = result.heal
+        stopped = " (interrupted: the best state so far was kept)" if healed.interrupted else ""
+        print(
+            f"Healed {healed.trainable} on {healed.trained_tokens:,} tokens of {healed.dataset}{stopped}: held-out KL from "
+            f"the dense model {healed.start_kl:.4f} -> {healed.best_kl:.4f} in {healed.seconds:.0f} s."
+        )
     dense = {(e.dataset, e.protocol): e.perplexity for e in (dense_evaluation.perplexities if dense_evaluation else [])}
     for e in evaluation.perplexities if evaluation else []:
         before = dense[(e.dataset, e.protocol)]

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from optimum_gradmap import GradMAPPruner, distributed  # noqa: E402
-from tests.distributed_cases import CASES, EVALUATION, case_inputs, evaluation_inputs  # noqa: E402
+from tests.distributed_cases import CASES, EVALUATION, case_heal_data, case_inputs, evaluation_inputs  # noqa: E402
 
 
 def _forbidden(*args, **kwargs):
@@ -48,7 +48,7 @@ def main() -> None:
         folder = os.path.join(output, case)
         os.makedirs(folder, exist_ok=True)
         model, config, calibration_ids, probe_ids = case_inputs(case)
-        result = GradMAPPruner(config, progress_bar=False).prune(model, calibration_ids)
+        result = GradMAPPruner(config, progress_bar=False).prune(model, calibration_ids, heal_data=case_heal_data(case))
         with torch.no_grad():
             logits = result.model(probe_ids).logits
         found = {
@@ -58,6 +58,7 @@ def main() -> None:
             "compensation_lambda": {str(k): v for k, v in result.compensation.reg_lambda.items()},
             "logits": logits.flatten().tolist(),
             "world_size": distributed.world_size(),
+            "heal_kl_curve": result.heal.kl_curve if result.heal is not None else None,
         }
         with open(os.path.join(folder, f"rank-{distributed.rank()}.json"), "w", encoding="utf-8") as file:
             json.dump(found, file)
