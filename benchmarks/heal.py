@@ -20,7 +20,10 @@ token, standard error over segments), the seven zero-shot tasks offline under `-
 questions per task; `standard`: whole validation splits, HellaSwag and BoolQ subsets) with every question's choice,
 the flips against the dense row (right/wrong changed, chosen answer changed; with and without BoolQ), and the paired
 accuracy against `stage1` and `default`; for a heal row, what was trained, its seconds, and its held-out KL curve.
-Every row carries its provenance (benchmarks/provenance.py). Writes
+Stage 1 and the default Stage 2 run once per invocation, and every heal row starts from their weights with the dense
+model, loaded beside them, as its teacher (as `optimum-gradmap heal --teacher` does; the pruner's own teacher, the
+pruned model with its layers put back and its folds undone, gives the same targets: tests/test_heal.py). Every row
+carries its provenance (benchmarks/provenance.py). Writes
 benchmarks/results/heal-<model>-<ratio>-<selection>-<protocol>[-<label>].{json,md}; with `--resume`, rows already
 there are kept.
 """
@@ -28,6 +31,8 @@ there are kept.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -39,6 +44,7 @@ from accuracy import CALIBRATION, RESULTS, layers_of
 from provenance import finish, provenance
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
+from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.assets import load_model
 from optimum_gradmap.data import calibration_sha256, load_documents, prepare_calibration_data, tokenize_documents
 from optimum_gradmap.evaluation import (
@@ -52,6 +58,7 @@ from optimum_gradmap.evaluation import (
     evaluate,
     flips,
 )
+from optimum_gradmap.heal import heal, heal_sequences
 
 PROTOCOLS = {"standard": STANDARD_SUBSETS, "screening": SCREENING_SUBSETS}
 HEAL_TEXT = "offline:web_text"
@@ -200,6 +207,7 @@ def main() -> None:
     heal_windows = sum(ids.numel() // 128 for ids in tokenize_documents(load_documents(HEAL_TEXT, "calibration"), tokenizer))
     heal_windows -= GradMAPConfig.__dataclass_fields__["heal_validation_sequences"].default
     rows = {row["variant"]: row for row in record["rows"]}
+    compensated = stage2 = stage2_state = None
     for variant in args.variants:
         if variant in done:
             print(f"{variant}: already measured, kept")
@@ -209,21 +217,44 @@ def main() -> None:
         row: dict = {"variant": variant}
         if variant == "dense":
             model = dense_model
-        else:
+        elif variant == "stage1":
             model, _ = load_model(args.model)
-            config = GradMAPConfig(
-                layers_to_prune=removed,
-                num_samples=args.num_samples,
-                compensation=variant != "stage1",
-                **(heal_settings or {}),
-            )
-            pruner = GradMAPPruner(config, model, tokenizer)
-            result = pruner.prune(model, calibration)
+            config = GradMAPConfig(layers_to_prune=removed, num_samples=args.num_samples, compensation=False)
+            result = GradMAPPruner(config, model, tokenizer).prune(model, calibration)
             row["timings"] = result.timings
-            row["compensated_layers"] = result.compensated_layers
-            if result.heal is not None:
-                row["heal"] = result.heal.to_dict()
-                row["heal"]["passes_over_text"] = result.heal.budget_tokens / (heal_windows * 128)
+        else:
+            if compensated is None:  # Stage 1 and the default Stage 2, once for every row that starts from them
+                compensated, _ = load_model(args.model)
+                config = GradMAPConfig(layers_to_prune=removed, num_samples=args.num_samples)
+                stage2 = GradMAPPruner(config, compensated, tokenizer).prune(compensated, calibration)
+                stage2_state = {name: tensor.clone() for name, tensor in compensated.state_dict().items()}
+            compensated.load_state_dict(stage2_state)
+            model = compensated
+            row["timings"] = dict(stage2.timings)
+            row["compensated_layers"] = stage2.compensated_layers
+            if heal_settings is not None:  # the heal on Stage 1 + 2, the dense model as teacher
+                heal_config = dataclasses.replace(stage2.config, **heal_settings)
+                train_ids, validation_ids = heal_sequences(None, tokenizer, heal_config)
+                healed = heal(
+                    model,
+                    get_adapter(model),
+                    lambda: contextlib.nullcontext(dense_model),
+                    train_ids,
+                    validation_ids,
+                    trainable=heal_config.heal_trainable,
+                    learning_rate=heal_config.heal_lr,
+                    batch_size=heal_config.heal_batch_size,
+                    check_every=heal_config.heal_check_every,
+                    lora_rank=heal_config.heal_lora_rank,
+                    autocast=heal_config.heal_autocast,
+                    kept=stage2.kept_layers,
+                    num_layers=stage2.original_num_layers,
+                    compensated=stage2.compensated_layers,
+                    dataset=HEAL_TEXT,
+                )
+                row["heal"] = healed.to_dict()
+                row["heal"]["passes_over_text"] = healed.budget_tokens / (heal_windows * 128)
+                row["timings"]["heal"] = healed.seconds
         tick = time.perf_counter()
         evaluation = evaluate(
             model,
@@ -270,8 +301,6 @@ def main() -> None:
         rows[variant] = row
         save()
         print(f"{variant}: saved to {path}", flush=True)
-        if variant != "dense":
-            del model
     print(markdown(record))
 
 
