@@ -46,6 +46,7 @@ backward passes run under bfloat16 autocast; the loss, the optimizer and the wei
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import time
@@ -57,10 +58,11 @@ from typing import Any, get_args
 import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging
 
 from . import distributed
-from .adapters import DecoderAdapter
+from .adapters import DecoderAdapter, get_submodule
 from .configuration import GradMAPConfig, HealTrainable
 from .data import CalibrationData, calibration_sha256, prepare_heal_data
 from .errors import InvalidInputError
@@ -85,6 +87,8 @@ DEFAULT_LEARNING_RATES: dict[str, float] = {
     "all": 3e-5,
 }
 HEAL_TRAINABLE_CHOICES: tuple[str, ...] = get_args(HealTrainable)
+# The name of the heal stage's LoRA adapter (in its parameters' names).
+LORA_ADAPTER = "heal"
 
 
 # The GradMAPConfig fields the heal stage reads: the ones `GradMAPPruner.heal` may override.
@@ -102,15 +106,18 @@ HEAL_SETTINGS = (
 )
 
 
-def check_heal_settings(model: nn.Module, config: GradMAPConfig) -> None:
+def check_heal_settings(model: nn.Module, config: GradMAPConfig, compensated: Sequence[int] | None = None) -> None:
     """Refuses, before anything changes, a heal the model or the environment cannot run as `config` says.
 
     Args:
         model (`nn.Module`): The model to prune (or pruned).
         config ([`GradMAPConfig`]): Its `heal_*` settings are read.
+        compensated (`Sequence[int]`, *optional*): For a model pruned already, the layers Stage 2 compensated; without
+            it, `config.compensation` says whether Stage 2 will run.
 
     Raises:
-        InvalidInputError: for `lora` without PEFT, `down_projections` without Stage 2, or offloaded weights.
+        InvalidInputError: for `lora` without PEFT, `down_projections` without a compensated layer, full weights in
+            bfloat16 or float16, or offloaded weights.
     """
     if config.heal_trainable == "lora":
         try:
@@ -120,15 +127,28 @@ def check_heal_settings(model: nn.Module, config: GradMAPConfig) -> None:
                 "heal_trainable='lora' needs PEFT: `pip install peft` (or `pip install optimum-gradmap[heal]`), or choose "
                 "heal_trainable='norms'."
             ) from error
-    if config.heal_trainable == "down_projections" and not config.compensation:
+    if config.heal_trainable == "down_projections" and not (config.compensation if compensated is None else compensated):
         raise InvalidInputError(
-            "heal_trainable='down_projections' trains the down projections of Stage 2's compensated layers, and Stage 2 "
-            "is off (`compensation=False`): turn it on, or choose another `heal_trainable`."
+            "heal_trainable='down_projections' trains the down projections of Stage 2's compensated layers, and "
+            + ("Stage 2 is off (`compensation=False`)" if compensated is None else "Stage 2 compensated no layer")
+            + ": choose another `heal_trainable`."
+        )
+    dtype = next(model.parameters()).dtype
+    if config.heal_trainable != "lora" and dtype in (torch.bfloat16, torch.float16):
+        raise InvalidInputError(
+            f"heal_trainable={config.heal_trainable!r} would train {str(dtype).replace('torch.', '')} weights in place, "
+            "where AdamW's small steps round away: load the model in float32 (`--dtype float32`), or heal with "
+            "heal_trainable='lora' (its adapters are float32 whatever the model's dtype)."
         )
     if any(is_offloaded_module(module) for module in model.modules()):
         raise InvalidInputError(
             "The heal stage trains the model and cannot train weights Accelerate offloaded to the CPU or disk: load the "
             "model on devices that hold it (a larger device, or `torchrun` with several), or set heal_tokens=0."
+        )
+    if config.heal_batch_size < distributed.world_size():
+        raise InvalidInputError(
+            f"heal_batch_size={config.heal_batch_size} cannot be shared by {distributed.world_size()} processes: use a "
+            "batch at least as large as the number of processes."
         )
 
 
@@ -202,7 +222,18 @@ class HealResult:
     interrupted: bool = False
 
     def to_dict(self) -> dict[str, Any]:
+        """The result, JSON-serialisable."""
         return asdict(self)
+
+    def summary(self) -> str:
+        """One line: what was trained, on what, and the held-out KL before and after."""
+        stopped = " (interrupted: the best state so far was kept)" if self.interrupted else ""
+        kept = "" if self.best_tokens else " (no state beat the start: the model is as it came)"
+        return (
+            f"Healed {self.trainable} ({self.num_trainable_parameters:,} parameters) on {self.trained_tokens:,} tokens of "
+            f"{self.dataset}{stopped}: held-out KL from the dense model {self.start_kl:.4f} -> {self.best_kl:.4f}{kept} "
+            f"in {self.seconds:.0f} s."
+        )
 
 
 @dataclass
@@ -221,6 +252,7 @@ class TeacherTargets:
     rest_log_prob: torch.Tensor
 
     def rows(self, rows: Sequence[int] | slice) -> TeacherTargets:
+        """The targets of some of the sequences."""
         return TeacherTargets(self.indices[rows], self.log_probs[rows], self.rest_log_prob[rows])
 
 
@@ -245,6 +277,10 @@ def teacher_targets(
         [`TeacherTargets`], on the CPU.
     """
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    if input_ids.shape[0] == 0:  # a process with no sequence of its own (torchrun): nothing to keep
+        top_k = min(TOP_K, teacher.get_output_embeddings().weight.shape[0])
+        shape = (0, max(0, input_ids.shape[1] - 1))
+        return TeacherTargets(torch.zeros(*shape, top_k, dtype=torch.int32), torch.zeros(*shape, top_k), torch.zeros(*shape))
     device = input_device(teacher)
     with calibration_mode(teacher):
         for start in logging.tqdm(
@@ -284,22 +320,23 @@ def top_k_kl(logits: torch.Tensor, targets: TeacherTargets) -> torch.Tensor:
 
 
 def _linear_names(model: nn.Module, layers: Sequence[nn.Module]) -> list[str]:
-    """The full names of the `nn.Linear` maps inside `layers`."""
-    wanted = {id(module) for layer in layers for module in layer.modules() if isinstance(module, nn.Linear)}
+    """The full names of the linear maps (`nn.Linear`, GPT-2's `Conv1D`) inside `layers`: LoRA's targets. (The experts
+    of transformers' MoE blocks are 3-D parameters, not maps: LoRA leaves them and adapts the attention.)"""
+    wanted = {id(module) for layer in layers for module in layer.modules() if isinstance(module, (nn.Linear, Conv1D))}
     return [name for name, module in model.named_modules() if id(module) in wanted]
 
 
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
 def _norm_parameters(model: nn.Module, kept_layers: Sequence[nn.Module], adapter: DecoderAdapter) -> list[nn.Parameter]:
-    """The weights of every normalisation inside the kept layers and after them (the final norm)."""
-    decoder = adapter.get_decoder(model)
-    modules = [module for layer in kept_layers for module in layer.modules()]
-    modules += [module for name, module in decoder.named_children() if "norm" in name.lower()]
-    return [
-        parameter
-        for module in modules
-        if "norm" in type(module).__name__.lower()
-        for parameter in module.parameters(recurse=False)
-    ]
+    """The weights of every normalisation inside the kept layers and of those beside the layer list (the final norm,
+    whatever its name: `norm`, `ln_f`, `final_layer_norm`)."""
+    holder = get_submodule(model, adapter.layers_path.rpartition(".")[0])
+    modules = [module for layer in kept_layers for module in layer.modules() if _is_norm(module)]
+    modules += [module for module in holder.children() if _is_norm(module)]
+    return [parameter for module in modules for parameter in module.parameters(recurse=False)]
 
 
 def _layer_before_each_run(kept: Sequence[int], num_layers: int) -> list[int]:
@@ -308,75 +345,131 @@ def _layer_before_each_run(kept: Sequence[int], num_layers: int) -> list[int]:
     return [index for index in kept if index + 1 < num_layers and index + 1 not in kept_set]
 
 
-class _Trainable:
-    """The parameters the heal stage trains and how they end as plain weights."""
+@dataclass
+class _Choice:
+    """What `heal_trainable` names in a model, found without changing it: LoRA's target maps, or the parameters."""
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        adapter: DecoderAdapter,
-        trainable: str,
-        kept: Sequence[int],
-        num_layers: int,
-        compensated: Sequence[int],
-        lora_rank: int,
-    ):
-        self.model, self.lora = model, None
-        layers = list(adapter.get_layers(model))
-        by_index = dict(zip(kept, layers))
-        if trainable == "lora":
-            from peft import LoraConfig
-            from peft.tuners.lora import LoraModel
+    lora_targets: list[str]
+    parameters: list[nn.Parameter]
 
-            names = _linear_names(model, layers)
-            lora_config = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=names, bias="none")
-            self.lora = LoraModel(model, lora_config, "heal")
-            self.parameters = [parameter for name, parameter in model.named_parameters() if "lora_" in name]
-        elif trainable == "norms":
-            self.parameters = _norm_parameters(model, layers, adapter)
-        elif trainable == "down_projections":
-            if not compensated:
-                raise InvalidInputError(
-                    "heal_trainable='down_projections' trains the down projections of Stage 2's compensated layers, and "
-                    "no layer was compensated: turn Stage 2 on, or choose another `heal_trainable`."
-                )
-            self.parameters = [
+
+def _choose(
+    model: PreTrainedModel,
+    adapter: DecoderAdapter,
+    trainable: str,
+    kept: Sequence[int],
+    num_layers: int,
+    compensated: Sequence[int],
+) -> _Choice:
+    """What to train, refused (before anything runs) where the model has nothing of that kind.
+
+    Raises:
+        InvalidInputError: nothing to train, a model that carries PEFT adapters already, or full weights in a dtype
+            AdamW cannot update finely (bfloat16, float16).
+    """
+    if hasattr(model, "peft_config"):
+        raise InvalidInputError(
+            "The model carries PEFT adapters already: merge them first (`merge_and_unload`), then heal the plain model."
+        )
+    layers = list(adapter.get_layers(model))
+    by_index = dict(zip(kept, layers))
+    if trainable == "lora":
+        choice = _Choice(_linear_names(model, layers), [])
+    elif trainable == "norms":
+        choice = _Choice([], _norm_parameters(model, layers, adapter))
+    elif trainable == "down_projections":
+        if not compensated:
+            raise InvalidInputError(
+                "heal_trainable='down_projections' trains the down projections of Stage 2's compensated layers, and no "
+                "layer was compensated: turn Stage 2 on, or choose another `heal_trainable`."
+            )
+        choice = _Choice(
+            [],
+            [
                 tensor
                 for index in compensated
                 for target in adapter.get_down_projections(by_index[index])
                 for tensor in ([target] if isinstance(target, nn.Parameter) else [target.weight])
-            ]
-        elif trainable == "before_removed":
-            chosen = _layer_before_each_run(kept, num_layers)
-            if not chosen:
-                raise InvalidInputError(
-                    "heal_trainable='before_removed' trains the kept layer before each removed run, and every removed "
-                    "run starts at layer 0: choose another `heal_trainable`."
-                )
-            self.parameters = [parameter for index in chosen for parameter in by_index[index].parameters()]
-        else:  # "all"
-            self.parameters = [parameter for layer in layers for parameter in layer.parameters()]
-            self.parameters += _norm_parameters(model, [], adapter)
-        if not self.parameters:
-            raise InvalidInputError(f"heal_trainable={trainable!r} finds nothing to train in this model: choose another.")
+            ],
+        )
+    elif trainable == "before_removed":
+        chosen = _layer_before_each_run(kept, num_layers)
+        if not chosen:
+            raise InvalidInputError(
+                "heal_trainable='before_removed' trains the kept layer before each removed run, and every removed run "
+                "starts at layer 0: choose another `heal_trainable`."
+            )
+        choice = _Choice([], [parameter for index in chosen for parameter in by_index[index].parameters()])
+    else:  # "all"
+        choice = _Choice([], [parameter for layer in layers for parameter in layer.parameters()])
+        choice.parameters += _norm_parameters(model, [], adapter)
+    if not choice.lora_targets and not choice.parameters:
+        raise InvalidInputError(f"heal_trainable={trainable!r} finds nothing to train in this model: choose another.")
+    low_precision = sorted({str(p.dtype) for p in choice.parameters if p.dtype in (torch.bfloat16, torch.float16)})
+    if low_precision:
+        raise InvalidInputError(
+            f"heal_trainable={trainable!r} would train {', '.join(low_precision)} weights in place, where AdamW's small "
+            "steps round away: load the model in float32 (`--dtype float32`), or heal with heal_trainable='lora' (its "
+            "adapters are float32 whatever the model's dtype)."
+        )
+    return choice
+
+
+class _Trainable:
+    """The parameters the heal stage trains (LoRA's adapters, injected here, or the model's own) and how they end as
+    plain weights.
+
+    Args:
+        model (`PreTrainedModel`): The model.
+        choice (`_Choice`): From `_choose`.
+        lora_rank (`int`): The adapters' rank.
+        seed (`int`): LoRA's initialisation seed (the same on every process).
+    """
+
+    def __init__(self, model: PreTrainedModel, choice: _Choice, lora_rank: int, seed: int = 0):
+        self.model, self.lora = model, None
+        if choice.lora_targets:
+            from peft import LoraConfig
+            from peft.tuners.lora import LoraModel
+
+            lora_config = LoraConfig(
+                r=lora_rank,
+                lora_alpha=2 * lora_rank,
+                lora_dropout=0.0,
+                target_modules=choice.lora_targets,
+                bias="none",
+                fan_in_fan_out=all(isinstance(model.get_submodule(name), Conv1D) for name in choice.lora_targets),  # GPT-2
+            )
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                self.lora = LoraModel(model, lora_config, LORA_ADAPTER)
+            marker = f".{LORA_ADAPTER}."
+            self.parameters = [parameter for name, parameter in model.named_parameters() if "lora_" in name and marker in name]
+        else:
+            self.parameters = list(choice.parameters)
         for parameter in self.parameters:
             parameter.requires_grad_(True)
 
     def num_parameters(self) -> int:
+        """How many parameters are trained."""
         return sum(parameter.numel() for parameter in self.parameters)
 
     def state(self) -> list[torch.Tensor]:
+        """Copies of the trained parameters, on the CPU."""
         return [parameter.detach().to("cpu", copy=True) for parameter in self.parameters]
 
     @torch.no_grad()
     def load(self, state: Sequence[torch.Tensor]) -> None:
-        for parameter, value in zip(self.parameters, state):
+        """Writes `state` ([`state`]'s output) into the trained parameters."""
+        for parameter, value in zip(self.parameters, state, strict=True):
             parameter.copy_(value)
 
     def finish(self, merge: bool) -> None:
         """Removes the LoRA adapters, merged into the weights (`merge`) or dropped; nothing to do for the others."""
         if self.lora is not None:
             self.lora.merge_and_unload() if merge else self.lora.unload()
+            if hasattr(self.model, "peft_config"):  # left by PEFT versions that do not remove it
+                del self.model.peft_config
 
 
 def _learning_rate_factor(step: int, num_steps: int) -> float:
@@ -420,8 +513,8 @@ def heal(
     Args:
         model (`PreTrainedModel`): The pruned model.
         adapter (`DecoderAdapter`): Its family's adapter.
-        teacher (`Callable`): Returns a context manager that gives the dense model for its block ([`LayerSnapshot.dense_model`],
-            or `contextlib.nullcontext(dense_model)`).
+        teacher (`Callable`): Returns a context manager that gives the dense model for its block
+            ([`LayerSnapshot.dense_model`], or `contextlib.nullcontext(dense_model)`).
         train_ids (`torch.LongTensor` of shape `(N, T)`): The training sequences, in the order they are trained on.
         validation_ids (`torch.LongTensor` of shape `(M, T)`): The held-out sequences.
         trainable (`str`, defaults to `"lora"`): What is trained, among `HEAL_TRAINABLE_CHOICES`.
@@ -444,23 +537,25 @@ def heal(
         lower), as plain weights.
 
     Raises:
-        InvalidInputError: for an unknown `trainable`, nothing to train, or offloaded weights. Any error during training
-            leaves the model as it was before the call.
+        InvalidInputError: for an unknown `trainable`, nothing of that kind to train, full weights in bfloat16 or
+            float16, a batch smaller than the number of processes, or a checkpoint file from another run, before the
+            teacher runs. Any error once training was set up leaves the model as it was before the call; Ctrl-C during
+            the training steps keeps the best state so far (`interrupted`), before them it propagates.
     """
     if trainable not in HEAL_TRAINABLE_CHOICES:
         raise InvalidInputError(f"`heal_trainable` must be one of {HEAL_TRAINABLE_CHOICES}, got {trainable!r}.")
+    if batch_size < distributed.world_size():
+        raise InvalidInputError(
+            f"heal_batch_size={batch_size} cannot be shared by {distributed.world_size()} processes: every process takes "
+            "at least one sequence of each step. Use a batch at least as large as the number of processes."
+        )
     started = time.perf_counter()
     kept = list(range(adapter.num_layers(model))) if kept is None else list(kept)
     num_layers = num_layers if num_layers is not None else kept[-1] + 1
     learning_rate = learning_rate if learning_rate is not None else DEFAULT_LEARNING_RATES[trainable]
+    choice = _choose(model, adapter, trainable, kept, num_layers, compensated)  # refusals before any compute
     num_train = train_ids.shape[0]
     num_steps = -(-num_train // batch_size)
-    my_rows = [row for step in range(num_steps) for row in _batch_rows(step, batch_size, num_train)]
-    my_validation, _ = distributed.shard_any(validation_ids)
-    with teacher() as dense_model:
-        targets = teacher_targets(dense_model, train_ids[my_rows], batch_size, progress_bar)
-        validation_targets = teacher_targets(dense_model, my_validation, batch_size, progress_bar)
-    position = {row: index for index, row in enumerate(my_rows)}
     result = HealResult(
         trainable=trainable,
         num_trainable_parameters=0,
@@ -472,8 +567,28 @@ def heal(
         learning_rate=learning_rate,
         batch_size=batch_size,
         seq_len=train_ids.shape[1],
-        teacher_seconds=time.perf_counter() - started,
     )
+    fingerprint = {
+        "train_sha256": result.train_sha256,
+        "validation_sha256": result.validation_sha256,
+        "trainable": trainable,
+        "learning_rate": learning_rate,
+        "batch_size": batch_size,
+        "lora_rank": lora_rank,
+        "world_size": distributed.world_size(),
+        "kept": kept,
+        "num_layers": num_layers,
+        "compensated": list(compensated),
+        "weights": _weights_digest(model),  # the model the run started from: Stage 1 and 2 as they were
+    }
+    resumed = _load_checkpoint(checkpoint, fingerprint)  # a stale file is refused before the teacher runs
+    my_rows = [row for step in range(num_steps) for row in _batch_rows(step, batch_size, num_train)]
+    my_validation, _ = distributed.shard_any(validation_ids)
+    with teacher() as dense_model:
+        targets = teacher_targets(dense_model, train_ids[my_rows], batch_size, progress_bar)
+        validation_targets = teacher_targets(dense_model, my_validation, batch_size, progress_bar)
+    result.teacher_seconds = time.perf_counter() - started
+    position = {row: index for index, row in enumerate(my_rows)}
     device = input_device(model)
     result.autocast = bool(autocast) and has_native_bfloat16(device) and model.dtype == torch.float32
 
@@ -491,25 +606,18 @@ def heal(
         count = validation_ids.shape[0] * (validation_ids.shape[1] - 1)
         return float(distributed.all_reduce_sum(total) / count)
 
+    chosen = None
     with calibration_mode(model, grad=True, freeze_parameters=True):
-        chosen = _Trainable(model, adapter, trainable, kept, num_layers, compensated, lora_rank)
-        result.num_trainable_parameters = chosen.num_parameters()
-        start_state = chosen.state()
-        optimizer = torch.optim.AdamW(chosen.parameters, lr=learning_rate, weight_decay=0.0)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: _learning_rate_factor(done + 1, num_steps))
-        fingerprint = {
-            "train_sha256": result.train_sha256,
-            "validation_sha256": result.validation_sha256,
-            "trainable": trainable,
-            "learning_rate": learning_rate,
-            "batch_size": batch_size,
-            "lora_rank": lora_rank,
-            "world_size": distributed.world_size(),
-        }
-        best_state, first_step = start_state, 0
-        resumed = _load_checkpoint(checkpoint, fingerprint)
         try:
+            chosen = _Trainable(model, choice, lora_rank)
+            result.num_trainable_parameters = chosen.num_parameters()
+            start_state = best_state = chosen.state()
+            optimizer = torch.optim.AdamW(chosen.parameters, lr=learning_rate, weight_decay=0.0)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: _learning_rate_factor(done + 1, num_steps))
+            first_step = 0
             if resumed is not None:
+                if [tuple(value.shape) for value in resumed["state"]] != [tuple(value.shape) for value in start_state]:
+                    raise InvalidInputError(f"The heal checkpoint {checkpoint} holds other tensors: delete it.")
                 chosen.load(resumed["state"])
                 optimizer.load_state_dict(resumed["optimizer"])
                 scheduler.load_state_dict(resumed["scheduler"])
@@ -520,31 +628,32 @@ def heal(
             else:
                 result.start_kl = result.best_kl = held_out_kl()
                 result.kl_curve.append([0, result.start_kl])
-            tokens_per_step = batch_size * train_ids.shape[1]
             bar = logging.tqdm(
                 total=num_steps, initial=first_step, desc=f"Heal ({trainable})", leave=False, disable=not progress_bar
             )
             result.steps = first_step
+            result.trained_tokens = min(num_train, first_step * batch_size) * train_ids.shape[1]
             seconds, tokens_timed = 0.0, 0
             try:
                 for step in range(first_step, num_steps):
                     tick = time.perf_counter()
                     rows = _batch_rows(step, batch_size, num_train)
+                    global_rows = min(batch_size, num_train - step * batch_size)
                     optimizer.zero_grad(set_to_none=True)
-                    if rows:
+                    if rows:  # a last, short batch may leave a process none
                         batch = train_ids[rows].to(device)
                         with passes():
                             logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
                         loss = top_k_kl(logits, targets.rows([position[row] for row in rows])).mean()
                         (loss * len(rows)).backward()
-                    _average_gradients(chosen.parameters, min(batch_size, num_train - step * batch_size))
+                    _average_gradients(chosen.parameters, global_rows)
                     torch.nn.utils.clip_grad_norm_(chosen.parameters, MAX_GRAD_NORM)
                     optimizer.step()
                     scheduler.step()
                     result.steps = step + 1
                     result.trained_tokens = min(num_train, (step + 1) * batch_size) * train_ids.shape[1]
                     seconds += time.perf_counter() - tick
-                    tokens_timed += tokens_per_step
+                    tokens_timed += global_rows * train_ids.shape[1]
                     if result.steps % check_every == 0 or result.steps == num_steps:
                         kl = held_out_kl()
                         result.kl_curve.append([result.trained_tokens, kl])
@@ -563,16 +672,23 @@ def heal(
                 bar.close()
             chosen.load(best_state)
         except BaseException:
-            chosen.load(start_state)
-            chosen.finish(merge=False)
+            if chosen is not None:
+                chosen.load(start_state)
+                chosen.finish(merge=False)
             raise
         chosen.finish(merge=True)
     result.seconds = time.perf_counter() - started
-    logger.info(
-        f"Heal ({trainable}, {result.num_trainable_parameters:,} parameters): held-out KL {result.start_kl:.4f} -> "
-        f"{result.best_kl:.4f} in {result.seconds:.0f} s ({result.trained_tokens:,} tokens)."
-    )
+    logger.info(result.summary())
     return result
+
+
+def _weights_digest(model: nn.Module) -> str:
+    """A cheap fingerprint of every weight of `model`: the SHA-256 of their float64 sums and sums of squares."""
+    with torch.no_grad():
+        sums = torch.stack(
+            [torch.stack([tensor.double().sum(), tensor.double().square().sum()]).cpu() for tensor in model.state_dict().values()]
+        )
+    return hashlib.sha256(sums.numpy().tobytes()).hexdigest()
 
 
 def _average_gradients(parameters: Sequence[nn.Parameter], global_rows: int) -> None:
@@ -586,12 +702,12 @@ def _average_gradients(parameters: Sequence[nn.Parameter], global_rows: int) -> 
 def _load_checkpoint(path: str | os.PathLike | None, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
     if path is None or not os.path.isfile(path):
         return None
-    saved = torch.load(path, weights_only=False)
+    saved = torch.load(path, map_location="cpu", weights_only=True)
     if saved.get("fingerprint") != fingerprint:
         differs = sorted(key for key in fingerprint if saved.get("fingerprint", {}).get(key) != fingerprint[key])
         raise InvalidInputError(
             f"The heal checkpoint {path} comes from another run (it differs in {', '.join(differs)}): delete it, or "
-            "resume with the same text, settings and number of processes."
+            "resume with the same model, pruning, text, settings and number of processes."
         )
     return saved
 

@@ -479,15 +479,16 @@ class GradMAPPruner:
         unknown = sorted(set(config_overrides) - set(HEAL_SETTINGS))
         if unknown:
             raise InvalidInputError(f"{unknown} are not heal settings; these are: {list(HEAL_SETTINGS)}.")
-        config = dataclasses.replace(self.config, **config_overrides)
+        config = dataclasses.replace(result.config or self.config, **config_overrides)  # how the result was pruned
         if not config.heal_tokens:
             raise InvalidInputError("The heal stage needs a budget: give `heal_tokens` (e.g. heal_tokens=200_000).")
+        _refuse_after_heal(result, "a second heal")
         if teacher is None and (result is not self.result or self._dense is None):
             raise InvalidInputError(
                 "This pruner no longer holds the dense layers of that result, which the heal stage's teacher is made of: "
                 "call `heal` before `prune` or `release` drops them, or give the dense model as `teacher=`."
             )
-        heal_ids = self._heal_ids(result.model, heal_data, config, tokenizer)
+        heal_ids = self._heal_ids(result.model, heal_data, config, tokenizer, result.compensated_layers)
         return self._heal(result, config, heal_ids, teacher, checkpoint)
 
     def _heal(
@@ -499,11 +500,6 @@ class GradMAPPruner:
         checkpoint: str | os.PathLike | None,
     ) -> PruningResult:
         """The heal stage on checked inputs."""
-        if result.heal is not None:
-            raise InvalidInputError(
-                "This result was healed already: the heal stage changed the kept layers, so the pruner's dense layers "
-                "no longer make the dense model. Heal once, or start again from the dense model."
-            )
         if teacher is not None:
             teacher_context = lambda: contextlib.nullcontext(teacher)  # noqa: E731
         else:
@@ -541,10 +537,12 @@ class GradMAPPruner:
         heal_data: CalibrationData,
         config: GradMAPConfig,
         tokenizer: PreTrainedTokenizerBase | None,
+        compensated: list[int] | None = None,
     ) -> tuple[torch.LongTensor, torch.LongTensor, str]:
         """The heal stage's training and held-out sequences (`heal_data`, else `config.heal_dataset`), drawn with seed
-        `seed + 2`, and where they came from, after the checks of its settings on `model`."""
-        check_heal_settings(model, config)
+        `seed + 2`, and where they came from, after the checks of its settings on `model` (pruned already when
+        `compensated`, the layers Stage 2 compensated, is given)."""
+        check_heal_settings(model, config, compensated)
         data = heal_data if heal_data is not None else config.heal_dataset
         train_ids, validation_ids = heal_sequences(data, self._tokenizer_for(model, data, tokenizer), config)
         for ids in (train_ids, validation_ids):
@@ -879,6 +877,6 @@ def _refuse_after_heal(result: PruningResult, what: str) -> None:
     """Refuses to change a healed result's stack or folds: the heal stage trained the model they left."""
     if result.heal is not None:
         raise InvalidInputError(
-            f"This result was healed: {what} would undo what the heal stage's training built on. Run {what} before "
-            "healing (heal last), or start again from the dense model."
+            f"This result was healed already: {what} would build on weights the heal stage changed (the pruner's dense "
+            "layers no longer make the dense model with them). Heal last and once, or start again from the dense model."
         )

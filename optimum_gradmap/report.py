@@ -274,12 +274,16 @@ def _heal_sentence(report: dict[str, Any]) -> str:
     if not heal:
         return ""
     stopped = " (stopped early by the user)" if heal.get("interrupted") else ""
-    return (
+    merged = ", merged into the weights" if heal["trainable"] == "lora" else ""
+    sentence = (
         f"Then the heal stage distilled the dense model into it{stopped}: {heal['trainable']} "
-        f"({heal['num_trainable_parameters']:,} parameters) trained on {heal['trained_tokens']:,} tokens of "
-        f"{heal['dataset']} (SHA-256 {heal['train_sha256'][:12]}), merged into the weights; held-out KL from the dense "
-        f"model {heal['start_kl']:.4f} -> {heal['best_kl']:.4f} nats/token."
+        f"({heal['num_trainable_parameters']:,} parameters{merged}) trained on {heal['trained_tokens']:,} tokens of "
+        f"{heal['dataset']} (SHA-256 {heal['train_sha256'][:12]}); held-out KL from the dense model "
+        f"{heal['start_kl']:.4f} -> {heal['best_kl']:.4f} nats/token."
     )
+    if not heal["best_tokens"]:
+        sentence += " No trained state beat the start, so the weights are Stage 2's."
+    return sentence
 
 
 def _draw_curve(axis: Any, report: dict[str, Any]) -> None:

@@ -204,9 +204,11 @@ def test_refusals_leave_the_model_untouched():
         pruner.heal(result, heal_data=random_ids(32, 16))
     with pytest.raises(InvalidInputError, match="was healed"):
         pruner.compensate(result)
-    pruner.release()
+    other = GradMAPPruner(config, peaked_model(), progress_bar=False)
+    released = other.select_layers(other.model, random_ids(16, 16))
+    other.release()
     with pytest.raises(InvalidInputError, match="teacher="):
-        pruner.heal(result, heal_data=random_ids(32, 16))
+        other.heal(released, heal_data=random_ids(32, 16))
 
 
 def test_heal_settings_are_config_fields_and_cli_options():
@@ -260,7 +262,8 @@ def test_prune_command_heals_and_the_heal_command_heals_a_saved_checkpoint(tiny_
     assert report["gradmap_config"]["heal_tokens"] == 512 and "heal" in report["timings"]
     assert os.path.isfile(os.path.join(healed, "heal_kl.png"))
     assert "heal stage distilled the dense model" in open(os.path.join(healed, "README.md"), encoding="utf-8").read()
-    assert "Healed norms on 512 tokens" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Healed norms (" in printed and "on 512 tokens" in printed
     assert not os.path.exists(os.path.join(tmp_path, ".healed.heal.pt"))  # the default heal checkpoint is removed
 
     pruned, later = str(tmp_path / "pruned"), str(tmp_path / "healed-later")
@@ -279,3 +282,53 @@ def test_prune_command_heals_and_the_heal_command_heals_a_saved_checkpoint(tiny_
     tiny_model("llama", num_layers=5).save_pretrained(other)
     assert main(["heal", pruned, "--teacher", other, *heal_options, "--output", str(tmp_path / "x")]) == 2
     assert "pruned from a model of 6" in capsys.readouterr().err
+
+
+def test_a_refused_checkpoint_file_leaves_no_lora_wrapper_and_the_model_as_it_was(tmp_path):
+    model = peaked_model()
+    GradMAPPruner(small_config(num_samples=16, compensation=False), model, progress_bar=False).prune(model, random_ids(16, 16))
+    state = copy.deepcopy(model.state_dict())
+    train, validation = random_ids(16, 16, seed=1), random_ids(4, 16, seed=2)
+    torch.save({"fingerprint": {"trainable": "lora"}}, tmp_path / "other.pt")
+    with pytest.raises(InvalidInputError, match="comes from another run"):
+        heal(model, get_adapter(model), lambda: contextlib.nullcontext(peaked_model()), train, validation, "lora",
+             checkpoint=tmp_path / "other.pt", progress_bar=False)  # fmt: skip
+    assert all(type(module) is nn.Linear for name, module in model.named_modules() if name.endswith("proj"))
+    assert not hasattr(model, "peft_config") and set(model.state_dict()) == set(state)
+    assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
+    assert not any(parameter.requires_grad is False for parameter in model.parameters())  # flags as they came
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt"])
+def test_lora_finds_gpt2s_conv1d_maps_and_norms_include_the_final_norm_whatever_its_name(family):
+    from optimum_gradmap.heal import _choose, _norm_parameters
+
+    model = tiny_model(family, num_layers=4)
+    adapter = get_adapter(model)
+    final = model.transformer.ln_f if family == "gpt2" else model.model.decoder.final_layer_norm
+    assert {id(p) for p in final.parameters()} <= {id(p) for p in _norm_parameters(model, [], adapter)}
+    targets = _choose(model, adapter, "lora", [0, 1, 2, 3], 4, []).lora_targets
+    assert len(targets) == 4 * (4 if family == "gpt2" else 6)  # GPT-2: c_attn, c_proj, c_fc, mlp.c_proj; OPT: q k v out fc1 fc2
+    result = heal(
+        model, adapter, lambda: contextlib.nullcontext(copy.deepcopy(model)), random_ids(8, 16, seed=1),
+        random_ids(4, 16, seed=2), "lora", 1e-4, 4, 1, autocast=False, progress_bar=False,
+    )  # fmt: skip
+    assert result.num_trainable_parameters > 0 and not hasattr(model, "peft_config")
+
+
+def test_full_weights_in_bfloat16_are_refused_before_stage_1_and_lora_is_not():
+    model = peaked_model().to(torch.bfloat16)
+    config = small_config(num_samples=16, heal_tokens=256, heal_trainable="norms", **HEAL)
+    with pytest.raises(InvalidInputError, match="round away"):
+        GradMAPPruner(config, model, progress_bar=False).prune(model, random_ids(16, 16), heal_data=random_ids(32, 16))
+    assert len(model.model.layers) == 6
+
+
+def test_pruner_heal_keeps_the_results_stage2_settings_and_checks_its_compensated_layers():
+    model = peaked_model()
+    pruner = GradMAPPruner(small_config(num_samples=16, compensation=False, **HEAL), model, progress_bar=False)
+    result = pruner.select_layers(model, random_ids(16, 16))
+    pruner.compensate(result, reg_lambda=0.5)
+    assert result.compensated_layers
+    pruner.heal(result, heal_data=random_ids(32, 16), heal_tokens=128, heal_trainable="down_projections", heal_lr=1e-4)
+    assert result.config.reg_lambda == 0.5 and result.config.compensation and result.config.heal_tokens == 128

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+from typing import Any
 
 from ..arguments import add_config_arguments, config_from_arguments
 from ..loading import ModelLoading
@@ -47,6 +48,9 @@ def default_heal_checkpoint(output: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """`optimum-gradmap heal`: heals a pruned checkpoint and saves it with its report."""
+    import gc
+
+    import torch
     from transformers import AutoConfig
 
     from .. import distributed
@@ -59,8 +63,9 @@ def run(args: argparse.Namespace) -> int:
 
     progress = set_verbosity(args)
     loading = config_from_arguments(args, ModelLoading)
-    report = load_report(loading.model)
-    config = GradMAPConfig.from_pretrained(loading.model)
+    path = loading.resolve().path
+    report = load_report(path)
+    config = GradMAPConfig.from_pretrained(path)
     config = dataclasses.replace(config, **{name: getattr(args, name) for name in HEAL_SETTINGS})
     if not config.heal_tokens:
         raise InputError("Give the heal a budget: --heal-tokens N (e.g. 200000).")
@@ -71,29 +76,33 @@ def run(args: argparse.Namespace) -> int:
         )
     if not os.path.exists(config.heal_dataset):
         check_dataset_name(config.heal_dataset, "calibration")
-    check_output_location(args.output, args.overwrite, keep_safe=(loading.model,))
-    teacher_loading = dataclasses.replace(loading, model=args.teacher)
-    resolved_teacher = teacher_loading.resolve()
-    teacher_config = AutoConfig.from_pretrained(resolved_teacher.path, revision=args.revision)
-    adapter = get_adapter(teacher_config)
-    teacher_layers = getattr(teacher_config.get_text_config(decoder=True), adapter.layer_count_field, None)
-    if teacher_layers != report["original_num_layers"]:
-        raise InputError(
-            f"--teacher {args.teacher} has {teacher_layers} decoder layers, and {loading.model} was pruned from a model of "
-            f"{report['original_num_layers']}: give the dense model it was pruned from."
-        )
+    teacher_loading = dataclasses.replace(loading, model=args.teacher, revision=None)
+    teacher_path = teacher_loading.resolve().path
+    keep_safe = tuple(folder for folder in (path, teacher_path) if os.path.isdir(folder))
+    check_output_location(args.output, args.overwrite, keep_safe=keep_safe)
+    _check_teacher(AutoConfig.from_pretrained(teacher_path), AutoConfig.from_pretrained(path), report, args.teacher)
     distributed.init_from_environment()
-    model, tokenizer = loading.load(loading.resolve().path)
-    teacher, _ = teacher_loading.load(resolved_teacher.path, with_tokenizer=False)
-    check_heal_settings(model, config)
-    if config.heal_trainable == "down_projections" and not (report.get("compensation") or {}).get("compensated_layers"):
-        raise InputError("--heal-trainable down_projections: Stage 2 compensated no layer of this checkpoint.")
+    model, tokenizer = loading.load(path)
+    compensated = (report.get("compensation") or {}).get("compensated_layers", [])
+    check_heal_settings(model, config, compensated)
     train_ids, validation_ids = heal_sequences(None, tokenizer, config)
     checkpoint = args.heal_checkpoint or default_heal_checkpoint(args.output)
+
+    @contextlib.contextmanager
+    def teacher():  # loaded for its pass only: training holds the student alone
+        dense, _ = teacher_loading.load(teacher_path, with_tokenizer=False)
+        try:
+            yield dense
+        finally:
+            del dense
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
     healed = heal(
         model,
-        adapter,
-        lambda: contextlib.nullcontext(teacher),
+        get_adapter(model),
+        teacher,
         train_ids,
         validation_ids,
         trainable=config.heal_trainable,
@@ -104,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         autocast=config.heal_autocast,
         kept=report["kept_layers"],
         num_layers=report["original_num_layers"],
-        compensated=(report.get("compensation") or {}).get("compensated_layers", []),
+        compensated=compensated,
         dataset=describe_calibration_data(None, config.heal_dataset, config.text_column),
         checkpoint=checkpoint,
         progress_bar=progress and distributed.is_main_process(),
@@ -114,13 +123,38 @@ def run(args: argparse.Namespace) -> int:
     save_checkpoint(args.output, model, tokenizer, config, report, overwrite=args.overwrite)
     if not distributed.is_main_process():
         return 0
-    if args.heal_checkpoint is None and os.path.isfile(checkpoint):
-        os.remove(checkpoint)  # the default one: its work is in the checkpoint now
-    stopped = " (interrupted: the best state so far was kept)" if healed.interrupted else ""
-    print(
-        f"Healed {config.heal_trainable} ({healed.num_trainable_parameters:,} parameters) on {healed.trained_tokens:,} "
-        f"tokens of {healed.dataset}{stopped}: held-out KL from the dense model {healed.start_kl:.4f} -> "
-        f"{healed.best_kl:.4f} in {healed.seconds:.0f} s."
-    )
+    print(healed.summary())
+    finish_heal_checkpoint(checkpoint, healed.interrupted, explicit=args.heal_checkpoint is not None)
     print(f"Saved the healed checkpoint, pruning_report.json and model card to {os.path.abspath(args.output)}")
     return 0
+
+
+def finish_heal_checkpoint(checkpoint: str, interrupted: bool, explicit: bool) -> None:
+    """After a saved heal: the default checkpoint file is removed (its work is in the checkpoint folder), unless the
+    heal was interrupted, when it stays so that the same command (with `--overwrite`) resumes from it."""
+    if not os.path.isfile(checkpoint):
+        return
+    if interrupted:
+        print(f"The heal's state is kept in {checkpoint}: the same command with --overwrite resumes from it.")
+    elif not explicit:
+        os.remove(checkpoint)
+
+
+def _check_teacher(teacher: Any, pruned: Any, report: dict[str, Any], name: str) -> None:
+    """Refuses a teacher that cannot be the dense model the checkpoint was pruned from, before anything loads."""
+    from ..adapters import get_adapter
+
+    adapter = get_adapter(teacher)
+    teacher_text, pruned_text = teacher.get_text_config(decoder=True), pruned.get_text_config(decoder=True)
+    layers = getattr(teacher_text, adapter.layer_count_field, None)
+    differences = [
+        f"{field} {getattr(teacher_text, field, None)} against {getattr(pruned_text, field, None)}"
+        for field in ("model_type", "hidden_size", "vocab_size")
+        if getattr(teacher_text, field, None) != getattr(pruned_text, field, None)
+    ]
+    if layers != report["original_num_layers"]:
+        differences.insert(
+            0, f"{layers} decoder layers, and the checkpoint was pruned from a model of {report['original_num_layers']}"
+        )
+    if differences:
+        raise InputError(f"--teacher {name} is not the dense model this checkpoint was pruned from: {'; '.join(differences)}.")

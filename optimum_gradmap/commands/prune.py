@@ -18,7 +18,7 @@ from ..arguments import add_config_arguments, config_from_arguments
 from ..configuration import PRESETS, GradMAPConfig
 from ..loading import ModelLoading
 from .common import InputError, add_logging_arguments, set_verbosity
-from .heal import default_heal_checkpoint
+from .heal import default_heal_checkpoint, finish_heal_checkpoint
 
 logger = logging.get_logger(__name__)
 
@@ -209,8 +209,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if stage1_checkpoint is not None and args.stage1_checkpoint is None and os.path.isfile(stage1_checkpoint):
         os.remove(stage1_checkpoint)  # the default one: its work is in the checkpoint now
-    if heal_checkpoint is not None and os.path.isfile(heal_checkpoint):
-        os.remove(heal_checkpoint)
     print(f"Removed layers {result.removed_layers} of {result.original_num_layers} (in removal order); kept {result.kept_layers}")
     for line in curve_lines(result.to_dict()):
         print(line)
@@ -219,12 +217,8 @@ def run(args: argparse.Namespace) -> int:
     if result.compensated_layers:
         print(f"Compensated layer(s) {result.compensated_layers}.")
     if result.heal is not None:
-        healed = result.heal
-        stopped = " (interrupted: the best state so far was kept)" if healed.interrupted else ""
-        print(
-            f"Healed {healed.trainable} on {healed.trained_tokens:,} tokens of {healed.dataset}{stopped}: held-out KL from "
-            f"the dense model {healed.start_kl:.4f} -> {healed.best_kl:.4f} in {healed.seconds:.0f} s."
-        )
+        print(result.heal.summary())
+        finish_heal_checkpoint(heal_checkpoint, result.heal.interrupted, explicit=False)
     dense = {(e.dataset, e.protocol): e.perplexity for e in (dense_evaluation.perplexities if dense_evaluation else [])}
     for e in evaluation.perplexities if evaluation else []:
         before = dense[(e.dataset, e.protocol)]
