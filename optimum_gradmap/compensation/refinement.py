@@ -29,6 +29,8 @@ from transformers.utils import logging
 from .. import distributed
 from ..adapters import DecoderAdapter
 from ..errors import InvalidInputError
+from ..heal import TOP_K as TOP_K  # the teacher keeps the top-K of the heal stage
+from ..heal import teacher_targets
 from ..passes import calibration_mode, forward_hooks, input_device
 from ..surgery import LayerSnapshot
 from ..weights import WeightBackup
@@ -37,8 +39,6 @@ from .solvers import AUTO_NUM_FOLDS
 
 logger = logging.get_logger(__name__)
 
-# The dense model's most likely next tokens kept as the target of each position.
-TOP_K = 64
 # Held-out checks: every this many steps.
 CHECK_EVERY = 10
 
@@ -71,16 +71,11 @@ def dense_top_k(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The dense model's `TOP_K` most likely next tokens at every position but the last, and their
     probabilities renormalised over them: `(samples, tokens - 1, TOP_K)` indices and float32 probabilities.
-    The dense model is the snapshot's stack with the folds of `fold_backups` undone ([`LayerSnapshot.dense_model`])."""
-    indices, probabilities = [], []
-    with dense.dense_model(fold_backups) as model, calibration_mode(model):
-        for start in range(0, input_ids.shape[0], batch_size):
-            batch = input_ids[start : start + batch_size].to(input_device(model))
-            log_probs = torch.log_softmax(model(input_ids=batch, use_cache=False).logits[:, :-1].float(), dim=-1)
-            top = log_probs.topk(TOP_K, dim=-1)
-            indices.append(top.indices.cpu())
-            probabilities.append(torch.softmax(top.values, dim=-1).cpu())
-    return torch.cat(indices), torch.cat(probabilities)
+    The dense model is the snapshot's stack with the folds of `fold_backups` undone ([`LayerSnapshot.dense_model`]);
+    its targets are the heal stage's ([`~optimum_gradmap.heal.teacher_targets`])."""
+    with dense.dense_model(fold_backups) as model:
+        targets = teacher_targets(model, input_ids, batch_size, progress_bar=False)
+    return targets.indices.long(), torch.softmax(targets.log_probs, dim=-1)
 
 
 def _distillation_loss(
