@@ -430,8 +430,8 @@ def test_two_processes_share_the_segments_of_the_kl_divergence_and_each_gets_all
     completed = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
-    # 5 segments: each process ran its share (2 and 3) through each model, for the perplexity and the KL divergence
-    assert [found["rows"] for found in ranks] == [{"model": 4, "reference": 2}, {"model": 6, "reference": 3}]
+    # 5 segments: each process ran its share (2 and 3) through each model once, for the perplexity and the KL divergence
+    assert [found["rows"] for found in ranks] == [{"model": 2, "reference": 2}, {"model": 3, "reference": 3}]
     assert ranks[0]["evaluation"] == ranks[1]["evaluation"]
     model, tokenizer = evaluation_inputs()
     reference = changed_copy(model)
@@ -454,3 +454,15 @@ def test_segments_cut_from_a_stream_give_the_kl_divergence_of_each(byte_tokenize
     for index in range(segments.shape[0]):
         alone = next_token_kl(model, reference, segments[index : index + 1], progress_bar=False)
         assert alone.mean == pytest.approx(float(per_segment[index]), rel=1e-5) and alone.stderr is None
+
+
+def test_perplexity_and_kl_from_one_pass_equal_the_two_measured_apart():
+    from optimum_gradmap.evaluation import next_token_kl, perplexity, perplexity_and_kl
+
+    from .conftest import random_ids, tiny_model
+
+    model, reference = tiny_model("llama", num_layers=4, seed=1), tiny_model("llama", num_layers=4, seed=2)
+    segments = random_ids(5, 16, seed=3)
+    value, kl = perplexity_and_kl(model, reference, segments, batch_size=2, progress_bar=False)
+    assert value == perplexity(model, segments, batch_size=2, progress_bar=False)  # the same sums, in the same order
+    assert kl == next_token_kl(model, reference, segments, batch_size=2, progress_bar=False)

@@ -22,6 +22,7 @@ from .fidelity import (
     flips,
     next_token_kl,
     next_token_kl_per_segment,
+    perplexity_and_kl,
 )
 from .perplexity import PerplexityResult, evaluation_segments, load_evaluation_segments, perplexity, protocol_name
 from .speed import SpeedResult, inference_speed
@@ -63,6 +64,7 @@ __all__ = [
     "load_evaluation_segments",
     "next_token_kl",
     "next_token_kl_per_segment",
+    "perplexity_and_kl",
     "perplexity",
     "protocol_name",
     "zero_shot_accuracy",

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidInputError
-from ..passes import calibration_batches, calibration_mode, input_device
+from ..passes import calibration_batches, calibration_mode, input_device, summed_next_token_loss
 from .comparison import _check_reference_covers, _check_same_data, _records
 from .zero_shot import STANDARD_SUBSETS, SUBSET_SEED, ZeroShotResult, question_ids, scored_split_and_source
 
@@ -95,8 +95,16 @@ def next_token_kl_per_segment(
     Returns:
         `torch.Tensor` of shape `(num_segments,)`: float64, on CPU.
     """
+    return _kl_and_loss_per_segment(model, reference_model, segments, batch_size, progress_bar)[0]
+
+
+def _kl_and_loss_per_segment(
+    model: nn.Module, reference_model: nn.Module, segments: torch.LongTensor, batch_size: int, progress_bar: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[`next_token_kl_per_segment`], and from the same logits the model's next-token loss summed over every predicted
+    token, batch by batch as [`~optimum_gradmap.passes.next_token_loss_sum`] sums it (the same float64 scalar)."""
     reference_device = input_device(reference_model)
-    means = []
+    means, total = [], torch.zeros((), dtype=torch.float64)
     with (
         calibration_mode(reference_model),
         calibration_batches(model, segments, batch_size, "KL divergence", progress_bar) as batches,
@@ -105,7 +113,48 @@ def next_token_kl_per_segment(
             logits = model(input_ids=batch, use_cache=False).logits
             reference_logits = reference_model(input_ids=batch.to(reference_device), use_cache=False).logits
             means.append(_segment_kl(logits, reference_logits))
-    return torch.cat(means) if means else torch.zeros(0, dtype=torch.float64)
+            total = total + summed_next_token_loss(logits, batch).cpu()
+    return (torch.cat(means) if means else torch.zeros(0, dtype=torch.float64)), total
+
+
+def perplexity_and_kl(
+    model: nn.Module,
+    reference_model: nn.Module,
+    segments: torch.LongTensor,
+    batch_size: int = 8,
+    progress_bar: bool = True,
+    shared_by_processes: bool = False,
+) -> tuple[float, KLDivergence]:
+    """The perplexity of `model` on `segments` ([`~optimum_gradmap.evaluation.perplexity`]) and its next-token KL
+    divergence from `reference_model` ([`next_token_kl`]), from one pass of each model: `model` runs once for both.
+
+    Args:
+        model, reference_model, segments, batch_size, progress_bar, shared_by_processes: As in [`next_token_kl`].
+
+    Returns:
+        `tuple[float, KLDivergence]`.
+    """
+    from .. import distributed
+
+    _check_segments(segments)
+    share = distributed.shard_any(segments)[0] if shared_by_processes else segments
+    means, total = _kl_and_loss_per_segment(model, reference_model, share, batch_size, progress_bar)
+    count = share.shape[0] * (share.shape[1] - 1)
+    loss = distributed.mean_from_sums(total, count) if shared_by_processes else float(total) / count
+    return math.exp(loss), _kl_result(distributed.gather_rows(means) if shared_by_processes else means, segments)
+
+
+def _check_segments(segments: torch.LongTensor) -> None:
+    if segments.dim() != 2 or segments.shape[0] == 0 or segments.shape[1] < 2:
+        raise InvalidInputError(
+            f"The KL divergence needs at least one segment of two tokens or more; got segments of shape {tuple(segments.shape)}."
+        )
+
+
+def _kl_result(means: torch.Tensor, segments: torch.LongTensor) -> KLDivergence:
+    count = means.numel()
+    stderr = float(means.std() / math.sqrt(count)) if count > 1 else None
+    return KLDivergence(float(means.mean()), stderr, count, count * (segments.shape[1] - 1))
 
 
 def next_token_kl(
@@ -141,17 +190,10 @@ def next_token_kl(
     """
     from .. import distributed
 
-    if segments.dim() != 2 or segments.shape[0] == 0 or segments.shape[1] < 2:
-        raise InvalidInputError(
-            f"The KL divergence needs at least one segment of two tokens or more; got segments of shape {tuple(segments.shape)}."
-        )
+    _check_segments(segments)
     share = distributed.shard_any(segments)[0] if shared_by_processes else segments
     means = next_token_kl_per_segment(model, reference_model, share, batch_size, progress_bar)
-    if shared_by_processes:
-        means = distributed.gather_rows(means)
-    count = means.numel()
-    stderr = float(means.std() / math.sqrt(count)) if count > 1 else None
-    return KLDivergence(float(means.mean()), stderr, count, count * (segments.shape[1] - 1))
+    return _kl_result(distributed.gather_rows(means) if shared_by_processes else means, segments)
 
 
 # ------------------------------------------------------------------------------------------ flips

@@ -22,7 +22,7 @@ from transformers.utils import logging
 from ..data import check_dataset_name
 from ..errors import InvalidInputError
 from ..files import write_atomically
-from .fidelity import FlipsResult, check_flips_reference, flips, next_token_kl
+from .fidelity import FlipsResult, check_flips_reference, flips, perplexity_and_kl
 from .perplexity import PerplexityResult, load_evaluation_segments, perplexity, protocol_name
 from .speed import SpeedResult, inference_speed
 from .zero_shot import STANDARD_SUBSETS, ZeroShotResult, check_zero_shot_settings, zero_shot_accuracy
@@ -240,7 +240,10 @@ def evaluate(
     result = EvaluationResult(model=name)
     for dataset in [check_dataset_name(name, "evaluation") for name in perplexity_datasets]:  # all checked first
         segments = load_evaluation_segments(dataset, tokenizer, segment_length, max_segments)
-        value = perplexity(model, segments, batch_size, progress_bar, shared_by_processes)
+        if reference_model is not None:  # one pass of the model for both
+            value, kl = perplexity_and_kl(model, reference_model, segments, batch_size, progress_bar, shared_by_processes)
+        else:
+            value = perplexity(model, segments, batch_size, progress_bar, shared_by_processes)
         entry = PerplexityResult(
             dataset=dataset,
             protocol=protocol_name(segment_length),
@@ -251,7 +254,6 @@ def evaluate(
         )
         logger.info(f"{name}: {dataset} perplexity {value:.3f} ({protocol_name(segment_length)}, {segments.shape[0]} segments)")
         if reference_model is not None:
-            kl = next_token_kl(model, reference_model, segments, batch_size, progress_bar, shared_by_processes)
             entry.kl_to_reference, entry.kl_stderr, entry.reference = kl.mean, kl.stderr, reference_model_name
             logger.info(f"{name}: {dataset} KL divergence from {reference_model_name} {kl.mean:.4f} nats/token")
         result.perplexities.append(entry)
