@@ -45,11 +45,8 @@ from typing import Any, Union
 
 import torch
 from transformers import PreTrainedTokenizerBase
-from transformers.utils import logging
 
 from .errors import InvalidInputError
-
-logger = logging.get_logger(__name__)
 
 SPLITS = ("calibration", "evaluation")
 MIXTURE_SEPARATOR = "+"  # "offline:wikipedia+offline:web_text": calibration windows drawn in equal parts from each
@@ -521,10 +518,9 @@ def prepare_heal_data(
     Text (a dataset name, names joined by `+`, a local path, a `datasets.Dataset`, a list of strings) is tokenized
     document by document and cut into non-overlapping windows of `seq_len` tokens (each inside one document; the tails
     are dropped); the windows are shuffled with `seed`, the first `num_validation` are held out and the next
-    `num_train` are trained on. When the text has fewer windows than that, the training windows repeat (in a new order
-    each time), and a warning says how many passes over the text the budget makes. Token ids (a list of lists, or a
-    `LongTensor` of shape `(N, T)`) are used as given: the last `num_validation` rows are held out and the others
-    trained on, repeated if `num_train` is larger.
+    `num_train` are trained on. Token ids (a list of lists, or a `LongTensor` of shape `(N, T)`) are used as given: the
+    last `num_validation` rows are held out and the first `num_train` of the others trained on. No window is trained on
+    twice: text too short for the budget is refused.
 
     Args:
         data: The heal text, in any form `prepare_calibration_data` takes (`None` is not accepted: resolve the default
@@ -541,10 +537,10 @@ def prepare_heal_data(
         sequences.
 
     Raises:
-        InvalidInputError: for data that gives fewer than `num_validation + 1` sequences.
+        InvalidInputError: for data that gives fewer than `num_validation + num_train` sequences.
     """
-    generator = torch.Generator().manual_seed(seed)
     if is_text_data(data):
+        generator = torch.Generator().manual_seed(seed)
         if tokenizer is None:
             raise InvalidInputError("Heal text needs a tokenizer: pass `tokenizer=` or a model whose name points to one.")
         windows = [
@@ -552,27 +548,19 @@ def prepare_heal_data(
             for document in tokenize_documents(_text_documents(data, text_column), tokenizer)
             for window in document[: document.numel() // seq_len * seq_len].view(-1, seq_len)
         ]
-        if len(windows) < num_validation + 1:
+        if len(windows) < num_validation + num_train:
             raise InvalidInputError(
-                f"The heal text gives {len(windows)} windows of {seq_len} tokens: at least {num_validation + 1} are needed "
-                f"({num_validation} held out and one to train on). Give more text (`heal_dataset`), or a smaller "
-                "`heal_seq_len` or `heal_validation_sequences`."
+                f"The heal text gives {len(windows)} windows of {seq_len} tokens, and the budget needs "
+                f"{num_validation + num_train} ({num_train} to train on, {num_validation} held out): give more text "
+                f"(`heal_dataset`, e.g. names joined by '+'), or a budget of at most "
+                f"{max(0, len(windows) - num_validation) * seq_len} tokens (`heal_tokens`)."
             )
         ids = torch.stack(windows)[torch.randperm(len(windows), generator=generator)]
-        validation, train = ids[:num_validation], ids[num_validation:]
-    else:
-        ids = prepare_calibration_data(data, tokenizer, 0, seq_len, seed, "", text_column)
-        if ids.shape[0] < num_validation + 1:
-            raise InvalidInputError(
-                f"The heal token ids have {ids.shape[0]} sequences: at least {num_validation + 1} are needed "
-                f"({num_validation} held out, the last rows, and one to train on)."
-            )
-        train, validation = ids[: ids.shape[0] - num_validation], ids[ids.shape[0] - num_validation :]
-    passes = -(-num_train // train.shape[0])
-    if passes > 1:
-        logger.warning(
-            f"The heal text has {train.shape[0]} training sequences of {train.shape[1]} tokens: a budget of {num_train} "
-            f"sequences goes over it {passes} times."
+        return ids[num_validation : num_validation + num_train], ids[:num_validation]
+    ids = prepare_calibration_data(data, tokenizer, 0, seq_len, seed, "", text_column)
+    if ids.shape[0] < num_validation + num_train:
+        raise InvalidInputError(
+            f"The heal token ids have {ids.shape[0]} sequences, and the budget needs {num_validation + num_train} "
+            f"({num_train} to train on, {num_validation} held out: the last rows): give more, or a smaller `heal_tokens`."
         )
-    order = torch.cat([torch.randperm(train.shape[0], generator=generator) for _ in range(passes)])[:num_train]
-    return train[order], validation
+    return ids[:num_train], ids[ids.shape[0] - num_validation :]

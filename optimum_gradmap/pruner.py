@@ -35,6 +35,7 @@ from .configuration import GradMAPConfig
 from .data import (
     CalibrationData,
     calibration_sha256,
+    check_dataset_name,
     describe_calibration_data,
     is_text_data,
     prepare_calibration_data,
@@ -544,6 +545,8 @@ class GradMAPPruner:
         `compensated`, the layers Stage 2 compensated, is given)."""
         check_heal_settings(model, config, compensated)
         data = heal_data if heal_data is not None else config.heal_dataset
+        if isinstance(data, str) and not os.path.exists(data):
+            check_dataset_name(data, "calibration")  # a name: refused before a tokenizer is looked for
         train_ids, validation_ids = heal_sequences(data, self._tokenizer_for(model, data, tokenizer), config)
         for ids in (train_ids, validation_ids):
             _check_token_ids(ids, model)

@@ -72,8 +72,13 @@ def test_the_teacher_is_the_dense_model_with_the_removed_layers_back_and_the_fol
     backups = [done.backup for done in pruner._run_compensations] + [result.compensation.backup]
     probe = random_ids(4, 16, seed=3)
     before = model(input_ids=probe).logits
+    student = {id(parameter) for parameter in model.parameters()}
     with pruner._dense.dense_model(backups) as teacher:
         torch.testing.assert_close(teacher(input_ids=probe).logits, dense(input_ids=probe).logits, rtol=0, atol=0)
+        # no second copy: the teacher is the student's own modules, the removed layers put back among them
+        assert teacher is model and student <= {id(parameter) for parameter in teacher.parameters()}
+        removed = {id(p) for index in result.removed_layers for p in pruner._dense.layers[index].parameters()}
+        assert {id(p) for p in teacher.parameters()} == student | removed
     torch.testing.assert_close(model(input_ids=probe).logits, before, rtol=0, atol=0)  # the pruned model is back
 
 
@@ -120,8 +125,10 @@ def test_a_healed_checkpoint_is_standard(tmp_path, byte_tokenizer):
     result.save_pretrained(tmp_path / "healed")  # checked by validate_checkpoint
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "healed")
     probe = random_ids(2, 16, seed=5)
-    torch.testing.assert_close(reloaded(input_ids=probe).logits, model(input_ids=probe).logits)
+    torch.testing.assert_close(reloaded(input_ids=probe).logits, model(input_ids=probe).logits, rtol=0, atol=0)
     assert set(reloaded.state_dict()) == set(model.state_dict())
+    assert not [name for name in reloaded.state_dict() if "lora" in name or "base_layer" in name or "heal" in name]
+    assert result.heal.trainable == "lora" and result.heal.best_tokens > 0  # LoRA trained, and its merge was saved
 
 
 def test_ctrl_c_keeps_the_best_state_so_far_and_a_checkpoint_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
@@ -175,7 +182,7 @@ def test_heal_data_holds_out_windows_that_training_never_sees(byte_tokenizer):
     assert train.shape == (100, 32) and validation.shape == (10, 32)
     held_out = {tuple(row.tolist()) for row in validation}
     assert not held_out & {tuple(row.tolist()) for row in train}
-    with pytest.raises(InvalidInputError, match="at least 11 are needed"):
+    with pytest.raises(InvalidInputError, match=r"the budget needs 110 \(100 to train on, 10 held out\)"):
         prepare_heal_data(["short text"], byte_tokenizer, 100, 10, 32, seed=0)
 
 
@@ -189,6 +196,12 @@ def test_refusals_leave_the_model_untouched():
         GradMAPPruner(config, model, progress_bar=False).prune(model, random_ids(), heal_data=random_ids(32, 16))
     with pytest.raises(InvalidInputError, match="heal_lr"):
         small_config(heal_lr=-1.0)
+    with pytest.raises(InvalidInputError, match="heal_tokens"):
+        small_config(heal_tokens=-1)
+    for heal_data, message in ((None, "Unknown calibration dataset .no-such-text."), (random_ids(20, 16), "budget needs 40")):
+        config = small_config(heal_tokens=32 * 16, heal_dataset="no-such-text", **HEAL)
+        with pytest.raises(InvalidInputError, match=message):  # read and checked before Stage 1
+            GradMAPPruner(config, model, progress_bar=False).prune(model, random_ids(), heal_data=heal_data)
     with pytest.raises(InvalidInputError, match="heal_trainable"):
         small_config(heal_trainable="everything")
     assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
