@@ -45,7 +45,6 @@ from accuracy import CALIBRATION, RESULTS, layers_of
 from provenance import finish, provenance
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
-from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.assets import load_model
 from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
 from optimum_gradmap.evaluation import (
@@ -59,7 +58,7 @@ from optimum_gradmap.evaluation import (
     evaluate,
     flips,
 )
-from optimum_gradmap.heal import heal, heal_sequences
+from optimum_gradmap.heal import heal_as_configured, heal_sequences
 
 PROTOCOLS = {"standard": STANDARD_SUBSETS, "screening": SCREENING_SUBSETS}
 HEAL_TEXT = "offline:web_text+offline:wikipedia"
@@ -234,22 +233,16 @@ def main() -> None:
             if heal_settings is not None:  # the heal on Stage 1 + 2, the dense model as teacher
                 heal_config = dataclasses.replace(stage2.config, **heal_settings)
                 train_ids, validation_ids = heal_sequences(None, tokenizer, heal_config)
-                healed = heal(
+                healed = heal_as_configured(
                     model,
-                    get_adapter(model),
                     lambda: contextlib.nullcontext(dense_model),
                     train_ids,
                     validation_ids,
-                    trainable=heal_config.heal_trainable,
-                    learning_rate=heal_config.heal_lr,
-                    batch_size=heal_config.heal_batch_size,
-                    check_every=heal_config.heal_check_every,
-                    lora_rank=heal_config.heal_lora_rank,
-                    autocast=heal_config.heal_autocast,
-                    kept=stage2.kept_layers,
-                    num_layers=stage2.original_num_layers,
-                    compensated=stage2.compensated_layers,
-                    dataset=HEAL_TEXT,
+                    heal_config,
+                    stage2.kept_layers,
+                    stage2.original_num_layers,
+                    stage2.compensated_layers,
+                    HEAL_TEXT,
                 )
                 row["heal"] = healed.to_dict()
                 row["timings"]["heal"] = healed.seconds

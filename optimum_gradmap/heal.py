@@ -62,7 +62,7 @@ from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging
 
 from . import distributed
-from .adapters import DecoderAdapter, get_submodule
+from .adapters import DecoderAdapter, get_adapter, get_submodule
 from .configuration import GradMAPConfig, HealTrainable
 from .data import CalibrationData, calibration_sha256, prepare_heal_data
 from .errors import InvalidInputError
@@ -680,6 +680,51 @@ def heal(
     result.seconds = time.perf_counter() - started
     logger.info(result.summary())
     return result
+
+
+def heal_as_configured(
+    model: PreTrainedModel,
+    teacher: Callable[[], AbstractContextManager[nn.Module]],
+    train_ids: torch.LongTensor,
+    validation_ids: torch.LongTensor,
+    config: GradMAPConfig,
+    kept: Sequence[int],
+    num_layers: int,
+    compensated: Sequence[int],
+    dataset: str,
+    checkpoint: str | os.PathLike | None = None,
+    progress_bar: bool = True,
+) -> HealResult:
+    """[`heal`] with the `heal_*` settings of `config` (the pruner's, the CLI's and the benchmarks' one call).
+
+    Args:
+        model, teacher, train_ids, validation_ids, kept, num_layers, compensated, dataset, checkpoint, progress_bar:
+            As in [`heal`].
+        config ([`GradMAPConfig`]): Its `heal_trainable`, `heal_lr`, `heal_batch_size`, `heal_check_every`,
+            `heal_lora_rank` and `heal_autocast` are read.
+
+    Returns:
+        [`HealResult`].
+    """
+    return heal(
+        model,
+        get_adapter(model),
+        teacher,
+        train_ids,
+        validation_ids,
+        trainable=config.heal_trainable,
+        learning_rate=config.heal_lr,
+        batch_size=config.heal_batch_size,
+        check_every=config.heal_check_every,
+        lora_rank=config.heal_lora_rank,
+        autocast=config.heal_autocast,
+        kept=kept,
+        num_layers=num_layers,
+        compensated=compensated,
+        dataset=dataset,
+        checkpoint=checkpoint,
+        progress_bar=progress_bar,
+    )
 
 
 def _weights_digest(model: nn.Module) -> str:

@@ -41,7 +41,7 @@ from .data import (
     prepare_calibration_data,
 )
 from .errors import InvalidInputError
-from .heal import HEAL_SETTINGS, check_heal_settings, heal, heal_sequences
+from .heal import HEAL_SETTINGS, check_heal_settings, heal_as_configured, heal_sequences
 from .hub import save_and_upload
 from .importance import get_importance_metric
 from .importance.selection import Selection, Stage1Checkpoint, Stage1Plan, remove_by_importance, remove_explicit_layers
@@ -509,24 +509,18 @@ class GradMAPPruner:
                 backups.append(result.compensation.backup)
             teacher_context = lambda: self._dense.dense_model(backups)  # noqa: E731
         train_ids, validation_ids, source = heal_ids
-        result.heal = heal(
+        result.heal = heal_as_configured(
             result.model,
-            get_adapter(result.model),
             teacher_context,
             train_ids,
             validation_ids,
-            trainable=config.heal_trainable,
-            learning_rate=config.heal_lr,
-            batch_size=config.heal_batch_size,
-            check_every=config.heal_check_every,
-            lora_rank=config.heal_lora_rank,
-            autocast=config.heal_autocast,
-            kept=result.kept_layers,
-            num_layers=result.original_num_layers,
-            compensated=result.compensated_layers,
-            dataset=source,
-            checkpoint=checkpoint,
-            progress_bar=self.progress_bar,
+            config,
+            result.kept_layers,
+            result.original_num_layers,
+            result.compensated_layers,
+            source,
+            checkpoint,
+            self.progress_bar,
         )
         result.config = config
         result.timings["heal"] = result.heal.seconds

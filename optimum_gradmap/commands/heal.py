@@ -54,11 +54,10 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
     from .. import distributed
-    from ..adapters import get_adapter
     from ..checkpoint import check_output_location, save_checkpoint
     from ..configuration import GradMAPConfig
     from ..data import check_dataset_name, describe_calibration_data
-    from ..heal import HEAL_SETTINGS, check_heal_settings, heal, heal_sequences
+    from ..heal import HEAL_SETTINGS, check_heal_settings, heal_as_configured, heal_sequences
     from ..report import load_report
 
     progress = set_verbosity(args)
@@ -99,24 +98,18 @@ def run(args: argparse.Namespace) -> int:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
-    healed = heal(
+    healed = heal_as_configured(
         model,
-        get_adapter(model),
         teacher,
         train_ids,
         validation_ids,
-        trainable=config.heal_trainable,
-        learning_rate=config.heal_lr,
-        batch_size=config.heal_batch_size,
-        check_every=config.heal_check_every,
-        lora_rank=config.heal_lora_rank,
-        autocast=config.heal_autocast,
-        kept=report["kept_layers"],
-        num_layers=report["original_num_layers"],
-        compensated=compensated,
-        dataset=describe_calibration_data(None, config.heal_dataset, config.text_column),
-        checkpoint=checkpoint,
-        progress_bar=progress and distributed.is_main_process(),
+        config,
+        report["kept_layers"],
+        report["original_num_layers"],
+        compensated,
+        describe_calibration_data(None, config.heal_dataset, config.text_column),
+        checkpoint,
+        progress and distributed.is_main_process(),
     )
     report = {**report, "gradmap_config": config.to_dict(), "heal": healed.to_dict()}
     report["timings"] = {**report.get("timings", {}), "heal": healed.seconds}
