@@ -81,6 +81,16 @@ def main() -> None:
         "protocol; 0 for all 385)",
     )
     parser.add_argument(
+        "--heal-tokens",
+        type=int,
+        default=0,
+        help="then heal: distil the dense model back on this many tokens of the offline web text and Wikipedia "
+        "calibration articles (default: 0, off; docs/usage.md, Heal)",
+    )
+    parser.add_argument(
+        "--heal-trainable", default="lora", help="what the heal trains: lora (needs peft), norms, ... (default: lora)"
+    )
+    parser.add_argument(
         "--output", default="out/smollm2-135m-gradmap", help="checkpoint folder (default: out/smollm2-135m-gradmap)"
     )
     args = parser.parse_args()
@@ -107,6 +117,13 @@ def main() -> None:
     print(f"stage 1 only: held-out Wikipedia perplexity {stage1:.3f}", flush=True)
     pruner.compensate(result)  # Stage 2
     pruned = perplexity(model, segments)
+    if args.heal_tokens:  # the optional third stage: distillation from the dense model, on other text
+        compensated = pruned
+        print(f"stage 1 + 2: held-out Wikipedia perplexity {compensated:.3f}", flush=True)
+        heal_text = "offline:web_text+offline:wikipedia"
+        pruner.heal(result, heal_tokens=args.heal_tokens, heal_dataset=heal_text, heal_trainable=args.heal_trainable)
+        pruned = perplexity(model, segments)
+    pruner.release()
     asset = MODEL_ASSETS.get(args.model)
     pruner.save_pretrained(  # checkpoint + pruning_report.json + pictures + model card, with both perplexities
         args.output,
@@ -134,12 +151,18 @@ def main() -> None:
     print(f"compensated layers ({config.compensation_target}): {', '.join(fits) or 'none'}")
     for layer, reason in result.compensation.skipped_layers.items():
         print(f"left alone: layer {layer} ({reason})")
-    print(f"stage 1: {result.timings['stage1']:.1f} s   stage 2 ({args.solver}): {result.timings['stage2']:.1f} s")
+    heal = f"   heal: {result.timings['heal']:.1f} s" if result.heal else ""
+    print(f"stage 1: {result.timings['stage1']:.1f} s   stage 2 ({args.solver}): {result.timings['stage2']:.1f} s{heal}")
+    if result.heal:
+        print(result.heal.summary())
     print(f"held-out Wikipedia perplexity ({segments.shape[0]} segments of 128 tokens, articles never used for calibration):")
     print(f"  dense                          {dense:9.3f}")
     print(f"  stage 1 only                   {stage1:9.3f}")
     reload = "identical weights and logits" if identical else "NOT identical: its own perplexity"
-    print(f"  stage 1 + 2                    {final:9.3f}   (the checkpoint reloaded from disk: {reload})")
+    if result.heal:
+        print(f"  stage 1 + 2                    {compensated:9.3f}")
+    label = "stage 1 + 2 + heal" if result.heal else "stage 1 + 2"
+    print(f"  {label:<30} {final:9.3f}   (the checkpoint reloaded from disk: {reload})")
     print(f"checkpoint: {os.path.abspath(args.output)} (loads with plain AutoModelForCausalLM)")
 
 
