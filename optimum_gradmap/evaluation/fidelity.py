@@ -188,12 +188,7 @@ def next_token_kl(
     Raises:
         InvalidInputError: for no segment, segments of one token, or models whose vocabularies differ.
     """
-    from .. import distributed
-
-    _check_segments(segments)
-    share = distributed.shard_any(segments)[0] if shared_by_processes else segments
-    means = next_token_kl_per_segment(model, reference_model, share, batch_size, progress_bar)
-    return _kl_result(distributed.gather_rows(means) if shared_by_processes else means, segments)
+    return perplexity_and_kl(model, reference_model, segments, batch_size, progress_bar, shared_by_processes)[1]
 
 
 # ------------------------------------------------------------------------------------------ flips
