@@ -439,17 +439,13 @@ class GradMAPConfig:
                 f"{self.compensation_objective!r} has none: use compensation_objective='mse' with it, or "
                 "outlier_tokens='exclude'."
             )
-        if self.heal_lr is not None and (
-            isinstance(self.heal_lr, bool)
-            or not isinstance(self.heal_lr, (int, float))
-            or not math.isfinite(self.heal_lr)
-            or self.heal_lr <= 0
-        ):
-            raise InvalidInputError(f"`heal_lr` must be a finite number > 0, or None for the default, got {self.heal_lr!r}.")
-        for name in ("adam_lr", "refinement_lr"):
+        for name in ("adam_lr", "refinement_lr", "heal_lr"):  # heal_lr may also be None: the trainable's default
             value = getattr(self, name)
+            if name == "heal_lr" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise InvalidInputError(f"`{name}` must be a finite number > 0, got {value!r}.")
+                none = ", or None for the default" if name == "heal_lr" else ""
+                raise InvalidInputError(f"`{name}` must be a finite number > 0{none}, got {value!r}.")
         if self.compensation_dataset is not None and (
             not isinstance(self.compensation_dataset, str) or not self.compensation_dataset
         ):
