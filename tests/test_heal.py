@@ -42,6 +42,19 @@ def full_kl(model: nn.Module, teacher: nn.Module, ids: torch.LongTensor) -> floa
     return float((log_p.exp() * (log_p - log_q)).sum(-1).mean())
 
 
+def test_teacher_targets_under_autocast_run_in_bfloat16_and_stay_close_to_float32():
+    teacher = peaked_model()
+    ids = random_ids(4, 16, seed=3)
+    exact = teacher_targets(teacher, ids, batch_size=2, progress_bar=False)
+    fast = teacher_targets(teacher, ids, batch_size=2, progress_bar=False, autocast=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = torch.log_softmax(teacher(input_ids=ids).logits[:, :-1].float(), -1).topk(TOP_K, -1).values
+    torch.testing.assert_close(fast.log_probs, expected)  # the bfloat16 pass, log-softmax in float32
+    assert not torch.equal(fast.log_probs, exact.log_probs)
+    assert fast.log_probs.dtype == torch.float32
+    torch.testing.assert_close(fast.log_probs[..., 0], exact.log_probs[..., 0], rtol=0.05, atol=0.05)
+
+
 def test_top_k_kl_is_the_kl_of_the_top_k_and_the_rest_and_at_most_the_full_kl():
     torch.manual_seed(0)
     teacher_logits, student_logits = torch.randn(2, 5, 200) * 3, torch.randn(2, 5, 200) * 3
