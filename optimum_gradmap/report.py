@@ -3,8 +3,10 @@
 """The pruning report written beside every checkpoint: `pruning_report.json`, two pictures and a
 model card (`README.md`).
 
-- `pruning_report.json`: base model and revision, library versions, the GradMAP config, removed /
-  kept / compensated layers (original indices), Stage 1 scores of every round, drift per layer
+- `pruning_report.json`: base model and revision, library versions, the GradMAP config (every field:
+  `GradMAPConfig(**report["gradmap_config"])` rebuilds it), how to reproduce the run (`reproduce`: the exact
+  `optimum-gradmap` command line, or a Python snippet when it was made through the API, see [`reproduction`]),
+  removed / kept / compensated layers (original indices), Stage 1 scores of every round, drift per layer
   before and after compensation, timings, environment, and evaluation results when run, with the fidelity to
   the dense model where measured (the KL divergence beside each perplexity, the zero-shot flips).
 - `importance.png`: each layer's Stage 1 score in every round; `drift.png`: each kept layer's mean
@@ -12,7 +14,7 @@ model card (`README.md`).
   calibration loss after each removal, the budget and the K chosen. They need matplotlib (`pip install matplotlib`);
   without it the report and the model card are written without pictures.
 - `README.md`: a Hub model card (`huggingface_hub.ModelCard`) that says what was removed, what it
-  cost, and how to load the model.
+  cost, how to load the model, and how to reproduce it (the command or the Python snippet, and the versions).
 """
 
 from __future__ import annotations
@@ -57,6 +59,63 @@ def _version(package: str) -> str | None:
         return None
 
 
+def library_version() -> str:
+    """The installed optimum-gradmap's version (the package's metadata, else `optimum_gradmap.__version__`)."""
+    from . import __version__
+
+    return _version("optimum-gradmap") or __version__
+
+
+def versions() -> dict[str, str]:
+    """The versions of optimum-gradmap, transformers and torch this process runs."""
+    return {"optimum_gradmap": library_version(), "transformers": transformers.__version__, "torch": torch.__version__}
+
+
+API_SNIPPET = """from optimum_gradmap import GradMAPConfig, GradMAPPruner, load_report
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+report = load_report({folder})
+config = GradMAPConfig(**report["gradmap_config"])
+model = AutoModelForCausalLM.from_pretrained(report["base_model"], revision=report["base_model_revision"])
+tokenizer = AutoTokenizer.from_pretrained(report["base_model"], revision=report["base_model_revision"])
+result = GradMAPPruner(config, model=model, tokenizer=tokenizer).prune()"""
+
+
+def reproduction(command: str | None, step: str = "prune", earlier: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The report's `reproduce` entry: how the checkpoint was made, for whoever wants to make it again.
+
+    Args:
+        command (`str`, *optional*): The exact command line that made it (`optimum-gradmap prune ...`, quoted as
+            `shlex.join` quotes it); `None` when it was made through the Python API.
+        step (`str`, defaults to `"prune"`): What this run did: `"prune"` or `"heal"` (a checkpoint pruned earlier).
+        earlier (`dict`, *optional*): The `reproduce` entry of the checkpoint this run started from (a heal's).
+
+    Returns:
+        `dict`: `step`, `produced_by` (`"command line"` or `"Python API"`), `command`, `python` (through the API:
+        a snippet that rebuilds the config from the report and prunes the base model again), `versions`
+        (optimum-gradmap, transformers, torch) and `earlier`.
+    """
+    return {
+        "step": step,
+        "produced_by": "command line" if command else "Python API",
+        "command": command or None,
+        "python": None if command else API_SNIPPET.format(folder='"path/to/this/checkpoint"'),
+        "versions": versions(),
+        "earlier": earlier,
+    }
+
+
+def environment(model: PreTrainedModel) -> dict[str, Any]:
+    """The report's `environment`: library versions, Python, platform, and the model's device and dtype."""
+    return {
+        **versions(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "device": str(input_device(model)),
+        "dtype": str(model.get_input_embeddings().weight.dtype).replace("torch.", ""),
+    }
+
+
 def build_report(
     model: PreTrainedModel,
     summary: dict[str, Any],
@@ -66,6 +125,7 @@ def build_report(
     license: str | None = None,
     evaluation: EvaluationResult | None = None,
     dense_evaluation: EvaluationResult | None = None,
+    command: str | None = None,
 ) -> dict[str, Any]:
     """The content of `pruning_report.json`.
 
@@ -78,6 +138,8 @@ def build_report(
         license (`str`, *optional*): The base model's license, inherited by the pruned model.
         evaluation ([`EvaluationResult`], *optional*): Evaluation results to include.
         dense_evaluation ([`EvaluationResult`], *optional*): The same evaluation of the dense model.
+        command (`str`, *optional*): The command line that made the checkpoint (`optimum-gradmap prune ...`), for
+            `reproduce` ([`reproduction`]); `None`: it was made through the Python API.
 
     Returns:
         `dict`: JSON-serialisable.
@@ -89,20 +151,13 @@ def build_report(
         "model_type": model.config.model_type,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gradmap_config": config.to_dict(),
+        "reproduce": reproduction(command),
         **summary,
         "evaluation": evaluation.to_dict() if evaluation is not None else None,
         "dense_evaluation": dense_evaluation.to_dict() if dense_evaluation is not None else None,
         "zero_shot_against_dense": _zero_shot_against_dense(evaluation, dense_evaluation),
         "flips_against_dense": _flips_against_dense(evaluation, dense_evaluation),
-        "environment": {
-            "optimum_gradmap": _version("optimum-gradmap"),
-            "transformers": transformers.__version__,
-            "torch": torch.__version__,
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-            "device": str(input_device(model)),
-            "dtype": str(model.get_input_embeddings().weight.dtype).replace("torch.", ""),
-        },
+        "environment": environment(model),
     }
 
 
@@ -421,6 +476,50 @@ def _zero_shot_row(
     return label, _average_with_stderr(dense) if dense else "", pruned
 
 
+def _steps(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs that made the checkpoint, the first first (a heal's pruning, then the heal); one entry with no
+    command for a report written before the library recorded it."""
+    step = report.get("reproduce") or {"step": "prune", "versions": report.get("environment", {})}
+    steps = [step]
+    while steps[0].get("earlier"):
+        steps.insert(0, steps[0]["earlier"])
+    return steps
+
+
+def _reproduce_section(report: dict[str, Any], repo_id: str | None) -> str:
+    """The model card's "Reproduce" section: each run's command (or, through the Python API, a snippet that rebuilds
+    the config from `pruning_report.json` and prunes again) and the versions it ran with."""
+    steps = _steps(report)
+    parts = [f"Made in {len(steps)} runs, each from the checkpoint the one before wrote." if len(steps) > 1 else ""]
+    for step in steps:
+        versions = step.get("versions") or {}
+        made = (
+            f"{'Healed' if step.get('step') == 'heal' else 'Pruned'} with optimum-gradmap {versions.get('optimum_gradmap')} "
+            f"(transformers {versions.get('transformers')}, torch {versions.get('torch')})"
+        )
+        if step.get("command"):
+            parts.append(f"{made}, from the command line:\n\n```bash\n{step['command']}\n```")
+        elif step.get("produced_by") == "Python API":
+            folder = f'snapshot_download("{repo_id}", allow_patterns="{REPORT_NAME}")' if repo_id else '"path/to/this/checkpoint"'
+            snippet = API_SNIPPET.format(folder=folder)
+            if repo_id:
+                snippet = "from huggingface_hub import snapshot_download\n" + snippet
+            parts.append(
+                f"{made}, through the Python API. This rebuilds its configuration from `{REPORT_NAME}` and prunes the "
+                f"base model again:\n\n```python\n{snippet}\n```\n\nIt calibrates on the text `config.dataset` names; "
+                f"the run calibrated on {report.get('calibration_source') or 'text it did not record'} (give other text "
+                "as `prune(calibration_data=...)`)."
+            )
+        else:
+            parts.append(f"{made}; its report records no command.")
+    parts.append(
+        f"`{REPORT_NAME}` holds every setting of the run: `gradmap_config`, which "
+        '`GradMAPConfig(**report["gradmap_config"])` rebuilds (`gradmap_config.json` holds the same), the SHA-256 of the '
+        "calibration sequences, and the environment it ran in."
+    )
+    return "\n\n".join(part for part in parts if part)
+
+
 def build_model_card(
     report: dict[str, Any], pictures: list[str], repo_id: str | None = None, title: str | None = None
 ) -> ModelCard:
@@ -487,6 +586,10 @@ tokenizer = AutoTokenizer.from_pretrained("{name}")
 ```
 
 With vLLM: `vllm serve {name}`.
+
+## Reproduce
+
+{_reproduce_section(report, repo_id)}
 """
     return ModelCard(content)
 
@@ -538,4 +641,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"made with:           optimum-gradmap {environment.get('optimum_gradmap')}, transformers "
         f"{environment.get('transformers')}, torch {environment.get('torch')}"
     )
+    for step in _steps(report):
+        if step.get("command") or step.get("produced_by"):
+            lines.append(f"{step.get('step', 'prune') + ':':<21}{step.get('command') or 'through the ' + step['produced_by']}")
     return "\n".join(lines)

@@ -136,6 +136,7 @@ class PruningResult:
         repo_id: str | None = None,
         overwrite: bool = False,
         dense_evaluation: EvaluationResult | None = None,
+        command: str | None = None,
         **save_kwargs: Any,
     ) -> str:
         """Writes a standard checkpoint that plain `AutoModelForCausalLM.from_pretrained` loads: model,
@@ -154,6 +155,9 @@ class PruningResult:
                 save is atomic either way (see [`save_checkpoint`]).
             dense_evaluation ([`EvaluationResult`], *optional*): The same evaluation of the dense model, measured
                 before pruning: the model card then shows what pruning cost.
+            command (`str`, *optional*): The command line that made the model (`optimum-gradmap prune ...`, which
+                passes its own): the report's `reproduce` entry and the model card's "Reproduce" section give it.
+                `None`: they say the model was made through the Python API, with a snippet that rebuilds the config.
             save_kwargs: Passed to the model's `save_pretrained`.
 
         Returns:
@@ -170,6 +174,7 @@ class PruningResult:
             license=license,
             evaluation=evaluation,
             dense_evaluation=dense_evaluation,
+            command=command,
         )
         return save_checkpoint(
             save_directory,

@@ -207,6 +207,8 @@ def test_optimum_cli_registers_gradmap_with_the_same_commands_and_runs_them(tiny
     output = str(tmp_path / "pruned")
     assert optimum_cli_main("gradmap", *_prune_args(tiny_checkpoint, output)) == 0
     assert load_report(output)["original_num_layers"] == 6
+    command = load_report(output)["reproduce"]["command"]  # as typed: optimum-cli's own command line
+    assert command.startswith(f"optimum-cli gradmap prune {tiny_checkpoint} --num-layers-to-prune 2 ")
     assert optimum_cli_main("gradmap", "inspect", output) == 0
     assert "layers:              6 -> 4" in capsys.readouterr().out
     preset_output = str(tmp_path / "fast")
@@ -486,3 +488,70 @@ def test_cut_from_refuses_the_budget_target_and_curve_options_it_cannot_apply(ti
     error = capsys.readouterr().err
     assert f"--cut-from cannot apply {option[0]}" in error and "--num-layers-to-prune" in error
     assert not os.path.exists(output)
+
+
+def test_a_command_line_prune_records_its_command_and_versions_and_the_command_makes_it_again(tiny_checkpoint, tmp_path):
+    import shlex
+
+    import torch
+    import transformers
+
+    import optimum_gradmap
+    from optimum_gradmap import GradMAPConfig
+
+    output = str(tmp_path / "pruned")
+    argv = _prune_args(tiny_checkpoint, output, "--no-compensation")
+    assert main(argv) == 0
+    report = load_report(output)
+    versions = {
+        "optimum_gradmap": optimum_gradmap.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+    }
+    reproduce = report["reproduce"]
+    assert reproduce["command"] == shlex.join(["optimum-gradmap", *argv]) and reproduce["produced_by"] == "command line"
+    assert reproduce["versions"] == versions and reproduce["python"] is None and reproduce["step"] == "prune"
+    card = open(os.path.join(output, "README.md"), encoding="utf-8").read()
+    reproduce_section = card.split("## Reproduce\n", 1)[1]
+    assert f"```bash\n{reproduce['command']}\n```" in reproduce_section
+    assert (
+        f"optimum-gradmap {optimum_gradmap.__version__} (transformers {transformers.__version__}, torch {torch.__version__})"
+        in card
+    )
+    config = GradMAPConfig(**report["gradmap_config"])  # every field: the config rebuilds
+    assert config == GradMAPConfig.from_pretrained(output) and config.num_samples == 24 and not config.compensation
+
+    command = shlex.split(reproduce["command"])  # the command, run again (to another folder), makes the same model
+    again = str(tmp_path / "again")
+    command[command.index(output)] = again
+    assert command[0] == "optimum-gradmap" and main(command[1:]) == 0
+    assert load_report(again)["removed_layers"] == report["removed_layers"]
+    assert GradMAPConfig(**load_report(again)["gradmap_config"]) == config
+
+
+def test_a_checkpoint_made_through_the_python_api_says_so_and_its_snippet_makes_it_again(tiny_checkpoint, tmp_path):
+    from optimum_gradmap import GradMAPConfig
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)  # its name_or_path: the report's base model
+    config = small_config(num_layers_to_prune=2, compensation=False, dataset="offline:wikipedia")
+    pruner = GradMAPPruner(config, model=model, progress_bar=False)
+    result = pruner.prune()
+    folder = tmp_path / "pruned"
+    pruner.save_pretrained(folder)
+    report = load_report(folder)
+    reproduce = report["reproduce"]
+    assert reproduce["produced_by"] == "Python API" and reproduce["command"] is None
+    assert GradMAPConfig(**report["gradmap_config"]) == config
+    card = (folder / "README.md").read_text(encoding="utf-8").split("## Reproduce\n", 1)[1]
+    assert "through the Python API" in card and "```bash" not in card
+    assert f"```python\n{reproduce['python']}\n```" in card
+    assert 'config = GradMAPConfig(**report["gradmap_config"])' in reproduce["python"]
+
+    snippet = reproduce["python"].replace('"path/to/this/checkpoint"', repr(str(folder)))
+    namespace: dict = {}
+    exec(snippet, namespace)  # the snippet, as the card gives it, prunes the base model again
+    assert namespace["config"] == config and namespace["result"].removed_layers == result.removed_layers
+
+    pruner.result.save_pretrained(tmp_path / "on-hub", repo_id="me/tiny-gradmap")
+    card = (tmp_path / "on-hub" / "README.md").read_text(encoding="utf-8")
+    assert 'report = load_report(snapshot_download("me/tiny-gradmap", allow_patterns="pruning_report.json"))' in card

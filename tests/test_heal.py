@@ -273,6 +273,7 @@ def test_the_refinement_distils_from_the_dense_model_not_from_the_folded_one(mon
 
 def test_prune_command_heals_and_the_heal_command_heals_a_saved_checkpoint(tiny_checkpoint, tmp_path, capsys):
     import os
+    import shlex
 
     from optimum_gradmap import load_report
     from optimum_gradmap.cli import main
@@ -301,6 +302,15 @@ def test_prune_command_heals_and_the_heal_command_heals_a_saved_checkpoint(tiny_
         "dataset 'offline:web_text'"
     )
     assert report["heal"]["best_kl"] <= report["heal"]["start_kl"]
+    prune_command = shlex.join(
+        ["optimum-gradmap", "prune", tiny_checkpoint, "--num-layers-to-prune", "2", *common, "--output", pruned]
+    )
+    heal_command = shlex.join(["optimum-gradmap", *argv])  # the heal's command, after the pruning's it started from
+    assert (report["reproduce"]["step"], report["reproduce"]["command"]) == ("heal", heal_command)
+    assert report["reproduce"]["earlier"] == before["reproduce"] and before["reproduce"]["command"] == prune_command
+    card = open(os.path.join(later, "README.md"), encoding="utf-8").read().split("## Reproduce\n", 1)[1]
+    assert card.index(f"```bash\n{prune_command}\n```") < card.index(f"```bash\n{heal_command}\n```")
+    assert "Made in 2 runs" in card and "Healed with optimum-gradmap" in card
     assert AutoModelForCausalLM.from_pretrained(later).config.num_hidden_layers == 4
     assert main(["heal", later, "--teacher", tiny_checkpoint, *heal_options, "--output", str(tmp_path / "twice")]) == 2
     assert "healed already" in capsys.readouterr().err

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import logging as std_logging
+import os
+import shlex
 import sys
 
 from transformers.utils import logging
@@ -18,6 +20,12 @@ LIBRARY_LOGGER = "optimum_gradmap"
 
 class InputError(InvalidInputError):
     """Bad command-line input: exit code 2."""
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command as it was typed, quoted for a shell (`shlex.join`): `optimum-gradmap prune ...` (the arguments
+    `optimum_gradmap.cli.main` parsed), or, run another way (`optimum-cli gradmap prune ...`), the process's own."""
+    return shlex.join(getattr(args, "command_line", None) or [os.path.basename(sys.argv[0]), *sys.argv[1:]])
 
 
 # ------------------------------------------------------------------------------------------ parsers

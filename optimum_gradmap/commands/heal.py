@@ -14,7 +14,7 @@ from typing import Any
 
 from ..arguments import add_config_arguments, config_from_arguments
 from ..loading import ModelLoading
-from .common import InputError, add_logging_arguments, set_verbosity
+from .common import InputError, add_logging_arguments, command_line, set_verbosity
 
 HELP = "Heal a pruned checkpoint: distil the dense model back into it (the heal stage) and save a standard checkpoint"
 
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from ..configuration import GradMAPConfig
     from ..data import check_dataset_name, describe_calibration_data
     from ..heal import HEAL_SETTINGS, check_heal_settings, heal_as_configured, heal_sequences
-    from ..report import load_report
+    from ..report import environment, load_report, reproduction
 
     progress = set_verbosity(args)
     loading = config_from_arguments(args, ModelLoading)
@@ -111,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
         checkpoint,
         progress and distributed.is_main_process(),
     )
-    report = {**report, "gradmap_config": config.to_dict(), "heal": healed.to_dict()}
+    made = reproduction(command_line(args), step="heal", earlier=report.get("reproduce"))  # after the pruning's run
+    report = {**report, "gradmap_config": config.to_dict(), "reproduce": made, "heal": healed.to_dict()}
+    report["environment"] = environment(model)  # this run's
     report["timings"] = {**report.get("timings", {}), "heal": healed.seconds}
     save_checkpoint(args.output, model, tokenizer, config, report, overwrite=args.overwrite)
     if not distributed.is_main_process():

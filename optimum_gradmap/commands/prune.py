@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 from typing import Any
 
@@ -17,7 +16,7 @@ from transformers.utils import logging
 from ..arguments import add_config_arguments, config_from_arguments
 from ..configuration import PRESETS, GradMAPConfig
 from ..loading import ModelLoading
-from .common import InputError, add_logging_arguments, set_verbosity
+from .common import InputError, add_logging_arguments, command_line, set_verbosity
 from .heal import default_heal_checkpoint, finish_heal_checkpoint
 
 logger = logging.get_logger(__name__)
@@ -184,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
             stage1_checkpoint=stage1_checkpoint, validation_data=args.validation_dataset, heal_checkpoint=heal_checkpoint
         )
     except KeyboardInterrupt:
-        command = shlex.join(getattr(args, "command_line", None) or [os.path.basename(sys.argv[0]), *sys.argv[1:]])
+        command = command_line(args)
         saved = stage1_checkpoint is not None and os.path.isfile(stage1_checkpoint)
         print(
             f"\nInterrupted. Stage 1's finished rounds are saved in {stage1_checkpoint}; the same command resumes from "
@@ -204,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
         license=resolved.license,
         repo_id=args.push_to_hub,
         overwrite=args.overwrite,
+        command=command_line(args),
     )  # by the main process; the others wait for it
     if not main_process:
         return 0
