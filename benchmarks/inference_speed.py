@@ -2,7 +2,7 @@
 and prefill latency with the KV cache, after warm-up, median of repeated runs.
 
 Speed depends on how many layers remain, not on which ones or on their weights, so by default the
-script removes the layers GradMAP removed from SmolLM2-135M at 25% (see docs/results.md); pass
+script removes the layers GradMAP removed from SmolLM2-135M at 25% (see docs/benchmarks/layer-selection.md); pass
 `--layers` for others, or `--report` to read them from a pruned checkpoint's pruning_report.json.
 
     python benchmarks/inference_speed.py
@@ -30,7 +30,7 @@ from optimum_gradmap import load_report, remove_layers  # noqa: E402
 from optimum_gradmap.assets import MODEL_ASSETS, load_model  # noqa: E402
 from optimum_gradmap.evaluation import inference_speed  # noqa: E402
 
-GRADMAP_SMOLLM2_25 = [26, 25, 21, 18, 14, 13, 17, 10]  # examples/prune_smollm2.py, docs/results.md
+GRADMAP_SMOLLM2_25 = [26, 25, 21, 18, 14, 13, 17, 10]  # examples/prune_smollm2.py, docs/benchmarks/
 
 
 def main() -> None:

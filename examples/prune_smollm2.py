@@ -69,7 +69,7 @@ def main() -> None:
         default="float32",
         choices=DTYPE_CHOICES,
         help="the dtype the model computes in (default: float32; auto is bfloat16 where the hardware computes it "
-        "natively, which on SmolLM2 at 25%% removed another eighth layer: docs/performance.md)",
+        "natively, which on SmolLM2 at 25%% removed another eighth layer: docs/benchmarks/stage1-cost.md)",
     )
     parser.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default: 128, as in the paper)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per calibration sequence (default: 128)")
@@ -85,7 +85,7 @@ def main() -> None:
         type=int,
         default=0,
         help="then heal: distil the dense model back on this many tokens of the offline web text and Wikipedia "
-        "calibration articles (default: 0, off; docs/usage.md, Heal)",
+        "calibration articles (default: 0, off; docs/guides/heal.md)",
     )
     parser.add_argument(
         "--heal-trainable", default="lora", help="what the heal trains: lora (needs peft), norms, ... (default: lora)"

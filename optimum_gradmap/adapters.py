@@ -320,7 +320,7 @@ def get_adapter(model_or_config: PreTrainedModel | PretrainedConfig) -> DecoderA
             f"GradMAP has no adapter for model type {model_type!r} ({type(model_or_config).__name__}). "
             f"Supported model types: {', '.join(supported_model_types())}. "
             "To add a family, subclass `optimum_gradmap.adapters.DecoderAdapter` and register it with "
-            '`@register_adapter("<model_type>")` (see docs/adapters.md).'
+            '`@register_adapter("<model_type>")` (see docs/guides/new-family.md).'
         )
     return _ADAPTERS[model_type]()
 

@@ -56,7 +56,7 @@ STAGE1_SELECTION_SETTINGS: tuple[str, ...] = (
     "execution",
 )
 # Named settings ([`GradMAPConfig.from_preset`], `--preset` on the command line), chosen from the measurements
-# in docs/results.md; every other field keeps its default.
+# in docs/benchmarks/; every other field keeps its default.
 # The paper's Stage 2 (Eq. 10-15): one W' (any d x d matrix) at the kept layer with the largest mean drift,
 # fitted to that layer's own dense output with lambda 1e-3. Pinned wherever "the paper's Stage 2" is meant (the
 # "paper" preset, the benchmarks), whatever the defaults are.
@@ -75,7 +75,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # GradMAP exactly as published: the gradient score (Eq. 5), iterative (Algorithm 1), and the paper's Stage 2
     # (pinned, so that the preset keeps its meaning if a default changes).
     "paper": {"importance": "gradmap", **PAPER_STAGE2},
-    # Best held-out quality per unit of time measured (docs/results.md, issue 18): the paper's bound (Eq. 9-11)
+    # Best held-out quality per unit of time measured (docs/benchmarks/layer-selection.md, issue 18): the paper's bound (Eq. 9-11)
     # as a per-token score, iterative, with a shortlist of eight checked by SLEB's criterion and successive
     # halving: SLEB's perplexity or better on SmolLM2-135M and Qwen2.5-Coder-0.5B at 25% in 25-31% of SLEB's
     # Stage 1 time; then the default Stage 2.
@@ -202,7 +202,7 @@ class GradMAPConfig:
         "layers, fitted to the dense hidden state at the end of the run (ReplaceMe's and LinearPatch's placement; "
         'it also repairs removed last layers). With `reg_lambda="auto"` it lowered held-out perplexity on '
         "Wikipedia and web text for every selection measured, where the paper's Stage 2 raised web-text perplexity "
-        'for most (docs/results.md, "Stage 2 variants").',
+        'for most (docs/benchmarks/stage2.md).',
     )
     compensation_form: CompensationForm = _setting(
         "full",
@@ -232,7 +232,7 @@ class GradMAPConfig:
         '`hidden_state` elsewhere (the cosine objective; `solver="adam"`; a family with a norm after the MLP: '
         "Gemma 2 and 3, OLMo 2). With the default `outlier_tokens` it "
         "kept more zero-shot accuracy than `hidden_state` did on SmolLM2-135M, for less perplexity gain and about twice "
-        "the Stage 2 time (docs/results.md, Accuracy).",
+        "the Stage 2 time (docs/benchmarks/accuracy-and-fidelity.md).",
     )
     lambda_search: LambdaSearch = _setting(
         "golden",
@@ -260,7 +260,7 @@ class GradMAPConfig:
         "least-squares fit, met in the least-squares sense). Those tokens act as the model's attention sinks (Sun et "
         "al.): `exclude` leaves W' free to change them, and on SmolLM2-135M (Block Influence's layers at 25%, fitted on "
         "Wikipedia and web text) the fit of layer 11 changed the first token's MLP output by three times its norm and "
-        "held-out Wikipedia perplexity rose from 102.8 (Stage 1 alone) to 3,788.6 (docs/results.md, Accuracy); with "
+        "held-out Wikipedia perplexity rose from 102.8 (Stage 1 alone) to 3,788.6 (docs/benchmarks/accuracy-and-fidelity.md); with "
         '`compensation_selection="next_token_loss"`, which judges each fit by the whole model\'s loss, the fit of '
         "that layer was left out (measured on Wikipedia alone). `preserve` measured as `keep` there (the same "
         "perplexities, the same answers to 0.1 point). `auto` (the default since issue 38): `exclude` where lambda is "
@@ -276,7 +276,7 @@ class GradMAPConfig:
         "on SmolLM2-135M at 25%, the previous default fit (`hidden_state`, `keep`: `PREVIOUS_DEFAULT_STAGE2`) "
         "on Wikipedia cost 1.2 points of zero-shot accuracy against Stage 1 "
         "alone on average over five selections (2.6 +/- 0.8 on GradMAP's layers), the same fit on Wikipedia and web "
-        "text in equal parts 0.8 (1.1 +/- 0.8), with lower web-text perplexity (docs/results.md, Accuracy). "
+        "text in equal parts 0.8 (1.1 +/- 0.8), with lower web-text perplexity (docs/benchmarks/accuracy-and-fidelity.md). "
         "The `compensation_data` argument of `prune` and `compensate` takes the other "
         "forms of calibration data.",
     )
@@ -294,7 +294,7 @@ class GradMAPConfig:
         "Also compensate during Stage 1, after every removal (the layer before the run the removed layer belongs "
         "to, fitted to the run's dense end), so that the next round scores the repaired model, as Prune&Comp does. "
         "Measured worse than one fit after Stage 1 (SmolLM2-135M, 25%: held-out Wikipedia / web-text perplexity "
-        "164.7 / 610.8 against 77.8 / 213.6, docs/results.md).",
+        "164.7 / 610.8 against 77.8 / 213.6, docs/benchmarks/stage2.md).",
     )
     heal_tokens: int = _setting(
         0,

@@ -19,7 +19,7 @@ because rounding there would change a decision or a figure rather than the model
   summed in float64 (`optimum_gradmap.passes.summed_next_token_loss`).
 
 The logits themselves come out of a bfloat16 head in bfloat16: a bfloat16 model's perplexity is that model's, not
-the float32 model's (docs/performance.md measures both on the same checkpoints).
+the float32 model's (docs/benchmarks/stage1-cost.md measures both on the same checkpoints).
 """
 
 from __future__ import annotations

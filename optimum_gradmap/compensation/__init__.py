@@ -19,7 +19,7 @@ with Y = W_down X_down the MLP's output (bias included), X_F the residual stream
 and X_O the original model's output of that layer, over all calibration tokens. The paper calls
 the first term the mean squared error; like `torch.nn.MSELoss` it is the mean over all M = tokens x d
 elements, which sets the strength of lambda (measured: this reading, not a per-sequence sum,
-makes Stage 2 help on SmolLM2; docs/results.md). W' is then folded into the down projection,
+makes Stage 2 help on SmolLM2; docs/benchmarks/stage2.md). W' is then folded into the down projection,
 W_down <- W' W_down and b_down <- W' b_down, so the pruned model costs nothing extra at inference (Eq. 15).
 
 The modules, in the order Stage 2 uses them:

@@ -1,0 +1,216 @@
+"""What every results table shares: records, provenance footnotes, marks for rows older than a change of the
+library's behaviour, and the figures read from the records (benchmarks/render.py writes the tables)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+BOOLQ = "boolq"
+
+
+@functools.cache
+def load(name: str) -> dict:
+    """The record `benchmarks/results/<name>.json`."""
+    with open(os.path.join(RESULTS, name + ".json"), encoding="utf-8") as file:
+        return json.load(file)
+
+
+# --- what changed in the library's behaviour since a row was measured -------------------------------------------
+
+
+@dataclass(frozen=True)
+class Change:
+    """A change of what the library computes. Rows of `kinds` measured at a commit that does not contain `commit`
+    are marked with `summary`."""
+
+    commit: str
+    summary: str
+    kinds: tuple[str, ...]
+
+
+CHANGES = (
+    Change(
+        "8f30c0d",
+        "issue 55: Stage 2's outlier threshold is one median over the whole calibration set, not each batch's",
+        ("stage2",),
+    ),
+    Change(
+        "1c021df",
+        "issue 56: `refinement_steps` distils the dense model, not the pruned model with Stage 2's folds in",
+        ("refinement",),
+    ),
+    Change(
+        "7ff3327",
+        "issue 56: the heal stage's teacher runs under bfloat16 autocast where native (the heal's seconds)",
+        ("heal",),
+    ),
+)
+
+
+@functools.cache
+def _contains(commit: str, ancestor: str) -> bool | None:
+    """Whether `commit` contains `ancestor` in its history (`None` when git cannot tell: an unknown commit)."""
+    try:
+        done = subprocess.run(["git", "merge-base", "--is-ancestor", ancestor, commit], cwd=ROOT, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {0: True, 1: False}.get(done.returncode)
+
+
+def measured_commit(provenance: dict) -> str:
+    """The commit a row was measured at (a lent machine's copy names the commit it was copied from)."""
+    return provenance.get("commit_of_git_history") or provenance.get("commit", "")
+
+
+def older_than(provenance: dict, kinds: Sequence[str]) -> list[Change]:
+    """The changes of `kinds` that the row's code did not have yet."""
+    commit = measured_commit(provenance)
+    if not commit:
+        return []
+    return [change for change in CHANGES if set(change.kinds) & set(kinds) and _contains(commit, change.commit) is False]
+
+
+# --- tables and their footnotes -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Table:
+    """A markdown table whose rows carry provenance footnotes, numbered `[^PREFIX-N]`."""
+
+    prefix: str
+    header: Sequence[str]
+    align: Sequence[str] | None = None
+    rows: list[list[str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(
+        self,
+        cells: Sequence[str],
+        provenance: dict | None,
+        source: str,
+        kinds: Sequence[str] = (),
+        cell: int = 0,
+        more: Sequence[tuple[int, dict, str]] = (),
+    ) -> None:
+        """Adds a row. Cell `cell` gets the footnote of `provenance` (a row of record `source`) and is marked when that
+        row was measured by code older than a change of `kinds`; `more` adds footnotes to other cells, as
+        `(cell, provenance, source)` (a figure taken from another record)."""
+        cells = list(cells)
+        for index, row_provenance, row_source, row_kinds in [(cell, provenance, source, kinds)] + [
+            (index, row_provenance, row_source, ()) for index, row_provenance, row_source in more
+        ]:
+            if row_provenance is None:
+                continue
+            self.notes.append(footnote(row_provenance, row_source, row_kinds))
+            cells[index] += f"[^{self.prefix}-{len(self.notes)}]"
+            if older_than(row_provenance, row_kinds):
+                cells[index] += " (older code)"
+        self.rows.append(cells)
+
+    def markdown(self) -> str:
+        align = self.align or ["---"] * len(self.header)
+        lines = ["| " + " | ".join(self.header) + " |", "|" + "|".join(align) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in self.rows]
+        if self.notes:
+            lines.append("")
+            lines += [f"[^{self.prefix}-{i}]: {note}" for i, note in enumerate(self.notes, 1)]
+        return "\n".join(lines) + "\n"
+
+
+def older_record(note: str) -> dict:
+    """The provenance of a row from a record written before rows carried theirs (benchmarks/provenance.py): `note`
+    says what is known (the commit and date the text around the table gives, the machine)."""
+    return {"older_record": note}
+
+
+def footnote(provenance: dict, source: str, kinds: Sequence[str] = ()) -> str:
+    """One row's provenance in one line."""
+    if "older_record" in provenance:
+        return f"`benchmarks/results/{source}.json`, an older record without per-row provenance: {provenance['older_record']}."
+    machine = provenance.get("machine", {})
+    where = machine.get("accelerator") or f"{machine.get('cpu_count', '?')}-core CPU"
+    parts = [
+        f"`benchmarks/results/{source}.json`",
+        f"commit `{measured_commit(provenance)[:8]}`" + (" with local changes" if provenance.get("dirty") else ""),
+        provenance.get("date", "?")[:16].replace("T", " ") + " UTC",
+        f"`{provenance.get('command', '?')}`",
+        where,
+        "quiet" if provenance.get("quiet") else "not quiet",
+    ]
+    if provenance.get("copied_from"):
+        parts.append(f"copied from {provenance['copied_from']}")
+    for change in older_than(provenance, kinds):
+        parts.append(f"older code: measured before {change.summary} (`{change.commit}`)")
+    if provenance.get("note"):
+        parts.append(provenance["note"].replace("\n", " ").rstrip("."))
+    return "; ".join(parts) + "."
+
+
+def number(value: float | None, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+# --- figures read from the records --------------------------------------------------------------------------------
+
+
+def perplexity(evaluation: dict, dataset: str) -> float | None:
+    for entry in evaluation.get("perplexities", []):
+        if entry["dataset"] == dataset:
+            return entry["perplexity"]
+    return None
+
+
+def mean_accuracy(zero_shot: dict) -> tuple[float, float]:
+    """The mean of the tasks' accuracies and its standard error (the tasks' errors combined)."""
+    tasks = zero_shot["tasks"]
+    mean = sum(task["acc"] for task in tasks) / len(tasks)
+    stderr = math.sqrt(sum(task["acc_stderr"] ** 2 for task in tasks)) / len(tasks)
+    return mean, stderr
+
+
+def flips_without_boolq(against_dense: dict) -> float:
+    """The share of questions whose right/wrong differs from the dense model's, BoolQ left out (from the paired
+    comparison's discordant counts)."""
+    tasks = [task for task in against_dense["tasks"] if task["task"] != BOOLQ]
+    return sum(task["only_a"] + task["only_b"] for task in tasks) / sum(task["num_questions"] for task in tasks)
+
+
+def stage1_share_of_sleb(record: dict, method: str) -> float:
+    seconds = {row["method"]: row["stage1_seconds"] for row in record["rows"]}
+    return seconds[method] / seconds["sleb_reference"]
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where a table is written: relative links are made from its folder."""
+
+    page: str
+
+    def link(self, target: str) -> str:
+        """`target` (a path from the repository root, with an optional `#anchor`) relative to the page."""
+        path, _, anchor = target.partition("#")
+        relative = os.path.relpath(os.path.join(ROOT, path), os.path.dirname(os.path.join(ROOT, self.page)))
+        return relative + (f"#{anchor}" if anchor else "")
+
+
+def paired(comparison: dict | None, key: str = "pooled") -> str:
+    if not comparison:
+        return "-"
+    return f"{100 * comparison[key]['difference']:+.2f} ± {100 * comparison[key]['stderr']:.2f}"
+
+
+def kl_cell(evaluation: dict, dataset: str) -> str:
+    for entry in evaluation["perplexities"]:
+        if entry["dataset"] == dataset and entry.get("kl_to_reference") is not None:
+            return f"{entry['kl_to_reference']:.4f} ± {entry['kl_stderr']:.4f}"
+    return "-"

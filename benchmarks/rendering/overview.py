@@ -1,0 +1,93 @@
+"""The README's results table and the main job's figures (docs/getting-started.md)."""
+
+from __future__ import annotations
+
+from .common import Context, Table, flips_without_boolq, load, mean_accuracy, number, perplexity, stage1_share_of_sleb
+
+README_ROWS = (
+    # (model name, record, Stage 1 cost record, page of the row)
+    ("SmolLM2-135M, 25%", "accuracy-smollm2-135m-0.25-cuda", "stage1_peers-smollm2-135m-0.25-16"),
+    ("Qwen2.5-Coder-0.5B, 25%", "accuracy-qwen2.5-coder-0.5b-0.25", "stage1_peers-qwen2.5-coder-0.5b-0.25-8"),
+)
+README_VARIANTS = (("dense", "dense"), ("stage1", "Stage 1 (GradMAP)"), ("default", "Stage 1 + 2"))
+
+
+def readme_results(context: Context) -> str:
+    """The README's table: dense, Stage 1 and Stage 1 + 2 on the two models, standard protocol."""
+    table = Table(
+        "readme",
+        [
+            "model",
+            "row",
+            "Wikipedia ppl",
+            "web ppl",
+            "accuracy, mean of 7 tasks",
+            "flips vs dense (no BoolQ)",
+            "Stage 1 time / SLEB's",
+        ],
+        ["---", "---", "---:", "---:", "---:", "---:", "---:"],
+    )
+    for model, source, cost_source in README_ROWS:
+        record = load(source)
+        rows = {row["variant"]: row for row in record["rows"] if row["selection"] in ("dense", "gradmap")}
+        page = context.link("docs/benchmarks/accuracy-and-fidelity.md#the-headline-rows")
+        cost = {row["method"]: row for row in load(cost_source)["rows"]}
+        for variant, label in README_VARIANTS:
+            row = rows[variant]
+            evaluation = row["evaluation"]
+            accuracy, stderr = mean_accuracy(evaluation["zero_shot"])
+            flips = f"{100 * flips_without_boolq(row['against_dense']):.1f}%" if "against_dense" in row else "-"
+            share = "-" if variant == "dense" else f"{100 * stage1_share_of_sleb(load(cost_source), 'paper'):.0f}%"
+            more = [] if variant == "dense" else [(6, cost["paper"]["provenance"], cost_source)]
+            table.add(
+                [
+                    f"[{model}]({page})" if variant == "dense" else "",
+                    label,
+                    number(perplexity(evaluation, "offline:wikipedia")),
+                    number(perplexity(evaluation, "offline:web_text")),
+                    f"{100 * accuracy:.1f} ± {100 * stderr:.1f}",
+                    flips,
+                    share,
+                ],
+                row["provenance"],
+                source,
+                ("stage2",) if variant == "default" else (),
+                cell=1,
+                more=more,
+            )
+    return table.markdown()
+
+
+def main_job(context: Context) -> str:
+    """The main job's last measured run (benchmarks/results/main_job-smollm2-135m.json)."""
+    source = "main_job-smollm2-135m"
+    run = load(source)["runs"][-1]
+    perplexities = run["perplexity_128_segments"]
+    provenance = {
+        "commit": run["commit"],
+        "date": run["date"],
+        "command": run["command"],
+        "machine": run["machine"],
+        "quiet": run["others_running"].startswith("none"),
+        "note": f"load before {run['load_before']}, after {run['load_after']}; other processes: {run['others_running']}",
+    }
+    table = Table("main-job", ["what", "figure"])
+    rows = [
+        ("removed layers, in removal order", str(run["removed_layers"])),
+        ("compensated layers (Stage 2)", run["compensated"]),
+        ("left alone", run["left_alone"]),
+        ("held-out Wikipedia perplexity, dense", f"{perplexities['dense']:.3f}"),
+        ("... Stage 1 only", f"{perplexities['stage1']:.3f}"),
+        ("... Stage 1 + 2 (the checkpoint reloaded)", f"{perplexities['both_stages']:.3f}"),
+        ("Stage 1 / Stage 2 seconds", f"{run['stage1_seconds']:.1f} / {run['stage2_seconds']:.1f}"),
+        ("wall time, peak memory", f"{run['elapsed']}, {run['max_rss_kb'] / 2**20:.1f} GiB"),
+    ]
+    for index, cells in enumerate(rows):
+        table.add(list(cells), provenance if index == 0 else None, source, ("stage2",))
+    return table.markdown()
+
+
+TABLES = {
+    "readme-results": readme_results,
+    "main-job": main_job,
+}
