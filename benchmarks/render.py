@@ -16,23 +16,33 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
 import os
+import pkgutil
 import re
 import sys
 from collections.abc import Callable, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `rendering`, whichever folder this runs from
 
-from rendering import accuracy, heal, overview, stage1_cost  # noqa: E402
+import rendering  # noqa: E402
 from rendering.common import ROOT, Context  # noqa: E402
 
 MARKER = re.compile(r"(<!-- render: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /render -->)", re.DOTALL)
-TABLES: dict[str, Callable[[Context], str]] = {
-    **overview.TABLES,
-    **accuracy.TABLES,
-    **stage1_cost.TABLES,
-    **heal.TABLES,
-}
+
+
+def tables() -> dict[str, Callable[[Context], str]]:
+    """Every table's function: the `TABLES` of each module of benchmarks/rendering/ (one module per page)."""
+    found: dict[str, Callable[[Context], str]] = {}
+    for module in pkgutil.iter_modules(rendering.__path__):
+        for name, function in getattr(importlib.import_module(f"rendering.{module.name}"), "TABLES", {}).items():
+            if name in found:
+                raise SystemExit(f"two tables named {name!r} in benchmarks/rendering/")
+            found[name] = function
+    return found
+
+
+TABLES = tables()
 
 
 # --- writing ------------------------------------------------------------------------------------------------------
