@@ -1,8 +1,30 @@
-"""Accuracy and fidelity (docs/benchmarks/accuracy-and-fidelity.md)."""
+"""Accuracy and fidelity (docs/benchmarks/accuracy-and-fidelity.md).
+
+The row tables are benchmarks/accuracy.py's `markdown(record)` rows and the goal tables its `goal_table(record,
+variants)`, re-implemented here (importing that script pulls torch), with a provenance footnote on every measured
+cell: a goal table's row holds one record row per cell."""
 
 from __future__ import annotations
 
-from .common import Context, Table, flips_without_boolq, load, mean_accuracy, number, paired, perplexity
+import math
+from collections.abc import Sequence
+
+from .common import (
+    BOOLQ,
+    CHANGES,
+    Context,
+    Table,
+    flips_without_boolq,
+    footnote,
+    load,
+    mean_accuracy,
+    measured_commit,
+    number,
+    older_record,
+    older_than,
+    paired,
+    perplexity,
+)
 
 HEADLINE_RECORDS = (
     ("SmolLM2-135M, 25%", "accuracy-smollm2-135m-0.25-cuda"),
@@ -11,6 +33,180 @@ HEADLINE_RECORDS = (
 )
 SELECTION_NAMES = {"gradmap": "GradMAP's", "quality": "`quality` preset's"}
 VARIANT_NAMES = {"dense": "dense", "stage1": "Stage 1 alone", "default": "+ default Stage 2", "paper": "+ the paper's Stage 2"}
+
+SCREENING_25 = "accuracy-smollm2-135m-0.25-screening"
+SCREENING_40 = "accuracy-smollm2-135m-0.4-screening"
+QWEN_SCREENING = "accuracy-qwen2.5-coder-0.5b-0.25-screening"
+CUDA_25 = "accuracy-smollm2-135m-0.25-cuda"
+CUDA_40 = "accuracy-smollm2-135m-0.4-cuda"
+EVALUATION = "evaluation-smollm2-135m-0.25-limit100"
+SPEED = "inference_speed-smollm2-135m-cpu-float32-batch1"
+WIKIPEDIA, WEB = "offline:wikipedia", "offline:web_text"
+
+# benchmarks/accuracy.py's SELECTIONS: the method of benchmarks/compare.py whose removed layers a selection takes
+SELECTION_METHODS = {
+    "gradmap": "gradmap",
+    "sleb": "sleb",
+    "block_influence": "block_influence",
+    "quality": "gradmap_bound_token+top8+halving",
+    "fast": "relative_magnitude",
+}
+PRETTY = {
+    "gradmap": "GradMAP",
+    "quality": "`quality` preset",
+    "sleb": "SLEB",
+    "fast": "`fast` preset",
+    "block_influence": "Block Influence",
+}
+ROW_COLUMNS = (
+    "selection",
+    "Stage 2",
+    "compensated",
+    "Wikipedia",
+    "web text",
+    "7-task avg",
+    "pooled",
+    "vs Stage 1 (pooled)",
+    "p",
+    "retained %",
+    "eval s",
+    "quiet",
+)
+
+
+# --- rows, their provenance and the changes that concern them ----------------------------------------------------
+
+
+def row_kinds(row: dict) -> tuple[str, ...]:
+    """The kinds of `rendering.common.CHANGES` that concern a row: "stage2" (issue 55: the outlier threshold, the
+    next-token selection) for the default Stage 2 and every variant that chooses lambda by the next-token loss or
+    leaves out, clips or preserves outlier tokens; "refinement" for `refinement_steps`."""
+    settings = row.get("stage2_settings")
+    if settings is None:  # dense, Stage 1 alone
+        return ()
+    kinds = []
+    if (
+        row["variant"] == "default"
+        or settings.get("compensation_selection") == "next_token_loss"
+        or settings.get("exclude_outlier_tokens")
+        or settings.get("outlier_tokens", "keep") != "keep"
+    ):
+        kinds.append("stage2")
+    if settings.get("refinement_steps"):
+        kinds.append("refinement")
+    return tuple(kinds)
+
+
+def row_provenance(row: dict, record: dict | None = None) -> dict:
+    """A row's provenance, saying when the row was renamed (`renamed_from`) and when it stands for another selection
+    whose removed layers are the same (the record's `same_layers`)."""
+    provenance = dict(row["provenance"])
+    notes = [provenance["note"]] if provenance.get("note") else []
+    if row.get("renamed_from"):
+        name, _, why = row["renamed_from"].partition(" (")
+        notes.append(f"renamed: measured as variant `{name}`" + (f" ({why}" if why else ""))
+    twins = [s for s, twin in (record or {}).get("same_layers", {}).items() if twin == row["selection"]]
+    if twins:
+        same = ", ".join(f"{PRETTY.get(twin, twin)}'s" for twin in twins)
+        notes.append(f"{same} removed layers are the same set: measured once, this row stands for both")
+    if notes:
+        provenance["note"] = "; ".join(note.replace("\n", " ").rstrip(".") for note in notes)
+    return provenance
+
+
+def add_row(table: Table, cells: Sequence[str], marks: Sequence[tuple[int, dict, str, Sequence[str]]]) -> None:
+    """`Table.add` with a footnote on several cells, each from its own record row: `(cell, provenance, source, kinds)`,
+    the cell marked when its row was measured by code older than a change of `kinds`."""
+    cells = list(cells)
+    for index, provenance, source, kinds in marks:
+        table.notes.append(footnote(provenance, source, kinds))
+        cells[index] += f"[^{table.prefix}-{len(table.notes)}]"
+        if older_than(provenance, kinds):
+            cells[index] += " (older code)"
+    table.rows.append(cells)
+
+
+def mark(row: dict, record: dict, source: str) -> tuple[dict, str, Sequence[str]]:
+    return row_provenance(row, record), source, row_kinds(row)
+
+
+def rows_by_key(record: dict) -> dict[tuple[str, str], dict]:
+    return {(row["selection"], row["variant"]): row for row in record["rows"]}
+
+
+def selections_in(record: dict) -> list[str]:
+    """The selections with a Stage 1 row, in the order they were first measured (benchmarks/accuracy.py's)."""
+    rows = rows_by_key(record)
+    return [s for s in dict.fromkeys(row["selection"] for row in record["rows"]) if (s, "stage1") in rows]
+
+
+def twins(record: dict) -> dict[str, list[str]]:
+    """For each selection of `record`, the selections without rows of their own whose removed layers are the same set
+    (the record's `same_layers`, and benchmarks/results/compare-<model>-<ratio>.json's Stage 1 rows)."""
+    found: dict[str, list[str]] = {}
+    for selection, twin in record.get("same_layers", {}).items():
+        found.setdefault(twin, []).append(selection)
+    compare = load(f"compare-{record['model']}-{record['ratio']:g}")
+    layers = {row["method"]: sorted(row["removed_layers"]) for row in compare["rows"] if not row["stage2"]}
+    measured = set(selections_in(record))
+    for selection in measured:
+        for other, method in SELECTION_METHODS.items():
+            if other not in measured and other not in found.get(selection, []) and method in layers:
+                if layers[method] == layers.get(SELECTION_METHODS[selection]):
+                    found.setdefault(selection, []).append(other)
+    return found
+
+
+def selection_label(selection: str, record: dict, pretty: bool) -> str:
+    name = PRETTY.get(selection, selection) if pretty else selection
+    same = twins(record).get(selection)
+    return f"{name} (= {', '.join(PRETTY[s] for s in same)})" if same else name
+
+
+def lowers_both(row: dict, stage1: dict) -> bool:
+    return all(perplexity(row["evaluation"], d) < perplexity(stage1["evaluation"], d) for d in (WIKIPEDIA, WEB))
+
+
+def within_one_se(row: dict) -> bool:
+    pooled = row["against_stage1"]["pooled"]
+    return pooled["difference"] >= -pooled["stderr"]
+
+
+def meets_goal(row: dict, stage1: dict) -> bool:
+    """Issue 38's condition on one row (benchmarks/accuracy.py's `meets_goal`): both held-out perplexities below Stage
+    1's and a pooled paired change against Stage 1 of at least -1 standard error."""
+    return lowers_both(row, stage1) and within_one_se(row)
+
+
+def perplexity_pair(row: dict) -> str:
+    return " / ".join(f"{entry['perplexity']:,.1f}" for entry in row["evaluation"]["perplexities"])
+
+
+def answers_without(row: dict, skip: Sequence[str]) -> dict[str, dict[int, int]]:
+    return {
+        task: dict(zip(kept["doc_ids"], (int(a) for a in kept["acc"])))
+        for task, kept in row["evaluation"]["zero_shot"]["answers"].items()
+        if task not in skip
+    }
+
+
+def paired_without_boolq(a: dict, b: dict) -> tuple[float, float]:
+    """Row `b` against row `a` on the same questions, BoolQ left out: the pooled paired difference and its standard
+    error (optimum_gradmap.evaluation.comparison's, what `benchmarks/accuracy.py --pair` prints)."""
+    answers_a, answers_b = answers_without(a, (BOOLQ,)), answers_without(b, (BOOLQ,))
+    differences = [answers_b[task][i] - right for task, questions in answers_a.items() for i, right in questions.items()]
+    n = len(differences)
+    mean = sum(differences) / n
+    variance = sum((d - mean) ** 2 for d in differences) / (n - 1)
+    return mean, math.sqrt(variance / n)
+
+
+def accuracy_without_boolq(row: dict) -> float:
+    tasks = [task["acc"] for task in row["evaluation"]["zero_shot"]["tasks"] if task["task"] != BOOLQ]
+    return sum(tasks) / len(tasks)
+
+
+# --- the headline rows ---------------------------------------------------------------------------------------------
 
 
 def accuracy_headline(context: Context) -> str:
@@ -32,7 +228,8 @@ def accuracy_headline(context: Context) -> str:
     )
     for setting, source in HEADLINE_RECORDS:
         first = True
-        for row in load(source)["rows"]:
+        record = load(source)
+        for row in record["rows"]:
             evaluation = row["evaluation"]
             accuracy, stderr = mean_accuracy(evaluation["zero_shot"])
             against_dense = row.get("against_dense")
@@ -45,22 +242,410 @@ def accuracy_headline(context: Context) -> str:
                     setting if first else "",
                     SELECTION_NAMES.get(row["selection"], "") if row["variant"] != "dense" else "",
                     VARIANT_NAMES.get(row["variant"], row["variant"]),
-                    number(perplexity(evaluation, "offline:wikipedia")),
-                    number(perplexity(evaluation, "offline:web_text")),
+                    number(perplexity(evaluation, WIKIPEDIA)),
+                    number(perplexity(evaluation, WEB)),
                     f"{100 * accuracy:.1f} ± {100 * stderr:.1f}",
                     paired(row.get("against_stage1")),
                     f"{100 * flips_without_boolq(against_dense):.1f}%" if against_dense else "-",
                     flips_all,
                 ],
-                row["provenance"],
+                row_provenance(row, record),
                 source,
-                ("stage2",) if row["variant"] == "default" else (),
+                row_kinds(row),
                 cell=2,
             )
             first = False
     return table.markdown()
 
 
+# --- benchmarks/accuracy.py's row table ----------------------------------------------------------------------------
+
+
+def rows_table(
+    prefix: str,
+    source: str,
+    keys: Sequence[tuple[str, str]],
+    columns: Sequence[str] = ROW_COLUMNS,
+    lambdas: bool = False,
+    p_digits: int = 3,
+) -> str:
+    """Rows `keys` (selection, variant) of `source` as benchmarks/accuracy.py's `markdown(record)` writes them, in the
+    columns `columns` of its; `lambdas`: each compensated layer with its lambda. The footnote is on the Stage 2 cell."""
+    record = load(source)
+    rows = rows_by_key(record)
+    headers = [("compensated (lambda)" if lambdas and column == "compensated" else column) for column in columns]
+    table = Table(prefix, headers)
+    for key in keys:
+        row = rows[key]
+        evaluation = row["evaluation"]
+        zero_shot = evaluation["zero_shot"]
+        pooled = (row.get("against_stage1") or {}).get("pooled")
+        retained = (row.get("against_dense") or {}).get("retained_b")
+        compensated = row.get("compensated_layers", "")
+        if lambdas and compensated:
+            compensated = ", ".join(f"{layer} ({row['compensation_lambda'][str(layer)]:.2g})" for layer in compensated)
+        cells = {
+            "selection": selection_label(row["selection"], record, pretty=False) if row["variant"] != "dense" else "dense",
+            "Stage 2": row["variant"],
+            "compensated": str(compensated),
+            "Wikipedia": number(perplexity(evaluation, WIKIPEDIA), 2),
+            "web text": number(perplexity(evaluation, WEB), 2),
+            "7-task avg": f"{zero_shot['average_acc']:.4f}",
+            "pooled": f"{zero_shot['pooled_acc']:.4f}",
+            "vs Stage 1 (pooled)": f"{pooled['difference']:+.4f} ± {pooled['stderr']:.4f}" if pooled else "",
+            "p": f"{pooled['p_value']:.{p_digits}g}" if pooled else "",
+            "retained %": f"{retained:.1f}" if retained else "",
+            "eval s": f"{evaluation['seconds']:.0f}",
+            "quiet": str(row["provenance"]["quiet"]),
+        }
+        add_row(table, [cells[column] for column in columns], [(columns.index("Stage 2"), *mark(row, record, source))])
+    return table.markdown()
+
+
+def screening_gradmap(context: Context) -> str:
+    """SmolLM2-135M 25%, GradMAP's layers: every Stage 2 variant of the first screening run."""
+    variants = ("stage1", "previous_default", "paper", "rotated_diagonal+no_outliers", "refined", "no_outliers")
+    keys = [("dense", "dense")] + [("gradmap", v) for v in variants + ("next_token+no_outliers", "cosine")]
+    return rows_table("screening-gradmap", SCREENING_25, keys)
+
+
+def screening_quality(context: Context) -> str:
+    keys = [("quality", v) for v in ("stage1", "next_token+no_outliers", "previous_default")]
+    return rows_table("screening-quality", SCREENING_25, keys)
+
+
+def screening_sleb(context: Context) -> str:
+    keys = [("sleb", v) for v in ("stage1", "previous_default", "next_token+no_outliers", "paper")]
+    return rows_table("screening-sleb", SCREENING_25, keys)
+
+
+def screening_clip(context: Context) -> str:
+    return rows_table("screening-clip", SCREENING_25, [("gradmap", "clip_outliers")])
+
+
+def screening_fast(context: Context) -> str:
+    keys = [("fast", v) for v in ("stage1", "previous_default", "next_token+no_outliers")]
+    return rows_table("screening-fast", SCREENING_25, keys)
+
+
+def screening_block_influence(context: Context) -> str:
+    keys = [("block_influence", v) for v in ("stage1", "previous_default", "next_token+no_outliers")]
+    return rows_table("screening-block-influence", SCREENING_25, keys)
+
+
+def screening_mixed(context: Context) -> str:
+    keys = [(s, "mixed") for s in ("gradmap", "quality", "block_influence", "sleb", "fast")]
+    return rows_table("screening-mixed", SCREENING_25, keys)
+
+
+def screening_outliers_mixed(context: Context) -> str:
+    keys = [
+        ("gradmap", "mixed+no_outliers"),
+        ("block_influence", "mixed+no_outliers"),
+        ("block_influence", "mixed+preserve_outliers"),
+        ("block_influence", "preserve_outliers"),
+    ]
+    return rows_table("screening-outliers-mixed", SCREENING_25, keys, ROW_COLUMNS[:-1])
+
+
+def screening_40(context: Context) -> str:
+    """SmolLM2-135M 40%: Stage 1 and the previous default on each selection, then the paper's on GradMAP's layers."""
+    keys = [("dense", "dense")]
+    keys += [(s, v) for s in ("gradmap", "quality", "fast", "block_influence") for v in ("stage1", "previous_default")]
+    return rows_table("screening-40", SCREENING_40, keys + [("gradmap", "paper")], ROW_COLUMNS[:-1])
+
+
+def screening_qwen(context: Context) -> str:
+    keys = [("dense", "dense")] + [(s, v) for s in ("gradmap", "quality", "fast") for v in ("stage1", "default")]
+    return rows_table("screening-qwen", QWEN_SCREENING, keys, ROW_COLUMNS[:-2], lambdas=True, p_digits=2)
+
+
+# --- benchmarks/accuracy.py's goal table ---------------------------------------------------------------------------
+
+
+def goal_table(prefix: str, source: str, variants: Sequence[str], headers: Sequence[str], rises: bool = False) -> str:
+    """benchmarks/accuracy.py's `goal_table(record, variants)`: per selection and variant, the pooled paired change
+    against Stage 1 in points ± its standard error (in standard errors), then Wikipedia / web-text perplexity, bold where
+    the goal's condition holds; "not measured" where the record has no such row; the mean change and the rows meeting
+    the condition of each variant measured on every selection. `rises`: say which perplexity rises above Stage 1's."""
+    record = load(source)
+    rows = rows_by_key(record)
+    selections = selections_in(record)
+    table = Table(prefix, ["layers of", "Stage 1", *headers])
+    for selection in selections:
+        stage1 = rows[(selection, "stage1")]
+        cells = [selection_label(selection, record, pretty=True), perplexity_pair(stage1)]
+        marks = [(1, *mark(stage1, record, source))]
+        for variant in variants:
+            row = rows.get((selection, variant))
+            if row is None:
+                cells.append("not measured")
+                continue
+            pooled = row["against_stage1"]["pooled"]
+            change, stderr = 100 * pooled["difference"], 100 * pooled["stderr"]
+            text = f"{change:+.2f} ± {stderr:.2f} ({change / stderr:+.2f} SE)"
+            cell = f"{f'**{text}**' if meets_goal(row, stage1) else text}; {perplexity_pair(row)}"
+            if rises:
+                up = [
+                    name
+                    for name, dataset in (("Wikipedia", WIKIPEDIA), ("web", WEB))
+                    if perplexity(row["evaluation"], dataset) > perplexity(stage1["evaluation"], dataset)
+                ]
+                cell += f" ({' and '.join(up)} up)" if up else ""
+            marks.append((len(cells), *mark(row, record, source)))
+            cells.append(cell)
+        add_row(table, cells, marks)
+    complete = [v for v in variants if all((s, v) in rows for s in selections)]
+    if complete:
+        means, passed = [], []
+        for variant in variants:
+            if variant not in complete:
+                means.append("")
+                passed.append("")
+                continue
+            measured = [rows[(s, variant)] for s in selections]
+            means.append(f"{sum(100 * row['against_stage1']['pooled']['difference'] for row in measured) / len(measured):+.2f}")
+            goals = sum(meets_goal(rows[(s, variant)], rows[(s, "stage1")]) for s in selections)
+            passed.append(f"{goals} of {len(selections)}")
+        table.add([f"mean change, {len(selections)} selections", "", *means], None, source)
+        table.add(["rows meeting the condition", "", *passed], None, source)
+    return table.markdown()
+
+
+def goal_rows_so_far(context: Context) -> str:
+    """SmolLM2-135M 25%: every variant measured on more than one row, or on GradMAP's layers."""
+    variants = ("previous_default", "next_token+no_outliers", "mixed", "clip_outliers", "paper", "mixed+no_outliers")
+    return goal_table("goal-so-far", SCREENING_25, variants, variants, rises=True)
+
+
+def goal_40_next_token(context: Context) -> str:
+    variants = ("previous_default", "next_token+no_outliers")
+    return goal_table("goal-40-next-token", SCREENING_40, variants, variants)
+
+
+ISSUE_VARIANTS = ("next_token+no_outliers", "paper", "previous_default")
+ISSUE_HEADERS = ("default (`next_token+no_outliers`)", "paper", "previous default")
+
+
+def goal_issue_25(context: Context) -> str:
+    return goal_table("goal-issue-25", SCREENING_25, ISSUE_VARIANTS, ISSUE_HEADERS)
+
+
+def goal_issue_40(context: Context) -> str:
+    return goal_table("goal-issue-40", SCREENING_40, ISSUE_VARIANTS, ISSUE_HEADERS)
+
+
+def goal_issue_qwen(context: Context) -> str:
+    return goal_table("goal-issue-qwen", QWEN_SCREENING, ("default", "paper"), ("default", "paper"))
+
+
+# --- the headline rows with the standard protocol on the lent GPU --------------------------------------------------
+
+STANDARD_ROWS = (("25%", CUDA_25), ("40%", CUDA_40))
+
+
+def standard_paired(context: Context) -> str:
+    """Each Stage 2 against Stage 1 alone on SmolLM2's headline rows, standard protocol: with and without BoolQ."""
+    table = Table(
+        "standard-paired",
+        ["setting, layers of", "Stage 1", "default Stage 2", "without BoolQ", "the paper's Stage 2", "without BoolQ"],
+    )
+    for ratio, source in STANDARD_ROWS:
+        record = load(source)
+        rows = rows_by_key(record)
+        for selection in selections_in(record):
+            stage1 = rows[(selection, "stage1")]
+            cells = [f"{ratio}, {selection_label(selection, record, pretty=True)}", perplexity_pair(stage1)]
+            marks = [(1, *mark(stage1, record, source))]
+            for variant in ("default", "paper"):
+                row = rows.get((selection, variant))
+                if row is None:
+                    cells += ["not measured", ""]
+                    continue
+                pooled = row["against_stage1"]["pooled"]
+                change, stderr = 100 * pooled["difference"], 100 * pooled["stderr"]
+                text = f"{change:+.2f} ± {stderr:.2f} ({change / stderr:+.2f} SE, p = {pooled['p_value']:.2g})"
+                marks.append((len(cells), *mark(row, record, source)))
+                cells.append(f"{f'**{text}**' if meets_goal(row, stage1) else text}; {perplexity_pair(row)}")
+                difference, error = paired_without_boolq(stage1, row)
+                cells.append(f"{100 * difference:+.2f} ± {100 * error:.2f}")
+            add_row(table, cells, marks)
+    return table.markdown()
+
+
+def standard_retained(context: Context) -> str:
+    """Retained accuracy on SmolLM2's headline rows, standard protocol: of the dense model's 7-task average and of its
+    average without BoolQ."""
+    table = Table("standard-retained", ["setting, layers of", "Stage 1", "default Stage 2", "the paper's Stage 2"])
+    for ratio, source in STANDARD_ROWS:
+        record = load(source)
+        rows = rows_by_key(record)
+        dense = accuracy_without_boolq(rows[("dense", "dense")])
+        for selection in selections_in(record):
+            cells = [f"{ratio}, {selection_label(selection, record, pretty=True)}"]
+            marks = []
+            for variant in ("stage1", "default", "paper"):
+                row = rows.get((selection, variant))
+                if row is None:
+                    cells.append("")
+                    continue
+                without = 100 * accuracy_without_boolq(row) / dense
+                marks.append((len(cells), *mark(row, record, source)))
+                retained = row["against_dense"]["retained_b"]
+                cells.append(
+                    f"{retained:.1f} ({without:.1f} without BoolQ)" if variant == "stage1" else f"{retained:.1f} ({without:.1f})"
+                )
+            add_row(table, cells, marks)
+    return table.markdown()
+
+
+# --- what decided the default Stage 2 (issue 38) -------------------------------------------------------------------
+
+DECISION_RECORDS = (SCREENING_25, SCREENING_40)
+DECISION_ROWS = (
+    ("previous default (`hidden_state`, every token)", "previous_default"),
+    ("`next_token+no_outliers`", "next_token+no_outliers"),
+    ("`mixed`", "mixed"),
+    ("the paper's", "paper"),
+)
+
+
+def decision(context: Context) -> str:
+    """Each candidate for the default over SmolLM2-135M's screening rows (every selection at 25% and 40%): its mean
+    change against Stage 1 alone, the rows within one standard error and the rows where both perplexities fall."""
+    table = Table(
+        "decision",
+        ["Stage 2", "mean change against Stage 1 (points)", "rows within -1 SE", "lowers both perplexities"],
+    )
+    selections = [(source, selection) for source in DECISION_RECORDS for selection in selections_in(load(source))]
+    for label, variant in DECISION_ROWS:
+        measured = []
+        for source, selection in selections:
+            rows = rows_by_key(load(source))
+            if (selection, variant) in rows:
+                measured.append((source, rows[(selection, variant)], rows[(selection, "stage1")]))
+        n = len(measured)
+        mean = sum(100 * row["against_stage1"]["pooled"]["difference"] for _, row, _ in measured) / n
+        over = "" if n == len(selections) else f" over {n}"
+        ratios = sorted({load(source)["ratio"] for source, _, _ in measured})
+        only = "" if n == len(selections) else " (" + ", ".join(f"{100 * ratio:g}%" for ratio in ratios) + " only)"
+        cells = [
+            label + only,
+            f"{mean:+.2f}{over}",
+            f"{sum(within_one_se(row) for _, row, _ in measured)} of {n}",
+            f"{sum(lowers_both(row, stage1) for _, row, stage1 in measured)} of {n}",
+        ]
+        provenances = [row_provenance(row, load(source)) for source, row, _ in measured]
+        kinds = {kind for _, row, _ in measured for kind in row_kinds(row)}
+        older = {change for provenance in provenances for change in older_than(provenance, tuple(kinds))}
+        dates = sorted(provenance["date"][:16].replace("T", " ") for provenance in provenances)
+        commits = sorted({measured_commit(provenance)[:8] for provenance in provenances})
+        sources = sorted({source for source, _, _ in measured})
+        note = (
+            f"the {n} rows `{variant}` of "
+            + " and ".join(f"`benchmarks/results/{source}.json`" for source in sources)
+            + f", measured {dates[0]} to {dates[-1]} UTC at commits {', '.join(f'`{c}`' for c in commits)}"
+            + "; each row's own provenance is in the goal tables' footnotes"
+        )
+        note += "".join(
+            f"; older code: measured before {change.summary} (`{change.commit}`)" for change in CHANGES if change in older
+        )
+        table.notes.append(note + ".")
+        cells[0] += f"[^{table.prefix}-{len(table.notes)}]" + (" (older code)" if older else "")
+        table.rows.append(cells)
+    return table.markdown()
+
+
+# --- benchmarks/evaluation.py: dense against GradMAP 25% (100 questions per task) ------------------------------------
+
+EVALUATION_LABELS = ("dense", "GradMAP 25%, Stage 1 only", "GradMAP 25%, both stages")
+EVALUATION_SHORT = ("dense", "Stage 1 only", "both stages")
+EVALUATION_TASKS = (
+    ("boolq", "BoolQ"),
+    ("piqa", "PIQA"),
+    ("hellaswag", "HellaSwag"),
+    ("winogrande", "WinoGrande"),
+    ("arc_easy", "ARC-e"),
+    ("arc_challenge", "ARC-c"),
+    ("openbookqa", "OBQA"),
+)
+EVALUATION_RUN = "one run: the dense model, the layers given (`--layers`) removed, then the paper's Stage 2 (`PAPER_STAGE2`)"
+COMMITTED = "`2377281` (2026-11-22 12:18 UTC, with docs/evaluation.md)"
+
+
+def older(record: dict, what: str) -> dict:
+    machine = record["machine"]
+    return older_record(
+        f"{what}; committed in {COMMITTED}; `{record['command']}`; {machine['cpu_count']}-core CPU, torch {machine['torch']}"
+    )
+
+
+def evaluation_perplexity(context: Context) -> str:
+    record = load(EVALUATION)
+    table = Table("evaluation-ppl", ["model", "layers", "held-out Wikipedia", "web text"])
+    provenance = older(record, EVALUATION_RUN)
+    for label, row in zip(EVALUATION_LABELS, record["rows"]):
+        ppl = {entry["dataset"]: entry["perplexity"] for entry in row["perplexities"]}
+        cells = [label, str(row["speed"]["num_layers"]), number(ppl["wikipedia"], 2), number(ppl["web_text"], 2)]
+        table.add(cells, provenance, EVALUATION)
+    return table.markdown()
+
+
+def evaluation_zero_shot(context: Context) -> str:
+    record = load(EVALUATION)
+    headers = ["model", *(name for _, name in EVALUATION_TASKS), "avg acc", "avg (acc_norm where defined)"]
+    table = Table("evaluation-zero-shot", headers)
+    provenance = older(record, EVALUATION_RUN)
+    for label, row in zip(EVALUATION_SHORT, record["rows"]):
+        tasks = {task["task"]: task for task in row["zero_shot"]["tasks"]}
+        cells = [label]
+        for task, _ in EVALUATION_TASKS:
+            entry = tasks[task]
+            norm = entry.get("acc_norm")
+            cells.append(f"{entry['acc']:.2f}" + (f" / {norm:.2f}" if norm is not None else ""))
+        cells += [f"{row['zero_shot']['average_acc']:.3f}", f"{row['zero_shot']['average_best']:.3f}"]
+        table.add(cells, provenance, EVALUATION)
+    return table.markdown()
+
+
+def evaluation_speed(context: Context) -> str:
+    record = load(SPEED)
+    table = Table("evaluation-speed", ["model", "layers", "prefill ms", "decode tokens/s"])
+    provenance = older(record, f"median of {record['dense']['repeats']} runs after {record['dense']['warmup']} warm-up runs")
+    for label, key in (("dense", "dense"), ("pruned (any 22 layers; Stage 2 adds nothing)", "pruned")):
+        speed = record[key]
+        cells = [
+            label,
+            str(speed["num_layers"]),
+            f"{speed['prefill_latency_ms']:.1f}",
+            f"{speed['decode_tokens_per_second']:.2f}",
+        ]
+        table.add(cells, provenance, SPEED)
+    table.add(["ratio", "", f"{record['prefill_speedup']:.2f}x", f"{record['decode_speedup']:.2f}x"], None, SPEED)
+    return table.markdown()
+
+
 TABLES = {
     "accuracy-headline": accuracy_headline,
+    "accuracy-screening-gradmap": screening_gradmap,
+    "accuracy-screening-quality": screening_quality,
+    "accuracy-screening-sleb": screening_sleb,
+    "accuracy-screening-clip": screening_clip,
+    "accuracy-screening-fast": screening_fast,
+    "accuracy-screening-block-influence": screening_block_influence,
+    "accuracy-screening-mixed": screening_mixed,
+    "accuracy-screening-outliers-mixed": screening_outliers_mixed,
+    "accuracy-goal-so-far": goal_rows_so_far,
+    "accuracy-screening-40": screening_40,
+    "accuracy-goal-40-next-token": goal_40_next_token,
+    "accuracy-screening-qwen": screening_qwen,
+    "accuracy-standard-paired": standard_paired,
+    "accuracy-standard-retained": standard_retained,
+    "accuracy-decision": decision,
+    "accuracy-goal-issue-25": goal_issue_25,
+    "accuracy-goal-issue-40": goal_issue_40,
+    "accuracy-goal-issue-qwen": goal_issue_qwen,
+    "accuracy-evaluation-perplexity": evaluation_perplexity,
+    "accuracy-evaluation-zero-shot": evaluation_zero_shot,
+    "accuracy-evaluation-speed": evaluation_speed,
 }
