@@ -1,0 +1,68 @@
+"""Streaming and memory (docs/benchmarks/streaming-memory.md)."""
+
+from __future__ import annotations
+
+from .common import Context, load, older_record
+from .stage2 import SharedNotes, machine_text, scientific
+
+STREAMING_RECORDS = (
+    ("SmolLM2-135M", "streaming_memory-smollm2-135m-batch8"),
+    ("Qwen2.5-Coder-0.5B", "streaming_memory-qwen2.5-coder-0.5b-batch8"),
+)
+
+
+def streaming_provenance(record: dict) -> dict:
+    """A benchmarks/streaming_memory.py record's provenance (it carries none per row): its command, settings and
+    machine, and what the page says of the machine's load."""
+    settings = record["settings"]
+    return older_record(
+        f"`{record['command']}` (the record's command); {settings['num_samples']} x {settings['seq_len']} calibration "
+        f"tokens at batch {settings['batch_size']}, fp32; {machine_text(record['machine'])}, shared with a Stage 2 "
+        "benchmark (the page's text); the second of two rounds; no date in the record"
+    )
+
+
+def layer_streamed(context: Context) -> str:
+    """One GradMAP Stage 1 round in memory and layer-streamed (weights on disk): seconds, peak memory over the
+    weight bytes, and how far the streamed scores are from the in-memory ones."""
+    table = SharedNotes(
+        "streaming",
+        ["model", "mode", "s per round", "peak memory / weight bytes", "scores vs in memory"],
+    )
+    mib = 2**20
+    for model, source in STREAMING_RECORDS:
+        record = load(source)
+        results, figures = record["results"], record["figures"]
+        provenance = streaming_provenance(record)
+        weights = results["in_memory"]["weight_bytes"]
+        table.add(
+            [
+                f"{model} ({weights / mib:,.0f} MiB fp32)",
+                "in memory",
+                f"{results['in_memory']['seconds']:.1f}",
+                f"{figures['in_memory_peak_over_weight_bytes']:.2f}",
+                "-",
+            ],
+            provenance,
+            source,
+            cell=1,
+        )
+        table.add(
+            [
+                model,
+                "layer-streamed, weights on disk",
+                f"{results['layer_streamed']['seconds']:.1f} (**{figures['streamed_time_over_in_memory_time']:.2f}x**)",
+                f"**{figures['streamed_peak_over_weight_bytes']:.3f}** "
+                f"({results['layer_streamed']['peak_extra_bytes'] / mib:,.0f} MiB)",
+                f"max relative difference {scientific(figures['max_relative_score_difference'])}",
+            ],
+            provenance,
+            source,
+            cell=1,
+        )
+    return table.markdown()
+
+
+TABLES = {
+    "layer-streamed": layer_streamed,
+}
