@@ -30,7 +30,7 @@ from optimum_gradmap import load_report, remove_layers  # noqa: E402
 from optimum_gradmap.assets import MODEL_ASSETS, load_model  # noqa: E402
 from optimum_gradmap.evaluation import inference_speed  # noqa: E402
 
-GRADMAP_SMOLLM2_25 = [26, 25, 21, 18, 14, 13, 17, 10]  # examples/prune_smollm2.py, docs/benchmarks/
+GRADMAP_SMOLLM2_25 = [26, 25, 21, 18, 14, 13, 17, 10]  # examples/main_job/prune_smollm2.py, docs/benchmarks/
 
 
 def main() -> None:
