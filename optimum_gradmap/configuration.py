@@ -319,7 +319,7 @@ class GradMAPConfig:
     heal_lr: float | None = _setting(
         None,
         "The heal stage's peak AdamW learning rate (linear warm-up over 5% of the steps, cosine decay to a tenth). "
-        "None: 2e-4 for `lora`, 1e-3 for `norms`, 3e-5 for the others.",
+        "None: 1e-3 for `lora`, 3e-3 for `norms`, 3e-5 for the others.",
     )
     heal_batch_size: int = _setting(8, "Sequences per heal step (over all processes).", minimum=1)
     heal_seq_len: int = _setting(128, "Tokens per heal sequence.", minimum=2)
