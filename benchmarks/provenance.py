@@ -1,7 +1,9 @@
 """Where a benchmark figure comes from: every row a benchmark writes carries `provenance()`, taken when the
 row's measurement starts and finished when it ends (`finish(...)`):
 
-- `commit` (and `dirty`: uncommitted changes to tracked files), `date` (UTC), the exact `command`;
+- `commit` (and `dirty`: uncommitted changes to tracked files), both taken when this module is first imported, at the
+  start of the benchmark's process: the code it runs is that commit's, however HEAD moves during a long run (a row
+  measured hours later still ran the code loaded then); `date` (UTC), the exact `command`;
 - the machine: CPU count, platform, torch and transformers versions, the GPU if one is visible (`accelerator`);
   `$PROVENANCE_COMMIT`, where set, is the `commit` (a copy of the repository whose git history is not that of its
   files, as on the lent GPU machine, names the commit it was copied from that way);
@@ -77,12 +79,17 @@ def wait_until_quiet(max_seconds: float = 300.0, poll: float = 5.0) -> float:
     return time.time() - started
 
 
+# The commit and local changes of the code this process loaded (see the module docstring).
+PROCESS_COMMIT = os.environ.get("PROVENANCE_COMMIT") or _git("rev-parse", "HEAD")
+PROCESS_DIRTY = bool(_git("status", "--porcelain", "--untracked-files=no"))
+
+
 def provenance() -> dict:
     """The provenance of a measurement that starts now (see the module docstring); `finish` completes it."""
     running, stopped = other_processes()
     return {
-        "commit": os.environ.get("PROVENANCE_COMMIT") or _git("rev-parse", "HEAD"),
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "commit": PROCESS_COMMIT,
+        "dirty": PROCESS_DIRTY,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([os.path.relpath(sys.argv[0], _ROOT), *sys.argv[1:]]),
         "machine": {

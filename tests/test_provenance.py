@@ -70,6 +70,13 @@ def test_a_finished_provenance_has_every_field_with_its_type_and_the_time_the_me
     )
 
 
+def test_the_commit_is_the_one_the_process_started_with_however_head_moves(monkeypatch):
+    started_with = provenance()["commit"]
+    assert started_with == provenance_module.PROCESS_COMMIT
+    monkeypatch.setattr(provenance_module, "_git", lambda *arguments: "another commit, checked out later")
+    assert provenance()["commit"] == started_with
+
+
 def test_a_busy_process_stopped_with_sigstop_is_listed_as_stopped_and_not_as_running():
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from .common import Context, Table, kl_cell, load, number, perplexity
+from collections.abc import Callable
 
-HEAL_RECORDS = ("heal-smollm2-135m-0.25-gradmap-screening-notasks-trainables",)
+from .common import Context, Table, kl_cell, load, number, paired, perplexity
+
+HEAL_RECORDS = (
+    "heal-smollm2-135m-0.25-gradmap-screening-notasks-trainables",
+    "heal-smollm2-135m-0.25-gradmap-screening-notasks-lr",
+)
 
 
 def heal_trainables(context: Context) -> str:
@@ -19,7 +24,7 @@ def heal_trainables(context: Context) -> str:
             "web ppl",
             "KL Wikipedia",
             "KL web",
-            "heal seconds",
+            "heal seconds (teacher)",
             "tokens",
         ],  # fmt: skip
         ["---", "---:", "---:", "---:", "---:", "---:", "---:", "---:", "---:"],
@@ -37,7 +42,7 @@ def heal_trainables(context: Context) -> str:
                     number(perplexity(evaluation, "offline:web_text"), 2),
                     kl_cell(evaluation, "offline:wikipedia"),
                     kl_cell(evaluation, "offline:web_text"),
-                    f"{heal['seconds']:.0f}" if heal else "-",
+                    f"{heal['seconds']:.0f} ({heal['teacher_seconds']:.0f})" if heal else "-",
                     f"{heal['trained_tokens']:,}" if heal else "-",
                 ],
                 row["provenance"],
@@ -47,6 +52,72 @@ def heal_trainables(context: Context) -> str:
     return table.markdown()
 
 
+STAGE1_SECONDS_QUIET = 476.3  # the main job's Stage 1, quiet (benchmarks/results/main_job-smollm2-135m.json)
+
+
+def flips_cell(row: dict) -> str:
+    fidelity = row.get("flips_without_boolq")
+    if not fidelity:
+        return "-"
+    return f"{100 * fidelity['flips']:.1f}% ({100 * row['flips']['flips']:.1f}%)"
+
+
+def heal_rows(source: str) -> Callable[[Context], str]:
+    """Dense, Stage 1, Stage 1 + 2 and the heal rows of one record of benchmarks/heal.py with zero-shot tasks."""
+
+    def render(context: Context) -> str:
+        table = Table(
+            source.removeprefix("heal-"),
+            [
+                "row",
+                "Wikipedia ppl",
+                "web ppl",
+                "KL Wikipedia",
+                "KL web",
+                "flips, no BoolQ (all)",
+                "answer changes",
+                "accuracy (pooled)",
+                "vs Stage 1",
+                "vs Stage 1 + 2",
+                "heal seconds (x Stage 1's)",
+                "tokens",
+            ],  # fmt: skip
+            ["---"] + ["---:"] * 11,
+        )
+        for row in load(source)["rows"]:
+            heal = row.get("heal") or {}
+            evaluation = row["evaluation"]
+            changes = row.get("flips_without_boolq", {}).get("answer_changes")
+            seconds = "-"
+            if heal:
+                share = f"{heal['seconds'] / STAGE1_SECONDS_QUIET:.2f}x" if row["provenance"]["quiet"] else "not quiet"
+                seconds = f"{heal['seconds']:.0f} ({share})"
+            names = {"dense": "dense", "stage1": "Stage 1 alone", "default": "Stage 1 + default Stage 2"}
+            table.add(
+                [
+                    names.get(row["variant"], f"+ heal `{row['variant']}`, lr {heal.get('learning_rate', 0):g}"),
+                    number(perplexity(evaluation, "offline:wikipedia"), 2),
+                    number(perplexity(evaluation, "offline:web_text"), 2),
+                    kl_cell(evaluation, "offline:wikipedia"),
+                    kl_cell(evaluation, "offline:web_text"),
+                    flips_cell(row),
+                    f"{100 * changes:.1f}%" if changes is not None else "-",
+                    f"{100 * row['pooled_acc']:.2f}" if row.get("pooled_acc") is not None else "-",
+                    paired(row, "against_stage1") if "against_stage1" in row else "-",
+                    paired(row, "against_default") if "against_default" in row else "-",
+                    seconds,
+                    f"{heal['trained_tokens']:,}" if heal else "-",
+                ],
+                row["provenance"],
+                source,
+                ("heal",) if heal else ("stage2",) if row["variant"] == "default" else (),
+            )
+        return table.markdown()
+
+    return render
+
+
 TABLES = {
     "heal-trainables": heal_trainables,
+    # "heal-smollm2-25-gradmap": heal_rows("heal-smollm2-135m-0.25-gradmap-screening"),
 }
