@@ -33,6 +33,7 @@ import platform
 import torch
 from compare import measure_held_out, save_record  # the same protocol and files as compare.py
 from provenance import finish, mark_copy, provenance
+from rendering.stage2 import copied_from, stage2_cells  # one implementation, shared with the docs' tables
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.assets import MODEL_ASSETS, load_model
@@ -65,19 +66,6 @@ def parse_variant(name: str) -> tuple[dict, bool, str]:
     return overrides, "validated" in changes, MIXED_CALIBRATION if "mixed" in changes else CALIBRATION
 
 
-def copied_from(row: dict, record: dict) -> str | None:
-    """Where a row's figures were copied from (`None` for a row measured by this script): the Stage 1 rows and the
-    paper's rows come from compare.py's record, a selection with the same removed set as another from that row.
-    Rows written before `copied_from` was recorded say it by their other keys."""
-    if "copied_from" in row:
-        return row["copied_from"]
-    if "same_model_as" in row:
-        return f"COPY of the {row['same_model_as']} row (same removed layers)"
-    if "from" in row or row["variant"] == "none":
-        return f"COPY of {row.get('from', record.get('stage1_rows_from', 'compare.py'))}"
-    return None
-
-
 def markdown(record: dict) -> str:
     lines = [
         "| method | Stage 2 | removed layers | compensated (lambda) | wikipedia ppl | web_text ppl | zero-shot avg | Stage 2 s "
@@ -86,23 +74,8 @@ def markdown(record: dict) -> str:
     ]
     methods = list(dict.fromkeys(row["method"] for row in record["rows"]))  # each method's rows together
     for row in sorted(record["rows"], key=lambda row: methods.index(row["method"])):
-        evaluation = row["evaluation"]
-        wikipedia, web_text = (entry["perplexity"] for entry in evaluation["perplexities"])
-        average = evaluation["zero_shot"]["average_acc"] if evaluation["zero_shot"] else None
-        lambdas = row.get("compensation_lambda") or {}
-        compensated = " ".join(
-            f"{layer} ({lambdas[str(layer)]:.2g})" if str(layer) in lambdas else f"{layer} (1e-3)"
-            for layer in row.get("compensated_layers", [])
-        )
-        if row.get("uncompensated_layers"):
-            compensated += " skipped " + " ".join(str(layer) for layer in row["uncompensated_layers"])
-        seconds = row.get("stage2_seconds")
-        lines.append(
-            f"| {row['method']} | {row['variant']} | {' '.join(map(str, row['removed_layers']))} | {compensated or '-'} | "
-            f"{wikipedia:.2f} | {web_text:.2f} | "
-            f"{'-' if average is None else f'{average:.4f}'} | "
-            f"{'-' if seconds is None else f'{seconds:.1f}'} | {copied_from(row, record) or 'measured'} |"
-        )
+        cells = stage2_cells(row, record)  # the docs' tables use the same cells (benchmarks/rendering/stage2.py)
+        lines.append("| " + " | ".join(cells.values()) + " |")
     return "\n".join(lines)
 
 

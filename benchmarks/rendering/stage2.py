@@ -64,7 +64,9 @@ def scientific(value: float) -> str:
 
 
 def copied_from(row: dict, record: dict) -> str | None:
-    """benchmarks/stage2.py's `copied_from` (the script imports torch): where a row's figures were copied from."""
+    """Where a stage2 record's row was copied from (`None`: measured in that run). The record's paper rows come from
+    compare.py's record, a selection with the same removed set as another from that row; rows written before
+    `copied_from` was recorded say it by their other keys (benchmarks/stage2.py writes its tables with this too)."""
     if "copied_from" in row:
         return row["copied_from"]
     if "same_model_as" in row:
@@ -115,7 +117,7 @@ def stage2_provenance(record: dict, row: dict) -> dict:
 
 
 def stage2_cells(row: dict, record: dict) -> dict[str, str]:
-    """benchmarks/stage2.py's `markdown` cells of a row."""
+    """The cells of a stage2 record's row, as benchmarks/stage2.py's own table shows them."""
     evaluation = row["evaluation"]
     wikipedia, web_text = (entry["perplexity"] for entry in evaluation["perplexities"])
     average = evaluation["zero_shot"]["average_acc"] if evaluation["zero_shot"] else None
