@@ -34,7 +34,7 @@ README_ROWS = (
         "accuracy-qwen2.5-coder-0.5b-0.25-screening",
         (("dense", "dense"), ("stage1", "Stage 1 (GradMAP)"), ("default", "Stage 1 + 2")),
         "stage1_peers-qwen2.5-coder-0.5b-0.25-8",
-        "docs/benchmarks/accuracy-and-fidelity.md",
+        "docs/benchmarks/accuracy-and-fidelity.md#qwen25-coder-05b-25-stage-1-and-the-default-stage-2-all-three-distinct-selections",
     ),
 )
 
@@ -79,8 +79,8 @@ def readme_results(context: Context) -> str:
             more = [] if variant == "dense" else [(7, cost["paper"]["provenance"], cost_source)]
             table.add(
                 [
-                    f"[{model}]({context.link(page)})" if first else "",
-                    label,
+                    model if first else "",
+                    f"[{label}]({context.link(page)})",
                     number(perplexity(evaluation, "offline:wikipedia")),
                     number(perplexity(evaluation, "offline:web_text")),
                     kl if variant != "dense" else "0",
