@@ -163,6 +163,7 @@ STAGE2_TIME_RECORDS = (
     ("SmolLM2-135M 25%, issue 55 before its last two changes", "stage2_time-smollm2-135m-0.25-gradmap-issue55"),
     ("SmolLM2-135M 25%, issue 55", "stage2_time-smollm2-135m-0.25-gradmap-issue55-final"),
     ("Qwen2.5-Coder-0.5B 25%, issue 55", "stage2_time-qwen2.5-coder-0.5b-0.25-gradmap-issue55-final"),
+    ("SmolLM2-135M 40%, issue 55", "stage2_time-smollm2-135m-0.4-gradmap-issue55-final"),
 )
 DEFAULT_STAGE2_VARIANTS = ("default", "grid")  # the default Stage 2 (outlier tokens out of the fit), `grid` its search
 
