@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .common import Context, Table, kl_cell, load, number, paired, perplexity
 
@@ -12,10 +12,19 @@ HEAL_RECORDS = (
 )
 
 
-def heal_trainables(context: Context) -> str:
-    """Each trainable choice of the heal stage on SmolLM2-135M 25% (GradMAP's layers), after the default Stage 2."""
+def heal_kl_rows(prefix: str, records: Sequence[str]) -> Callable[[Context], str]:
+    """Heal rows measured without tasks (held-out perplexities and KL only), after the default Stage 2 of their
+    records: on SmolLM2-135M 25% (GradMAP's layers) each trainable choice, elsewhere the default heal."""
+
+    def render(context: Context) -> str:
+        return _kl_table(prefix, records)
+
+    return render
+
+
+def _kl_table(prefix: str, records: Sequence[str]) -> str:
     table = Table(
-        "heal",
+        prefix,
         [
             "row",
             "trained parameters",
@@ -29,7 +38,7 @@ def heal_trainables(context: Context) -> str:
         ],  # fmt: skip
         ["---", "---:", "---:", "---:", "---:", "---:", "---:", "---:", "---:"],
     )
-    for source in HEAL_RECORDS:
+    for source in records:
         for row in load(source)["rows"]:
             heal = row.get("heal") or {}
             evaluation = row["evaluation"]
@@ -122,6 +131,7 @@ def heal_rows(source: str) -> Callable[[Context], str]:
 
 
 TABLES = {
-    "heal-trainables": heal_trainables,
+    "heal-trainables": heal_kl_rows("heal", HEAL_RECORDS),
+    "heal-smollm2-40-gradmap": heal_kl_rows("heal-40", ("heal-smollm2-135m-0.4-gradmap-screening-notasks",)),
     "heal-smollm2-25-gradmap": heal_rows("heal-smollm2-135m-0.25-gradmap-screening"),
 }
