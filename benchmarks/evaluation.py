@@ -126,7 +126,8 @@ def main() -> None:
     rows.append(measure(f"GradMAP {args.ratio:.0%}, {stage1} only ({kept} layers)"))
     save(rows[-1], started)
     started = provenance()  # the Stage 2 row: from Stage 2 on
-    pruner.compensate(pruning, **PAPER_STAGE2)  # the paper's Stage 2, as in the figures of docs/benchmarks/accuracy-and-fidelity.md
+    # the paper's Stage 2, as in the figures of docs/benchmarks/accuracy-and-fidelity.md
+    pruner.compensate(pruning, **PAPER_STAGE2)
     rows.append(measure(f"GradMAP {args.ratio:.0%}, {stage1} + Stage 2 ({kept} layers)"))
     record["pruning"] = pruning.to_dict()
     save(rows[-1], started)

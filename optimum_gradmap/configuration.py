@@ -202,7 +202,7 @@ class GradMAPConfig:
         "layers, fitted to the dense hidden state at the end of the run (ReplaceMe's and LinearPatch's placement; "
         'it also repairs removed last layers). With `reg_lambda="auto"` it lowered held-out perplexity on '
         "Wikipedia and web text for every selection measured, where the paper's Stage 2 raised web-text perplexity "
-        'for most (docs/benchmarks/stage2.md).',
+        "for most (docs/benchmarks/stage2.md).",
     )
     compensation_form: CompensationForm = _setting(
         "full",
@@ -260,7 +260,8 @@ class GradMAPConfig:
         "least-squares fit, met in the least-squares sense). Those tokens act as the model's attention sinks (Sun et "
         "al.): `exclude` leaves W' free to change them, and on SmolLM2-135M (Block Influence's layers at 25%, fitted on "
         "Wikipedia and web text) the fit of layer 11 changed the first token's MLP output by three times its norm and "
-        "held-out Wikipedia perplexity rose from 102.8 (Stage 1 alone) to 3,788.6 (docs/benchmarks/accuracy-and-fidelity.md); with "
+        "held-out Wikipedia perplexity rose from 102.8 (Stage 1 alone) to 3,788.6 "
+        "(docs/benchmarks/accuracy-and-fidelity.md); with "
         '`compensation_selection="next_token_loss"`, which judges each fit by the whole model\'s loss, the fit of '
         "that layer was left out (measured on Wikipedia alone). `preserve` measured as `keep` there (the same "
         "perplexities, the same answers to 0.1 point). `auto` (the default since issue 38): `exclude` where lambda is "
