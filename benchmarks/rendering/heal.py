@@ -133,5 +133,6 @@ def heal_rows(source: str) -> Callable[[Context], str]:
 TABLES = {
     "heal-trainables": heal_kl_rows("heal", HEAL_RECORDS),
     "heal-smollm2-40-gradmap": heal_kl_rows("heal-40", ("heal-smollm2-135m-0.4-gradmap-screening-notasks",)),
+    "heal-smollm2-25-quality": heal_kl_rows("heal-quality", ("heal-smollm2-135m-0.25-quality-screening-notasks",)),
     "heal-smollm2-25-gradmap": heal_rows("heal-smollm2-135m-0.25-gradmap-screening"),
 }
