@@ -109,17 +109,20 @@ class Table:
         ]:
             if row_provenance is None:
                 continue
-            self.notes.append(footnote(row_provenance, row_source, row_kinds))
-            cells[index] += f"[^{self.prefix}-{len(self.notes)}]"
+            note = footnote(row_provenance, row_source, row_kinds)
+            if note not in self.notes:  # one measurement shown on several rows: one footnote
+                self.notes.append(note)
+            cells[index] += f"[^{self.prefix}-{self.notes.index(note) + 1}]"
             if older_than(row_provenance, row_kinds):
                 cells[index] += " (older code)"
         self.rows.append(cells)
 
-    def markdown(self) -> str:
+    def markdown(self, notes: bool = True) -> str:
+        """The table, and its footnotes unless `notes` is false (another table that shares them writes them)."""
         align = self.align or ["---"] * len(self.header)
         lines = ["| " + " | ".join(self.header) + " |", "|" + "|".join(align) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in self.rows]
-        if self.notes:
+        if notes and self.notes:
             lines.append("")
             lines += [f"[^{self.prefix}-{i}]: {note}" for i, note in enumerate(self.notes, 1)]
         return "\n".join(lines) + "\n"

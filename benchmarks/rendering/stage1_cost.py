@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from .common import Context, Table, load, number, older_record
-from .stage2 import SharedNotes, scientific
+from .stage2 import scientific
 
 PEER_RECORDS = (
     ("SmolLM2-135M, 25%, 16 x 128", "stage1_peers-smollm2-135m-0.25-16"),
@@ -85,7 +85,7 @@ def profile_round(context: Context) -> str:
     """Where the time of one warm GradMAP round goes, under torch's profiler, in plain forward passes."""
     source = "profile_round-smollm2-135m-16x128-batch8"
     record = load(source)
-    table = SharedNotes("profile-round", ["part of the round", "forward passes"], ["---", "---:"])
+    table = Table("profile-round", ["part of the round", "forward passes"], ["---", "---:"])
     for group, name in ROUND_GROUPS:
         table.add([name, f"{record['round_groups'][group] / record['forward_seconds']:.2f}"], record["provenance"], source)
     table.add(["total under the profiler", f"{record['round_over_forward']:.2f}"], record["provenance"], source)
@@ -115,7 +115,7 @@ def stage1_speed(context: Context) -> str:
     def goal(met: bool) -> str:
         return "met" if met else "**not met**"
 
-    table = SharedNotes("stage1-speed", ["figure", "batch 8", "goal (issue 4)"])
+    table = Table("stage1-speed", ["figure", "batch 8", "goal (issue 4)"])
     rows = [
         (
             "one round / one plain forward pass over the calibration set",
@@ -197,7 +197,7 @@ def next_token_selection(context: Context) -> str:
     per candidate (the reference) and by the golden-section search (benchmarks/next_token_selection.py's table)."""
     source = "next_token_selection-smollm2-135m-0.25-gradmap"
     record = load(source)
-    table = SharedNotes(
+    table = Table(
         "next-token",
         ["fitted layer", "grid", "reference", "largest relative loss difference", "golden", "golden passes (of 9)"],
     )
@@ -231,7 +231,7 @@ def _dtype_setting(record: dict) -> str:
 def dtype(context: Context) -> str:
     """GradMAP's Stage 1 and the default Stage 2 from weights loaded in float32 and in bfloat16, then each bfloat16 row
     against the float32 row (benchmarks/dtype.py's two tables, one row per setting)."""
-    rows = SharedNotes(
+    rows = Table(
         "dtype",
         [
             "setting",
@@ -245,7 +245,7 @@ def dtype(context: Context) -> str:
             "quiet",
         ],
     )
-    against = SharedNotes(
+    against = Table(
         "dtype",
         [
             "bfloat16 against float32",
@@ -305,7 +305,7 @@ def dtype_scores(context: Context) -> str:
     in bfloat16 (benchmarks/dtype_scores.py's table)."""
     source = "dtype_scores-smollm2-135m-7"
     record = load(source)
-    table = SharedNotes("dtype-scores", ["computed", "four lowest (layer: score)"])
+    table = Table("dtype-scores", ["computed", "four lowest (layer: score)"])
     for name, scores in record["ways"].items():
         lowest = sorted(scores.items(), key=lambda item: item[1])[:4]
         table.add([name, ", ".join(f"{layer}: {score:.4f}" for layer, score in lowest)], record["provenance"], source)

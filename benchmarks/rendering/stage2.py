@@ -6,46 +6,9 @@ import datetime
 import shlex
 from collections.abc import Sequence
 
-from .common import Context, Table, footnote, load, number, older_record, older_than
+from .common import Context, Table, load, number, older_record
 
 # --- shared by this page's modules (stage1_cost.py, streaming_memory.py) ------------------------------------------
-
-
-class SharedNotes(Table):
-    """A `Table` whose rows with the same provenance share one footnote (one measurement shown on several rows)."""
-
-    def add(
-        self,
-        cells: Sequence[str],
-        provenance: dict | None,
-        source: str,
-        kinds: Sequence[str] = (),
-        cell: int = 0,
-        more: Sequence[tuple[int, dict, str]] = (),
-    ) -> None:
-        cells = list(cells)
-        for index, row_provenance, row_source, row_kinds in [(cell, provenance, source, kinds)] + [
-            (index, row_provenance, row_source, ()) for index, row_provenance, row_source in more
-        ]:
-            if row_provenance is None:
-                continue
-            note = footnote(row_provenance, row_source, row_kinds)
-            if note not in self.notes:
-                self.notes.append(note)
-            cells[index] += f"[^{self.prefix}-{self.notes.index(note) + 1}]"
-            if older_than(row_provenance, row_kinds):
-                cells[index] += " (older code)"
-        self.rows.append(cells)
-
-    def markdown(self, notes: bool = True) -> str:
-        """The table, and its footnotes unless `notes` is false (another table that shares them writes them)."""
-        if notes:
-            return super().markdown()
-        saved, self.notes = self.notes, []
-        try:
-            return super().markdown()
-        finally:
-            self.notes = saved
 
 
 def machine_text(machine: dict) -> str:
@@ -155,7 +118,7 @@ def stage2_variants_smollm2_25(context: Context) -> str:
     the paper's and `span_end+auto` (the record's other rows are in the tables further down)."""
     source = "stage2-smollm2-135m-0.25"
     record = load(source)
-    table = SharedNotes(
+    table = Table(
         "stage2-smollm2-25",
         [
             "method",
@@ -202,7 +165,7 @@ def _pivot(source: str, prefix: str, methods: Sequence[str], labels: dict[str, s
     ]
     if against_stage1:
         header.append("span_end+auto against Stage 1 alone")
-    table = SharedNotes(prefix, header)
+    table = Table(prefix, header)
     for method in methods:
         rows = [stage2_row(record, method, variant) for variant in ISSUE19_VARIANTS]
         cells = [labels.get(method, method)] + [_pivot_cell(row) for row in rows]
@@ -256,7 +219,7 @@ def stage2_mixtures(context: Context) -> str:
     """GradMAP's layers of SmolLM2-135M at 25%: Stage 2 fitted on Wikipedia or on Wikipedia and web text."""
     source = "stage2-smollm2-135m-0.25"
     record = load(source)
-    table = SharedNotes(
+    table = Table(
         "stage2-mixtures",
         [
             "Stage 2",
@@ -298,7 +261,7 @@ def stage2_each_round(context: Context) -> str:
     stage2_source, compare_source = "stage2-smollm2-135m-0.25", "compare-smollm2-135m-0.25"
     stage2_record, compare_record = load(stage2_source), load(compare_source)
     compare = {(row["method"], row["stage2"]): row for row in compare_record["rows"]}
-    table = SharedNotes(
+    table = Table(
         "stage2-each-round",
         ["selection", "Stage 2", "removed layers", "wikipedia ppl", "web_text ppl", "zero-shot avg", "Stage 1 s"],
     )
@@ -360,7 +323,7 @@ def stage2_main_job_first(context: Context) -> str:
         "the same three perplexities as `quality-smollm2-135m-layers-lambda-sweep-sum-objective.json` and as the "
         "README's main job printed for its checkpoint saved and reloaded"
     )
-    table = SharedNotes("stage2-main-job-first", ["model", "held-out perplexity"])
+    table = Table("stage2-main-job-first", ["model", "held-out perplexity"])
     labels = ("dense", "GradMAP Stage 1 only", "GradMAP Stage 1 + the paper's Stage 2 (closed form)")
     for label, row in zip(labels, record["rows"], strict=True):
         wikipedia = next(entry for entry in row["perplexities"] if entry["dataset"] == "wikipedia")
@@ -392,7 +355,7 @@ def main_job_provenance(run: dict) -> dict:
 def stage2_main_job_runs(context: Context) -> str:
     """The README's main job from a fresh clone, each run a row (benchmarks/results/main_job-smollm2-135m.json)."""
     source = "main_job-smollm2-135m"
-    table = SharedNotes(
+    table = Table(
         "stage2-main-job-runs",
         [
             "commit",
@@ -428,7 +391,7 @@ def stage2_random_removal(context: Context) -> str:
     """Eight of SmolLM2-135M's 30 layers removed at random, three draws."""
     source = "quality-smollm2-135m-0.25-sum-objective"
     record = load(source)
-    table = SharedNotes("stage2-random", ["random removal", "held-out perplexity"])
+    table = Table("stage2-random", ["random removal", "held-out perplexity"])
     for draw in record["random_removal"]:
         provenance = quality_provenance(
             record, "python benchmarks/quality.py --model smollm2-135m --ratio 0.25", f"seed {draw['seed']}"
@@ -460,7 +423,7 @@ SOLVER_RECORDS = (
 def stage2_solvers(context: Context) -> str:
     """The closed form against Adam, with the objective summed per sequence or averaged over elements, on GradMAP's
     layers of SmolLM2-135M at 25% (the lowest perplexity in bold)."""
-    table = SharedNotes(
+    table = Table(
         "stage2-solvers",
         ["Stage 2 objective (lambda = 1e-3)", "closed form", "Adam (2000 full-batch steps, lr 1e-3)"],
     )
@@ -486,7 +449,7 @@ def _quality_model_table(source: str, prefix: str, header: Sequence[str], comman
     provenance = quality_provenance(record, command)
     [(solver_key, solver)] = record["solvers"].items()
     perplexity = record["perplexity"]
-    table = SharedNotes(prefix, list(header))
+    table = Table(prefix, list(header))
     stage1 = f"`{record['removed_layers']}`"
     compensated = ", ".join(map(str, solver["compensated_layers"]))
     rows = [("dense", f"{perplexity['dense']:.3f}")]

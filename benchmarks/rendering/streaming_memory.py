@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .common import Context, load, older_record
-from .stage2 import SharedNotes, machine_text, scientific
+from .common import Context, Table, load, older_record
+from .stage2 import machine_text, scientific
 
 STREAMING_RECORDS = (
     ("SmolLM2-135M", "streaming_memory-smollm2-135m-batch8"),
@@ -25,7 +25,7 @@ def streaming_provenance(record: dict) -> dict:
 def layer_streamed(context: Context) -> str:
     """One GradMAP Stage 1 round in memory and layer-streamed (weights on disk): seconds, peak memory over the
     weight bytes, and how far the streamed scores are from the in-memory ones."""
-    table = SharedNotes(
+    table = Table(
         "streaming",
         ["model", "mode", "s per round", "peak memory / weight bytes", "scores vs in memory"],
     )
