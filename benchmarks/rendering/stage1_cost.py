@@ -219,7 +219,12 @@ def next_token_selection(context: Context) -> str:
     return table.markdown()
 
 
-DTYPE_RECORDS = ("dtype-smollm2-135m-0.25", "dtype-smollm2-135m-k4-16x128", "dtype-smollm2-135m-0.4")
+DTYPE_RECORDS = (
+    "dtype-smollm2-135m-0.25",
+    "dtype-smollm2-135m-k4-16x128",
+    "dtype-smollm2-135m-0.4",
+    "dtype-qwen2.5-coder-0.5b-0.25",
+)
 EVALUATION = ("offline:wikipedia", "offline:web_text")
 
 
