@@ -5,9 +5,15 @@ model (flips, KL) as well as accuracy and perplexity, on one model, ratio and se
     python benchmarks/heal.py --model smollm2-135m --ratio 0.25 --variants lora@150000 --resume
     python benchmarks/heal.py --model smollm2-135m --ratio 0.25 --variants lora@40000 norms@40000 all@40000 \
         --no-tasks --label trainables --resume   # the trainable choices on held-out KL and perplexity alone
+    python benchmarks/heal.py --ratio 0.4 --variants dense stage1 default lora@196608 \
+        --dense-from heal-smollm2-135m-0.25-gradmap-screening --resume   # the dense row copied, marked as a copy
 
 A variant is `dense`, `stage1` (Stage 1 alone), `default` (Stage 1 and the default Stage 2), or a heal after them:
-`TRAINABLE@TOKENS` (`heal_trainable` and `heal_tokens`), optionally `+lr=VALUE` (`heal_lr`). The removed layers are
+`TRAINABLE@TOKENS` (`heal_trainable` and `heal_tokens`), optionally `+lr=VALUE` (`heal_lr`). Two kinds of rows
+measure how flips follow the KL divergence when the damage is small (where the flips come from when a goal on them
+is missed): `dense@bf16` (the dense model with every weight rounded to bfloat16, computing in float32: a model
+almost equal to the dense one) and `stage1@K` (Stage 1 alone with only the first K of the removed layers, in the
+order they were removed). The removed layers are
 those benchmarks/compare.py recorded for `--selection` (as in benchmarks/accuracy.py). Calibration: 128 x 128 tokens
 of offline Wikipedia (the benchmarks' set, its SHA-256 in the record). The heal text is the calibration parts of the
 offline web pages and of offline Wikipedia (`offline:web_text+offline:wikipedia`, about 146k + 409k SmolLM2 tokens;
@@ -69,8 +75,9 @@ STAGE1_SECONDS = {("smollm2-135m", 0.25): 476.3}
 
 
 def parse_variant(name: str) -> dict | None:
-    """`None` for `dense`, `stage1`, `default`; else the heal settings of `TRAINABLE@TOKENS[+lr=VALUE]`."""
-    if name in ("dense", "stage1", "default"):
+    """`None` for `dense`, `stage1`, `default` and the rows without a heal (`dense@bf16`, `stage1@K`); else the heal
+    settings of `TRAINABLE@TOKENS[+lr=VALUE]`."""
+    if name in ("dense", "stage1", "default", "dense@bf16") or partial_stage1(name) is not None:
         return None
     head, *options = name.split("+")
     trainable, _, tokens = head.partition("@")
@@ -83,6 +90,12 @@ def parse_variant(name: str) -> dict | None:
             raise SystemExit(f"unknown option {option!r} in {name!r}: only lr=VALUE")
         settings["heal_lr"] = float(value)
     return settings
+
+
+def partial_stage1(name: str) -> int | None:
+    """K of a `stage1@K` variant, else `None`."""
+    head, _, count = name.partition("@")
+    return int(count) if head == "stage1" and count.isdigit() else None
 
 
 def compact(zero_shot: ZeroShotResult) -> dict[str, dict]:
@@ -156,6 +169,22 @@ def markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def copied_dense_row(source: str, record: dict, max_segments: int) -> dict:
+    """The `dense` row of another record of the same model and protocol, its provenance marked as a copy: the dense
+    model's evaluation does not depend on the ratio or the selection."""
+    with open(os.path.join(RESULTS, source + ".json"), encoding="utf-8") as file:
+        other = json.load(file)
+    for key in ("model", "protocol", "subsets", "calibration_sha256"):
+        if other.get(key) != record.get(key):
+            raise SystemExit(f"--dense-from {source}: its {key} ({other.get(key)!r}) is not this run's ({record.get(key)!r})")
+    row = json.loads(json.dumps(next(row for row in other["rows"] if row["variant"] == "dense")))
+    segments = {entry["num_segments"] for entry in row["evaluation"]["perplexities"]}
+    if segments != {max_segments}:
+        raise SystemExit(f"--dense-from {source}: its perplexities use {segments} segments, this run {max_segments}")
+    row["provenance"]["copied_from"] = f"benchmarks/results/{source}.json (the same model, questions and segments)"
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -168,6 +197,12 @@ def main() -> None:
     parser.add_argument("--num-samples", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--label", default=None)
+    parser.add_argument(
+        "--dense-from",
+        default=None,
+        help="take the `dense` row from this record of benchmarks/results (same model and protocol), marked as a copy, "
+        "instead of evaluating the dense model again",
+    )
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -213,11 +248,24 @@ def main() -> None:
         heal_settings = parse_variant(variant)
         started = provenance()
         row: dict = {"variant": variant}
+        if variant == "dense" and args.dense_from:
+            row = copied_dense_row(args.dense_from, record, args.max_segments)
+            record["rows"].append(row)
+            rows[variant] = row
+            save()
+            print(f"dense: copied from {args.dense_from}", flush=True)
+            continue
         if variant == "dense":
             model = dense_model
-        elif variant == "stage1":
+        elif variant == "dense@bf16":
             model, _ = load_model(args.model)
-            config = GradMAPConfig(layers_to_prune=removed, num_samples=args.num_samples, compensation=False)
+            with torch.no_grad():
+                for tensor in model.state_dict().values():
+                    tensor.copy_(tensor.to(torch.bfloat16))
+        elif variant == "stage1" or partial_stage1(variant) is not None:
+            model, _ = load_model(args.model)
+            layers = removed if variant == "stage1" else removed[: partial_stage1(variant)]
+            config = GradMAPConfig(layers_to_prune=layers, num_samples=args.num_samples, compensation=False)
             result = GradMAPPruner(config, model, tokenizer).prune(model, calibration)
             row["timings"] = result.timings
         else:

@@ -74,6 +74,12 @@ def flips_cell(row: dict) -> str:
     return f"{100 * fidelity['flips']:.1f}% ({100 * row['flips']['flips']:.1f}%)"
 
 
+def is_floor_row(variant: str) -> bool:
+    """The rows that measure how flips follow the KL divergence at small damage (benchmarks/heal.py): the dense
+    model with its weights rounded to bfloat16, and Stage 1 with only its first K layers removed."""
+    return variant == "dense@bf16" or variant.startswith("stage1@")
+
+
 def heal_rows(source: str) -> Callable[[Context], str]:
     """Dense, Stage 1, Stage 1 + 2 and the heal rows of one record of benchmarks/heal.py with zero-shot tasks."""
 
@@ -97,6 +103,8 @@ def heal_rows(source: str) -> Callable[[Context], str]:
             ["---"] + ["---:"] * 11,
         )
         for row in load(source)["rows"]:
+            if is_floor_row(row["variant"]):
+                continue
             heal = row.get("heal") or {}
             evaluation = row["evaluation"]
             changes = row.get("flips_without_boolq", {}).get("answer_changes")
@@ -130,9 +138,69 @@ def heal_rows(source: str) -> Callable[[Context], str]:
     return render
 
 
+def _row_name(variant: str, removed: Sequence[int]) -> str:
+    if variant == "dense@bf16":
+        return "dense, weights rounded to bfloat16"
+    if variant.startswith("stage1@"):
+        count = int(variant.partition("@")[2])
+        return f"Stage 1 alone, first {count} layer{'s' if count > 1 else ''} ({', '.join(map(str, removed[:count]))})"
+    return {"stage1": "Stage 1 alone", "default": "Stage 1 + default Stage 2"}.get(variant, f"+ heal `{variant}`")
+
+
+def flips_by_task(source: str) -> Callable[[Context], str]:
+    """Where the flips come from: per task, the share of questions whose right/wrong differs from the dense model's,
+    for every row of one record of benchmarks/heal.py with tasks, ordered by the KL divergence on held-out
+    Wikipedia; the first row gives the dense model's accuracy per task."""
+
+    def render(context: Context) -> str:
+        record = load(source)
+        rows = {row["variant"]: row for row in record["rows"]}
+        dense = rows["dense"]["evaluation"]["zero_shot"]
+        tasks = list(dense["answers"])
+        table = Table(
+            source.removeprefix("heal-") + "-tasks",
+            ["row", "KL Wikipedia", *tasks, "pooled, no BoolQ"],
+            ["---"] + ["---:"] * (len(tasks) + 2),
+        )
+        accuracy = {task["task"]: task["acc"] for task in dense["tasks"]}
+        table.add(
+            ["dense model's accuracy", "-", *(f"{100 * accuracy[task]:.1f}%" for task in tasks), "-"],
+            rows["dense"]["provenance"],
+            source,
+        )
+        others = [row for row in record["rows"] if row["variant"] != "dense"]
+        others.sort(key=lambda row: wikipedia_kl(row["evaluation"]))
+        for row in others:
+            answers = row["evaluation"]["zero_shot"]["answers"]
+            cells = []
+            for task in tasks:
+                reference, mine = dense["answers"][task]["acc"], answers[task]["acc"]
+                cells.append(f"{100 * sum(a != b for a, b in zip(reference, mine)) / len(reference):.1f}%")
+            table.add(
+                [
+                    _row_name(row["variant"], record["removed_layers"]),
+                    kl_cell(row["evaluation"], "offline:wikipedia"),
+                    *cells,
+                    flips_cell(row).split(" ")[0],
+                ],
+                row["provenance"],
+                source,
+                ("heal",) if row.get("heal") else ("stage2",) if row["variant"] == "default" else (),
+            )
+        return table.markdown()
+
+    return render
+
+
+def wikipedia_kl(evaluation: dict) -> float:
+    """The KL divergence from the dense model on held-out Wikipedia."""
+    return next(entry["kl_to_reference"] for entry in evaluation["perplexities"] if entry["dataset"] == "offline:wikipedia")
+
+
 TABLES = {
     "heal-trainables": heal_kl_rows("heal", HEAL_RECORDS),
     "heal-smollm2-40-gradmap": heal_kl_rows("heal-40", ("heal-smollm2-135m-0.4-gradmap-screening-notasks",)),
     "heal-smollm2-25-quality": heal_kl_rows("heal-quality", ("heal-smollm2-135m-0.25-quality-screening-notasks",)),
     "heal-smollm2-25-gradmap": heal_rows("heal-smollm2-135m-0.25-gradmap-screening"),
+    "heal-flips-by-task": flips_by_task("heal-smollm2-135m-0.25-gradmap-screening"),
 }
