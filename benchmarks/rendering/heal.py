@@ -97,7 +97,7 @@ def heal_rows(source: str) -> Callable[[Context], str]:
                 "accuracy (pooled)",
                 "vs Stage 1",
                 "vs Stage 1 + 2",
-                "heal seconds (x Stage 1's)",
+                f"heal seconds (x {STAGE1_SECONDS_QUIET} s, Stage 1 at 25%)",
                 "tokens",
             ],  # fmt: skip
             ["---"] + ["---:"] * 11,
@@ -203,4 +203,5 @@ TABLES = {
     "heal-smollm2-25-quality": heal_kl_rows("heal-quality", ("heal-smollm2-135m-0.25-quality-screening-notasks",)),
     "heal-smollm2-25-gradmap": heal_rows("heal-smollm2-135m-0.25-gradmap-screening"),
     "heal-flips-by-task": flips_by_task("heal-smollm2-135m-0.25-gradmap-screening"),
+    "heal-smollm2-40-gradmap-tasks": heal_rows("heal-smollm2-135m-0.4-gradmap-screening"),
 }
