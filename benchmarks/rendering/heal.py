@@ -204,4 +204,5 @@ TABLES = {
     "heal-smollm2-25-gradmap": heal_rows("heal-smollm2-135m-0.25-gradmap-screening"),
     "heal-flips-by-task": flips_by_task("heal-smollm2-135m-0.25-gradmap-screening"),
     "heal-smollm2-40-gradmap-tasks": heal_rows("heal-smollm2-135m-0.4-gradmap-screening"),
+    "heal-smollm2-25-quality-tasks": heal_rows("heal-smollm2-135m-0.25-quality-screening"),
 }
