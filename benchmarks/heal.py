@@ -69,9 +69,10 @@ from optimum_gradmap.heal import heal_as_configured, heal_sequences
 PROTOCOLS = {"standard": STANDARD_SUBSETS, "screening": SCREENING_SUBSETS}
 HEAL_TEXT = "offline:web_text+offline:wikipedia"
 PERPLEXITY_DATASETS = ("offline:wikipedia", "offline:web_text")
-# Stage 1's seconds for GradMAP's layers on SmolLM2-135M 25% in float32, on this machine type, quiet (the main job,
-# benchmarks/results/main_job-smollm2-135m.json): the unit of the heal budgets.
-STAGE1_SECONDS = {("smollm2-135m", 0.25): 476.3}
+# Stage 1's seconds for GradMAP's layers in float32, on this machine type, quiet: the unit of the heal budgets.
+# SmolLM2-135M 25%: the main job (benchmarks/results/main_job-smollm2-135m.json); Qwen2.5-Coder-0.5B 25%: the
+# float32 row of benchmarks/results/dtype-qwen2.5-coder-0.5b-0.25.json.
+STAGE1_SECONDS = {("smollm2-135m", 0.25): 476.3, ("qwen2.5-coder-0.5b", 0.25): 1306.7}
 
 
 def parse_variant(name: str) -> dict | None:
