@@ -175,7 +175,8 @@ def copied_dense_row(source: str, record: dict, max_segments: int) -> dict:
     model's evaluation does not depend on the ratio or the selection."""
     with open(os.path.join(RESULTS, source + ".json"), encoding="utf-8") as file:
         other = json.load(file)
-    for key in ("model", "protocol", "subsets", "calibration_sha256"):
+    other.setdefault("device", "cpu")  # records from before `--device` ran on the CPU
+    for key in ("model", "protocol", "subsets", "calibration_sha256", "device"):
         if other.get(key) != record.get(key):
             raise SystemExit(f"--dense-from {source}: its {key} ({other.get(key)!r}) is not this run's ({record.get(key)!r})")
     row = json.loads(json.dumps(next(row for row in other["rows"] if row["variant"] == "dense")))
@@ -204,13 +205,24 @@ def main() -> None:
         help="take the `dense` row from this record of benchmarks/results (same model and protocol), marked as a copy, "
         "instead of evaluating the dense model again",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the models run (e.g. cuda); a record from another device than cpu goes to its own file, '-<device>'",
+    )
+    parser.add_argument(
+        "--time-stage1",
+        action="store_true",
+        help="also time GradMAP's own Stage 1 (the selection, float32) at this ratio on this device, once per record: "
+        "the unit of the heal budgets there",
+    )
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.manual_seed(0)
 
     removed, layers_from = layers_of(args.model, args.ratio, args.selection)
-    suffix = "-notasks" if args.no_tasks else ""
+    suffix = ("-notasks" if args.no_tasks else "") + ("" if args.device == "cpu" else f"-{args.device}")
     name = f"heal-{args.model}-{args.ratio:g}-{args.selection}-{args.protocol}{suffix}" + (f"-{args.label}" if args.label else "")
     path = os.path.join(RESULTS, name + ".json")
     record = {
@@ -223,7 +235,8 @@ def main() -> None:
         "layers_from": layers_from,
         "calibration": f"{CALIBRATION}, {args.num_samples} x 128",
         "heal_text": HEAL_TEXT,
-        "stage1_seconds_reference": STAGE1_SECONDS.get((args.model, args.ratio)),
+        "stage1_seconds_reference": STAGE1_SECONDS.get((args.model, args.ratio)) if args.device == "cpu" else None,
+        "device": args.device,
         "rows": [],
     }
     if args.resume and os.path.exists(path):
@@ -237,9 +250,26 @@ def main() -> None:
         with open(path[: -len(".json")] + ".md", "w", encoding="utf-8") as file:
             file.write(markdown(record))
 
+    def load() -> torch.nn.Module:
+        model, _ = load_model(args.model)
+        return model.to(args.device)
+
     dense_model, tokenizer = load_model(args.model)
+    dense_model.to(args.device)
     calibration = prepare_calibration_data(CALIBRATION, tokenizer, args.num_samples, 128, 0, CALIBRATION)
     record["calibration_sha256"] = calibration_sha256(calibration)
+    if args.time_stage1 and "stage1_on_device" not in record:
+        started = provenance()
+        config = GradMAPConfig(pruning_ratio=args.ratio, num_samples=args.num_samples, seq_len=128, compensation=False)
+        result = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False).select_layers(load(), calibration)
+        record["stage1_on_device"] = {
+            "seconds": result.timings["stage1"],
+            "removed_layers": result.removed_layers,
+            "same_layers_as_cpu": sorted(result.removed_layers) == sorted(layers_of(args.model, args.ratio, "gradmap")[0]),
+            "provenance": finish(started),
+        }
+        save()
+        print(f"GradMAP's Stage 1 on {args.device}: {record['stage1_on_device']}", flush=True)
     rows = {row["variant"]: row for row in record["rows"]}
     compensated = stage2 = stage2_state = None
     for variant in args.variants:
@@ -259,19 +289,19 @@ def main() -> None:
         if variant == "dense":
             model = dense_model
         elif variant == "dense@bf16":
-            model, _ = load_model(args.model)
+            model = load()
             with torch.no_grad():
                 for tensor in model.state_dict().values():
                     tensor.copy_(tensor.to(torch.bfloat16))
         elif variant == "stage1" or partial_stage1(variant) is not None:
-            model, _ = load_model(args.model)
+            model = load()
             layers = removed if variant == "stage1" else removed[: partial_stage1(variant)]
             config = GradMAPConfig(layers_to_prune=layers, num_samples=args.num_samples, compensation=False)
             result = GradMAPPruner(config, model, tokenizer).prune(model, calibration)
             row["timings"] = result.timings
         else:
             if compensated is None:  # Stage 1 and the default Stage 2, once for every row that starts from them
-                compensated, _ = load_model(args.model)
+                compensated = load()
                 config = GradMAPConfig(layers_to_prune=removed, num_samples=args.num_samples)
                 stage2 = GradMAPPruner(config, compensated, tokenizer).prune(compensated, calibration)
                 stage2_state = {name: tensor.clone() for name, tensor in compensated.state_dict().items()}
