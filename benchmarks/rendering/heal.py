@@ -80,10 +80,25 @@ def is_floor_row(variant: str) -> bool:
     return variant == "dense@bf16" or variant.startswith("stage1@")
 
 
-def heal_rows(source: str) -> Callable[[Context], str]:
-    """Dense, Stage 1, Stage 1 + 2 and the heal rows of one record of benchmarks/heal.py with zero-shot tasks."""
+def stage1_unit(source: str, unit_from: str | None = None) -> tuple[float, str]:
+    """The unit of a record's heal budgets and what it is: GradMAP's own Stage 1 timed on the record's device
+    (`--time-stage1`, in `unit_from`'s record where given: the same model, ratio and device), else the record's CPU
+    reference (`stage1_seconds_reference`), else the main job's Stage 1 at 25%."""
+    record = load(unit_from or source)
+    on_device = record.get("stage1_on_device")
+    if on_device:
+        return on_device["seconds"], f"GradMAP's Stage 1 on the {on_device['provenance']['machine']['accelerator']}"
+    if record.get("stage1_seconds_reference"):
+        return record["stage1_seconds_reference"], "Stage 1, this CPU"
+    return STAGE1_SECONDS_QUIET, "Stage 1 at 25%, this CPU"
+
+
+def heal_rows(source: str, unit_from: str | None = None) -> Callable[[Context], str]:
+    """Dense, Stage 1, Stage 1 + 2 and the heal rows of one record of benchmarks/heal.py with zero-shot tasks; the
+    heal seconds also in units of Stage 1's (`stage1_unit`)."""
 
     def render(context: Context) -> str:
+        unit, unit_name = stage1_unit(source, unit_from)
         table = Table(
             source.removeprefix("heal-"),
             [
@@ -97,7 +112,7 @@ def heal_rows(source: str) -> Callable[[Context], str]:
                 "accuracy (pooled)",
                 "vs Stage 1",
                 "vs Stage 1 + 2",
-                f"heal seconds (x {STAGE1_SECONDS_QUIET} s, Stage 1 at 25%)",
+                f"heal seconds (x {unit:.1f} s, {unit_name})",
                 "tokens",
             ],  # fmt: skip
             ["---"] + ["---:"] * 11,
@@ -111,7 +126,7 @@ def heal_rows(source: str) -> Callable[[Context], str]:
             seconds = "-"
             if heal:
                 alone = not row["provenance"]["others_running_before"] and not row["provenance"]["others_running_after"]
-                share = f"{heal['seconds'] / STAGE1_SECONDS_QUIET:.2f}x" if alone else "shared machine"
+                share = f"{heal['seconds'] / unit:.2f}x" if alone else "shared machine"
                 seconds = f"{heal['seconds']:.0f} ({share})"
             names = {"dense": "dense", "stage1": "Stage 1 alone", "default": "Stage 1 + default Stage 2"}
             table.add(
@@ -205,4 +220,8 @@ TABLES = {
     "heal-flips-by-task": flips_by_task("heal-smollm2-135m-0.25-gradmap-screening"),
     "heal-smollm2-40-gradmap-tasks": heal_rows("heal-smollm2-135m-0.4-gradmap-screening"),
     "heal-smollm2-25-quality-tasks": heal_rows("heal-smollm2-135m-0.25-quality-screening"),
+    "heal-smollm2-25-gradmap-standard-gpu": heal_rows("heal-smollm2-135m-0.25-gradmap-standard-cuda"),
+    "heal-smollm2-25-quality-standard-gpu": heal_rows(
+        "heal-smollm2-135m-0.25-quality-standard-cuda", unit_from="heal-smollm2-135m-0.25-gradmap-standard-cuda"
+    ),
 }
