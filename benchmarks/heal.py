@@ -9,7 +9,9 @@ model (flips, KL) as well as accuracy and perplexity, on one model, ratio and se
         --dense-from heal-smollm2-135m-0.25-gradmap-screening --resume   # the dense row copied, marked as a copy
 
 A variant is `dense`, `stage1` (Stage 1 alone), `default` (Stage 1 and the default Stage 2), or a heal after them:
-`TRAINABLE@TOKENS` (`heal_trainable` and `heal_tokens`), optionally `+lr=VALUE` (`heal_lr`). Two kinds of rows
+`TRAINABLE@TOKENS` (`heal_trainable` and `heal_tokens`), optionally `+lr=VALUE` (`heal_lr`) and `+topk=K` (the
+teacher's K most likely tokens the loss keeps apart, `optimum_gradmap.heal.TOP_K`, 64 by default; the tail beyond
+them is one outcome). Two kinds of rows
 measure how flips follow the KL divergence when the damage is small (where the flips come from when a goal on them
 is missed): `dense@bf16` (the dense model with every weight rounded to bfloat16, computing in float32: a model
 almost equal to the dense one) and `stage1@K` (Stage 1 alone with only the first K of the removed layers, in the
@@ -51,6 +53,7 @@ from accuracy import CALIBRATION, RESULTS, layers_of
 from provenance import finish, provenance
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
+from optimum_gradmap import heal as heal_module
 from optimum_gradmap.assets import load_model
 from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
 from optimum_gradmap.evaluation import (
@@ -87,10 +90,25 @@ def parse_variant(name: str) -> dict | None:
     settings = {"heal_trainable": trainable, "heal_tokens": int(tokens), "heal_dataset": HEAL_TEXT}
     for option in options:
         key, _, value = option.partition("=")
-        if key != "lr":
-            raise SystemExit(f"unknown option {option!r} in {name!r}: only lr=VALUE")
-        settings["heal_lr"] = float(value)
+        if key == "lr":
+            settings["heal_lr"] = float(value)
+        elif key == "topk" and value.isdigit():
+            settings["top_k"] = int(value)
+        else:
+            raise SystemExit(f"unknown option {option!r} in {name!r}: lr=VALUE or topk=K")
     return settings
+
+
+@contextlib.contextmanager
+def teacher_top_k(top_k: int | None):
+    """Within the block, the heal's loss keeps the teacher's `top_k` most likely tokens apart (the library's
+    `TOP_K`, a module constant, otherwise)."""
+    default = heal_module.TOP_K
+    heal_module.TOP_K = top_k or default
+    try:
+        yield
+    finally:
+        heal_module.TOP_K = default
 
 
 def partial_stage1(name: str) -> int | None:
@@ -310,20 +328,23 @@ def main() -> None:
             row["timings"] = dict(stage2.timings)
             row["compensated_layers"] = stage2.compensated_layers
             if heal_settings is not None:  # the heal on Stage 1 + 2, the dense model as teacher
+                top_k = heal_settings.pop("top_k", None)
                 heal_config = dataclasses.replace(stage2.config, **heal_settings)
                 train_ids, validation_ids = heal_sequences(None, tokenizer, heal_config)
-                healed = heal_as_configured(
-                    model,
-                    lambda: contextlib.nullcontext(dense_model),
-                    train_ids,
-                    validation_ids,
-                    heal_config,
-                    stage2.kept_layers,
-                    stage2.original_num_layers,
-                    stage2.compensated_layers,
-                    HEAL_TEXT,
-                )
+                with teacher_top_k(top_k):
+                    healed = heal_as_configured(
+                        model,
+                        lambda: contextlib.nullcontext(dense_model),
+                        train_ids,
+                        validation_ids,
+                        heal_config,
+                        stage2.kept_layers,
+                        stage2.original_num_layers,
+                        stage2.compensated_layers,
+                        HEAL_TEXT,
+                    )
                 row["heal"] = healed.to_dict()
+                row["heal"]["teacher_top_k"] = top_k or heal_module.TOP_K
                 row["timings"]["heal"] = healed.seconds
         tick = time.perf_counter()
         evaluation = evaluate(
