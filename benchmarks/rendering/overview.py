@@ -14,8 +14,8 @@ from .common import (
     stage1_share_of_sleb,
 )
 
-# (model, record, the row's variant in it and its label, Stage 1 cost record, page); the screening protocol for all:
-# the one with a heal row measured (the standard protocol's rows are on the accuracy page)
+# (model, record, the row's variant in it and its label, Stage 1 cost record, page); the screening protocol for all,
+# the records with a heal row (the standard protocol's rows are on the accuracy and heal pages)
 README_ROWS = (
     (
         "SmolLM2-135M, 25%",
@@ -31,10 +31,15 @@ README_ROWS = (
     ),
     (
         "Qwen2.5-Coder-0.5B, 25%",
-        "accuracy-qwen2.5-coder-0.5b-0.25-screening",
-        (("dense", "dense"), ("stage1", "Stage 1 (GradMAP)"), ("default", "Stage 1 + 2")),
+        "heal-qwen2.5-coder-0.5b-0.25-gradmap-screening",
+        (
+            ("dense", "dense"),
+            ("stage1", "Stage 1 (GradMAP)"),
+            ("default", "Stage 1 + 2"),
+            ("lora@131072", "+ heal (LoRA, 131,072 tokens)"),
+        ),
         "stage1_peers-qwen2.5-coder-0.5b-0.25-8",
-        "docs/benchmarks/accuracy-and-fidelity.md#qwen25-coder-05b-25-stage-1-and-the-default-stage-2-all-three-distinct-selections",
+        "docs/benchmarks/heal.md#qwen25-coder-05b-25-gradmaps-layers-with-tasks",
     ),
 )
 
