@@ -9,10 +9,10 @@ model (flips, KL) as well as accuracy and perplexity, on one model, ratio and se
         --dense-from heal-smollm2-135m-0.25-gradmap-screening --resume   # the dense row copied, marked as a copy
 
 A variant is `dense`, `stage1` (Stage 1 alone), `default` (Stage 1 and the default Stage 2), or a heal after them:
-`TRAINABLE@TOKENS` (`heal_trainable` and `heal_tokens`), optionally `+lr=VALUE` (`heal_lr`) and `+topk=K` (the
-teacher's K most likely tokens the loss keeps apart, `optimum_gradmap.heal.TOP_K`, 64 by default; the tail beyond
-them is one outcome). Two kinds of rows
-measure how flips follow the KL divergence when the damage is small (where the flips come from when a goal on them
+`TRAINABLE@TOKENS` (`heal_trainable` and `heal_tokens`), optionally `+lr=VALUE` (`heal_lr`), `+rank=R`
+(`heal_lora_rank`) and `+topk=K` (the teacher's K most likely tokens the loss keeps apart,
+`optimum_gradmap.heal.TOP_K`, 64 by default; the tail beyond them is one outcome). Two kinds of rows measure
+how flips follow the KL divergence when the damage is small (where the flips come from when a goal on them
 is missed): `dense@bf16` (the dense model with every weight rounded to bfloat16, computing in float32: a model
 almost equal to the dense one) and `stage1@K` (Stage 1 alone with only the first K of the removed layers, in the
 order they were removed). The removed layers are
@@ -94,8 +94,10 @@ def parse_variant(name: str) -> dict | None:
             settings["heal_lr"] = float(value)
         elif key == "topk" and value.isdigit():
             settings["top_k"] = int(value)
+        elif key == "rank" and value.isdigit():
+            settings["heal_lora_rank"] = int(value)
         else:
-            raise SystemExit(f"unknown option {option!r} in {name!r}: lr=VALUE or topk=K")
+            raise SystemExit(f"unknown option {option!r} in {name!r}: lr=VALUE, topk=K or rank=R")
     return settings
 
 
