@@ -128,10 +128,9 @@ def heal_rows(source: str, unit_from: str | None = None) -> Callable[[Context], 
                 alone = not row["provenance"]["others_running_before"] and not row["provenance"]["others_running_after"]
                 share = f"{heal['seconds'] / unit:.2f}x" if alone else "shared machine"
                 seconds = f"{heal['seconds']:.0f} ({share})"
-            names = {"dense": "dense", "stage1": "Stage 1 alone", "default": "Stage 1 + default Stage 2"}
             table.add(
                 [
-                    names.get(row["variant"], f"+ heal `{row['variant']}`, lr {heal.get('learning_rate', 0):g}"),
+                    _row_name(row["variant"], ()) + (f", lr {heal['learning_rate']:g}" if heal else ""),
                     number(perplexity(evaluation, "offline:wikipedia"), 2),
                     number(perplexity(evaluation, "offline:web_text"), 2),
                     kl_cell(evaluation, "offline:wikipedia"),
@@ -159,7 +158,8 @@ def _row_name(variant: str, removed: Sequence[int]) -> str:
     if variant.startswith("stage1@"):
         count = int(variant.partition("@")[2])
         return f"Stage 1 alone, first {count} layer{'s' if count > 1 else ''} ({', '.join(map(str, removed[:count]))})"
-    return {"stage1": "Stage 1 alone", "default": "Stage 1 + default Stage 2"}.get(variant, f"+ heal `{variant}`")
+    names = {"dense": "dense", "stage1": "Stage 1 alone", "default": "Stage 1 + default Stage 2"}
+    return names.get(variant, f"+ heal `{variant}`")
 
 
 def flips_by_task(source: str) -> Callable[[Context], str]:
