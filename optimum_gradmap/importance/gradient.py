@@ -257,6 +257,9 @@ class PerSampleGradientNorms:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        # The last batch's input holds its autograd graph, whose tensor hooks hold this object: a cycle through C++
+        # that Python's collector cannot see, which kept every round's activations alive.
+        self._last_input = self._last_gram = None
 
     def start_batch(self, batch_size: int, seq_len: int) -> None:
         self._batch_size = batch_size
