@@ -238,6 +238,11 @@ def replace_folder(staging: str, target: str) -> None:
     shutil.rmtree(backup, ignore_errors=True)
 
 
+# The shard size of the Hub's own large checkpoints (transformers' `save_pretrained` defaults to 50GB). An offloaded
+# model is written a shard at a time, each shard's weights read into memory: this bounds what saving holds.
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+
 def save_checkpoint(
     save_directory: str | os.PathLike,
     model: PreTrainedModel,
@@ -264,7 +269,9 @@ def save_checkpoint(
             [`optimum_gradmap.report.write_report`].
         repo_id (`str`, *optional*): The Hub repository the model card should name in its examples.
         overwrite (`bool`): Replace the contents of an existing non-empty folder (refused otherwise).
-        save_kwargs: Passed to the model's `save_pretrained`.
+        save_kwargs: Passed to the model's `save_pretrained`; `max_shard_size` defaults to
+            `DEFAULT_MAX_SHARD_SIZE` (5GB, as the Hub's large checkpoints are sharded): an offloaded model is
+            written a shard at a time, so saving holds at most one shard's weights in memory.
 
     With several processes ([`optimum_gradmap.distributed`]) the main process writes; the others wait
     for it, write nothing, and raise if it failed.
@@ -304,7 +311,7 @@ def _write_checkpoint(
     os.makedirs(os.path.dirname(target), exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.saving-", dir=os.path.dirname(target))
     try:
-        model.save_pretrained(staging, **save_kwargs)
+        model.save_pretrained(staging, **{"max_shard_size": DEFAULT_MAX_SHARD_SIZE, **save_kwargs})
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         config.save_pretrained(staging)

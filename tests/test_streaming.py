@@ -221,3 +221,33 @@ def test_offloaded_embedding_read_by_slices(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(sliced, dense.get_input_embeddings()(ids))
     assert embeddings.weight.shape == (256, model.config.hidden_size) and embeddings.weight.device.type == "meta"
+
+
+def test_an_offloaded_model_is_saved_in_shards_of_the_default_size(tmp_path, monkeypatch):
+    """Saving an offloaded model reads its weights a shard at a time: the library's 5GB default (the Hub's), not
+    transformers' 50GB, bounds the memory a large model's save holds. A smaller limit gives smaller shards, and the
+    checkpoint reloads to the same logits."""
+    from optimum_gradmap import checkpoint
+
+    folder = str(tmp_path / "dense")
+    tiny_model("llama").save_pretrained(folder)
+    model = _offloaded(folder)
+    config = small_config(num_layers_to_prune=None, layers_to_prune=[2], compensation=False)
+    result = GradMAPPruner(config, progress_bar=False).prune(model, random_ids(8, 16))
+    sizes = []
+    original = type(model).save_pretrained
+
+    def recorded(self, *args, **kwargs):
+        sizes.append(kwargs.get("max_shard_size"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "save_pretrained", recorded)
+    result.save_pretrained(str(tmp_path / "default"))
+    assert sizes == [checkpoint.DEFAULT_MAX_SHARD_SIZE] == ["5GB"]
+    saved = result.save_pretrained(str(tmp_path / "small"), max_shard_size="100KB")
+    shards = [name for name in os.listdir(saved) if name.endswith(".safetensors")]
+    assert len(shards) > 1 and all(os.path.getsize(os.path.join(saved, name)) < 400_000 for name in shards)
+    probe = random_ids(2, 16, seed=1)
+    with torch.no_grad():
+        reloaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)(probe).logits
+        torch.testing.assert_close(reloaded, model(probe).logits, rtol=1e-6, atol=1e-6)

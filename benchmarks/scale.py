@@ -1,0 +1,429 @@
+"""The scale harness (issue 64): real architectures' published configs with random weights, pruned from disk.
+
+Random weights make the chosen layers and every perplexity meaningless: this harness measures time, memory, disk
+and the machinery's correctness (the pruned checkpoint reloads with plain `AutoModelForCausalLM` and computes the
+logits the pruned model computed in the process), never quality.
+
+    # write Llama-3.1-8B's shape with random weights, sharded as `save_pretrained(max_shard_size="5GB")` shards it
+    python benchmarks/scale.py build --model llama-3.1-8b --dtype bfloat16 --output /work/scale/llama-3.1-8b-bf16
+    # prune it from disk with the command line, layer-streamed, and measure
+    python benchmarks/scale.py prune --model llama-3.1-8b --weights /work/scale/llama-3.1-8b-bf16 \
+        --dtype bfloat16 --num-samples 16 --max-memory cpu=2GiB --resume
+
+`build` draws every weight as the family's `_init_weights` draws it (normal with the config's
+`initializer_range` for linear maps and embeddings, ones for norms, zeros for biases), one module at a time in
+the state dict's order from one seeded generator, so the whole model is never in memory; the tokenizer is
+SmolLM2-135M's from the offline assets (its 49,152 ids lie inside every vocabulary here: random weights do not
+care which tokenizer reads the text).
+
+`prune` runs `optimum-gradmap prune WEIGHTS --pruning-ratio R --output OUT --device-map auto --max-memory ...
+--offload-folder ...` in a child process, through the command line's own entry point, with one probe added: once
+the checkpoint is written, the pruned model's logits on a few tokens are saved. A second child reloads the
+checkpoint with plain `AutoModelForCausalLM` (offloaded the same way) and compares its logits with them. The
+parent samples the child's memory every 0.5 s (`/proc/PID/status`: RssAnon, the process's own memory; RssFile,
+the weight files it has mapped) and reads its `VmHWM` (peak resident) and `/proc/PID/io` (bytes read from disk)
+when it ends. Seconds per Stage 1 round come from the Stage 1 checkpoint, Stage 2's from the report.
+Writes benchmarks/results/scale-<model>-<dtype>.json (one row per run; `--resume` skips a finished run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, ROOT)
+
+RANDOM_WEIGHTS = "random weights: time, memory, disk and correctness only, never quality"
+
+# Published configs (the `config.json` of each Hub repository), written out here: no Hub.
+ARCHITECTURES: dict[str, dict] = {
+    "llama-3.1-8b": {  # meta-llama/Llama-3.1-8B
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+    "qwen2.5-7b": {  # Qwen/Qwen2.5-7B
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": 152064,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "hidden_act": "silu",
+        "max_position_embeddings": 131072,
+        "max_window_layers": 28,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 131072,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+    },
+    "mistral-7b-v0.3": {  # mistralai/Mistral-7B-v0.3
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "vocab_size": 32768,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+}
+
+
+def architecture_config(name: str, num_layers: int | None = None):
+    """The published config of `name` as a transformers config (`num_layers` overrides its depth, for quick tries)."""
+    from transformers import AutoConfig
+
+    values = dict(ARCHITECTURES[name])
+    if num_layers is not None:
+        values["num_hidden_layers"] = num_layers
+        if "max_window_layers" in values:
+            values["max_window_layers"] = num_layers
+    model_type = values.pop("model_type")
+    return AutoConfig.for_model(model_type, **values)
+
+
+def gib(value: float) -> float:
+    return round(value / 2**30, 3)
+
+
+# ------------------------------------------------------------------------------------------------------------- build
+def build(args: argparse.Namespace) -> None:
+    """Writes the architecture with random weights into `args.output`, one shard at a time."""
+    import torch
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from optimum_gradmap.assets import get_model_path
+
+    dtype = getattr(torch, args.dtype)
+    config = architecture_config(args.model, args.num_layers)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    meta_state = model.state_dict()
+    split = split_torch_state_dict_into_shards(meta_state, max_shard_size=args.max_shard_size)
+    modules = dict(model.named_modules())
+    owner = {}  # parameter name -> (module name, attribute)
+    for name in meta_state:
+        module_name, _, attribute = name.rpartition(".")
+        owner[name] = (module_name, attribute)
+    os.makedirs(args.output, exist_ok=True)
+    generator = torch.Generator().manual_seed(args.seed)
+    std = config.initializer_range
+    started = time.time()
+    written = 0
+    for shard_file, names in split.filename_to_tensors.items():
+        tensors = {}
+        for name in names:  # the state dict's order within each shard: one generator, a fixed order
+            module_name, attribute = owner[name]
+            module = modules[module_name]
+            shape = meta_state[name].shape
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and attribute == "weight":
+                tensor = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+            elif attribute == "bias":
+                tensor = torch.zeros(shape, dtype=torch.float32)
+            elif "Norm" in type(module).__name__ and attribute == "weight":
+                tensor = torch.ones(shape, dtype=torch.float32)
+            else:
+                raise ValueError(f"{name} ({type(module).__name__}.{attribute}): no rule for its initial values")
+            tensors[name] = tensor.to(dtype)
+        save_file(tensors, os.path.join(args.output, shard_file), metadata={"format": "pt"})
+        written += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+        print(f"{shard_file}: {len(tensors)} tensors, {gib(written)} GiB written, {time.time() - started:.0f} s", flush=True)
+        del tensors
+    if split.is_sharded:
+        index = {"metadata": {"total_size": written}, "weight_map": split.tensor_to_filename}
+        with open(os.path.join(args.output, "model.safetensors.index.json"), "w") as file:
+            json.dump(index, file, indent=2, sort_keys=True)
+    config.architectures = ARCHITECTURES[args.model]["architectures"]
+    config.dtype = args.dtype
+    config.save_pretrained(args.output)
+    AutoTokenizer.from_pretrained(get_model_path("smollm2-135m")).save_pretrained(args.output)
+    with open(os.path.join(args.output, "SCALE_README.txt"), "w") as file:
+        file.write(f"{args.model} shape, {RANDOM_WEIGHTS}; seed {args.seed}; tokenizer: SmolLM2-135M's.\n")
+    print(f"wrote {args.output}: {gib(written)} GiB in {time.time() - started:.0f} s", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------ measurement
+class ProcessMonitor:
+    """Samples a child process's memory every `interval` seconds, and reads its peak and disk reads at the end."""
+
+    def __init__(self, pid: int, interval: float = 0.5):
+        self.pid, self.interval = pid, interval
+        self.peak_anon = self.peak_file = self.peak_rss = 0
+        self.timeline: list[tuple[float, float, float]] = []  # (seconds, anon GiB, file GiB), every 10 s
+        self.last = {}
+        self._running = True
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._started = time.time()
+        self._thread.start()
+
+    def _read(self) -> None:
+        values = {}
+        with open(f"/proc/{self.pid}/status") as file:
+            for line in file:
+                key, _, rest = line.partition(":")
+                if key in ("RssAnon", "RssFile", "VmRSS", "VmHWM"):
+                    values[key] = int(rest.split()[0]) * 1024
+        with open(f"/proc/{self.pid}/io") as file:
+            for line in file:
+                key, _, rest = line.partition(":")
+                values[key] = int(rest)
+        self.last = values
+        self.peak_anon = max(self.peak_anon, values.get("RssAnon", 0))
+        self.peak_file = max(self.peak_file, values.get("RssFile", 0))
+        self.peak_rss = max(self.peak_rss, values.get("VmHWM", 0), values.get("VmRSS", 0))
+
+    def _sample(self) -> None:
+        next_mark = 0.0
+        while self._running:
+            try:
+                self._read()
+            except (FileNotFoundError, ProcessLookupError):
+                return
+            seconds = time.time() - self._started
+            if seconds >= next_mark:
+                self.timeline.append((round(seconds), gib(self.last.get("RssAnon", 0)), gib(self.last.get("RssFile", 0))))
+                next_mark += 10.0
+            time.sleep(self.interval)
+
+    def stop(self) -> dict:
+        self._running = False
+        self._thread.join()
+        return {
+            "peak_resident_gib": gib(self.peak_rss),
+            "peak_anonymous_gib": gib(self.peak_anon),
+            "peak_file_mapped_gib": gib(self.peak_file),
+            "read_bytes_gib": gib(self.last.get("read_bytes", 0)),
+            "read_chars_gib": gib(self.last.get("rchar", 0)),
+            "written_bytes_gib": gib(self.last.get("write_bytes", 0)),
+            "timeline": self.timeline,
+        }
+
+
+def run_monitored(command: list[str], log_path: str, env: dict | None = None) -> tuple[int, float, dict]:
+    """Runs `command`, its output to `log_path`, and what [`ProcessMonitor`] saw. The child holds its exit so that
+    its final peak and disk reads can be read: it stops itself at exit (SIGSTOP), and the parent continues it."""
+    started = time.time()
+    with open(log_path, "w") as log:
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        monitor = ProcessMonitor(child.pid)
+        while child.poll() is None:
+            try:
+                with open(f"/proc/{child.pid}/stat") as file:
+                    state = file.read().rsplit(")", 1)[1].split()[0]
+            except FileNotFoundError:
+                break
+            if state == "T":  # stopped itself at exit: read its last figures, then let it go
+                monitor._read()
+                os.kill(child.pid, 18)  # SIGCONT
+                break
+            time.sleep(0.5)
+        code = child.wait()
+    return code, time.time() - started, monitor.stop()
+
+
+def prune_child(args: argparse.Namespace) -> None:
+    """In the child: the command line's own `prune`, plus the logits probe once the checkpoint is written."""
+    import atexit
+    import signal
+
+    import torch
+
+    atexit.register(lambda: os.kill(os.getpid(), signal.SIGSTOP))  # the parent reads the final figures, then continues
+    from optimum_gradmap import cli
+    from optimum_gradmap.result import PruningResult
+
+    original_save = PruningResult.save_pretrained
+
+    def save_and_probe(self, *save_args, **save_kwargs):
+        folder = original_save(self, *save_args, **save_kwargs)
+        probe = torch.tensor([PROBE_TOKENS])
+        with torch.no_grad():
+            logits = self.model(input_ids=probe, use_cache=False).logits.float()
+        torch.save(logits, os.path.join(args.work, "probe_logits.pt"))
+        return folder
+
+    PruningResult.save_pretrained = save_and_probe
+    argv = json.loads(args.child_argv)
+    code = cli.main(argv)
+    sys.exit(code or 0)
+
+
+PROBE_TOKENS = [1, 504, 3458, 282, 1410, 314, 260, 2269, 2484, 30, 378, 314, 8318, 28, 2634, 2]
+
+
+def reload_child(args: argparse.Namespace) -> None:
+    """In the child: plain `AutoModelForCausalLM`, offloaded as the prune was, and its logits against the probe's."""
+    import atexit
+    import signal
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    atexit.register(lambda: os.kill(os.getpid(), signal.SIGSTOP))
+    placement = json.loads(args.placement)
+    model = AutoModelForCausalLM.from_pretrained(args.output_dir, dtype=getattr(torch, args.dtype), **placement)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([PROBE_TOKENS]), use_cache=False).logits.float()
+    expected = torch.load(os.path.join(args.work, "probe_logits.pt"))
+    result = {
+        "num_layers": model.config.num_hidden_layers,
+        "max_abs_difference": float((logits - expected).abs().max()),
+        "equal": bool(torch.equal(logits, expected)),
+        "logits_scale": float(expected.abs().max()),
+    }
+    with open(os.path.join(args.work, "reload.json"), "w") as file:
+        json.dump(result, file)
+
+
+def folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(folder, name)) for folder, _, names in os.walk(path) for name in names)
+
+
+def prune(args: argparse.Namespace) -> None:
+    from provenance import finish, provenance
+
+    record_path = os.path.join(ROOT, "benchmarks", "results", f"scale-{args.model}-{args.dtype}.json")
+    rows = json.load(open(record_path)) if os.path.exists(record_path) else []
+    key = {"num_samples": args.num_samples, "seq_len": args.seq_len, "ratio": args.ratio, "max_memory": args.max_memory}
+    if args.resume and any(row.get("key") == key and row.get("reloaded") for row in rows):
+        print(f"{key}: done already ({record_path})")
+        return
+    work = args.work or tempfile.mkdtemp(prefix="scale-", dir=os.path.dirname(os.path.abspath(args.weights)))
+    os.makedirs(work, exist_ok=True)
+    output = os.path.join(work, "pruned")
+    offload = os.path.join(work, "offload")
+    stage1_checkpoint = os.path.join(work, "stage1.json")
+    argv = [
+        "prune", args.weights, "--pruning-ratio", str(args.ratio), "--output", output, "--overwrite",
+        "--dtype", args.dtype, "--device-map", "auto", "--max-memory", args.max_memory, "--offload-folder", offload,
+        "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
+        "--stage1-checkpoint", stage1_checkpoint, "--dataset", "offline:wikipedia", *args.extra,
+    ]  # fmt: skip
+    row = {"key": key, "model": args.model, "dtype": args.dtype, "weights": RANDOM_WEIGHTS, "argv": argv}
+    row["weight_bytes_on_disk"] = folder_bytes(args.weights)
+    row["provenance"] = provenance()
+    command = [sys.executable, __file__, "_prune_child", "--work", work, "--child-argv", json.dumps(argv)]
+    code, seconds, memory = run_monitored(command, os.path.join(work, "prune.log"))
+    row["provenance"] = finish(row["provenance"])
+    row["exit_code"], row["seconds"], row["memory"] = code, round(seconds, 1), memory
+    if code == 0:
+        report = json.load(open(os.path.join(output, "pruning_report.json")))
+        checkpoint = json.load(open(stage1_checkpoint)) if os.path.exists(stage1_checkpoint) else {}
+        row["removed_layers"] = report.get("removed_layers")
+        row["round_seconds"] = [round(done["seconds"], 1) for done in checkpoint.get("rounds", [])]
+        row["timings"] = report.get("timings")
+        row["output_bytes"] = folder_bytes(output)
+        memory_limits = dict(_parse_memory(args.max_memory))
+        placement = {"device_map": "auto", "max_memory": memory_limits, "offload_folder": offload + "-reload"}
+        reload_command = [
+            sys.executable, __file__, "_reload_child", "--work", work, "--output-dir", output,
+            "--dtype", args.dtype, "--placement", json.dumps(placement),
+        ]  # fmt: skip
+        code, seconds, reload_memory = run_monitored(reload_command, os.path.join(work, "reload.log"))
+        row["reload"] = {"exit_code": code, "seconds": round(seconds, 1), "memory": reload_memory}
+        if code == 0:
+            row["reload"].update(json.load(open(os.path.join(work, "reload.json"))))
+            row["reloaded"] = True
+    rows = [existing for existing in rows if existing.get("key") != key] + [row]
+    os.makedirs(os.path.dirname(record_path), exist_ok=True)
+    with open(record_path, "w") as file:
+        json.dump(rows, file, indent=1)
+    shown = {k: v for k, v in row.items() if k not in ("provenance", "argv")}
+    shown["memory"] = {k: v for k, v in row["memory"].items() if k != "timeline"}
+    print(json.dumps(shown, indent=1))
+    if not args.keep:
+        shutil.rmtree(output, ignore_errors=True)
+
+
+def _parse_memory(text: str):
+    for item in text.split(","):
+        device, _, size = item.partition("=")
+        yield (int(device) if device.isdigit() else device), size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    built = commands.add_parser("build", help="write an architecture with random weights")
+    built.add_argument("--model", choices=ARCHITECTURES, required=True)
+    built.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    built.add_argument("--num-layers", type=int, default=None, help="override the depth (quick tries only)")
+    built.add_argument("--max-shard-size", default="5GB")
+    built.add_argument("--seed", type=int, default=0)
+    built.add_argument("--output", required=True)
+    pruned = commands.add_parser("prune", help="prune from disk with the command line, and measure")
+    pruned.add_argument("--model", choices=ARCHITECTURES, required=True)
+    pruned.add_argument("--weights", required=True, help="the folder `build` wrote")
+    pruned.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    pruned.add_argument("--ratio", type=float, default=0.25)
+    pruned.add_argument("--num-samples", type=int, default=16)
+    pruned.add_argument("--seq-len", type=int, default=128)
+    pruned.add_argument("--batch-size", type=int, default=8)
+    pruned.add_argument("--max-memory", default="cpu=2GiB", help="--max-memory of the command line (the rest on disk)")
+    pruned.add_argument("--work", default=None, help="folder for the output, offload and logs")
+    pruned.add_argument("--keep", action="store_true", help="keep the pruned checkpoint")
+    pruned.add_argument("--resume", action="store_true")
+    pruned.add_argument("extra", nargs="*", help="more options for `prune` (after --)")
+    child = commands.add_parser("_prune_child")
+    child.add_argument("--work", required=True)
+    child.add_argument("--child-argv", required=True)
+    reload = commands.add_parser("_reload_child")
+    for name in ("--work", "--output-dir", "--dtype", "--placement"):
+        reload.add_argument(name, required=True)
+    args = parser.parse_args()
+    {"build": build, "prune": prune, "_prune_child": prune_child, "_reload_child": reload_child}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
