@@ -9,7 +9,8 @@ Nothing between the markers is typed by hand: the prose around them is. Every ro
 provenance (commit, date, command, machine, quiet or not, from benchmarks/provenance.py), a copied row says what it
 copies, and a row measured by code older than a change of the library's behaviour that concerns it
 (`rendering.common.CHANGES`) is marked with that change; a record written before rows carried their provenance says
-so. tests/test_docs.py fails when a committed table differs from what this script writes.
+so. The README's table carries no footnotes: its rows link to the pages that carry them. tests/test_docs.py fails
+when a committed table differs from what this script writes.
 """
 
 from __future__ import annotations

@@ -127,10 +127,27 @@ def test_render_rewrites_a_table_edited_by_hand():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as file:
         text = file.read()
     assert "<!-- render: readme-results -->" in text
-    edited = text.replace("[^readme-1] |", "[^readme-1] typed by hand |", 1)
+    edited = text.replace("| SmolLM2-135M, 25% |", "| SmolLM2-135M, 25% typed by hand |", 1)
     assert edited != text
     assert render.render_text(edited, "README.md") == render.render_text(text, "README.md")
     assert render.render_text(edited, "README.md") != edited
+
+
+def test_the_readme_table_carries_no_footnotes_and_the_pages_it_links_carry_its_provenance():
+    render = load_render()
+    overview = importlib.import_module("rendering.overview")
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as file:
+        block = file.read().split("<!-- render: readme-results -->")[1].split("<!-- /render -->")[0]
+    assert "[^" not in block
+    table = overview.readme_table(render.Context("README.md"))
+    linked = sorted({target.partition("#")[0] for target in LINK.findall(block)})
+    assert "docs/benchmarks/heal.md" in linked and "docs/benchmarks/stage1-cost.md" in linked
+    pages = ""
+    for page in linked:
+        with open(os.path.join(ROOT, page), encoding="utf-8") as file:
+            pages += file.read()
+    # a page's footnote may say more (the Stage 1 cost page adds the load on the machine)
+    assert table.notes and [note for note in table.notes if note.rstrip(".") not in pages] == []
 
 
 def test_every_results_table_is_the_one_render_writes():

@@ -83,13 +83,16 @@ def older_than(provenance: dict, kinds: Sequence[str]) -> list[Change]:
 
 @dataclass
 class Table:
-    """A markdown table whose rows carry provenance footnotes, numbered `[^PREFIX-N]`."""
+    """A markdown table whose rows carry provenance footnotes, numbered `[^PREFIX-N]`. With `cite=False` the rows
+    carry none (the README's table, whose rows link to the pages that carry them): the notes are still collected in
+    `notes`, and a row of older code is still marked."""
 
     prefix: str
     header: Sequence[str]
     align: Sequence[str] | None = None
     rows: list[list[str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    cite: bool = True
 
     def add(
         self,
@@ -112,7 +115,8 @@ class Table:
             note = footnote(row_provenance, row_source, row_kinds)
             if note not in self.notes:  # one measurement shown on several rows: one footnote
                 self.notes.append(note)
-            cells[index] += f"[^{self.prefix}-{self.notes.index(note) + 1}]"
+            if self.cite:
+                cells[index] += f"[^{self.prefix}-{self.notes.index(note) + 1}]"
             if older_than(row_provenance, row_kinds):
                 cells[index] += " (older code)"
         self.rows.append(cells)
@@ -122,7 +126,7 @@ class Table:
         align = self.align or ["---"] * len(self.header)
         lines = ["| " + " | ".join(self.header) + " |", "|" + "|".join(align) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in self.rows]
-        if notes and self.notes:
+        if notes and self.cite and self.notes:
             lines.append("")
             lines += [f"[^{self.prefix}-{i}]: {note}" for i, note in enumerate(self.notes, 1)]
         return "\n".join(lines) + "\n"

@@ -43,6 +43,8 @@ README_ROWS = (
     ),
 )
 
+STAGE1_COST_PAGE = "docs/benchmarks/stage1-cost.md#stage-1-against-slebs-own-code"
+
 
 def _row_flips(row: dict) -> str:
     """Flips against the dense model, BoolQ left out: from benchmarks/heal.py's records or from a paired comparison."""
@@ -55,6 +57,13 @@ def _row_flips(row: dict) -> str:
 
 def readme_results(context: Context) -> str:
     """The README's table: dense, Stage 1, Stage 1 + 2 (and heal) on the two models, screening protocol."""
+    return readme_table(context).markdown()
+
+
+def readme_table(context: Context) -> Table:
+    """[`readme_results`]' table. Its rows carry no footnotes: each row links to the page that shows it with its
+    provenance (the heal page), and the Stage 1 time's header to the Stage 1 cost page; `notes` holds the
+    footnotes those pages carry (tests/test_docs.py checks that they do)."""
     table = Table(
         "readme",
         [
@@ -65,9 +74,10 @@ def readme_results(context: Context) -> str:
             "KL to dense (Wikipedia)",
             "accuracy, mean of 7 tasks",
             "flips vs dense (no BoolQ)",
-            "Stage 1 time / SLEB's",
+            f"[Stage 1 time / SLEB's]({context.link(STAGE1_COST_PAGE)})",
         ],  # fmt: skip
         ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:"],
+        cite=False,
     )
     for model, source, variants, cost_source, page in README_ROWS:
         rows = {row["variant"]: row for row in load(source)["rows"] if row.get("selection", "gradmap") in ("dense", "gradmap")}
@@ -100,7 +110,7 @@ def readme_results(context: Context) -> str:
                 more=more,
             )
             first = False
-    return table.markdown()
+    return table
 
 
 def main_job(context: Context) -> str:

@@ -57,7 +57,8 @@ class KLDivergence:
 
 def _segment_kl(logits: torch.Tensor, reference_logits: torch.Tensor) -> torch.Tensor:
     """Each row's mean over its predicted positions (`[:-1]`) of KL(softmax(reference) || softmax(model)), computed in
-    float32 from the log-softmax of both, one row at a time (a row's vocabulary-sized tensors only); float64 on CPU."""
+    float32 from the log-softmax of both, one row at a time (a row's vocabulary-sized tensors only); float64 on the
+    logits' device (no host synchronisation: the caller brings the rows back once)."""
     if logits.shape != reference_logits.shape:
         raise InvalidInputError(
             f"The model's logits have shape {tuple(logits.shape)}, the reference model's {tuple(reference_logits.shape)}: "
@@ -70,7 +71,7 @@ def _segment_kl(logits: torch.Tensor, reference_logits: torch.Tensor) -> torch.T
         p = log_p.exp()
         terms = torch.where(p > 0, p * (log_p - log_q), torch.zeros((), dtype=p.dtype, device=p.device))  # 0 log 0 = 0
         means.append(terms.sum(dim=-1).double().mean())
-    return torch.stack(means).cpu()
+    return torch.stack(means)
 
 
 def next_token_kl_per_segment(
@@ -102,9 +103,10 @@ def _kl_and_loss_per_segment(
     model: nn.Module, reference_model: nn.Module, segments: torch.LongTensor, batch_size: int, progress_bar: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[`next_token_kl_per_segment`], and from the same logits the model's next-token loss summed over every predicted
-    token, batch by batch as [`~optimum_gradmap.passes.next_token_loss_sum`] sums it (the same float64 scalar)."""
+    token, batch by batch as [`~optimum_gradmap.passes.next_token_loss_sum`] sums it (the same float64 scalar).
+    Both are summed on the logits' device and brought to the CPU once, after the last batch (no per-batch sync)."""
     reference_device = input_device(reference_model)
-    means, total = [], torch.zeros((), dtype=torch.float64)
+    means, total = [], None
     with (
         calibration_mode(reference_model),
         calibration_batches(model, segments, batch_size, "KL divergence", progress_bar) as batches,
@@ -113,8 +115,11 @@ def _kl_and_loss_per_segment(
             logits = model(input_ids=batch, use_cache=False).logits
             reference_logits = reference_model(input_ids=batch.to(reference_device), use_cache=False).logits
             means.append(_segment_kl(logits, reference_logits))
-            total = total + summed_next_token_loss(logits, batch).cpu()
-    return (torch.cat(means) if means else torch.zeros(0, dtype=torch.float64)), total
+            batch_total = summed_next_token_loss(logits, batch)
+            total = batch_total if total is None else total + batch_total.to(total.device)
+    if not means:
+        return torch.zeros(0, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    return torch.cat([row.to(means[0].device) for row in means]).cpu(), total.cpu()
 
 
 def perplexity_and_kl(
