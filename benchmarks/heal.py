@@ -11,7 +11,7 @@ model (flips, KL) as well as accuracy and perplexity, on one model, ratio and se
 A variant is `dense`, `stage1` (Stage 1 alone), `default` (Stage 1 and the default Stage 2), or a heal after them:
 `TRAINABLE@TOKENS` (`heal_trainable` and `heal_tokens`), optionally `+lr=VALUE` (`heal_lr`), `+rank=R`
 (`heal_lora_rank`) and `+topk=K` (the teacher's K most likely tokens the loss keeps apart,
-`optimum_gradmap.heal.TOP_K`, 64 by default; the tail beyond them is one outcome). Two kinds of rows measure
+`optimum_gradmap.distillation.TOP_K`, 64 by default; the tail beyond them is one outcome). Two kinds of rows measure
 how flips follow the KL divergence when the damage is small (where the flips come from when a goal on them
 is missed): `dense@bf16` (the dense model with every weight rounded to bfloat16, computing in float32: a model
 almost equal to the dense one) and `stage1@K` (Stage 1 alone with only the first K of the removed layers, in the
@@ -52,8 +52,7 @@ import torch
 from accuracy import CALIBRATION, RESULTS, layers_of
 from provenance import finish, provenance
 
-from optimum_gradmap import GradMAPConfig, GradMAPPruner
-from optimum_gradmap import heal as heal_module
+from optimum_gradmap import GradMAPConfig, GradMAPPruner, distillation
 from optimum_gradmap.assets import load_model
 from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
 from optimum_gradmap.evaluation import (
@@ -105,12 +104,12 @@ def parse_variant(name: str) -> dict | None:
 def teacher_top_k(top_k: int | None):
     """Within the block, the heal's loss keeps the teacher's `top_k` most likely tokens apart (the library's
     `TOP_K`, a module constant, otherwise)."""
-    default = heal_module.TOP_K
-    heal_module.TOP_K = top_k or default
+    default = distillation.TOP_K
+    distillation.TOP_K = top_k or default
     try:
         yield
     finally:
-        heal_module.TOP_K = default
+        distillation.TOP_K = default
 
 
 def partial_stage1(name: str) -> int | None:
@@ -346,7 +345,7 @@ def main() -> None:
                         HEAL_TEXT,
                     )
                 row["heal"] = healed.to_dict()
-                row["heal"]["teacher_top_k"] = top_k or heal_module.TOP_K
+                row["heal"]["teacher_top_k"] = top_k or distillation.TOP_K
                 row["timings"]["heal"] = healed.seconds
         tick = time.perf_counter()
         evaluation = evaluate(

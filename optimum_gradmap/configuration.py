@@ -349,7 +349,9 @@ class GradMAPConfig:
         "layer-streamed when the model has weights offloaded by Accelerate, else in memory. Changes speed and "
         "memory, not the result.",
     )
-    seed: int = _setting(0, "Seed for sampling calibration sequences.", minimum=0)
+    seed: int = _setting(
+        0, "Seed for sampling calibration sequences (and the heal's sequences and its LoRA adapters' initialisation).", minimum=0
+    )
     dataset: str = _setting(
         "wikipedia",
         "Calibration data used when `prune` gets none, loaded with `datasets` from the Hugging Face Hub: "

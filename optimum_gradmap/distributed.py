@@ -28,8 +28,11 @@ more than one process every function here is the identity.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -83,10 +86,11 @@ def barrier() -> None:
 
 
 def on_main_process(function: Callable[[], T]) -> T:
-    """Runs `function` on the main process alone (to write a file, to upload) and gives every process its
-    result. If it raises on the main process, it raises there, and every other process raises a
-    `RuntimeError` that says so: no process is left waiting for the others. (Only the small result, or
-    the error's message, is sent; `function` itself must not wait for the other processes.)"""
+    """Runs `function` on the main process alone (to write a file, to upload, to read a file only it may see: nodes
+    need not share a file system) and gives every process its result, pickled (`broadcast_object_list`). If it raises
+    on the main process, it raises there, and every other process raises a `RuntimeError` that says so: no process is
+    left waiting for the others. (Only the result, or the error's message, is sent; `function` itself must not wait for
+    the other processes.)"""
     if not is_distributed():
         return function()
     outcome: list[Any] = [None, None]  # [result, error message]
@@ -102,6 +106,39 @@ def on_main_process(function: Callable[[], T]) -> T:
     if outcome[1] is not None:
         raise RuntimeError(f"The main process (rank 0) failed: {outcome[1]}")
     return outcome[0]
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is true on at least one process (one all-reduce; every process must call it)."""
+    if not is_distributed():
+        return flag
+    return bool(all_reduce_sum(torch.tensor([float(flag)])) > 0)
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[Callable[[], bool]]:
+    """Under a process group of several processes, turns Ctrl-C into a request the processes agree on.
+
+    `torchrun` and a terminal send SIGINT to every process, and each would raise `KeyboardInterrupt` wherever it is:
+    one in a collective, another writing a file, and the ones that go on wait for it. Inside this block SIGINT raises
+    nothing and is recorded instead; the function it yields says whether one came. The caller shares that answer with
+    the other processes at a point every process reaches ([`any_process`], or a flag added to a tensor it all-reduces
+    anyway), and all of them stop there. With one process, or outside the main thread (where no handler can be set),
+    SIGINT raises `KeyboardInterrupt` as usual and the function always returns `False`.
+
+    Yields:
+        `Callable[[], bool]`: Whether SIGINT came since the block started.
+    """
+    received: list[int] = []
+    if not is_distributed() or threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield lambda: bool(received)
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
 
 
 def _communication_device() -> torch.device:

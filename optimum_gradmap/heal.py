@@ -13,12 +13,14 @@ adapters merged into the weights.
 snapshot holds the layers and the folds' backups hold the weights, so no second copy of the model is loaded
 ([`LayerSnapshot.dense_model`]); a checkpoint healed later takes its teacher as a separate model. The teacher runs once, before
 training, over every training and held-out sequence, and keeps at each position its `TOP_K` most likely next tokens'
-log-probabilities and the log of the probability left to all other tokens (LinearPatch's "offline" teacher: memory
-and time go to the student alone during training, and any part of the student may be trained, the layers the
-teacher shares included).
+log-probabilities and the log of the probability left to all other tokens ([`~optimum_gradmap.distillation`];
+LinearPatch's "offline" teacher). No reference to the teacher outlives its pass, so a teacher loaded on its own (the
+`heal` command's) is freed before training, which holds the student, its optimizer state and these targets; and any
+part of the student may be trained, the layers the teacher shares included.
 
-**Loss.** The forward KL divergence KL(p_dense || p_pruned) over `TOP_K + 1` outcomes: the teacher's top-K tokens
-and "any other token", whose probabilities are the sums of the rest:
+**Loss.** The forward KL divergence KL(p_dense || p_pruned) over `TOP_K + 1` outcomes
+([`~optimum_gradmap.distillation.top_k_kl`]): the teacher's top-K tokens and "any other token", whose probabilities
+are the sums of the rest:
 
     sum_{k in top-K} p_k (log p_k - log q_k) + p_rest (log p_rest - log q_rest)
 
@@ -40,12 +42,14 @@ Whatever is trained ends as plain weights: the checkpoint stays standard.
 training and every `heal_check_every` steps, and the trained weights with the lowest one (the start included) are
 the ones kept. Ctrl-C stops training and keeps that best state. A checkpoint file resumes an interrupted run. Under
 `torch.distributed` every process takes its share of each batch and of the held-out sequences and the gradients are
-averaged (data-parallel). Where the hardware computes bfloat16 natively and `heal_autocast` is on, the teacher's
-passes and the student's forward and backward passes run under bfloat16 autocast; the log-softmax, the loss, the
-optimizer and the weights stay in float32. The teacher's targets barely move: on SmolLM2-135M the KL divergence from
-its float32 next-token distribution to its autocast one is below 0.001 nats per token on held-out text, about a
-thousandth of a pruned model's, and its pass takes about a third of the time on an AVX512-BF16 CPU
-(benchmarks/teacher_autocast.py).
+averaged (data-parallel), in flat buckets of at most `GRADIENT_BUCKET_BYTES`, one all-reduce each; Ctrl-C on any
+process stops every process after the same step, and a resume reads the main process's checkpoint file alone and
+sends it to the others (nodes need not share a file system). Where the hardware computes bfloat16 natively and
+`heal_autocast` is on, the teacher's passes and the student's forward and backward passes run under bfloat16
+autocast; the log-softmax, the loss, the optimizer and the weights stay in float32. The teacher's targets barely
+move: on SmolLM2-135M the KL divergence from its float32 next-token distribution to its autocast one is below 0.001
+nats per token on held-out text, about a thousandth of a pruned model's, and its pass takes about a third of the time
+on an AVX512-BF16 CPU (benchmarks/teacher_autocast.py).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from typing import Any, get_args
 
 import torch
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging
@@ -69,6 +74,7 @@ from . import distributed
 from .adapters import DecoderAdapter, get_adapter, get_submodule
 from .configuration import GradMAPConfig, HealTrainable
 from .data import CalibrationData, calibration_sha256, prepare_heal_data
+from .distillation import TeacherTargets, teacher_targets, top_k_kl
 from .errors import InvalidInputError
 from .passes import calibration_mode, input_device
 from .precision import has_native_bfloat16
@@ -76,12 +82,13 @@ from .weights import is_offloaded_module
 
 logger = logging.get_logger(__name__)
 
-# The teacher's most likely next tokens kept at each position (LinearPatch keeps 64 as well).
-TOP_K = 64
 # The schedule: linear warm-up over this share of the steps, then a cosine decay to this share of the rate.
 WARMUP_FRACTION = 0.05
 FINAL_LR_FRACTION = 0.1
 MAX_GRAD_NORM = 1.0
+# Under torch.distributed the gradients are averaged in flat buckets of at most this many bytes, one all-reduce each
+# (25 MiB: DistributedDataParallel's default `bucket_cap_mb`), not one all-reduce per trained tensor.
+GRADIENT_BUCKET_BYTES = 25 * 2**20
 # The learning rate of each choice of `heal_trainable` when `heal_lr` is None. LoRA and the norms: the better of two
 # rates measured on SmolLM2-135M 25% with 40,960 tokens (held-out Wikipedia KL from the dense model, lower is better:
 # LoRA 0.869 at 1e-3 against 0.980 at 2e-4; norms 0.917 at 3e-3 against 0.958 at 1e-3; docs/benchmarks/heal.md).
@@ -93,6 +100,8 @@ DEFAULT_LEARNING_RATES: dict[str, float] = {
     "all": 3e-5,
 }
 HEAL_TRAINABLE_CHOICES: tuple[str, ...] = get_args(HealTrainable)
+# The elements of a weight summed at a time by the checkpoint's fingerprint (32 MB in float64).
+DIGEST_CHUNK = 1 << 22
 # The name of the heal stage's LoRA adapter (in its parameters' names).
 LORA_ADAPTER = "heal"
 
@@ -121,10 +130,18 @@ def check_heal_settings(model: nn.Module, config: GradMAPConfig, compensated: Se
         compensated (`Sequence[int]`, *optional*): For a model pruned already, the layers Stage 2 compensated; without
             it, `config.compensation` says whether Stage 2 will run.
 
+    Before pruning (`compensated` not given) it also refuses what would leave the heal nothing to train, where the
+    dense model and `config` tell it already: no linear map for `lora`, no normalisation for `norms`, and for
+    `before_removed` a `layers_to_prune` whose removed runs all start at layer 0. Which layers Stage 1 removes and Stage 2
+    compensates is known only once they ran: `before_removed` when Stage 1 removes only a run from layer 0 (possible
+    where layer 0 is not protected), and `down_projections` when Stage 2 compensates no layer (its compensation undone
+    by `validation_data`, or `span_end` with no kept layer before a removed run), are refused when the heal starts.
+
     Raises:
-        InvalidInputError: for `lora` without PEFT, `down_projections` without a compensated layer, full weights in
-            bfloat16 or float16, or offloaded weights.
+        InvalidInputError: for a model that carries PEFT adapters, `lora` without PEFT, `down_projections` without a
+            compensated layer, full weights in bfloat16 or float16, offloaded weights, or nothing to train.
     """
+    _check_no_peft_adapters(model)
     if config.heal_trainable == "lora":
         try:
             import peft  # noqa: F401
@@ -155,6 +172,82 @@ def check_heal_settings(model: nn.Module, config: GradMAPConfig, compensated: Se
         raise InvalidInputError(
             f"heal_batch_size={config.heal_batch_size} cannot be shared by {distributed.world_size()} processes: use a "
             "batch at least as large as the number of processes."
+        )
+    if compensated is None:  # before pruning: what the dense model already shows there will be nothing to train
+        adapter = get_adapter(model)
+        num_layers = adapter.num_layers(model)
+        if config.heal_trainable in ("lora", "norms", "all"):  # the kept layers are of the dense model's kinds
+            _choose(model, adapter, config.heal_trainable, list(range(num_layers)), num_layers, [])
+        elif config.heal_trainable == "before_removed" and config.layers_to_prune is not None:
+            kept = [index for index in range(num_layers) if index not in set(config.layers_to_prune)]
+            if not _layer_before_each_run(kept, num_layers):
+                raise InvalidInputError(
+                    f"heal_trainable='before_removed' trains the kept layer before each removed run, and "
+                    f"layers_to_prune={config.layers_to_prune} removes only a run that starts at layer 0: choose another "
+                    "`heal_trainable`."
+                )
+
+
+def check_heal_checkpoint_origin(
+    checkpoint: str | os.PathLike | None,
+    model: nn.Module,
+    train_ids: torch.LongTensor,
+    validation_ids: torch.LongTensor,
+    config: GradMAPConfig,
+) -> None:
+    """Refuses, before pruning starts, a heal checkpoint file that comes from another run.
+
+    A heal checkpoint's fingerprint has two parts. The first is known before Stage 1: the heal's training and held-out
+    sequences, its settings (`heal_trainable`, the learning rate, `heal_batch_size`, `heal_lora_rank`), the number of
+    processes and the dense model's number of layers. The second is what Stage 1 and 2 made: the kept and compensated
+    layers and a digest of the weights. This compares the first part: a file that differs in it is refused here, before
+    anything changes. A file that matches it is taken as this run's own, left by an interrupted run of the same command
+    (what the file is for), and [`heal`] compares the second part when it starts: a file from a run with the same heal
+    but another pruning (other calibration text or Stage 1 settings, the same output) is refused only then, after Stage
+    1 and 2, which `prune` undoes. The file is read by the main process alone (the others need not see it).
+
+    Args:
+        checkpoint (`str` or `os.PathLike`, *optional*): The heal checkpoint file; nothing is checked without one, or
+            when it does not exist.
+        model (`nn.Module`): The dense model to prune.
+        train_ids (`torch.LongTensor`), validation_ids (`torch.LongTensor`): The heal's sequences ([`heal_sequences`]).
+        config ([`GradMAPConfig`]): Its `heal_*` settings are read.
+
+    Raises:
+        InvalidInputError: for a file that cannot be read, or that differs in the first part, saying where.
+    """
+    if checkpoint is None:
+        return
+
+    def read_fingerprint() -> dict[str, Any] | None:  # None: no file
+        if not os.path.isfile(checkpoint):
+            return None
+        try:  # mapped, not read: only the fingerprint is needed
+            saved = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as error:
+            raise InvalidInputError(
+                f"The heal checkpoint {checkpoint} cannot be read ({type(error).__name__}: {error}): delete it."
+            ) from error
+        return (saved.get("fingerprint") if isinstance(saved, dict) else None) or {}
+
+    saved = distributed.on_main_process(read_fingerprint)
+    if saved is None:
+        return
+    expected = {
+        "train_sha256": calibration_sha256(train_ids),
+        "validation_sha256": calibration_sha256(validation_ids),
+        "trainable": config.heal_trainable,
+        "learning_rate": config.heal_lr if config.heal_lr is not None else DEFAULT_LEARNING_RATES[config.heal_trainable],
+        "batch_size": config.heal_batch_size,
+        "lora_rank": config.heal_lora_rank,
+        "world_size": distributed.world_size(),
+        "num_layers": get_adapter(model).num_layers(model),
+    }
+    differs = [key for key, value in expected.items() if saved.get(key) != value]
+    if differs:
+        raise InvalidInputError(
+            f"The heal checkpoint {checkpoint} comes from another run (it differs in {', '.join(differs)}): delete it, or "
+            "resume with the same model, text, heal settings and number of processes. Refused before pruning started."
         )
 
 
@@ -193,7 +286,8 @@ class HealResult:
         num_trainable_parameters (`int`): How many parameters were trained (LoRA's adapters for `lora`).
         dataset (`str`): The text it was trained on.
         train_sha256 (`str`), validation_sha256 (`str`): The SHA-256 of the training and held-out token ids.
-        budget_tokens (`int`): The budget (`heal_tokens`).
+        budget_tokens (`int`): The tokens of the training sequences, all of which an uninterrupted run trains on: the
+            budget (`heal_tokens`) rounded up to whole `heal_seq_len`-token sequences.
         trained_tokens (`int`): The tokens trained on (fewer after an interruption).
         steps (`int`), num_steps (`int`): Steps taken, of those planned.
         learning_rate (`float`), batch_size (`int`), seq_len (`int`): The settings.
@@ -240,97 +334,6 @@ class HealResult:
             f"{self.dataset}{stopped}: held-out KL from the dense model {self.start_kl:.4f} -> {self.best_kl:.4f}{kept} "
             f"in {self.seconds:.0f} s."
         )
-
-
-@dataclass
-class TeacherTargets:
-    """The teacher's next-token distribution at every position but the last of some sequences, as [`top_k_kl`]
-    reads it.
-
-    Attributes:
-        indices (`torch.Tensor` of shape `(N, T - 1, TOP_K)`): Its most likely tokens (int32).
-        log_probs (`torch.Tensor` of shape `(N, T - 1, TOP_K)`): Their log-probabilities (float32).
-        rest_log_prob (`torch.Tensor` of shape `(N, T - 1)`): The log of the probability of every other token.
-    """
-
-    indices: torch.Tensor
-    log_probs: torch.Tensor
-    rest_log_prob: torch.Tensor
-
-    def rows(self, rows: Sequence[int] | slice) -> TeacherTargets:
-        """The targets of some of the sequences."""
-        return TeacherTargets(self.indices[rows], self.log_probs[rows], self.rest_log_prob[rows])
-
-
-def _rest_log_prob(log_probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """log of the total probability of the tokens not in `indices` (exact: a logsumexp over them, not 1 - sum)."""
-    return log_probs.scatter(-1, indices.long(), float("-inf")).logsumexp(-1)
-
-
-@torch.no_grad()
-def teacher_targets(
-    teacher: nn.Module,
-    input_ids: torch.LongTensor,
-    batch_size: int,
-    progress_bar: bool = True,
-    autocast: bool = False,
-) -> TeacherTargets:
-    """Runs `teacher` over `input_ids` and keeps its top-`TOP_K` next-token log-probabilities and the rest's.
-
-    Args:
-        teacher (`nn.Module`): The dense causal LM.
-        input_ids (`torch.LongTensor` of shape `(N, T)`): The sequences.
-        batch_size (`int`): Sequences per forward pass.
-        progress_bar (`bool`, defaults to `True`): Show a progress bar.
-        autocast (`bool`, defaults to `False`): Run the teacher under bfloat16 autocast (the log-softmax stays in
-            float32).
-
-    Returns:
-        [`TeacherTargets`], on the CPU.
-    """
-    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    if input_ids.shape[0] == 0:  # a process with no sequence of its own (torchrun): nothing to keep
-        top_k = min(TOP_K, teacher.get_output_embeddings().weight.shape[0])
-        shape = (0, max(0, input_ids.shape[1] - 1))
-        return TeacherTargets(torch.zeros(*shape, top_k, dtype=torch.int32), torch.zeros(*shape, top_k), torch.zeros(*shape))
-    device = input_device(teacher)
-    with calibration_mode(teacher):
-        for start in logging.tqdm(
-            range(0, input_ids.shape[0], batch_size),
-            desc="Heal: the dense model's targets",
-            leave=False,
-            disable=not progress_bar,
-        ):
-            batch = input_ids[start : start + batch_size].to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext():
-                logits = teacher(input_ids=batch, use_cache=False).logits[:, :-1]
-            log_probs = torch.log_softmax(logits.float(), dim=-1)
-            top = log_probs.topk(min(TOP_K, log_probs.shape[-1]), dim=-1)
-            parts.append((top.indices.int().cpu(), top.values.cpu(), _rest_log_prob(log_probs, top.indices).cpu()))
-    return TeacherTargets(*(torch.cat(tensors) for tensors in zip(*parts)))
-
-
-def top_k_kl(logits: torch.Tensor, targets: TeacherTargets) -> torch.Tensor:
-    """The forward KL divergence from the teacher's distribution to the student's over the teacher's top-K tokens and
-    "any other token" (see the module docstring), per position.
-
-    Args:
-        logits (`torch.Tensor` of shape `(N, T - 1, V)`): The student's logits at the positions of `targets`.
-        targets ([`TeacherTargets`]): The teacher's.
-
-    Returns:
-        `torch.Tensor` of shape `(N, T - 1)`: float32, >= 0 up to rounding.
-    """
-    log_q = torch.log_softmax(logits.float(), dim=-1)
-    indices = targets.indices.to(log_q.device).long()
-    log_p = targets.log_probs.to(log_q.device)
-    log_p_rest = targets.rest_log_prob.to(log_q.device)
-    log_q_top = log_q.gather(-1, indices)
-    log_q_rest = _rest_log_prob(log_q, indices)
-    top = (log_p.exp() * (log_p - log_q_top)).sum(-1)
-    # a teacher with no mass outside its top-K (a vocabulary of at most K tokens) adds nothing for "any other token"
-    rest = torch.where(log_p_rest > float("-inf"), log_p_rest.exp() * (log_p_rest - log_q_rest), torch.zeros_like(log_p_rest))
-    return top + rest
 
 
 def _linear_names(model: nn.Module, layers: Sequence[nn.Module]) -> list[str]:
@@ -381,10 +384,7 @@ def _choose(
         InvalidInputError: nothing to train, a model that carries PEFT adapters already, or full weights in a dtype
             AdamW cannot update finely (bfloat16, float16).
     """
-    if hasattr(model, "peft_config"):
-        raise InvalidInputError(
-            "The model carries PEFT adapters already: merge them first (`merge_and_unload`), then heal the plain model."
-        )
+    _check_no_peft_adapters(model)
     layers = list(adapter.get_layers(model))
     by_index = dict(zip(kept, layers))
     if trainable == "lora":
@@ -429,6 +429,14 @@ def _choose(
     return choice
 
 
+def _check_no_peft_adapters(model: nn.Module) -> None:
+    """Refuses a model that carries PEFT adapters: the heal stage adds its own and merges them."""
+    if hasattr(model, "peft_config"):
+        raise InvalidInputError(
+            "The model carries PEFT adapters already: merge them first (`merge_and_unload`), then heal the plain model."
+        )
+
+
 class _Trainable:
     """The parameters the heal stage trains (LoRA's adapters, injected here, or the model's own) and how they end as
     plain weights.
@@ -441,10 +449,10 @@ class _Trainable:
     """
 
     def __init__(self, model: PreTrainedModel, choice: _Choice, lora_rank: int, seed: int = 0):
-        self.model, self.lora = model, None
+        self.model, self.lora, self.lora_layers = model, None, []
         if choice.lora_targets:
             from peft import LoraConfig
-            from peft.tuners.lora import LoraModel
+            from peft.tuners.lora import LoraLayer, LoraModel
 
             lora_config = LoraConfig(
                 r=lora_rank,
@@ -459,6 +467,11 @@ class _Trainable:
                 self.lora = LoraModel(model, lora_config, LORA_ADAPTER)
             marker = f".{LORA_ADAPTER}."
             self.parameters = [parameter for name, parameter in model.named_parameters() if "lora_" in name and marker in name]
+            with torch.no_grad():  # float32 whatever the model's dtype: AdamW's steps and the merged update keep their bits
+                for parameter in self.parameters:
+                    parameter.data = parameter.data.float()
+            # the wrapped layers, kept to take a merge back even after the wrappers are gone
+            self.lora_layers = [module for module in model.modules() if isinstance(module, LoraLayer)]
         else:
             self.parameters = list(choice.parameters)
         for parameter in self.parameters:
@@ -479,11 +492,30 @@ class _Trainable:
             parameter.copy_(value)
 
     def finish(self, merge: bool) -> None:
-        """Removes the LoRA adapters, merged into the weights (`merge`) or dropped; nothing to do for the others."""
+        """Removes the LoRA adapters, merged into the weights (`merge`) or dropped; nothing to do for the others. The
+        merge comes first, layer by layer, and the unwrapping after it, so that [`restore`] can take back a merge an
+        error cut short."""
         if self.lora is not None:
-            self.lora.merge_and_unload() if merge else self.lora.unload()
+            if merge:
+                for layer in self.lora_layers:
+                    layer.merge(adapter_names=[LORA_ADAPTER])
+            self.lora.unload()
             if hasattr(self.model, "peft_config"):  # left by PEFT versions that do not remove it
                 del self.model.peft_config
+
+    def restore(self, start_state: Sequence[torch.Tensor]) -> None:
+        """Puts the model back as it came, after an error at any point (a merge cut short included): the update of
+        the layers merged already is subtracted back (exact up to rounding), `start_state` is loaded, and LoRA's
+        wrappers are removed.
+
+        Args:
+            start_state (`Sequence[torch.Tensor]`): [`state`] before training.
+        """
+        for layer in self.lora_layers:
+            if layer.merged:
+                layer.unmerge()
+        self.load(start_state)
+        self.finish(merge=False)
 
 
 def _learning_rate_factor(step: int, num_steps: int) -> float:
@@ -521,6 +553,7 @@ def heal(
     dataset: str = "",
     checkpoint: str | os.PathLike | None = None,
     progress_bar: bool = True,
+    seed: int = 0,
 ) -> HealResult:
     """Distils the teacher into `model` (in place; see the module docstring).
 
@@ -543,8 +576,9 @@ def heal(
         compensated (`Sequence[int]`, defaults to `()`): The original indices of Stage 2's compensated layers.
         dataset (`str`, defaults to `""`): The text's name, for the result.
         checkpoint (`str` or `os.PathLike`, *optional*): A file where the state is saved at every check, and from which
-            an interrupted run with the same sequences and settings resumes.
+            an interrupted run with the same sequences and settings resumes. Missing folders on its path are created.
         progress_bar (`bool`, defaults to `True`): Show progress bars.
+        seed (`int`, defaults to 0): The seed of LoRA's initialisation (the same on every process).
 
     Returns:
         [`HealResult`]. The model holds the trained weights with the lowest held-out KL (the start's if none was
@@ -552,9 +586,12 @@ def heal(
 
     Raises:
         InvalidInputError: for an unknown `trainable`, nothing of that kind to train, full weights in bfloat16 or
-            float16, a batch smaller than the number of processes, or a checkpoint file from another run, before the
-            teacher runs. Any error once training was set up leaves the model as it was before the call; Ctrl-C during
-            the training steps keeps the best state so far (`interrupted`), before them it propagates.
+            float16, a batch smaller than the number of processes, `check_every` below 1, no held-out sequence, a
+            checkpoint path that cannot be written or a checkpoint file from another run, before the teacher runs. Any
+            other error once training was set up, in the merge of LoRA's adapters included, leaves the model as it was
+            before the call, without LoRA's wrappers (the layers merged before the error get their update subtracted
+            back, exact up to rounding); Ctrl-C during the training steps keeps the best state so far (`interrupted`;
+            under `torch.distributed` every process stops after the same step), before them it propagates.
     """
     if trainable not in HEAL_TRAINABLE_CHOICES:
         raise InvalidInputError(f"`heal_trainable` must be one of {HEAL_TRAINABLE_CHOICES}, got {trainable!r}.")
@@ -563,6 +600,18 @@ def heal(
             f"heal_batch_size={batch_size} cannot be shared by {distributed.world_size()} processes: every process takes "
             "at least one sequence of each step. Use a batch at least as large as the number of processes."
         )
+    if check_every < 1:
+        raise InvalidInputError(
+            f"heal_check_every={check_every}: the held-out KL is measured every `heal_check_every` steps, which must be "
+            "at least 1. Use a positive number of steps (e.g. 25)."
+        )
+    if validation_ids.shape[0] == 0 or validation_ids.shape[1] < 2:
+        raise InvalidInputError(
+            f"The heal got {validation_ids.shape[0]} held-out sequence(s) of {validation_ids.shape[1]} token(s): their KL "
+            "to the dense model chooses the state it keeps, so it needs at least one sequence of 2 tokens or more. Hold "
+            "out some sequences (heal_validation_sequences >= 1, heal_seq_len >= 2)."
+        )
+    check_heal_checkpoint(checkpoint)
     started = time.perf_counter()
     kept = list(range(adapter.num_layers(model))) if kept is None else list(kept)
     num_layers = num_layers if num_layers is not None else kept[-1] + 1
@@ -593,16 +642,17 @@ def heal(
         "kept": kept,
         "num_layers": num_layers,
         "compensated": list(compensated),
-        "weights": _weights_digest(model),  # the model the run started from: Stage 1 and 2 as they were
     }
+    if checkpoint is not None:  # the model the run started from (Stage 1 and 2 as they were): only a resume compares it
+        fingerprint["weights"] = _weights_digest(model)
     resumed = _load_checkpoint(checkpoint, fingerprint)  # a stale file is refused before the teacher runs
     my_rows = [row for step in range(num_steps) for row in _batch_rows(step, batch_size, num_train)]
     my_validation, _ = distributed.shard_any(validation_ids)
     device = input_device(model)
     result.autocast = bool(autocast) and has_native_bfloat16(device) and model.dtype == torch.float32
-    with teacher() as dense_model:
-        targets = teacher_targets(dense_model, train_ids[my_rows], batch_size, progress_bar, result.autocast)
-        validation_targets = teacher_targets(dense_model, my_validation, batch_size, progress_bar, result.autocast)
+    targets, validation_targets = _teacher_pass(
+        teacher, train_ids[my_rows], my_validation, batch_size, progress_bar, result.autocast
+    )
     result.teacher_seconds = time.perf_counter() - started
     position = {row: index for index, row in enumerate(my_rows)}
 
@@ -610,20 +660,13 @@ def heal(
         return torch.autocast(device.type, dtype=torch.bfloat16) if result.autocast else nullcontext()
 
     def held_out_kl() -> float:
-        total = torch.zeros((), dtype=torch.float64)
-        with torch.no_grad():
-            for start in range(0, my_validation.shape[0], batch_size):
-                batch = my_validation[start : start + batch_size].to(device)
-                with passes():
-                    logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
-                total += top_k_kl(logits, validation_targets.rows(slice(start, start + batch_size))).double().sum().cpu()
         count = validation_ids.shape[0] * (validation_ids.shape[1] - 1)
-        return float(distributed.all_reduce_sum(total) / count)
+        return _held_out_kl(model, my_validation, validation_targets, batch_size, passes, count)
 
     chosen = None
     with calibration_mode(model, grad=True, freeze_parameters=True):
         try:
-            chosen = _Trainable(model, choice, lora_rank)
+            chosen = _Trainable(model, choice, lora_rank, seed)
             result.num_trainable_parameters = chosen.num_parameters()
             start_state = best_state = chosen.state()
             optimizer = torch.optim.AdamW(chosen.parameters, lr=learning_rate, weight_decay=0.0)
@@ -648,49 +691,65 @@ def heal(
             result.steps = first_step
             result.trained_tokens = min(num_train, first_step * batch_size) * train_ids.shape[1]
             seconds, tokens_timed = 0.0, 0
+            # Ctrl-C. One process: it stops training where it comes. Several: every process stops after the same step
+            # (a process stopping alone would leave the others waiting in a collective): SIGINT is deferred, and an
+            # interrupt travels with the step's gradients, or with the checkpoint write's outcome.
+            stop = False
             try:
-                for step in range(first_step, num_steps):
-                    tick = time.perf_counter()
-                    rows = _batch_rows(step, batch_size, num_train)
-                    global_rows = min(batch_size, num_train - step * batch_size)
-                    optimizer.zero_grad(set_to_none=True)
-                    if rows:  # a last, short batch may leave a process none
-                        batch = train_ids[rows].to(device)
-                        with passes():
-                            logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
-                        loss = top_k_kl(logits, targets.rows([position[row] for row in rows])).mean()
-                        (loss * len(rows)).backward()
-                    _average_gradients(chosen.parameters, global_rows)
-                    torch.nn.utils.clip_grad_norm_(chosen.parameters, MAX_GRAD_NORM)
-                    optimizer.step()
-                    scheduler.step()
-                    result.steps = step + 1
-                    result.trained_tokens = min(num_train, (step + 1) * batch_size) * train_ids.shape[1]
-                    seconds += time.perf_counter() - tick
-                    tokens_timed += global_rows * train_ids.shape[1]
-                    if result.steps % check_every == 0 or result.steps == num_steps:
-                        kl = held_out_kl()
-                        result.kl_curve.append([result.trained_tokens, kl])
-                        if kl < result.best_kl:
-                            result.best_kl, result.best_tokens, best_state = kl, result.trained_tokens, chosen.state()
-                        bar.set_postfix(tokens_per_s=f"{tokens_timed / seconds:.0f}", held_out_kl=f"{kl:.4f}")
-                        _save_checkpoint(checkpoint, fingerprint, chosen, optimizer, scheduler, best_state, result)
-                    bar.update(1)
-            except KeyboardInterrupt:
+                with distributed.interrupts_deferred() as deferred_interrupt:
+                    for step in range(first_step, num_steps):
+                        tick = time.perf_counter()
+                        rows = _batch_rows(step, batch_size, num_train)
+                        global_rows = min(batch_size, num_train - step * batch_size)
+                        try:  # this process's share of the step
+                            optimizer.zero_grad(set_to_none=True)
+                            if rows:  # a last, short batch may leave a process none
+                                batch = train_ids[rows].to(device)
+                                with passes():
+                                    logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
+                                loss = top_k_kl(logits, targets.rows([position[row] for row in rows])).mean()
+                                (loss * len(rows)).backward()
+                        except KeyboardInterrupt:
+                            stop = True
+                        if _average_gradients(chosen.parameters, global_rows, stop or deferred_interrupt()):
+                            stop = True  # on every process: this step is not taken
+                            break
+                        torch.nn.utils.clip_grad_norm_(chosen.parameters, MAX_GRAD_NORM)
+                        optimizer.step()
+                        scheduler.step()
+                        result.steps = step + 1
+                        result.trained_tokens = min(num_train, (step + 1) * batch_size) * train_ids.shape[1]
+                        seconds += time.perf_counter() - tick
+                        tokens_timed += global_rows * train_ids.shape[1]
+                        if result.steps % check_every == 0 or result.steps == num_steps:
+                            kl = held_out_kl()
+                            result.kl_curve.append([result.trained_tokens, kl])
+                            if kl < result.best_kl:
+                                result.best_kl, result.best_tokens, best_state = kl, result.trained_tokens, chosen.state()
+                            bar.set_postfix(tokens_per_s=f"{tokens_timed / seconds:.0f}", held_out_kl=f"{kl:.4f}")
+                            # False on every process when Ctrl-C stopped the main process's write: all stop here
+                            stop = not _save_checkpoint(checkpoint, fingerprint, chosen, optimizer, scheduler, best_state, result)
+                        bar.update(1)
+                        if stop:
+                            break
+                    if not stop:  # an interrupt after the last step's gradients
+                        stop = distributed.any_process(deferred_interrupt())
+            except KeyboardInterrupt:  # one process: Ctrl-C outside its share of a step
+                stop = True
+            finally:
+                bar.close()
+            if stop:
                 result.interrupted = True
                 logger.warning(
                     f"Heal interrupted at step {result.steps} of {num_steps}: the model keeps the state with the lowest "
                     f"held-out KL so far ({result.best_kl:.4f}, after {result.best_tokens} tokens)."
                 )
-            finally:
-                bar.close()
             chosen.load(best_state)
+            chosen.finish(merge=True)  # inside the try: an error in the merge puts the start back too
         except BaseException:
             if chosen is not None:
-                chosen.load(start_state)
-                chosen.finish(merge=False)
+                chosen.restore(start_state)
             raise
-        chosen.finish(merge=True)
     result.seconds = time.perf_counter() - started
     logger.info(result.summary())
     return result
@@ -715,7 +774,7 @@ def heal_as_configured(
         model, teacher, train_ids, validation_ids, kept, num_layers, compensated, dataset, checkpoint, progress_bar:
             As in [`heal`].
         config ([`GradMAPConfig`]): Its `heal_trainable`, `heal_lr`, `heal_batch_size`, `heal_check_every`,
-            `heal_lora_rank` and `heal_autocast` are read.
+            `heal_lora_rank`, `heal_autocast` and `seed` (LoRA's initialisation) are read.
 
     Returns:
         [`HealResult`].
@@ -738,30 +797,172 @@ def heal_as_configured(
         dataset=dataset,
         checkpoint=checkpoint,
         progress_bar=progress_bar,
+        seed=config.seed,
     )
 
 
 def _weights_digest(model: nn.Module) -> str:
-    """A cheap fingerprint of every weight of `model`: the SHA-256 of their float64 sums and sums of squares."""
+    """A cheap fingerprint of every weight of `model`: the SHA-256 of their float64 sums and sums of squares, each
+    accumulated over chunks of `DIGEST_CHUNK` elements in a fixed order (deterministic), so that no temporary is
+    larger than a chunk in float64 (a whole 8B model's embedding would take 8 GB)."""
+    sums = []
     with torch.no_grad():
-        sums = torch.stack(
-            [torch.stack([tensor.double().sum(), tensor.double().square().sum()]).cpu() for tensor in model.state_dict().values()]
+        for tensor in model.state_dict().values():
+            flat = tensor.detach().reshape(-1)
+            total = torch.zeros(2, dtype=torch.float64, device=flat.device)
+            for start in range(0, flat.numel(), DIGEST_CHUNK):
+                chunk = flat[start : start + DIGEST_CHUNK].double()
+                total[0] += chunk.sum()
+                total[1] += chunk.square().sum()
+            sums.append(total.cpu())
+    return hashlib.sha256(torch.stack(sums).numpy().tobytes() if sums else b"").hexdigest()
+
+
+def check_heal_checkpoint(path: str | os.PathLike | None) -> None:
+    """Refuses, before anything runs, a heal checkpoint file that could not be written at the first held-out check.
+    Folders on its path that do not exist yet are fine: the first save creates them.
+
+    Args:
+        path (`str` or `os.PathLike`, *optional*): The heal checkpoint file; `None` (no checkpoint) passes.
+
+    Raises:
+        InvalidInputError: for a path that is a folder, that lies under a file, or whose nearest existing folder is not
+            writable.
+    """
+    if path is None:
+        return
+    target = os.path.abspath(os.fspath(path))
+    if os.path.isdir(target):
+        raise InvalidInputError(
+            f"The heal checkpoint {path} is a folder: give a file path for the heal's state, e.g. "
+            f"{os.path.join(os.fspath(path), 'heal.pt')}."
         )
-    return hashlib.sha256(sums.numpy().tobytes()).hexdigest()
+    existing = os.path.dirname(target)
+    while not os.path.exists(existing):  # the nearest existing folder: the missing ones are created in it
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise InvalidInputError(
+            f"The heal checkpoint {path} cannot be written: {existing} is a file, not a folder. Give a path in a folder."
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InvalidInputError(
+            f"The heal checkpoint {path} cannot be written: {existing} is not writable. Give a path in a folder you can write to."
+        )
 
 
-def _average_gradients(parameters: Sequence[nn.Parameter], global_rows: int) -> None:
-    """Turns each process's gradient of its rows' summed loss into the gradient of the mean over the global batch."""
+def _teacher_pass(
+    teacher: Callable[[], AbstractContextManager[nn.Module]],
+    train_ids: torch.LongTensor,
+    validation_ids: torch.LongTensor,
+    batch_size: int,
+    progress_bar: bool,
+    autocast: bool,
+) -> tuple[TeacherTargets, TeacherTargets]:
+    """The teacher's targets on the training and the held-out sequences. The teacher is bound here only, so that no
+    reference to it outlives its block: a teacher loaded for the pass is freed before training starts."""
+    with teacher() as dense_model:
+        train_targets = teacher_targets(dense_model, train_ids, batch_size, progress_bar, autocast)
+        validation_targets = teacher_targets(dense_model, validation_ids, batch_size, progress_bar, autocast)
+    return train_targets, validation_targets
+
+
+def _held_out_kl(
+    model: nn.Module,
+    input_ids: torch.LongTensor,
+    targets: TeacherTargets,
+    batch_size: int,
+    passes: Callable[[], AbstractContextManager[None]],
+    num_positions: int,
+) -> float:
+    """The mean top-K KL of `model` over the held-out positions of every process (`num_positions` in all). The sum
+    stays on the device and is read once, not once per batch."""
+    device = input_device(model)
+    total = None
+    with torch.no_grad():
+        for start in range(0, input_ids.shape[0], batch_size):
+            batch = input_ids[start : start + batch_size].to(device)
+            with passes():
+                logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
+            part = top_k_kl(logits, targets.rows(slice(start, start + batch_size))).double().sum()
+            total = part if total is None else total + part.to(total.device)
+    if total is None:  # a process with no held-out sequence of its own (torchrun)
+        total = torch.zeros((), dtype=torch.float64, device=device)
+    return float(distributed.all_reduce_sum(total) / num_positions)
+
+
+def _average_gradients(parameters: Sequence[nn.Parameter], global_rows: int, stop: bool = False) -> bool:
+    """Turns each process's gradient of its rows' summed loss into the gradient of the mean over the global batch, and
+    tells every process whether one of them was interrupted.
+
+    Under `torch.distributed` the gradients travel flattened, in buckets of at most `GRADIENT_BUCKET_BYTES` of one
+    dtype and device, one all-reduce each (LoRA on a 30-layer model trains 420 tensors: one all-reduce each would
+    cost 420 latencies per step), and `stop` rides in the first bucket. Each gradient gets the same sums as an
+    all-reduce of its own.
+
+    Args:
+        parameters (`Sequence[nn.Parameter]`): The trained parameters; a missing gradient counts zero.
+        global_rows (`int`): The rows of the global batch.
+        stop (`bool`, defaults to `False`): Whether this process was interrupted during its share of the step.
+
+    Returns:
+        `bool`: Whether any process was interrupted (every process gets the same answer).
+    """
+    gradients = []
     for parameter in parameters:
         if parameter.grad is None:
             parameter.grad = torch.zeros_like(parameter)
-        parameter.grad = distributed.all_reduce_sum(parameter.grad) / global_rows
+        gradients.append(parameter.grad)
+    if not distributed.is_distributed():
+        for gradient in gradients:
+            gradient.div_(global_rows)
+        return stop
+    buckets = _gradient_buckets(gradients)
+    if not buckets:
+        return distributed.any_process(stop)
+    interrupted = False
+    for index, bucket in enumerate(buckets):
+        flat = _flatten_dense_tensors(bucket)
+        if index == 0:
+            flat = torch.cat([flat, flat.new_full((1,), float(stop))])
+        total = distributed.all_reduce_sum(flat)
+        if index == 0:
+            interrupted, total = bool(total[-1] > 0), total[:-1]
+        total.div_(global_rows)
+        for gradient, averaged in zip(bucket, _unflatten_dense_tensors(total, bucket)):
+            gradient.copy_(averaged)
+    return interrupted
+
+
+def _gradient_buckets(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` in order, cut into runs of one dtype and device of at most `GRADIENT_BUCKET_BYTES` (a larger tensor
+    alone)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if (
+            not buckets
+            or (tensor.dtype, tensor.device) != (buckets[-1][0].dtype, buckets[-1][0].device)
+            or size + nbytes > GRADIENT_BUCKET_BYTES
+        ):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(tensor)
+        size += nbytes
+    return buckets
 
 
 def _load_checkpoint(path: str | os.PathLike | None, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
-    if path is None or not os.path.isfile(path):
+    """The state an interrupted run with this `fingerprint` saved in `path` (`None` without a file). The main process
+    reads it and sends it to the others, which need not see the file (nodes without a shared file system): every
+    process resumes from the same state."""
+    if path is None:
         return None
-    saved = torch.load(path, map_location="cpu", weights_only=True)
+    saved = distributed.on_main_process(
+        lambda: torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else None
+    )
+    if saved is None:
+        return None
     if saved.get("fingerprint") != fingerprint:
         differs = sorted(key for key in fingerprint if saved.get("fingerprint", {}).get(key) != fingerprint[key])
         raise InvalidInputError(
@@ -779,12 +980,14 @@ def _save_checkpoint(
     scheduler: Any,
     best_state: list[torch.Tensor],
     result: HealResult,
-) -> None:
+) -> bool:
+    """Saves the state in `path` (by the main process). Returns `False` on every process when Ctrl-C stopped the main
+    process's write (the last complete file stays): the processes stop after this step together, rather than the main
+    process alone. Another error raises on every process ([`distributed.on_main_process`])."""
     if path is None:
-        return
+        return True
 
-    def save() -> None:
-        temporary = f"{os.fspath(path)}.tmp"
+    def write(temporary: str) -> None:
         torch.save(
             {
                 "fingerprint": fingerprint,
@@ -800,6 +1003,19 @@ def _save_checkpoint(
             },
             temporary,
         )
-        os.replace(temporary, path)
 
-    distributed.on_main_process(save)
+    def save() -> bool:
+        temporary = f"{os.fspath(path)}.tmp"
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # check_heal_checkpoint: it can be created
+        try:
+            write(temporary)
+            os.replace(temporary, path)
+        except BaseException as error:  # no half-written file left behind
+            if os.path.exists(temporary):
+                os.remove(temporary)
+            if isinstance(error, KeyboardInterrupt):
+                return False
+            raise
+        return True
+
+    return distributed.on_main_process(save)

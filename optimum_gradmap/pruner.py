@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
 from . import distributed, streaming, surgery
@@ -41,7 +41,7 @@ from .data import (
     prepare_calibration_data,
 )
 from .errors import InvalidInputError
-from .heal import HEAL_SETTINGS, check_heal_settings, heal_as_configured, heal_sequences
+from .heal import HEAL_SETTINGS, check_heal_checkpoint_origin, check_heal_settings, heal_as_configured, heal_sequences
 from .hub import save_and_upload
 from .importance import get_importance_metric
 from .importance.selection import Selection, Stage1Checkpoint, Stage1Plan, remove_by_importance, remove_explicit_layers
@@ -50,6 +50,7 @@ from .result import PruningResult
 
 if TYPE_CHECKING:
     from .evaluation import EvaluationResult
+    from .planning import DeviceThroughput, PruningPlan
 
 logger = logging.get_logger(__name__)
 
@@ -130,6 +131,44 @@ class GradMAPPruner:
         pruner._location = location
         return pruner
 
+    @staticmethod
+    def plan(
+        model_or_path: PreTrainedModel | PretrainedConfig | str | os.PathLike,
+        config: GradMAPConfig,
+        dtype: torch.dtype | str = torch.float32,
+        device: str | torch.device | None = None,
+        throughput: DeviceThroughput | None = None,
+        **kwargs: Any,
+    ) -> PruningPlan:
+        """What a run of `config` on the model will do and cost, told before the run from the model's config alone
+        (built on the meta device: no weight is read): the layers to remove, the rounds and passes, the tokens and
+        FLOPs of each stage, the peak memory in memory and layer-streamed, the disk the output needs, and the expected
+        time of each stage on `device`, from a few seconds' measurement of its throughput. `optimum-gradmap prune
+        --dry-run` prints it.
+
+        ```python
+        >>> plan = GradMAPPruner.plan("HuggingFaceTB/SmolLM2-135M", GradMAPConfig(pruning_ratio=0.25))
+        >>> print(plan)  # a table; plan.to_dict() for JSON
+        ```
+
+        Args:
+            model_or_path (`PreTrainedModel`, `PretrainedConfig`, `str` or `os.PathLike`): The model (its config is
+                used), its config, a local folder or a Hub id (`config.json` alone is read).
+            config (`GradMAPConfig`): The run.
+            dtype (`torch.dtype` or `str`, defaults to `torch.float32`): The dtype the model computes in.
+            device (`str` or `torch.device`, *optional*): Where it computes (defaults to the CPU).
+            throughput (`DeviceThroughput`, *optional*): The device's speed; measured on `device` when not given.
+                [`~optimum_gradmap.planning.DeviceThroughput.assumed`] plans for a device you do not have.
+            kwargs: The other arguments of [`~optimum_gradmap.planning.plan_pruning`] (`device_map`, `max_memory`,
+                `execution`, `removed_layers`, `evaluation_tokens`, ...).
+
+        Returns:
+            [`~optimum_gradmap.planning.PruningPlan`].
+        """
+        from .planning import plan_pruning
+
+        return plan_pruning(model_or_path, config, dtype=dtype, device=device, throughput=throughput, **kwargs)
+
     # ----------------------------------------------------------------------------------------- API
     def prune(
         self,
@@ -164,16 +203,23 @@ class GradMAPPruner:
             heal_data (*optional*): Text the heal stage trains on (any form `calibration_data` takes); defaults to
                 `config.heal_dataset`. Read and checked before Stage 1 starts.
             heal_checkpoint (`str` or `os.PathLike`, *optional*): A file where the heal stage saves its state at every
-                held-out check, and from which an interrupted heal resumes ([`optimum_gradmap.heal.heal`]).
+                held-out check, and from which an interrupted heal resumes ([`optimum_gradmap.heal.heal`]). An existing
+                file whose heal text, settings, number of processes or model size differ from this run's is refused
+                before Stage 1 ([`~optimum_gradmap.heal.check_heal_checkpoint_origin`]).
 
         Returns:
             [`PruningResult`]: `result.model` is the pruned model.
 
         Raises:
             InvalidInputError (a `ValueError`): for a model, settings or data that cannot be pruned as configured
-                (Stage 2's included), before anything changes; the model is left untouched. With a budget, a
-                `num_compensated_layers` larger than the layers Stage 1 leaves stops Stage 1 at the removal that
-                leaves too few, and its removals are undone.
+                (Stage 2's and the heal stage's included: a model that carries PEFT adapters, nothing of
+                `heal_trainable`'s kind to train, a heal checkpoint from another run), before anything changes; the
+                model is left untouched. What depends on the layers Stage 1 removes is refused where it becomes
+                known, and what Stage 1 and 2 did is undone: with a budget, a `num_compensated_layers` larger than the
+                layers Stage 1 leaves stops Stage 1 at the removal that leaves too few; the heal refuses
+                `heal_trainable="before_removed"` when every removed run starts at layer 0,
+                `heal_trainable="down_projections"` when Stage 2 compensated no layer, and a heal checkpoint that
+                matches this run's heal but not its pruning.
             Exception: any other error (an interruption, running out of memory) raised once Stage 1 started
                 propagates after the model was put back as it came: the same layers, config and weights. Ctrl-C
                 during the heal stage's training steps is not an error: it stops training and keeps its best
@@ -186,6 +232,8 @@ class GradMAPPruner:
             raise InvalidInputError(
                 "`heal_data` was given, but the heal stage is off (`heal_tokens=0`): give it a budget, or leave the text out."
             )
+        if heal_ids is not None:
+            check_heal_checkpoint_origin(heal_checkpoint, model, heal_ids[0], heal_ids[1], config)
         compensation_ids = validation_ids = None
         if config.compensation:
             compensation_ids = self._compensation_ids(model, compensation_data, config, tokenizer)

@@ -337,7 +337,12 @@ def _heal_sentence(report: dict[str, Any]) -> str:
         f"{heal['start_kl']:.4f} -> {heal['best_kl']:.4f} nats/token."
     )
     if not heal["best_tokens"]:
-        sentence += " No trained state beat the start, so the weights are Stage 2's."
+        compensation = report.get("compensation")
+        if compensation and compensation.get("compensated_layers"):
+            sentence += " No trained state beat the start, so the weights are Stage 2's."
+        else:
+            stage2 = "compensated no layer" if compensation else "was not run"
+            sentence += f" No trained state beat the start, so the weights are Stage 1's (Stage 2 {stage2})."
     return sentence
 
 

@@ -200,3 +200,68 @@ def test_each_process_validates_its_share_and_all_take_the_decision_of_one_proce
     with torch.no_grad():
         logits = single.model(random_ids(2, 16, seed=1)).logits
     torch.testing.assert_close(torch.tensor(ranks[0]["logits"]).view_as(logits), logits, rtol=1e-5, atol=1e-5)
+
+
+# --- the heal stage under torchrun: Ctrl-C, resume, gradient buckets (issue 64, 6.3 and 6.8) ---------------------------
+
+
+@pytest.fixture(scope="module")
+def two_process_heal_run(tmp_path_factory) -> str:
+    output = str(tmp_path_factory.mktemp("distributed_heal"))
+    run_two_processes([os.path.join(ROOT, "tests", "integration", "heal_worker.py"), output])
+    return output
+
+
+def _heal_case(output: str, case: str) -> tuple[list[dict], list[dict]]:
+    """The JSON each rank wrote for `case`, and the weights it ended with (when it wrote them)."""
+    ranks, weights = _ranks(os.path.join(output, case)), []
+    for rank in (0, 1):
+        path = os.path.join(output, case, f"rank-{rank}.pt")
+        weights.append(torch.load(path, weights_only=True) if os.path.exists(path) else None)
+    return ranks, weights
+
+
+def _assert_same_weights(weights: list[dict]) -> None:
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+
+
+def test_gradients_are_averaged_in_buckets_with_one_all_reduce_each_and_the_per_tensor_result(two_process_heal_run):
+    found = _ranks(os.path.join(two_process_heal_run, "buckets"))
+    for rank in found:
+        # float32 tensors of 60 + 28 + 32 + 176 bytes and a float64 one: two buckets by dtype, four of at most 64 bytes
+        assert rank["default"]["all_reduces"] == [2] and rank["64_bytes"]["all_reduces"] == [4]
+        assert all(rank["default"]["equal"]) and all(rank["64_bytes"]["equal"])  # bit for bit, a missing gradient as zero
+        assert rank["default"]["stop"] is True and rank["64_bytes"]["stop"] is True  # rank 1's interrupt reached rank 0
+    ranks, _ = _heal_case(two_process_heal_run, "uninterrupted")
+    # a LoRA heal of 4 layers trains 56 tensors: one all-reduce per step, not 56
+    assert [rank["all_reduces"] for rank in ranks] == [[1] * 6, [1] * 6]
+
+
+@pytest.mark.parametrize("case", ["interrupt_on_rank_1", "sigint_on_rank_1"])
+def test_ctrl_c_on_one_rank_stops_every_rank_after_the_same_step_with_the_same_weights(two_process_heal_run, case):
+    ranks, weights = _heal_case(two_process_heal_run, case)
+    assert [(rank["interrupted"], rank["steps"]) for rank in ranks] == [(True, 2), (True, 2)]  # the third step not taken
+    assert ranks[0]["kl_curve"] == ranks[1]["kl_curve"]
+    _assert_same_weights(weights)
+
+
+def test_an_interrupt_in_rank_0s_checkpoint_write_stops_every_rank_and_rolls_nothing_back(two_process_heal_run):
+    ranks, weights = _heal_case(two_process_heal_run, "interrupt_in_rank_0s_save")
+    assert [rank["error"] for rank in ranks] == [None, None]  # rank 1 did not raise (and undo Stage 1 and 2)
+    assert [(rank["interrupted"], rank["steps"]) for rank in ranks] == [(True, 4), (True, 4)]
+    assert ranks[0]["saved_step"] == 2 and ranks[0]["left_over"] == ["heal.pt"]  # the last complete file, no .tmp
+    _assert_same_weights(weights)
+
+
+def test_every_rank_resumes_from_rank_0s_checkpoint_which_rank_1_cannot_see(two_process_heal_run):
+    ranks, weights = _heal_case(two_process_heal_run, "resume_from_rank_0s_file")
+    alone, uninterrupted = _heal_case(two_process_heal_run, "uninterrupted")
+    assert not ranks[1]["rank_1_saw_a_file"]
+    assert [(rank["interrupted"], rank["steps"]) for rank in ranks] == [(False, 6), (False, 6)]
+    assert ranks[0]["kl_curve"] == ranks[1]["kl_curve"]
+    assert [tokens for tokens, _ in ranks[0]["kl_curve"]] == [tokens for tokens, _ in alone[0]["kl_curve"]]
+    assert [kl for _, kl in ranks[0]["kl_curve"]] == pytest.approx([kl for _, kl in alone[0]["kl_curve"]], rel=1e-5)
+    _assert_same_weights(weights)
+    for name, value in weights[0].items():
+        torch.testing.assert_close(value, uninterrupted[0][name], rtol=1e-5, atol=1e-6)

@@ -11,8 +11,9 @@ from transformers import AutoModelForCausalLM
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.data import prepare_heal_data
+from optimum_gradmap.distillation import TOP_K, TeacherTargets, _rest_log_prob, teacher_targets, top_k_kl
 from optimum_gradmap.errors import InvalidInputError
-from optimum_gradmap.heal import TOP_K, TeacherTargets, _rest_log_prob, heal, teacher_targets, top_k_kl
+from optimum_gradmap.heal import heal
 
 from .conftest import random_ids, small_config, tiny_model
 
@@ -368,3 +369,301 @@ def test_pruner_heal_keeps_the_results_stage2_settings_and_checks_its_compensate
     assert result.compensated_layers
     pruner.heal(result, heal_data=random_ids(32, 16), heal_tokens=128, heal_trainable="down_projections", heal_lr=1e-4)
     assert result.config.reg_lambda == 0.5 and result.config.compensation and result.config.heal_tokens == 128
+
+
+# --- Issue 64, section 6: the defects a review found ------------------------------------------------------------------
+
+
+def heal_tiny(model, teacher=None, trainable="norms", **settings):
+    """`heal` on a tiny Llama of two layers, its teacher another one unless given (no pruning needed)."""
+    if teacher is None:
+        teacher = lambda: contextlib.nullcontext(peaked_model(num_layers=2, seed=1))  # noqa: E731
+    arguments = dict(learning_rate=1e-2, batch_size=4, check_every=1, autocast=False, progress_bar=False)
+    arguments.update(settings)
+    train, validation = arguments.pop("train", random_ids(8, 16, seed=1)), arguments.pop("validation", random_ids(4, 16, seed=2))
+    return heal(model, get_adapter(model), teacher, train, validation, trainable, **arguments)
+
+
+def test_no_reference_to_the_teacher_outlives_its_pass(monkeypatch):
+    """6.1: the `heal` command's teacher was kept alive through training by a name bound in `heal`."""
+    import gc
+    import weakref
+
+    references = []
+
+    @contextlib.contextmanager
+    def teacher():
+        dense = peaked_model(num_layers=2, seed=1)
+        references.append(weakref.ref(dense))
+        yield dense
+
+    alive = []
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def check_then_clip(*args, **kwargs):
+        gc.collect()
+        alive.append(references[0]() is not None)
+        return clip(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", check_then_clip)
+    heal_tiny(peaked_model(num_layers=2), teacher)
+    assert alive and not any(alive)
+
+
+def test_lora_adapters_are_float32_on_a_bfloat16_model_and_merge_into_its_bfloat16_weights(monkeypatch):
+    """6.2: the adapters took the model's dtype, so AdamW stepped in bfloat16."""
+    model = peaked_model(num_layers=2).to(torch.bfloat16)
+    seen = {}
+    adamw = torch.optim.AdamW
+
+    def record(parameters, *args, **kwargs):
+        parameters = list(parameters)
+        seen["dtypes"] = {parameter.dtype for parameter in parameters}
+        return adamw(parameters, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "AdamW", record)
+    result = heal_tiny(model, trainable="lora", learning_rate=1e-3)
+    assert seen["dtypes"] == {torch.float32} and result.num_trainable_parameters > 0
+    assert {parameter.dtype for parameter in model.parameters()} == {torch.bfloat16} and not hasattr(model, "peft_config")
+
+
+def test_a_heal_checkpoint_is_written_in_folders_that_do_not_exist_yet(tmp_path):
+    """6.4: the first save failed, after the teacher's pass, when the checkpoint's folder did not exist."""
+    checkpoint = tmp_path / "new" / "deeper" / "heal.pt"
+    heal_tiny(peaked_model(num_layers=2), checkpoint=checkpoint)
+    assert checkpoint.is_file() and [path.name for path in checkpoint.parent.iterdir()] == ["heal.pt"]
+
+
+def test_a_heal_checkpoint_that_cannot_be_written_is_refused_before_the_teacher_runs(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    model = peaked_model(num_layers=2)
+    state = copy.deepcopy(model.state_dict())
+
+    def teacher():
+        raise AssertionError("the teacher ran")
+
+    for path, message in ((tmp_path / "file" / "heal.pt", "is a file, not a folder"), (tmp_path, "is a folder")):
+        with pytest.raises(InvalidInputError, match=message):
+            heal_tiny(model, teacher, checkpoint=path)
+    assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
+
+
+def test_a_failed_checkpoint_write_leaves_no_temporary_file_and_the_model_as_it_came(tmp_path, monkeypatch):
+    def write_part_then_fail(value, path, *args, **kwargs):
+        with open(path, "wb") as file:
+            file.write(b"half")
+        raise OSError("No space left on device")
+
+    model = peaked_model(num_layers=2)
+    state = copy.deepcopy(model.state_dict())
+    monkeypatch.setattr(torch, "save", write_part_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        heal_tiny(model, checkpoint=tmp_path / "heal.pt")
+    assert list(tmp_path.iterdir()) == []
+    assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
+
+
+def test_the_weights_digest_is_made_only_for_a_checkpoint_chunk_by_chunk_and_tells_weights_apart(tmp_path, monkeypatch):
+    """6.6: the digest ran on every heal, with two float64 copies of each whole tensor."""
+    from optimum_gradmap import heal as heal_module
+
+    digest, calls = heal_module._weights_digest, []
+    monkeypatch.setattr(heal_module, "_weights_digest", lambda model: calls.append(model) or digest(model))
+    heal_tiny(peaked_model(num_layers=2))
+    assert calls == []
+    heal_tiny(peaked_model(num_layers=2), checkpoint=tmp_path / "heal.pt")
+    assert len(calls) == 1
+
+    monkeypatch.setattr(heal_module, "DIGEST_CHUNK", 1000)
+    sizes, double = [], torch.Tensor.double
+    monkeypatch.setattr(torch.Tensor, "double", lambda self, *args, **kwargs: sizes.append(self.numel()) or double(self))
+    model = tiny_model("llama", num_layers=2)
+    first = digest(model)
+    assert 0 < max(sizes) <= 1000 < model.model.embed_tokens.weight.numel()
+    assert digest(model) == first == digest(copy.deepcopy(model))
+    with torch.no_grad():
+        model.model.embed_tokens.weight[3, 5] += 1e-3
+    assert digest(model) != first
+
+
+def test_an_error_in_the_merge_puts_the_model_back_as_it_came_without_lora_wrappers(monkeypatch):
+    """6.7: the merge sat outside the `try`, so an error in it left a half-merged, LoRA-wrapped model."""
+    from peft.tuners.lora import layer as lora_layer
+
+    model = peaked_model(num_layers=2)
+    state = copy.deepcopy(model.state_dict())
+    merge, updates = lora_layer.Linear.merge, []
+
+    def merge_twice_then_fail(self, *args, **kwargs):
+        if len(updates) == 2:
+            raise RuntimeError("the merge failed")
+        updates.append(float(self.get_delta_weight("heal").detach().abs().max()))
+        return merge(self, *args, **kwargs)
+
+    monkeypatch.setattr(lora_layer.Linear, "merge", merge_twice_then_fail)
+    with pytest.raises(RuntimeError, match="the merge failed"):
+        heal_tiny(model, trainable="lora", learning_rate=1e-2)
+    assert len(updates) == 2 and min(updates) > 0  # two layers had a trained update merged before the error
+    assert not hasattr(model, "peft_config") and set(model.state_dict()) == set(state)
+    assert all(type(module) is nn.Linear for name, module in model.named_modules() if name.endswith("proj"))
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, state[name])
+
+
+def test_no_held_out_sequence_and_a_check_every_below_1_are_refused_before_the_teacher_runs():
+    """6.9: no held-out sequence gave a NaN KL (and the start kept silently); check_every=0 a ZeroDivisionError."""
+    model = peaked_model(num_layers=2)
+
+    def teacher():
+        raise AssertionError("the teacher ran")
+
+    with pytest.raises(InvalidInputError, match="0 held-out sequence"):
+        heal_tiny(model, teacher, validation=random_ids(4, 16)[:0])
+    with pytest.raises(InvalidInputError, match="heal_check_every=0"):
+        heal_tiny(model, teacher, check_every=0)
+
+
+def test_the_held_out_kl_reads_the_device_once_per_check_not_once_per_batch(monkeypatch):
+    """6.10: each held-out batch's sum came back to the host (`.cpu()`) as it was made."""
+    from optimum_gradmap import heal as heal_module
+
+    held_out_kl, reads = heal_module._held_out_kl, []
+    names = ("cpu", "item", "tolist", "__float__")
+
+    def counted(*args, **kwargs):
+        count, originals = [0], {name: getattr(torch.Tensor, name) for name in names}
+
+        def counting(name):
+            def method(self, *method_args, **method_kwargs):
+                count[0] += 1
+                return originals[name](self, *method_args, **method_kwargs)
+
+            return method
+
+        with monkeypatch.context() as patch:
+            for name in names:
+                patch.setattr(torch.Tensor, name, counting(name))
+            value = held_out_kl(*args, **kwargs)
+        reads.append(count[0])
+        return value
+
+    monkeypatch.setattr(heal_module, "_held_out_kl", counted)
+    result = heal_tiny(peaked_model(num_layers=2), batch_size=2, validation=random_ids(8, 16, seed=2))
+    assert len(reads) == len(result.kl_curve) >= 2 and set(reads) == {1}
+
+
+def test_lora_initialisation_follows_the_configs_seed(monkeypatch):
+    """6.11: `_Trainable`'s seed was never passed: LoRA's initialisation ignored `seed`."""
+    from optimum_gradmap import heal as heal_module
+    from optimum_gradmap.heal import heal_as_configured
+
+    init, seeds = heal_module._Trainable.__init__, []
+
+    def record(self, model, choice, lora_rank, seed=0):
+        seeds.append(seed)
+        init(self, model, choice, lora_rank, seed)
+
+    monkeypatch.setattr(heal_module._Trainable, "__init__", record)
+    model = peaked_model(num_layers=2)
+    config = small_config(seed=7, heal_tokens=128, heal_trainable="lora", **HEAL)
+    teacher = lambda: contextlib.nullcontext(peaked_model(num_layers=2, seed=1))  # noqa: E731
+    heal_as_configured(model, teacher, random_ids(8, 16, seed=1), random_ids(4, 16, seed=2), config, [0, 1], 2, [], "x",
+                       progress_bar=False)  # fmt: skip
+    assert seeds == [7]
+
+
+def test_the_report_says_whose_weights_a_heal_that_beat_nothing_kept():
+    """6.11: the report said "the weights are Stage 2's" when Stage 2 had changed nothing."""
+    from optimum_gradmap.report import _heal_sentence
+
+    healed = dict(trainable="norms", num_trainable_parameters=10, trained_tokens=64, dataset="d", train_sha256="0" * 64,
+                  start_kl=1.0, best_kl=1.0, best_tokens=0)  # fmt: skip
+    assert _heal_sentence({"heal": healed, "compensation": {"compensated_layers": [2]}}).endswith("the weights are Stage 2's.")
+    assert _heal_sentence({"heal": healed, "compensation": None}).endswith("Stage 1's (Stage 2 was not run).")
+    no_layer = {"heal": healed, "compensation": {"compensated_layers": []}}
+    assert _heal_sentence(no_layer).endswith("Stage 1's (Stage 2 compensated no layer).")
+
+
+# --- Issue 64, 6.5: heal refusals inside `prune` come before Stage 1 -------------------------------------------------
+
+
+@pytest.fixture
+def no_stage_1(monkeypatch):
+    """Fails the test if `prune` starts Stage 1 (every refusal below must come before it)."""
+
+    def started(*args, **kwargs):
+        raise AssertionError("Stage 1 started: the refusal came after it")
+
+    monkeypatch.setattr(GradMAPPruner, "_select_layers", started)
+
+
+def without_norms(model: nn.Module) -> nn.Module:
+    """`model` (a tiny Llama) with every normalisation replaced by the identity: `norms` finds nothing to train."""
+    for layer in model.model.layers:
+        layer.input_layernorm, layer.post_attention_layernorm = nn.Identity(), nn.Identity()
+    model.model.norm = nn.Identity()
+    return model
+
+
+@pytest.mark.parametrize(
+    "case, settings, message",
+    [
+        ("peft_config", dict(heal_trainable="lora"), "carries PEFT adapters"),
+        ("no_norms", dict(heal_trainable="norms"), "finds nothing to train"),
+        ("before_removed_from_layer_0", dict(heal_trainable="before_removed", layers_to_prune=[0, 1]), "starts at layer 0"),
+        ("stale_checkpoint", dict(heal_trainable="norms"), "comes from another run .*trainable.*before pruning started"),
+    ],
+)
+def test_heal_refusals_inside_prune_come_before_stage_1_and_leave_the_model_untouched(
+    no_stage_1, tmp_path, case, settings, message
+):
+    model = without_norms(peaked_model()) if case == "no_norms" else peaked_model()
+    if case == "peft_config":
+        model.peft_config = {}
+    state = copy.deepcopy(model.state_dict())
+    checkpoint = tmp_path / "heal.pt"
+    if case == "stale_checkpoint":  # another run's: LoRA, 1e-4
+        torch.save({"fingerprint": {"trainable": "lora", "learning_rate": 1e-4}}, checkpoint)
+    layers = {"num_layers_to_prune": None} if "layers_to_prune" in settings else {}
+    config = small_config(num_samples=16, heal_tokens=256, heal_lr=1e-3, **layers, **settings, **HEAL)
+    with pytest.raises(InvalidInputError, match=message):
+        GradMAPPruner(config, model, progress_bar=False).prune(
+            model, random_ids(16, 16), heal_data=random_ids(32, 16), heal_checkpoint=checkpoint
+        )
+    assert len(model.model.layers) == 6 and all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
+
+
+def test_an_interrupted_heal_keeps_stage_1s_checkpoint_and_the_same_command_resumes_both(
+    tiny_checkpoint, tmp_path, monkeypatch, capsys
+):
+    from optimum_gradmap import load_report
+    from optimum_gradmap.cli import main
+
+    output = tmp_path / "healed"
+    stage1, heal_state = tmp_path / ".healed.stage1.json", tmp_path / ".healed.heal.pt"
+    argv = ["prune", tiny_checkpoint, "--num-layers-to-prune", "2", "--dataset", "offline:wikipedia", "--num-samples", "16",
+            "--seq-len", "16", "-q", "--heal-tokens", "512", "--heal-dataset", "offline:web_text", "--heal-seq-len", "16",
+            "--heal-validation-sequences", "8", "--heal-batch-size", "4", "--heal-check-every", "2",
+            "--heal-trainable", "norms", "--no-heal-autocast", "--output", str(output)]  # fmt: skip
+    clip, calls = torch.nn.utils.clip_grad_norm_, {"steps": 0}
+
+    def interrupt_at_step_3(*args, **kwargs):
+        calls["steps"] += 1
+        if calls["steps"] == 3:
+            raise KeyboardInterrupt
+        return clip(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", interrupt_at_step_3)
+    assert main(argv) == 0
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    interrupted = load_report(output)["heal"]
+    assert interrupted["interrupted"] and interrupted["steps"] == 2
+    assert stage1.is_file() and heal_state.is_file()  # both kept for the resume
+    assert f"Stage 1's rounds are kept in {stage1}" in capsys.readouterr().out
+
+    assert main([*argv, "--overwrite"]) == 0  # the resume: Stage 1 replayed from its file, the heal from step 2
+    report = load_report(output)
+    assert report["timings"]["stage1_resumed"] > 0
+    assert not report["heal"]["interrupted"] and report["heal"]["steps"] == report["heal"]["num_steps"] == 8
+    assert report["heal"]["kl_curve"][:2] == interrupted["kl_curve"]  # the checks before the interrupt, resumed
+    assert not stage1.exists() and not heal_state.exists()

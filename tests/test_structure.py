@@ -85,3 +85,9 @@ def test_no_deprecation_layer_is_left():
     sources = {name: path.read_text() for path, name in MODULES.items()}
     assert [name for name, text in sources.items() if "FutureWarning" in text or "deprecated" in text.lower()] == []
     assert [name for name, text in sources.items() if "\ndef __getattr__(" in text or "\n__getattr__ =" in text] == []
+
+
+def test_stage_2_imports_nothing_from_the_heal_stage_that_comes_after_it():
+    """The teacher's targets both distil from live in `optimum_gradmap.distillation` (issue 64, 6.12)."""
+    stage2 = [path for path, name in MODULES.items() if name.startswith("optimum_gradmap.compensation")]
+    assert stage2 and not [path.name for path in stage2 if "optimum_gradmap.heal" in _imports(path)]

@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="save the heal's state at every held-out check and resume from it when it exists (None: a hidden file "
         "beside --output, removed once the checkpoint is saved)",
     )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what the heal would do and cost (its tokens, steps, FLOPs, peak memory and time on this device) and "
+        "exit, without loading a weight",
+    )
     add_logging_arguments(parser)
 
 
@@ -57,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from ..checkpoint import check_output_location, save_checkpoint
     from ..configuration import GradMAPConfig
     from ..data import check_dataset_name, describe_calibration_data
-    from ..heal import HEAL_SETTINGS, check_heal_settings, heal_as_configured, heal_sequences
+    from ..heal import HEAL_SETTINGS, check_heal_checkpoint, check_heal_settings, heal_as_configured, heal_sequences
     from ..report import environment, load_report, reproduction
 
     progress = set_verbosity(args)
@@ -79,16 +85,19 @@ def run(args: argparse.Namespace) -> int:
     teacher_path = teacher_loading.resolve().path
     keep_safe = tuple(folder for folder in (path, teacher_path) if os.path.isdir(folder))
     check_output_location(args.output, args.overwrite, keep_safe=keep_safe)
+    checkpoint = args.heal_checkpoint or default_heal_checkpoint(args.output)
+    check_heal_checkpoint(checkpoint)  # before anything loads, not at the first held-out check
     _check_teacher(AutoConfig.from_pretrained(teacher_path), AutoConfig.from_pretrained(path), report, args.teacher)
+    if args.dry_run:  # the plan from the two configs alone: no weight is loaded
+        return _dry_run(loading, path, teacher_path, config, args.model)
     distributed.init_from_environment()
     model, tokenizer = loading.load(path)
     compensated = (report.get("compensation") or {}).get("compensated_layers", [])
     check_heal_settings(model, config, compensated)
     train_ids, validation_ids = heal_sequences(None, tokenizer, config)
-    checkpoint = args.heal_checkpoint or default_heal_checkpoint(args.output)
 
     @contextlib.contextmanager
-    def teacher():  # loaded for its pass only: training holds the student alone
+    def teacher():  # loaded for its pass only: the heal keeps no reference to it, so it is freed before training
         dense, _ = teacher_loading.load(teacher_path, with_tokenizer=False)
         try:
             yield dense
@@ -121,6 +130,18 @@ def run(args: argparse.Namespace) -> int:
     print(healed.summary())
     finish_heal_checkpoint(checkpoint, healed.interrupted, explicit=args.heal_checkpoint is not None)
     print(f"Saved the healed checkpoint, pruning_report.json and model card to {os.path.abspath(args.output)}")
+    return 0
+
+
+def _dry_run(loading: ModelLoading, path: str, teacher_path: str, config: Any, name: str) -> int:
+    """`heal --dry-run`: prints the heal's plan ([`optimum_gradmap.planning.plan_heal`]) and returns 0."""
+    from ..planning import plan_heal
+    from ..precision import compute_device, resolve_dtype
+
+    device = compute_device(loading.device, loading.device_map)
+    plan = plan_heal(path, teacher_path, config, dtype=resolve_dtype(loading.dtype, device), device=device)
+    plan.model = name
+    print(plan)
     return 0
 
 

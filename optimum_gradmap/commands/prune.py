@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         default=None,
         help="save Stage 1's progress to this JSON file after every round, and resume from it when it exists "
-        "(None: a hidden file beside --output, removed once the checkpoint is saved)",
+        "(None: a hidden file beside --output, removed once the checkpoint is saved, unless the heal was interrupted)",
     )
     parser.add_argument(
         "--evaluate",
@@ -77,12 +77,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--push-to-hub", metavar="REPO", default=None, help="also upload the checkpoint to this Hub repository")
     parser.add_argument("--private", action="store_true", help="create the Hub repository as private (with --push-to-hub)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what the run would do and cost (layers, rounds and passes, tokens, FLOPs, peak memory, disk, and the "
+        "time on this device from a few seconds' measurement of its throughput) and exit, without loading a weight",
+    )
     add_logging_arguments(parser)
 
 
 def default_stage1_checkpoint(output: str) -> str:
     """Where `prune` keeps Stage 1's progress when `--stage1-checkpoint` is not given: a hidden file beside
-    the output folder, deleted when the checkpoint is saved, so that an interrupted run resumes by itself."""
+    the output folder, deleted when the checkpoint is saved (kept when the heal stage was interrupted: its resume
+    replays Stage 1 from it), so that an interrupted run resumes by itself."""
     target = os.path.abspath(output)
     return os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.stage1.json")
 
@@ -169,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
         stage1_checkpoint = default_stage1_checkpoint(args.output)
     heal_checkpoint = default_heal_checkpoint(args.output) if config.heal_tokens else None
     resolved = loading.resolve()  # a model name that is no folder, no asset and not on the Hub: refused here
+    if args.dry_run:
+        return _dry_run(args, config, loading, resolved.path)
 
     several = distributed.init_from_environment()  # under torchrun / accelerate launch: data parallel
     main_process = distributed.is_main_process()
@@ -207,8 +216,12 @@ def run(args: argparse.Namespace) -> int:
     )  # by the main process; the others wait for it
     if not main_process:
         return 0
+    heal_interrupted = result.heal is not None and result.heal.interrupted
     if stage1_checkpoint is not None and args.stage1_checkpoint is None and os.path.isfile(stage1_checkpoint):
-        os.remove(stage1_checkpoint)  # the default one: its work is in the checkpoint now
+        if heal_interrupted:  # the resume (the same command) replays Stage 1 from it, then the heal goes on
+            print(f"Stage 1's rounds are kept in {stage1_checkpoint}, for the resume of the interrupted heal.")
+        else:
+            os.remove(stage1_checkpoint)  # the default one: its work is in the checkpoint now
     print(f"Removed layers {result.removed_layers} of {result.original_num_layers} (in removal order); kept {result.kept_layers}")
     for line in curve_lines(result.to_dict()):
         print(line)
@@ -257,3 +270,30 @@ def _measure_perplexity(model: Any, tokenizer: Any, args: argparse.Namespace, pr
     for entry in result.perplexities if label and distributed.is_main_process() else ():
         print(f"{label}: {entry.dataset} perplexity {entry.perplexity:.3f} ({entry.protocol})", flush=True)
     return result
+
+
+def _dry_run(args: argparse.Namespace, config: GradMAPConfig, loading: ModelLoading, path: str) -> int:
+    """`prune --dry-run`: prints the plan of the run ([`optimum_gradmap.planning.plan_pruning`]) from the model's
+    config alone, and returns 0 without loading a weight."""
+    from ..planning import plan_pruning
+    from ..precision import compute_device, resolve_dtype
+
+    device = compute_device(loading.device, loading.device_map)
+    evaluation_tokens = 0
+    if args.evaluate is not None and args.max_segments is not None:  # dense and pruned, 128-token segments
+        evaluation_tokens = args.max_segments * 128 * len(args.evaluate or ("wikitext2", "c4"))
+    plan = plan_pruning(
+        path,
+        config,
+        dtype=resolve_dtype(loading.dtype, device),
+        device=device,
+        device_map=loading.device_map,
+        max_memory=loading.max_memory_per_device(),
+        validation=args.validation_dataset is not None,
+        evaluation_tokens=evaluation_tokens,
+        name=args.model,
+    )
+    if args.evaluate is not None and args.max_segments is None:
+        plan.notes.append("--evaluate without --max-segments: the evaluation is not counted (its size is known once read).")
+    print(plan)
+    return 0

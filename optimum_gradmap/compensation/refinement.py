@@ -28,9 +28,9 @@ from transformers.utils import logging
 
 from .. import distributed
 from ..adapters import DecoderAdapter
+from ..distillation import TOP_K as TOP_K  # the teacher keeps the top-K the heal stage keeps
+from ..distillation import teacher_targets
 from ..errors import InvalidInputError
-from ..heal import TOP_K as TOP_K  # the teacher keeps the top-K of the heal stage
-from ..heal import teacher_targets
 from ..passes import calibration_mode, forward_hooks, input_device
 from ..surgery import LayerSnapshot
 from ..weights import WeightBackup
@@ -72,7 +72,7 @@ def dense_top_k(
     """The dense model's `TOP_K` most likely next tokens at every position but the last, and their
     probabilities renormalised over them: `(samples, tokens - 1, TOP_K)` indices and float32 probabilities.
     The dense model is the snapshot's stack with the folds of `fold_backups` undone ([`LayerSnapshot.dense_model`]);
-    its targets are the heal stage's ([`~optimum_gradmap.heal.teacher_targets`])."""
+    its targets are the heal stage's ([`~optimum_gradmap.distillation.teacher_targets`])."""
     with dense.dense_model(fold_backups) as model:
         targets = teacher_targets(model, input_ids, batch_size, progress_bar=False)
     return targets.indices.long(), torch.softmax(targets.log_probs, dim=-1)

@@ -70,6 +70,7 @@ class GradMAPImportance(ImportanceMetric):
     name = "gradmap"
     mean_over_samples = True
     iterative = True
+    scoring_pass = "per_sample_gradient"
 
     def score(
         self,
@@ -130,6 +131,7 @@ class BlockInfluence(ImportanceMetric):
 
     name = "block_influence"
     mean_over_samples = True
+    scoring_pass = "forward"
 
     def score(
         self,
@@ -233,6 +235,7 @@ class SLEBImportance(ImportanceMetric):
     mean_over_samples = True
     iterative = True
     scores_are_losses = True
+    scoring_pass = "removal_losses"
 
     def protected_layers(self, num_layers: int) -> set[int]:
         return {0, num_layers - 1}
@@ -282,6 +285,7 @@ class TaylorImportance(ImportanceMetric):
     """
 
     name = "taylor"
+    scoring_pass = "parameter_gradient"
 
     def __init__(self, seed: int = 0, protect_first: int = 4, protect_last: int = 2):
         super().__init__(seed)
@@ -334,6 +338,7 @@ class RelativeMagnitude(ImportanceMetric):
 
     name = "relative_magnitude"
     mean_over_samples = True
+    scoring_pass = "forward"
 
     def score(
         self,
@@ -357,6 +362,7 @@ class RandomImportance(ImportanceMetric):
     `GradMAPConfig.seed`, so a run is reproducible. Scored once."""
 
     name = "random"
+    scoring_pass = "none"
 
     def score(
         self,
@@ -378,6 +384,7 @@ class ResidualBranchMetric(ImportanceMetric):
 
     iterative = True
     mean_over_samples = True
+    scoring_pass = "gradient"
     statistic: ClassVar[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
 
     def score(

@@ -38,6 +38,12 @@ class ImportanceMetric:
     # whether a layer's score is the calibration loss of the model without it (SLEB): the loss after a removal
     # is then known without another pass
     scores_are_losses: ClassVar[bool] = False
+    # What one scoring pass runs, for the cost told before a run ([`optimum_gradmap.planning`]): "per_sample_gradient"
+    # (a forward and an input-gradient backward pass with per-sample gradient norms, GradMAP's), "gradient" (a forward and
+    # an input-gradient backward pass), "parameter_gradient" (a forward and a backward pass that forms the parameters'
+    # gradients), "forward" (the whole model's forward pass), "removal_losses" (SLEB's loss without each candidate),
+    # "none" (no pass). None (a metric of your own that does not say): the plan says its scoring is not counted.
+    scoring_pass: ClassVar[str | None] = None
 
     def __init__(self, seed: int = 0):
         self.seed = seed

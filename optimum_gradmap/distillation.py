@@ -1,0 +1,255 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""The dense model's next-token distribution kept as a distillation target, and the KL divergence to it: what Stage 2's
+refinement (`refinement_steps`, [`~optimum_gradmap.compensation.refinement`]) and the heal stage
+([`optimum_gradmap.heal`]) distil from.
+
+**Targets.** The teacher runs once over the sequences and keeps, at every position but the last, its `TOP_K` most
+likely next tokens' log-probabilities and the log of the probability left to all other tokens ([`teacher_targets`];
+LinearPatch's "offline" teacher, Chen et al., NeurIPS 2025, Sec. 3.3): the student's training then needs neither the
+teacher's weights nor its full-vocabulary distribution.
+
+**KL.** [`top_k_kl`] is the forward KL divergence KL(p_teacher || p_student) over `TOP_K + 1` outcomes, the teacher's
+top-K tokens and "any other token", whose probabilities are the sums of the rest:
+
+    sum_{k in top-K} p_k (log p_k - log q_k) + p_rest (log p_rest - log q_rest)
+
+It is the full-vocabulary KL of the two distributions with the tail merged into one outcome: exact where the teacher
+puts its mass on its top-K, never larger than the full KL, and it penalises a student that moves mass out of the
+top-K.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.utils import logging
+
+from .passes import calibration_mode, input_device
+from .weights import rows_only
+
+# The teacher's most likely next tokens kept at each position (LinearPatch keeps 64 as well).
+TOP_K = 64
+# The loss gradients at the final hidden states form at most this many logits at once (as Stage 1's do).
+MAX_LOGIT_ELEMENTS = 2**22
+
+
+@dataclass
+class TeacherTargets:
+    """The teacher's next-token distribution at every position but the last of some sequences, as [`top_k_kl`]
+    reads it.
+
+    Attributes:
+        indices (`torch.Tensor` of shape `(N, T - 1, TOP_K)`): Its most likely tokens (int32).
+        log_probs (`torch.Tensor` of shape `(N, T - 1, TOP_K)`): Their log-probabilities (float32).
+        rest_log_prob (`torch.Tensor` of shape `(N, T - 1)`): The log of the probability of every other token.
+    """
+
+    indices: torch.Tensor
+    log_probs: torch.Tensor
+    rest_log_prob: torch.Tensor
+
+    def rows(self, rows: Sequence[int] | slice) -> TeacherTargets:
+        """The targets of some of the sequences."""
+        return TeacherTargets(self.indices[rows], self.log_probs[rows], self.rest_log_prob[rows])
+
+
+def _rest_log_prob(log_probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """log of the total probability of the tokens not in `indices` (exact: a logsumexp over them, not 1 - sum)."""
+    return log_probs.scatter(-1, indices.long(), float("-inf")).logsumexp(-1)
+
+
+@torch.no_grad()
+def teacher_targets(
+    teacher: nn.Module,
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    progress_bar: bool = True,
+    autocast: bool = False,
+) -> TeacherTargets:
+    """Runs `teacher` over `input_ids` and keeps its top-`TOP_K` next-token log-probabilities and the rest's.
+
+    Args:
+        teacher (`nn.Module`): The dense causal LM.
+        input_ids (`torch.LongTensor` of shape `(N, T)`): The sequences.
+        batch_size (`int`): Sequences per forward pass.
+        progress_bar (`bool`, defaults to `True`): Show a progress bar.
+        autocast (`bool`, defaults to `False`): Run the teacher under bfloat16 autocast (the log-softmax stays in
+            float32).
+
+    Returns:
+        [`TeacherTargets`], on the CPU.
+    """
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    if input_ids.shape[0] == 0:  # a process with no sequence of its own (torchrun): nothing to keep
+        top_k = min(TOP_K, teacher.get_output_embeddings().weight.shape[0])
+        shape = (0, max(0, input_ids.shape[1] - 1))
+        return TeacherTargets(torch.zeros(*shape, top_k, dtype=torch.int32), torch.zeros(*shape, top_k), torch.zeros(*shape))
+    device = input_device(teacher)
+    with calibration_mode(teacher):
+        for start in logging.tqdm(
+            range(0, input_ids.shape[0], batch_size),
+            desc="Heal: the dense model's targets",
+            leave=False,
+            disable=not progress_bar,
+        ):
+            batch = input_ids[start : start + batch_size].to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext():
+                logits = teacher(input_ids=batch, use_cache=False).logits[:, :-1]
+            log_probs = torch.log_softmax(logits.float(), dim=-1)
+            top = log_probs.topk(min(TOP_K, log_probs.shape[-1]), dim=-1)
+            parts.append((top.indices.int().cpu(), top.values.cpu(), _rest_log_prob(log_probs, top.indices).cpu()))
+    return TeacherTargets(*(torch.cat(tensors) for tensors in zip(*parts)))
+
+
+def top_k_kl(logits: torch.Tensor, targets: TeacherTargets) -> torch.Tensor:
+    """The forward KL divergence from the teacher's distribution to the student's over the teacher's top-K tokens and
+    "any other token" (see the module docstring), per position.
+
+    Args:
+        logits (`torch.Tensor` of shape `(N, T - 1, V)`): The student's logits at the positions of `targets`.
+        targets ([`TeacherTargets`]): The teacher's.
+
+    Returns:
+        `torch.Tensor` of shape `(N, T - 1)`: float32, >= 0 up to rounding.
+    """
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    indices = targets.indices.to(log_q.device).long()
+    log_p = targets.log_probs.to(log_q.device)
+    log_p_rest = targets.rest_log_prob.to(log_q.device)
+    log_q_top = log_q.gather(-1, indices)
+    log_q_rest = _rest_log_prob(log_q, indices)
+    top = (log_p.exp() * (log_p - log_q_top)).sum(-1)
+    # a teacher with no mass outside its top-K (a vocabulary of at most K tokens) adds nothing for "any other token"
+    rest = torch.where(log_p_rest > float("-inf"), log_p_rest.exp() * (log_p_rest - log_q_rest), torch.zeros_like(log_p_rest))
+    return top + rest
+
+
+def _flat_targets(targets: TeacherTargets) -> TeacherTargets:
+    """`targets` with one row per position: `(N * (T - 1), K)` and `(N * (T - 1),)`."""
+    return TeacherTargets(
+        targets.indices.reshape(-1, targets.indices.shape[-1]),
+        targets.log_probs.reshape(-1, targets.log_probs.shape[-1]),
+        targets.rest_log_prob.reshape(-1),
+    )
+
+
+def top_k_kl_gradient(
+    hidden_states: torch.Tensor,
+    targets: TeacherTargets,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    vocab_size: int,
+) -> torch.Tensor:
+    """Gradient, with respect to the final hidden states, of the sum over sequences of each one's mean [`top_k_kl`]
+    over its predicted positions (the heal's loss times the batch's sequences), through `compute_logits` by autograd.
+    The logits are formed a few rows at a time (at most `MAX_LOGIT_ELEMENTS` at once).
+
+    Args:
+        hidden_states (`torch.Tensor` of shape `(batch, seq_len, hidden)`): Input of the language-model head.
+        targets ([`TeacherTargets`]): The teacher's, at the `seq_len - 1` predicting positions of each sequence.
+        compute_logits (`Callable`): Maps hidden states to logits (the head as it is).
+        vocab_size (`int`): Width of the logits, to size the chunks.
+
+    Returns:
+        `torch.Tensor` shaped like `hidden_states` (zero at the last position, which predicts nothing).
+    """
+    batch, seq_len, width = hidden_states.shape
+    rows = hidden_states[:, :-1].detach().reshape(-1, width)
+    flat = _flat_targets(targets)
+    row_grads = torch.empty_like(rows)
+    chunk = max(1, MAX_LOGIT_ELEMENTS // vocab_size)
+    for start in range(0, rows.shape[0], chunk):
+        with torch.enable_grad():
+            chunk_rows = rows[start : start + chunk].requires_grad_(True)
+            logits = compute_logits(chunk_rows).float()
+            loss = top_k_kl(logits, flat.rows(slice(start, start + chunk))).sum() / (seq_len - 1)
+            (row_grads[start : start + chunk],) = torch.autograd.grad(loss, chunk_rows)
+    return torch.nn.functional.pad(row_grads.view(batch, seq_len - 1, width), (0, 0, 0, 1))
+
+
+def _in_slice(indices: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Where each row's top-K tokens fall among the tokens `start:stop`: their columns there, `stop - start` (one past
+    the slice) for those outside it."""
+    return torch.where((indices >= start) & (indices < stop), indices - start, stop - start)
+
+
+def vocab_sliced_top_k_kl_gradient(
+    hidden_states: torch.Tensor,
+    targets: TeacherTargets,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    head: nn.Module,
+    vocab_size: int,
+    max_logits: int = MAX_LOGIT_ELEMENTS,
+) -> torch.Tensor:
+    """What [`top_k_kl_gradient`] computes, with the head's weight read a slice of the vocabulary at a time
+    ([`~optimum_gradmap.weights.rows_only`]), for a head offloaded by Accelerate (as
+    [`~optimum_gradmap.streaming.vocab_sliced_loss_gradient`] does for the cross-entropy).
+
+    With the student's logits z, q = softmax(z), the teacher's top-K set K with probabilities p_k, the rest's p_rest
+    (0 where the teacher has no mass outside K) and q_rest = sum_{j not in K} q_j, the derivative of [`top_k_kl`] in
+    z_j is
+
+        (sum_k p_k + p_rest) q_j - p_j [j in K] - p_rest q_j / q_rest [j not in K].
+
+    Two passes over the slices: the log-normaliser of every row and that of the tokens outside its top-K (running
+    log-sum-exps), then each slice's gradient of the logits, differentiated through `compute_logits` (so a soft-cap
+    is exact).
+
+    Args:
+        hidden_states (`torch.Tensor` of shape `(batch, seq_len, hidden)`): Input of the head.
+        targets ([`TeacherTargets`]): The teacher's, at the `seq_len - 1` predicting positions of each sequence.
+        compute_logits (`Callable`): Maps hidden states to logits with the head as it is (the adapter's).
+        head (`nn.Module`): The output embedding that `compute_logits` calls.
+        vocab_size (`int`): Rows of its weight.
+        max_logits (`int`): Logits formed at once; sets the slice size.
+
+    Returns:
+        `torch.Tensor` shaped like `hidden_states` (zero at the last position).
+    """
+    batch, seq_len, width = hidden_states.shape
+    rows = hidden_states[:, :-1].detach().reshape(-1, width)
+    flat = _flat_targets(targets)
+    indices = flat.indices.to(rows.device).long()
+    teacher = flat.log_probs.to(rows.device).exp()
+    log_p_rest = flat.rest_log_prob.to(rows.device)
+    teacher_rest = torch.where(log_p_rest > float("-inf"), log_p_rest.exp(), torch.zeros_like(log_p_rest))
+    teacher_mass = teacher.sum(-1) + teacher_rest
+    num_rows = rows.shape[0]
+    step = max(1, max_logits // num_rows)
+    slices = [(start, min(start + step, vocab_size)) for start in range(0, vocab_size, step)]
+    log_normaliser = torch.full((num_rows,), float("-inf"), dtype=torch.float32, device=rows.device)
+    rest_log_normaliser = log_normaliser.clone()
+    with torch.no_grad():
+        for start, stop in slices:
+            with rows_only(head, start, stop):
+                logits = compute_logits(rows).float()
+            in_top_k = torch.zeros(num_rows, stop - start + 1, dtype=torch.bool, device=rows.device)
+            in_top_k = in_top_k.scatter_(1, _in_slice(indices, start, stop), True)[:, :-1]
+            log_normaliser = torch.logaddexp(log_normaliser, torch.logsumexp(logits, dim=-1))
+            rest = torch.logsumexp(logits.masked_fill(in_top_k, float("-inf")), dim=-1)
+            rest_log_normaliser = torch.logaddexp(rest_log_normaliser, rest)
+    has_rest = (teacher_rest > 0)[:, None]
+    gradient = torch.zeros_like(rows, dtype=torch.float32)
+    for start, stop in slices:
+        with rows_only(head, start, stop), torch.enable_grad():
+            leaf = rows.detach().requires_grad_(True)
+            logits = compute_logits(leaf).float()
+            with torch.no_grad():
+                columns = _in_slice(indices, start, stop)
+                extended = (rows.shape[0], stop - start + 1)
+                in_top_k = torch.zeros(extended, dtype=torch.bool, device=rows.device).scatter_(1, columns, True)[:, :-1]
+                top_k_mass = torch.zeros(extended, device=rows.device).scatter_(1, columns, teacher)[:, :-1]
+                z = logits.detach()
+                rest_share = torch.where(
+                    has_rest & ~in_top_k,
+                    teacher_rest[:, None] * torch.exp(z - rest_log_normaliser[:, None]),
+                    torch.zeros_like(z),
+                )
+                logits_grad = teacher_mass[:, None] * torch.exp(z - log_normaliser[:, None]) - top_k_mass - rest_share
+            (part,) = torch.autograd.grad(logits, leaf, logits_grad / (seq_len - 1))
+        gradient += part.float()
+    return torch.nn.functional.pad(gradient.to(rows.dtype).view(batch, seq_len - 1, width), (0, 0, 0, 1))

@@ -1,0 +1,250 @@
+"""The cost told before the run ([`optimum_gradmap.planning`], `prune --dry-run`): the plan's pass counts are the passes
+a run makes (forward hooks on every decoder layer and on the head count the layer-tokens and head tokens of a real
+run on a tiny model, with and without gradients, stage by stage), K and the rounds follow the config, a budget is
+told as "up to", the table prints, and the dry runs read no weight."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+from optimum_gradmap import GradMAPConfig, GradMAPPruner
+from optimum_gradmap.adapters import get_adapter
+from optimum_gradmap.planning import Count, DeviceThroughput, Work, golden_search_evaluations, plan_pruning
+
+from .conftest import random_ids, tiny_model
+
+ASSUMED = DeviceThroughput.assumed(1e12, 0.5, "a test device (1 TFLOP/s)")
+COUNTS = ("layer_forward", "layer_gradient", "head_forward", "head_gradient")
+SMALL = dict(num_layers_to_prune=2, num_samples=8, seq_len=16, batch_size=4)
+
+
+class PassCounter:
+    """Forward hooks on every decoder layer and on the head: the tokens each runs, with and without gradients."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.modules = list(get_adapter(model).get_layers(model)), model.get_output_embeddings()
+        self.counts = dict.fromkeys(COUNTS, 0)
+        self.handles = []
+
+    def __enter__(self) -> PassCounter:
+        layers, head = self.modules
+
+        def on_layer(module, args, kwargs, output):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            self.counts["layer_gradient" if torch.is_grad_enabled() else "layer_forward"] += hidden.shape[0] * hidden.shape[1]
+
+        def on_head(module, args, output):
+            rows = args[0].numel() // args[0].shape[-1]
+            self.counts["head_gradient" if torch.is_grad_enabled() else "head_forward"] += rows
+
+        self.handles = [layer.register_forward_hook(on_layer, with_kwargs=True) for layer in layers]
+        self.handles.append(head.register_forward_hook(on_head))
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def take(self) -> dict[str, int]:
+        counts, self.counts = self.counts, dict.fromkeys(COUNTS, 0)
+        return counts
+
+
+def assert_counted(measured: dict[str, int], work: Work, stage: str) -> None:
+    """Each measured count is the plan's where the plan says it is exact, and within its range where it is not."""
+    for name in COUNTS:
+        planned = getattr(work, name)
+        if planned.exact:
+            assert measured[name] == planned.low, f"{stage} {name}: measured {measured[name]}, planned {planned.low}"
+        else:
+            assert planned.low <= measured[name] <= planned.high, f"{stage} {name}: {measured[name]} outside {planned}"
+
+
+def run_counted(config: GradMAPConfig, heal_data: torch.LongTensor | None = None) -> tuple[dict, object, object]:
+    """Stage 1, Stage 2 (and the heal) of a tiny Llama, counted stage by stage; the dense config, for the plan."""
+    model = tiny_model("llama", num_layers=6)
+    dense_config = copy.deepcopy(model.config)
+    pruner = GradMAPPruner(config, progress_bar=False)
+    measured = {}
+    with PassCounter(model) as counter:
+        result = pruner.select_layers(model, random_ids(8, 16))
+        measured["Stage 1"] = counter.take()
+        pruner.compensate(result)
+        measured["Stage 2"] = counter.take()
+        if heal_data is not None:
+            pruner.heal(result, heal_data=heal_data)
+            measured["Heal"] = counter.take()
+    return measured, result, dense_config
+
+
+@pytest.mark.parametrize("preset", [None, "paper", "fast", "quality"])
+def test_the_plans_pass_counts_are_the_passes_a_tiny_run_makes(preset):
+    config = GradMAPConfig(**SMALL) if preset is None else GradMAPConfig.from_preset(preset, **SMALL)
+    measured, result, dense_config = run_counted(config)
+    before = plan_pruning(dense_config, config, throughput=ASSUMED)  # as told before the run
+    after = plan_pruning(dense_config, config, throughput=ASSUMED, removed_layers=result.removed_layers)
+    for plan in (before, after):
+        assert_counted(measured["Stage 1"], plan.stage("Stage 1").work, "Stage 1")
+        assert_counted(measured["Stage 2"], plan.stage("Stage 2").work, "Stage 2")
+    if preset != "quality":  # a shortlist's positions are known only as the run goes; every other Stage 1 is exact
+        assert all(getattr(before.stage("Stage 1").work, name).exact for name in COUNTS)
+    assert before.num_layers_to_remove == 2 and before.rounds == Count.of(1 if preset == "fast" else 2)
+
+
+def test_with_the_removed_layers_known_and_the_whole_grid_scored_stage_2_is_counted_exactly():
+    config = GradMAPConfig(**SMALL, lambda_search="grid")
+    measured, result, dense_config = run_counted(config)
+    plan = plan_pruning(dense_config, config, throughput=ASSUMED, removed_layers=result.removed_layers)
+    work = plan.stage("Stage 2").work
+    assert all(getattr(work, name).exact for name in COUNTS)
+    assert_counted(measured["Stage 2"], work, "Stage 2")
+
+
+def test_layer_streamed_passes_and_the_heal_are_counted_exactly():
+    config = GradMAPConfig(
+        **SMALL, execution="layer_streamed", heal_tokens=64, heal_seq_len=16, heal_batch_size=2,
+        heal_validation_sequences=2, heal_check_every=1, heal_trainable="norms", heal_autocast=False,
+    )  # fmt: skip
+    measured, result, dense_config = run_counted(config, heal_data=random_ids(10, 16, seed=3))
+    plan = plan_pruning(dense_config, config, throughput=ASSUMED, removed_layers=result.removed_layers)
+    assert plan.execution == "layer_streamed"
+    for stage in ("Stage 1", "Stage 2", "Heal"):
+        assert_counted(measured[stage], plan.stage(stage).work, stage)
+    assert all(getattr(plan.stage(stage).work, name).exact for stage in ("Stage 1", "Heal") for name in COUNTS)
+    # streaming adds the forward pass that stores each layer's input: as many layer-tokens as the gradient passes
+    in_memory = plan_pruning(dense_config, config, throughput=ASSUMED, execution="in_memory").stage("Stage 1").work
+    streamed = plan.stage("Stage 1").work
+    assert streamed.layer_forward.low - in_memory.layer_forward.low == streamed.layer_gradient.low
+    assert plan.stage("Stage 1").peak_bytes_streamed.low < plan.stage("Stage 1").peak_bytes_in_memory.low
+
+
+def test_golden_search_scores_four_or_five_strengths_and_more_on_a_tie_never_more_than_the_grid():
+    from optimum_gradmap.compensation.next_token import searched_losses
+
+    grid = list(range(9))
+    counts = {
+        len(searched_losses(lambda index, values=values: values[index], grid, "golden"))
+        for values in torch.rand(300, 9, generator=torch.Generator().manual_seed(0)).tolist()
+    }
+    counts.add(len(searched_losses(lambda index: 1.0, grid, "golden")))  # every loss tied
+    planned = golden_search_evaluations(9)
+    assert planned == Count(4, 9) and min(counts) == 4 and 5 < max(counts) <= 9
+
+
+@pytest.mark.parametrize(("ratio", "iterative", "rounds"), [(0.25, None, 2), (0.5, None, 3), (0.25, False, 1)])
+def test_k_and_the_rounds_follow_the_config(ratio, iterative, rounds):
+    config = GradMAPConfig(pruning_ratio=ratio, iterative=iterative, num_samples=8, seq_len=16, batch_size=4)
+    plan = plan_pruning(tiny_model("llama", num_layers=6).config, config, throughput=ASSUMED)
+    assert plan.num_layers_to_remove == config.num_layers_to_remove(6)
+    assert plan.rounds == Count.of(rounds)
+    assert ("iterative" if iterative is None else "one-shot") in plan.stage1
+
+
+def test_a_budget_is_told_as_up_to_k_rounds_not_refused():
+    model_config = tiny_model("llama", num_layers=6).config
+    budget = plan_pruning(
+        model_config, GradMAPConfig(**dict(SMALL, num_layers_to_prune=3), max_loss_increase=0.1), throughput=ASSUMED
+    )
+    assert budget.rounds == Count(1, 3) and "up to 3 rounds" in budget.budget and "up to 3 rounds" in str(budget)
+    assert not budget.stage("Stage 1").work.layer_gradient.exact
+    unbounded = {name: value for name, value in SMALL.items() if name != "num_layers_to_prune"}
+    layer = (budget.num_parameters - _head_and_embeddings(model_config)) // 6
+    sized = plan_pruning(
+        model_config, GradMAPConfig(target_num_parameters=budget.num_parameters - 2 * layer, **unbounded), throughput=ASSUMED
+    )
+    assert sized.rounds == Count.of(2) and sized.num_layers_to_remove == 5  # all but one layer allowed, two needed
+
+
+def _head_and_embeddings(model_config) -> int:
+    model = tiny_model("llama", num_layers=6)
+    return sum(parameter.numel() for parameter in model.parameters()) - sum(
+        parameter.numel() for layer in get_adapter(model).get_layers(model) for parameter in layer.parameters()
+    )
+
+
+def test_the_plan_prints_as_a_table_and_converts_to_json():
+    model = tiny_model("llama", num_layers=6)
+    plan = plan_pruning(model, GradMAPConfig(**SMALL, heal_tokens=64, heal_seq_len=16), throughput=ASSUMED, evaluation_tokens=256)
+    text = str(plan)
+    for expected in ("Stage 1", "Stage 2", "Heal", "Evaluation", "Total", "Peak, in memory", "Peak, layer-streamed", "TFLOP"):
+        assert expected in text
+    assert "assumed, not measured" in text and "Disk: the output checkpoint takes" in text
+    values = json.loads(json.dumps(plan.to_dict()))
+    assert values["num_layers_to_remove"] == 2 and [stage["name"] for stage in values["stages"]][:2] == ["Stage 1", "Stage 2"]
+    assert plan.seconds.low > 0 and plan.peak_bytes.low > plan.weight_bytes
+    # the same plan from the model, from its config: only the config is read
+    from_config = plan_pruning(
+        model.config, GradMAPConfig(**SMALL, heal_tokens=64, heal_seq_len=16), throughput=ASSUMED, evaluation_tokens=256
+    )
+    assert from_config.stage("Stage 1").work == plan.stage("Stage 1").work
+
+
+def test_the_disk_is_the_kept_layers_weights_and_the_time_follows_the_throughput():
+    model_config = tiny_model("llama", num_layers=6).config
+    plan = plan_pruning(model_config, GradMAPConfig(**SMALL), throughput=ASSUMED, tokenizer_bytes=0)
+    layer_bytes = 4 * (plan.num_parameters - _head_and_embeddings(model_config)) // 6
+    assert plan.output_bytes.low == plan.weight_bytes - 2 * layer_bytes + 300_000
+    twice = DeviceThroughput.assumed(2e12, 0.5, "twice as fast", host_float64_flops_per_second=1e11)
+    faster = plan_pruning(model_config, GradMAPConfig(**SMALL), throughput=twice)
+    assert faster.stage("Stage 1").seconds.low == pytest.approx(plan.stage("Stage 1").seconds.low / 2)
+
+
+def test_a_config_the_model_cannot_follow_is_refused_with_a_clear_error():
+    from optimum_gradmap.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="at least one must go"):
+        plan_pruning(tiny_model("llama", num_layers=6).config, GradMAPConfig(num_layers_to_prune=6), throughput=ASSUMED)
+    with pytest.raises(InvalidInputError, match="efficiency"):
+        DeviceThroughput.assumed(1e12, 1.5, "too efficient")
+
+
+def _refuse_weights(monkeypatch):
+    """Every way a weight could be read fails the test."""
+    import safetensors.torch
+    from transformers import AutoModelForCausalLM
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a dry run read a weight")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refused)
+    monkeypatch.setattr(safetensors.torch, "load_file", refused)
+    monkeypatch.setattr(safetensors, "safe_open", refused)
+
+
+def test_prune_dry_run_prints_the_plan_and_reads_no_weight(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    from optimum_gradmap.cli import main
+
+    os.remove(os.path.join(tiny_checkpoint, "model.safetensors"))
+    _refuse_weights(monkeypatch)
+    output = tmp_path / "pruned"
+    argv = ["prune", tiny_checkpoint, "--num-layers-to-prune", "2", "--num-samples", "8", "--seq-len", "16",
+            "--batch-size", "4", "--output", str(output), "--dry-run"]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"GradMAP plan for {tiny_checkpoint}" in printed and "Remove 2 of 6 layers" in printed
+    assert "measured in" in printed and "Stage 2" in printed
+    assert not output.exists()
+    assert main([*argv, "--preset", "fast"]) == 0 and "relative_magnitude (one-shot)" in capsys.readouterr().out
+
+
+def test_heal_dry_run_prints_the_heals_plan_and_reads_no_weight(tiny_checkpoint, byte_tokenizer, tmp_path, monkeypatch, capsys):
+    from optimum_gradmap.cli import main
+
+    pruner = GradMAPPruner(GradMAPConfig(layers_to_prune=[2, 3], compensation=False), progress_bar=False)
+    result = pruner.prune(tiny_model("llama", num_layers=6), random_ids(8, 16))
+    pruned = str(tmp_path / "pruned")
+    result.save_pretrained(pruned, tokenizer=byte_tokenizer)
+    for folder in (pruned, tiny_checkpoint):
+        os.remove(os.path.join(folder, "model.safetensors"))
+    _refuse_weights(monkeypatch)
+    argv = ["heal", pruned, "--teacher", tiny_checkpoint, "--heal-tokens", "512", "--heal-seq-len", "16",
+            "--heal-batch-size", "4", "--output", str(tmp_path / "healed"), "--dry-run"]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "Heal" in printed and "8 steps" in printed and "heal trains lora" in printed
+    assert not (tmp_path / "healed").exists()
