@@ -214,10 +214,10 @@ def vocab_sliced_top_k_kl_gradient(
     rows = hidden_states[:, :-1].detach().reshape(-1, width)
     flat = _flat_targets(targets)
     indices = flat.indices.to(rows.device).long()
-    teacher = flat.log_probs.to(rows.device).exp()
+    teacher_top_k = flat.log_probs.to(rows.device).exp()
     log_p_rest = flat.rest_log_prob.to(rows.device)
     teacher_rest = torch.where(log_p_rest > float("-inf"), log_p_rest.exp(), torch.zeros_like(log_p_rest))
-    teacher_mass = teacher.sum(-1) + teacher_rest
+    teacher_mass = teacher_top_k.sum(-1) + teacher_rest
     num_rows = rows.shape[0]
     step = max(1, max_logits // num_rows)
     slices = [(start, min(start + step, vocab_size)) for start in range(0, vocab_size, step)]
@@ -242,7 +242,7 @@ def vocab_sliced_top_k_kl_gradient(
                 columns = _in_slice(indices, start, stop)
                 extended = (rows.shape[0], stop - start + 1)
                 in_top_k = torch.zeros(extended, dtype=torch.bool, device=rows.device).scatter_(1, columns, True)[:, :-1]
-                top_k_mass = torch.zeros(extended, device=rows.device).scatter_(1, columns, teacher)[:, :-1]
+                top_k_mass = torch.zeros(extended, device=rows.device).scatter_(1, columns, teacher_top_k)[:, :-1]
                 z = logits.detach()
                 rest_share = torch.where(
                     has_rest & ~in_top_k,

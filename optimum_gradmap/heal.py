@@ -50,6 +50,16 @@ autocast; the log-softmax, the loss, the optimizer and the weights stay in float
 move: on SmolLM2-135M the KL divergence from its float32 next-token distribution to its autocast one is below 0.001
 nats per token on held-out text, about a thousandth of a pruned model's, and its pass takes about a third of the time
 on an AVX512-BF16 CPU (benchmarks/teacher_autocast.py).
+
+**Offloaded models.** On a model whose weights Accelerate offloaded to the CPU or disk (`GradMAPConfig.execution`
+`"auto"`), or always under `"layer_streamed"`, each training step runs layer-streamed
+([`~optimum_gradmap.streaming.streamed_backward`]): one decoder layer's weights in memory at a time, the loss gradient
+at the final hidden states formed through an offloaded head a slice of the vocabulary at a time
+([`~optimum_gradmap.distillation.vocab_sliced_top_k_kl_gradient`]). The gradients are those of the in-memory step. LoRA's
+adapters live in memory, on the device each map computes on, and the merge writes each merged weight where it lives
+([`~optimum_gradmap.weights.materialized`]: the CPU copy, or the offload folder, never the model's own files). The
+other choices would train offloaded weights, which accumulate no gradient: they are refused. The teacher's pass and
+the held-out KL are forward passes, which Accelerate's hooks already run one module at a time.
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, get_args
 
 import torch
@@ -70,15 +81,22 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging
 
-from . import distributed
+from . import distributed, streaming
 from .adapters import DecoderAdapter, get_adapter, get_submodule
 from .configuration import GradMAPConfig, HealTrainable
 from .data import CalibrationData, calibration_sha256, prepare_heal_data
-from .distillation import TeacherTargets, teacher_targets, top_k_kl
+from .distillation import (
+    TeacherTargets,
+    teacher_targets,
+    top_k_kl,
+    top_k_kl_gradient,
+    vocab_sliced_top_k_kl_gradient,
+)
 from .errors import InvalidInputError
+from .importance.gradient import DecoderGradient
 from .passes import calibration_mode, input_device
 from .precision import has_native_bfloat16
-from .weights import is_offloaded_module
+from .weights import execution_device, is_offloaded_module, materialized, stored_state_dict
 
 logger = logging.get_logger(__name__)
 
@@ -139,7 +157,8 @@ def check_heal_settings(model: nn.Module, config: GradMAPConfig, compensated: Se
 
     Raises:
         InvalidInputError: for a model that carries PEFT adapters, `lora` without PEFT, `down_projections` without a
-            compensated layer, full weights in bfloat16 or float16, offloaded weights, or nothing to train.
+            compensated layer, full weights in bfloat16 or float16, a choice other than `lora` on a model with offloaded
+            weights, or nothing to train.
     """
     _check_no_peft_adapters(model)
     if config.heal_trainable == "lora":
@@ -163,11 +182,8 @@ def check_heal_settings(model: nn.Module, config: GradMAPConfig, compensated: Se
             "where AdamW's small steps round away: load the model in float32 (`--dtype float32`), or heal with "
             "heal_trainable='lora' (its adapters are float32 whatever the model's dtype)."
         )
-    if any(is_offloaded_module(module) for module in model.modules()):
-        raise InvalidInputError(
-            "The heal stage trains the model and cannot train weights Accelerate offloaded to the CPU or disk: load the "
-            "model on devices that hold it (a larger device, or `torchrun` with several), or set heal_tokens=0."
-        )
+    if config.heal_trainable != "lora" and streaming.is_offloaded(model):
+        raise InvalidInputError(_offloaded_refusal(config.heal_trainable))
     if config.heal_batch_size < distributed.world_size():
         raise InvalidInputError(
             f"heal_batch_size={config.heal_batch_size} cannot be shared by {distributed.world_size()} processes: use a "
@@ -419,6 +435,14 @@ def _choose(
         choice.parameters += _norm_parameters(model, [], adapter)
     if not choice.lora_targets and not choice.parameters:
         raise InvalidInputError(f"heal_trainable={trainable!r} finds nothing to train in this model: choose another.")
+    offloaded = {
+        id(parameter)
+        for module in model.modules()
+        if is_offloaded_module(module)
+        for parameter in module.parameters(recurse=False)
+    }
+    if any(id(parameter) in offloaded for parameter in choice.parameters):
+        raise InvalidInputError(_offloaded_refusal(trainable))
     low_precision = sorted({str(p.dtype) for p in choice.parameters if p.dtype in (torch.bfloat16, torch.float16)})
     if low_precision:
         raise InvalidInputError(
@@ -427,6 +451,15 @@ def _choose(
             "adapters are float32 whatever the model's dtype)."
         )
     return choice
+
+
+def _offloaded_refusal(trainable: str) -> str:
+    return (
+        f"heal_trainable={trainable!r} trains the model's own weights, and Accelerate offloaded some of them to the CPU "
+        "or disk, where no gradient can accumulate (each forward pass brings a new copy): heal an offloaded model with "
+        "heal_trainable='lora' (its adapters live in memory and merge into the weights where they live), or load the "
+        "model on devices that hold it."
+    )
 
 
 def _check_no_peft_adapters(model: nn.Module) -> None:
@@ -465,13 +498,22 @@ class _Trainable:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 self.lora = LoraModel(model, lora_config, LORA_ADAPTER)
+                # the wrapped layers, kept to take a merge back even after the wrappers are gone
+                self.lora_layers = [module for module in model.modules() if isinstance(module, LoraLayer)]
+                # PEFT puts the adapters where the base layer's weight is, in its dtype: on the "meta" device, without
+                # values, for a weight Accelerate offloaded. They are drawn again as PEFT draws them (A as nn.Linear's
+                # default, B zero), in float32 whatever the model's dtype (AdamW's steps and the merged update keep
+                # their bits), on the CPU with `seed`, then put where the base layer computes.
+                torch.manual_seed(seed)
+                for layer in self.lora_layers:
+                    adapters = (layer.lora_A[LORA_ADAPTER], layer.lora_B[LORA_ADAPTER])
+                    for linear in adapters:
+                        linear.weight = nn.Parameter(torch.empty(linear.weight.shape, dtype=torch.float32))
+                    layer.reset_lora_parameters(LORA_ADAPTER, True)
+                    for linear in adapters:
+                        linear.to(execution_device(layer.get_base_layer()))
             marker = f".{LORA_ADAPTER}."
             self.parameters = [parameter for name, parameter in model.named_parameters() if "lora_" in name and marker in name]
-            with torch.no_grad():  # float32 whatever the model's dtype: AdamW's steps and the merged update keep their bits
-                for parameter in self.parameters:
-                    parameter.data = parameter.data.float()
-            # the wrapped layers, kept to take a merge back even after the wrappers are gone
-            self.lora_layers = [module for module in model.modules() if isinstance(module, LoraLayer)]
         else:
             self.parameters = list(choice.parameters)
         for parameter in self.parameters:
@@ -494,14 +536,26 @@ class _Trainable:
     def finish(self, merge: bool) -> None:
         """Removes the LoRA adapters, merged into the weights (`merge`) or dropped; nothing to do for the others. The
         merge comes first, layer by layer, and the unwrapping after it, so that [`restore`] can take back a merge an
-        error cut short."""
+        error cut short. A weight Accelerate offloaded is merged one map at a time and written where it lives (the CPU
+        copy, or the offload folder for a weight on disk, never the model's own files: [`materialized`])."""
         if self.lora is not None:
             if merge:
                 for layer in self.lora_layers:
-                    layer.merge(adapter_names=[LORA_ADAPTER])
-            self.lora.unload()
-            if hasattr(self.model, "peft_config"):  # left by PEFT versions that do not remove it
+                    with materialized(layer.get_base_layer(), write_back=True):  # PEFT merges through `.data`
+                        layer.merge(adapter_names=[LORA_ADAPTER])
+            self._unwrap()
+            if hasattr(self.model, "peft_config"):
                 del self.model.peft_config
+
+    def _unwrap(self) -> None:
+        """Puts each wrapped map's base layer back in its place: what PEFT's `unload` does, without its `onload_layer`,
+        which would keep an offloaded layer's weights in memory as its hook's new weights map."""
+        from peft.tuners.lora import LoraLayer
+
+        wrapped = [(name, module) for name, module in self.model.named_modules() if isinstance(module, LoraLayer)]
+        for name, module in wrapped:
+            parent, _, child = name.rpartition(".")
+            setattr(self.model.get_submodule(parent), child, module.get_base_layer())
 
     def restore(self, start_state: Sequence[torch.Tensor]) -> None:
         """Puts the model back as it came, after an error at any point (a merge cut short included): the update of
@@ -513,7 +567,8 @@ class _Trainable:
         """
         for layer in self.lora_layers:
             if layer.merged:
-                layer.unmerge()
+                with materialized(layer.get_base_layer(), write_back=True):
+                    layer.unmerge()
         self.load(start_state)
         self.finish(merge=False)
 
@@ -557,6 +612,11 @@ def heal(
 ) -> HealResult:
     """Distils the teacher into `model` (in place; see the module docstring).
 
+    Under [`~optimum_gradmap.streaming.execution_mode`] `"layer_streamed"`, or `"auto"` (the default) on a model
+    whose weights Accelerate offloaded to the CPU or disk, each training step runs layer-streamed
+    ([`~optimum_gradmap.streaming.streamed_backward`]): the same gradients, with one decoder layer's weights in memory
+    at a time. [`heal_as_configured`] enters the mode `GradMAPConfig.execution` names.
+
     Args:
         model (`PreTrainedModel`): The pruned model.
         adapter (`DecoderAdapter`): Its family's adapter.
@@ -586,12 +646,13 @@ def heal(
 
     Raises:
         InvalidInputError: for an unknown `trainable`, nothing of that kind to train, full weights in bfloat16 or
-            float16, a batch smaller than the number of processes, `check_every` below 1, no held-out sequence, a
-            checkpoint path that cannot be written or a checkpoint file from another run, before the teacher runs. Any
-            other error once training was set up, in the merge of LoRA's adapters included, leaves the model as it was
-            before the call, without LoRA's wrappers (the layers merged before the error get their update subtracted
-            back, exact up to rounding); Ctrl-C during the training steps keeps the best state so far (`interrupted`;
-            under `torch.distributed` every process stops after the same step), before them it propagates.
+            float16, weights to train that Accelerate offloaded, a batch smaller than the number of processes,
+            `check_every` below 1, no held-out sequence, a checkpoint path that cannot be written or a checkpoint file
+            from another run, before the teacher runs. Any other error once training was set up, in the merge of
+            LoRA's adapters included, leaves the model as it was before the call, without LoRA's wrappers (the layers
+            merged before the error get their update subtracted back, exact up to rounding); Ctrl-C during the
+            training steps keeps the best state so far (`interrupted`; under `torch.distributed` every process stops
+            after the same step), before them it propagates.
     """
     if trainable not in HEAL_TRAINABLE_CHOICES:
         raise InvalidInputError(f"`heal_trainable` must be one of {HEAL_TRAINABLE_CHOICES}, got {trainable!r}.")
@@ -611,7 +672,7 @@ def heal(
             "to the dense model chooses the state it keeps, so it needs at least one sequence of 2 tokens or more. Hold "
             "out some sequences (heal_validation_sequences >= 1, heal_seq_len >= 2)."
         )
-    check_heal_checkpoint(checkpoint)
+    distributed.on_main_process(lambda: check_heal_checkpoint(checkpoint))  # the main process alone writes it
     started = time.perf_counter()
     kept = list(range(adapter.num_layers(model))) if kept is None else list(kept)
     num_layers = num_layers if num_layers is not None else kept[-1] + 1
@@ -668,6 +729,8 @@ def heal(
         try:
             chosen = _Trainable(model, choice, lora_rank, seed)
             result.num_trainable_parameters = chosen.num_parameters()
+            # layer-streamed (offloaded weights, or `execution="layer_streamed"`): one layer's weights at a time
+            streamed = DecoderGradient(model, adapter, train_ids) if streaming.streams(model) else None
             start_state = best_state = chosen.state()
             optimizer = torch.optim.AdamW(chosen.parameters, lr=learning_rate, weight_decay=0.0)
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: _learning_rate_factor(done + 1, num_steps))
@@ -705,10 +768,17 @@ def heal(
                             optimizer.zero_grad(set_to_none=True)
                             if rows:  # a last, short batch may leave a process none
                                 batch = train_ids[rows].to(device)
-                                with passes():
-                                    logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
-                                loss = top_k_kl(logits, targets.rows([position[row] for row in rows])).mean()
-                                (loss * len(rows)).backward()
+                                batch_targets = targets.rows([position[row] for row in rows])
+                                if streamed is not None:  # the same gradients: the rows' summed per-sequence means
+                                    with passes():
+                                        streamed.backward(
+                                            batch, _streamed_loss_gradient(streamed, batch_targets), chosen.parameters
+                                        )
+                                else:
+                                    with passes():
+                                        logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
+                                    loss = top_k_kl(logits, batch_targets).mean()
+                                    (loss * len(rows)).backward()
                         except KeyboardInterrupt:
                             stop = True
                         if _average_gradients(chosen.parameters, global_rows, stop or deferred_interrupt()):
@@ -774,31 +844,33 @@ def heal_as_configured(
         model, teacher, train_ids, validation_ids, kept, num_layers, compensated, dataset, checkpoint, progress_bar:
             As in [`heal`].
         config ([`GradMAPConfig`]): Its `heal_trainable`, `heal_lr`, `heal_batch_size`, `heal_check_every`,
-            `heal_lora_rank`, `heal_autocast` and `seed` (LoRA's initialisation) are read.
+            `heal_lora_rank`, `heal_autocast`, `execution` (whether the training steps run layer-streamed, see
+            [`heal`]) and `seed` (LoRA's initialisation) are read.
 
     Returns:
         [`HealResult`].
     """
-    return heal(
-        model,
-        get_adapter(model),
-        teacher,
-        train_ids,
-        validation_ids,
-        trainable=config.heal_trainable,
-        learning_rate=config.heal_lr,
-        batch_size=config.heal_batch_size,
-        check_every=config.heal_check_every,
-        lora_rank=config.heal_lora_rank,
-        autocast=config.heal_autocast,
-        kept=kept,
-        num_layers=num_layers,
-        compensated=compensated,
-        dataset=dataset,
-        checkpoint=checkpoint,
-        progress_bar=progress_bar,
-        seed=config.seed,
-    )
+    with streaming.execution_mode(config.execution):
+        return heal(
+            model,
+            get_adapter(model),
+            teacher,
+            train_ids,
+            validation_ids,
+            trainable=config.heal_trainable,
+            learning_rate=config.heal_lr,
+            batch_size=config.heal_batch_size,
+            check_every=config.heal_check_every,
+            lora_rank=config.heal_lora_rank,
+            autocast=config.heal_autocast,
+            kept=kept,
+            num_layers=num_layers,
+            compensated=compensated,
+            dataset=dataset,
+            checkpoint=checkpoint,
+            progress_bar=progress_bar,
+            seed=config.seed,
+        )
 
 
 def _weights_digest(model: nn.Module) -> str:
@@ -807,7 +879,7 @@ def _weights_digest(model: nn.Module) -> str:
     larger than a chunk in float64 (a whole 8B model's embedding would take 8 GB)."""
     sums = []
     with torch.no_grad():
-        for tensor in model.state_dict().values():
+        for _, tensor in stored_state_dict(model):  # an offloaded weight read from where it lives, one at a time
             flat = tensor.detach().reshape(-1)
             total = torch.zeros(2, dtype=torch.float64, device=flat.device)
             for start in range(0, flat.numel(), DIGEST_CHUNK):
@@ -848,6 +920,20 @@ def check_heal_checkpoint(path: str | os.PathLike | None) -> None:
         raise InvalidInputError(
             f"The heal checkpoint {path} cannot be written: {existing} is not writable. Give a path in a folder you can write to."
         )
+
+
+def _streamed_loss_gradient(streamed: DecoderGradient, targets: TeacherTargets) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The heal loss's gradient at the final hidden states of a layer-streamed step: the summed per-sequence mean top-K
+    KL, through the head in memory by autograd, or through an offloaded head a slice of the vocabulary at a time."""
+    if streamed.sliced_head is not None:
+        return partial(
+            vocab_sliced_top_k_kl_gradient,
+            targets=targets,
+            compute_logits=streamed.compute_logits,
+            head=streamed.sliced_head,
+            vocab_size=streamed.vocab_size,
+        )
+    return partial(top_k_kl_gradient, targets=targets, compute_logits=streamed.compute_logits, vocab_size=streamed.vocab_size)
 
 
 def _teacher_pass(

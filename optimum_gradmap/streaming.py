@@ -252,12 +252,16 @@ def streamed_backward(
         calls (`LayerCalls`): The batch's recorded layer calls.
         layers (`Sequence[nn.Module]`): The decoder layers, in order.
         compute_hidden_grads (`Callable`): Maps the decoder's final hidden states to the loss gradient there.
-        parameters (`Sequence[nn.Parameter]`, *optional*): Parameters whose `.grad` accumulates.
+        parameters (`Sequence[nn.Parameter]`, *optional*): Parameters whose `.grad` accumulates: those of the
+            layers (in memory: LoRA's adapters, or weights that are not offloaded), and those of what follows the
+            layers up to the final hidden states (the final norm).
 
     Returns:
         `torch.Tensor`: The loss gradient at the first layer's input.
     """
     wanted = {id(parameter) for parameter in parameters}
+    in_layers = {id(parameter) for layer in layers for parameter in layer.parameters()}
+    after_layers = [parameter for parameter in parameters if id(parameter) not in in_layers]
     inputs = []
     hidden = calls.hidden_states.detach()
     with torch.no_grad():
@@ -267,7 +271,8 @@ def streamed_backward(
     with torch.enable_grad():
         last = hidden.detach().requires_grad_(True)
         final = calls.finish(last)
-        (gradient,) = torch.autograd.grad(final, last, compute_hidden_grads(final))
+        torch.autograd.backward(final, compute_hidden_grads(final), inputs=[last, *after_layers])
+    gradient = last.grad
     for position in reversed(range(len(layers))):
         hidden_in = inputs.pop().requires_grad_(True)
         with materialized(layers[position]):  # offloaded weights stay put until the layer's backward is done

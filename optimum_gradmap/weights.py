@@ -154,8 +154,36 @@ def is_offloaded_module(module: nn.Module) -> bool:
     return bool(_offload_hooks(module))
 
 
+def execution_device(module: nn.Module) -> torch.device:
+    """Where `module` computes: its offload hook's execution device where Accelerate offloaded its own weights, else
+    the device of its first parameter (the CPU for a module without one)."""
+    hooks = _offload_hooks(module)
+    if hooks:
+        return torch.device(hooks[0].execution_device)
+    return next((parameter.device for parameter in module.parameters()), torch.device("cpu"))
+
+
+def stored_state_dict(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`model.state_dict()`'s items one at a time, each weight Accelerate offloaded read from where it lives (the CPU
+    state dict or the disk) in place of its "meta" placeholder: one offloaded tensor in memory at a time.
+
+    Args:
+        model (`nn.Module`): A model, dispatched by Accelerate or not.
+
+    Returns:
+        An iterator over `(name, tensor)` in the state dict's order.
+    """
+    for name, tensor in model.state_dict().items():
+        if tensor.device.type == "meta":
+            module_name, _, leaf = name.rpartition(".")
+            hooks = _offload_hooks(model.get_submodule(module_name))
+            if hooks:
+                tensor = hooks[0].weights_map[leaf]
+        yield name, tensor
+
+
 @contextmanager
-def materialized(module: nn.Module, device: str | torch.device | None = None) -> Iterator[None]:
+def materialized(module: nn.Module, device: str | torch.device | None = None, write_back: bool = False) -> Iterator[None]:
     """Makes the weights of `module` (and its submodules) real tensors for the block, where Accelerate
     offloaded them to CPU or disk: forward passes inside the block use them as they are (the hooks stop
     loading and dropping them), and on exit every weight changed in place is written back to where it
@@ -166,6 +194,8 @@ def materialized(module: nn.Module, device: str | torch.device | None = None) ->
         module (`nn.Module`): A module of a model dispatched by Accelerate (or any module).
         device (`str` or `torch.device`, *optional*): Where to put the weights; defaults to each hook's
             execution device.
+        write_back (`bool`, defaults to `False`): Write every weight back on exit, changed or not: for
+            changes made through `.data` (PEFT's LoRA merge), which a tensor's version counter does not see.
     """
     from accelerate.utils import set_module_tensor_to_device
 
@@ -182,7 +212,7 @@ def materialized(module: nn.Module, device: str | torch.device | None = None) ->
     finally:
         for submodule, hook, name, version in loaded:
             value = getattr(submodule, name)
-            if value._version != version:
+            if write_back or value._version != version:
                 _store_offloaded(hook.weights_map, name, value.detach().to("cpu"))
             set_module_tensor_to_device(submodule, name, "meta")
         for _, hook in hooks:

@@ -405,6 +405,66 @@ def split_at_lm_head(
     return decoder, head, expected.shape[-1]
 
 
+class DecoderGradient:
+    """A causal LM split at its head for gradient passes: runs a batch from its input embeddings to the final hidden
+    states and back from a loss gradient given there, through autograd in memory, or layer-streamed under
+    [`~optimum_gradmap.streaming.execution_mode`] ([`~optimum_gradmap.streaming.streamed_backward`]: one layer's
+    weights at a time, an offloaded embedding read a slice of the vocabulary at a time). What Stage 1's passes
+    ([`loss_gradient_passes`]) and the heal's training steps share; each brings its own loss gradient, which reads
+    an offloaded head a slice of the vocabulary at a time where `sliced_head` is set.
+
+    Args:
+        model (`nn.Module`): A causal LM.
+        adapter (`DecoderAdapter`): Its adapter (how to split off the head, where the layers are).
+        input_ids (`torch.LongTensor`): Sequences of the passes: a few of their tokens check the split
+            ([`split_at_lm_head`]).
+
+    Attributes:
+        compute_logits (`Callable`): The head: maps final hidden states to logits.
+        vocab_size (`int`): The width of its output.
+        layer_streamed (`bool`): Whether the passes run layer-streamed ([`~optimum_gradmap.streaming.streams`]).
+        sliced_head (`nn.Module`, *optional*): The output embedding a loss gradient reads a slice of the vocabulary
+            at a time (layer-streamed passes with the head offloaded), else `None`.
+    """
+
+    def __init__(self, model: nn.Module, adapter: DecoderAdapter, input_ids: torch.LongTensor):
+        self._model, self._adapter = model, adapter
+        self._decoder, self.compute_logits, self.vocab_size = split_at_lm_head(model, adapter, input_ids)
+        self.layer_streamed = streaming.streams(model)
+        output_embeddings = model.get_output_embeddings()
+        self.sliced_head = (
+            output_embeddings
+            if self.layer_streamed and not isinstance(self.compute_logits, nn.Identity) and is_offloaded_module(output_embeddings)
+            else None
+        )
+
+    def backward(
+        self,
+        batch: torch.LongTensor,
+        loss_gradient: Callable[[torch.Tensor], torch.Tensor],
+        parameters: Sequence[nn.Parameter] = (),
+    ) -> None:
+        """One batch's forward and backward passes.
+
+        Args:
+            batch (`torch.LongTensor` of shape `(batch, seq_len)`): The tokens, on the model's input device.
+            loss_gradient (`Callable`): Maps the final hidden states to the loss gradient there.
+            parameters (`Sequence[nn.Parameter]`, *optional*): Parameters whose `.grad` accumulates.
+        """
+        embeddings = self._model.get_input_embeddings()
+        if self.sliced_head is not None and is_offloaded_module(embeddings):
+            inputs_embeds = streaming.vocab_sliced_embeddings(embeddings, batch, embeddings.weight.shape[0])
+        else:
+            inputs_embeds = embeddings(batch).detach().requires_grad_(True)
+        if self.layer_streamed:
+            layers = self._adapter.get_layers(self._model)
+            calls = streaming.LayerCalls(self._decoder, layers, inputs_embeds.detach())
+            streaming.streamed_backward(calls, layers, loss_gradient, parameters)
+        else:
+            hidden_states = self._decoder(inputs_embeds)
+            torch.autograd.backward(hidden_states, loss_gradient(hidden_states), inputs=[inputs_embeds, *parameters])
+
+
 def loss_gradient_passes(
     model: nn.Module,
     adapter: DecoderAdapter,
@@ -436,44 +496,32 @@ def loss_gradient_passes(
             forward pass and after its backward pass.
         parameters (`Sequence[nn.Parameter]`, *optional*): Parameters whose gradient is accumulated.
     """
-    embeddings = model.get_input_embeddings()
     with calibration_batches(
         model, input_ids, batch_size, description, progress_bar, grad=True, freeze_parameters=True
     ) as batches:
         for parameter in parameters:
             parameter.requires_grad_(True)
-        decoder, head, width = split_at_lm_head(model, adapter, input_ids)
-        layer_streamed = streaming.streams(model)
-        if layer_streamed and parameters and streaming.is_offloaded(model):
+        gradient_pass = DecoderGradient(model, adapter, input_ids)
+        if gradient_pass.layer_streamed and parameters and streaming.is_offloaded(model):
             raise NotImplementedError(
                 "This score needs parameter gradients, which offloaded weights cannot accumulate (Accelerate "
                 "brings a new copy of them for every forward pass). Load the model without CPU/disk offload, "
                 "or use a score that needs no parameter gradient (gradmap, gradmap_bound, taylor_gate, ...)."
             )
-        output_embeddings = model.get_output_embeddings()
-        sliced_head = (
-            output_embeddings
-            if layer_streamed and not isinstance(head, nn.Identity) and is_offloaded_module(output_embeddings)
-            else None
-        )
+        head, width = gradient_pass.compute_logits, gradient_pass.vocab_size
         for batch in batches:
             if on_batch_start is not None:
                 on_batch_start(batch)
-            if sliced_head is not None and is_offloaded_module(embeddings):
-                inputs_embeds = streaming.vocab_sliced_embeddings(embeddings, batch, embeddings.weight.shape[0])
-            else:
-                inputs_embeds = embeddings(batch).detach().requires_grad_(True)
             loss_gradient = partial(causal_lm_loss_gradient, input_ids=batch, compute_logits=head, vocab_size=width)
-            if sliced_head is not None:  # an offloaded head: a slice of the vocabulary at a time
+            if gradient_pass.sliced_head is not None:  # an offloaded head: a slice of the vocabulary at a time
                 loss_gradient = partial(
-                    streaming.vocab_sliced_loss_gradient, input_ids=batch, compute_logits=head, head=sliced_head, vocab_size=width
+                    streaming.vocab_sliced_loss_gradient,
+                    input_ids=batch,
+                    compute_logits=head,
+                    head=gradient_pass.sliced_head,
+                    vocab_size=width,
                 )
-            if layer_streamed:
-                calls = streaming.LayerCalls(decoder, adapter.get_layers(model), inputs_embeds.detach())
-                streaming.streamed_backward(calls, adapter.get_layers(model), loss_gradient, parameters)
-            else:
-                hidden_states = decoder(inputs_embeds)
-                torch.autograd.backward(hidden_states, loss_gradient(hidden_states), inputs=[inputs_embeds, *parameters])
+            gradient_pass.backward(batch, loss_gradient, parameters)
             if on_batch_end is not None:
                 on_batch_end(batch)
 
