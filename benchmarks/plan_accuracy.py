@@ -1,0 +1,102 @@
+"""The cost told before the run against the run (issue 64, item 4): the plan `optimum-gradmap prune --dry-run` prints
+(`GradMAPPruner.plan`, its throughput measured on this machine in a few seconds), for the runs whose time and memory
+other benchmarks measured:
+
+- `smollm2-135m-0.25`: the README's main job (benchmarks/main_job_memory.py with no options): SmolLM2-135M, 25%,
+  128 x 128 tokens, float32, in memory, with its perplexity evaluations (3 x 128 segments of 128 tokens);
+- `qwen2.5-coder-0.5b-0.25`: the main job on Qwen2.5-Coder-0.5B (benchmarks/main_job_memory.py -- --model
+  qwen2.5-coder-0.5b, the options in `MEASURED`);
+- `llama-3.1-8b-0.25`: the 8B run of benchmarks/scale.py (random weights, bfloat16 on disk, layer-streamed).
+
+    python benchmarks/plan_accuracy.py --row smollm2-135m-0.25 --resume
+
+Each plan is made before (or without) looking at the run: from the model's config, the run's settings and a short
+throughput measurement; `removed_layers` is not given (Stage 2's fits are then a range, whose middle is compared).
+Writes benchmarks/results/plan_accuracy.json, one row per plan with its provenance; docs/benchmarks/scale.md renders
+the comparison from it and the measurement records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, ROOT)
+
+from provenance import finish, provenance  # noqa: E402
+
+RECORD = os.path.join(ROOT, "benchmarks", "results", "plan_accuracy.json")
+EVALUATION_TOKENS = 3 * 128 * 128  # the main job's perplexities: dense, after Stage 1, after Stage 2
+
+# row -> how the plan is made, and where the measurement lives
+ROWS = {
+    "smollm2-135m-0.25": {
+        "model": "offline:smollm2-135m",
+        "dtype": "float32",
+        "settings": {"pruning_ratio": 0.25},
+        "evaluation_tokens": EVALUATION_TOKENS,
+        "measured": ("main_job_memory", []),
+    },
+    "qwen2.5-coder-0.5b-0.25": {
+        "model": "offline:qwen2.5-coder-0.5b",
+        "dtype": "float32",
+        "settings": {"pruning_ratio": 0.25, "num_samples": 32},
+        "evaluation_tokens": EVALUATION_TOKENS,
+        "measured": ("main_job_memory", ["--model", "qwen2.5-coder-0.5b", "--num-samples", "32"]),
+    },
+    "llama-3.1-8b-0.25": {
+        "model": "/work/scale/llama-3.1-8b-bf16",
+        "dtype": "bfloat16",
+        "settings": {"pruning_ratio": 0.25, "num_samples": 16},
+        "device_map": "auto",
+        "max_memory": {"cpu": "2GiB"},
+        "evaluation_tokens": 0,
+        "measured": ("scale-llama-3.1-8b-bfloat16", {"num_samples": 16, "seq_len": 128, "ratio": 0.25, "max_memory": "cpu=2GiB"}),
+    },
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--row", choices=ROWS, required=True)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    import torch
+
+    from optimum_gradmap import GradMAPConfig, GradMAPPruner
+    from optimum_gradmap.loading import resolve_model
+
+    rows = json.load(open(RECORD)) if os.path.exists(RECORD) else []
+    if args.resume and any(row["row"] == args.row for row in rows):
+        print(f"{args.row}: planned already ({RECORD})")
+        return
+    spec = ROWS[args.row]
+    path = resolve_model(spec["model"]).path if spec["model"].startswith("offline:") else spec["model"]
+    config = GradMAPConfig(**spec["settings"])
+    record = {"row": args.row, "model": spec["model"], "settings": spec["settings"], "measured": spec["measured"]}
+    record["provenance"] = provenance()
+    placement = {key: spec[key] for key in ("device_map", "max_memory") if key in spec}
+    plan = GradMAPPruner.plan(
+        path,
+        config,
+        dtype=getattr(torch, spec["dtype"]),
+        evaluation_tokens=spec["evaluation_tokens"],
+        name=spec["model"],
+        **placement,
+    )
+    record["provenance"] = finish(record["provenance"])
+    record["plan"] = plan.to_dict()
+    record["printed"] = str(plan)
+    rows = [row for row in rows if row["row"] != args.row] + [record]
+    os.makedirs(os.path.dirname(RECORD), exist_ok=True)
+    with open(RECORD, "w") as file:
+        json.dump(rows, file, indent=1)
+    print(plan)
+
+
+if __name__ == "__main__":
+    main()
