@@ -62,7 +62,8 @@ def main() -> None:
         log = os.path.join(folder, "main_job.log")
         output = os.path.join(folder, "out")
         command = [sys.executable, os.path.join(ROOT, "examples", "main_job", "prune_smollm2.py"), "--output", output, *options]
-        row = {"options": options, "weight_bytes_float32": float32_weight_bytes(), "provenance": provenance()}
+        asset = options[options.index("--model") + 1] if "--model" in options else "smollm2-135m"
+        row = {"options": options, "weight_bytes_float32": float32_weight_bytes(asset), "provenance": provenance()}
         code, seconds, memory = run_monitored(command, log)
         row["provenance"] = finish(row["provenance"])
         with open(log, encoding="utf-8", errors="replace") as file:

@@ -10,8 +10,10 @@ other benchmarks measured:
 
     python benchmarks/plan_accuracy.py --row smollm2-135m-0.25 --resume
 
-Each plan is made before (or without) looking at the run: from the model's config, the run's settings and a short
-throughput measurement; `removed_layers` is not given (Stage 2's fits are then a range, whose middle is compared).
+Each plan is made without looking at the run: from the model's config, the run's settings and a short throughput
+measurement; Stage 2's fits are then a range (how many runs of layers Stage 1 removes decides them). A second plan,
+with the same throughput, is made with the layers the run removed (`plan_after_stage1`): what the plan says once
+Stage 1 is done, Stage 2's fits known.
 Writes benchmarks/results/plan_accuracy.json, one row per plan with its provenance; docs/benchmarks/scale.md renders
 the comparison from it and the measurement records.
 """
@@ -46,7 +48,7 @@ ROWS = {
         "dtype": "float32",
         "settings": {"pruning_ratio": 0.25, "num_samples": 32},
         "evaluation_tokens": EVALUATION_TOKENS,
-        "measured": ("main_job_memory", ["--model", "qwen2.5-coder-0.5b", "--num-samples", "32"]),
+        "measured": ("main_job_memory", ["--model", "qwen2.5-coder-0.5b", "--num-samples", "32", "--output", "out/qwen-main"]),
     },
     "llama-3.1-8b-0.25": {
         "model": "/work/scale/llama-3.1-8b-bf16",
@@ -58,6 +60,21 @@ ROWS = {
         "measured": ("scale-llama-3.1-8b-bfloat16", {"num_samples": 16, "seq_len": 128, "ratio": 0.25, "max_memory": "cpu=2GiB"}),
     },
 }
+
+
+def removed_layers(source: str, key) -> list[int] | None:
+    """The layers the measured run removed (from its record), for the plan made once Stage 1 is done."""
+    path = os.path.join(ROOT, "benchmarks", "results", source + ".json")
+    if not os.path.exists(path):
+        return None
+    for row in json.load(open(path)):
+        if source == "main_job_memory" and row["options"] == key and row["exit_code"] == 0:
+            for line in row["printed"]:
+                if line.startswith("removed layers, in removal order: "):
+                    return json.loads(line.split(": ", 1)[1])
+        if source.startswith("scale-") and row.get("key") == key and row.get("exit_code") == 0:
+            return row["removed_layers"]
+    return None
 
 
 def main() -> None:
@@ -91,6 +108,20 @@ def main() -> None:
     record["provenance"] = finish(record["provenance"])
     record["plan"] = plan.to_dict()
     record["printed"] = str(plan)
+    removed = removed_layers(*spec["measured"])
+    if removed is not None:  # what the plan says once Stage 1 is done: Stage 2's fits are then known
+        after = GradMAPPruner.plan(
+            path,
+            config,
+            dtype=getattr(torch, spec["dtype"]),
+            evaluation_tokens=spec["evaluation_tokens"],
+            name=spec["model"],
+            throughput=plan.throughput,  # the same measurement
+            removed_layers=removed,
+            **placement,
+        )
+        record["removed_layers"] = removed
+        record["plan_after_stage1"] = after.to_dict()
     rows = [row for row in rows if row["row"] != args.row] + [record]
     os.makedirs(os.path.dirname(RECORD), exist_ok=True)
     with open(RECORD, "w") as file:

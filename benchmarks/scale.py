@@ -326,6 +326,58 @@ def reload_child(args: argparse.Namespace) -> None:
         json.dump(result, file)
 
 
+def heal_child(args: argparse.Namespace) -> None:
+    """In the child: the command line's own `heal`."""
+    import atexit
+    import signal
+
+    atexit.register(lambda: os.kill(os.getpid(), signal.SIGSTOP))  # the parent reads the final figures, then continues
+    from optimum_gradmap import cli
+
+    sys.exit(cli.main(json.loads(args.child_argv)) or 0)
+
+
+def heal(args: argparse.Namespace) -> None:
+    """`optimum-gradmap heal PRUNED --teacher WEIGHTS` with both models offloaded as the prune was, measured."""
+    from provenance import finish, provenance
+
+    record_path = os.path.join(ROOT, "benchmarks", "results", f"scale-{args.model}-{args.dtype}.json")
+    rows = json.load(open(record_path)) if os.path.exists(record_path) else []
+    key = {"heal_tokens": args.heal_tokens, "max_memory": args.max_memory, "pruned": os.path.basename(args.pruned)}
+    if args.resume and any(row.get("key") == key and row.get("exit_code") == 0 for row in rows):
+        print(f"{key}: done already ({record_path})")
+        return
+    work = args.work
+    os.makedirs(work, exist_ok=True)
+    output = os.path.join(work, "healed")
+    argv = [
+        "heal", args.pruned, "--teacher", args.weights, "--heal-tokens", str(args.heal_tokens),
+        "--heal-dataset", "offline:web_text", "--output", output, "--overwrite", "--dtype", args.dtype,
+        "--device-map", "auto", "--max-memory", args.max_memory, "--offload-folder", os.path.join(work, "offload"),
+        *args.extra,
+    ]  # fmt: skip
+    row = {"key": key, "model": args.model, "dtype": args.dtype, "weights": RANDOM_WEIGHTS, "argv": argv}
+    row["provenance"] = provenance()
+    command = [sys.executable, __file__, "_heal_child", "--work", work, "--child-argv", json.dumps(argv)]
+    code, seconds, memory = run_monitored(command, os.path.join(work, "heal.log"))
+    row["provenance"] = finish(row["provenance"])
+    row["exit_code"], row["seconds"], row["memory"] = code, round(seconds, 1), memory
+    if code == 0:
+        healed = json.load(open(os.path.join(output, "pruning_report.json")))["heal"]
+        row["heal"] = {
+            name: healed[name] for name in ("trained_tokens", "steps", "seconds", "teacher_seconds", "start_kl", "best_kl")
+        }
+        training = healed["seconds"] - healed["teacher_seconds"]
+        row["heal"]["tokens_per_second"] = healed["trained_tokens"] / training if training > 0 else None
+        row["output_bytes"] = folder_bytes(output)
+    rows = [existing for existing in rows if existing.get("key") != key] + [row]
+    with open(record_path, "w") as file:
+        json.dump(rows, file, indent=1)
+    shown = {k: v for k, v in row.items() if k not in ("provenance", "argv")}
+    shown["memory"] = {k: v for k, v in row["memory"].items() if k != "timeline"}
+    print(json.dumps(shown, indent=1))
+
+
 def folder_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(folder, name)) for folder, _, names in os.walk(path) for name in names)
 
@@ -415,6 +467,19 @@ def main() -> None:
     pruned.add_argument("--keep", action="store_true", help="keep the pruned checkpoint")
     pruned.add_argument("--resume", action="store_true")
     pruned.add_argument("extra", nargs="*", help="more options for `prune` (after --)")
+    healed = commands.add_parser("heal", help="heal a pruned checkpoint from disk with the command line, and measure")
+    healed.add_argument("--model", choices=ARCHITECTURES, required=True)
+    healed.add_argument("--weights", required=True, help="the dense folder `build` wrote (the teacher)")
+    healed.add_argument("--pruned", required=True, help="the checkpoint `prune --keep` left")
+    healed.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    healed.add_argument("--heal-tokens", type=int, default=4096)
+    healed.add_argument("--max-memory", default="cpu=2GiB")
+    healed.add_argument("--work", required=True)
+    healed.add_argument("--resume", action="store_true")
+    healed.add_argument("extra", nargs="*", help="more options for `heal` (after --)")
+    heal_child_parser = commands.add_parser("_heal_child")
+    heal_child_parser.add_argument("--work", required=True)
+    heal_child_parser.add_argument("--child-argv", required=True)
     child = commands.add_parser("_prune_child")
     child.add_argument("--work", required=True)
     child.add_argument("--child-argv", required=True)
@@ -422,7 +487,8 @@ def main() -> None:
     for name in ("--work", "--output-dir", "--dtype", "--placement"):
         reload.add_argument(name, required=True)
     args = parser.parse_args()
-    {"build": build, "prune": prune, "_prune_child": prune_child, "_reload_child": reload_child}[args.command](args)
+    handlers = {"build": build, "prune": prune, "heal": heal, "_prune_child": prune_child, "_heal_child": heal_child}
+    {**handlers, "_reload_child": reload_child}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -1548,27 +1548,32 @@ def _stage2_text(outline: Stage2Outline, config: GradMAPConfig) -> str:
     return text
 
 
+def _placements(shape: ModelShape, config: PretrainedConfig, device_map: Any, max_memory: Any) -> dict[str, Any]:
+    """Where `device_map` puts each module: itself when it is a dict, else what Accelerate infers for it and
+    `max_memory` on the meta model, as `from_pretrained(device_map="auto")` infers it."""
+    if isinstance(device_map, dict):
+        return device_map
+    import logging as std_logging
+
+    from accelerate import infer_auto_device_map
+
+    model = empty_model(config, shape.dtype)
+    no_split = getattr(model, "_no_split_modules", None) or []
+    accelerate_logger = std_logging.getLogger("accelerate.utils.modeling")
+    level = accelerate_logger.level
+    accelerate_logger.setLevel(std_logging.ERROR)  # a plan for GPUs this machine lacks is what it is for
+    try:
+        return infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split, dtype=shape.dtype)
+    finally:
+        accelerate_logger.setLevel(level)
+
+
 def _offloaded_shares(shape: ModelShape, config: PretrainedConfig, device_map: Any, max_memory: Any) -> dict[str, float]:
     """The shares of the decoder layers Accelerate would offload to the CPU and to disk for `device_map` and
-    `max_memory`, inferred on the meta model as `from_pretrained(device_map="auto")` infers them."""
+    `max_memory` ([`_placements`])."""
     if device_map is None:
         return {}
-    if isinstance(device_map, dict):
-        placements = device_map
-    else:
-        import logging as std_logging
-
-        from accelerate import infer_auto_device_map
-
-        model = empty_model(config, shape.dtype)
-        no_split = getattr(model, "_no_split_modules", None) or []
-        accelerate_logger = std_logging.getLogger("accelerate.utils.modeling")
-        level = accelerate_logger.level
-        accelerate_logger.setLevel(std_logging.ERROR)  # a plan for GPUs this machine lacks is what it is for
-        try:
-            placements = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split, dtype=shape.dtype)
-        finally:
-            accelerate_logger.setLevel(level)
+    placements = _placements(shape, config, device_map, max_memory)
     prefix = get_adapter(config).layers_path + "."
     layers = {name: place for name, place in placements.items() if name.startswith(prefix) or name == prefix[:-1]}
     if prefix[:-1] in layers:  # the whole layer list in one place
@@ -1579,6 +1584,53 @@ def _offloaded_shares(shape: ModelShape, config: PretrainedConfig, device_map: A
         for place in ("cpu", "disk")
         if any(value == place for value in layers.values())
     }
+
+
+def _shard_bytes() -> int:
+    """The checkpoint's shard size in bytes ([`optimum_gradmap.checkpoint.DEFAULT_MAX_SHARD_SIZE`])."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    from .checkpoint import DEFAULT_MAX_SHARD_SIZE
+
+    return convert_file_size_to_int(DEFAULT_MAX_SHARD_SIZE)
+
+
+def _process_bytes() -> int:
+    """This process's resident memory now (0 where `/proc` cannot tell): the interpreter, torch and transformers, which
+    the pruning process holds too. Part of the peak where the device is the host CPU."""
+    try:
+        with open("/proc/self/statm") as file:
+            return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+def _weights_kept_on_device(
+    shape: ModelShape, config: PretrainedConfig, device_map: Any, max_memory: Any, device: torch.device
+) -> float | None:
+    """The bytes of the weights `device_map` (inferred on the meta model for `"auto"`, as `from_pretrained` infers it)
+    keeps on the compute device for the whole run: on a CPU device the modules it places on `"cpu"`, on an accelerator
+    those it places on that device. `None` without a device map."""
+    if device_map is None:
+        return None
+    placements = _placements(shape, config, device_map, max_memory)
+    model = empty_model(config, shape.dtype)
+    here = {"cpu"} if device.type == "cpu" else {device.index or 0, str(device), device.type}
+    kept = 0.0
+    for name, parameter in model.named_parameters():
+        place = next(
+            (placements[prefix] for prefix in _prefixes(name) if prefix in placements),
+            None,
+        )
+        if place in here:
+            kept += parameter.numel() * shape.dtype_bytes
+    return kept
+
+
+def _prefixes(name: str) -> list[str]:
+    """`"a.b.c"` -> `["a.b.c", "a.b", "a", ""]`: the device map's keys that may hold a parameter, longest first."""
+    parts = name.split(".")
+    return [".".join(parts[:end]) for end in range(len(parts), -1, -1)]
 
 
 def _transfer_seconds(work: Work, shape: ModelShape, batch_tokens: int, shares: dict[str, float]) -> Count:
@@ -1661,12 +1713,15 @@ def plan_pruning(
     shares = _offloaded_shares(shape, model_config, device_map, max_memory)
     mode = execution or config.execution
     streamed = mode == "layer_streamed" or (mode == "auto" and bool(shares))
+    on_cpu = device.type == "cpu"
+    # on the CPU the process itself counts: the interpreter and its libraries, read before the throughput's measurement
+    process = _process_bytes() if on_cpu else 0
     if throughput is None and measure:
         throughput = DeviceThroughput.measure(model_config, dtype, device, config.batch_size, config.seq_len)
-    on_cpu = device.type == "cpu"
     weights, largest = shape.weight_bytes, max(shape.layer_parameters) * shape.dtype_bytes
     # layer-streamed, the device holds the weights the device map keeps there (none without one) and one layer at a time
-    resident = largest + (weights * (1 - sum(shares.values())) if shares else 0)
+    kept_on_device = _weights_kept_on_device(shape, model_config, device_map, max_memory, device) if shares else None
+    resident = largest + (kept_on_device if kept_on_device is not None else 0)
     batch_tokens = config.batch_size * config.seq_len
     calibration_tokens = config.num_samples * config.seq_len
 
@@ -1680,6 +1735,7 @@ def plan_pruning(
         host: float,
         heal: bool = False,
     ) -> StagePlan:
+        in_memory, streamed_peak = in_memory + process, (streamed_peak + process if streamed_peak is not None else None)
         plan = _stage_plan(name, passes, tokens, work, shape, throughput, in_memory, streamed_peak, host, heal)
         if plan.seconds is not None and shares:
             plan.seconds = plan.seconds + _transfer_seconds(work, shape, batch_tokens, shares)
@@ -1715,7 +1771,7 @@ def plan_pruning(
         tokens = (counts["train_sequences"] + counts["validation_sequences"]) * config.heal_seq_len
         passes = f"{counts['steps']} steps, {counts['checks']} checks"
         stages.append(stage("Heal", passes, tokens, work3, weights + beside, None, memory["host"], heal=True))
-        notes.append("Heal: it trains weights in memory and refuses offloaded ones (no layer-streamed figure).")
+        notes.append("Heal: planned in memory only (its layer-streamed steps, on an offloaded model, are not modelled yet).")
     if evaluation_tokens:
         logits = _logits_bytes(shape, config.batch_size, config.seq_len)
         work4 = _evaluation(shape, num_kept, evaluation_tokens)
@@ -1729,6 +1785,13 @@ def plan_pruning(
     output_bytes = (
         _kept_parameters(shape, removable, outline1.protected) * shape.dtype_bytes + (tokenizer_bytes or 0) + _REPORT_BYTES
     )
+    # Saving: an offloaded model is written a shard at a time, each shard's weights read into memory first
+    shard = min(_shard_bytes(), output_bytes.high)
+    save = stage("Save", "the checkpoint, shard by shard", 0, Work(), weights, resident + shard, 0.0)
+    save.seconds = Count.of(output_bytes.high / _ASSUMED_OFFLOAD_BYTES_PER_SECOND["disk"]) if throughput is not None else None
+    stages.append(save)
+    if process:
+        notes.append(f"Peaks include this process's own resident memory ({_bytes_text(process)}: Python, torch, transformers).")
     if shares:
         places = ", ".join(f"{share:.0%} of the layers on {place}" for place, share in shares.items())
         bandwidths = ", ".join(f"{place} {_ASSUMED_OFFLOAD_BYTES_PER_SECOND[place] / 1e9:g} GB/s" for place in shares)
