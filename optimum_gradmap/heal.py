@@ -728,10 +728,10 @@ def heal(
     with calibration_mode(model, grad=True, freeze_parameters=True):
         try:
             chosen = _Trainable(model, choice, lora_rank, seed)
+            start_state = best_state = chosen.state()  # before anything else can fail: an error restores it
             result.num_trainable_parameters = chosen.num_parameters()
             # layer-streamed (offloaded weights, or `execution="layer_streamed"`): one layer's weights at a time
             streamed = DecoderGradient(model, adapter, train_ids) if streaming.streams(model) else None
-            start_state = best_state = chosen.state()
             optimizer = torch.optim.AdamW(chosen.parameters, lr=learning_rate, weight_decay=0.0)
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: _learning_rate_factor(done + 1, num_steps))
             first_step = 0
@@ -949,6 +949,7 @@ def _teacher_pass(
     with teacher() as dense_model:
         train_targets = teacher_targets(dense_model, train_ids, batch_size, progress_bar, autocast)
         validation_targets = teacher_targets(dense_model, validation_ids, batch_size, progress_bar, autocast)
+        del dense_model  # before the context's cleanup runs: a teacher it loaded is freed there, not at a later collection
     return train_targets, validation_targets
 
 

@@ -410,6 +410,29 @@ def test_no_reference_to_the_teacher_outlives_its_pass(monkeypatch):
     assert alive and not any(alive)
 
 
+def test_the_teacher_is_freed_by_its_own_context_cleanup():
+    """6.1: the `heal` command frees the teacher in its context's cleanup (`del`, `gc.collect()`); a name still bound
+    to it while that cleanup ran left it to a later collection (an offloaded teacher is held in cycles by its hooks)."""
+    import gc
+    import weakref
+
+    freed = []
+
+    @contextlib.contextmanager
+    def teacher():
+        dense = peaked_model(num_layers=2, seed=1)
+        reference = weakref.ref(dense)
+        try:
+            yield dense
+        finally:
+            del dense
+            gc.collect()
+            freed.append(reference() is None)
+
+    heal_tiny(peaked_model(num_layers=2), teacher)
+    assert freed == [True]
+
+
 def test_lora_adapters_are_float32_on_a_bfloat16_model_and_merge_into_its_bfloat16_weights(monkeypatch):
     """6.2: the adapters took the model's dtype, so AdamW stepped in bfloat16."""
     model = peaked_model(num_layers=2).to(torch.bfloat16)
