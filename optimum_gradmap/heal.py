@@ -230,10 +230,12 @@ def check_heal_checkpoint_origin(
         config ([`GradMAPConfig`]): Its `heal_*` settings are read.
 
     Raises:
-        InvalidInputError: for a file that cannot be read, or that differs in the first part, saying where.
+        InvalidInputError: for a path that cannot be written ([`check_heal_checkpoint`]), a file that cannot be read, or
+            that differs in the first part, saying where.
     """
     if checkpoint is None:
         return
+    distributed.on_main_process(lambda: check_heal_checkpoint(checkpoint))  # a path it cannot write: refused here too
 
     def read_fingerprint() -> dict[str, Any] | None:  # None: no file
         if not os.path.isfile(checkpoint):

@@ -1155,18 +1155,29 @@ def _target_sets(config: GradMAPConfig, kept: list[int], num_layers: int) -> lis
 
 
 # ----------------------------------------------------------------------------------------------------- heal
-def _heal(config: GradMAPConfig, shape: ModelShape, num_kept: int, teacher_layers: int) -> tuple[Work, dict[str, int]]:
-    """The heal stage's work: the teacher's pass over every sequence, the held-out checks and the training steps."""
+def _heal(
+    config: GradMAPConfig, shape: ModelShape, num_kept: int, teacher_layers: int, streamed: bool = False
+) -> tuple[Work, dict[str, int]]:
+    """The heal stage's work: the teacher's pass over every sequence, the held-out checks and the training steps
+    (layer-streamed: each step's forward pass that stores the layers' inputs, and the head split's check, two passes
+    over at most 16 tokens of one sequence)."""
     seq_len, batch = config.heal_seq_len, config.heal_batch_size
     train = -(-config.heal_tokens // seq_len)
     validation = config.heal_validation_sequences
     steps = -(-train // batch)
     checks = 1 + steps // config.heal_check_every + (1 if steps % config.heal_check_every else 0)
+    streaming_forward = num_kept * (train * seq_len + 2 * min(_SPLIT_CHECK_TOKENS, seq_len)) if streamed else 0
     work = Work(
-        layer_forward=Count.of(teacher_layers * (train + validation) * seq_len + checks * num_kept * validation * seq_len),
-        head_forward=Count.of((train + validation) * seq_len + checks * validation * seq_len),
+        layer_forward=Count.of(
+            teacher_layers * (train + validation) * seq_len + checks * num_kept * validation * seq_len + streaming_forward
+        ),
+        head_forward=Count.of(
+            (train + validation) * seq_len
+            + checks * validation * seq_len
+            + (2 * min(_SPLIT_CHECK_TOKENS, seq_len) if streamed else 0)
+        ),
         layer_gradient=Count.of(num_kept * train * seq_len),
-        head_gradient=Count.of(train * seq_len),
+        head_gradient=Count.of(train * (seq_len - 1 if streamed else seq_len)),  # streamed: the predicting positions
         weight_gradients=config.heal_trainable == "all",
     )
     return work, {"train_sequences": train, "validation_sequences": validation, "steps": steps, "checks": checks}
@@ -1248,7 +1259,17 @@ def _heal_memory(config: GradMAPConfig, shape: ModelShape, num_kept: int, counts
     trained = _trained_parameters(config, shape, num_kept)
     optimizer = trained * 4 * (3 if config.heal_trainable != "lora" else 4)  # (the adapters) + gradient + two moments
     targets = (counts["train_sequences"] + counts["validation_sequences"]) * (seq_len - 1) * (TOP_K * 8 + 4)
-    return {"device": activations + logits + optimizer, "host": targets + 2 * trained * 4, "trained": trained}
+    # layer-streamed steps (an offloaded model): the kept layers' inputs and one layer's activations, the head by slices
+    stored_inputs = num_kept * tokens * shape.hidden_size * shape.dtype_bytes
+    one_layer = tokens * max(layer.activation_bytes for layer in shape.layers)
+    logits_chunk = min(_MAX_LOGIT_ELEMENTS, shape.vocab_size * tokens) * 4 * 3
+    streamed = stored_inputs + one_layer + logits_chunk + optimizer
+    return {
+        "device": activations + logits + optimizer,
+        "streamed": streamed,
+        "host": targets + 2 * trained * 4,
+        "trained": trained,
+    }
 
 
 def _trained_parameters(config: GradMAPConfig, shape: ModelShape, num_kept: int) -> int:
@@ -1765,13 +1786,13 @@ def plan_pruning(
         stages.append(stage("Stage 2", passes, calibration_tokens, work2, weights + beside, resident + beside, memory["host"]))
     if heal:
         num_kept_layers = int(num_kept.high)
-        work3, counts = _heal(config, shape, num_kept_layers, num_layers)
+        work3, counts = _heal(config, shape, num_kept_layers, num_layers, streamed)
         memory = _heal_memory(config, shape, num_kept_layers, counts)
         beside = memory["device"] + (memory["host"] if on_cpu else 0.0)
         tokens = (counts["train_sequences"] + counts["validation_sequences"]) * config.heal_seq_len
         passes = f"{counts['steps']} steps, {counts['checks']} checks"
-        stages.append(stage("Heal", passes, tokens, work3, weights + beside, None, memory["host"], heal=True))
-        notes.append("Heal: planned in memory only (its layer-streamed steps, on an offloaded model, are not modelled yet).")
+        streamed_heal = resident + memory["streamed"] + (memory["host"] if on_cpu else 0.0)
+        stages.append(stage("Heal", passes, tokens, work3, weights + beside, streamed_heal, memory["host"], heal=True))
     if evaluation_tokens:
         logits = _logits_bytes(shape, config.batch_size, config.seq_len)
         work4 = _evaluation(shape, num_kept, evaluation_tokens)
@@ -1899,6 +1920,8 @@ def plan_heal(
     device: str | torch.device | None = None,
     throughput: DeviceThroughput | None = None,
     measure: bool = True,
+    device_map: str | dict[str, Any] | None = None,
+    max_memory: dict[int | str, str] | None = None,
 ) -> PruningPlan:
     """The plan of `optimum-gradmap heal` on a pruned checkpoint: its tokens, FLOPs, peak memory (the teacher is loaded
     for its pass beside the student) and time. Only the configs are read.
@@ -1907,7 +1930,8 @@ def plan_heal(
         pruned (`PreTrainedModel`, `PretrainedConfig`, `str` or `os.PathLike`): The pruned checkpoint.
         teacher (`PreTrainedModel`, `PretrainedConfig`, `str` or `os.PathLike`): The dense model it was pruned from.
         config ([`GradMAPConfig`]): Its `heal_*` settings are read (`heal_tokens` > 0).
-        dtype, device, throughput, measure: As in [`plan_pruning`].
+        dtype, device, throughput, measure, device_map, max_memory: As in [`plan_pruning`]; with a device map that
+            offloads layers, both models are offloaded and the training steps run layer-streamed.
 
     Returns:
         [`PruningPlan`] with the heal stage alone.
@@ -1920,12 +1944,22 @@ def plan_heal(
     name = os.fspath(pruned) if isinstance(pruned, (str, os.PathLike)) else getattr(pruned_config, "_name_or_path", "")
     teacher_shape = describe_model(teacher_config, dtype, config.heal_batch_size, config.heal_seq_len, name=str(teacher))
     student = describe_model(pruned_config, dtype, config.heal_batch_size, config.heal_seq_len, name=name)
+    process = _process_bytes() if device.type == "cpu" else 0
     if throughput is None and measure:
         throughput = DeviceThroughput.measure(teacher_config, dtype, device, config.heal_batch_size, config.heal_seq_len)
     work, counts = _heal(config, teacher_shape, student.num_layers, teacher_shape.num_layers)
     memory = _heal_memory(config, student, student.num_layers, counts)
     host = memory["host"] if device.type == "cpu" else 0.0
     peak = Count.of(max(student.weight_bytes + teacher_shape.weight_bytes, student.weight_bytes + memory["device"]) + host)
+    streamed = None
+    if _offloaded_shares(student, pruned_config, device_map, max_memory):
+        largest = max(teacher_shape.layer_parameters) * teacher_shape.dtype_bytes
+        student_kept = _weights_kept_on_device(student, pruned_config, device_map, max_memory, device) or 0.0
+        teacher_kept = _weights_kept_on_device(teacher_shape, teacher_config, device_map, max_memory, device) or 0.0
+        teacher_pass = (
+            student_kept + teacher_kept + largest + _logits_bytes(teacher_shape, config.heal_batch_size, config.heal_seq_len)
+        )
+        streamed = max(teacher_pass, student_kept + largest + memory["streamed"]) + host + process
     stage = _stage_plan(
         "Heal",
         f"{counts['steps']} steps, {counts['checks']} checks",
@@ -1933,8 +1967,8 @@ def plan_heal(
         work,
         teacher_shape,
         throughput,
-        peak.low,
-        None,
+        peak.low + process,
+        streamed,
         memory["host"],
         heal=True,
     )
@@ -1952,9 +1986,9 @@ def plan_heal(
         budget=None,
         stage1=f"none (the checkpoint was pruned from {teacher_shape.name}'s {teacher_shape.num_layers} layers)",
         stage2=f"none; heal trains {trained} on {config.heal_tokens:,} tokens of {config.heal_dataset}",
-        execution="in_memory",
+        execution="layer_streamed" if streamed is not None else "in_memory",
         stages=[stage],
         output_bytes=Count.of(student.weight_bytes + (_tokenizer_bytes(pruned) or 0) + _REPORT_BYTES),
         throughput=throughput,
-        notes=["The teacher is loaded for its pass beside the student: the peak holds both models' weights."],
+        notes=["The teacher is loaded for its pass beside the student: in memory, the peak holds both models' weights."],
     )

@@ -635,6 +635,7 @@ def without_norms(model: nn.Module) -> nn.Module:
         ("no_norms", dict(heal_trainable="norms"), "finds nothing to train"),
         ("before_removed_from_layer_0", dict(heal_trainable="before_removed", layers_to_prune=[0, 1]), "starts at layer 0"),
         ("stale_checkpoint", dict(heal_trainable="norms"), "comes from another run .*trainable.*before pruning started"),
+        ("checkpoint_under_a_file", dict(heal_trainable="norms"), "is a file, not a folder"),
     ],
 )
 def test_heal_refusals_inside_prune_come_before_stage_1_and_leave_the_model_untouched(
@@ -645,6 +646,9 @@ def test_heal_refusals_inside_prune_come_before_stage_1_and_leave_the_model_unto
         model.peft_config = {}
     state = copy.deepcopy(model.state_dict())
     checkpoint = tmp_path / "heal.pt"
+    if case == "checkpoint_under_a_file":
+        (tmp_path / "file").write_text("not a folder")
+        checkpoint = tmp_path / "file" / "heal.pt"
     if case == "stale_checkpoint":  # another run's: LoRA, 1e-4
         torch.save({"fingerprint": {"trainable": "lora", "learning_rate": 1e-4}}, checkpoint)
     layers = {"num_layers_to_prune": None} if "layers_to_prune" in settings else {}

@@ -139,7 +139,9 @@ def _dry_run(loading: ModelLoading, path: str, teacher_path: str, config: Any, n
     from ..precision import compute_device, resolve_dtype
 
     device = compute_device(loading.device, loading.device_map)
-    plan = plan_heal(path, teacher_path, config, dtype=resolve_dtype(loading.dtype, device), device=device)
+    dtype = resolve_dtype(loading.dtype, device)
+    placement = {"device_map": loading.device_map, "max_memory": loading.max_memory_per_device()}
+    plan = plan_heal(path, teacher_path, config, dtype=dtype, device=device, **placement)
     plan.model = name
     print(plan)
     return 0
