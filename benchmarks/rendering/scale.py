@@ -100,7 +100,10 @@ def main_job_memory(context: Context) -> str:
         weights_gib = row["weight_bytes_float32"] / 2**30
         printed = row["printed"]
         removed = next((line.split(": ", 1)[1] for line in printed if line.startswith("removed layers")), "?")
-        final = next((line.split()[-13] for line in printed if "(the checkpoint reloaded" in line), None)
+        final = next(
+            (line.split("(the checkpoint reloaded")[0].split()[-1] for line in printed if "(the checkpoint reloaded" in line),
+            None,
+        )
         table.add(
             [
                 " ".join(row["options"]) or "(as the README runs it)",

@@ -19,6 +19,8 @@ With Hub access, `--model HuggingFaceTB/SmolLM2-135M` (any Hub id or local folde
 from __future__ import annotations
 
 import argparse
+import gc
+import hashlib
 import logging
 import os
 
@@ -40,14 +42,27 @@ def _wikipedia_evaluation(name: str, value: float, num_segments: int) -> Evaluat
     )
 
 
-def _reloads_identically(model: torch.nn.Module, reloaded: torch.nn.Module, ids: torch.LongTensor) -> bool:
-    """Whether the checkpoint reloaded with plain `AutoModelForCausalLM` holds the pruned model's weights bit for bit and
-    computes the same logits on `ids`: then its perplexity is the pruned model's, measured once."""
-    saved, pruned = reloaded.state_dict(), model.state_dict()
-    if not set(saved) <= set(pruned) or not all(torch.equal(tensor, pruned[name]) for name, tensor in saved.items()):
-        return False
+def _digests(model: torch.nn.Module) -> dict[str, str]:
+    """The SHA-256 of every tensor's bytes: what the reloaded checkpoint's weights are checked against, so that the
+    pruned model can be freed first (one copy of the weights at a time)."""
+    return {
+        name: hashlib.sha256(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        for name, tensor in model.state_dict().items()
+    }
+
+
+def _logits(model: torch.nn.Module, ids: torch.LongTensor) -> torch.Tensor:
     with torch.no_grad():
-        return torch.equal(model.eval()(ids).logits, reloaded.eval()(ids).logits)
+        return model.eval()(ids).logits
+
+
+def _reloads_identically(digests: dict[str, str], logits: torch.Tensor, reloaded: torch.nn.Module, ids: torch.LongTensor) -> bool:
+    """Whether the checkpoint reloaded with plain `AutoModelForCausalLM` holds the pruned model's weights bit for bit
+    (`digests`) and computes its logits on `ids`: then its perplexity is the pruned model's, measured once."""
+    saved = _digests(reloaded)
+    if not set(saved) <= set(digests) or any(saved[name] != digests[name] for name in saved):
+        return False
+    return torch.equal(_logits(reloaded, ids), logits)
 
 
 def main() -> None:
@@ -134,8 +149,12 @@ def main() -> None:
         overwrite=True,  # this script's own output folder, rewritten at every run
     )
 
-    reloaded = AutoModelForCausalLM.from_pretrained(args.output, dtype=model.dtype)
-    identical = _reloads_identically(model, reloaded, segments[:8])
+    digests, logits, dtype = _digests(model), _logits(model, segments[:8]), model.dtype
+    del model  # one copy of the weights at a time: the pruned model goes before the checkpoint is reloaded
+    result.model = pruner.model = None
+    gc.collect()
+    reloaded = AutoModelForCausalLM.from_pretrained(args.output, dtype=dtype)
+    identical = _reloads_identically(digests, logits, reloaded, segments[:8])
     final = pruned if identical else perplexity(reloaded, segments)  # the same weights compute the same perplexity
 
     print()
