@@ -184,6 +184,12 @@ def check_heal_settings(model: nn.Module, config: GradMAPConfig, compensated: Se
         )
     if config.heal_trainable != "lora" and streaming.is_offloaded(model):
         raise InvalidInputError(_offloaded_refusal(config.heal_trainable))
+    if config.execution == "in_memory" and streaming.is_offloaded(model):
+        raise InvalidInputError(
+            "execution='in_memory' with offloaded weights: the heal's backward pass would keep every weight Accelerate "
+            "brings in until it runs, a whole copy of the model. Use execution='auto' (layer-streamed), or load the "
+            "model without offload."
+        )
     if config.heal_batch_size < distributed.world_size():
         raise InvalidInputError(
             f"heal_batch_size={config.heal_batch_size} cannot be shared by {distributed.world_size()} processes: use a "

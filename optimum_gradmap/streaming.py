@@ -7,7 +7,7 @@ A model too large for the compute device is dispatched by Accelerate (`device_ma
 the safetensors files, and each module's hook brings them to the execution device for its forward
 pass only. A forward pass then needs one layer's weights at a time; a backward pass through
 autograd does not, because the graph keeps every layer's weights (and activations) alive until it
-is traversed. [`streamed_loss_gradient_passes`] therefore computes the same gradients as
+is traversed. [`streamed_backward`] therefore computes the same gradients as
 [`~optimum_gradmap.importance.gradient.loss_gradient_passes`] layer by layer:
 
 1. a forward pass without gradients, one layer at a time, keeping only each layer's input;

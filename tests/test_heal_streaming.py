@@ -206,6 +206,8 @@ def test_training_offloaded_weights_is_refused_before_anything_runs_and_lora_is_
     check_heal_settings(model, small_config(heal_tokens=128, heal_trainable="lora"))
     with pytest.raises(InvalidInputError, match="heal_trainable='norms' trains the model's own weights, and Accelerate"):
         check_heal_settings(model, small_config(heal_tokens=128, heal_trainable="norms"))
+    with pytest.raises(InvalidInputError, match="execution='in_memory' with offloaded weights"):  # a whole copy kept
+        check_heal_settings(model, small_config(heal_tokens=128, heal_trainable="lora", execution="in_memory"))
 
     def teacher():
         raise AssertionError("the teacher ran")
