@@ -106,7 +106,8 @@ def main_job_memory(context: Context) -> str:
         )
         table.add(
             [
-                " ".join(row["options"]) or "(as the README runs it)",
+                (" ".join(row["options"]) or "(as the README runs it)")
+                + (" (again, the reload check holding one copy)" if row.get("rerun_of") else ""),
                 f"{row['seconds']:,.0f}",
                 f"**{gib(memory['peak_resident_gib'])}**",
                 gib(memory["peak_anonymous_gib"]),
