@@ -21,6 +21,7 @@ the comparison from it and the measurement records.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -97,7 +98,8 @@ def main() -> None:
     record = {"row": args.row, "model": spec["model"], "settings": spec["settings"], "measured": spec["measured"]}
     record["provenance"] = provenance()
     placement = {key: spec[key] for key in ("device_map", "max_memory") if key in spec}
-    plan = GradMAPPruner.plan(
+    make_plan = functools.partial(
+        GradMAPPruner.plan,
         path,
         config,
         dtype=getattr(torch, spec["dtype"]),
@@ -105,21 +107,13 @@ def main() -> None:
         name=spec["model"],
         **placement,
     )
+    plan = make_plan()
     record["provenance"] = finish(record["provenance"])
     record["plan"] = plan.to_dict()
     record["printed"] = str(plan)
     removed = removed_layers(*spec["measured"])
     if removed is not None:  # what the plan says once Stage 1 is done: Stage 2's fits are then known
-        after = GradMAPPruner.plan(
-            path,
-            config,
-            dtype=getattr(torch, spec["dtype"]),
-            evaluation_tokens=spec["evaluation_tokens"],
-            name=spec["model"],
-            throughput=plan.throughput,  # the same measurement
-            removed_layers=removed,
-            **placement,
-        )
+        after = make_plan(throughput=plan.throughput, removed_layers=removed)  # the same throughput measurement
         record["removed_layers"] = removed
         record["plan_after_stage1"] = after.to_dict()
     rows = [row for row in rows if row["row"] != args.row] + [record]
