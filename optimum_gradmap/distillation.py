@@ -29,13 +29,12 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from .passes import calibration_mode, input_device
+from .passes import MAX_LOGIT_ELEMENTS, calibration_mode, input_device, rows_loss_gradient
 from .weights import rows_only
 
 # The teacher's most likely next tokens kept at each position (LinearPatch keeps 64 as well).
 TOP_K = 64
 # The loss gradients at the final hidden states form at most this many logits at once (as Stage 1's do).
-MAX_LOGIT_ELEMENTS = 2**22
 
 
 @dataclass
@@ -157,18 +156,13 @@ def top_k_kl_gradient(
     Returns:
         `torch.Tensor` shaped like `hidden_states` (zero at the last position, which predicts nothing).
     """
-    batch, seq_len, width = hidden_states.shape
-    rows = hidden_states[:, :-1].detach().reshape(-1, width)
+    seq_len = hidden_states.shape[1]
     flat = _flat_targets(targets)
-    row_grads = torch.empty_like(rows)
-    chunk = max(1, MAX_LOGIT_ELEMENTS // vocab_size)
-    for start in range(0, rows.shape[0], chunk):
-        with torch.enable_grad():
-            chunk_rows = rows[start : start + chunk].requires_grad_(True)
-            logits = compute_logits(chunk_rows).float()
-            loss = top_k_kl(logits, flat.rows(slice(start, start + chunk))).sum() / (seq_len - 1)
-            (row_grads[start : start + chunk],) = torch.autograd.grad(loss, chunk_rows)
-    return torch.nn.functional.pad(row_grads.view(batch, seq_len - 1, width), (0, 0, 0, 1))
+
+    def rows_loss(logits: torch.Tensor, rows: slice) -> torch.Tensor:
+        return top_k_kl(logits, flat.rows(rows)).sum() / (seq_len - 1)
+
+    return rows_loss_gradient(hidden_states, compute_logits, vocab_size, rows_loss)
 
 
 def _in_slice(indices: torch.Tensor, start: int, stop: int) -> torch.Tensor:

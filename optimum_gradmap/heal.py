@@ -210,6 +210,29 @@ def check_heal_settings(model: nn.Module, config: GradMAPConfig, compensated: Se
                 )
 
 
+def _fingerprint_before_pruning(
+    train_sha256: str,
+    validation_sha256: str,
+    trainable: str,
+    learning_rate: float,
+    batch_size: int,
+    lora_rank: int,
+    num_layers: int,
+) -> dict[str, Any]:
+    """The part of a heal checkpoint's fingerprint known before Stage 1 (see [`check_heal_checkpoint_origin`]): the
+    heal's text, its settings, the number of processes and the dense model's number of layers."""
+    return {
+        "train_sha256": train_sha256,
+        "validation_sha256": validation_sha256,
+        "trainable": trainable,
+        "learning_rate": learning_rate,
+        "batch_size": batch_size,
+        "lora_rank": lora_rank,
+        "world_size": distributed.world_size(),
+        "num_layers": num_layers,
+    }
+
+
 def check_heal_checkpoint_origin(
     checkpoint: str | os.PathLike | None,
     model: nn.Module,
@@ -257,16 +280,15 @@ def check_heal_checkpoint_origin(
     saved = distributed.on_main_process(read_fingerprint)
     if saved is None:
         return
-    expected = {
-        "train_sha256": calibration_sha256(train_ids),
-        "validation_sha256": calibration_sha256(validation_ids),
-        "trainable": config.heal_trainable,
-        "learning_rate": config.heal_lr if config.heal_lr is not None else DEFAULT_LEARNING_RATES[config.heal_trainable],
-        "batch_size": config.heal_batch_size,
-        "lora_rank": config.heal_lora_rank,
-        "world_size": distributed.world_size(),
-        "num_layers": get_adapter(model).num_layers(model),
-    }
+    expected = _fingerprint_before_pruning(
+        calibration_sha256(train_ids),
+        calibration_sha256(validation_ids),
+        config.heal_trainable,
+        config.heal_lr if config.heal_lr is not None else DEFAULT_LEARNING_RATES[config.heal_trainable],
+        config.heal_batch_size,
+        config.heal_lora_rank,
+        get_adapter(model).num_layers(model),
+    )
     differs = [key for key, value in expected.items() if saved.get(key) != value]
     if differs:
         raise InvalidInputError(
@@ -700,18 +722,10 @@ def heal(
         batch_size=batch_size,
         seq_len=train_ids.shape[1],
     )
-    fingerprint = {
-        "train_sha256": result.train_sha256,
-        "validation_sha256": result.validation_sha256,
-        "trainable": trainable,
-        "learning_rate": learning_rate,
-        "batch_size": batch_size,
-        "lora_rank": lora_rank,
-        "world_size": distributed.world_size(),
-        "kept": kept,
-        "num_layers": num_layers,
-        "compensated": list(compensated),
-    }
+    fingerprint = _fingerprint_before_pruning(
+        result.train_sha256, result.validation_sha256, trainable, learning_rate, batch_size, lora_rank, num_layers
+    )
+    fingerprint.update(kept=kept, compensated=list(compensated))  # what Stage 1 and 2 made
     if checkpoint is not None:  # the model the run started from (Stage 1 and 2 as they were): only a resume compares it
         fingerprint["weights"] = _weights_digest(model)
     resumed = _load_checkpoint(checkpoint, fingerprint)  # a stale file is refused before the teacher runs

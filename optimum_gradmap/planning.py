@@ -68,10 +68,10 @@ from .compensation.through_norm import NORM_RIDGE_GRID
 from .configuration import GradMAPConfig
 from .distillation import TOP_K
 from .errors import InvalidInputError
-from .importance.gradient import _MAX_LOGIT_ELEMENTS, PerSampleGradientNorms, _uses_gram_form, causal_lm_loss_gradient
+from .importance.gradient import PerSampleGradientNorms, _uses_gram_form, causal_lm_loss_gradient
 from .importance.metrics import get_importance_metric
 from .importance.selection import halving_rungs
-from .passes import summed_next_token_loss
+from .passes import MAX_LOGIT_ELEMENTS, summed_next_token_loss
 from .weights import is_linear_map
 
 logger = logging.get_logger(__name__)
@@ -1198,7 +1198,7 @@ def _stage1_memory(config: GradMAPConfig, shape: ModelShape, outline: Stage1Outl
     """Stage 1's peak beyond the weights, in memory and layer-streamed (the first round, every layer present)."""
     batch, seq_len = config.batch_size, config.seq_len
     tokens, d, size = batch * seq_len, shape.hidden_size, shape.dtype_bytes
-    logits_chunk = min(_MAX_LOGIT_ELEMENTS, shape.vocab_size * seq_len * batch) * 4 * 3
+    logits_chunk = min(MAX_LOGIT_ELEMENTS, shape.vocab_size * seq_len * batch) * 4 * 3
     activations = tokens * shape.total("activation_bytes")
     one_layer = tokens * max(layer.activation_bytes for layer in shape.layers)
     per_sample = tokens * shape.total("per_sample_bytes") if outline.scoring_pass == "per_sample_gradient" else 0.0
@@ -1262,7 +1262,7 @@ def _heal_memory(config: GradMAPConfig, shape: ModelShape, num_kept: int, counts
     # layer-streamed steps (an offloaded model): the kept layers' inputs and one layer's activations, the head by slices
     stored_inputs = num_kept * tokens * shape.hidden_size * shape.dtype_bytes
     one_layer = tokens * max(layer.activation_bytes for layer in shape.layers)
-    logits_chunk = min(_MAX_LOGIT_ELEMENTS, shape.vocab_size * tokens) * 4 * 3
+    logits_chunk = min(MAX_LOGIT_ELEMENTS, shape.vocab_size * tokens) * 4 * 3
     streamed = stored_inputs + one_layer + logits_chunk + optimizer
     return {
         "device": activations + logits + optimizer,

@@ -97,7 +97,9 @@ def test_loss_gradient_in_chunks_equals_autograd_of_the_per_sample_mean_loss(mon
     ids = torch.randint(0, 11, (3, 9), generator=generator)
     per_sample = torch.nn.functional.cross_entropy(head(hidden[:, :-1]).transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
     (expected,) = torch.autograd.grad(per_sample.sum(), hidden)
-    monkeypatch.setattr(importance, "_MAX_LOGIT_ELEMENTS", 5 * 11)  # chunks of 5 rows, across sample boundaries
+    from optimum_gradmap import passes
+
+    monkeypatch.setattr(passes, "MAX_LOGIT_ELEMENTS", 5 * 11)  # chunks of 5 rows, across sample boundaries
     chunked = importance.causal_lm_loss_gradient(hidden.detach(), ids, head, vocab_size=11)
     torch.testing.assert_close(chunked.double(), expected)
     assert torch.all(chunked[:, -1] == 0)

@@ -46,15 +46,13 @@ from transformers.utils import logging
 from .. import streaming
 from ..adapters import DecoderAdapter, get_adapter
 from ..errors import InvalidInputError
-from ..passes import calibration_batches, input_device
+from ..passes import calibration_batches, input_device, rows_loss_gradient
 from ..weights import is_linear_map, is_offloaded_module
 
 logger = logging.get_logger(__name__)
 
 # Forming per-sample weight gradients of a linear map is done in chunks of at most this many elements.
 _MAX_MATERIALISED_ELEMENTS = 2**26
-# Stage 1's loss forms at most this many logits at once.
-_MAX_LOGIT_ELEMENTS = 2**22
 
 
 def causal_lm_loss_gradient(
@@ -79,18 +77,13 @@ def causal_lm_loss_gradient(
     Returns:
         `torch.Tensor` shaped like `hidden_states` (zero at the last position, which predicts nothing).
     """
-    batch, seq_len, width = hidden_states.shape
-    rows = hidden_states[:, :-1].detach().reshape(-1, width)
+    seq_len = hidden_states.shape[1]
     labels = input_ids[:, 1:].reshape(-1).to(hidden_states.device)
-    row_grads = torch.empty_like(rows)
-    chunk = max(1, _MAX_LOGIT_ELEMENTS // vocab_size)
-    for start in range(0, rows.shape[0], chunk):
-        with torch.enable_grad():
-            chunk_rows = rows[start : start + chunk].requires_grad_(True)
-            logits = compute_logits(chunk_rows).float()
-            loss = F.cross_entropy(logits, labels[start : start + chunk], reduction="sum") / (seq_len - 1)
-            (row_grads[start : start + chunk],) = torch.autograd.grad(loss, chunk_rows)
-    return F.pad(row_grads.view(batch, seq_len - 1, width), (0, 0, 0, 1))
+
+    def rows_loss(logits: torch.Tensor, rows: slice) -> torch.Tensor:
+        return F.cross_entropy(logits, labels[rows], reduction="sum") / (seq_len - 1)
+
+    return rows_loss_gradient(hidden_states, compute_logits, vocab_size, rows_loss)
 
 
 def _uses_gram_form(tokens: int, d_in: int, d_out: int) -> bool:
