@@ -396,6 +396,8 @@ def prune(args: argparse.Namespace) -> None:
     output = os.path.join(work, "pruned")
     offload = os.path.join(work, "offload")
     stage1_checkpoint = os.path.join(work, "stage1.json")
+    if not args.resume and os.path.exists(stage1_checkpoint):
+        os.remove(stage1_checkpoint)  # a fresh measurement times every round; `--resume` continues an interrupted one
     argv = [
         "prune", args.weights, "--pruning-ratio", str(args.ratio), "--output", output, "--overwrite",
         "--dtype", args.dtype, "--device-map", "auto", "--max-memory", args.max_memory, "--offload-folder", offload,
