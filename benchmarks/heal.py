@@ -11,7 +11,12 @@ model (flips, KL) as well as accuracy and perplexity, on one model, ratio and se
 A variant is `dense`, `stage1` (Stage 1 alone), `default` (Stage 1 and the default Stage 2), or a heal after them:
 `TRAINABLE@TOKENS` (`heal_trainable` and `heal_tokens`), optionally `+lr=VALUE` (`heal_lr`), `+rank=R`
 (`heal_lora_rank`) and `+topk=K` (the teacher's K most likely tokens the loss keeps apart,
-`optimum_gradmap.distillation.TOP_K`, 64 by default; the tail beyond them is one outcome). Two kinds of rows measure
+`optimum_gradmap.distillation.TOP_K`, 64 by default; the tail beyond them is one outcome). A budget `FACTORx` in place of
+TOKENS (`lora@1.5x`) is `heal_tokens="auto"` for FACTOR times Stage 1's quiet time on this machine (`STAGE1_SECONDS`):
+as many tokens as fit, the dense model's text included (issue 65: the heal's goals are at 1.5x). `+text=generated`
+heals on the dense model's own text ([`optimum_gradmap.generation`], generated afresh for the row and timed),
+`+text=mix` on it and the corpus text in equal parts, `+temp=T` sets its temperature (`heal_temperature`), and
+`+from=stage1` heals Stage 1 alone, without Stage 2 (Stage 2's worth once a heal follows). Two kinds of rows measure
 how flips follow the KL divergence when the damage is small (where the flips come from when a goal on them
 is missed): `dense@bf16` (the dense model with every weight rounded to bfloat16, computing in float32: a model
 almost equal to the dense one) and `stage1@K` (Stage 1 alone with only the first K of the removed layers, in the
@@ -34,7 +39,22 @@ model, loaded beside them, as its teacher (as `optimum-gradmap heal --teacher` d
 pruned model with its layers put back and its folds undone, gives the same targets: tests/test_heal.py). Every row
 carries its provenance (benchmarks/provenance.py). Writes
 benchmarks/results/heal-<model>-<ratio>-<selection>-<protocol>[-<label>].{json,md}; with `--resume`, rows already
-there are kept.
+there are kept, except the variants named by `--redo VARIANT ...`, measured again and put in their old rows' place.
+
+Which flips (issue 65): every question's record keeps the model's margin (its log-likelihood of the chosen answer
+minus the next best, 4 decimals), and each row's flips are also counted on the confident questions, those whose
+dense margin is above the median (`confident flips`, with and without BoolQ), and per quartile of the dense margins
+(`flips_by_margin` in the JSON, not in the table): Dutta et al. ("Accuracy is Not All You Need", NeurIPS 2024) find
+flips come mostly from questions where the dense model's answer barely wins. Each row also keeps its BoolQ "yes" share
+(`boolq_yes`: the share of BoolQ questions answered "yes", lm-eval's answer 1), to tell a yes/no bias from knowledge.
+These are counted from the answers the rows keep, at every save: older rows get them without being measured again.
+Dense rows recorded before the margins (every record before issue 65) have none, and the run says so: measure the
+dense row again, the other rows kept and counted against it, with
+
+    python benchmarks/heal.py --model smollm2-135m --ratio 0.25 --variants dense --redo dense --resume
+
+(a dense row copied with `--dense-from` has the margins of its source: redo the source's first, then
+`--redo dense --dense-from SOURCE --resume`).
 """
 
 from __future__ import annotations
@@ -45,6 +65,7 @@ import dataclasses
 import json
 import logging
 import os
+import tempfile
 import time
 from dataclasses import asdict
 
@@ -55,6 +76,7 @@ from provenance import finish, provenance
 from optimum_gradmap import GradMAPConfig, GradMAPPruner, distillation
 from optimum_gradmap.assets import load_model
 from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
+from optimum_gradmap.errors import InvalidInputError
 from optimum_gradmap.evaluation import (
     PAPER_TASKS,
     SCREENING_SUBSETS,
@@ -62,31 +84,44 @@ from optimum_gradmap.evaluation import (
     QuestionRecord,
     TaskResult,
     ZeroShotResult,
+    answer_shares,
     compare_zero_shot,
     evaluate,
     flips,
+    question_margin,
 )
-from optimum_gradmap.heal import heal_as_configured, heal_sequences
+from optimum_gradmap.heal import heal_stage
 
 PROTOCOLS = {"standard": STANDARD_SUBSETS, "screening": SCREENING_SUBSETS}
 HEAL_TEXT = "offline:web_text+offline:wikipedia"
+# `+text=NAME`: the dense model's own text alone, or in equal parts with the corpus text.
+HEAL_TEXTS = {"corpus": HEAL_TEXT, "generated": "generated", "mix": f"generated+{HEAL_TEXT}"}
 PERPLEXITY_DATASETS = ("offline:wikipedia", "offline:web_text")
 # Stage 1's seconds for GradMAP's layers in float32, on this machine type, quiet: the unit of the heal budgets.
 # SmolLM2-135M 25%: the main job (benchmarks/results/main_job-smollm2-135m.json); Qwen2.5-Coder-0.5B 25%: the
 # float32 row of benchmarks/results/dtype-qwen2.5-coder-0.5b-0.25.json.
 STAGE1_SECONDS = {("smollm2-135m", 0.25): 476.3, ("qwen2.5-coder-0.5b", 0.25): 1306.7}
+MISSING_MARGINS = (
+    "Confident flips: not counted, the dense row was measured without its questions' margins (before issue 65): "
+    "measure it again with `--variants dense --redo dense --resume` (the other rows are kept and counted against it)."
+)
 
 
 def parse_variant(name: str) -> dict | None:
     """`None` for `dense`, `stage1`, `default` and the rows without a heal (`dense@bf16`, `stage1@K`); else the heal
-    settings of `TRAINABLE@TOKENS[+lr=VALUE]`."""
+    settings of `TRAINABLE@BUDGET[+OPTION=VALUE...]` (see the module docstring)."""
     if name in ("dense", "stage1", "default", "dense@bf16") or partial_stage1(name) is not None:
         return None
     head, *options = name.split("+")
-    trainable, _, tokens = head.partition("@")
-    if not tokens.isdigit():
-        raise SystemExit(f"unknown variant {name!r}: dense, stage1, default, or TRAINABLE@TOKENS[+lr=VALUE]")
-    settings = {"heal_trainable": trainable, "heal_tokens": int(tokens), "heal_dataset": HEAL_TEXT}
+    trainable, _, budget = head.partition("@")
+    times = budget[:-1] if budget.endswith("x") else None
+    if not (budget.isdigit() or (times and times.replace(".", "", 1).isdigit())):
+        raise SystemExit(f"unknown variant {name!r}: dense, stage1, default, or TRAINABLE@TOKENS or TRAINABLE@FACTORx")
+    settings = {"heal_trainable": trainable, "heal_dataset": HEAL_TEXT}
+    if times:  # heal_tokens="auto" for FACTOR x Stage 1's quiet time (STAGE1_SECONDS)
+        settings.update(heal_tokens="auto", stage1_factor=float(times))
+    else:
+        settings["heal_tokens"] = int(budget)
     for option in options:
         key, _, value = option.partition("=")
         if key == "lr":
@@ -95,8 +130,17 @@ def parse_variant(name: str) -> dict | None:
             settings["top_k"] = int(value)
         elif key == "rank" and value.isdigit():
             settings["heal_lora_rank"] = int(value)
+        elif key == "text" and value in HEAL_TEXTS:
+            settings["heal_dataset"] = HEAL_TEXTS[value]
+        elif key == "temp":
+            settings["heal_temperature"] = float(value)
+        elif key == "from" and value in ("stage1", "default"):
+            settings["start"] = value
         else:
-            raise SystemExit(f"unknown option {option!r} in {name!r}: lr=VALUE, topk=K or rank=R")
+            raise SystemExit(
+                f"unknown option {option!r} in {name!r}: lr=VALUE, topk=K, rank=R, text={'|'.join(HEAL_TEXTS)}, "
+                "temp=T or from=stage1"
+            )
     return settings
 
 
@@ -119,24 +163,38 @@ def partial_stage1(name: str) -> int | None:
 
 
 def compact(zero_shot: ZeroShotResult) -> dict[str, dict]:
-    """Every question's id, right/wrong and choice, per task: enough to pair two rows and count flips."""
+    """Every question's id, right/wrong, choice and margin (its log-likelihood of the chosen answer minus the next
+    best, 4 decimals; `None` without two log-likelihoods), per task: enough to pair two rows, count flips and split
+    them by the dense row's margins."""
     return {
         task.task: {
             "doc_ids": [q.doc_id for q in task.questions],
             "acc": "".join(str(q.acc) for q in task.questions),
             "choice": [q.choice for q in task.questions],
+            "margin": [None if (margin := question_margin(q)) is None else round(margin, 4) for q in task.questions],
         }
         for task in zero_shot.tasks
     }
 
 
+def stand_in_loglikelihoods(choice: int, margin: float | None) -> list[float]:
+    """Log-likelihoods that give back a kept question's choice and margin (`flips` reads the dense margins from the
+    records): 0 for the chosen answer, -margin for the others; none without a margin."""
+    if margin is None:
+        return []
+    return [0.0 if index == choice else -margin for index in range(max(2, choice + 1))]
+
+
 def expand(answers: dict[str, dict], skip: tuple[str, ...] = ()) -> ZeroShotResult:
+    """The records of `compact`'s answers (rows from before the margins: records without log-likelihoods)."""
     tasks = []
     for task, kept in answers.items():
         if task in skip:
             continue
+        margins = kept.get("margin") or [None] * len(kept["doc_ids"])
         questions = [
-            QuestionRecord(i, [], choice, None, 0, int(a)) for i, a, choice in zip(kept["doc_ids"], kept["acc"], kept["choice"])
+            QuestionRecord(i, stand_in_loglikelihoods(choice, margin), choice, None, 0, int(a))
+            for i, a, choice, margin in zip(kept["doc_ids"], kept["acc"], kept["choice"], margins)
         ]
         tasks.append(
             TaskResult(
@@ -144,6 +202,54 @@ def expand(answers: dict[str, dict], skip: tuple[str, ...] = ()) -> ZeroShotResu
             )
         )
     return ZeroShotResult(tasks=tasks)
+
+
+def answers_of(row: dict) -> dict | None:
+    """The compact answers a row keeps, or `None` for a row without tasks."""
+    return ((row.get("evaluation") or {}).get("zero_shot") or {}).get("answers")
+
+
+def has_margins(row: dict) -> bool:
+    """Whether the row's answers keep every question's margin (rows from before issue 65 do not)."""
+    answers = answers_of(row)
+    return bool(answers) and all(None not in kept.get("margin", [None]) for kept in answers.values())
+
+
+def boolq_yes(answers: dict) -> float | None:
+    """The share of BoolQ questions answered "yes" (lm-eval's answers are `["no", "yes"]`); `None` without BoolQ."""
+    if "boolq" not in answers:
+        return None
+    return answer_shares(expand({"boolq": answers["boolq"]}), "boolq").get(1, 0.0)
+
+
+def count_fidelity(row: dict, dense: dict) -> None:
+    """The row's flips against the dense row, with BoolQ and without, from both rows' answers; where the dense row
+    keeps its margins, also the flips on the confident questions (dense margin above the median) and per quartile of
+    the dense margins."""
+    mine, dense_answers = answers_of(row), answers_of(dense)
+    for suffix, skip in (("", ()), ("_without_boolq", ("boolq",))):
+        found = flips(expand(mine, skip), expand(dense_answers, skip))
+        row["flips" + suffix] = asdict(found.pooled)
+        if found.confident is not None:
+            row["confident_flips" + suffix] = asdict(found.confident)
+            row["flips_by_margin" + suffix] = [asdict(entry) for entry in found.by_margin]
+
+
+def recount(record: dict) -> None:
+    """Counts again, from the answers the rows keep, every row's flips against the dense row (with the confident
+    flips and the margin quartiles where the dense row keeps its margins) and its BoolQ "yes" share: rows measured
+    before these columns get them, and every row follows a dense row measured again (`--redo dense`)."""
+    dense = next((row for row in record["rows"] if row["variant"] == "dense"), None)
+    for row in record["rows"]:
+        answers = answers_of(row)
+        if not answers:
+            continue
+        row["boolq_yes"] = boolq_yes(answers)
+        if row["variant"] != "dense" and dense is not None and answers_of(dense):
+            try:
+                count_fidelity(row, dense)
+            except InvalidInputError as error:  # other questions than the dense row's: its counts are left as they were
+                print(f"{row['variant']}: flips not counted again: {error}", flush=True)
 
 
 def markdown(record: dict) -> str:
@@ -154,12 +260,14 @@ def markdown(record: dict) -> str:
         f"{record['calibration_sha256'][:12]}; heal text {HEAL_TEXT}. KL: next-token KL divergence from the dense model "
         "on the held-out segments (nats per token, +/- SE over segments). Flips: share of questions whose right/wrong "
         "differs from the dense model's (BoolQ left out; in brackets with it), answer changes: whose chosen answer "
-        "differs. Paired: pooled accuracy change against Stage 1 alone and against Stage 1 + default Stage 2, points "
-        "+/- SE.",
+        "differs. Confident flips: the flips on the questions whose dense margin (the dense model's log-likelihood of "
+        "its answer minus the next best) is above the median (BoolQ left out; in brackets with it); per margin "
+        'quartile in the JSON (`flips_by_margin`). BoolQ yes: the share of BoolQ questions answered "yes". Paired: '
+        "pooled accuracy change against Stage 1 alone and against Stage 1 + default Stage 2, points +/- SE.",
         "",
-        "| row | Wikipedia ppl | web ppl | KL Wikipedia | KL web | flips | answer changes | accuracy | vs Stage 1 | "
-        "vs Stage 1 + 2 | heal seconds | heal tokens | quiet | commit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| row | Wikipedia ppl | web ppl | KL Wikipedia | KL web | flips | confident flips | answer changes | accuracy | "
+        "BoolQ yes | vs Stage 1 | vs Stage 1 + 2 | heal seconds | heal tokens | quiet | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in record["rows"]:
         evaluation = row["evaluation"]
@@ -173,7 +281,12 @@ def markdown(record: dict) -> str:
         if fidelity:
             flips_cell = f"{100 * fidelity['flips']:.1f}% ({100 * row['flips']['flips']:.1f}%)"
             changes_cell = f"{100 * fidelity['answer_changes']:.1f}%"
+        confident, confident_all = row.get("confident_flips_without_boolq"), row.get("confident_flips")
+        confident_cell = "-"
+        if confident and confident_all:
+            confident_cell = f"{100 * confident['flips']:.1f}% ({100 * confident_all['flips']:.1f}%)"
         accuracy = f"{row['pooled_acc']:.4f}" if row.get("pooled_acc") is not None else "-"
+        yes = f"{100 * row['boolq_yes']:.1f}%" if row.get("boolq_yes") is not None else "-"
         paired = [
             f"{100 * row[key]['difference']:+.2f} +/- {100 * row[key]['stderr']:.2f}" if row.get(key) else "-"
             for key in ("against_stage1", "against_default")
@@ -183,9 +296,13 @@ def markdown(record: dict) -> str:
         heal_tokens = f"{heal['trained_tokens']:,}" if heal else "-"
         quiet = "yes" if row["provenance"]["quiet"] else "no"
         lines.append(
-            f"| {row['variant']} | {ppl[0]} | {ppl[1]} | {kl[0]} | {kl[1]} | {flips_cell} | {changes_cell} | {accuracy} | "
-            f"{paired[0]} | {paired[1]} | {heal_seconds} | {heal_tokens} | {quiet} | {row['provenance']['commit'][:8]} |"
+            f"| {row['variant']} | {ppl[0]} | {ppl[1]} | {kl[0]} | {kl[1]} | {flips_cell} | {confident_cell} | "
+            f"{changes_cell} | {accuracy} | {yes} | {paired[0]} | {paired[1]} | {heal_seconds} | {heal_tokens} | {quiet} | "
+            f"{row['provenance']['commit'][:8]} |"
         )
+    dense = next((row for row in record["rows"] if row["variant"] == "dense"), None)
+    if dense is not None and answers_of(dense) and not has_margins(dense):
+        lines += ["", MISSING_MARGINS]
     return "\n".join(lines) + "\n"
 
 
@@ -236,6 +353,14 @@ def main() -> None:
         "the unit of the heal budgets there",
     )
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument(
+        "--redo",
+        nargs="+",
+        default=[],
+        metavar="VARIANT",
+        help="with --resume, measure these variants again (run even if not in --variants), each in its old row's place; "
+        "e.g. `--redo dense` for a dense row recorded without its questions' margins",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.manual_seed(0)
@@ -261,9 +386,15 @@ def main() -> None:
     if args.resume and os.path.exists(path):
         with open(path, encoding="utf-8") as file:
             record = json.load(file)
-    done = {row["variant"] for row in record["rows"]}
+    done = {row["variant"] for row in record["rows"]} - set(args.redo)
+    variants = [*args.variants, *(variant for variant in args.redo if variant not in args.variants)]
+    variants.sort(key=lambda variant: variant != "dense")  # the dense row first: the others' flips count against it
+    old_dense = next((row for row in record["rows"] if row["variant"] == "dense"), None)
+    if old_dense is not None and "dense" in done and answers_of(old_dense) and not has_margins(old_dense):
+        print(MISSING_MARGINS, flush=True)
 
     def save() -> None:
+        recount(record)
         with open(path, "w", encoding="utf-8") as file:
             json.dump(record, file, indent=1)
         with open(path[: -len(".json")] + ".md", "w", encoding="utf-8") as file:
@@ -290,8 +421,19 @@ def main() -> None:
         save()
         print(f"GradMAP's Stage 1 on {args.device}: {record['stage1_on_device']}", flush=True)
     rows = {row["variant"]: row for row in record["rows"]}
+
+    def put(row: dict) -> None:
+        """Adds the row to the record, in place of the row of the same variant (`--redo`)."""
+        index = next((i for i, old in enumerate(record["rows"]) if old["variant"] == row["variant"]), None)
+        if index is None:
+            record["rows"].append(row)
+        else:
+            record["rows"][index] = row
+        rows[row["variant"]] = row
+
     compensated = stage2 = stage2_state = None
-    for variant in args.variants:
+    stage1_only = stage1_model = stage1_state = None
+    for variant in variants:
         if variant in done:
             print(f"{variant}: already measured, kept")
             continue
@@ -300,8 +442,7 @@ def main() -> None:
         row: dict = {"variant": variant}
         if variant == "dense" and args.dense_from:
             row = copied_dense_row(args.dense_from, record, args.max_segments)
-            record["rows"].append(row)
-            rows[variant] = row
+            put(row)
             save()
             print(f"dense: copied from {args.dense_from}", flush=True)
             continue
@@ -328,23 +469,39 @@ def main() -> None:
             model = compensated
             row["timings"] = dict(stage2.timings)
             row["compensated_layers"] = stage2.compensated_layers
-            if heal_settings is not None:  # the heal on Stage 1 + 2, the dense model as teacher
+            if heal_settings is not None and heal_settings.get("start") == "stage1":  # the heal on Stage 1 alone
+                if stage1_state is None:
+                    config = GradMAPConfig(layers_to_prune=removed, num_samples=args.num_samples, compensation=False)
+                    stage1_only = GradMAPPruner(config, tokenizer=tokenizer).prune(load(), calibration)
+                    stage1_state = {name: tensor.clone() for name, tensor in stage1_only.model.state_dict().items()}
+                    stage1_model = stage1_only.model
+                stage1_model.load_state_dict(stage1_state)
+                model, start = stage1_model, stage1_only
+                row["timings"] = dict(stage1_only.timings)
+                row["compensated_layers"] = []
+            else:
+                start = stage2
+            if heal_settings is not None:  # the heal on Stage 1 + 2 (or Stage 1 alone), the dense model as teacher
                 top_k = heal_settings.pop("top_k", None)
-                heal_config = dataclasses.replace(stage2.config, **heal_settings)
-                train_ids, validation_ids = heal_sequences(None, tokenizer, heal_config)
-                with teacher_top_k(top_k):
-                    healed = heal_as_configured(
+                heal_settings.pop("start", None)
+                factor = heal_settings.pop("stage1_factor", None)
+                stage1_seconds = factor * STAGE1_SECONDS[(args.model, args.ratio)] if factor else None
+                heal_config = dataclasses.replace(start.config, **heal_settings)
+                with teacher_top_k(top_k), tempfile.TemporaryDirectory() as scratch:  # the text generated afresh, timed
+                    healed = heal_stage(
                         model,
                         lambda: contextlib.nullcontext(dense_model),
-                        train_ids,
-                        validation_ids,
                         heal_config,
-                        stage2.kept_layers,
-                        stage2.original_num_layers,
-                        stage2.compensated_layers,
-                        HEAL_TEXT,
+                        tokenizer,
+                        start.kept_layers,
+                        start.original_num_layers,
+                        start.compensated_layers,
+                        stage1_seconds=stage1_seconds,
+                        text_cache=os.path.join(scratch, "text.pt"),
+                        prompt_data=CALIBRATION,
                     )
                 row["heal"] = healed.to_dict()
+                row["heal"]["stage1_factor"] = factor
                 row["heal"]["teacher_top_k"] = top_k or distillation.TOP_K
                 row["timings"]["heal"] = healed.seconds
         tick = time.perf_counter()
@@ -372,10 +529,8 @@ def main() -> None:
         row["evaluation"] = summary
         print(evaluation.summary(), flush=True)
         if evaluation.zero_shot is not None and "dense" in rows and variant != "dense":
-            dense_answers = rows["dense"]["evaluation"]["zero_shot"]["answers"]
             mine = summary["zero_shot"]["answers"]
-            row["flips"] = asdict(flips(expand(mine), expand(dense_answers)).pooled)
-            row["flips_without_boolq"] = asdict(flips(expand(mine, ("boolq",)), expand(dense_answers, ("boolq",))).pooled)
+            count_fidelity(row, rows["dense"])
             for key, other in (("against_stage1", "stage1"), ("against_default", "default")):
                 if other in rows and other != variant:
                     comparison = compare_zero_shot(
@@ -389,8 +544,7 @@ def main() -> None:
                         ).pooled
                     )
         row["provenance"] = finish(started)
-        record["rows"].append(row)
-        rows[variant] = row
+        put(row)
         save()
         print(f"{variant}: saved to {path}", flush=True)
     print(markdown(record))

@@ -2,10 +2,14 @@
 (`GradMAPPruner.plan`, its throughput measured on this machine in a few seconds), for the runs whose time and memory
 other benchmarks measured:
 
-- `smollm2-135m-0.25`: the README's main job (benchmarks/main_job_memory.py with no options): SmolLM2-135M, 25%,
-  128 x 128 tokens, float32, in memory, with its perplexity evaluations (3 x 128 segments of 128 tokens);
-- `qwen2.5-coder-0.5b-0.25`: the main job on Qwen2.5-Coder-0.5B (benchmarks/main_job_memory.py -- --model
-  qwen2.5-coder-0.5b, the options in `MEASURED`);
+- `smollm2-135m-0.25`: the command line's own `optimum-gradmap prune offline:smollm2-135m --pruning-ratio 0.25
+  --dtype float32` (benchmarks/cli_prune_memory.py --model smollm2-135m): 128 x 128 tokens, float32, in memory,
+  no evaluation: the run the plan describes;
+- `qwen2.5-coder-0.5b-0.25`: the same on Qwen2.5-Coder-0.5B with `--num-samples 32`
+  (benchmarks/cli_prune_memory.py --model qwen2.5-coder-0.5b -- --num-samples 32);
+- `smollm2-135m-0.25-main-job`, `qwen2.5-coder-0.5b-0.25-main-job`: the README's main job on the same settings
+  (benchmarks/main_job_memory.py), which does more than the command line's run: its perplexity evaluations (3 x 128
+  segments of 128 tokens, counted in its plan) and the reload of the checkpoint, evaluated again (not counted);
 - `llama-3.1-8b-0.25`: the 8B run of benchmarks/scale.py (random weights, bfloat16 on disk, layer-streamed).
 
     python benchmarks/plan_accuracy.py --row smollm2-135m-0.25 --resume
@@ -30,21 +34,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, ROOT)
 
+from cli_prune_memory import prune_key  # noqa: E402
 from provenance import finish, provenance  # noqa: E402
 
 RECORD = os.path.join(ROOT, "benchmarks", "results", "plan_accuracy.json")
 EVALUATION_TOKENS = 3 * 128 * 128  # the main job's perplexities: dense, after Stage 1, after Stage 2
 
-# row -> how the plan is made, and where the measurement lives
+# row -> how the plan is made, and where the measurement lives: (record, the key of its row)
 ROWS = {
     "smollm2-135m-0.25": {
+        "model": "offline:smollm2-135m",
+        "dtype": "float32",
+        "settings": {"pruning_ratio": 0.25},
+        "evaluation_tokens": 0,
+        "measured": ("cli_prune_memory", prune_key("smollm2-135m", 0.25, "float32", [])),
+    },
+    "qwen2.5-coder-0.5b-0.25": {
+        "model": "offline:qwen2.5-coder-0.5b",
+        "dtype": "float32",
+        "settings": {"pruning_ratio": 0.25, "num_samples": 32},
+        "evaluation_tokens": 0,
+        "measured": ("cli_prune_memory", prune_key("qwen2.5-coder-0.5b", 0.25, "float32", ["--num-samples", "32"])),
+    },
+    "smollm2-135m-0.25-main-job": {
         "model": "offline:smollm2-135m",
         "dtype": "float32",
         "settings": {"pruning_ratio": 0.25},
         "evaluation_tokens": EVALUATION_TOKENS,
         "measured": ("main_job_memory", []),
     },
-    "qwen2.5-coder-0.5b-0.25": {
+    "qwen2.5-coder-0.5b-0.25-main-job": {
         "model": "offline:qwen2.5-coder-0.5b",
         "dtype": "float32",
         "settings": {"pruning_ratio": 0.25, "num_samples": 32},
@@ -73,6 +92,8 @@ def removed_layers(source: str, key) -> list[int] | None:
             for line in row["printed"]:
                 if line.startswith("removed layers, in removal order: "):
                     return json.loads(line.split(": ", 1)[1])
+        if source == "cli_prune_memory" and row["key"] == key and row["exit_code"] == 0:
+            return row["removed_layers"]
         if source.startswith("scale-") and row.get("key") == key and row.get("exit_code") == 0:
             return row["removed_layers"]
     return None

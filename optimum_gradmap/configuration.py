@@ -297,18 +297,27 @@ class GradMAPConfig:
         "Measured worse than one fit after Stage 1 (SmolLM2-135M, 25%: held-out Wikipedia / web-text perplexity "
         "164.7 / 610.8 against 77.8 / 213.6, docs/benchmarks/stage2.md).",
     )
-    heal_tokens: int = _setting(
+    heal_tokens: int | Literal["auto"] = _setting(
         0,
         "Heal, an optional third stage after Stage 2 (see [`optimum_gradmap.heal`]): distil the dense model's next-token "
         "distribution (its top-64 tokens and the rest, forward KL, computed ahead) into the pruned model on this many "
-        "tokens of `heal_dataset`, then merge what was trained into plain weights. 0: off (the default).",
+        "tokens of `heal_dataset`, then merge what was trained into plain weights. 0: off (the default). `auto`: as "
+        "many tokens as fit in about Stage 1's measured time on this run (the dense model's text included), from a "
+        "measurement of the heal's throughput; the report gives the number chosen.",
         minimum=0,
     )
     heal_dataset: str = _setting(
         "c4",
         "The text the heal stage trains on (any name `dataset` takes, `offline:web_text` included, or a path), cut into "
         "non-overlapping windows of `heal_seq_len` tokens: `heal_validation_sequences` of them held out, the others "
-        "trained on. Web text by default, other text than the calibration set's Wikipedia.",
+        "trained on. Web text by default, other text than the calibration set's Wikipedia. `generated`: the dense "
+        "model's own text, sampled at `heal_temperature` from the first tokens of calibration documents (see "
+        "[`optimum_gradmap.generation`]); joined to corpus names by '+' (`generated+offline:web_text`), equal parts.",
+    )
+    heal_temperature: float = _setting(
+        1.0,
+        "The sampling temperature of the dense model's own text (`heal_dataset` `generated`): 1.0 samples its own "
+        "distribution.",
     )
     heal_trainable: HealTrainable = _setting(
         "lora",
@@ -442,7 +451,7 @@ class GradMAPConfig:
                 f"{self.compensation_objective!r} has none: use compensation_objective='mse' with it, or "
                 "outlier_tokens='exclude'."
             )
-        for name in ("adam_lr", "refinement_lr", "heal_lr"):  # heal_lr may also be None: the trainable's default
+        for name in ("adam_lr", "refinement_lr", "heal_lr", "heal_temperature"):  # heal_lr may also be None
             value = getattr(self, name)
             if name == "heal_lr" and value is None:
                 continue
@@ -476,6 +485,8 @@ class GradMAPConfig:
             if bool in kinds and not isinstance(value, bool):
                 raise InvalidInputError(f"`{setting.name}` must be True or False, got {value!r}.")
             minimum = setting.metadata.get("minimum")
+            if value in choices:  # a word a number's field also takes (`heal_tokens="auto"`)
+                continue
             if minimum is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
                 raise InvalidInputError(f"`{setting.name}` must be an integer >= {minimum}, got {value!r}.")
 

@@ -491,7 +491,7 @@ def prepare_calibration_data(
     return ids.long()
 
 
-def _text_documents(data: Any, text_column: str) -> list[str]:
+def text_documents(data: Any, text_column: str) -> list[str]:
     """The documents of text data in any form `prepare_calibration_data` reads as text: a dataset name (or names joined
     by `+`, their documents together), a local path, a `datasets.Dataset` or a list of strings (one stream)."""
     if isinstance(data, str) and os.path.exists(data):
@@ -545,7 +545,7 @@ def prepare_heal_data(
             raise InvalidInputError("Heal text needs a tokenizer: pass `tokenizer=` or a model whose name points to one.")
         windows = [
             window
-            for document in tokenize_documents(_text_documents(data, text_column), tokenizer)
+            for document in tokenize_documents(text_documents(data, text_column), tokenizer)
             for window in document[: document.numel() // seq_len * seq_len].view(-1, seq_len)
         ]
         if len(windows) < num_validation + num_train:

@@ -64,7 +64,7 @@ the held-out KL are forward passes, which Accelerate's hooks already run one mod
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import math
 import os
 import time
@@ -84,7 +84,17 @@ from transformers.utils import logging
 from . import distributed, streaming
 from .adapters import DecoderAdapter, get_adapter, get_submodule
 from .configuration import GradMAPConfig, HealTrainable
-from .data import CalibrationData, calibration_sha256, prepare_heal_data
+from .data import (
+    CalibrationData,
+    calibration_sha256,
+    check_dataset_name,
+    describe_calibration_data,
+    is_text_data,
+    prepare_calibration_data,
+    prepare_heal_data,
+    text_documents,
+    tokenize_documents,
+)
 from .distillation import (
     TeacherTargets,
     teacher_targets,
@@ -93,10 +103,20 @@ from .distillation import (
     vocab_sliced_top_k_kl_gradient,
 )
 from .errors import InvalidInputError
+from .generation import (
+    GENERATED,
+    GENERATION_BATCH_SIZE,
+    GeneratedText,
+    GenerationSettings,
+    corpus_part,
+    generate_sequences,
+    is_generated,
+    start_token_of,
+)
 from .importance.gradient import DecoderGradient
 from .passes import calibration_mode, input_device
 from .precision import has_native_bfloat16
-from .weights import execution_device, is_offloaded_module, materialized, stored_state_dict
+from .weights import execution_device, is_offloaded_module, materialized, weights_digest
 
 logger = logging.get_logger(__name__)
 
@@ -118,16 +138,19 @@ DEFAULT_LEARNING_RATES: dict[str, float] = {
     "all": 3e-5,
 }
 HEAL_TRAINABLE_CHOICES: tuple[str, ...] = get_args(HealTrainable)
-# The elements of a weight summed at a time by the checkpoint's fingerprint (32 MB in float64).
-DIGEST_CHUNK = 1 << 22
 # The name of the heal stage's LoRA adapter (in its parameters' names).
 LORA_ADAPTER = "heal"
+# `heal_tokens="auto"`: the heal's time (the dense model's text included) as a share of Stage 1's measured time.
+AUTO_TIME_SHARE = 1.0
+# With a deadline, the schedule's length is fitted to the time left after this many steps.
+REFIT_AFTER_STEPS = 5
 
 
 # The GradMAPConfig fields the heal stage reads: the ones `GradMAPPruner.heal` may override.
 HEAL_SETTINGS = (
     "heal_tokens",
     "heal_dataset",
+    "heal_temperature",
     "heal_trainable",
     "heal_lr",
     "heal_batch_size",
@@ -297,30 +320,302 @@ def check_heal_checkpoint_origin(
         )
 
 
+def check_heal_dataset_name(name: str) -> None:
+    """Refuses a `heal_dataset` that names no text, before anything loads: the corpus names in it are checked as
+    calibration datasets (or paths); `generated` (the dense model's own text) needs no check.
+
+    Raises:
+        InvalidInputError: for an unknown name, saying which are available.
+    """
+    corpus = corpus_part(name) if is_generated(name) else name
+    if corpus is not None and not os.path.exists(corpus):
+        check_dataset_name(corpus, "calibration")
+
+
+@dataclass
+class HealCosts:
+    """The seconds of the heal's parts, measured on the pruned model before an `auto` budget is chosen
+    ([`choose_heal_tokens`]).
+
+    Attributes:
+        forward_seconds (`float`): The pruned model's forward pass over one batch.
+        step_seconds (`float`): One training step over one batch (forward and backward).
+        teacher_seconds (`float`): The dense model's forward pass over one batch: `forward_seconds` times its number
+            of layers over the pruned model's.
+        check_seconds (`float`): One held-out check.
+        generation_seconds (`float`): One sequence of the dense model's own text (0 for corpus text).
+    """
+
+    forward_seconds: float
+    step_seconds: float
+    teacher_seconds: float
+    check_seconds: float
+    generation_seconds: float = 0.0
+
+    def sequences_within(self, seconds: float, config: GradMAPConfig, generated_share: float) -> int:
+        """The training sequences whose heal fits in `seconds`: per sequence its share of a step, of the teacher's
+        pass, of the held-out checks and (a `generated_share` of them) its generation; once, the held-out
+        sequences' teacher pass and generation and the first check. Whole batches, at least one."""
+        batch = config.heal_batch_size
+        fixed = (
+            self.check_seconds
+            + self.teacher_seconds * -(-config.heal_validation_sequences // batch)
+            + self.generation_seconds * math.ceil(generated_share * config.heal_validation_sequences)
+        )
+        per_sequence = (
+            (self.step_seconds + self.teacher_seconds) / batch
+            + self.check_seconds / (batch * config.heal_check_every)
+            + self.generation_seconds * generated_share
+        )
+        return max(1, math.floor((seconds - fixed) / per_sequence) // batch) * batch
+
+
+def measure_heal_costs(
+    model: PreTrainedModel,
+    config: GradMAPConfig,
+    kept: Sequence[int],
+    num_layers: int,
+    compensated: Sequence[int] = (),
+) -> HealCosts:
+    """Times the heal's parts on one batch of random tokens, each after one warm-up run, under the heal's autocast
+    rule: the pruned model's forward pass as it is (the teacher's pass is that, scaled by the dense model's layers),
+    and, with what `heal_trainable` trains set up as the heal sets it up (LoRA's adapters injected), a held-out
+    forward pass and a whole training step (the top-K KL against targets of the same shape, the backward pass,
+    clipping and an AdamW step at a rate of 0). The model is put back as it came. A layer-streamed model's step is
+    taken as three forward passes; the heal corrects the number of steps after its first ones in any case.
+
+    Args:
+        model (`PreTrainedModel`): The pruned model.
+        config ([`GradMAPConfig`]): Its `heal_*` settings are read.
+        kept (`Sequence[int]`), num_layers (`int`), compensated (`Sequence[int]`): As in [`heal`].
+
+    Returns:
+        [`HealCosts`] (without the generation's seconds).
+    """
+    device = input_device(model)
+    autocast = bool(config.heal_autocast) and has_native_bfloat16(device) and model.dtype == torch.float32
+    vocab_size = model.config.get_text_config(decoder=True).vocab_size
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (config.heal_batch_size, config.heal_seq_len), generator=generator)
+    batch = ids.to(device)
+
+    def passes() -> AbstractContextManager[None]:
+        return torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
+
+    def forward() -> None:
+        with torch.no_grad(), passes():
+            model(input_ids=batch, use_cache=False)
+
+    def timed(work: Callable[[], None]) -> float:
+        work()  # warm-up
+        tick = time.perf_counter()
+        work()
+        return time.perf_counter() - tick
+
+    with calibration_mode(model):
+        teacher_forward = timed(forward)
+    targets = teacher_targets(model, ids, config.heal_batch_size, progress_bar=False, autocast=autocast)  # a stand-in
+    choice = _choose(model, get_adapter(model), config.heal_trainable, list(kept), num_layers, list(compensated))
+    streamed = streaming.streams(model)
+    with calibration_mode(model, grad=True, freeze_parameters=True):
+        chosen = _Trainable(model, choice, config.heal_lora_rank, config.seed)
+        start = chosen.state()
+        try:
+            optimizer = torch.optim.AdamW(chosen.parameters, lr=0.0, weight_decay=0.0)
+
+            def step() -> None:
+                optimizer.zero_grad(set_to_none=True)
+                with passes():
+                    logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
+                top_k_kl(logits, targets).mean().backward()
+                torch.nn.utils.clip_grad_norm_(chosen.parameters, MAX_GRAD_NORM)
+                optimizer.step()
+
+            forward_seconds = timed(forward)
+            step_seconds = 3 * forward_seconds if streamed else timed(step)
+        finally:
+            chosen.restore(start)
+    return HealCosts(
+        forward_seconds=forward_seconds,
+        step_seconds=step_seconds,
+        teacher_seconds=teacher_forward * num_layers / max(1, len(kept)),
+        check_seconds=forward_seconds * -(-config.heal_validation_sequences // config.heal_batch_size),
+    )
+
+
+def choose_heal_tokens(
+    model: PreTrainedModel,
+    config: GradMAPConfig,
+    budget_seconds: float,
+    kept: Sequence[int],
+    num_layers: int,
+    compensated: Sequence[int] = (),
+    generation_seconds_per_sequence: float = 0.0,
+) -> tuple[int, HealCosts]:
+    """`heal_tokens="auto"`: the tokens whose heal fits in `budget_seconds`, from [`measure_heal_costs`] (the
+    measurement's own seconds count against the budget).
+
+    Args:
+        model (`PreTrainedModel`): The pruned model.
+        config ([`GradMAPConfig`]): Its `heal_*` settings are read.
+        budget_seconds (`float`): The heal's time.
+        kept (`Sequence[int]`), num_layers (`int`), compensated (`Sequence[int]`): As in [`heal`].
+        generation_seconds_per_sequence (`float`, defaults to 0): Seconds per sequence of the dense model's own text,
+            for `generated` in `heal_dataset`.
+
+    Returns:
+        `tuple[int, HealCosts]`: the tokens (whole `heal_seq_len` sequences, at least one batch) and the costs.
+    """
+    started = time.perf_counter()
+    costs = measure_heal_costs(model, config, kept, num_layers, compensated)
+    costs.generation_seconds = generation_seconds_per_sequence
+    share = (1.0 if corpus_part(config.heal_dataset) is None else 0.5) if is_generated(config.heal_dataset) else 0.0
+    remaining = budget_seconds - (time.perf_counter() - started)
+    return costs.sequences_within(remaining, config, share) * config.heal_seq_len, costs
+
+
+@dataclass
+class HealText:
+    """The heal stage's sequences and where they came from.
+
+    Attributes:
+        train_ids (`torch.LongTensor` of shape `(N, T)`): The training sequences, in the order they are trained on.
+        validation_ids (`torch.LongTensor` of shape `(M, T)`): The held-out sequences.
+        source (`str`): What they are (the dataset's name or a description).
+        generation_seconds (`float`): The seconds spent on the dense model's own text (reading its cache, or
+            generating it); 0 for corpus text. They count in the heal stage's time.
+    """
+
+    train_ids: torch.LongTensor
+    validation_ids: torch.LongTensor
+    source: str = ""
+    generation_seconds: float = 0.0
+
+
+def _generate(
+    teacher: Callable[[], AbstractContextManager[nn.Module]],
+    tokenizer: PreTrainedTokenizerBase,
+    config: GradMAPConfig,
+    num_sequences: int,
+    cache: str | os.PathLike | None,
+    progress_bar: bool,
+    prompt_data: CalibrationData = None,
+) -> GeneratedText:
+    """`num_sequences` of the dense model's own text as `config` says: prompts from the first tokens of `prompt_data`'s
+    documents (text; `config.dataset` by default) or sequences (token ids), `heal_temperature`, seed `seed + 2`."""
+    settings = GenerationSettings(config.heal_seq_len, config.heal_temperature, config.seed + 2)
+    data = config.dataset if prompt_data is None else prompt_data
+    if is_text_data(data):
+        documents = tokenize_documents(text_documents(data, config.text_column), tokenizer)
+    else:
+        documents = list(prepare_calibration_data(data, tokenizer, 0, config.seq_len, config.seed, "", config.text_column))
+    return generate_sequences(
+        teacher,
+        documents,
+        start_token_of(tokenizer),
+        num_sequences,
+        settings,
+        cache,
+        autocast=config.heal_autocast,
+        progress_bar=progress_bar,
+    )
+
+
+def generation_seconds_per_sequence(
+    teacher: Callable[[], AbstractContextManager[nn.Module]],
+    tokenizer: PreTrainedTokenizerBase,
+    config: GradMAPConfig,
+    cache: str | os.PathLike | None = None,
+    prompt_data: CalibrationData = None,
+) -> float:
+    """What a sequence of the dense model's own text costs, for `heal_tokens="auto"`: its first batch is generated
+    (or read from the cache, which records what it cost) and kept in the cache for the heal."""
+    first = _generate(teacher, tokenizer, config, GENERATION_BATCH_SIZE, cache, False, prompt_data)
+    return first.seconds_per_sequence
+
+
 def heal_sequences(
-    data: CalibrationData, tokenizer: PreTrainedTokenizerBase | None, config: GradMAPConfig
-) -> tuple[torch.LongTensor, torch.LongTensor]:
+    data: CalibrationData,
+    tokenizer: PreTrainedTokenizerBase | None,
+    config: GradMAPConfig,
+    teacher: Callable[[], AbstractContextManager[nn.Module]] | None = None,
+    cache: str | os.PathLike | None = None,
+    progress_bar: bool = True,
+    prompt_data: CalibrationData = None,
+) -> HealText:
     """The training and held-out sequences of a heal run as `config` says: `heal_tokens` worth of `heal_seq_len`-token
     windows of `data` (or `config.heal_dataset`) and `heal_validation_sequences` held out, shuffled with seed
     `seed + 2` ([`~optimum_gradmap.data.prepare_heal_data`]).
 
+    With `generated` in `config.heal_dataset` (and no `data`), the dense model writes the text itself
+    ([`~optimum_gradmap.generation`]): from the first tokens of the calibration documents (`prompt_data`, the
+    calibration text or token ids Stage 1 read; `config.dataset` by default), at
+    `config.heal_temperature`, seed `seed + 2`. Joined to corpus names (`generated+offline:web_text`), half the
+    training and half the held-out sequences (rounded up) are generated and the rest are corpus windows, shuffled
+    together.
+
     Args:
         data: The heal text in any form calibration data takes, or `None` for `config.heal_dataset`.
         tokenizer (`PreTrainedTokenizerBase`, *optional*): Needed for text.
-        config ([`GradMAPConfig`]): Its `heal_*` settings, `seed` and `text_column` are read.
+        config ([`GradMAPConfig`]): Its `heal_*` settings, `seed`, `dataset` and `text_column` are read.
+        teacher (`Callable`, *optional*): Returns a context manager that gives the dense model for its block; needed
+            for the dense model's own text.
+        cache (`str` or `os.PathLike`, *optional*): The file that caches the dense model's own text
+            ([`~optimum_gradmap.generation.generate_sequences`]).
+        progress_bar (`bool`, defaults to `True`): Show a progress bar while the dense model writes.
+        prompt_data (*optional*): The calibration data whose documents' (or sequences') first tokens prompt the dense
+            model; defaults to `config.dataset`.
 
     Returns:
-        `tuple[torch.LongTensor, torch.LongTensor]`: the training and held-out sequences.
+        [`HealText`].
+
+    Raises:
+        InvalidInputError: for too little text, or the dense model's own text without a teacher or a tokenizer.
     """
-    return prepare_heal_data(
-        config.heal_dataset if data is None else data,
-        tokenizer,
-        -(-config.heal_tokens // config.heal_seq_len),
-        config.heal_validation_sequences,
-        config.heal_seq_len,
-        config.seed + 2,
-        config.text_column,
-    )
+    num_train = -(-config.heal_tokens // config.heal_seq_len)
+    num_validation = config.heal_validation_sequences
+    if data is not None or not is_generated(config.heal_dataset):
+        train_ids, validation_ids = prepare_heal_data(
+            config.heal_dataset if data is None else data,
+            tokenizer,
+            num_train,
+            num_validation,
+            config.heal_seq_len,
+            config.seed + 2,
+            config.text_column,
+        )
+        source = describe_calibration_data(data, config.heal_dataset, config.text_column)
+        return HealText(train_ids, validation_ids, source)
+    if teacher is None or tokenizer is None:
+        raise InvalidInputError(
+            f"heal_dataset={config.heal_dataset!r}: the dense model writes the heal text, and it needs the dense model "
+            "and its tokenizer here."
+        )
+    corpus = corpus_part(config.heal_dataset)
+    generated_train = num_train if corpus is None else -(-num_train // 2)
+    generated_validation = num_validation if corpus is None else -(-num_validation // 2)
+    count = generated_validation + generated_train
+    generated = _generate(teacher, tokenizer, config, count, cache, progress_bar, prompt_data)
+    seconds = generated.seconds
+    train_ids, validation_ids = generated.input_ids[generated_validation:], generated.input_ids[:generated_validation]
+    prompts = describe_calibration_data(prompt_data, config.dataset, config.text_column)
+    source = f"{GENERATED} (the dense model's own text, temperature {config.heal_temperature:g}, prompts from {prompts})"
+    if corpus is not None:
+        corpus_train, corpus_validation = prepare_heal_data(
+            corpus,
+            tokenizer,
+            num_train - generated_train,
+            num_validation - generated_validation,
+            config.heal_seq_len,
+            config.seed + 2,
+            config.text_column,
+        )
+        generator = torch.Generator().manual_seed(config.seed + 2)
+        train_ids = torch.cat([train_ids, corpus_train])
+        train_ids = train_ids[torch.randperm(train_ids.shape[0], generator=generator)]
+        validation_ids = torch.cat([validation_ids, corpus_validation])
+        source += f" and {corpus}, equal parts"
+    return HealText(train_ids, validation_ids, source, seconds)
 
 
 @dataclass
@@ -344,6 +639,12 @@ class HealResult:
         start_kl (`float`), best_kl (`float`): The held-out KL before training and of the state kept.
         best_tokens (`int`): The tokens trained when the state kept was reached (0: the start).
         interrupted (`bool`): Whether training was stopped by Ctrl-C (the best state so far was kept).
+        generation_seconds (`float`): The seconds spent on the dense model's own text (`generated` in
+            `heal_dataset`), included in `seconds`.
+        budget_seconds (`float`, *optional*): With `heal_tokens="auto"`, the time the heal was given (a share
+            `AUTO_TIME_SHARE` of Stage 1's); `budget_tokens` is then the number it chose.
+        stopped_at_budget (`bool`): Whether training stopped before its last step because the time was up (the best
+            state so far was kept).
     """
 
     trainable: str
@@ -366,6 +667,9 @@ class HealResult:
     best_kl: float = math.nan
     best_tokens: int = 0
     interrupted: bool = False
+    generation_seconds: float = 0.0
+    budget_seconds: float | None = None
+    stopped_at_budget: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """The result, JSON-serialisable."""
@@ -374,6 +678,10 @@ class HealResult:
     def summary(self) -> str:
         """One line: what was trained, on what, and the held-out KL before and after."""
         stopped = " (interrupted: the best state so far was kept)" if self.interrupted else ""
+        if self.stopped_at_budget:
+            stopped = " (stopped when its time was up: the best state so far was kept)"
+        if self.budget_seconds is not None:
+            stopped += f" (heal_tokens='auto' chose {self.budget_tokens:,} tokens for {self.budget_seconds:.0f} s)"
         kept = "" if self.best_tokens else " (no state beat the start: the model is as it came)"
         return (
             f"Healed {self.trainable} ({self.num_trainable_parameters:,} parameters) on {self.trained_tokens:,} tokens of "
@@ -639,6 +947,8 @@ def heal(
     checkpoint: str | os.PathLike | None = None,
     progress_bar: bool = True,
     seed: int = 0,
+    deadline: float | None = None,
+    spent_seconds: float = 0.0,
 ) -> HealResult:
     """Distils the teacher into `model` (in place; see the module docstring).
 
@@ -669,6 +979,12 @@ def heal(
             an interrupted run with the same sequences and settings resumes. Missing folders on its path are created.
         progress_bar (`bool`, defaults to `True`): Show progress bars.
         seed (`int`, defaults to 0): The seed of LoRA's initialisation (the same on every process).
+        deadline (`float`, *optional*): A `time.perf_counter()` value. After `REFIT_AFTER_STEPS` steps the
+            schedule's length is fitted to the time left (so that its decay ends by it), and no training step starts
+            that would end, with a last held-out check, after it (the state with the lowest held-out KL so far is kept,
+            `stopped_at_budget`). Under `torch.distributed` the main process's clock decides for every process.
+        spent_seconds (`float`, defaults to 0): Seconds spent on the heal before this call (the dense model's text,
+            an `auto` budget's measurement), added to `seconds`.
 
     Returns:
         [`HealResult`]. The model holds the trained weights with the lowest held-out KL (the start's if none was
@@ -703,7 +1019,7 @@ def heal(
             "out some sequences (heal_validation_sequences >= 1, heal_seq_len >= 2)."
         )
     distributed.on_main_process(lambda: check_heal_checkpoint(checkpoint))  # the main process alone writes it
-    started = time.perf_counter()
+    started = time.perf_counter() - spent_seconds
     kept = list(range(adapter.num_layers(model))) if kept is None else list(kept)
     num_layers = num_layers if num_layers is not None else kept[-1] + 1
     learning_rate = learning_rate if learning_rate is not None else DEFAULT_LEARNING_RATES[trainable]
@@ -727,7 +1043,7 @@ def heal(
     )
     fingerprint.update(kept=kept, compensated=list(compensated))  # what Stage 1 and 2 made
     if checkpoint is not None:  # the model the run started from (Stage 1 and 2 as they were): only a resume compares it
-        fingerprint["weights"] = _weights_digest(model)
+        fingerprint["weights"] = weights_digest(model)
     resumed = _load_checkpoint(checkpoint, fingerprint)  # a stale file is refused before the teacher runs
     my_rows = [row for step in range(num_steps) for row in _batch_rows(step, batch_size, num_train)]
     my_validation, _ = distributed.shard_any(validation_ids)
@@ -736,7 +1052,7 @@ def heal(
     targets, validation_targets = _teacher_pass(
         teacher, train_ids[my_rows], my_validation, batch_size, progress_bar, result.autocast
     )
-    result.teacher_seconds = time.perf_counter() - started
+    result.teacher_seconds = time.perf_counter() - started - spent_seconds
     position = {row: index for index, row in enumerate(my_rows)}
 
     def passes() -> AbstractContextManager[None]:
@@ -755,7 +1071,9 @@ def heal(
             # layer-streamed (offloaded weights, or `execution="layer_streamed"`): one layer's weights at a time
             streamed = DecoderGradient(model, adapter, train_ids) if streaming.streams(model) else None
             optimizer = torch.optim.AdamW(chosen.parameters, lr=learning_rate, weight_decay=0.0)
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: _learning_rate_factor(done + 1, num_steps))
+            # the schedule's length: with a deadline, fitted to the time left after the first steps
+            schedule = [num_steps]
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: _learning_rate_factor(done + 1, schedule[0]))
             first_step = 0
             if resumed is not None:
                 if [tuple(value.shape) for value in resumed["state"]] != [tuple(value.shape) for value in start_state]:
@@ -768,14 +1086,18 @@ def heal(
                     setattr(result, name, resumed[name])
                 logger.info(f"Heal: resumed from {checkpoint} at step {first_step} of {num_steps}.")
             else:
+                tick = time.perf_counter()
                 result.start_kl = result.best_kl = held_out_kl()
                 result.kl_curve.append([0, result.start_kl])
+                check_seconds = time.perf_counter() - tick
             bar = logging.tqdm(
                 total=num_steps, initial=first_step, desc=f"Heal ({trainable})", leave=False, disable=not progress_bar
             )
             result.steps = first_step
             result.trained_tokens = min(num_train, first_step * batch_size) * train_ids.shape[1]
             seconds, tokens_timed = 0.0, 0
+            if resumed is not None:  # no check was timed: the first one after the resume is
+                check_seconds = 0.0
             # Ctrl-C. One process: it stops training where it comes. Several: every process stops after the same step
             # (a process stopping alone would leave the others waiting in a collective): SIGINT is deferred, and an
             # interrupt travels with the step's gradients, or with the checkpoint write's outcome.
@@ -783,6 +1105,17 @@ def heal(
             try:
                 with distributed.interrupts_deferred() as deferred_interrupt:
                     for step in range(first_step, num_steps):
+                        if deadline is not None and step - first_step == REFIT_AFTER_STEPS:
+                            schedule[0] = _steps_that_fit(
+                                deadline, step, num_steps, seconds / REFIT_AFTER_STEPS, check_seconds, check_every
+                            )
+                        if step >= schedule[0] or (
+                            deadline is not None
+                            and step > first_step
+                            and _past(deadline, seconds / (step - first_step) + check_seconds)
+                        ):
+                            result.stopped_at_budget = True
+                            break
                         tick = time.perf_counter()
                         rows = _batch_rows(step, batch_size, num_train)
                         global_rows = min(batch_size, num_train - step * batch_size)
@@ -814,7 +1147,9 @@ def heal(
                         seconds += time.perf_counter() - tick
                         tokens_timed += global_rows * train_ids.shape[1]
                         if result.steps % check_every == 0 or result.steps == num_steps:
+                            check_tick = time.perf_counter()
                             kl = held_out_kl()
+                            check_seconds = time.perf_counter() - check_tick
                             result.kl_curve.append([result.trained_tokens, kl])
                             if kl < result.best_kl:
                                 result.best_kl, result.best_tokens, best_state = kl, result.trained_tokens, chosen.state()
@@ -826,10 +1161,20 @@ def heal(
                             break
                     if not stop:  # an interrupt after the last step's gradients
                         stop = distributed.any_process(deferred_interrupt())
+                    if result.stopped_at_budget and not stop and result.kl_curve[-1][0] != result.trained_tokens:
+                        kl = held_out_kl()  # the last steps' state, checked (its time was kept for it)
+                        result.kl_curve.append([result.trained_tokens, kl])
+                        if kl < result.best_kl:
+                            result.best_kl, result.best_tokens, best_state = kl, result.trained_tokens, chosen.state()
             except KeyboardInterrupt:  # one process: Ctrl-C outside its share of a step
                 stop = True
             finally:
                 bar.close()
+            if result.stopped_at_budget:
+                logger.info(
+                    f"Heal: the time was up after step {result.steps} of {num_steps}: the model keeps the state with the "
+                    f"lowest held-out KL ({result.best_kl:.4f}, after {result.best_tokens} tokens)."
+                )
             if stop:
                 result.interrupted = True
                 logger.warning(
@@ -847,6 +1192,27 @@ def heal(
     return result
 
 
+def _steps_that_fit(
+    deadline: float, done: int, num_steps: int, step_seconds: float, check_seconds: float, check_every: int
+) -> int:
+    """The number of steps (at most `num_steps`) whose training ends by `deadline`, `done` of them taken, each of
+    `step_seconds` with a held-out check of `check_seconds` every `check_every` and one at the end (the main process's
+    clock decides, so that every process agrees)."""
+
+    def fit() -> int:
+        left = deadline - time.perf_counter() - check_seconds
+        per_step = step_seconds + check_seconds / check_every
+        return min(num_steps, done + max(0, math.floor(left / per_step)))
+
+    return distributed.on_main_process(fit)
+
+
+def _past(deadline: float, seconds_needed: float) -> bool:
+    """Whether work of `seconds_needed` started now would end after `deadline` (the main process's clock decides, so
+    that every process stops after the same step)."""
+    return distributed.on_main_process(lambda: time.perf_counter() + seconds_needed > deadline)
+
+
 def heal_as_configured(
     model: PreTrainedModel,
     teacher: Callable[[], AbstractContextManager[nn.Module]],
@@ -859,12 +1225,14 @@ def heal_as_configured(
     dataset: str,
     checkpoint: str | os.PathLike | None = None,
     progress_bar: bool = True,
+    deadline: float | None = None,
+    spent_seconds: float = 0.0,
 ) -> HealResult:
-    """[`heal`] with the `heal_*` settings of `config` (the pruner's, the CLI's and the benchmarks' one call).
+    """[`heal`] with the `heal_*` settings of `config`, on given sequences ([`heal_stage`] prepares them).
 
     Args:
-        model, teacher, train_ids, validation_ids, kept, num_layers, compensated, dataset, checkpoint, progress_bar:
-            As in [`heal`].
+        model, teacher, train_ids, validation_ids, kept, num_layers, compensated, dataset, checkpoint, progress_bar,
+            deadline, spent_seconds: As in [`heal`].
         config ([`GradMAPConfig`]): Its `heal_trainable`, `heal_lr`, `heal_batch_size`, `heal_check_every`,
             `heal_lora_rank`, `heal_autocast`, `execution` (whether the training steps run layer-streamed, see
             [`heal`]) and `seed` (LoRA's initialisation) are read.
@@ -892,24 +1260,95 @@ def heal_as_configured(
             checkpoint=checkpoint,
             progress_bar=progress_bar,
             seed=config.seed,
+            deadline=deadline,
+            spent_seconds=spent_seconds,
         )
 
 
-def _weights_digest(model: nn.Module) -> str:
-    """A cheap fingerprint of every weight of `model`: the SHA-256 of their float64 sums and sums of squares, each
-    accumulated over chunks of `DIGEST_CHUNK` elements in a fixed order (deterministic), so that no temporary is
-    larger than a chunk in float64 (a whole 8B model's embedding would take 8 GB)."""
-    sums = []
-    with torch.no_grad():
-        for _, tensor in stored_state_dict(model):  # an offloaded weight read from where it lives, one at a time
-            flat = tensor.detach().reshape(-1)
-            total = torch.zeros(2, dtype=torch.float64, device=flat.device)
-            for start in range(0, flat.numel(), DIGEST_CHUNK):
-                chunk = flat[start : start + DIGEST_CHUNK].double()
-                total[0] += chunk.sum()
-                total[1] += chunk.square().sum()
-            sums.append(total.cpu())
-    return hashlib.sha256(torch.stack(sums).numpy().tobytes() if sums else b"").hexdigest()
+def heal_stage(
+    model: PreTrainedModel,
+    teacher: Callable[[], AbstractContextManager[nn.Module]],
+    config: GradMAPConfig,
+    tokenizer: PreTrainedTokenizerBase | None,
+    kept: Sequence[int],
+    num_layers: int,
+    compensated: Sequence[int],
+    data: CalibrationData = None,
+    text: HealText | None = None,
+    stage1_seconds: float | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    text_cache: str | os.PathLike | None = None,
+    progress_bar: bool = True,
+    check_ids: Callable[[torch.LongTensor], None] | None = None,
+    prompt_data: CalibrationData = None,
+) -> HealResult:
+    """The heal stage as `config` says, from its text to the merged weights (the pruner's, the CLI's and the
+    benchmarks' one call): the budget (`heal_tokens`, or `"auto"`: [`choose_heal_tokens`] for a share
+    `AUTO_TIME_SHARE` of `stage1_seconds`, the text included, with a deadline), the text ([`heal_sequences`], the
+    dense model's own where `heal_dataset` says `generated`), then [`heal`].
+
+    Args:
+        model, teacher, kept, num_layers, compensated, checkpoint, progress_bar: As in [`heal`].
+        config ([`GradMAPConfig`]): Its `heal_*` settings, `seed`, `dataset`, `text_column` and `execution` are read.
+        tokenizer (`PreTrainedTokenizerBase`, *optional*): For text.
+        data (*optional*): The heal text (any form calibration data takes); defaults to `config.heal_dataset`.
+        text ([`HealText`], *optional*): Sequences prepared already (for a number of tokens): used as they are.
+        stage1_seconds (`float`, *optional*): Stage 1's measured time, the unit of `heal_tokens="auto"`.
+        text_cache (`str` or `os.PathLike`, *optional*): The cache file of the dense model's own text.
+        check_ids (`Callable`, *optional*): Called on each set of sequences prepared here (the pruner's token-id
+            check).
+        prompt_data (*optional*): The calibration data that prompts the dense model's own text ([`heal_sequences`]).
+
+    Returns:
+        [`HealResult`], with the text's seconds in `generation_seconds` and `seconds`, and for `"auto"` the time given
+        in `budget_seconds` and the tokens chosen in `budget_tokens`.
+
+    Raises:
+        InvalidInputError: for `heal_tokens="auto"` without Stage 1's time, and what [`heal_sequences`] and [`heal`]
+            refuse.
+    """
+    started = time.perf_counter()
+    budget = None
+    generated_before = 0.0
+    if config.heal_tokens == "auto":
+        if stage1_seconds is None or not stage1_seconds > 0:
+            raise InvalidInputError(
+                "heal_tokens='auto' spends about Stage 1's measured time on the heal, and this run has no Stage 1 time "
+                "(layers given, or a report without timings): give a number of tokens (`heal_tokens`)."
+            )
+        budget = AUTO_TIME_SHARE * stage1_seconds
+        rate = 0.0
+        if data is None and is_generated(config.heal_dataset):
+            rate = generation_seconds_per_sequence(teacher, tokenizer, config, text_cache, prompt_data)
+            generated_before = time.perf_counter() - started
+        remaining = budget - (time.perf_counter() - started)
+        tokens, costs = choose_heal_tokens(model, config, remaining, kept, num_layers, compensated, rate)
+        logger.info(f"Heal: heal_tokens='auto' chose {tokens:,} tokens for {budget:.0f} s ({costs}).")
+        config = dataclasses.replace(config, heal_tokens=tokens)
+        text = None
+    if text is None:
+        text = heal_sequences(data, tokenizer, config, teacher, text_cache, progress_bar, prompt_data)
+        for ids in (text.train_ids, text.validation_ids):
+            if check_ids is not None:
+                check_ids(ids)
+    result = heal_as_configured(
+        model,
+        teacher,
+        text.train_ids,
+        text.validation_ids,
+        config,
+        kept,
+        num_layers,
+        compensated,
+        text.source,
+        checkpoint,
+        progress_bar,
+        deadline=started + budget if budget is not None else None,
+        spent_seconds=time.perf_counter() - started,
+    )
+    result.generation_seconds = generated_before + text.generation_seconds
+    result.budget_seconds = budget
+    return result
 
 
 def check_heal_checkpoint(path: str | os.PathLike | None) -> None:

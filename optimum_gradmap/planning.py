@@ -44,6 +44,7 @@ inputs of a batch (layers x batch x tokens x hidden).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import random
@@ -68,6 +69,8 @@ from .compensation.through_norm import NORM_RIDGE_GRID
 from .configuration import GradMAPConfig
 from .distillation import TOP_K
 from .errors import InvalidInputError
+from .generation import is_generated
+from .heal import AUTO_TIME_SHARE
 from .importance.gradient import PerSampleGradientNorms, _uses_gram_form, causal_lm_loss_gradient
 from .importance.metrics import get_importance_metric
 from .importance.selection import halving_rungs
@@ -1155,6 +1158,10 @@ def _target_sets(config: GradMAPConfig, kept: list[int], num_layers: int) -> lis
 
 
 # ----------------------------------------------------------------------------------------------------- heal
+# heal_tokens="auto" is planned from the cost of this many heal steps, scaled to Stage 1's planned time.
+_AUTO_REFERENCE_STEPS = 64
+
+
 def _heal(
     config: GradMAPConfig, shape: ModelShape, num_kept: int, teacher_layers: int, streamed: bool = False
 ) -> tuple[Work, dict[str, int]]:
@@ -1721,7 +1728,7 @@ def plan_pruning(
         )
     if config.layers_to_prune is not None:
         removed_layers = list(config.layers_to_prune)
-    heal = config.heal_tokens > 0
+    heal = bool(config.heal_tokens)
     shape = describe_model(
         model_config,
         dtype,
@@ -1786,6 +1793,23 @@ def plan_pruning(
         stages.append(stage("Stage 2", passes, calibration_tokens, work2, weights + beside, resident + beside, memory["host"]))
     if heal:
         num_kept_layers = int(num_kept.high)
+        if config.heal_tokens == "auto":  # as many tokens as fit in Stage 1's planned time (the heal is linear in them)
+            reference = dataclasses.replace(
+                config, heal_tokens=_AUTO_REFERENCE_STEPS * config.heal_batch_size * config.heal_seq_len
+            )
+            work3, counts = _heal(reference, shape, num_kept_layers, num_layers, streamed)
+            probe = stage("Heal", "", 0, work3, 0.0, None, 0.0, heal=True).seconds
+            stage1_plan = next((done.seconds for done in stages if done.name == "Stage 1"), None)
+            if probe is None or stage1_plan is None:
+                notes.append("heal_tokens='auto': planned at its reference budget (no Stage 1 time to size it by).")
+                config = reference
+            else:
+                share = AUTO_TIME_SHARE * stage1_plan.high / probe.high
+                tokens = max(1, int(share * reference.heal_tokens) // config.heal_seq_len) * config.heal_seq_len
+                config = dataclasses.replace(config, heal_tokens=tokens)
+                notes.append(f"heal_tokens='auto': about {tokens:,} tokens, Stage 1's planned time (the run measures its own).")
+            if is_generated(config.heal_dataset):
+                notes.append("The dense model's own text (`generated`) is not in the heal's planned time.")
         work3, counts = _heal(config, shape, num_kept_layers, num_layers, streamed)
         memory = _heal_memory(config, shape, num_kept_layers, counts)
         beside = memory["device"] + (memory["host"] if on_cpu else 0.0)
@@ -1938,6 +1962,11 @@ def plan_heal(
     """
     if not config.heal_tokens:
         raise InvalidInputError("The heal needs a budget: give `heal_tokens` (e.g. heal_tokens=200_000).")
+    if config.heal_tokens == "auto":
+        raise InvalidInputError(
+            "heal --dry-run plans a number of tokens: `auto` takes them from Stage 1's time measured in the run itself. "
+            "Give --heal-tokens N to see what N tokens cost."
+        )
     pruned_config, teacher_config = load_model_config(pruned), load_model_config(teacher)
     dtype = _resolve_dtype(dtype, teacher_config)
     device = torch.device(device if device is not None else "cpu")

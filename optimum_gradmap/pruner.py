@@ -35,13 +35,21 @@ from .configuration import GradMAPConfig
 from .data import (
     CalibrationData,
     calibration_sha256,
-    check_dataset_name,
     describe_calibration_data,
     is_text_data,
     prepare_calibration_data,
 )
 from .errors import InvalidInputError
-from .heal import HEAL_SETTINGS, check_heal_checkpoint_origin, check_heal_settings, heal_as_configured, heal_sequences
+from .generation import is_generated
+from .heal import (
+    HEAL_SETTINGS,
+    HealText,
+    check_heal_checkpoint_origin,
+    check_heal_dataset_name,
+    check_heal_settings,
+    heal_sequences,
+    heal_stage,
+)
 from .hub import save_and_upload
 from .importance import get_importance_metric
 from .importance.selection import Selection, Stage1Checkpoint, Stage1Plan, remove_by_importance, remove_explicit_layers
@@ -96,6 +104,7 @@ class GradMAPPruner:
         # removals (`compensate_each_round`), with their backups.
         self._dense: surgery.LayerSnapshot | None = None
         self._run_compensations: list[RunCompensation] = []
+        self._calibration_data: CalibrationData = None  # what the last `select_layers` read
         # Where `from_pretrained` loaded the model from (`revision`, `token`, ...): a tokenizer loaded later comes from there too.
         self._location: dict[str, Any] = {}
 
@@ -180,6 +189,7 @@ class GradMAPPruner:
         compensation_data: CalibrationData = None,
         heal_data: CalibrationData = None,
         heal_checkpoint: str | os.PathLike | None = None,
+        heal_text_cache: str | os.PathLike | None = None,
     ) -> PruningResult:
         """Prunes `model` in place: Stage 1, then Stage 2 if `config.compensation`, then the heal stage if
         `config.heal_tokens` ([`~GradMAPPruner.heal`]).
@@ -205,7 +215,12 @@ class GradMAPPruner:
             heal_checkpoint (`str` or `os.PathLike`, *optional*): A file where the heal stage saves its state at every
                 held-out check, and from which an interrupted heal resumes ([`optimum_gradmap.heal.heal`]). An existing
                 file whose heal text, settings, number of processes or model size differ from this run's is refused
-                before Stage 1 ([`~optimum_gradmap.heal.check_heal_checkpoint_origin`]).
+                before Stage 1 ([`~optimum_gradmap.heal.check_heal_checkpoint_origin`]), except for the dense model's
+                own text and `heal_tokens="auto"`, whose sequences are made after Stage 2 (the heal compares the file
+                when it starts).
+            heal_text_cache (`str` or `os.PathLike`, *optional*): The file that caches the dense model's own text
+                (`heal_dataset` with `generated`); defaults to one per fingerprint in the user cache
+                ([`~optimum_gradmap.generation`]).
 
         Returns:
             [`PruningResult`]: `result.model` is the pruned model.
@@ -227,13 +242,13 @@ class GradMAPPruner:
         """
         config = self.config
         model = self._resolve_model(model)
-        heal_ids = self._heal_ids(model, heal_data, config, tokenizer) if config.heal_tokens else None
-        if heal_ids is None and heal_data is not None:
+        if not config.heal_tokens and heal_data is not None:
             raise InvalidInputError(
                 "`heal_data` was given, but the heal stage is off (`heal_tokens=0`): give it a budget, or leave the text out."
             )
-        if heal_ids is not None:
-            check_heal_checkpoint_origin(heal_checkpoint, model, heal_ids[0], heal_ids[1], config)
+        heal_text = self._heal_text(model, heal_data, config, tokenizer) if config.heal_tokens else None
+        if heal_text is not None:
+            check_heal_checkpoint_origin(heal_checkpoint, model, heal_text.train_ids, heal_text.validation_ids, config)
         compensation_ids = validation_ids = None
         if config.compensation:
             compensation_ids = self._compensation_ids(model, compensation_data, config, tokenizer)
@@ -262,9 +277,9 @@ class GradMAPPruner:
             except BaseException:
                 self._roll_back(result)
                 raise
-        if heal_ids is not None:
+        if config.heal_tokens:
             try:
-                self._heal(result, config, heal_ids, None, heal_checkpoint)
+                self._heal(result, config, heal_text, heal_data, tokenizer, None, heal_checkpoint, heal_text_cache)
             except BaseException:
                 self._roll_back(result)
                 raise
@@ -363,6 +378,7 @@ class GradMAPPruner:
             rejected=selection.rejected,
         )
         self._dense, self._run_compensations = dense, run_compensations
+        self._calibration_data = calibration_data  # the dense model's own heal text starts from its first tokens
         logger.info(
             f"Stage 1 removed layers {selection.removed_layers} of {num_layers} in {timings['stage1']:.1f}s; "
             f"{len(selection.kept_layers)} remain."
@@ -492,6 +508,7 @@ class GradMAPPruner:
         tokenizer: PreTrainedTokenizerBase | None = None,
         teacher: PreTrainedModel | None = None,
         checkpoint: str | os.PathLike | None = None,
+        text_cache: str | os.PathLike | None = None,
         **config_overrides: Any,
     ) -> PruningResult:
         """The heal stage on a pruned result ([`optimum_gradmap.heal`]): distils the dense model's next-token
@@ -515,6 +532,8 @@ class GradMAPPruner:
                 last `select_layers` until `prune` or `release` drops them (no second copy of the weights).
             checkpoint (`str` or `os.PathLike`, *optional*): A file where the state is saved at every held-out check,
                 and from which an interrupted heal resumes.
+            text_cache (`str` or `os.PathLike`, *optional*): The file that caches the dense model's own text
+                (`heal_dataset` with `generated`); defaults to one per fingerprint in the user cache.
             config_overrides: Heal settings of [`GradMAPConfig`] (those in `optimum_gradmap.heal.HEAL_SETTINGS`) to
                 use instead of the pruner's; `heal_tokens` defaults to the config's, and must be > 0.
 
@@ -538,18 +557,22 @@ class GradMAPPruner:
                 "This pruner no longer holds the dense layers of that result, which the heal stage's teacher is made of: "
                 "call `heal` before `prune` or `release` drops them, or give the dense model as `teacher=`."
             )
-        heal_ids = self._heal_ids(result.model, heal_data, config, tokenizer, result.compensated_layers)
-        return self._heal(result, config, heal_ids, teacher, checkpoint)
+        heal_text = self._heal_text(result.model, heal_data, config, tokenizer, result.compensated_layers)
+        return self._heal(result, config, heal_text, heal_data, tokenizer, teacher, checkpoint, text_cache)
 
     def _heal(
         self,
         result: PruningResult,
         config: GradMAPConfig,
-        heal_ids: tuple[torch.LongTensor, torch.LongTensor, str],
+        heal_text: HealText | None,
+        heal_data: CalibrationData,
+        tokenizer: PreTrainedTokenizerBase | None,
         teacher: PreTrainedModel | None,
         checkpoint: str | os.PathLike | None,
+        text_cache: str | os.PathLike | None,
     ) -> PruningResult:
-        """The heal stage on checked inputs."""
+        """The heal stage on checked inputs: `heal_text` prepared already, or made here (the dense model's own text,
+        `heal_tokens="auto"`)."""
         if teacher is not None:
             teacher_context = lambda: contextlib.nullcontext(teacher)  # noqa: E731
         else:
@@ -557,44 +580,51 @@ class GradMAPPruner:
             if result.compensation is not None and result.compensation.backup is not None:
                 backups.append(result.compensation.backup)
             teacher_context = lambda: self._dense.dense_model(backups)  # noqa: E731
-        train_ids, validation_ids, source = heal_ids
-        result.heal = heal_as_configured(
+        data = heal_data if heal_data is not None else config.heal_dataset
+        result.heal = heal_stage(
             result.model,
             teacher_context,
-            train_ids,
-            validation_ids,
             config,
+            self._tokenizer_for(result.model, data, tokenizer) if heal_text is None else None,
             result.kept_layers,
             result.original_num_layers,
             result.compensated_layers,
-            source,
-            checkpoint,
-            self.progress_bar,
+            data=heal_data,
+            text=heal_text,
+            stage1_seconds=result.timings.get("stage1"),
+            checkpoint=checkpoint,
+            text_cache=text_cache,
+            progress_bar=self.progress_bar,
+            check_ids=lambda ids: _check_token_ids(ids, result.model),
+            prompt_data=self._calibration_data if result is self.result else None,
         )
         result.config = config
         result.timings["heal"] = result.heal.seconds
         return result
 
-    def _heal_ids(
+    def _heal_text(
         self,
         model: PreTrainedModel,
         heal_data: CalibrationData,
         config: GradMAPConfig,
         tokenizer: PreTrainedTokenizerBase | None,
         compensated: list[int] | None = None,
-    ) -> tuple[torch.LongTensor, torch.LongTensor, str]:
+    ) -> HealText | None:
         """The heal stage's training and held-out sequences (`heal_data`, else `config.heal_dataset`), drawn with seed
-        `seed + 2`, and where they came from, after the checks of its settings on `model` (pruned already when
-        `compensated`, the layers Stage 2 compensated, is given)."""
+        `seed + 2`, after the checks of its settings on `model` (pruned already when `compensated`, the layers Stage 2
+        compensated, is given). `None` where the heal makes them when it starts: the dense model's own text, and
+        `heal_tokens="auto"` (only the names are checked here)."""
         check_heal_settings(model, config, compensated)
         data = heal_data if heal_data is not None else config.heal_dataset
         if isinstance(data, str) and not os.path.exists(data):
-            check_dataset_name(data, "calibration")  # a name: refused before a tokenizer is looked for
-        train_ids, validation_ids = heal_sequences(data, self._tokenizer_for(model, data, tokenizer), config)
-        for ids in (train_ids, validation_ids):
+            check_heal_dataset_name(data)  # a name: refused before a tokenizer is looked for
+        if config.heal_tokens == "auto" or (heal_data is None and is_generated(config.heal_dataset)):
+            return None
+        text = heal_sequences(data, self._tokenizer_for(model, data, tokenizer), config)
+        for ids in (text.train_ids, text.validation_ids):
             _check_token_ids(ids, model)
-        distributed.shard_bounds(train_ids.shape[0])
-        return train_ids, validation_ids, describe_calibration_data(data, config.heal_dataset, config.text_column)
+        distributed.shard_bounds(text.train_ids.shape[0])
+        return text
 
     def cut(self, result: PruningResult, num_layers_to_prune: int) -> PruningResult:
         """Keeps only the first `num_layers_to_prune` removals of a Stage 1 run, without scoring again: removal
@@ -654,6 +684,7 @@ class GradMAPPruner:
         """Drops the dense layers kept for Stage 2 (after [`~GradMAPPruner.select_layers`]), freeing their memory."""
         self._dense = None
         self._run_compensations = []
+        self._calibration_data = None
 
     def save_pretrained(
         self,

@@ -8,7 +8,9 @@ model card (`README.md`).
   `optimum-gradmap` command line, or a Python snippet when it was made through the API, see [`reproduction`]),
   removed / kept / compensated layers (original indices), Stage 1 scores of every round, drift per layer
   before and after compensation, timings, environment, and evaluation results when run, with the fidelity to
-  the dense model where measured (the KL divergence beside each perplexity, the zero-shot flips).
+  the dense model where measured (the KL divergence beside each perplexity, the zero-shot flips). Every top-level
+  figure describes the checkpoint's own weights: a checkpoint `optimum-gradmap heal` wrote holds the evaluation run
+  again after the heal, and what the pruning run measured before it under `evaluation_before_heal`.
 - `importance.png`: each layer's Stage 1 score in every round; `drift.png`: each kept layer's mean
   drift (Eq. 10) before and after compensation; `loss_curve.png` (when the loss was followed): the
   calibration loss after each removal, the budget and the K chosen. They need matplotlib (`pip install matplotlib`);
@@ -136,7 +138,8 @@ def build_report(
         base_model (`str`, *optional*): Hub id (or path) of the dense model; defaults to the model's `name_or_path`.
         base_model_revision (`str`, *optional*): Its revision; defaults to the commit it was loaded from, if known.
         license (`str`, *optional*): The base model's license, inherited by the pruned model.
-        evaluation ([`EvaluationResult`], *optional*): Evaluation results to include.
+        evaluation ([`EvaluationResult`], *optional*): Evaluation results to include: of the model as saved (after the
+            heal stage when it ran: the model card labels them "after heal").
         dense_evaluation ([`EvaluationResult`], *optional*): The same evaluation of the dense model.
         command (`str`, *optional*): The command line that made the checkpoint (`optimum-gradmap prune ...`), for
             `reproduce` ([`reproduction`]); `None`: it was made through the Python API.
@@ -336,6 +339,16 @@ def _heal_sentence(report: dict[str, Any]) -> str:
         f"{heal['dataset']} (SHA-256 {heal['train_sha256'][:12]}); held-out KL from the dense model "
         f"{heal['start_kl']:.4f} -> {heal['best_kl']:.4f} nats/token."
     )
+    if heal.get("budget_seconds") is not None:
+        sentence += (
+            f' Its budget was time (`heal_tokens="auto"`, {heal["budget_seconds"]:.0f} s, Stage 1\'s): it chose '
+            f"{heal['budget_tokens']:,} tokens (`heal_tokens={heal['budget_tokens']}` reproduces it)"
+            + (", and stopped when the time was up." if heal.get("stopped_at_budget") else ".")
+        )
+    if heal.get("generation_seconds"):
+        sentence += (
+            f" The dense model wrote its text in {heal['generation_seconds']:.0f} s of the heal's {heal['seconds']:.0f} s."
+        )
     if not heal["best_tokens"]:
         compensation = report.get("compensation")
         if compensation and compensation.get("compensated_layers"):
@@ -405,31 +418,83 @@ def _stage2_sentence(report: dict) -> str:
     return sentence
 
 
+def stage_before_heal(report: dict[str, Any]) -> str:
+    """The stage that left the weights a heal starts from: `"Stage 1 + 2"`, or `"Stage 1"` when Stage 2 did not run.
+
+    Args:
+        report (`dict`): A pruning report ([`build_report`]).
+
+    Returns:
+        `str`: The stage's name, as the model card's column headers give it ("after Stage 1 + 2").
+    """
+    return "Stage 1 + 2" if report.get("compensation") else "Stage 1"
+
+
+def _evaluation_columns(report: dict[str, Any]) -> list[tuple[str, Any, Any, Any]]:
+    """The model card's columns beside the dense model's: each column's header, evaluation, and zero-shot comparison
+    and flips against the dense model. A checkpoint that was not healed has one, "pruned". A healed one's are labelled
+    with the stage their figures were measured after: "after heal" for the healed weights (`prune` with a heal budget
+    evaluates after the heal, `optimum-gradmap heal` evaluates again), "after Stage 1 + 2" for what the pruning run
+    measured before the heal (`evaluation_before_heal`), with "(before heal)" when nothing was measured after it
+    (`heal --no-evaluate`, an interrupted heal, or a report written before `heal` evaluated)."""
+    now = (report.get("evaluation"), report.get("zero_shot_against_dense"), report.get("flips_against_dense"))
+    if not report.get("heal"):
+        return [("pruned", *now)]
+    before = report.get("evaluation_before_heal")
+    if "evaluation_before_heal" not in report and (report.get("reproduce") or {}).get("step") == "heal":
+        before = dict(zip(("evaluation", "zero_shot_against_dense", "flips_against_dense"), now))  # measured before
+        before["measured_after"], now = stage_before_heal(report), (None, None, None)
+    columns = []
+    if before and before.get("evaluation"):
+        header = f"after {before['measured_after']}" + ("" if now[0] else " (before heal)")
+        columns.append((header, before["evaluation"], before.get("zero_shot_against_dense"), before.get("flips_against_dense")))
+    if now[0] or not columns:
+        columns.append(("after heal", *now))
+    return columns
+
+
 def _cost_table(report: dict[str, Any]) -> str:
-    rows = [
-        ("decoder layers", report["original_num_layers"], len(report["kept_layers"])),
-        ("parameters", f"{report['original_num_parameters']:,}", f"{report['num_parameters']:,}"),
-    ]
-    evaluation, dense = report.get("evaluation") or {}, report.get("dense_evaluation") or {}
+    columns = _evaluation_columns(report)
+    width = len(columns)
+    rows: dict[Any, list[str]] = {
+        "layers": ["decoder layers", str(report["original_num_layers"]), *[str(len(report["kept_layers"]))] * width],
+        "parameters": ["parameters", f"{report['original_num_parameters']:,}", *[f"{report['num_parameters']:,}"] * width],
+    }
+
+    def row(key: Any, label: str, dense_value: str) -> list[str]:
+        return rows.setdefault(key, [label, dense_value, *[""] * width])
+
+    dense = report.get("dense_evaluation") or {}
     dense_perplexities = {(e["dataset"], e["protocol"]): e["perplexity"] for e in dense.get("perplexities", [])}
-    for entry in evaluation.get("perplexities", []):
-        before = dense_perplexities.get((entry["dataset"], entry["protocol"]))
-        rows.append(
-            (
-                f"{entry['dataset']} perplexity ({entry['protocol']})",
-                f"{before:.3f}" if before is not None else "",
-                f"{entry['perplexity']:.3f}",
-            )
-        )
-        if entry.get("kl_to_reference") is not None:
-            rows.append(_kl_row(entry))
-    if evaluation.get("zero_shot"):
-        rows.append(_zero_shot_row(evaluation["zero_shot"], dense.get("zero_shot"), report.get("zero_shot_against_dense")))
-    if report.get("flips_against_dense"):
-        rows.append(_flips_row(report["flips_against_dense"]))
-    lines = ["| | dense | pruned |", "|---|---|---|"] + [f"| {name} | {dense} | {pruned} |" for name, dense, pruned in rows]
-    has_kl = any(entry.get("kl_to_reference") is not None for entry in evaluation.get("perplexities", []))
-    if has_kl or report.get("flips_against_dense"):
+    for position, (_, evaluation, paired, flips) in enumerate(columns, 2):
+        evaluation = evaluation or {}
+        for entry in evaluation.get("perplexities", []):
+            key = (entry["dataset"], entry["protocol"])
+            before = dense_perplexities.get(key)
+            cells = row(("perplexity", *key), f"{entry['dataset']} perplexity ({entry['protocol']})", "")
+            cells[1] = f"{before:.3f}" if before is not None else ""
+            cells[position] = f"{entry['perplexity']:.3f}"
+            if entry.get("kl_to_reference") is not None:
+                label, _, value = _kl_row(entry)
+                row(("kl", *key), label, "")[position] = value
+        if evaluation.get("zero_shot"):
+            label, dense_value, value = _zero_shot_row(evaluation["zero_shot"], dense.get("zero_shot"), paired)
+            row("zero_shot", label, dense_value)[position] = value
+        if flips:
+            label, _, value = _flips_row(flips)
+            row("flips", label, "")[position] = value
+            for label, _, value in _margin_flips_rows(flips):
+                row(("margin flips", label), label, "")[position] = value
+    if width > 1:  # measured before the heal only: said in the healed column, never left to be read as its figure
+        for key, cells in rows.items():
+            if (key in ("zero_shot", "flips") or key[0] == "margin flips") and not cells[-1]:
+                cells[-1] = "not run after the heal"
+    lines = [
+        f"| | dense | {' | '.join(header for header, *_ in columns)} |",
+        "|---|---|" + "---|" * width,
+        *[f"| {' | '.join(cells)} |" for cells in rows.values()],
+    ]
+    if ("kl",) in {key[:1] for key in rows if isinstance(key, tuple)} or "flips" in rows:
         lines += [
             "",
             "KL divergence: KL(p_dense || p_pruned) of the next-token distributions, in nats per predicted token, on the "
@@ -437,7 +502,34 @@ def _cost_table(report: dict[str, Any]) -> str:
             'right/wrong differs from the dense model\'s answer. Both from Dutta et al., "Accuracy is Not All You Need" '
             "(NeurIPS 2024): they show what compression changes where accuracy differences cancel out.",
         ]
-    return "\n".join(lines)
+        if any(isinstance(key, tuple) and key[0] == "margin flips" for key in rows):
+            lines[-1] += (
+                " A question's margin: the dense model's log-likelihood of its answer minus the next best answer's; "
+                "confident questions: those whose margin is above the median. Flips come mostly from questions "
+                "where the dense model's answer barely wins; a flip on a confident question is one it was sure of."
+            )
+    stage_note = _stage_note(columns)
+    return "\n".join(lines + (["", stage_note] if stage_note else []))
+
+
+def _stage_note(columns: list[tuple[str, Any, Any, Any]]) -> str:
+    """What the cost table's columns of a healed checkpoint were measured on; empty for one that was not healed."""
+    headers = [header for header, *_ in columns]
+    if headers == ["pruned"] or not any(evaluation for _, evaluation, *_ in columns):
+        return ""
+    if len(headers) > 1:
+        return (
+            f"*{headers[0]}*: measured by the pruning run, on the weights the heal started from. *after heal*: measured "
+            "again on this checkpoint's weights, on the same segments. Zero-shot accuracy and flips, where shown, were "
+            "measured before the heal only."
+        )
+    if headers[0].endswith("(before heal)"):
+        return (
+            "Every figure in this column was measured by the pruning run, on the weights the heal started from, and not "
+            "again on this checkpoint's (`optimum-gradmap heal --no-evaluate`, an interrupted heal, or a heal by a version "
+            "that did not evaluate): they are not the healed model's."
+        )
+    return "Measured after the heal, on this checkpoint's weights."
 
 
 def _kl_row(entry: dict[str, Any]) -> tuple[str, str, str]:
@@ -456,6 +548,28 @@ def _flips_row(flips: dict[str, Any]) -> tuple[str, str, str]:
         f"answer changed on {pooled['answer_changes']:.2%})"
     )
     return label, "", pruned
+
+
+def _margin_flips_rows(flips: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The model card's rows of the zero-shot flips on the confident questions (the reference's margin above the
+    median) and per quartile of the reference's margins, where the flips have them."""
+    rows = []
+    confident = flips.get("confident")
+    if confident is not None:
+        rows.append(
+            (
+                f"zero-shot flips on confident questions ({flips['reference']} margin above the median)",
+                "",
+                f"{confident['flips']:.2%} of {confident['num_questions']} ({confident['right_to_wrong']} right → wrong, "
+                f"{confident['wrong_to_right']} wrong → right)",
+            )
+        )
+    if flips.get("by_margin"):
+        quartiles = ", ".join(
+            f"Q{entry['quartile']} {entry['flips']:.1%} of {entry['num_questions']}" for entry in flips["by_margin"]
+        )
+        rows.append((f"zero-shot flips by quartile of {flips['reference']} margin (Q1: smallest)", "", quartiles))
+    return rows
 
 
 def _average_with_stderr(zero_shot: dict[str, Any]) -> str:
@@ -619,8 +733,13 @@ def format_report(report: dict[str, Any]) -> str:
     if fitted_on and fitted_on != report.get("calibration_sha256"):
         source = config.get("compensation_dataset") or "the compensation_data given"
         lines.append(f"stage 2 fitted on:   {source} (SHA-256 {fitted_on[:12]}), not the calibration sequences")
-    for entry in (report.get("evaluation") or {}).get("perplexities", []):
-        line = f"{entry['dataset']} perplexity: {entry['perplexity']:.3f} ({entry['protocol']})"
+    before = report.get("evaluation_before_heal") or {}
+    measured = [("", report.get("evaluation"))] if report.get("evaluation") else []
+    if before.get("evaluation"):  # the heal's report: the healed weights' figures, then those it started from
+        measured = [(" after heal", report.get("evaluation"))] * bool(measured)
+        measured.append((f" after {before['measured_after']} (before heal)", before["evaluation"]))
+    for entry, stage in ((entry, stage) for stage, evaluation in measured for entry in evaluation.get("perplexities", [])):
+        line = f"{entry['dataset']} perplexity{stage}: {entry['perplexity']:.3f} ({entry['protocol']})"
         if entry.get("kl_to_reference") is not None:
             error = f" +/- {entry['kl_stderr']:.4f}" if entry.get("kl_stderr") is not None else ""
             line += f"; KL from {entry.get('reference')}: {entry['kl_to_reference']:.4f}{error} nats/token"
@@ -637,6 +756,19 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"zero-shot flips:     {pooled['flips']:.2%} of {pooled['num_questions']} questions against {flips['reference']} "
             f"({pooled['right_to_wrong']} right -> wrong, {pooled['wrong_to_right']} wrong -> right)"
+        )
+        confident = flips.get("confident")
+        if confident is not None:
+            lines.append(
+                f"confident flips:     {confident['flips']:.2%} of {confident['num_questions']} questions "
+                f"({flips['reference']} margin above the median)"
+            )
+    earlier_flips = before.get("flips_against_dense")
+    if earlier_flips:  # the pruning run's, before the heal: zero-shot is not run again after it
+        pooled = earlier_flips["pooled"]
+        lines.append(
+            f"zero-shot flips:     {pooled['flips']:.2%} of {pooled['num_questions']} questions against "
+            f"{earlier_flips['reference']}, after {before['measured_after']} (before heal)"
         )
     lines += curve_lines(report)
     if report.get("stopped"):

@@ -14,6 +14,7 @@ writes what the block changed back where they live.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -274,3 +275,24 @@ def restored(backups: Sequence[WeightBackup]) -> Iterator[None]:
     finally:
         for backup in now:
             backup.restore()
+
+
+# The elements of a weight summed at a time by `weights_digest` (32 MB in float64).
+DIGEST_CHUNK = 1 << 22
+
+
+def weights_digest(model: nn.Module) -> str:
+    """A cheap fingerprint of every weight of `model`: the SHA-256 of their float64 sums and sums of squares, each
+    accumulated over chunks of `DIGEST_CHUNK` elements in a fixed order (deterministic), so that no temporary is
+    larger than a chunk in float64 (a whole 8B model's embedding would take 8 GB)."""
+    sums = []
+    with torch.no_grad():
+        for _, tensor in stored_state_dict(model):  # an offloaded weight read from where it lives, one at a time
+            flat = tensor.detach().reshape(-1)
+            total = torch.zeros(2, dtype=torch.float64, device=flat.device)
+            for start in range(0, flat.numel(), DIGEST_CHUNK):
+                chunk = flat[start : start + DIGEST_CHUNK].double()
+                total[0] += chunk.sum()
+                total[1] += chunk.square().sum()
+            sums.append(total.cpu())
+    return hashlib.sha256(torch.stack(sums).numpy().tobytes() if sums else b"").hexdigest()

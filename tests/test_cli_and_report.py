@@ -555,3 +555,113 @@ def test_a_checkpoint_made_through_the_python_api_says_so_and_its_snippet_makes_
     pruner.result.save_pretrained(tmp_path / "on-hub", repo_id="me/tiny-gradmap")
     card = (tmp_path / "on-hub" / "README.md").read_text(encoding="utf-8")
     assert 'report = load_report(snapshot_download("me/tiny-gradmap", allow_patterns="pruning_report.json"))' in card
+
+
+HEAL_OPTIONS = ["--heal-tokens", "512", "--heal-dataset", "offline:web_text", "--heal-seq-len", "16",
+                "--heal-validation-sequences", "8", "--heal-batch-size", "4", "--heal-check-every", "2",
+                "--heal-trainable", "norms", "--no-heal-autocast", "-q"]  # fmt: skip
+
+
+def _figures_of_saved(folder: str, dense_folder: str, segments: int) -> tuple[float, float]:
+    """The perplexity of the checkpoint saved in `folder` and its KL divergence from the dense model, on the first
+    `segments` 128-token segments of offline:wikipedia's held-out text, computed here from both models' logits."""
+    import math
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from optimum_gradmap.evaluation import load_evaluation_segments
+
+    ids = load_evaluation_segments("offline:wikipedia", AutoTokenizer.from_pretrained(folder), 128, segments)
+    with torch.no_grad():
+        log_q = torch.log_softmax(AutoModelForCausalLM.from_pretrained(folder)(input_ids=ids).logits[:, :-1].double(), -1)
+        log_p = torch.log_softmax(AutoModelForCausalLM.from_pretrained(dense_folder)(input_ids=ids).logits[:, :-1].double(), -1)
+    nll = -log_q.gather(-1, ids[:, 1:, None]).mean()
+    return math.exp(float(nll)), float((log_p.exp() * (log_p - log_q)).sum(-1).mean())
+
+
+def _card_table(folder) -> tuple[list[str], dict[str, list[str]]]:
+    """The model card's cost table: its column headers and each row's cells, by row label."""
+    lines = [line for line in (folder / "README.md").read_text(encoding="utf-8").splitlines() if line.startswith("| ")]
+    split = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+    return split[0][1:], {cells[0]: cells[1:] for cells in split[1:]}
+
+
+def test_the_heal_command_evaluates_what_it_saves_and_keeps_the_figures_measured_before_it(
+    tiny_checkpoint, tmp_path, byte_tokenizer, capsys
+):
+    from optimum_gradmap.evaluation import evaluate
+
+    pruned, healed, unevaluated = tmp_path / "pruned", tmp_path / "healed", tmp_path / "unevaluated"
+    dense = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
+    pruner = GradMAPPruner(small_config(), tokenizer=byte_tokenizer, progress_bar=False)
+    result = pruner.prune(AutoModelForCausalLM.from_pretrained(tiny_checkpoint), random_ids(8, 16))
+    measured = dict(perplexity_datasets=["offline:wikipedia"], max_segments=2, progress_bar=False)
+    evaluation = evaluate(result.model, byte_tokenizer, **measured, reference_model=dense, reference_model_name="dense")
+    dense_evaluation = evaluate(dense, byte_tokenizer, **measured)
+    answers = {"piqa": [1, 0, 1, 0], "arc_easy": [1, 1, 0, 0]}
+    evaluation.zero_shot = _zero_shot({"piqa": [1, 0, 0, 0], "arc_easy": [1, 1, 0, 0]}, {"piqa": 0.2, "arc_easy": 0.2})
+    dense_evaluation.zero_shot = _zero_shot(answers, {"piqa": 0.2, "arc_easy": 0.2})
+    result.save_pretrained(pruned, evaluation=evaluation, dense_evaluation=dense_evaluation)
+    before = load_report(pruned)
+    assert before["compensation"] and before["flips_against_dense"] and before["zero_shot_against_dense"]
+    assert before["evaluation"]["perplexities"][0]["kl_to_reference"] is not None
+
+    assert main(["heal", str(pruned), "--teacher", tiny_checkpoint, *HEAL_OPTIONS, "--output", str(healed)]) == 0
+    report = load_report(healed)
+    assert report["heal"]["best_tokens"] > 0  # the weights changed: the figures after the heal are others
+    (after,) = report["evaluation"]["perplexities"]
+    perplexity, kl = _figures_of_saved(str(healed), tiny_checkpoint, segments=2)
+    assert after["perplexity"] == pytest.approx(perplexity, rel=1e-4) and after["num_segments"] == 2
+    assert after["kl_to_reference"] == pytest.approx(kl, rel=1e-3, abs=1e-6) and after["reference"] == tiny_checkpoint
+    (earlier,) = before["evaluation"]["perplexities"]
+    assert earlier["perplexity"] == pytest.approx(_figures_of_saved(str(pruned), tiny_checkpoint, segments=2)[0], rel=1e-4)
+    assert after["perplexity"] != pytest.approx(earlier["perplexity"], rel=1e-6)
+    kept = report["evaluation_before_heal"]
+    assert kept["measured_after"] == "Stage 1 + 2" and kept["evaluation"] == before["evaluation"]
+    assert (kept["zero_shot_against_dense"], kept["flips_against_dense"]) == (
+        before["zero_shot_against_dense"],
+        before["flips_against_dense"],
+    )
+    assert report["zero_shot_against_dense"] is None and report["flips_against_dense"] is None  # not the healed model's
+    assert report["evaluation"]["zero_shot"] is None and report["dense_evaluation"] == before["dense_evaluation"]
+
+    headers, rows = _card_table(healed)
+    assert headers == ["dense", "after Stage 1 + 2", "after heal"]
+    label = "offline:wikipedia perplexity (non-overlapping 128-token segments)"
+    dense_perplexity = dense_evaluation.perplexities[0].perplexity
+    assert rows[label] == [f"{dense_perplexity:.3f}", f"{earlier['perplexity']:.3f}", f"{perplexity:.3f}"]
+    kl_row = rows["offline:wikipedia KL divergence from dense (non-overlapping 128-token segments)"]
+    assert kl_row[0] == "" and kl_row[1].startswith(f"{earlier['kl_to_reference']:.4f}") and kl_row[2].startswith(f"{kl:.4f}")
+    (zero_shot,) = [cells for name, cells in rows.items() if name.startswith("zero-shot average accuracy")]
+    (flipped,) = [cells for name, cells in rows.items() if name.startswith("zero-shot flips against")]
+    assert zero_shot[1].startswith("0.3750") and zero_shot[2] == flipped[2] == "not run after the heal"
+    card = (healed / "README.md").read_text(encoding="utf-8")
+    assert "*after Stage 1 + 2*: measured by the pruning run, on the weights the heal started from" in card
+    capsys.readouterr()
+    assert main(["inspect", str(healed)]) == 0
+    printed = capsys.readouterr().out
+    assert f"offline:wikipedia perplexity after heal: {perplexity:.3f}" in printed
+    assert f"offline:wikipedia perplexity after Stage 1 + 2 (before heal): {earlier['perplexity']:.3f}" in printed
+
+    # --no-evaluate: nothing measured after the heal, the figures from before it labelled so
+    argv = ["heal", str(pruned), "--teacher", tiny_checkpoint, *HEAL_OPTIONS, "--no-evaluate", "--output", str(unevaluated)]
+    assert main(argv) == 0
+    report = load_report(unevaluated)
+    assert report["evaluation"] is None and report["evaluation_before_heal"]["evaluation"] == before["evaluation"]
+    headers, rows = _card_table(unevaluated)
+    assert headers == ["dense", "after Stage 1 + 2 (before heal)"]
+    assert rows[label] == [f"{dense_perplexity:.3f}", f"{earlier['perplexity']:.3f}"]
+    assert "not again on this checkpoint's" in (unevaluated / "README.md").read_text(encoding="utf-8")
+
+
+def test_prune_with_a_heal_budget_evaluates_the_healed_model_and_the_card_says_so(tiny_checkpoint, tmp_path):
+    output = tmp_path / "healed"
+    argv = _prune_args(tiny_checkpoint, str(output), *HEAL_OPTIONS, "--evaluate", "offline:wikipedia", "--max-segments", "2")
+    assert main(argv) == 0
+    (entry,) = load_report(output)["evaluation"]["perplexities"]
+    assert entry["perplexity"] == pytest.approx(_figures_of_saved(str(output), tiny_checkpoint, segments=2)[0], rel=1e-4)
+    headers, rows = _card_table(output)
+    assert headers == ["dense", "after heal"]
+    assert rows["offline:wikipedia perplexity (non-overlapping 128-token segments)"][1] == f"{entry['perplexity']:.3f}"
+    assert "Measured after the heal, on this checkpoint's weights." in (output / "README.md").read_text(encoding="utf-8")

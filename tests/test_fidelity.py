@@ -1,11 +1,13 @@
 """Fidelity to the dense model (Dutta et al., "Accuracy is Not All You Need", NeurIPS 2024): the next-token KL
 divergence checked against `torch.nn.functional.kl_div` on full logits, flips and answer changes against hand counts,
 the paired comparison of two models' flips, the JSON round trip (old files still load), the command line, the pruning
-report and model card, and the KL divergence shared by two processes."""
+report and model card, the KL divergence shared by two processes, and the flips split by the dense model's margins
+(issue 65: quartiles that add up to the pooled flips, the confident questions by hand, ties, older records)."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -22,17 +24,22 @@ from optimum_gradmap.errors import InvalidInputError
 from optimum_gradmap.evaluation import (
     EvaluationResult,
     FlipsResult,
+    MarginFlips,
     PerplexityResult,
     QuestionRecord,
+    TaskFlips,
     TaskResult,
     ZeroShotResult,
+    answer_shares,
     compare_zero_shot,
     evaluate,
     evaluation_segments,
     flips,
     load_evaluation_segments,
+    margin_quartiles,
     next_token_kl,
     next_token_kl_per_segment,
+    question_margin,
 )
 from optimum_gradmap.evaluation.zero_shot import scored_split_and_source
 
@@ -466,3 +473,245 @@ def test_perplexity_and_kl_from_one_pass_equal_the_two_measured_apart():
     value, kl = perplexity_and_kl(model, reference, segments, batch_size=2, progress_bar=False)
     assert value == perplexity(model, segments, batch_size=2, progress_bar=False)  # the same sums, in the same order
     assert kl == next_token_kl(model, reference, segments, batch_size=2, progress_bar=False)
+
+
+# ------------------------------------------------------------------------------------------ which flips (issue 65)
+def _margined(questions: list[tuple[float | None, bool, int]], choices: int = 3) -> list[QuestionRecord]:
+    """Records from each question's (margin, right, gold): the chosen answer (gold if right, else the next one) has
+    log-likelihood 0, the next best -margin, the others -5; no log-likelihoods for a margin of `None`."""
+    records = []
+    for i, (margin, right, gold) in enumerate(questions):
+        choice = gold if right else (gold + 1) % choices
+        loglikelihoods = [-5.0] * choices
+        loglikelihoods[choice], loglikelihoods[(choice + 1) % choices] = 0.0, -(margin or 0.0)
+        records.append(QuestionRecord(i, [] if margin is None else loglikelihoods, choice, None, gold, int(right)))
+    return records
+
+
+def _margined_result(tasks: dict[str, list[tuple[float | None, bool, int]]], choices: int = 3) -> ZeroShotResult:
+    result = ZeroShotResult(
+        tasks=[
+            TaskResult(task, "validation", "test", len(records), sum(r.acc for r in records) / len(records), questions=records)
+            for task, records in ((task, _margined(questions, choices)) for task, questions in tasks.items())
+        ]
+    )
+    result.update_averages()
+    return result
+
+
+# The dense model's margins and right/wrong, and the model's right/wrong, question by question. Pooled margins, sorted:
+# 0.1 0.2 0.5 1.0 | 1.5 2.0 3.0 4.0; quartile edges (linear interpolation) 0.1, 0.425, 1.25, 2.25, 4.0.
+DENSE_MARGINS = {
+    "piqa": [(0.1, True, 0), (2.0, True, 1), (0.5, False, 0), (3.0, True, 2)],
+    "arc_easy": [(1.0, True, 0), (0.2, True, 1), (4.0, False, 2), (1.5, True, 0)],
+}
+MODEL_RIGHT = {
+    "piqa": [False, False, True, True],  # right -> wrong (Q1), right -> wrong (Q3, confident), wrong -> right (Q2), same
+    "arc_easy": [True, False, True, True],  # same, right -> wrong (Q1), wrong -> right (Q4, confident), same
+}
+
+
+def _model_of(dense: dict, right: dict, choices: int = 3) -> ZeroShotResult:
+    """The model's records: the dense questions' golds, right or wrong as `right` says, no log-likelihoods."""
+    return _margined_result(
+        {task: [(None, r, gold) for (_, _, gold), r in zip(dense[task], right[task])] for task in dense}, choices
+    )
+
+
+def test_flips_split_by_the_dense_margin_add_up_to_the_pooled_flips_and_match_hand_counts():
+    dense, model = _margined_result(DENSE_MARGINS), _model_of(DENSE_MARGINS, MODEL_RIGHT)
+    found = flips(model, dense, names=("pruned", "dense"))
+    pooled = found.pooled
+    assert (pooled.num_questions, pooled.flips, pooled.right_to_wrong, pooled.wrong_to_right) == (8, 5 / 8, 3, 2)
+    edges = [edge for entry in found.by_margin for edge in (entry.low, entry.high)]
+    assert edges == pytest.approx([0.1, 0.425, 0.425, 1.25, 1.25, 2.25, 2.25, 4.0])
+    import numpy as np
+
+    margins = [m for questions in DENSE_MARGINS.values() for m, _, _ in questions]
+    assert [entry.high for entry in found.by_margin] == pytest.approx(list(np.quantile(margins, [0.25, 0.5, 0.75, 1.0])))
+    counts = [(e.quartile, e.num_questions, e.num_flips, e.flips, e.right_to_wrong, e.wrong_to_right) for e in found.by_margin]
+    assert counts == [(1, 2, 2, 1.0, 2, 0), (2, 2, 1, 0.5, 0, 1), (3, 2, 1, 0.5, 1, 0), (4, 2, 1, 0.5, 0, 1)]
+    # the quartiles add up to the pooled questions and flips
+    assert sum(e.num_questions for e in found.by_margin) == pooled.num_questions
+    assert sum(e.num_flips for e in found.by_margin) == round(pooled.flips * pooled.num_questions)
+    assert sum(e.right_to_wrong for e in found.by_margin) == pooled.right_to_wrong
+    assert sum(e.wrong_to_right for e in found.by_margin) == pooled.wrong_to_right
+    # confident: margin above the median 1.25 (piqa 2.0 and 3.0, arc_easy 4.0 and 1.5): 2 flips, one each way
+    confident = found.confident
+    assert (confident.task, confident.num_questions, confident.flips, confident.answer_changes) == ("confident", 4, 0.5, 0.5)
+    assert (confident.right_to_wrong, confident.wrong_to_right) == (1, 1)
+    assert confident.num_questions == found.by_margin[2].num_questions + found.by_margin[3].num_questions
+    lines = found.summary_lines()
+    assert "confident questions (dense's margin above the median): 50.00% of 4 flipped (1 right -> wrong" in lines[-2]
+    assert "Q1 [0.1, 0.425] 100.00% of 2; Q2 (0.425, 1.25] 50.00% of 2" in lines[-1]
+    # the margins are the dense model's: swapping the roles moves the split (the model has no log-likelihoods)
+    assert flips(dense, model).by_margin is None
+
+
+def test_ties_at_the_median_stay_below_it_and_every_question_is_in_one_quartile():
+    # margins 0.5, 1, 1, 1, 1, 2, 3, 4: the median is 1 (a tie of four), the first quartile's edge 1 too
+    dense = _margined_result({"piqa": [(m, True, 0) for m in (0.5, 1.0, 1.0, 1.0, 1.0, 2.0, 3.0, 4.0)]})
+    # flips on two tied questions (margin 1) and on the margin-3 question
+    model = _model_of({"piqa": [(None, True, 0)] * 8}, {"piqa": [True, False, False, True, True, True, False, True]})
+    found = flips(model, dense)
+    assert [(e.num_questions, e.num_flips) for e in found.by_margin] == [(5, 2), (0, 0), (1, 0), (2, 1)]
+    assert found.by_margin[1].flips == 0.0 and (found.by_margin[1].low, found.by_margin[1].high) == (1.0, 1.0)
+    assert (found.confident.num_questions, found.confident.right_to_wrong, found.confident.flips) == (3, 1, pytest.approx(1 / 3))
+    # every margin tied (0, the two best answers equal): all in the first quartile, none confident
+    tied = _margined_result({"piqa": [(0.0, True, 0)] * 4})
+    assert [e.num_questions for e in flips(tied, tied).by_margin] == [4, 0, 0, 0]
+    assert flips(tied, tied).confident == TaskFlips("confident", 0, 0.0, 0.0, 0, 0)
+
+
+def test_records_without_log_likelihoods_give_no_margin_split():
+    old = _margined_result({"piqa": [(None, True, 0), (None, False, 1)]})
+    found = flips(old, old)
+    assert found.by_margin is None and found.confident is None and found.pooled.num_questions == 2
+    assert not any("confident" in line or "quartile" in line for line in found.summary_lines())
+    one_answer = _margined_result({"piqa": [(1.0, True, 0)]})
+    one_answer.tasks[0].questions[0].loglikelihoods = [0.0]
+    assert question_margin(one_answer.tasks[0].questions[0]) is None
+    mixed = _margined_result(DENSE_MARGINS)
+    mixed.tasks[1].questions[2].loglikelihoods = []  # one older record among the pooled questions
+    assert flips(_model_of(DENSE_MARGINS, MODEL_RIGHT), mixed).by_margin is None
+    with pytest.raises(InvalidInputError, match="No margins"):
+        margin_quartiles([])
+
+
+def test_the_margin_split_round_trips_through_json_and_old_dicts_still_load(tmp_path):
+    dense, model = _margined_result(DENSE_MARGINS), _model_of(DENSE_MARGINS, MODEL_RIGHT)
+    found = flips(model, dense, names=("pruned", "dense"))
+    assert FlipsResult.from_dict(json.loads(json.dumps(found.to_dict()))) == found
+    assert isinstance(FlipsResult.from_dict(found.to_dict()).by_margin[0], MarginFlips)
+    result = EvaluationResult("pruned", zero_shot=model, flips=found)
+    result.to_json(str(tmp_path / "pruned.json"))
+    again = EvaluationResult.from_json(str(tmp_path / "pruned.json"))
+    assert again.flips == found and again.flips.confident.num_questions == 4
+    assert "flips: confident questions (dense's margin above the median): 50.00% of 4" in again.summary()
+    old = {key: value for key, value in found.to_dict().items() if key not in ("by_margin", "confident")}
+    loaded = FlipsResult.from_dict(old)
+    assert loaded.by_margin is None and loaded.confident is None and loaded.pooled == found.pooled
+
+
+def test_answer_shares_give_each_answers_share():
+    questions = [(1.0, True, 1), (1.0, False, 1), (1.0, True, 1), (1.0, True, 0)]
+    boolq = _margined_result({"boolq": questions}, choices=2)  # choices 1, 0 (wrong: the other answer), 1, 0
+    assert answer_shares(boolq, "boolq") == {0: 0.5, 1: 0.5}
+    three = _margined_result({"boolq": questions}, choices=3)  # choices 1, 2, 1, 0
+    assert answer_shares(three, "boolq") == {0: 0.25, 1: 0.5, 2: 0.25}
+    two = ZeroShotResult(tasks=[TaskResult("boolq", "validation", "test", 3, 1.0, questions=[
+        QuestionRecord(i, [], choice, None, choice, 1) for i, choice in enumerate((1, 1, 0))
+    ])])  # fmt: skip
+    assert answer_shares(two, "boolq") == {0: pytest.approx(1 / 3), 1: pytest.approx(2 / 3)}
+    with pytest.raises(InvalidInputError, match="no per-question records for piqa"):
+        answer_shares(boolq, "piqa")
+
+
+def test_compare_splits_both_models_flips_by_the_reference_margin(tmp_path, capsys):
+    dense = _margined_result(DENSE_MARGINS)
+    a = _model_of(DENSE_MARGINS, MODEL_RIGHT)
+    b = _model_of(DENSE_MARGINS, {"piqa": [True, True, False, True], "arc_easy": [True, True, False, False]})  # 1 flip
+    comparison = compare_zero_shot(a, b, reference=dense, names=("a", "b", "dense"))
+    assert comparison.margin_edges == pytest.approx([0.1, 0.425, 1.25, 2.25, 4.0])
+    assert [entry.task for entry in comparison.flips_by_margin] == ["margin Q1", "margin Q2", "margin Q3", "margin Q4"]
+    for entry, expected in zip(comparison.flips_by_margin, flips(a, dense).by_margin):
+        assert (entry.num_questions, entry.flips_a) == (expected.num_questions, expected.flips)
+    # b flips only arc_easy's margin-1.5 question (confident, Q3)
+    assert [entry.flips_b for entry in comparison.flips_by_margin] == [0.0, 0.0, 0.5, 0.0]
+    confident = comparison.confident_flips
+    assert (confident.num_questions, confident.flips_a, confident.flips_b) == (4, 0.5, 0.25)
+    assert (confident.only_a, confident.only_b) == (2, 1)
+    summary = comparison.summary()
+    assert "margin Q4" in summary and "confident" in summary and "edges 0.1, 0.425, 1.25, 2.25, 4" in summary
+    assert compare_zero_shot(a, b, reference=_model_of(DENSE_MARGINS, MODEL_RIGHT)).confident_flips is None
+    # the command prints them
+    paths = {}
+    for name, result in (("dense", dense), ("a", a), ("b", b)):
+        paths[name] = str(tmp_path / f"{name}.json")
+        EvaluationResult(name, zero_shot=result).to_json(paths[name])
+    assert main(["compare", paths["a"], paths["b"], "--reference", paths["dense"], "-q"]) == 0
+    printed = capsys.readouterr().out
+    assert "margin Q1" in printed and "confident" in printed
+
+
+def test_the_model_card_and_inspect_show_the_confident_flips(tmp_path, capsys):
+    pruner = GradMAPPruner(small_config(num_layers_to_prune=1, compensation=False), progress_bar=False)
+    pruner.prune(tiny_model("llama", num_layers=4), random_ids(8, 16))
+    dense, model = _margined_result(DENSE_MARGINS), _model_of(DENSE_MARGINS, MODEL_RIGHT)
+    pruner.save_pretrained(
+        tmp_path / "card",
+        evaluation=EvaluationResult("pruned", zero_shot=model),
+        dense_evaluation=EvaluationResult("dense", zero_shot=dense),
+    )
+    assert load_report(tmp_path / "card")["flips_against_dense"]["confident"]["num_questions"] == 4
+    rows = _card_rows(tmp_path / "card")
+    assert rows["zero-shot flips on confident questions (dense margin above the median)"] == [
+        "",
+        "50.00% of 4 (1 right → wrong, 1 wrong → right)",
+    ]
+    assert rows["zero-shot flips by quartile of dense margin (Q1: smallest)"] == [
+        "",
+        "Q1 100.0% of 2, Q2 50.0% of 2, Q3 50.0% of 2, Q4 50.0% of 2",
+    ]
+    assert "confident questions: those whose margin is above the median" in (tmp_path / "card" / "README.md").read_text()
+    assert main(["inspect", str(tmp_path / "card")]) == 0
+    assert "confident flips:     50.00% of 4 questions (dense margin above the median)" in capsys.readouterr().out
+    # flips without the split (older records): no confident row
+    old = _margined_result({task: [(None, r, g) for _, r, g in questions] for task, questions in DENSE_MARGINS.items()})
+    pruner.save_pretrained(
+        tmp_path / "old",
+        evaluation=EvaluationResult("pruned", zero_shot=model),
+        dense_evaluation=EvaluationResult("dense", zero_shot=old),
+    )
+    assert not any("confident" in name for name in _card_rows(tmp_path / "old"))
+
+
+def test_the_heal_benchmark_keeps_margins_counts_confident_flips_and_renders_old_rows(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import heal as heal_benchmark
+
+    dense_result, model_result = _margined_result(DENSE_MARGINS), _model_of(DENSE_MARGINS, MODEL_RIGHT)
+    boolq = {"boolq": [(1.0, True, 1), (2.0, True, 0), (3.0, False, 1), (4.0, True, 1)]}  # dense picks 1, 0, 0, 1
+    dense_result.tasks.append(_margined_result(boolq, choices=2).tasks[0])
+    model_result.tasks.append(_model_of(boolq, {"boolq": [True, True, True, True]}, choices=2).tasks[0])  # picks 1, 0, 1, 1
+
+    def row(variant: str, result: ZeroShotResult) -> dict:
+        perplexities = [{"perplexity": 10.0}, {"perplexity": 20.0}]
+        zero_shot = {"answers": heal_benchmark.compact(result)}
+        provenance = {"quiet": True, "commit": "0123456789"}
+        return {
+            "variant": variant,
+            "evaluation": {"perplexities": perplexities, "zero_shot": zero_shot},
+            "provenance": provenance,
+        }
+
+    record = {
+        "model": "m", "ratio": 0.25, "selection": "gradmap", "protocol": "screening", "removed_layers": [1],
+        "layers_from": "x", "calibration": "c", "calibration_sha256": "0" * 64,
+        "rows": [row("dense", dense_result), row("stage1", model_result)],
+    }  # fmt: skip
+    assert record["rows"][0]["evaluation"]["zero_shot"]["answers"]["piqa"]["margin"] == [0.1, 2.0, 0.5, 3.0]
+    heal_benchmark.recount(record)
+    dense, stage1 = record["rows"]
+    # counted by the library from the full records: with BoolQ, and without (piqa and arc_easy alone)
+    with_boolq = flips(model_result, dense_result)
+    without = flips(_model_of(DENSE_MARGINS, MODEL_RIGHT), _margined_result(DENSE_MARGINS))
+    assert stage1["confident_flips_without_boolq"] == dataclasses.asdict(without.confident)
+    assert stage1["flips_by_margin_without_boolq"] == [dataclasses.asdict(e) for e in without.by_margin]
+    assert stage1["confident_flips"] == dataclasses.asdict(with_boolq.confident)
+    # with BoolQ, margins 0.1 ... 4.0 and BoolQ's 1, 2, 3, 4: median 1.75; 3 flips among the 6 above it
+    assert (with_boolq.confident.num_questions, with_boolq.confident.flips) == (6, 0.5)
+    assert (dense["boolq_yes"], stage1["boolq_yes"]) == (0.5, 0.75) and "confident_flips" not in dense
+    table = heal_benchmark.markdown(record)
+    assert "| stage1 | 10.00 | 20.00 | - | - | 62.5% (50.0%) | 50.0% (" in table and "| 75.0% |" in table
+    assert heal_benchmark.MISSING_MARGINS not in table
+    # a record from before the margins: rows without the new fields render with "-", and the table says why
+    for kept in record["rows"]:
+        for answers in kept["evaluation"]["zero_shot"]["answers"].values():
+            del answers["margin"]
+        for key in ("boolq_yes", "confident_flips", "confident_flips_without_boolq"):
+            kept.pop(key, None)
+    old_table = heal_benchmark.markdown(record)
+    assert "| stage1 | 10.00 | 20.00 | - | - | 62.5% (50.0%) | - |" in old_table and heal_benchmark.MISSING_MARGINS in old_table
+    heal_benchmark.recount(record)
+    assert "confident_flips" not in record["rows"][1] and record["rows"][1]["boolq_yes"] == 0.75

@@ -489,15 +489,16 @@ def test_a_failed_checkpoint_write_leaves_no_temporary_file_and_the_model_as_it_
 def test_the_weights_digest_is_made_only_for_a_checkpoint_chunk_by_chunk_and_tells_weights_apart(tmp_path, monkeypatch):
     """6.6: the digest ran on every heal, with two float64 copies of each whole tensor."""
     from optimum_gradmap import heal as heal_module
+    from optimum_gradmap import weights as weights_module
 
-    digest, calls = heal_module._weights_digest, []
-    monkeypatch.setattr(heal_module, "_weights_digest", lambda model: calls.append(model) or digest(model))
+    digest, calls = weights_module.weights_digest, []
+    monkeypatch.setattr(heal_module, "weights_digest", lambda model: calls.append(model) or digest(model))
     heal_tiny(peaked_model(num_layers=2))
     assert calls == []
     heal_tiny(peaked_model(num_layers=2), checkpoint=tmp_path / "heal.pt")
     assert len(calls) == 1
 
-    monkeypatch.setattr(heal_module, "DIGEST_CHUNK", 1000)
+    monkeypatch.setattr(weights_module, "DIGEST_CHUNK", 1000)
     sizes, double = [], torch.Tensor.double
     monkeypatch.setattr(torch.Tensor, "double", lambda self, *args, **kwargs: sizes.append(self.numel()) or double(self))
     model = tiny_model("llama", num_layers=2)

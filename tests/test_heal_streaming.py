@@ -25,10 +25,10 @@ from optimum_gradmap.distillation import (
     vocab_sliced_top_k_kl_gradient,
 )
 from optimum_gradmap.errors import InvalidInputError
-from optimum_gradmap.heal import _choose, _streamed_loss_gradient, _Trainable, _weights_digest, check_heal_settings, heal
+from optimum_gradmap.heal import _choose, _streamed_loss_gradient, _Trainable, check_heal_settings, heal
 from optimum_gradmap.importance.gradient import DecoderGradient
 from optimum_gradmap.passes import calibration_mode
-from optimum_gradmap.weights import stored_state_dict
+from optimum_gradmap.weights import stored_state_dict, weights_digest
 
 from .conftest import random_ids, small_config, tiny_model
 from .test_heal import HEAL, peaked_model
@@ -220,4 +220,4 @@ def test_the_weights_digest_reads_offloaded_weights_where_they_live(tmp_path):
     folder = str(tmp_path / "pruned")
     dense = tiny_model("llama", num_layers=4)
     dense.save_pretrained(folder)
-    assert _weights_digest(_offloaded(folder, max_cpu_bytes=1)) == _weights_digest(dense)
+    assert weights_digest(_offloaded(folder, max_cpu_bytes=1)) == weights_digest(dense)

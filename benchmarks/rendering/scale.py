@@ -134,11 +134,31 @@ def _stage_seconds_printed(printed: list[str]) -> dict[str, float]:
     return {}
 
 
+# what each measurement record ran: the plan-against-run table's `run` cell says which run a row compares with
+MEASURED_RUNS = {
+    "cli_prune_memory": "`optimum-gradmap prune`",
+    "main_job_memory": "main job (evaluation and reload included)",
+    "scale-": "`optimum-gradmap prune`, from disk",
+}
+
+
+def measured_run(source: str) -> str:
+    """What the record `source` ran (`MEASURED_RUNS`; the `scale-*` records share one entry)."""
+    return MEASURED_RUNS["scale-" if source.startswith("scale-") else source]
+
+
 def _measured(spec_source: str, key) -> tuple[dict[str, float], float, dict, str] | None:
-    """A planned run's measured stage seconds, peak resident bytes, provenance and record."""
+    """A planned run's measured stage seconds, peak resident bytes, provenance and record. A row of
+    `cli_prune_memory` adds the command line it ran to its provenance's note (its footnote shows it)."""
     from .common import load
 
+    if not os.path.exists(os.path.join(RESULTS, spec_source + ".json")):
+        return None  # not measured yet
     for row in load(spec_source):
+        if spec_source == "cli_prune_memory" and row["key"] == key and row["exit_code"] == 0:
+            seconds = {"Stage 1": row["timings"]["stage1"], "Stage 2": row["timings"].get("stage2", 0.0)}
+            note = "; ".join(part for part in (f"ran `{row['command']}`", row["provenance"].get("note")) if part)
+            return seconds, row["memory"]["peak_resident_gib"] * 2**30, {**row["provenance"], "note": note}, spec_source
         if spec_source == "main_job_memory" and row["options"] == key and row["exit_code"] == 0:
             return (
                 _stage_seconds_printed(row["printed"]),
@@ -164,7 +184,8 @@ def _planned_text(low: float, high: float, unit: str) -> str:
 def plan_against_run(context: Context) -> str:
     """The plan `--dry-run` prints (benchmarks/plan_accuracy.py) beside the run it planned: each stage's seconds and
     the peak resident memory, planned before the run (a range where the run's own findings decide: its middle is
-    compared) and once Stage 1 is done (the removed layers known, Stage 2's fits with them)."""
+    compared) and once Stage 1 is done (the removed layers known, Stage 2's fits with them). The `run` cell says which
+    run was measured (`MEASURED_RUNS`): the command line's own `prune`, or the main job, which does more."""
     from .common import load
 
     table = Table(
@@ -198,7 +219,7 @@ def plan_against_run(context: Context) -> str:
                 goal += ", met once Stage 1 is done"
             table.add(
                 [
-                    planned["row"],
+                    f"{planned['row']}: {measured_run(source)}",
                     name,
                     _planned_text(low, high, unit),
                     _planned_text(*refined_range, unit) if refined_range is not None else "-",

@@ -54,7 +54,7 @@ def main() -> None:
         "--heal-trainable",
         default="lora",
         choices=["lora", "norms", "down_projections", "before_removed", "all"],
-        help="what the heal trains (default: lora, which needs peft: pip install 'optimum-gradmap[heal]')",
+        help="what the heal trains (default: lora, through PEFT, a dependency of the package)",
     )
     parser.add_argument(
         "--max-eval-segments",

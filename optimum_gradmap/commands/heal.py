@@ -2,7 +2,12 @@
 # Licensed under the Apache License, Version 2.0.
 """`optimum-gradmap heal`: the heal stage ([`optimum_gradmap.heal`]) on a checkpoint pruned earlier, with the dense
 model as teacher; writes a healed standard checkpoint, its report extended with what the heal did. The heal options
-are the `heal_*` fields of `GradMAPConfig`, generated from it."""
+are the `heal_*` fields of `GradMAPConfig`, generated from it.
+
+The checkpoint's report and card describe the healed weights: the evaluation the pruning report holds is run again on
+the healed model ([`healed_evaluation`]) and replaces it, and the figures measured before the heal are kept under
+`evaluation_before_heal` (shown in the card as "after Stage 1 + 2" beside "after heal"). `--no-evaluate` skips that
+evaluation: the card then labels the earlier figures "before heal"."""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ import argparse
 import contextlib
 import dataclasses
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from ..arguments import add_config_arguments, config_from_arguments
@@ -37,6 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "beside --output, removed once the checkpoint is saved)",
     )
     parser.add_argument(
+        "--no-evaluate",
+        dest="evaluate",
+        action="store_false",
+        help="do not evaluate the healed model. By default the evaluation in the checkpoint's report is run again on it "
+        "(each perplexity on the same dataset and segments, with the KL divergence from --teacher where the report has "
+        "one; zero-shot tasks are not run again) and its figures replace those measured before the heal, which the "
+        "report keeps under evaluation_before_heal; with this option the card labels those 'before heal'",
+    )
+    parser.add_argument(
         "--dry-run",
         action="store_true",
         help="print what the heal would do and cost (its tokens, steps, FLOPs, peak memory and time on this device) and "
@@ -52,6 +68,14 @@ def default_heal_checkpoint(output: str) -> str:
     return os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.heal.pt")
 
 
+def default_heal_text_cache(output: str) -> str:
+    """Where `heal` and `prune` keep the dense model's own text (`--heal-dataset generated`): a hidden file beside the
+    output folder, kept after the run, so that a rerun or a resume reads it instead of generating again (its
+    fingerprint says when it no longer applies: [`~optimum_gradmap.generation`])."""
+    target = os.path.abspath(output)
+    return os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.heal-text.pt")
+
+
 def run(args: argparse.Namespace) -> int:
     """`optimum-gradmap heal`: heals a pruned checkpoint and saves it with its report."""
     import gc
@@ -62,9 +86,8 @@ def run(args: argparse.Namespace) -> int:
     from .. import distributed
     from ..checkpoint import check_output_location, save_checkpoint
     from ..configuration import GradMAPConfig
-    from ..data import check_dataset_name, describe_calibration_data
-    from ..heal import HEAL_SETTINGS, check_heal_checkpoint, check_heal_settings, heal_as_configured, heal_sequences
-    from ..report import environment, load_report, reproduction
+    from ..heal import HEAL_SETTINGS, check_heal_checkpoint, check_heal_dataset_name, check_heal_settings, heal_stage
+    from ..report import environment, load_report, reproduction, stage_before_heal
 
     progress = set_verbosity(args)
     loading = config_from_arguments(args, ModelLoading)
@@ -79,8 +102,7 @@ def run(args: argparse.Namespace) -> int:
             f"{loading.model} was healed already: heal the pruned checkpoint it came from, or the dense model's pruning "
             "again, rather than on top of an earlier heal."
         )
-    if not os.path.exists(config.heal_dataset):
-        check_dataset_name(config.heal_dataset, "calibration")
+    check_heal_dataset_name(config.heal_dataset)
     teacher_loading = dataclasses.replace(loading, model=args.teacher, revision=None)
     teacher_path = teacher_loading.resolve().path
     keep_safe = tuple(folder for folder in (path, teacher_path) if os.path.isdir(folder))
@@ -94,7 +116,6 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = loading.load(path)
     compensated = (report.get("compensation") or {}).get("compensated_layers", [])
     check_heal_settings(model, config, compensated)
-    train_ids, validation_ids = heal_sequences(None, tokenizer, config)
 
     @contextlib.contextmanager
     def teacher():  # loaded for its pass only: the heal keeps no reference to it, so it is freed before training
@@ -107,30 +128,109 @@ def run(args: argparse.Namespace) -> int:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
-    healed = heal_as_configured(
+    healed = heal_stage(
         model,
         teacher,
-        train_ids,
-        validation_ids,
         config,
+        tokenizer,
         report["kept_layers"],
         report["original_num_layers"],
         compensated,
-        describe_calibration_data(None, config.heal_dataset, config.text_column),
-        checkpoint,
-        progress and distributed.is_main_process(),
+        stage1_seconds=(report.get("timings") or {}).get("stage1"),
+        checkpoint=checkpoint,
+        text_cache=default_heal_text_cache(args.output),
+        progress_bar=progress and distributed.is_main_process(),
     )
+    evaluation = None
+    if args.evaluate and not healed.interrupted:  # after Ctrl-C the best state is saved now; the resume evaluates
+        name = os.path.basename(os.path.abspath(args.output))
+        shown = progress and distributed.is_main_process()
+        evaluation = healed_evaluation(report, model, tokenizer, teacher, args.teacher, name, shown)
+    before = {key: report.get(key) for key in ("evaluation", "zero_shot_against_dense", "flips_against_dense")}
     made = reproduction(command_line(args), step="heal", earlier=report.get("reproduce"))  # after the pruning's run
     report = {**report, "gradmap_config": config.to_dict(), "reproduce": made, "heal": healed.to_dict()}
+    # every top-level figure describes the healed weights; what the pruning run measured is kept, labelled
+    report["evaluation_before_heal"] = {"measured_after": stage_before_heal(report), **before}
+    report["evaluation"] = evaluation.to_dict() if evaluation is not None else None
+    report["zero_shot_against_dense"] = report["flips_against_dense"] = None  # zero-shot is not run again
     report["environment"] = environment(model)  # this run's
     report["timings"] = {**report.get("timings", {}), "heal": healed.seconds}
     save_checkpoint(args.output, model, tokenizer, config, report, overwrite=args.overwrite)
     if not distributed.is_main_process():
         return 0
     print(healed.summary())
+    earlier = {(e["dataset"], e["protocol"]): e for e in (before["evaluation"] or {}).get("perplexities", [])}
+    for entry in evaluation.perplexities if evaluation is not None else ():
+        line = f"{entry.dataset} perplexity after heal: {entry.perplexity:.3f}"
+        if (entry.dataset, entry.protocol) in earlier:
+            line += f" (before: {earlier[(entry.dataset, entry.protocol)]['perplexity']:.3f})"
+        if entry.kl_to_reference is not None:
+            line += f"; KL from {entry.reference}: {entry.kl_to_reference:.4f} nats/token"
+        print(f"{line} ({entry.protocol}, {entry.num_segments} segments)")
+    if args.evaluate and healed.interrupted and before["evaluation"]:
+        print("The interrupted heal was not evaluated: the card labels the figures measured before it 'before heal'.")
     finish_heal_checkpoint(checkpoint, healed.interrupted, explicit=args.heal_checkpoint is not None)
     print(f"Saved the healed checkpoint, pruning_report.json and model card to {os.path.abspath(args.output)}")
     return 0
+
+
+def healed_evaluation(
+    report: dict[str, Any],
+    model: Any,
+    tokenizer: Any,
+    teacher: Callable[[], AbstractContextManager[Any]],
+    teacher_name: str,
+    name: str,
+    progress: bool,
+) -> Any:
+    """The pruning report's evaluation run again on the healed model, so that the healed checkpoint's report and card
+    give its own figures: each perplexity on the same dataset with the same segment length and number of segments (the
+    first segments of the same text: the same segments), and the next-token KL divergence from the dense model beside
+    those the report measured one for. Zero-shot accuracy and flips are not run again (their cost is the pruning run's
+    evaluation's, not a few passes): the report keeps them as measured before the heal.
+
+    For the KL divergence the teacher is loaded again (`teacher()`, after the heal freed it) and scores each segment
+    in the same pass as the healed model ([`optimum_gradmap.evaluation.perplexity_and_kl`]): memory holds both models,
+    as it did during the heal's teacher pass, and no logits are kept. Computing the teacher's logits on the evaluation
+    segments while the heal had it loaded would instead keep segments x tokens x vocabulary floats until the end of
+    training (over 3 GB in float32 for 128 segments of 128 tokens over SmolLM2's 49,152-token vocabulary) to save one
+    load. Without a KL in the report the teacher is not loaded.
+
+    Args:
+        report (`dict`): The pruned checkpoint's `pruning_report.json`.
+        model (`PreTrainedModel`): The healed model.
+        tokenizer (`PreTrainedTokenizerBase`): Its tokenizer (the checkpoint's).
+        teacher (`Callable`): A context manager factory that loads the dense model and frees it on exit.
+        teacher_name (`str`): The dense model's name, stored beside each KL divergence.
+        name (`str`): The healed model's name in the result.
+        progress (`bool`): Show progress bars.
+
+    Returns:
+        [`~optimum_gradmap.evaluation.EvaluationResult`], or `None` when the report has no perplexity to measure again.
+    """
+    from ..evaluation import EvaluationResult, evaluate
+
+    entries = (report.get("evaluation") or {}).get("perplexities") or []
+    if not entries:
+        return None
+    with_kl = any(entry.get("kl_to_reference") is not None for entry in entries)
+    result = EvaluationResult(model=name)
+    with teacher() if with_kl else contextlib.nullcontext() as dense:
+        for entry in entries:  # one call each: the segment length and count are the entry's own
+            measured = evaluate(
+                model,
+                tokenizer,
+                perplexity_datasets=[entry["dataset"]],
+                segment_length=entry["segment_length"],
+                max_segments=entry["num_segments"],
+                model_name=name,
+                progress_bar=progress,
+                shared_by_processes=True,
+                reference_model=dense if entry.get("kl_to_reference") is not None else None,
+                reference_model_name=teacher_name,
+            )
+            result.perplexities += measured.perplexities
+    return result
 
 
 def _dry_run(loading: ModelLoading, path: str, teacher_path: str, config: Any, name: str) -> int:

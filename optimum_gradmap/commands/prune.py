@@ -17,7 +17,7 @@ from ..arguments import add_config_arguments, config_from_arguments
 from ..configuration import PRESETS, GradMAPConfig
 from ..loading import ModelLoading
 from .common import InputError, add_logging_arguments, command_line, set_verbosity
-from .heal import default_heal_checkpoint, finish_heal_checkpoint
+from .heal import default_heal_checkpoint, default_heal_text_cache, finish_heal_checkpoint
 
 logger = logging.get_logger(__name__)
 
@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="*",
         metavar="DATASET",
         default=None,
-        help="also measure perplexity on these datasets (none given: those of `evaluate`)",
+        help="also measure perplexity on these datasets (none given: those of `evaluate`), of the dense model and of the "
+        "model saved (after the heal when --heal-tokens is given: the card labels its figures 'after heal')",
     )
     parser.add_argument(
         "--max-segments", type=int, default=None, help="with --evaluate: only the first segments of each dataset (None: all)"
@@ -99,6 +100,7 @@ def _checked_prune_input(args: argparse.Namespace) -> tuple[GradMAPConfig, Model
     folder), so that bad input costs seconds, exits with code 2 and writes nothing."""
     from ..checkpoint import check_output_location
     from ..data import check_dataset_name
+    from ..heal import check_heal_dataset_name
 
     config = config_from_arguments(args, GradMAPConfig)
     if args.cut_from is not None:
@@ -108,8 +110,8 @@ def _checked_prune_input(args: argparse.Namespace) -> tuple[GradMAPConfig, Model
     check_dataset_name(config.dataset, "calibration")
     if config.compensation_dataset is not None:
         check_dataset_name(config.compensation_dataset, "calibration")
-    if config.heal_tokens and not os.path.exists(config.heal_dataset):
-        check_dataset_name(config.heal_dataset, "calibration")
+    if config.heal_tokens:
+        check_heal_dataset_name(config.heal_dataset)
     for dataset in args.evaluate or ():
         check_dataset_name(dataset, "evaluation")
     if args.max_segments is not None and args.max_segments < 1:
@@ -189,7 +191,10 @@ def run(args: argparse.Namespace) -> int:
     pruner = GradMAPPruner(config, model=model, tokenizer=tokenizer, progress_bar=progress)
     try:
         result = pruner.prune(
-            stage1_checkpoint=stage1_checkpoint, validation_data=args.validation_dataset, heal_checkpoint=heal_checkpoint
+            stage1_checkpoint=stage1_checkpoint,
+            validation_data=args.validation_dataset,
+            heal_checkpoint=heal_checkpoint,
+            heal_text_cache=default_heal_text_cache(args.output) if config.heal_tokens else None,
         )
     except KeyboardInterrupt:
         command = command_line(args)

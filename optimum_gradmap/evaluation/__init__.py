@@ -8,7 +8,8 @@
 - [`comparison`]: two models compared question by question (paired difference, McNemar, retained %, and with a
   reference their flips against it).
 - [`fidelity`]: fidelity to the dense model (Dutta et al., "Accuracy is Not All You Need", NeurIPS 2024): flips (the
-  questions whose right/wrong changed) and the next-token KL divergence on the perplexity segments.
+  questions whose right/wrong changed, also split by the dense model's answer margins) and the next-token KL
+  divergence on the perplexity segments.
 - [`speed`]: decoding throughput and prefill latency with the KV cache.
 - [`suite`]: [`evaluate`], one call for a chosen set of these, returning an [`EvaluationResult`].
 """
@@ -17,12 +18,16 @@ from .comparison import PairedAccuracy, PairedFlips, ZeroShotComparison, compare
 from .fidelity import (
     FlipsResult,
     KLDivergence,
+    MarginFlips,
     TaskFlips,
+    answer_shares,
     check_flips_reference,
     flips,
+    margin_quartiles,
     next_token_kl,
     next_token_kl_per_segment,
     perplexity_and_kl,
+    question_margin,
 )
 from .perplexity import PerplexityResult, evaluation_segments, load_evaluation_segments, perplexity, protocol_name
 from .speed import SpeedResult, inference_speed
@@ -51,21 +56,25 @@ __all__ = [
     "EvaluationResult",
     "FlipsResult",
     "KLDivergence",
+    "MarginFlips",
     "PerplexityResult",
     "SpeedResult",
     "TaskFlips",
     "TaskResult",
     "ZeroShotResult",
+    "answer_shares",
     "check_flips_reference",
     "evaluate",
     "evaluation_segments",
     "flips",
     "inference_speed",
     "load_evaluation_segments",
+    "margin_quartiles",
     "next_token_kl",
     "next_token_kl_per_segment",
     "perplexity_and_kl",
     "perplexity",
     "protocol_name",
+    "question_margin",
     "zero_shot_accuracy",
 ]

@@ -26,7 +26,12 @@ With a reference, the two models' flips against it are compared the same way, pe
 flips when a model's right/wrong differs from the reference's (Dutta et al., "Accuracy is Not All You Need",
 NeurIPS 2024: flips track what compression damages better than accuracy differences, in which flips either way
 cancel out). The paired difference of the flip shares, its standard error and McNemar's test are computed from each
-question's flip flags (1 flipped, 0 not) exactly as the accuracies' are from its right/wrong flags.
+question's flip flags (1 flipped, 0 not) exactly as the accuracies' are from its right/wrong flags. Where the
+reference's records hold every answer's log-likelihood, the pooled questions are also cut into the quartiles of the
+reference's margins (its chosen answer's log-likelihood minus the next best's,
+[`~optimum_gradmap.evaluation.fidelity.margin_quartiles`]), and the two models' flips are compared within each
+quartile and on the confident questions, those whose reference margin is above the median (Dutta et al. find flips
+come mostly from questions where the reference's top answer barely wins).
 """
 
 from __future__ import annotations
@@ -179,6 +184,14 @@ class ZeroShotComparison:
             without a reference, or where its average is 0).
         flips (`list[PairedFlips]`): With a reference, per task, the two models' flips against it.
         pooled_flips ([`PairedFlips`], *optional*): With a reference, their flips over every question of every task.
+        margin_edges (`list[float]`, *optional*): With a reference whose records hold the answers' log-likelihoods,
+            the five edges of the quartiles of its margins over the pooled questions (smallest, quartiles, largest;
+            the middle one the median).
+        flips_by_margin (`list[PairedFlips]`): Then, the two models' flips on the pooled questions of each margin
+            quartile (`task` `"margin Q1"` to `"margin Q4"`, smallest margins first; a quartile without questions is
+            left out).
+        confident_flips ([`PairedFlips`], *optional*): Then, their flips on the pooled questions whose reference margin
+            is above the median (`task` `"confident"`; `None` where no margin is).
     """
 
     model_a: str
@@ -195,6 +208,9 @@ class ZeroShotComparison:
     retained_b: float | None = None
     flips: list[PairedFlips] = field(default_factory=list)
     pooled_flips: PairedFlips | None = None
+    margin_edges: list[float] | None = None
+    flips_by_margin: list[PairedFlips] = field(default_factory=list)
+    confident_flips: PairedFlips | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -202,7 +218,8 @@ class ZeroShotComparison:
     def summary(self) -> str:
         """A table for the terminal: per task and pooled, both accuracies, the difference with its standard
         error and McNemar's p-value, and the retained accuracy against the reference; with a reference, a second
-        table of the two models' flips against it."""
+        table of the two models' flips against it (with its margins, also per margin quartile and on the confident
+        questions)."""
         retained = self.reference is not None
         lines = [
             f"B = {self.model_b}  against  A = {self.model_a}" + (f"  (retained: % of {self.reference})" if retained else ""),
@@ -232,10 +249,17 @@ class ZeroShotComparison:
                 f"{'task':<15}{'questions':>10}{'flips A':>9}{'flips B':>9}{'B - A':>9}{'+/- SE':>9}{'only A':>8}{'only B':>8}"
                 f"{'p':>9}",
             ]
-            for entry in [*self.flips, self.pooled_flips]:
+            margin_rows = [*self.flips_by_margin, *([self.confident_flips] if self.confident_flips is not None else [])]
+            for entry in [*self.flips, self.pooled_flips, *margin_rows]:
                 lines.append(
                     f"{entry.task:<15}{entry.num_questions:>10}{entry.flips_a:>9.4f}{entry.flips_b:>9.4f}"
                     f"{entry.difference:>+9.4f}{entry.stderr:>9.4f}{entry.only_a:>8}{entry.only_b:>8}{entry.p_value:>9.3g}"
+                )
+            if self.margin_edges is not None:
+                edges = ", ".join(f"{edge:.3g}" for edge in self.margin_edges)
+                lines.append(
+                    f"margin Q1-Q4: the pooled questions by quartile of {self.reference}'s margin (its answer's "
+                    f"log-likelihood minus the next best, nats; edges {edges}); confident: margin above the median"
                 )
         return "\n".join(lines)
 
@@ -294,6 +318,29 @@ def _check_reference_covers(answers: dict[str, dict], reference: dict[str, dict]
             )
 
 
+def _compare_by_margin(
+    comparison: ZeroShotComparison, flipped_a: list[int], flipped_b: list[int], margins: list[float | None]
+) -> None:
+    """Fills the comparison's flips per quartile of the reference's margins and on its confident questions (margin
+    above the median), from the pooled questions' flip flags and margins; nothing where a margin is missing."""
+    from .fidelity import margin_quartiles  # fidelity imports this module
+
+    if not margins or any(margin is None for margin in margins):
+        return
+    comparison.margin_edges, quartiles = margin_quartiles(margins)
+    for quartile in range(1, 5):
+        members = [i for i, q in enumerate(quartiles) if q == quartile]
+        if members:
+            comparison.flips_by_margin.append(
+                PairedFlips.from_flags(f"margin Q{quartile}", [flipped_a[i] for i in members], [flipped_b[i] for i in members])
+            )
+    confident = [i for i, margin in enumerate(margins) if margin > comparison.margin_edges[2]]
+    if confident:
+        comparison.confident_flips = PairedFlips.from_flags(
+            "confident", [flipped_a[i] for i in confident], [flipped_b[i] for i in confident]
+        )
+
+
 def compare_zero_shot(
     result_a: ZeroShotResult,
     result_b: ZeroShotResult,
@@ -307,7 +354,8 @@ def compare_zero_shot(
             on the same tasks (in any order), questions, splits and data sources.
         reference ([`ZeroShotResult`], *optional*): The dense model's, on the same questions (or more): each
             model's accuracy is then also given as a percentage of its accuracy (retained accuracy, undefined
-            where the reference's accuracy is 0), and the two models' flips against it are compared.
+            where the reference's accuracy is 0), and the two models' flips against it are compared, pooled, per
+            task, per quartile of its margins and on its confident questions.
         names (`Sequence[str]`, defaults to `("A", "B", "reference")`): The names of A, B and the reference,
             for the table and the errors.
 
@@ -331,7 +379,11 @@ def compare_zero_shot(
         _check_same_data(result_a, reference, names[0], names[2])
         _check_reference_covers(answers_a, answers_reference, f"{names[0]} and {names[1]} were", names[2])
     comparison = ZeroShotComparison(names[0], names[1], reference=names[2] if reference is not None else None)
-    pooled_a, pooled_b, pooled_flips_a, pooled_flips_b = [], [], [], []
+    pooled_a, pooled_b, pooled_flips_a, pooled_flips_b, pooled_margins = [], [], [], [], []
+    if reference is not None:
+        from .fidelity import question_margin  # fidelity imports this module
+
+        reference_records = _records(reference, names[2])
     for task, questions in answers_a.items():
         ids = sorted(questions)
         right_a, right_b = [questions[i] for i in ids], [answers_b[task][i] for i in ids]
@@ -345,12 +397,14 @@ def compare_zero_shot(
             comparison.flips.append(PairedFlips.from_flags(task, flipped_a, flipped_b))
             pooled_flips_a += flipped_a
             pooled_flips_b += flipped_b
+            pooled_margins += [question_margin(reference_records[task][i]) for i in ids]
         comparison.tasks.append(entry)
         pooled_a += right_a
         pooled_b += right_b
     comparison.pooled = PairedAccuracy.from_answers("pooled", pooled_a, pooled_b)
     if answers_reference is not None:
         comparison.pooled_flips = PairedFlips.from_flags("pooled", pooled_flips_a, pooled_flips_b)
+        _compare_by_margin(comparison, pooled_flips_a, pooled_flips_b, pooled_margins)
     count = len(comparison.tasks)
     comparison.average_a = sum(entry.acc_a for entry in comparison.tasks) / count
     comparison.average_b = sum(entry.acc_b for entry in comparison.tasks) / count

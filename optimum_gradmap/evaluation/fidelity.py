@@ -15,6 +15,14 @@ track it better than accuracy differences:
   perplexity. Its standard error is the standard deviation over segments of each segment's mean, / sqrt(number of
   segments).
 
+Dutta et al. also find that flips come mostly from the questions where the reference's top answer barely wins. The
+**margin** of a question ([`question_margin`]) is the reference's log-likelihood of the answer it chose (the largest)
+minus the next best answer's; [`flips`] cuts the reference's margins of every question of every task into quartiles
+([`margin_quartiles`]) and counts the flips in each (`FlipsResult.by_margin`), and the flips on the **confident**
+questions, those whose margin is above the median (`FlipsResult.confident`): a flip there is a question the dense
+model was sure of. [`answer_shares`] gives the share of a task's questions on which a model chose each answer (on
+BoolQ, its "yes" rate).
+
 [`~optimum_gradmap.evaluation.evaluate`] reports both (`reference=` and `reference_model=`), and
 [`~optimum_gradmap.evaluation.compare_zero_shot`] compares two models' flips against the same reference, question
 by question.
@@ -33,7 +41,7 @@ from torch import nn
 from ..errors import InvalidInputError
 from ..passes import calibration_batches, calibration_mode, input_device, summed_next_token_loss
 from .comparison import _check_reference_covers, _check_same_data, _records
-from .zero_shot import STANDARD_SUBSETS, SUBSET_SEED, ZeroShotResult, question_ids, scored_split_and_source
+from .zero_shot import STANDARD_SUBSETS, SUBSET_SEED, QuestionRecord, ZeroShotResult, question_ids, scored_split_and_source
 
 
 # ------------------------------------------------------------------------------------------ KL divergence
@@ -220,6 +228,38 @@ class TaskFlips:
 
 
 @dataclass
+class MarginFlips:
+    """A model's flips against the reference on the questions of one quartile of the reference's margins
+    ([`question_margin`], [`margin_quartiles`]), pooled over every task.
+
+    Attributes:
+        quartile (`int`): 1 for the smallest margins (the reference's top answer barely wins) to 4 for the largest.
+        low (`float`): The quartile's lower edge, in nats: its questions' margins are above it (the first quartile's:
+            at least it, the smallest margin).
+        high (`float`): Its upper edge: its questions' margins are at most it (the fourth quartile's: the largest).
+        num_questions (`int`): Its questions. Ties at an edge all go to the lower quartile, so a quartile may hold
+            more or fewer than a quarter of the questions, or none.
+        num_flips (`int`): Those whose right/wrong differs from the reference's.
+        flips (`float`): Their share of `num_questions` (0 for a quartile without questions).
+        right_to_wrong (`int`): Flips the reference gets right and the model wrong.
+        wrong_to_right (`int`): Flips the reference gets wrong and the model right.
+    """
+
+    quartile: int
+    low: float
+    high: float
+    num_questions: int
+    num_flips: int
+    flips: float
+    right_to_wrong: int
+    wrong_to_right: int
+
+    def label(self) -> str:
+        """`"Q1 [low, high]"`, `"Q2 (low, high]"`, ...: the quartile and the margins it holds, for tables."""
+        return f"Q{self.quartile} {'[' if self.quartile == 1 else '('}{self.low:.3g}, {self.high:.3g}]"
+
+
+@dataclass
 class FlipsResult:
     """A model's flips against a reference model's answers to the same zero-shot questions (see the module docstring).
 
@@ -227,11 +267,20 @@ class FlipsResult:
         reference (`str`): The reference model's name.
         tasks (`list[TaskFlips]`): Per task, in the model's order.
         pooled ([`TaskFlips`], *optional*): Every question of every task.
+        by_margin (`list[MarginFlips]`, *optional*): The pooled questions cut into the quartiles of the reference's
+            margins, the four in order: their flips add up to the pooled flips, their questions to the pooled
+            questions. `None` where a reference record has fewer than two log-likelihoods (records written without
+            them), and in results from before the split.
+        confident ([`TaskFlips`], *optional*): The flips on the pooled questions whose reference margin is above the
+            median (`task` `"confident"`; the third and fourth quartiles): questions the reference was sure of. `None`
+            where `by_margin` is.
     """
 
     reference: str
     tasks: list[TaskFlips] = field(default_factory=list)
     pooled: TaskFlips | None = None
+    by_margin: list[MarginFlips] | None = None
+    confident: TaskFlips | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable."""
@@ -247,21 +296,37 @@ class FlipsResult:
         Returns:
             [`FlipsResult`].
         """
-        pooled = values.get("pooled")
+        pooled, by_margin, confident = values.get("pooled"), values.get("by_margin"), values.get("confident")
         return cls(
             reference=values["reference"],
             tasks=[TaskFlips(**entry) for entry in values.get("tasks", [])],
             pooled=TaskFlips(**pooled) if pooled is not None else None,
+            by_margin=[MarginFlips(**entry) for entry in by_margin] if by_margin is not None else None,
+            confident=TaskFlips(**confident) if confident is not None else None,
         )
 
     def summary_lines(self) -> list[str]:
-        """One line per task and one pooled, for the terminal."""
-        return [
+        """One line per task and one pooled, for the terminal; with the margin split, a line of the flips on the
+        confident questions and one of the flips per margin quartile."""
+        lines = [
             f"{entry.task}: {entry.flips:.2%} of {entry.num_questions} questions flipped against {self.reference} "
             f"({entry.right_to_wrong} right -> wrong, {entry.wrong_to_right} wrong -> right); "
             f"answer changed on {entry.answer_changes:.2%}"
             for entry in [*self.tasks, *([self.pooled] if self.pooled is not None else [])]
         ]
+        if self.confident is not None:
+            confident = self.confident
+            lines.append(
+                f"confident questions ({self.reference}'s margin above the median): {confident.flips:.2%} of "
+                f"{confident.num_questions} flipped ({confident.right_to_wrong} right -> wrong, "
+                f"{confident.wrong_to_right} wrong -> right)"
+            )
+        if self.by_margin is not None:
+            lines.append(
+                f"by quartile of {self.reference}'s margin (its answer's log-likelihood minus the next best, nats): "
+                + "; ".join(f"{entry.label()} {entry.flips:.2%} of {entry.num_questions}" for entry in self.by_margin)
+            )
+        return lines
 
 
 def _task_flips(task: str, pairs: Sequence[tuple[Any, Any]]) -> TaskFlips:
@@ -270,7 +335,95 @@ def _task_flips(task: str, pairs: Sequence[tuple[Any, Any]]) -> TaskFlips:
     wrong_to_right = sum(1 for mine, theirs in pairs if mine.acc and not theirs.acc)
     changes = sum(1 for mine, theirs in pairs if mine.choice != theirs.choice)
     n = len(pairs)
-    return TaskFlips(task, n, (right_to_wrong + wrong_to_right) / n, changes / n, right_to_wrong, wrong_to_right)
+    share = n or 1  # no question (an empty margin quartile): shares of 0
+    return TaskFlips(task, n, (right_to_wrong + wrong_to_right) / share, changes / share, right_to_wrong, wrong_to_right)
+
+
+def question_margin(record: QuestionRecord) -> float | None:
+    """The margin of a model's answer to one question: the log-likelihood of the answer it chose (the largest, as
+    `choice` is chosen) minus the next best answer's, in nats; 0 where the two best tie. Dutta et al., "Accuracy is
+    Not All You Need" (NeurIPS 2024), find that a compressed model's flips come mostly from questions where the
+    reference's margin is small.
+
+    Args:
+        record ([`QuestionRecord`]): The question's record, with every answer's log-likelihood.
+
+    Returns:
+        `float`, or `None` for a record with fewer than two log-likelihoods (written without them).
+    """
+    values = sorted(record.loglikelihoods or (), reverse=True)
+    return values[0] - values[1] if len(values) >= 2 else None
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    """The `q` quantile of ascending `ordered` by linear interpolation between order statistics (numpy's default)."""
+    position = q * (len(ordered) - 1)
+    below = math.floor(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
+
+
+def margin_quartiles(margins: Sequence[float]) -> tuple[list[float], list[int]]:
+    """Cuts margins into quartiles: the edges are the smallest margin, the quartiles (linear interpolation between
+    order statistics, numpy's default: the middle edge is the median, the mean of the two middle margins for an even
+    count) and the largest margin, and each margin goes to the quartile whose edges hold it, above the lower and at
+    most the upper (the first: from the smallest). Ties at an edge all go to the lower quartile, so every margin is in
+    exactly one quartile, and a margin is above the median exactly when it is in the third or fourth.
+
+    Args:
+        margins (`Sequence[float]`): One per question ([`question_margin`]), at least one.
+
+    Returns:
+        `tuple[list[float], list[int]]`: the five edges, ascending, and each margin's quartile, 1 to 4.
+
+    Raises:
+        InvalidInputError: for no margins.
+    """
+    if not margins:
+        raise InvalidInputError("No margins to cut into quartiles.")
+    ordered = sorted(margins)
+    edges = [ordered[0], _quantile(ordered, 0.25), _quantile(ordered, 0.5), _quantile(ordered, 0.75), ordered[-1]]
+    return edges, [1 + sum(margin > edge for edge in edges[1:4]) for margin in margins]
+
+
+def _margin_split(pairs: Sequence[tuple[Any, Any]]) -> tuple[list[MarginFlips] | None, TaskFlips | None]:
+    """[`FlipsResult.by_margin`] and [`FlipsResult.confident`] from (model's record, reference's record) pairs,
+    the margins the reference's; `(None, None)` where a reference record has no margin."""
+    margins = [question_margin(theirs) for _, theirs in pairs]
+    if not margins or any(margin is None for margin in margins):
+        return None, None
+    edges, quartiles = margin_quartiles(margins)
+    by_margin = []
+    for quartile in range(1, 5):
+        entry = _task_flips(f"Q{quartile}", [pair for pair, q in zip(pairs, quartiles) if q == quartile])
+        flipped, edge_pair = entry.right_to_wrong + entry.wrong_to_right, edges[quartile - 1 : quartile + 1]
+        counts = (entry.num_questions, flipped, entry.flips, entry.right_to_wrong, entry.wrong_to_right)
+        by_margin.append(MarginFlips(quartile, *edge_pair, *counts))
+    confident = _task_flips("confident", [pair for pair, margin in zip(pairs, margins) if margin > edges[2]])
+    return by_margin, confident
+
+
+def answer_shares(result: ZeroShotResult, task: str) -> dict[int, float]:
+    """The share of a task's questions on which a model chose each answer, by the answer's index. On BoolQ, whose
+    answers are lm-eval's `["no", "yes"]`, `answer_shares(result, "boolq")[1]` is the model's "yes" rate: a yes/no
+    bias moves BoolQ's accuracy and flips without the model knowing more or less.
+
+    Args:
+        result ([`ZeroShotResult`]): A model's result, with its questions' records.
+        task (`str`): One of its tasks (e.g. `"boolq"`).
+
+    Returns:
+        `dict[int, float]`: each answer index, from 0 to the last (the records' number of log-likelihoods, or the
+        largest chosen), and its share of the questions; the shares add up to 1.
+
+    Raises:
+        InvalidInputError: where `result` has no records of `task`.
+    """
+    questions = next((entry.questions for entry in result.tasks if entry.task == task), None)
+    if not questions:
+        raise InvalidInputError(f"The result has no per-question records for {task}: evaluate the model on it with its records.")
+    count = max(max(len(question.loglikelihoods), question.choice + 1) for question in questions)
+    return {index: sum(question.choice == index for question in questions) / len(questions) for index in range(count)}
 
 
 def flips(
@@ -278,7 +431,9 @@ def flips(
 ) -> FlipsResult:
     """A model's flips against a reference model on the same zero-shot questions: per task and pooled, the share of
     questions whose right/wrong differs from the reference's, the share whose chosen answer differs, and the flips
-    each way. The measure of Dutta et al., "Accuracy is Not All You Need" (NeurIPS 2024).
+    each way; and over the pooled questions, the flips per quartile of the reference's margins and on the questions
+    whose margin is above the median (the confident ones). The measure of Dutta et al., "Accuracy is Not All You Need"
+    (NeurIPS 2024), who find that flips come mostly from questions where the reference's top answer barely wins.
 
     Args:
         result ([`ZeroShotResult`]): The model's, with its questions' records.
@@ -288,7 +443,8 @@ def flips(
             reference, for the errors; the reference's is stored in the result.
 
     Returns:
-        [`FlipsResult`]: the tasks in `result`'s order.
+        [`FlipsResult`]: the tasks in `result`'s order; without the margin split (`by_margin` and `confident` `None`)
+        where a reference record has fewer than two log-likelihoods.
 
     Raises:
         InvalidInputError: when either result has a task without records, a task was scored on another split or from
@@ -304,6 +460,7 @@ def flips(
         outcome.tasks.append(_task_flips(task, pairs))
         pooled += pairs
     outcome.pooled = _task_flips("pooled", pooled)
+    outcome.by_margin, outcome.confident = _margin_split(pooled)
     return outcome
 
 

@@ -1,0 +1,321 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""The teacher's own text: heal sequences the dense model writes itself (`heal_dataset="generated"`).
+
+Distilling a model on text its teacher generated keeps the teacher's output distribution better than distilling on
+corpus text: LLM-QAT (Liu et al., 2023, Sec. 2.1) trains its quantized student on the full-precision model's own
+samples, and self-data distillation of a layer-pruned Llama-3.1-8B kept 91.2% of its accuracy against 81.7% with
+plain fine-tuning (Thangarasa et al., 2024, arXiv 2410.09982). The KL loss of the heal is an expectation over
+contexts: on the teacher's samples, those contexts are the ones the dense model itself produces.
+
+**Prompts.** Each sequence starts from the first `PROMPT_TOKENS` tokens of a calibration document (the documents
+shuffled with the seed, cycled when there are fewer documents than sequences), and one sequence in `BOS_EVERY`
+starts from the beginning-of-sequence token alone (the end-of-sequence token for a tokenizer without one), so that
+part of the text is what the model writes unprompted.
+
+**Sampling.** Plain ancestral sampling from the teacher's next-token distribution at `temperature` (no top-k or
+top-p truncation: at 1.0 the contexts follow the teacher's own distribution, which is what the KL objective weighs;
+a lower temperature gives more fluent, less varied text), with the KV cache, `GENERATION_BATCH_SIZE` sequences at a
+time, until each sequence has `seq_len` tokens; an end-of-sequence token does not stop a sequence (the model goes on
+to a new text, as in a packed corpus window). Every batch draws from its own generator, seeded from the seed and the
+batch's index, so the first N sequences are the same whatever the number asked for: a cache of more sequences serves
+a smaller request, and a larger request extends it.
+
+**Cache.** The sequences are saved in a file (`torch.save`) with their fingerprint: a digest of the teacher's
+weights, the prompts, the settings and the seed. A rerun or a resume with the same fingerprint reads them instead of
+generating again; a file with another fingerprint is replaced. The `heal` and `prune` commands keep the file beside
+their output; without a file the Python API keeps one per fingerprint in the user cache
+(`$OPTIMUM_GRADMAP_CACHE/heal_text`, see [`~optimum_gradmap.assets.cache_dir`]).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PreTrainedTokenizerBase
+from transformers.utils import logging
+
+from .assets import cache_dir
+from .errors import InvalidInputError
+from .passes import calibration_mode, input_device
+from .precision import has_native_bfloat16
+from .weights import weights_digest
+
+logger = logging.get_logger(__name__)
+
+# The name of the teacher's own text in `heal_dataset` (alone, or joined to corpus names by "+": equal parts).
+GENERATED = "generated"
+# Tokens of a calibration document that start a generated sequence.
+PROMPT_TOKENS = 8
+# One generated sequence in this many starts from the beginning-of-sequence token alone.
+BOS_EVERY = 8
+# Sequences sampled together (one KV cache): part of the fingerprint, since it decides each sequence's draws.
+GENERATION_BATCH_SIZE = 32
+# Changes with any change to how the sequences are drawn: part of the fingerprint.
+GENERATION_VERSION = 1
+
+
+@dataclass
+class GenerationSettings:
+    """How the teacher's text is drawn (everything but the teacher and the prompts' documents).
+
+    Attributes:
+        seq_len (`int`): Tokens per sequence, the prompt included.
+        temperature (`float`): The sampling temperature.
+        seed (`int`): The seed of the prompts' shuffle and of every batch's generator.
+        prompt_tokens (`int`): Tokens of a document that start a sequence.
+        bos_every (`int`): One sequence in this many starts from the beginning-of-sequence token alone.
+        batch_size (`int`): Sequences sampled together.
+    """
+
+    seq_len: int
+    temperature: float = 1.0
+    seed: int = 0
+    prompt_tokens: int = PROMPT_TOKENS
+    bos_every: int = BOS_EVERY
+    batch_size: int = GENERATION_BATCH_SIZE
+
+
+def is_generated(heal_dataset: Any) -> bool:
+    """Whether a `heal_dataset` name asks for the teacher's own text (`"generated"`, alone or in a `+` mixture)."""
+    return isinstance(heal_dataset, str) and GENERATED in heal_dataset.split("+")
+
+
+def corpus_part(heal_dataset: str) -> str | None:
+    """The corpus names of a `heal_dataset` with `"generated"` in it, joined by `+` (`None` for the teacher's text
+    alone)."""
+    names = [name for name in heal_dataset.split("+") if name != GENERATED]
+    return "+".join(names) or None
+
+
+def prompt_starts(
+    documents: Sequence[torch.LongTensor], start_token: int | None, settings: GenerationSettings
+) -> list[torch.LongTensor]:
+    """The distinct prompts, in the order sequences take them (cycled): the first `prompt_tokens` tokens of each
+    document long enough (shuffled with the seed). Sequence `j` takes `[start_token]` when `j % bos_every ==
+    bos_every - 1`, else the next document prompt ([`sequence_prompt`]).
+
+    Raises:
+        InvalidInputError: when no document has `prompt_tokens` tokens and there is no start token.
+    """
+    long_enough = [document[: settings.prompt_tokens] for document in documents if document.numel() >= settings.prompt_tokens]
+    order = torch.randperm(len(long_enough), generator=torch.Generator().manual_seed(settings.seed)).tolist()
+    prompts = [long_enough[index] for index in order]
+    if not prompts and start_token is None:
+        raise InvalidInputError(
+            f"The teacher's text needs prompts: no calibration document has {settings.prompt_tokens} tokens and the "
+            "tokenizer has no beginning- or end-of-sequence token. Give longer calibration text (`dataset`)."
+        )
+    return prompts
+
+
+def sequence_prompt(
+    index: int, prompts: Sequence[torch.LongTensor], start_token: int | None, settings: GenerationSettings
+) -> torch.LongTensor:
+    """The prompt of generated sequence `index`: `[start_token]` for one in `bos_every` (every one without document
+    prompts), else the next document prompt, cycled."""
+    from_start = start_token is not None and (not prompts or index % settings.bos_every == settings.bos_every - 1)
+    if from_start:
+        return torch.tensor([start_token], dtype=torch.long)
+    document_index = index - (index // settings.bos_every if start_token is not None else 0)
+    return prompts[document_index % len(prompts)]
+
+
+@torch.no_grad()
+def sample_batch(
+    model: nn.Module,
+    prompts: Sequence[torch.LongTensor],
+    seq_len: int,
+    temperature: float,
+    generator: torch.Generator,
+    autocast: bool = False,
+) -> torch.LongTensor:
+    """Samples one batch of sequences of `seq_len` tokens, each starting with its prompt (prompts may differ in
+    length: a row takes its prompt's token where it has one, and its sample elsewhere; every step feeds one token
+    per row to the KV cache).
+
+    Args:
+        model (`nn.Module`): The causal LM.
+        prompts (`Sequence[torch.LongTensor]`): One prompt per row, each 1 to `seq_len` tokens.
+        seq_len (`int`): Tokens per sequence.
+        temperature (`float`): The sampling temperature (> 0).
+        generator (`torch.Generator`): The draws' generator (on the CPU).
+        autocast (`bool`, defaults to `False`): Run the passes under bfloat16 autocast.
+
+    Returns:
+        `torch.LongTensor` of shape `(len(prompts), seq_len)`, on the CPU.
+    """
+    device = input_device(model)
+    rows = len(prompts)
+    sequences = torch.zeros(rows, seq_len, dtype=torch.long)
+    forced = torch.zeros(rows, seq_len, dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        sequences[row, : prompt.numel()] = prompt
+        forced[row, : prompt.numel()] = True
+    # One cache, filled in place by the layers; its keyword is `cache` from transformers 5.24 (`past_key_values`
+    # before, deprecated since).
+    cache_keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = {cache_keyword: DynamicCache(config=model.config)}
+    passes = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
+    with passes:
+        for position in range(seq_len - 1):
+            output = model(input_ids=sequences[:, position : position + 1].to(device), use_cache=True, **cache)
+            probabilities = torch.softmax(output.logits[:, -1].float().cpu() / temperature, dim=-1)
+            drawn = torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
+            column = position + 1
+            sequences[:, column] = torch.where(forced[:, column], sequences[:, column], drawn)
+    return sequences
+
+
+def fingerprint(
+    teacher: nn.Module, prompts: Sequence[torch.LongTensor], start_token: int | None, settings: GenerationSettings
+) -> dict[str, Any]:
+    """What decides the generated sequences: the teacher's weights (a digest), the prompts, the settings and the seed.
+    The number of sequences is left out: the first N are the same whatever the number asked for."""
+    prompt_bytes = json.dumps([prompt.tolist() for prompt in prompts]).encode()
+    return {
+        "version": GENERATION_VERSION,
+        "teacher_weights": weights_digest(teacher),
+        "prompts_sha256": hashlib.sha256(prompt_bytes).hexdigest(),
+        "start_token": start_token,
+        **asdict(settings),
+    }
+
+
+@dataclass
+class GeneratedText:
+    """The dense model's own text.
+
+    Attributes:
+        input_ids (`torch.LongTensor` of shape `(N, seq_len)`): The sequences.
+        seconds (`float`): Spent by this call (reading the cache, generating what it lacked).
+        seconds_per_sequence (`float`): The generation's seconds per sequence where it ran (this call's, else the
+            cache's record of it): what more sequences would cost.
+        from_cache (`int`): Sequences read from the cache.
+    """
+
+    input_ids: torch.LongTensor
+    seconds: float
+    seconds_per_sequence: float
+    from_cache: int = 0
+
+
+def _read_cache(path: str | os.PathLike, expected: dict[str, Any]) -> dict[str, Any] | None:
+    if not os.path.isfile(path):
+        return None
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a half-written or foreign file: generated again and replaced
+        logger.warning(f"The teacher's text cache {path} cannot be read ({type(error).__name__}): generating again.")
+        return None
+    if not isinstance(saved, dict) or saved.get("fingerprint") != expected:
+        logger.info(f"The teacher's text cache {path} comes from other settings or another teacher: generating again.")
+        return None
+    return saved
+
+
+def _write_cache(
+    path: str | os.PathLike, expected: dict[str, Any], input_ids: torch.LongTensor, seconds_per_sequence: float
+) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    temporary = f"{os.fspath(path)}.tmp"
+    try:
+        payload = {"fingerprint": expected, "input_ids": input_ids, "seconds_per_sequence": seconds_per_sequence}
+        torch.save(payload, temporary)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def start_token_of(tokenizer: PreTrainedTokenizerBase | None) -> int | None:
+    """The token a sequence written unprompted starts from: the tokenizer's beginning-of-sequence token, else its
+    end-of-sequence token (GPT-2's documents are separated by it), else `None`."""
+    if tokenizer is None:
+        return None
+    for token in (tokenizer.bos_token_id, tokenizer.eos_token_id):
+        if token is not None:
+            return int(token)
+    return None
+
+
+def generate_sequences(
+    teacher: Callable[[], AbstractContextManager[nn.Module]],
+    documents: Sequence[torch.LongTensor],
+    start_token: int | None,
+    num_sequences: int,
+    settings: GenerationSettings,
+    cache: str | os.PathLike | None = None,
+    autocast: bool = False,
+    progress_bar: bool = True,
+) -> GeneratedText:
+    """The teacher's own text: `num_sequences` sequences it samples from the prompts (see the module docstring), read
+    from `cache` when it holds them for the same fingerprint (a cache with fewer is extended).
+
+    Args:
+        teacher (`Callable`): Returns a context manager that gives the dense model for its block.
+        documents (`Sequence[torch.LongTensor]`): Tokenized calibration documents, whose first tokens are the prompts.
+        start_token (`int`, *optional*): The token an unprompted sequence starts from ([`start_token_of`]).
+        num_sequences (`int`): Sequences wanted.
+        settings ([`GenerationSettings`]): How they are drawn.
+        cache (`str` or `os.PathLike`, *optional*): The cache file (created, extended or replaced here); defaults to
+            a file named by the fingerprint in the user cache.
+        autocast (`bool`, defaults to `False`): Sample under bfloat16 autocast where the hardware computes bfloat16
+            natively and the teacher is float32 (the heal's `heal_autocast` rule).
+        progress_bar (`bool`, defaults to `True`): Show a progress bar.
+
+    Returns:
+        [`GeneratedText`].
+
+    Raises:
+        InvalidInputError: for a temperature that is not a finite number > 0, a `seq_len` below 2, or no prompt.
+    """
+    if not (isinstance(settings.temperature, (int, float)) and 0 < settings.temperature < float("inf")):
+        raise InvalidInputError(f"The generation temperature must be a finite number > 0, got {settings.temperature!r}.")
+    if settings.seq_len < 2:
+        raise InvalidInputError(f"Generated sequences need at least 2 tokens, got seq_len={settings.seq_len}.")
+    started = time.perf_counter()
+    prompts = prompt_starts(documents, start_token, settings)
+    with teacher() as model:
+        expected = fingerprint(model, prompts, start_token, settings)
+        if cache is None:
+            name = hashlib.sha256(json.dumps(expected, sort_keys=True).encode()).hexdigest()[:16]
+            cache = os.path.join(cache_dir(), "heal_text", f"{name}.pt")
+        autocast = autocast and has_native_bfloat16(input_device(model)) and model.dtype == torch.float32
+        saved = _read_cache(cache, expected) or {}
+        have = saved.get("input_ids", torch.zeros(0, settings.seq_len, dtype=torch.long))
+        seconds_per_sequence = float(saved.get("seconds_per_sequence", 0.0))
+        from_cache = min(num_sequences, have.shape[0])
+        if have.shape[0] < num_sequences:
+            batches = []
+            first_batch = have.shape[0] // settings.batch_size  # a cache always holds whole batches
+            last_batch = -(-num_sequences // settings.batch_size)
+            tick = time.perf_counter()
+            with calibration_mode(model):
+                for batch in logging.tqdm(
+                    range(first_batch, last_batch),
+                    desc="Heal: the dense model writes its text",
+                    leave=False,
+                    disable=not progress_bar,
+                ):
+                    indices = range(batch * settings.batch_size, (batch + 1) * settings.batch_size)
+                    generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + batch)
+                    batch_prompts = [sequence_prompt(index, prompts, start_token, settings) for index in indices]
+                    batches.append(
+                        sample_batch(model, batch_prompts, settings.seq_len, settings.temperature, generator, autocast)
+                    )
+            seconds_per_sequence = (time.perf_counter() - tick) / ((last_batch - first_batch) * settings.batch_size)
+            have = torch.cat([have[: first_batch * settings.batch_size], *batches])
+            _write_cache(cache, expected, have, seconds_per_sequence)
+        del model
+    return GeneratedText(have[:num_sequences], time.perf_counter() - started, seconds_per_sequence, from_cache)

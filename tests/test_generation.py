@@ -1,0 +1,245 @@
+"""The dense model's own heal text (optimum_gradmap.generation, `heal_dataset="generated"`)."""
+
+import contextlib
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from optimum_gradmap import GradMAPConfig, GradMAPPruner
+from optimum_gradmap.data import calibration_sha256
+from optimum_gradmap.errors import InvalidInputError
+from optimum_gradmap.generation import GenerationSettings, generate_sequences, sample_batch, sequence_prompt
+from optimum_gradmap.heal import heal_sequences
+
+from .conftest import VOCAB_SIZE, random_ids, small_config, tiny_model
+from .test_heal import HEAL, peaked_model
+
+SETTINGS = GenerationSettings(seq_len=12, temperature=1.0, seed=3, prompt_tokens=4, bos_every=4, batch_size=4)
+
+
+def documents(count: int = 5) -> list[torch.LongTensor]:
+    return [random_ids(1, 10 + index, seed=index)[0] for index in range(count)]
+
+
+def counting(model: torch.nn.Module) -> list[int]:
+    """Counts the model's forward passes."""
+    calls: list[int] = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    return calls
+
+
+def generate(model, num_sequences, settings=SETTINGS, cache=None, docs=None):
+    teacher = lambda: contextlib.nullcontext(model)  # noqa: E731
+    return generate_sequences(teacher, docs or documents(), 1, num_sequences, settings, cache, progress_bar=False)
+
+
+def test_generation_is_deterministic_under_a_seed_and_starts_from_the_prompts(tmp_path):
+    model = tiny_model("llama", num_layers=2)
+    first = generate(model, 8, cache=tmp_path / "a.pt").input_ids
+    again = generate(model, 8, cache=tmp_path / "b.pt").input_ids
+    other_seed = generate(model, 8, dataclasses.replace(SETTINGS, seed=4), cache=tmp_path / "c.pt").input_ids
+    assert first.shape == (8, 12) and torch.equal(first, again)
+    assert not torch.equal(first, other_seed)
+    prompts = [document[:4] for document in documents()]
+    for index, row in enumerate(first):
+        if index % 4 == 3:  # one in `bos_every` starts from the start token alone
+            assert row[0] == 1
+        else:
+            assert any(torch.equal(row[:4], prompt) for prompt in prompts)
+    assert len({tuple(row[:4].tolist()) for index, row in enumerate(first) if index % 4 != 3}) == 5  # cycled prompts
+
+
+def test_the_kv_cache_samples_what_full_forward_passes_would():
+    model = tiny_model("llama", num_layers=2)
+    prompts = [sequence_prompt(index, [d[:4] for d in documents()], 1, SETTINGS) for index in range(4)]
+    sampled = sample_batch(model, prompts, 12, 0.7, torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    expected = torch.zeros(4, 12, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        expected[row, : prompt.numel()] = prompt
+    with torch.no_grad():
+        for position in range(11):  # the whole prefix each step, no cache
+            logits = model(input_ids=expected[:, : position + 1]).logits[:, -1]
+            drawn = torch.multinomial(torch.softmax(logits / 0.7, -1), 1, generator=generator).squeeze(1)
+            for row, prompt in enumerate(prompts):
+                if position + 1 >= prompt.numel():
+                    expected[row, position + 1] = drawn[row]
+    assert torch.equal(sampled, expected)
+
+
+def test_the_cache_is_reused_extended_and_invalidated_by_the_fingerprint(tmp_path):
+    model = tiny_model("llama", num_layers=2)
+    cache = tmp_path / "text.pt"
+    calls = counting(model)
+    first = generate(model, 6, cache=cache)
+    assert first.from_cache == 0 and calls and first.seconds_per_sequence > 0
+    calls.clear()
+    again = generate(model, 6, cache=cache)  # the same fingerprint: read, not generated
+    assert calls == [] and again.from_cache == 6 and torch.equal(again.input_ids, first.input_ids)
+    assert again.seconds_per_sequence == first.seconds_per_sequence  # what more would cost, from the cache's record
+    fewer = generate(model, 3, cache=cache)
+    assert calls == [] and torch.equal(fewer.input_ids, first.input_ids[:3])
+    more = generate(model, 10, cache=cache)  # extended: the first ones stay, the same as a fresh run's
+    assert calls and torch.equal(more.input_ids[:6], first.input_ids)
+    assert torch.equal(more.input_ids, generate(model, 10, cache=tmp_path / "fresh.pt").input_ids)
+    calls.clear()
+    hotter = generate(model, 6, dataclasses.replace(SETTINGS, temperature=2.0), cache=cache)  # other settings
+    assert calls and not torch.equal(hotter.input_ids, first.input_ids)
+    calls.clear()
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] += 1.0  # another teacher
+    generate(model, 6, dataclasses.replace(SETTINGS, temperature=2.0), cache=cache)
+    assert calls
+    calls.clear()
+    generate(model, 6, cache=cache, docs=documents(4))  # other prompts
+    assert calls
+
+
+def test_bad_generation_settings_are_refused_before_the_model_runs(tmp_path):
+    model = tiny_model("llama", num_layers=2)
+    calls = counting(model)
+    for settings in (dataclasses.replace(SETTINGS, temperature=0.0), dataclasses.replace(SETTINGS, seq_len=1)):
+        with pytest.raises(InvalidInputError):
+            generate(model, 4, settings, cache=tmp_path / "x.pt")
+    with pytest.raises(InvalidInputError, match="prompts"):
+        teacher = lambda: contextlib.nullcontext(model)  # noqa: E731
+        generate_sequences(teacher, [torch.tensor([1, 2])], None, 4, SETTINGS, tmp_path / "y.pt", progress_bar=False)
+    assert calls == []
+    with pytest.raises(InvalidInputError, match="heal_temperature"):
+        GradMAPConfig(pruning_ratio=0.25, heal_temperature=-1.0)
+
+
+def _text_file(tmp_path, byte_tokenizer) -> str:
+    path = tmp_path / "documents.txt"
+    path.write_text("\n\n".join(f"Document number {index} says something about topic {index}." for index in range(20)))
+    return str(path)
+
+
+def test_generated_and_corpus_text_come_in_equal_parts(tmp_path, byte_tokenizer):
+    model = tiny_model("llama", num_layers=2, vocab_size=VOCAB_SIZE)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(f"word{index}" for index in range(3000)))
+    config = small_config(
+        dataset=_text_file(tmp_path, byte_tokenizer),
+        heal_dataset=f"generated+{corpus}",
+        heal_tokens=10 * 16,
+        heal_seq_len=16,
+        heal_validation_sequences=4,
+        heal_autocast=False,
+    )
+    teacher = lambda: contextlib.nullcontext(model)  # noqa: E731
+    text = heal_sequences(None, byte_tokenizer, config, teacher, tmp_path / "cache.pt", progress_bar=False)
+    generated_only = heal_sequences(
+        None, byte_tokenizer, dataclasses.replace(config, heal_dataset="generated"), teacher, tmp_path / "cache.pt"
+    )
+    assert text.train_ids.shape == (10, 16) and text.validation_ids.shape == (4, 16)
+    assert text.generation_seconds > 0 and "generated" in text.source and str(corpus) in text.source
+    corpus_rows = [row for row in text.train_ids if "word" in byte_tokenizer.decode(row)]
+    assert len(corpus_rows) == 5  # half of the training sequences are corpus windows
+    shared = {tuple(row.tolist()) for row in generated_only.train_ids} | {
+        tuple(r.tolist()) for r in generated_only.validation_ids
+    }
+    assert sum(tuple(row.tolist()) in shared for row in text.train_ids) == 5  # the other half, the dense model's text
+    with pytest.raises(InvalidInputError, match="dense model"):
+        heal_sequences(None, byte_tokenizer, config)
+
+
+def test_prune_heals_on_the_dense_model_s_own_text_and_counts_its_time(tmp_path, byte_tokenizer):
+    model = peaked_model()
+    config = small_config(
+        num_samples=16, dataset=_text_file(tmp_path, byte_tokenizer), heal_dataset="generated", heal_tokens=32 * 16,
+        heal_lr=1e-3, **HEAL,
+    )  # fmt: skip
+    pruner = GradMAPPruner(config, model, tokenizer=byte_tokenizer, progress_bar=False)
+    result = pruner.prune(model, random_ids(16, 16), heal_text_cache=tmp_path / "cache.pt")
+    assert (tmp_path / "cache.pt").is_file()
+    assert result.heal.dataset.startswith("generated") and result.heal.generation_seconds > 0
+    assert result.heal.seconds >= result.heal.generation_seconds + result.heal.teacher_seconds
+    cached = torch.load(tmp_path / "cache.pt", weights_only=True)["input_ids"]  # the held-out sequences first
+    assert result.heal.validation_sha256 == calibration_sha256(cached[:8])
+    assert result.heal.train_sha256 == calibration_sha256(cached[8 : 8 + 32])  # it trained on the cached text
+    assert result.heal.steps == result.heal.num_steps == 8
+
+
+class FakeClock:
+    """`time.perf_counter` that moves only when a model runs: `cost` seconds per forward pass of a watched model."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def watch(self, model: torch.nn.Module, cost: float) -> None:
+        model.register_forward_hook(lambda *args: setattr(self, "now", self.now + cost))
+
+
+def _auto_heal(monkeypatch, budget: float, slow_down: float = 1.0):
+    """A `heal_tokens="auto"` heal of a tiny pruned model with a teacher beside it, on a fake clock: each forward pass
+    of the student costs 1 s, the teacher's 2 s; `slow_down` makes the measured step that much faster than the real
+    one (a device that slows down after the measurement)."""
+    from optimum_gradmap import heal as heal_module
+    from optimum_gradmap.heal import heal_stage
+    from optimum_gradmap.surgery import remove_layers
+
+    clock = FakeClock()
+    monkeypatch.setattr(heal_module.time, "perf_counter", clock)
+    teacher_model = tiny_model("llama", num_layers=4)
+    with torch.no_grad():
+        teacher_model.lm_head.weight.mul_(30)
+    student = copy.deepcopy(teacher_model)
+    remove_layers(student, [2, 3])
+    clock.watch(student, 1.0)
+    clock.watch(teacher_model, 2.0)
+    measure = heal_module.measure_heal_costs
+
+    def measured(*args, **kwargs):
+        costs = measure(*args, **kwargs)
+        return dataclasses.replace(costs, step_seconds=costs.step_seconds / slow_down)
+
+    monkeypatch.setattr(heal_module, "measure_heal_costs", measured)
+    config = small_config(
+        heal_tokens="auto", heal_seq_len=16, heal_validation_sequences=4, heal_batch_size=4, heal_check_every=2,
+        heal_autocast=False, heal_lr=1e-3,
+    )  # fmt: skip
+    start = clock()
+    result = heal_stage(
+        student, lambda: contextlib.nullcontext(teacher_model), config, None, [0, 1], 4, [], data=random_ids(400, 16, seed=1),
+        stage1_seconds=budget,
+    )  # fmt: skip
+    return result, clock() - start
+
+
+def test_auto_tokens_fill_the_stage1_time_from_the_measured_costs(monkeypatch):
+    result, elapsed = _auto_heal(monkeypatch, budget=200.0)
+    # The measurement: 7 forward passes of the student (7 s). Then per step of 4 sequences: the student's forward (1 s),
+    # the teacher's pass over them (2 s), a check every 2 steps (one forward over the 4 held-out sequences, 1 s): 3.5
+    # s. Once: the teacher's pass over the held-out sequences (2 s) and the first check (1 s): (200 - 7 - 3) / 3.5 = 54
+    # whole steps.
+    assert result.budget_seconds == 200.0
+    assert result.budget_tokens == 54 * 4 * 16 and result.steps == result.num_steps == 54
+    assert not result.stopped_at_budget and elapsed <= 200.0
+    assert result.seconds == pytest.approx(elapsed)
+    assert "chose" in result.summary()
+
+
+def test_auto_tokens_stop_within_the_time_given_when_the_steps_are_slower_than_measured(monkeypatch):
+    result, elapsed = _auto_heal(monkeypatch, budget=200.0, slow_down=3.0)
+    assert result.stopped_at_budget and result.steps < result.num_steps
+    assert elapsed <= 200.0 and elapsed >= 195.0  # the schedule, fitted after the first steps, uses the time left
+    assert result.kl_curve[-1][0] == result.trained_tokens  # the last state was checked before it stopped
+    assert result.best_kl <= min(kl for _, kl in result.kl_curve)
+
+
+def test_auto_tokens_need_a_stage1_time(monkeypatch):
+    from optimum_gradmap.heal import heal_stage
+
+    model = tiny_model("llama", num_layers=2)
+    config = small_config(heal_tokens="auto", heal_seq_len=16, heal_validation_sequences=4, heal_autocast=False)
+    with pytest.raises(InvalidInputError, match="Stage 1"):
+        heal_stage(model, lambda: contextlib.nullcontext(model), config, None, [0, 1], 2, [], data=random_ids(40, 16))
+    assert GradMAPConfig(pruning_ratio=0.25, heal_tokens="auto").heal_tokens == "auto"
+    with pytest.raises(InvalidInputError, match="heal_tokens"):
+        GradMAPConfig(pruning_ratio=0.25, heal_tokens="many")
