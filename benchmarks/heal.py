@@ -43,11 +43,19 @@ there are kept, except the variants named by `--redo VARIANT ...`, measured agai
 
 Which flips (issue 65): every question's record keeps the model's margin (its log-likelihood of the chosen answer
 minus the next best, 4 decimals), and each row's flips are also counted on the confident questions, those whose
-dense margin is above the median (`confident flips`, with and without BoolQ), and per quartile of the dense margins
-(`flips_by_margin` in the JSON, not in the table): Dutta et al. ("Accuracy is Not All You Need", NeurIPS 2024) find
-flips come mostly from questions where the dense model's answer barely wins. Each row also keeps its BoolQ "yes" share
-(`boolq_yes`: the share of BoolQ questions answered "yes", lm-eval's answer 1), to tell a yes/no bias from knowledge.
-These are counted from the answers the rows keep, at every save: older rows get them without being measured again.
+dense margin is above the median of their own task's dense margins (`confident flips`, with and without BoolQ), and
+per quartile of the dense margins cut within each task and pooled over tasks (`flips_by_margin` in the JSON, each
+task's edges in `margin_edges`, not in the table), by the library's `flips`
+([`optimum_gradmap.evaluation.margin_quartiles_by_task`]): Dutta et al. ("Accuracy is Not All You Need", NeurIPS
+2024) find flips come mostly from questions where the dense model's answer barely wins, and the margins are on very
+different scales per task (SmolLM2-135M's dense median: 13.2 nats on HellaSwag, 0.80 on WinoGrande), so a pooled
+median would pick tasks, not sure answers. Each row also keeps its BoolQ "yes" share (`boolq_yes`: the share of
+BoolQ questions answered "yes", lm-eval's answer 1), to tell a yes/no bias from knowledge. These are counted from the
+answers the rows keep, at every save: older rows get them without being measured again, and `--recount-only` counts
+them again and rewrites the record's .json and .md without measuring anything (no model is loaded):
+
+    python benchmarks/heal.py --model smollm2-135m --ratio 0.25 --selection gradmap --recount-only
+
 Dense rows recorded before the margins (every record before issue 65) have none, and the run says so: measure the
 dense row again, the other rows kept and counted against it, with
 
@@ -224,8 +232,8 @@ def boolq_yes(answers: dict) -> float | None:
 
 def count_fidelity(row: dict, dense: dict) -> None:
     """The row's flips against the dense row, with BoolQ and without, from both rows' answers; where the dense row
-    keeps its margins, also the flips on the confident questions (dense margin above the median) and per quartile of
-    the dense margins."""
+    keeps its margins, also the flips on the confident questions (dense margin above its task's median), per quartile
+    of the dense margins cut within each task and pooled, and each task's edges: all counted by the library's `flips`."""
     mine, dense_answers = answers_of(row), answers_of(dense)
     for suffix, skip in (("", ()), ("_without_boolq", ("boolq",))):
         found = flips(expand(mine, skip), expand(dense_answers, skip))
@@ -233,6 +241,7 @@ def count_fidelity(row: dict, dense: dict) -> None:
         if found.confident is not None:
             row["confident_flips" + suffix] = asdict(found.confident)
             row["flips_by_margin" + suffix] = [asdict(entry) for entry in found.by_margin]
+            row["margin_edges" + suffix] = found.margin_edges
 
 
 def recount(record: dict) -> None:
@@ -261,9 +270,11 @@ def markdown(record: dict) -> str:
         "on the held-out segments (nats per token, +/- SE over segments). Flips: share of questions whose right/wrong "
         "differs from the dense model's (BoolQ left out; in brackets with it), answer changes: whose chosen answer "
         "differs. Confident flips: the flips on the questions whose dense margin (the dense model's log-likelihood of "
-        "its answer minus the next best) is above the median (BoolQ left out; in brackets with it); per margin "
-        'quartile in the JSON (`flips_by_margin`). BoolQ yes: the share of BoolQ questions answered "yes". Paired: '
-        "pooled accuracy change against Stage 1 alone and against Stage 1 + default Stage 2, points +/- SE.",
+        "its answer minus the next best) is above the median of their own task's dense margins (margins are on very "
+        "different scales per task; BoolQ left out; in brackets with it); per margin quartile, cut within each task "
+        "and pooled, in the JSON (`flips_by_margin`, edges per task in `margin_edges`). BoolQ yes: the share of BoolQ "
+        'questions answered "yes". Paired: pooled accuracy change against Stage 1 alone and against Stage 1 + default '
+        "Stage 2, points +/- SE.",
         "",
         "| row | Wikipedia ppl | web ppl | KL Wikipedia | KL web | flips | confident flips | answer changes | accuracy | "
         "BoolQ yes | vs Stage 1 | vs Stage 1 + 2 | heal seconds | heal tokens | quiet | commit |",
@@ -304,6 +315,15 @@ def markdown(record: dict) -> str:
     if dense is not None and answers_of(dense) and not has_margins(dense):
         lines += ["", MISSING_MARGINS]
     return "\n".join(lines) + "\n"
+
+
+def write(record: dict, path: str) -> None:
+    """Counts the record's flips again ([`recount`]) and writes it to `path` (.json) and its table beside it (.md)."""
+    recount(record)
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(record, file, indent=1)
+    with open(path[: -len(".json")] + ".md", "w", encoding="utf-8") as file:
+        file.write(markdown(record))
 
 
 def copied_dense_row(source: str, record: dict, max_segments: int) -> dict:
@@ -361,6 +381,12 @@ def main() -> None:
         help="with --resume, measure these variants again (run even if not in --variants), each in its old row's place; "
         "e.g. `--redo dense` for a dense row recorded without its questions' margins",
     )
+    parser.add_argument(
+        "--recount-only",
+        action="store_true",
+        help="measure nothing: load the record, count every row's flips again from the answers it keeps, and rewrite "
+        "its .json and .md",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.manual_seed(0)
@@ -369,6 +395,13 @@ def main() -> None:
     suffix = ("-notasks" if args.no_tasks else "") + ("" if args.device == "cpu" else f"-{args.device}")
     name = f"heal-{args.model}-{args.ratio:g}-{args.selection}-{args.protocol}{suffix}" + (f"-{args.label}" if args.label else "")
     path = os.path.join(RESULTS, name + ".json")
+    if args.recount_only:
+        with open(path, encoding="utf-8") as file:
+            record = json.load(file)
+        write(record, path)
+        print(markdown(record))
+        print(f"counted again, nothing measured: {path} and its .md", flush=True)
+        return
     record = {
         "model": args.model,
         "ratio": args.ratio,
@@ -394,11 +427,7 @@ def main() -> None:
         print(MISSING_MARGINS, flush=True)
 
     def save() -> None:
-        recount(record)
-        with open(path, "w", encoding="utf-8") as file:
-            json.dump(record, file, indent=1)
-        with open(path[: -len(".json")] + ".md", "w", encoding="utf-8") as file:
-            file.write(markdown(record))
+        write(record, path)
 
     def load() -> torch.nn.Module:
         model, _ = load_model(args.model)

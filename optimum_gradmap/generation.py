@@ -45,7 +45,6 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from .assets import cache_dir
 from .errors import InvalidInputError
 from .passes import calibration_mode, input_device
 from .precision import has_native_bfloat16
@@ -163,7 +162,7 @@ def sample_batch(
         sequences[row, : prompt.numel()] = prompt
         forced[row, : prompt.numel()] = True
     # One cache, filled in place by the layers; its keyword is `cache` from transformers 5.24 (`past_key_values`
-    # before, deprecated since).
+    # before, still accepted there with a warning).
     cache_keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache = {cache_keyword: DynamicCache(config=model.config)}
     passes = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
@@ -289,6 +288,8 @@ def generate_sequences(
     with teacher() as model:
         expected = fingerprint(model, prompts, start_token, settings)
         if cache is None:
+            from .assets import cache_dir  # the assets module loads only where a cache folder is needed
+
             name = hashlib.sha256(json.dumps(expected, sort_keys=True).encode()).hexdigest()[:16]
             cache = os.path.join(cache_dir(), "heal_text", f"{name}.pt")
         autocast = autocast and has_native_bfloat16(input_device(model)) and model.dtype == torch.float32

@@ -1793,21 +1793,29 @@ def plan_pruning(
         stages.append(stage("Stage 2", passes, calibration_tokens, work2, weights + beside, resident + beside, memory["host"]))
     if heal:
         num_kept_layers = int(num_kept.high)
-        if config.heal_tokens == "auto":  # as many tokens as fit in Stage 1's planned time (the heal is linear in them)
-            reference = dataclasses.replace(
-                config, heal_tokens=_AUTO_REFERENCE_STEPS * config.heal_batch_size * config.heal_seq_len
-            )
-            work3, counts = _heal(reference, shape, num_kept_layers, num_layers, streamed)
-            probe = stage("Heal", "", 0, work3, 0.0, None, 0.0, heal=True).seconds
+        if config.heal_tokens == "auto":  # as many tokens as fit in Stage 1's planned time
+            batch_tokens = config.heal_batch_size * config.heal_seq_len
+
+            def heal_seconds(steps: int) -> Count | None:
+                budget = dataclasses.replace(config, heal_tokens=steps * batch_tokens)
+                work, _ = _heal(budget, shape, num_kept_layers, num_layers, streamed)
+                return stage("Heal", "", 0, work, 0.0, None, 0.0, heal=True).seconds
+
+            # the heal's time is a fixed part (the held-out sequences' teacher pass, the first check) and a part per
+            # step: two budgets give both
+            first, second = heal_seconds(_AUTO_REFERENCE_STEPS), heal_seconds(2 * _AUTO_REFERENCE_STEPS)
             stage1_plan = next((done.seconds for done in stages if done.name == "Stage 1"), None)
-            if probe is None or stage1_plan is None:
-                notes.append("heal_tokens='auto': planned at its reference budget (no Stage 1 time to size it by).")
-                config = reference
+            if first is None or second is None or stage1_plan is None:
+                notes.append("heal_tokens='auto': planned at a reference budget (no Stage 1 time to size it by).")
+                config = dataclasses.replace(config, heal_tokens=_AUTO_REFERENCE_STEPS * batch_tokens)
             else:
-                share = AUTO_TIME_SHARE * stage1_plan.high / probe.high
-                tokens = max(1, int(share * reference.heal_tokens) // config.heal_seq_len) * config.heal_seq_len
-                config = dataclasses.replace(config, heal_tokens=tokens)
-                notes.append(f"heal_tokens='auto': about {tokens:,} tokens, Stage 1's planned time (the run measures its own).")
+                per_step = (second.high - first.high) / _AUTO_REFERENCE_STEPS
+                fixed = first.high - per_step * _AUTO_REFERENCE_STEPS
+                steps = max(1, math.floor((AUTO_TIME_SHARE * stage1_plan.high - fixed) / per_step))
+                config = dataclasses.replace(config, heal_tokens=steps * batch_tokens)
+                notes.append(
+                    f"heal_tokens='auto': about {config.heal_tokens:,} tokens, Stage 1's planned time (the run measures its own)."
+                )
             if is_generated(config.heal_dataset):
                 notes.append("The dense model's own text (`generated`) is not in the heal's planned time.")
         work3, counts = _heal(config, shape, num_kept_layers, num_layers, streamed)

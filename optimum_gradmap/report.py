@@ -504,9 +504,11 @@ def _cost_table(report: dict[str, Any]) -> str:
         ]
         if any(isinstance(key, tuple) and key[0] == "margin flips" for key in rows):
             lines[-1] += (
-                " A question's margin: the dense model's log-likelihood of its answer minus the next best answer's; "
-                "confident questions: those whose margin is above the median. Flips come mostly from questions "
-                "where the dense model's answer barely wins; a flip on a confident question is one it was sure of."
+                " A question's margin: the dense model's log-likelihood of its answer minus the next best answer's, "
+                "compared within its task (margins are on very different scales per task): the quartiles are cut "
+                "within each task and pooled over tasks, and confident questions are those whose margin is above "
+                "their own task's median. Flips come mostly from questions where the dense model's answer barely "
+                "wins; a flip on a confident question is one it was sure of."
             )
     stage_note = _stage_note(columns)
     return "\n".join(lines + (["", stage_note] if stage_note else []))
@@ -551,14 +553,17 @@ def _flips_row(flips: dict[str, Any]) -> tuple[str, str, str]:
 
 
 def _margin_flips_rows(flips: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """The model card's rows of the zero-shot flips on the confident questions (the reference's margin above the
-    median) and per quartile of the reference's margins, where the flips have them."""
+    """The model card's rows of the zero-shot flips on the confident questions (the reference's margin above its
+    task's median) and per quartile of the reference's margins cut within each task, where the flips have them (with
+    each task's edges, `margin_edges`: a split without them was cut over the pooled margins, and is not shown)."""
     rows = []
+    if not flips.get("margin_edges"):
+        return rows
     confident = flips.get("confident")
     if confident is not None:
         rows.append(
             (
-                f"zero-shot flips on confident questions ({flips['reference']} margin above the median)",
+                f"zero-shot flips on confident questions ({flips['reference']} margin above its task's median)",
                 "",
                 f"{confident['flips']:.2%} of {confident['num_questions']} ({confident['right_to_wrong']} right → wrong, "
                 f"{confident['wrong_to_right']} wrong → right)",
@@ -568,7 +573,8 @@ def _margin_flips_rows(flips: dict[str, Any]) -> list[tuple[str, str, str]]:
         quartiles = ", ".join(
             f"Q{entry['quartile']} {entry['flips']:.1%} of {entry['num_questions']}" for entry in flips["by_margin"]
         )
-        rows.append((f"zero-shot flips by quartile of {flips['reference']} margin (Q1: smallest)", "", quartiles))
+        label = f"zero-shot flips by within-task quartile of {flips['reference']} margin (Q1: smallest)"
+        rows.append((label, "", quartiles))
     return rows
 
 
@@ -758,10 +764,10 @@ def format_report(report: dict[str, Any]) -> str:
             f"({pooled['right_to_wrong']} right -> wrong, {pooled['wrong_to_right']} wrong -> right)"
         )
         confident = flips.get("confident")
-        if confident is not None:
+        if confident is not None and flips.get("margin_edges"):
             lines.append(
                 f"confident flips:     {confident['flips']:.2%} of {confident['num_questions']} questions "
-                f"({flips['reference']} margin above the median)"
+                f"({flips['reference']} margin above its task's median)"
             )
     earlier_flips = before.get("flips_against_dense")
     if earlier_flips:  # the pruning run's, before the heal: zero-shot is not run again after it

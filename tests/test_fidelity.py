@@ -2,7 +2,8 @@
 divergence checked against `torch.nn.functional.kl_div` on full logits, flips and answer changes against hand counts,
 the paired comparison of two models' flips, the JSON round trip (old files still load), the command line, the pruning
 report and model card, the KL divergence shared by two processes, and the flips split by the dense model's margins
-(issue 65: quartiles that add up to the pooled flips, the confident questions by hand, ties, older records)."""
+(issue 65: quartiles cut within each task that add up to the pooled flips, the confident questions by hand, a
+question confident relative to its own task, ties, older records)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from optimum_gradmap.evaluation import (
     flips,
     load_evaluation_segments,
     margin_quartiles,
+    margin_quartiles_by_task,
     next_token_kl,
     next_token_kl_per_segment,
     question_margin,
@@ -499,15 +501,16 @@ def _margined_result(tasks: dict[str, list[tuple[float | None, bool, int]]], cho
     return result
 
 
-# The dense model's margins and right/wrong, and the model's right/wrong, question by question. Pooled margins, sorted:
-# 0.1 0.2 0.5 1.0 | 1.5 2.0 3.0 4.0; quartile edges (linear interpolation) 0.1, 0.425, 1.25, 2.25, 4.0.
+# The dense model's margins and right/wrong, and the model's right/wrong, question by question. Each task's margins,
+# sorted, and its quartile edges (linear interpolation): piqa 0.1 0.5 | 2.0 3.0, edges 0.1, 0.4, 1.25, 2.25, 3.0;
+# arc_easy 0.2 1.0 | 1.5 4.0, edges 0.2, 0.8, 1.25, 2.125, 4.0 (both medians 1.25).
 DENSE_MARGINS = {
     "piqa": [(0.1, True, 0), (2.0, True, 1), (0.5, False, 0), (3.0, True, 2)],
     "arc_easy": [(1.0, True, 0), (0.2, True, 1), (4.0, False, 2), (1.5, True, 0)],
 }
 MODEL_RIGHT = {
-    "piqa": [False, False, True, True],  # right -> wrong (Q1), right -> wrong (Q3, confident), wrong -> right (Q2), same
-    "arc_easy": [True, False, True, True],  # same, right -> wrong (Q1), wrong -> right (Q4, confident), same
+    "piqa": [False, False, True, True],  # right -> wrong (Q1), right -> wrong (Q3, confident), wrong -> right (Q2), same (Q4)
+    "arc_easy": [True, False, True, True],  # same (Q2), right -> wrong (Q1), wrong -> right (Q4, confident), same (Q3)
 }
 
 
@@ -523,12 +526,16 @@ def test_flips_split_by_the_dense_margin_add_up_to_the_pooled_flips_and_match_ha
     found = flips(model, dense, names=("pruned", "dense"))
     pooled = found.pooled
     assert (pooled.num_questions, pooled.flips, pooled.right_to_wrong, pooled.wrong_to_right) == (8, 5 / 8, 3, 2)
-    edges = [edge for entry in found.by_margin for edge in (entry.low, entry.high)]
-    assert edges == pytest.approx([0.1, 0.425, 0.425, 1.25, 1.25, 2.25, 2.25, 4.0])
+    assert list(found.margin_edges) == ["piqa", "arc_easy"]
+    assert found.margin_edges["piqa"] == pytest.approx([0.1, 0.4, 1.25, 2.25, 3.0])
+    assert found.margin_edges["arc_easy"] == pytest.approx([0.2, 0.8, 1.25, 2.125, 4.0])
     import numpy as np
 
-    margins = [m for questions in DENSE_MARGINS.values() for m, _, _ in questions]
-    assert [entry.high for entry in found.by_margin] == pytest.approx(list(np.quantile(margins, [0.25, 0.5, 0.75, 1.0])))
+    for task, questions in DENSE_MARGINS.items():  # each task's own quantiles, numpy's default
+        margins = [m for m, _, _ in questions]
+        assert found.margin_edges[task] == pytest.approx(list(np.quantile(margins, [0, 0.25, 0.5, 0.75, 1.0])))
+    assert all(entry.cut == "within task" for entry in found.by_margin)
+    # quartile q pools both tasks' quartile q
     counts = [(e.quartile, e.num_questions, e.num_flips, e.flips, e.right_to_wrong, e.wrong_to_right) for e in found.by_margin]
     assert counts == [(1, 2, 2, 1.0, 2, 0), (2, 2, 1, 0.5, 0, 1), (3, 2, 1, 0.5, 1, 0), (4, 2, 1, 0.5, 0, 1)]
     # the quartiles add up to the pooled questions and flips
@@ -536,14 +543,15 @@ def test_flips_split_by_the_dense_margin_add_up_to_the_pooled_flips_and_match_ha
     assert sum(e.num_flips for e in found.by_margin) == round(pooled.flips * pooled.num_questions)
     assert sum(e.right_to_wrong for e in found.by_margin) == pooled.right_to_wrong
     assert sum(e.wrong_to_right for e in found.by_margin) == pooled.wrong_to_right
-    # confident: margin above the median 1.25 (piqa 2.0 and 3.0, arc_easy 4.0 and 1.5): 2 flips, one each way
+    # confident: margin above its task's median 1.25 (piqa 2.0 and 3.0, arc_easy 4.0 and 1.5): 2 flips, one each way
     confident = found.confident
     assert (confident.task, confident.num_questions, confident.flips, confident.answer_changes) == ("confident", 4, 0.5, 0.5)
     assert (confident.right_to_wrong, confident.wrong_to_right) == (1, 1)
     assert confident.num_questions == found.by_margin[2].num_questions + found.by_margin[3].num_questions
     lines = found.summary_lines()
-    assert "confident questions (dense's margin above the median): 50.00% of 4 flipped (1 right -> wrong" in lines[-2]
-    assert "Q1 [0.1, 0.425] 100.00% of 2; Q2 (0.425, 1.25] 50.00% of 2" in lines[-1]
+    assert "confident questions (dense's margin above its task's median): 50.00% of 4 flipped (1 right -> wrong" in lines[-3]
+    assert "within each task" in lines[-2] and "within-task Q1 100.00% of 2; within-task Q2 50.00% of 2" in lines[-2]
+    assert lines[-1].endswith("per task (nats): piqa 0.1, 0.4, 1.25, 2.25, 3; arc_easy 0.2, 0.8, 1.25, 2.12, 4")
     # the margins are the dense model's: swapping the roles moves the split (the model has no log-likelihoods)
     assert flips(dense, model).by_margin is None
 
@@ -555,7 +563,7 @@ def test_ties_at_the_median_stay_below_it_and_every_question_is_in_one_quartile(
     model = _model_of({"piqa": [(None, True, 0)] * 8}, {"piqa": [True, False, False, True, True, True, False, True]})
     found = flips(model, dense)
     assert [(e.num_questions, e.num_flips) for e in found.by_margin] == [(5, 2), (0, 0), (1, 0), (2, 1)]
-    assert found.by_margin[1].flips == 0.0 and (found.by_margin[1].low, found.by_margin[1].high) == (1.0, 1.0)
+    assert found.by_margin[1].flips == 0.0 and found.margin_edges["piqa"][1:3] == [1.0, 1.0]
     assert (found.confident.num_questions, found.confident.right_to_wrong, found.confident.flips) == (3, 1, pytest.approx(1 / 3))
     # every margin tied (0, the two best answers equal): all in the first quartile, none confident
     tied = _margined_result({"piqa": [(0.0, True, 0)] * 4})
@@ -566,7 +574,8 @@ def test_ties_at_the_median_stay_below_it_and_every_question_is_in_one_quartile(
 def test_records_without_log_likelihoods_give_no_margin_split():
     old = _margined_result({"piqa": [(None, True, 0), (None, False, 1)]})
     found = flips(old, old)
-    assert found.by_margin is None and found.confident is None and found.pooled.num_questions == 2
+    assert found.by_margin is None and found.confident is None and found.margin_edges is None
+    assert found.pooled.num_questions == 2
     assert not any("confident" in line or "quartile" in line for line in found.summary_lines())
     one_answer = _margined_result({"piqa": [(1.0, True, 0)]})
     one_answer.tasks[0].questions[0].loglikelihoods = [0.0]
@@ -576,6 +585,44 @@ def test_records_without_log_likelihoods_give_no_margin_split():
     assert flips(_model_of(DENSE_MARGINS, MODEL_RIGHT), mixed).by_margin is None
     with pytest.raises(InvalidInputError, match="No margins"):
         margin_quartiles([])
+    with pytest.raises(InvalidInputError, match="No margins"):
+        margin_quartiles_by_task([], [])
+    with pytest.raises(InvalidInputError, match="one task per margin"):
+        margin_quartiles_by_task(["piqa"], [1.0, 2.0])
+
+
+def test_a_question_is_confident_relative_to_its_own_task_not_to_the_pooled_margins():
+    # HellaSwag's margins are large, WinoGrande's small (SmolLM2-135M's dense medians: 13.2 and 0.80 nats): the
+    # pooled median (5.2) would put every HellaSwag question above it and no WinoGrande one
+    dense = _margined_result(
+        {
+            "hellaswag": [(10.0, True, 0), (12.0, True, 0), (14.0, True, 0), (16.0, True, 0)],
+            "winogrande": [(0.1, True, 0), (0.2, True, 0), (0.3, True, 0), (0.4, True, 0)],
+        },
+        choices=2,  # two answers: the other one is the next best, margins above 5 nats kept
+    )
+    # the model flips HellaSwag's 12-nat question (below its task's median 13) and WinoGrande's 0.4-nat one (above 0.25)
+    right = {"hellaswag": [True, False, True, True], "winogrande": [True, True, True, False]}
+    model = _model_of({task: [(None, True, 0)] * 4 for task in right}, right, choices=2)
+    found = flips(model, dense)
+    assert found.margin_edges["hellaswag"] == pytest.approx([10.0, 11.5, 13.0, 14.5, 16.0])
+    assert found.margin_edges["winogrande"] == pytest.approx([0.1, 0.175, 0.25, 0.325, 0.4])
+    # each quartile holds one question of each task; HellaSwag's flip is in Q2, WinoGrande's in Q4
+    assert [(e.num_questions, e.num_flips) for e in found.by_margin] == [(2, 0), (2, 1), (2, 0), (2, 1)]
+    assert sum(e.num_flips for e in found.by_margin) == found.pooled.right_to_wrong + found.pooled.wrong_to_right == 2
+    # confident: 14 and 16 nats on HellaSwag, 0.3 and 0.4 on WinoGrande; the one flip among them is WinoGrande's
+    assert (found.confident.num_questions, found.confident.right_to_wrong, found.confident.flips) == (4, 1, 0.25)
+    # cut over the pooled margins (median 5.2), WinoGrande's 0.4 would be in the second quartile, HellaSwag's 12 in the
+    # third (confident)
+    tasks = ["hellaswag"] * 4 + ["winogrande"] * 4
+    margins = [10.0, 12.0, 14.0, 16.0, 0.1, 0.2, 0.3, 0.4]
+    assert margin_quartiles(margins)[1] == [3, 3, 4, 4, 1, 1, 2, 2]
+    assert margin_quartiles_by_task(tasks, margins)[1] == [1, 2, 3, 4, 1, 2, 3, 4]
+    # the paired comparison cuts the same way
+    comparison = compare_zero_shot(model, dense, reference=dense)
+    assert comparison.margin_edges == found.margin_edges
+    assert (comparison.confident_flips.num_questions, comparison.confident_flips.flips_a) == (4, 0.25)
+    assert [entry.flips_a for entry in comparison.flips_by_margin] == [0.0, 0.5, 0.0, 0.5]
 
 
 def test_the_margin_split_round_trips_through_json_and_old_dicts_still_load(tmp_path):
@@ -587,10 +634,18 @@ def test_the_margin_split_round_trips_through_json_and_old_dicts_still_load(tmp_
     result.to_json(str(tmp_path / "pruned.json"))
     again = EvaluationResult.from_json(str(tmp_path / "pruned.json"))
     assert again.flips == found and again.flips.confident.num_questions == 4
-    assert "flips: confident questions (dense's margin above the median): 50.00% of 4" in again.summary()
-    old = {key: value for key, value in found.to_dict().items() if key not in ("by_margin", "confident")}
+    assert "flips: confident questions (dense's margin above its task's median): 50.00% of 4" in again.summary()
+    old = {key: value for key, value in found.to_dict().items() if key not in ("by_margin", "confident", "margin_edges")}
     loaded = FlipsResult.from_dict(old)
     assert loaded.by_margin is None and loaded.confident is None and loaded.pooled == found.pooled
+    # a split cut over the pooled margins (quartiles with a low and high edge, no `cut`) is left out
+    pooled_cut = found.to_dict()
+    pooled_cut.pop("margin_edges")
+    for entry in pooled_cut["by_margin"]:
+        entry.pop("cut")
+        entry.update(low=0.0, high=1.0)
+    loaded = FlipsResult.from_dict(pooled_cut)
+    assert (loaded.by_margin, loaded.confident, loaded.margin_edges) == (None, None, None)
 
 
 def test_answer_shares_give_each_answers_share():
@@ -612,17 +667,19 @@ def test_compare_splits_both_models_flips_by_the_reference_margin(tmp_path, caps
     a = _model_of(DENSE_MARGINS, MODEL_RIGHT)
     b = _model_of(DENSE_MARGINS, {"piqa": [True, True, False, True], "arc_easy": [True, True, False, False]})  # 1 flip
     comparison = compare_zero_shot(a, b, reference=dense, names=("a", "b", "dense"))
-    assert comparison.margin_edges == pytest.approx([0.1, 0.425, 1.25, 2.25, 4.0])
-    assert [entry.task for entry in comparison.flips_by_margin] == ["margin Q1", "margin Q2", "margin Q3", "margin Q4"]
+    assert comparison.margin_edges == flips(a, dense).margin_edges
+    assert comparison.margin_edges["arc_easy"] == pytest.approx([0.2, 0.8, 1.25, 2.125, 4.0])
+    assert [entry.task for entry in comparison.flips_by_margin] == [f"within-task Q{q}" for q in range(1, 5)]
     for entry, expected in zip(comparison.flips_by_margin, flips(a, dense).by_margin):
         assert (entry.num_questions, entry.flips_a) == (expected.num_questions, expected.flips)
-    # b flips only arc_easy's margin-1.5 question (confident, Q3)
+    # b flips only arc_easy's margin-1.5 question (confident, its task's Q3)
     assert [entry.flips_b for entry in comparison.flips_by_margin] == [0.0, 0.0, 0.5, 0.0]
     confident = comparison.confident_flips
     assert (confident.num_questions, confident.flips_a, confident.flips_b) == (4, 0.5, 0.25)
     assert (confident.only_a, confident.only_b) == (2, 1)
     summary = comparison.summary()
-    assert "margin Q4" in summary and "confident" in summary and "edges 0.1, 0.425, 1.25, 2.25, 4" in summary
+    assert "within-task Q4" in summary and "confident: margin above its task's median" in summary
+    assert "edges per task: piqa 0.1, 0.4, 1.25, 2.25, 3; arc_easy 0.2, 0.8, 1.25, 2.12, 4" in summary
     assert compare_zero_shot(a, b, reference=_model_of(DENSE_MARGINS, MODEL_RIGHT)).confident_flips is None
     # the command prints them
     paths = {}
@@ -631,7 +688,7 @@ def test_compare_splits_both_models_flips_by_the_reference_margin(tmp_path, caps
         EvaluationResult(name, zero_shot=result).to_json(paths[name])
     assert main(["compare", paths["a"], paths["b"], "--reference", paths["dense"], "-q"]) == 0
     printed = capsys.readouterr().out
-    assert "margin Q1" in printed and "confident" in printed
+    assert "within-task Q1" in printed and "confident" in printed
 
 
 def test_the_model_card_and_inspect_show_the_confident_flips(tmp_path, capsys):
@@ -645,17 +702,18 @@ def test_the_model_card_and_inspect_show_the_confident_flips(tmp_path, capsys):
     )
     assert load_report(tmp_path / "card")["flips_against_dense"]["confident"]["num_questions"] == 4
     rows = _card_rows(tmp_path / "card")
-    assert rows["zero-shot flips on confident questions (dense margin above the median)"] == [
+    assert rows["zero-shot flips on confident questions (dense margin above its task's median)"] == [
         "",
         "50.00% of 4 (1 right → wrong, 1 wrong → right)",
     ]
-    assert rows["zero-shot flips by quartile of dense margin (Q1: smallest)"] == [
+    assert rows["zero-shot flips by within-task quartile of dense margin (Q1: smallest)"] == [
         "",
         "Q1 100.0% of 2, Q2 50.0% of 2, Q3 50.0% of 2, Q4 50.0% of 2",
     ]
-    assert "confident questions: those whose margin is above the median" in (tmp_path / "card" / "README.md").read_text()
+    card = (tmp_path / "card" / "README.md").read_text()
+    assert "confident questions are those whose margin is above their own task's median" in card
     assert main(["inspect", str(tmp_path / "card")]) == 0
-    assert "confident flips:     50.00% of 4 questions (dense margin above the median)" in capsys.readouterr().out
+    assert "confident flips:     50.00% of 4 questions (dense margin above its task's median)" in capsys.readouterr().out
     # flips without the split (older records): no confident row
     old = _margined_result({task: [(None, r, g) for _, r, g in questions] for task, questions in DENSE_MARGINS.items()})
     pruner.save_pretrained(
@@ -666,10 +724,9 @@ def test_the_model_card_and_inspect_show_the_confident_flips(tmp_path, capsys):
     assert not any("confident" in name for name in _card_rows(tmp_path / "old"))
 
 
-def test_the_heal_benchmark_keeps_margins_counts_confident_flips_and_renders_old_rows(monkeypatch):
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
-    import heal as heal_benchmark
-
+def _heal_record(heal_benchmark) -> tuple[dict, ZeroShotResult, ZeroShotResult]:
+    """A heal benchmark record of a dense and a `stage1` row on DENSE_MARGINS' tasks and BoolQ, not counted yet, and
+    the two rows' full results."""
     dense_result, model_result = _margined_result(DENSE_MARGINS), _model_of(DENSE_MARGINS, MODEL_RIGHT)
     boolq = {"boolq": [(1.0, True, 1), (2.0, True, 0), (3.0, False, 1), (4.0, True, 1)]}  # dense picks 1, 0, 0, 1
     dense_result.tasks.append(_margined_result(boolq, choices=2).tasks[0])
@@ -690,6 +747,14 @@ def test_the_heal_benchmark_keeps_margins_counts_confident_flips_and_renders_old
         "layers_from": "x", "calibration": "c", "calibration_sha256": "0" * 64,
         "rows": [row("dense", dense_result), row("stage1", model_result)],
     }  # fmt: skip
+    return record, dense_result, model_result
+
+
+def test_the_heal_benchmark_keeps_margins_counts_confident_flips_and_renders_old_rows(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import heal as heal_benchmark
+
+    record, dense_result, model_result = _heal_record(heal_benchmark)
     assert record["rows"][0]["evaluation"]["zero_shot"]["answers"]["piqa"]["margin"] == [0.1, 2.0, 0.5, 3.0]
     heal_benchmark.recount(record)
     dense, stage1 = record["rows"]
@@ -699,8 +764,11 @@ def test_the_heal_benchmark_keeps_margins_counts_confident_flips_and_renders_old
     assert stage1["confident_flips_without_boolq"] == dataclasses.asdict(without.confident)
     assert stage1["flips_by_margin_without_boolq"] == [dataclasses.asdict(e) for e in without.by_margin]
     assert stage1["confident_flips"] == dataclasses.asdict(with_boolq.confident)
-    # with BoolQ, margins 0.1 ... 4.0 and BoolQ's 1, 2, 3, 4: median 1.75; 3 flips among the 6 above it
+    # with BoolQ, cut within each task: BoolQ's margins 1, 2, 3, 4 (median 2.5) add 3 and 4 to the 4 confident
+    # questions of piqa and arc_easy, and one flip (margin 3, wrong -> right): 3 flips among the 6
     assert (with_boolq.confident.num_questions, with_boolq.confident.flips) == (6, 0.5)
+    assert stage1["margin_edges"]["boolq"] == pytest.approx([1.0, 1.75, 2.5, 3.25, 4.0])
+    assert stage1["margin_edges_without_boolq"] == without.margin_edges
     assert (dense["boolq_yes"], stage1["boolq_yes"]) == (0.5, 0.75) and "confident_flips" not in dense
     table = heal_benchmark.markdown(record)
     assert "| stage1 | 10.00 | 20.00 | - | - | 62.5% (50.0%) | 50.0% (" in table and "| 75.0% |" in table
@@ -715,3 +783,23 @@ def test_the_heal_benchmark_keeps_margins_counts_confident_flips_and_renders_old
     assert "| stage1 | 10.00 | 20.00 | - | - | 62.5% (50.0%) | - |" in old_table and heal_benchmark.MISSING_MARGINS in old_table
     heal_benchmark.recount(record)
     assert "confident_flips" not in record["rows"][1] and record["rows"][1]["boolq_yes"] == 0.75
+
+
+def test_the_heal_benchmark_counts_again_without_measuring(monkeypatch, tmp_path, capsys):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import heal as heal_benchmark
+
+    record, dense_result, model_result = _heal_record(heal_benchmark)
+    record["rows"][1]["confident_flips"] = {"flips": 0.9}  # a count from before: replaced
+    path = tmp_path / "heal-m-0.25-gradmap-screening.json"
+    path.write_text(json.dumps(record))
+    monkeypatch.setattr(heal_benchmark, "RESULTS", str(tmp_path))
+    monkeypatch.setattr(heal_benchmark, "layers_of", lambda *args: ([1], "x"))
+    monkeypatch.setattr(heal_benchmark, "load_model", None)  # nothing is loaded, nothing measured
+    monkeypatch.setattr(sys, "argv", ["heal.py", "--model", "m", "--ratio", "0.25", "--recount-only"])
+    heal_benchmark.main()
+    again = json.loads(path.read_text())
+    assert again["rows"][1]["confident_flips"] == dataclasses.asdict(flips(model_result, dense_result).confident)
+    assert again["rows"][1]["margin_edges"] == flips(model_result, dense_result).margin_edges
+    assert (tmp_path / "heal-m-0.25-gradmap-screening.md").read_text() == heal_benchmark.markdown(again)
+    assert "counted again, nothing measured" in capsys.readouterr().out

@@ -14,7 +14,8 @@ import torch
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.adapters import get_adapter
-from optimum_gradmap.planning import Count, DeviceThroughput, Work, golden_search_evaluations, plan_pruning
+from optimum_gradmap.errors import InvalidInputError
+from optimum_gradmap.planning import Count, DeviceThroughput, Work, golden_search_evaluations, plan_heal, plan_pruning
 
 from .conftest import random_ids, tiny_model
 
@@ -248,3 +249,20 @@ def test_heal_dry_run_prints_the_heals_plan_and_reads_no_weight(tiny_checkpoint,
     printed = capsys.readouterr().out
     assert "Heal" in printed and "8 steps" in printed and "heal trains lora" in printed
     assert not (tmp_path / "healed").exists()
+
+
+def test_an_auto_heal_budget_is_planned_at_stage1s_planned_time():
+    model_config = tiny_model("llama", num_layers=6).config
+    heal = dict(heal_tokens="auto", heal_seq_len=16, heal_batch_size=2, heal_validation_sequences=2)
+    plan = plan_pruning(model_config, GradMAPConfig(**{**SMALL, "num_samples": 64}, **heal), throughput=ASSUMED)
+    stage1 = plan.stage("Stage 1").seconds.high
+    assert plan.stage("Heal").seconds.high == pytest.approx(stage1, rel=0.05)  # AUTO_TIME_SHARE = 1, whole steps
+    assert any("heal_tokens='auto': about" in note for note in plan.notes)
+    longer = plan_pruning(model_config, GradMAPConfig(**{**SMALL, "num_samples": 128}, **heal), throughput=ASSUMED)
+    assert longer.stage("Heal").tokens > plan.stage("Heal").tokens  # a longer Stage 1 buys more heal tokens
+    generated = plan_pruning(
+        model_config, GradMAPConfig(**{**SMALL, "num_samples": 64}, **{**heal, "heal_dataset": "generated"}), throughput=ASSUMED
+    )
+    assert any("own text" in note for note in generated.notes)
+    with pytest.raises(InvalidInputError, match="a number of tokens"):
+        plan_heal(model_config, model_config, GradMAPConfig(**SMALL, **heal), throughput=ASSUMED)

@@ -118,7 +118,7 @@ def heal_rows(source: str, unit_from: str | None = None) -> Callable[[Context], 
             ["---"] + ["---:"] * 11,
         )
         for row in load(source)["rows"]:
-            if is_floor_row(row["variant"]):
+            if is_floor_row(row["variant"]) or is_timed_budget(row["variant"]):  # the latter: `heal_text_rows`
                 continue
             heal = row.get("heal") or {}
             evaluation = row["evaluation"]
@@ -150,6 +150,106 @@ def heal_rows(source: str, unit_from: str | None = None) -> Callable[[Context], 
         return table.markdown()
 
     return render
+
+
+def is_timed_budget(variant: str) -> bool:
+    """A heal row whose budget is time (`lora@1.5x...`: `heal_tokens="auto"` for a multiple of Stage 1's time)."""
+    head = variant.split("+")[0]
+    return "@" in head and head.endswith("x")
+
+
+def _text_name(heal: dict) -> str:
+    dataset = heal.get("dataset", "")
+    if dataset.startswith("generated") and " and " in dataset:
+        return "dense model's + corpus, equal parts"
+    if dataset.startswith("generated"):
+        temperature = dataset.partition("temperature ")[2].partition(",")[0]
+        return f"dense model's own (temperature {temperature})"
+    return "corpus (web + Wikipedia)"
+
+
+def heal_text_rows(source: str) -> Callable[[Context], str]:
+    """Issue 65's rows of one record: the heals whose budget is time (`@FACTORx`: as many tokens as fit, the dense
+    model's text included), on corpus text or the dense model's own, from Stage 1 + 2 or Stage 1 alone, against
+    Stage 1 + 2 (`default`): flips (pooled and on confident questions), KL, paired accuracy, and the goals (flips at
+    most 0.8x Stage 1 + 2's, KL at least 35% lower on both texts, paired accuracy against Stage 1 alone >= 0)."""
+
+    def render(context: Context) -> str:
+        record = load(source)
+        rows = {row["variant"]: row for row in record["rows"]}
+        default = rows.get("default")
+        table = Table(
+            source.removeprefix("heal-") + "-text",
+            [
+                "row",
+                "text",
+                "from",
+                "KL Wikipedia",
+                "KL web",
+                "flips, no BoolQ (all)",
+                "confident flips, no BoolQ (all)",
+                "BoolQ yes",
+                "vs Stage 1",
+                "vs Stage 1 + 2",
+                "heal seconds (text)",
+                "tokens chosen",
+                "goals: flips x, KL, vs Stage 1",
+            ],  # fmt: skip
+            ["---", "---", "---"] + ["---:"] * 10,
+        )
+        for variant in ("dense", "stage1", "default", *(v for v in rows if is_timed_budget(v))):
+            row = rows.get(variant)
+            if row is None:
+                continue
+            heal = row.get("heal") or {}
+            evaluation = row["evaluation"]
+            confident = row.get("confident_flips_without_boolq")
+            confident_all = row.get("confident_flips")
+            goals = "-"
+            if heal and default and row.get("flips_without_boolq") and default.get("flips_without_boolq"):
+                ratio = row["flips_without_boolq"]["flips"] / default["flips_without_boolq"]["flips"]
+                drops = [1 - kl_on(evaluation, d) / kl_on(default["evaluation"], d) for d in KL_TEXTS]
+                gain = (row.get("against_stage1") or {}).get("difference")
+                met = ratio <= 0.8 and min(drops) >= 0.35 and gain is not None and gain >= 0
+                goals = (
+                    f"x{ratio:.2f}, -{100 * drops[0]:.0f}% / -{100 * drops[1]:.0f}%, "
+                    f"{100 * gain:+.2f}: {'met' if met else '**not met**'}"
+                )
+            seconds = "-"
+            if heal:
+                generation = heal.get("generation_seconds") or 0.0
+                seconds = f"{heal['seconds']:.0f} ({generation:.0f})"
+            table.add(
+                [
+                    _row_name(variant, ()),
+                    _text_name(heal) if heal else "-",
+                    ("Stage 1 alone" if "from=stage1" in variant else "Stage 1 + 2") if heal else "-",
+                    kl_cell(evaluation, "offline:wikipedia"),
+                    kl_cell(evaluation, "offline:web_text"),
+                    flips_cell(row),
+                    f"{100 * confident['flips']:.1f}% ({100 * confident_all['flips']:.1f}%)" if confident else "-",
+                    f"{100 * row['boolq_yes']:.1f}%" if row.get("boolq_yes") is not None else "-",
+                    paired(row, "against_stage1") if "against_stage1" in row else "-",
+                    paired(row, "against_default") if "against_default" in row else "-",
+                    seconds,
+                    f"{heal['trained_tokens']:,} of {heal['budget_tokens']:,}" if heal else "-",
+                    goals,
+                ],
+                row["provenance"],
+                source,
+                ("heal",) if heal else ("stage2",) if variant == "default" else (),
+            )
+        return table.markdown()
+
+    return render
+
+
+KL_TEXTS = ("offline:wikipedia", "offline:web_text")
+
+
+def kl_on(evaluation: dict, dataset: str) -> float:
+    """The KL divergence from the dense model on one held-out text."""
+    return next(entry["kl_to_reference"] for entry in evaluation["perplexities"] if entry["dataset"] == dataset)
 
 
 def _row_name(variant: str, removed: Sequence[int]) -> str:
@@ -218,6 +318,7 @@ TABLES = {
     "heal-smollm2-25-quality": heal_kl_rows("heal-quality", ("heal-smollm2-135m-0.25-quality-screening-notasks",)),
     "heal-smollm2-25-gradmap": heal_rows("heal-smollm2-135m-0.25-gradmap-screening"),
     "heal-flips-by-task": flips_by_task("heal-smollm2-135m-0.25-gradmap-screening"),
+    "heal-smollm2-25-gradmap-text": heal_text_rows("heal-smollm2-135m-0.25-gradmap-screening"),
     "heal-smollm2-40-gradmap-tasks": heal_rows("heal-smollm2-135m-0.4-gradmap-screening"),
     "heal-smollm2-25-quality-tasks": heal_rows("heal-smollm2-135m-0.25-quality-screening"),
     "heal-qwen-25-gradmap-tasks": heal_rows("heal-qwen2.5-coder-0.5b-0.25-gradmap-screening"),

@@ -8,8 +8,8 @@
 - [`comparison`]: two models compared question by question (paired difference, McNemar, retained %, and with a
   reference their flips against it).
 - [`fidelity`]: fidelity to the dense model (Dutta et al., "Accuracy is Not All You Need", NeurIPS 2024): flips (the
-  questions whose right/wrong changed, also split by the dense model's answer margins) and the next-token KL
-  divergence on the perplexity segments.
+  questions whose right/wrong changed, also split by the dense model's answer margins within each task) and the
+  next-token KL divergence on the perplexity segments.
 - [`speed`]: decoding throughput and prefill latency with the KV cache.
 - [`suite`]: [`evaluate`], one call for a chosen set of these, returning an [`EvaluationResult`].
 """
@@ -24,6 +24,7 @@ from .fidelity import (
     check_flips_reference,
     flips,
     margin_quartiles,
+    margin_quartiles_by_task,
     next_token_kl,
     next_token_kl_per_segment,
     perplexity_and_kl,
@@ -70,6 +71,7 @@ __all__ = [
     "inference_speed",
     "load_evaluation_segments",
     "margin_quartiles",
+    "margin_quartiles_by_task",
     "next_token_kl",
     "next_token_kl_per_segment",
     "perplexity_and_kl",

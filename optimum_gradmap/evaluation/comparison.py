@@ -29,9 +29,13 @@ cancel out). The paired difference of the flip shares, its standard error and Mc
 question's flip flags (1 flipped, 0 not) exactly as the accuracies' are from its right/wrong flags. Where the
 reference's records hold every answer's log-likelihood, the pooled questions are also cut into the quartiles of the
 reference's margins (its chosen answer's log-likelihood minus the next best's,
-[`~optimum_gradmap.evaluation.fidelity.margin_quartiles`]), and the two models' flips are compared within each
-quartile and on the confident questions, those whose reference margin is above the median (Dutta et al. find flips
-come mostly from questions where the reference's top answer barely wins).
+[`~optimum_gradmap.evaluation.fidelity.question_margin`]), and the two models' flips are compared within each
+quartile and on the confident questions, those whose reference margin is above its task's median (Dutta et al. find
+flips come mostly from questions where the reference's top answer barely wins). The quartiles are cut within each
+task, then pooled ([`~optimum_gradmap.evaluation.fidelity.margin_quartiles_by_task`]): raw margins are on very
+different scales per task (on SmolLM2-135M's dense answers the median margin is 13.2 nats on HellaSwag, 0.80 on
+WinoGrande), so quartiles of the pooled margins would sort the questions by task more than by how sure the reference
+was.
 """
 
 from __future__ import annotations
@@ -42,7 +46,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import InvalidInputError
-from .zero_shot import QuestionRecord, ZeroShotResult
+from .fidelity import (
+    _check_reference_covers,
+    _check_same_data,
+    _records,
+    format_margin_edges,
+    margin_quartiles_by_task,
+    question_margin,
+)
+from .zero_shot import ZeroShotResult
 
 
 def mcnemar_p_value(only_a: int, only_b: int) -> float:
@@ -184,14 +196,15 @@ class ZeroShotComparison:
             without a reference, or where its average is 0).
         flips (`list[PairedFlips]`): With a reference, per task, the two models' flips against it.
         pooled_flips ([`PairedFlips`], *optional*): With a reference, their flips over every question of every task.
-        margin_edges (`list[float]`, *optional*): With a reference whose records hold the answers' log-likelihoods,
-            the five edges of the quartiles of its margins over the pooled questions (smallest, quartiles, largest;
-            the middle one the median).
+        margin_edges (`dict[str, list[float]]`, *optional*): With a reference whose records hold the answers'
+            log-likelihoods, per task, the five edges of the quartiles of its margins on that task's questions
+            (smallest, quartiles, largest; the middle one the task's median).
         flips_by_margin (`list[PairedFlips]`): Then, the two models' flips on the pooled questions of each margin
-            quartile (`task` `"margin Q1"` to `"margin Q4"`, smallest margins first; a quartile without questions is
+            quartile, each question's quartile cut among its own task's margins and every task's quartile q pooled
+            (`task` `"within-task Q1"` to `"within-task Q4"`, smallest margins first; a quartile without questions is
             left out).
         confident_flips ([`PairedFlips`], *optional*): Then, their flips on the pooled questions whose reference margin
-            is above the median (`task` `"confident"`; `None` where no margin is).
+            is above their own task's median (`task` `"confident"`; `None` where no margin is).
     """
 
     model_a: str
@@ -208,7 +221,7 @@ class ZeroShotComparison:
     retained_b: float | None = None
     flips: list[PairedFlips] = field(default_factory=list)
     pooled_flips: PairedFlips | None = None
-    margin_edges: list[float] | None = None
+    margin_edges: dict[str, list[float]] | None = None
     flips_by_margin: list[PairedFlips] = field(default_factory=list)
     confident_flips: PairedFlips | None = None
 
@@ -218,8 +231,8 @@ class ZeroShotComparison:
     def summary(self) -> str:
         """A table for the terminal: per task and pooled, both accuracies, the difference with its standard
         error and McNemar's p-value, and the retained accuracy against the reference; with a reference, a second
-        table of the two models' flips against it (with its margins, also per margin quartile and on the confident
-        questions)."""
+        table of the two models' flips against it (with its margins, also per within-task margin quartile and on the
+        confident questions)."""
         retained = self.reference is not None
         lines = [
             f"B = {self.model_b}  against  A = {self.model_a}" + (f"  (retained: % of {self.reference})" if retained else ""),
@@ -256,10 +269,11 @@ class ZeroShotComparison:
                     f"{entry.difference:>+9.4f}{entry.stderr:>9.4f}{entry.only_a:>8}{entry.only_b:>8}{entry.p_value:>9.3g}"
                 )
             if self.margin_edges is not None:
-                edges = ", ".join(f"{edge:.3g}" for edge in self.margin_edges)
                 lines.append(
-                    f"margin Q1-Q4: the pooled questions by quartile of {self.reference}'s margin (its answer's "
-                    f"log-likelihood minus the next best, nats; edges {edges}); confident: margin above the median"
+                    f"within-task Q1-Q4: the pooled questions by quartile of {self.reference}'s margin (its answer's "
+                    "log-likelihood minus the next best, nats) within their own task, each task cut at its own quartiles "
+                    "and pooled; confident: margin above its task's median; edges per task: "
+                    f"{format_margin_edges(self.margin_edges)}"
                 )
         return "\n".join(lines)
 
@@ -273,68 +287,30 @@ def _retained(accuracy: float, reference_accuracy: float) -> float | None:
     return 100 * accuracy / reference_accuracy if reference_accuracy > 0 else None
 
 
-def _records(result: ZeroShotResult, name: str) -> dict[str, dict[int, QuestionRecord]]:
-    """Every task's questions' records by question id; refuses a result with a task without records."""
-    records = {task.task: {question.doc_id: question for question in task.questions} for task in result.tasks}
-    missing = [task for task, questions in records.items() if not questions]
-    if missing:
-        raise InvalidInputError(
-            f"{name} has no per-question records for {', '.join(missing)}: evaluate it with this version of "
-            "optimum-gradmap and keep the .questions.jsonl file beside its JSON summary."
-        )
-    return records
-
-
 def _answers(result: ZeroShotResult, name: str) -> dict[str, dict[int, int]]:
     """Every task's right (1) / wrong (0) answers by question id."""
     return {task: {i: record.acc for i, record in questions.items()} for task, questions in _records(result, name).items()}
 
 
-def _check_same_data(result: ZeroShotResult, other: ZeroShotResult, name: str, other_name: str) -> None:
-    """Refuses to pair tasks that `result` and `other` scored on another split or from another source."""
-    scored = {task.task: task for task in other.tasks}
-    for task in result.tasks:
-        if task.task not in scored:
-            continue
-        for field_name in ("split", "source"):
-            mine, theirs = getattr(task, field_name), getattr(scored[task.task], field_name)
-            if mine != theirs:
-                raise InvalidInputError(
-                    f"{task.task}: {name} was scored on {field_name} {mine!r}, {other_name} on {theirs!r}: their "
-                    "answers are to other questions and cannot be paired. Evaluate both on the same split with the same "
-                    "task data (`task_data`, `--task-data`)."
-                )
-
-
-def _check_reference_covers(answers: dict[str, dict], reference: dict[str, dict], evaluated: str, reference_name: str) -> None:
-    """Refuses a reference that did not answer every question `answers` holds (by task, then question id); `evaluated`
-    says who answered them ("A and B were", "the model was")."""
-    for task, questions in answers.items():
-        missing = set(questions) - set(reference.get(task, {}))
-        if missing:
-            raise InvalidInputError(
-                f"{reference_name} has no answers to {len(missing)} of the {len(questions)} {task} questions {evaluated} "
-                "evaluated on: evaluate the reference with the same tasks, task data, limit and subsets."
-            )
-
-
 def _compare_by_margin(
-    comparison: ZeroShotComparison, flipped_a: list[int], flipped_b: list[int], margins: list[float | None]
+    comparison: ZeroShotComparison, flipped_a: list[int], flipped_b: list[int], tasks: list[str], margins: list[float | None]
 ) -> None:
-    """Fills the comparison's flips per quartile of the reference's margins and on its confident questions (margin
-    above the median), from the pooled questions' flip flags and margins; nothing where a margin is missing."""
-    from .fidelity import margin_quartiles  # fidelity imports this module
-
+    """Fills the comparison's flips per quartile of the reference's margins, cut within each task
+    ([`~optimum_gradmap.evaluation.fidelity.margin_quartiles_by_task`]) and pooled, and on its confident questions
+    (margin above its task's median), from the pooled questions' flip flags, tasks and margins; nothing where a
+    margin is missing."""
     if not margins or any(margin is None for margin in margins):
         return
-    comparison.margin_edges, quartiles = margin_quartiles(margins)
+    comparison.margin_edges, quartiles = margin_quartiles_by_task(tasks, margins)
     for quartile in range(1, 5):
         members = [i for i, q in enumerate(quartiles) if q == quartile]
         if members:
             comparison.flips_by_margin.append(
-                PairedFlips.from_flags(f"margin Q{quartile}", [flipped_a[i] for i in members], [flipped_b[i] for i in members])
+                PairedFlips.from_flags(
+                    f"within-task Q{quartile}", [flipped_a[i] for i in members], [flipped_b[i] for i in members]
+                )
             )
-    confident = [i for i, margin in enumerate(margins) if margin > comparison.margin_edges[2]]
+    confident = [i for i, q in enumerate(quartiles) if q >= 3]  # above its task's median
     if confident:
         comparison.confident_flips = PairedFlips.from_flags(
             "confident", [flipped_a[i] for i in confident], [flipped_b[i] for i in confident]
@@ -355,7 +331,7 @@ def compare_zero_shot(
         reference ([`ZeroShotResult`], *optional*): The dense model's, on the same questions (or more): each
             model's accuracy is then also given as a percentage of its accuracy (retained accuracy, undefined
             where the reference's accuracy is 0), and the two models' flips against it are compared, pooled, per
-            task, per quartile of its margins and on its confident questions.
+            task, per quartile of its margins within each task and on its confident questions.
         names (`Sequence[str]`, defaults to `("A", "B", "reference")`): The names of A, B and the reference,
             for the table and the errors.
 
@@ -379,10 +355,8 @@ def compare_zero_shot(
         _check_same_data(result_a, reference, names[0], names[2])
         _check_reference_covers(answers_a, answers_reference, f"{names[0]} and {names[1]} were", names[2])
     comparison = ZeroShotComparison(names[0], names[1], reference=names[2] if reference is not None else None)
-    pooled_a, pooled_b, pooled_flips_a, pooled_flips_b, pooled_margins = [], [], [], [], []
+    pooled_a, pooled_b, pooled_flips_a, pooled_flips_b, pooled_tasks, pooled_margins = [], [], [], [], [], []
     if reference is not None:
-        from .fidelity import question_margin  # fidelity imports this module
-
         reference_records = _records(reference, names[2])
     for task, questions in answers_a.items():
         ids = sorted(questions)
@@ -397,6 +371,7 @@ def compare_zero_shot(
             comparison.flips.append(PairedFlips.from_flags(task, flipped_a, flipped_b))
             pooled_flips_a += flipped_a
             pooled_flips_b += flipped_b
+            pooled_tasks += [task] * len(ids)
             pooled_margins += [question_margin(reference_records[task][i]) for i in ids]
         comparison.tasks.append(entry)
         pooled_a += right_a
@@ -404,7 +379,7 @@ def compare_zero_shot(
     comparison.pooled = PairedAccuracy.from_answers("pooled", pooled_a, pooled_b)
     if answers_reference is not None:
         comparison.pooled_flips = PairedFlips.from_flags("pooled", pooled_flips_a, pooled_flips_b)
-        _compare_by_margin(comparison, pooled_flips_a, pooled_flips_b, pooled_margins)
+        _compare_by_margin(comparison, pooled_flips_a, pooled_flips_b, pooled_tasks, pooled_margins)
     count = len(comparison.tasks)
     comparison.average_a = sum(entry.acc_a for entry in comparison.tasks) / count
     comparison.average_b = sum(entry.acc_b for entry in comparison.tasks) / count

@@ -17,11 +17,17 @@ track it better than accuracy differences:
 
 Dutta et al. also find that flips come mostly from the questions where the reference's top answer barely wins. The
 **margin** of a question ([`question_margin`]) is the reference's log-likelihood of the answer it chose (the largest)
-minus the next best answer's; [`flips`] cuts the reference's margins of every question of every task into quartiles
-([`margin_quartiles`]) and counts the flips in each (`FlipsResult.by_margin`), and the flips on the **confident**
-questions, those whose margin is above the median (`FlipsResult.confident`): a flip there is a question the dense
-model was sure of. [`answer_shares`] gives the share of a task's questions on which a model chose each answer (on
-BoolQ, its "yes" rate).
+minus the next best answer's. [`flips`] cuts each task's questions into the quartiles of that task's own reference
+margins ([`margin_quartiles_by_task`]), pools each quartile over the tasks and counts its flips
+(`FlipsResult.by_margin`, the edges per task in `FlipsResult.margin_edges`), and counts the flips on the
+**confident** questions, those whose margin is above their own task's median (`FlipsResult.confident`): a flip there
+is a question the dense model was sure of. The quartiles are cut within each task, not over the pooled margins,
+because a raw margin is a difference of log-likelihoods summed over an answer's tokens, on very different scales per
+task: on SmolLM2-135M's dense answers (screening protocol, 400 questions per task) the median margin is 13.2 nats on
+HellaSwag, 5.6 on PIQA, 2.6 on ARC-Challenge, 2.0 on OpenBookQA and ARC-Easy, 1.26 on BoolQ and 0.80 on WinoGrande,
+so "above the pooled median" would hold 90% of HellaSwag's questions and 13% of WinoGrande's and BoolQ's: it would
+measure which task a question is from more than how sure the model was. [`answer_shares`] gives the share of a
+task's questions on which a model chose each answer (on BoolQ, its "yes" rate).
 
 [`~optimum_gradmap.evaluation.evaluate`] reports both (`reference=` and `reference_model=`), and
 [`~optimum_gradmap.evaluation.compare_zero_shot`] compares two models' flips against the same reference, question
@@ -40,7 +46,6 @@ from torch import nn
 
 from ..errors import InvalidInputError
 from ..passes import calibration_batches, calibration_mode, input_device, summed_next_token_loss
-from .comparison import _check_reference_covers, _check_same_data, _records
 from .zero_shot import STANDARD_SUBSETS, SUBSET_SEED, QuestionRecord, ZeroShotResult, question_ids, scored_split_and_source
 
 
@@ -230,33 +235,34 @@ class TaskFlips:
 @dataclass
 class MarginFlips:
     """A model's flips against the reference on the questions of one quartile of the reference's margins
-    ([`question_margin`], [`margin_quartiles`]), pooled over every task.
+    ([`question_margin`]), each question's quartile cut among its own task's margins ([`margin_quartiles_by_task`])
+    and the quartile then pooled over every task: quartile 2 holds every task's second quartile. Raw margins are on
+    very different scales per task (see the module docstring), so one quartile holds no single range of margins:
+    each task's edges are [`FlipsResult`]'s `margin_edges`.
 
     Attributes:
-        quartile (`int`): 1 for the smallest margins (the reference's top answer barely wins) to 4 for the largest.
-        low (`float`): The quartile's lower edge, in nats: its questions' margins are above it (the first quartile's:
-            at least it, the smallest margin).
-        high (`float`): Its upper edge: its questions' margins are at most it (the fourth quartile's: the largest).
-        num_questions (`int`): Its questions. Ties at an edge all go to the lower quartile, so a quartile may hold
-            more or fewer than a quarter of the questions, or none.
+        quartile (`int`): 1 for each task's smallest margins (the reference's top answer barely wins) to 4 for its
+            largest.
+        num_questions (`int`): Its questions, over every task. Ties at an edge all go to the lower quartile, so a
+            quartile may hold more or fewer than a quarter of the questions, or none.
         num_flips (`int`): Those whose right/wrong differs from the reference's.
         flips (`float`): Their share of `num_questions` (0 for a quartile without questions).
         right_to_wrong (`int`): Flips the reference gets right and the model wrong.
         wrong_to_right (`int`): Flips the reference gets wrong and the model right.
+        cut (`str`, defaults to `"within task"`): How the quartile was cut: within each task, pooled after.
     """
 
     quartile: int
-    low: float
-    high: float
     num_questions: int
     num_flips: int
     flips: float
     right_to_wrong: int
     wrong_to_right: int
+    cut: str = "within task"
 
     def label(self) -> str:
-        """`"Q1 [low, high]"`, `"Q2 (low, high]"`, ...: the quartile and the margins it holds, for tables."""
-        return f"Q{self.quartile} {'[' if self.quartile == 1 else '('}{self.low:.3g}, {self.high:.3g}]"
+        """`"within-task Q1"` to `"within-task Q4"`: the quartile, cut within each task, for tables."""
+        return f"within-task Q{self.quartile}"
 
 
 @dataclass
@@ -267,13 +273,16 @@ class FlipsResult:
         reference (`str`): The reference model's name.
         tasks (`list[TaskFlips]`): Per task, in the model's order.
         pooled ([`TaskFlips`], *optional*): Every question of every task.
-        by_margin (`list[MarginFlips]`, *optional*): The pooled questions cut into the quartiles of the reference's
-            margins, the four in order: their flips add up to the pooled flips, their questions to the pooled
-            questions. `None` where a reference record has fewer than two log-likelihoods (records written without
-            them), and in results from before the split.
-        confident ([`TaskFlips`], *optional*): The flips on the pooled questions whose reference margin is above the
-            median (`task` `"confident"`; the third and fourth quartiles): questions the reference was sure of. `None`
-            where `by_margin` is.
+        by_margin (`list[MarginFlips]`, *optional*): The pooled questions by quartile of the reference's margins,
+            each question's quartile cut among its own task's margins, the four in order: their flips add up to the
+            pooled flips, their questions to the pooled questions. `None` where a reference record has fewer than two
+            log-likelihoods (records written without them), and in results from before the split.
+        confident ([`TaskFlips`], *optional*): The flips on the pooled questions whose reference margin is above their
+            own task's median (`task` `"confident"`; the third and fourth quartiles): questions the reference was
+            sure of. `None` where `by_margin` is.
+        margin_edges (`dict[str, list[float]]`, *optional*): Per task, the five edges of its quartiles of the
+            reference's margins, in nats (its smallest margin, its quartiles, its largest; the middle one its
+            median). `None` where `by_margin` is.
     """
 
     reference: str
@@ -281,6 +290,7 @@ class FlipsResult:
     pooled: TaskFlips | None = None
     by_margin: list[MarginFlips] | None = None
     confident: TaskFlips | None = None
+    margin_edges: dict[str, list[float]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable."""
@@ -288,7 +298,9 @@ class FlipsResult:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> FlipsResult:
-        """Builds a result from [`to_dict`]'s output.
+        """Builds a result from [`to_dict`]'s output. A margin split cut over the pooled margins (its quartiles with
+        a `low` and `high` edge, written by a development version before the within-task cut) is left out: its
+        quartiles and confident questions are not those of [`flips`].
 
         Args:
             values (`dict[str, Any]`): [`to_dict`]'s output.
@@ -297,17 +309,21 @@ class FlipsResult:
             [`FlipsResult`].
         """
         pooled, by_margin, confident = values.get("pooled"), values.get("by_margin"), values.get("confident")
+        margin_edges = values.get("margin_edges")
+        if by_margin is not None and any("cut" not in entry for entry in by_margin):  # the pooled cut
+            by_margin = confident = margin_edges = None
         return cls(
             reference=values["reference"],
             tasks=[TaskFlips(**entry) for entry in values.get("tasks", [])],
             pooled=TaskFlips(**pooled) if pooled is not None else None,
             by_margin=[MarginFlips(**entry) for entry in by_margin] if by_margin is not None else None,
             confident=TaskFlips(**confident) if confident is not None else None,
+            margin_edges=margin_edges,
         )
 
     def summary_lines(self) -> list[str]:
         """One line per task and one pooled, for the terminal; with the margin split, a line of the flips on the
-        confident questions and one of the flips per margin quartile."""
+        confident questions, one of the flips per within-task margin quartile and one of each task's edges."""
         lines = [
             f"{entry.task}: {entry.flips:.2%} of {entry.num_questions} questions flipped against {self.reference} "
             f"({entry.right_to_wrong} right -> wrong, {entry.wrong_to_right} wrong -> right); "
@@ -317,16 +333,32 @@ class FlipsResult:
         if self.confident is not None:
             confident = self.confident
             lines.append(
-                f"confident questions ({self.reference}'s margin above the median): {confident.flips:.2%} of "
+                f"confident questions ({self.reference}'s margin above its task's median): {confident.flips:.2%} of "
                 f"{confident.num_questions} flipped ({confident.right_to_wrong} right -> wrong, "
                 f"{confident.wrong_to_right} wrong -> right)"
             )
         if self.by_margin is not None:
             lines.append(
-                f"by quartile of {self.reference}'s margin (its answer's log-likelihood minus the next best, nats): "
+                f"by quartile of {self.reference}'s margin within each task (its answer's log-likelihood minus the next "
+                "best; each task cut at its own quartiles, pooled over tasks): "
                 + "; ".join(f"{entry.label()} {entry.flips:.2%} of {entry.num_questions}" for entry in self.by_margin)
             )
+        if self.margin_edges is not None:
+            lines.append(f"{self.reference}'s margin quartile edges per task (nats): {format_margin_edges(self.margin_edges)}")
         return lines
+
+
+def format_margin_edges(edges: Mapping[str, Sequence[float]]) -> str:
+    """`"piqa 0.1, 0.4, 1.2, 2.2, 3; arc_easy ..."`: each task's five margin edges ([`margin_quartiles_by_task`]),
+    3 significant digits, for tables and summaries.
+
+    Args:
+        edges (`Mapping[str, Sequence[float]]`): Each task's edges.
+
+    Returns:
+        `str`.
+    """
+    return "; ".join(f"{task} " + ", ".join(f"{edge:.3g}" for edge in task_edges) for task, task_edges in edges.items())
 
 
 def _task_flips(task: str, pairs: Sequence[tuple[Any, Any]]) -> TaskFlips:
@@ -371,7 +403,8 @@ def margin_quartiles(margins: Sequence[float]) -> tuple[list[float], list[int]]:
     exactly one quartile, and a margin is above the median exactly when it is in the third or fourth.
 
     Args:
-        margins (`Sequence[float]`): One per question ([`question_margin`]), at least one.
+        margins (`Sequence[float]`): One per question ([`question_margin`]), at least one: those of one task
+            ([`flips`] cuts each task's margins alone, [`margin_quartiles_by_task`]).
 
     Returns:
         `tuple[list[float], list[int]]`: the five edges, ascending, and each margin's quartile, 1 to 4.
@@ -386,21 +419,101 @@ def margin_quartiles(margins: Sequence[float]) -> tuple[list[float], list[int]]:
     return edges, [1 + sum(margin > edge for edge in edges[1:4]) for margin in margins]
 
 
-def _margin_split(pairs: Sequence[tuple[Any, Any]]) -> tuple[list[MarginFlips] | None, TaskFlips | None]:
-    """[`FlipsResult.by_margin`] and [`FlipsResult.confident`] from (model's record, reference's record) pairs,
-    the margins the reference's; `(None, None)` where a reference record has no margin."""
+def margin_quartiles_by_task(tasks: Sequence[str], margins: Sequence[float]) -> tuple[dict[str, list[float]], list[int]]:
+    """Cuts each task's margins into its own quartiles: [`margin_quartiles`] on the margins of each task's questions
+    alone (the same edges, ties at an edge in the lower quartile), so a question is in quartile 3 or 4 exactly when
+    its margin is above its own task's median. Raw margins are differences of log-likelihoods summed over an answer's
+    tokens, on very different scales per task (on SmolLM2-135M's dense answers the median margin is 13.2 nats on
+    HellaSwag and 0.80 on WinoGrande, see the module docstring): quartiles of the pooled margins would sort the
+    questions by task more than by how sure the model was. Dutta et al., "Accuracy is Not All You Need" (NeurIPS
+    2024), find flips come mostly from questions where the reference's top answer barely wins.
+
+    Args:
+        tasks (`Sequence[str]`): Each question's task.
+        margins (`Sequence[float]`): Each question's margin ([`question_margin`]), in the same order; at least one.
+
+    Returns:
+        `tuple[dict[str, list[float]], list[int]]`: each task's five edges (in the order the tasks first appear), and
+        each question's quartile among its task's margins, 1 to 4.
+
+    Raises:
+        InvalidInputError: for no margins, or not one task per margin.
+    """
+    if len(tasks) != len(margins):
+        raise InvalidInputError(f"{len(margins)} margins for {len(tasks)} questions' tasks: give one task per margin.")
+    if not margins:
+        raise InvalidInputError("No margins to cut into quartiles.")
+    members: dict[str, list[int]] = {}
+    for index, task in enumerate(tasks):
+        members.setdefault(task, []).append(index)
+    edges, quartiles = {}, [0] * len(margins)
+    for task, indices in members.items():
+        edges[task], task_quartiles = margin_quartiles([margins[i] for i in indices])
+        for index, quartile in zip(indices, task_quartiles):
+            quartiles[index] = quartile
+    return edges, quartiles
+
+
+def _margin_split(
+    tasks: Sequence[str], pairs: Sequence[tuple[Any, Any]]
+) -> tuple[list[MarginFlips] | None, TaskFlips | None, dict[str, list[float]] | None]:
+    """[`FlipsResult.by_margin`], [`FlipsResult.confident`] and [`FlipsResult.margin_edges`] from (model's record,
+    reference's record) pairs and each pair's task, the margins the reference's, cut within each task
+    ([`margin_quartiles_by_task`]); `(None, None, None)` where a reference record has no margin."""
     margins = [question_margin(theirs) for _, theirs in pairs]
     if not margins or any(margin is None for margin in margins):
-        return None, None
-    edges, quartiles = margin_quartiles(margins)
+        return None, None, None
+    edges, quartiles = margin_quartiles_by_task(tasks, margins)
     by_margin = []
     for quartile in range(1, 5):
         entry = _task_flips(f"Q{quartile}", [pair for pair, q in zip(pairs, quartiles) if q == quartile])
-        flipped, edge_pair = entry.right_to_wrong + entry.wrong_to_right, edges[quartile - 1 : quartile + 1]
+        flipped = entry.right_to_wrong + entry.wrong_to_right
         counts = (entry.num_questions, flipped, entry.flips, entry.right_to_wrong, entry.wrong_to_right)
-        by_margin.append(MarginFlips(quartile, *edge_pair, *counts))
-    confident = _task_flips("confident", [pair for pair, margin in zip(pairs, margins) if margin > edges[2]])
-    return by_margin, confident
+        by_margin.append(MarginFlips(quartile, *counts))
+    confident = _task_flips("confident", [pair for pair, q in zip(pairs, quartiles) if q >= 3])  # above its task's median
+    return by_margin, confident, edges
+
+
+# Pairing two results' records: comparison.py imports these from here (fidelity imports nothing from comparison, so
+# the two modules do not import each other).
+def _records(result: ZeroShotResult, name: str) -> dict[str, dict[int, QuestionRecord]]:
+    """Every task's questions' records by question id; refuses a result with a task without records."""
+    records = {task.task: {question.doc_id: question for question in task.questions} for task in result.tasks}
+    missing = [task for task, questions in records.items() if not questions]
+    if missing:
+        raise InvalidInputError(
+            f"{name} has no per-question records for {', '.join(missing)}: evaluate it with this version of "
+            "optimum-gradmap and keep the .questions.jsonl file beside its JSON summary."
+        )
+    return records
+
+
+def _check_same_data(result: ZeroShotResult, other: ZeroShotResult, name: str, other_name: str) -> None:
+    """Refuses to pair tasks that `result` and `other` scored on another split or from another source."""
+    scored = {task.task: task for task in other.tasks}
+    for task in result.tasks:
+        if task.task not in scored:
+            continue
+        for field_name in ("split", "source"):
+            mine, theirs = getattr(task, field_name), getattr(scored[task.task], field_name)
+            if mine != theirs:
+                raise InvalidInputError(
+                    f"{task.task}: {name} was scored on {field_name} {mine!r}, {other_name} on {theirs!r}: their "
+                    "answers are to other questions and cannot be paired. Evaluate both on the same split with the same "
+                    "task data (`task_data`, `--task-data`)."
+                )
+
+
+def _check_reference_covers(answers: dict[str, dict], reference: dict[str, dict], evaluated: str, reference_name: str) -> None:
+    """Refuses a reference that did not answer every question `answers` holds (by task, then question id); `evaluated`
+    says who answered them ("A and B were", "the model was")."""
+    for task, questions in answers.items():
+        missing = set(questions) - set(reference.get(task, {}))
+        if missing:
+            raise InvalidInputError(
+                f"{reference_name} has no answers to {len(missing)} of the {len(questions)} {task} questions {evaluated} "
+                "evaluated on: evaluate the reference with the same tasks, task data, limit and subsets."
+            )
 
 
 def answer_shares(result: ZeroShotResult, task: str) -> dict[int, float]:
@@ -431,9 +544,11 @@ def flips(
 ) -> FlipsResult:
     """A model's flips against a reference model on the same zero-shot questions: per task and pooled, the share of
     questions whose right/wrong differs from the reference's, the share whose chosen answer differs, and the flips
-    each way; and over the pooled questions, the flips per quartile of the reference's margins and on the questions
-    whose margin is above the median (the confident ones). The measure of Dutta et al., "Accuracy is Not All You Need"
-    (NeurIPS 2024), who find that flips come mostly from questions where the reference's top answer barely wins.
+    each way; and over the pooled questions, the flips per quartile of the reference's margins, each question's
+    quartile cut among its own task's margins ([`margin_quartiles_by_task`]: raw margins are on very different scales
+    per task), and on the questions whose margin is above their task's median (the confident ones). The measure of
+    Dutta et al., "Accuracy is Not All You Need" (NeurIPS 2024), who find that flips come mostly from questions where
+    the reference's top answer barely wins.
 
     Args:
         result ([`ZeroShotResult`]): The model's, with its questions' records.
@@ -443,7 +558,8 @@ def flips(
             reference, for the errors; the reference's is stored in the result.
 
     Returns:
-        [`FlipsResult`]: the tasks in `result`'s order; without the margin split (`by_margin` and `confident` `None`)
+        [`FlipsResult`]: the tasks in `result`'s order; without the margin split (`by_margin`, `confident` and
+        `margin_edges` `None`)
         where a reference record has fewer than two log-likelihoods.
 
     Raises:
@@ -454,13 +570,14 @@ def flips(
     _check_same_data(result, reference, names[0], names[1])
     _check_reference_covers(records, reference_records, f"{names[0]} was", names[1])
     outcome = FlipsResult(reference=names[1])
-    pooled = []
+    pooled, pooled_tasks = [], []
     for task, questions in records.items():
         pairs = [(questions[i], reference_records[task][i]) for i in sorted(questions)]
         outcome.tasks.append(_task_flips(task, pairs))
         pooled += pairs
+        pooled_tasks += [task] * len(pairs)
     outcome.pooled = _task_flips("pooled", pooled)
-    outcome.by_margin, outcome.confident = _margin_split(pooled)
+    outcome.by_margin, outcome.confident, outcome.margin_edges = _margin_split(pooled_tasks, pooled)
     return outcome
 
 
