@@ -316,8 +316,7 @@ class GradMAPConfig:
     )
     heal_temperature: float = _setting(
         1.0,
-        "The sampling temperature of the dense model's own text (`heal_dataset` `generated`): 1.0 samples its own "
-        "distribution.",
+        "The sampling temperature of the dense model's own text (`heal_dataset` `generated`): 1.0 samples its own distribution.",
     )
     heal_trainable: HealTrainable = _setting(
         "lora",
