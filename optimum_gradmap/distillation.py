@@ -56,6 +56,15 @@ class TeacherTargets:
         """The targets of some of the sequences."""
         return TeacherTargets(self.indices[rows], self.log_probs[rows], self.rest_log_prob[rows])
 
+    @staticmethod
+    def concatenate(parts: Sequence[TeacherTargets], dim: int = 0) -> TeacherTargets:
+        """The targets of `parts` together: their sequences (`dim=0`), or their positions (`dim=1`)."""
+        return TeacherTargets(
+            torch.cat([part.indices for part in parts], dim),
+            torch.cat([part.log_probs for part in parts], dim),
+            torch.cat([part.rest_log_prob for part in parts], dim),
+        )
+
 
 def _rest_log_prob(log_probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """log of the total probability of the tokens not in `indices` (exact: a logsumexp over them, not 1 - sum)."""
@@ -83,7 +92,7 @@ def teacher_targets(
     Returns:
         [`TeacherTargets`], on the CPU.
     """
-    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    parts: list[TeacherTargets] = []
     if input_ids.shape[0] == 0:  # a process with no sequence of its own (torchrun): nothing to keep
         top_k = min(TOP_K, teacher.get_output_embeddings().weight.shape[0])
         shape = (0, max(0, input_ids.shape[1] - 1))
@@ -99,10 +108,16 @@ def teacher_targets(
             batch = input_ids[start : start + batch_size].to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext():
                 logits = teacher(input_ids=batch, use_cache=False).logits[:, :-1]
-            log_probs = torch.log_softmax(logits.float(), dim=-1)
-            top = log_probs.topk(min(TOP_K, log_probs.shape[-1]), dim=-1)
-            parts.append((top.indices.int().cpu(), top.values.cpu(), _rest_log_prob(log_probs, top.indices).cpu()))
-    return TeacherTargets(*(torch.cat(tensors) for tensors in zip(*parts)))
+            parts.append(targets_from_logits(logits))
+    return TeacherTargets.concatenate(parts)
+
+
+def targets_from_logits(logits: torch.Tensor) -> TeacherTargets:
+    """The teacher's targets at positions whose next-token logits are `logits` (`(..., vocabulary)`): its `TOP_K`
+    most likely tokens' log-probabilities (the log-softmax in float32) and the rest's, on the CPU."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    top = log_probs.topk(min(TOP_K, log_probs.shape[-1]), dim=-1)
+    return TeacherTargets(top.indices.int().cpu(), top.values.cpu(), _rest_log_prob(log_probs, top.indices).cpu())
 
 
 def top_k_kl(logits: torch.Tensor, targets: TeacherTargets) -> torch.Tensor:

@@ -45,6 +45,8 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedTokenizerBase
 from transformers.utils import logging
 
+from . import distillation
+from .distillation import TeacherTargets, targets_from_logits
 from .errors import InvalidInputError
 from .passes import calibration_mode, input_device
 from .precision import has_native_bfloat16
@@ -61,7 +63,7 @@ BOS_EVERY = 8
 # Sequences sampled together (one KV cache): part of the fingerprint, since it decides each sequence's draws.
 GENERATION_BATCH_SIZE = 32
 # Changes with any change to how the sequences are drawn: part of the fingerprint.
-GENERATION_VERSION = 1
+GENERATION_VERSION = 2  # 2: the targets are kept with the sequences
 
 
 @dataclass
@@ -138,10 +140,12 @@ def sample_batch(
     temperature: float,
     generator: torch.Generator,
     autocast: bool = False,
-) -> torch.LongTensor:
+) -> tuple[torch.LongTensor, TeacherTargets]:
     """Samples one batch of sequences of `seq_len` tokens, each starting with its prompt (prompts may differ in
     length: a row takes its prompt's token where it has one, and its sample elsewhere; every step feeds one token
-    per row to the KV cache).
+    per row to the KV cache), and keeps the model's heal targets at every position
+    ([`~optimum_gradmap.distillation.targets_from_logits`]): the logits it samples from are the teacher's, so the
+    heal needs no second pass of the teacher over its own text.
 
     Args:
         model (`nn.Module`): The causal LM.
@@ -152,7 +156,8 @@ def sample_batch(
         autocast (`bool`, defaults to `False`): Run the passes under bfloat16 autocast.
 
     Returns:
-        `torch.LongTensor` of shape `(len(prompts), seq_len)`, on the CPU.
+        `tuple[torch.LongTensor, TeacherTargets]`: the sequences `(len(prompts), seq_len)` and the targets at their
+        first `seq_len - 1` positions, on the CPU.
     """
     device = input_device(model)
     rows = len(prompts)
@@ -166,14 +171,16 @@ def sample_batch(
     cache_keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache = {cache_keyword: DynamicCache(config=model.config)}
     passes = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
+    targets: list[TeacherTargets] = []
     with passes:
         for position in range(seq_len - 1):
             output = model(input_ids=sequences[:, position : position + 1].to(device), use_cache=True, **cache)
+            targets.append(targets_from_logits(output.logits[:, -1:]))
             probabilities = torch.softmax(output.logits[:, -1].float().cpu() / temperature, dim=-1)
             drawn = torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
             column = position + 1
             sequences[:, column] = torch.where(forced[:, column], sequences[:, column], drawn)
-    return sequences
+    return sequences, TeacherTargets.concatenate(targets, dim=1)
 
 
 def fingerprint(
@@ -187,6 +194,7 @@ def fingerprint(
         "teacher_weights": weights_digest(teacher),
         "prompts_sha256": hashlib.sha256(prompt_bytes).hexdigest(),
         "start_token": start_token,
+        "top_k": distillation.TOP_K,
         **asdict(settings),
     }
 
@@ -201,12 +209,15 @@ class GeneratedText:
         seconds_per_sequence (`float`): The generation's seconds per sequence where it ran (this call's, else the
             cache's record of it): what more sequences would cost.
         from_cache (`int`): Sequences read from the cache.
+        targets ([`~optimum_gradmap.distillation.TeacherTargets`], *optional*): The dense model's heal targets on the
+            sequences, kept while it wrote them.
     """
 
     input_ids: torch.LongTensor
     seconds: float
     seconds_per_sequence: float
     from_cache: int = 0
+    targets: TeacherTargets | None = None
 
 
 def _read_cache(path: str | os.PathLike, expected: dict[str, Any]) -> dict[str, Any] | None:
@@ -224,12 +235,21 @@ def _read_cache(path: str | os.PathLike, expected: dict[str, Any]) -> dict[str, 
 
 
 def _write_cache(
-    path: str | os.PathLike, expected: dict[str, Any], input_ids: torch.LongTensor, seconds_per_sequence: float
+    path: str | os.PathLike,
+    expected: dict[str, Any],
+    input_ids: torch.LongTensor,
+    targets: TeacherTargets,
+    seconds_per_sequence: float,
 ) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     temporary = f"{os.fspath(path)}.tmp"
     try:
-        payload = {"fingerprint": expected, "input_ids": input_ids, "seconds_per_sequence": seconds_per_sequence}
+        payload = {
+            "fingerprint": expected,
+            "input_ids": input_ids,
+            "targets": [targets.indices, targets.log_probs, targets.rest_log_prob],
+            "seconds_per_sequence": seconds_per_sequence,
+        }
         torch.save(payload, temporary)
         os.replace(temporary, path)
     finally:
@@ -295,6 +315,7 @@ def generate_sequences(
         autocast = autocast and has_native_bfloat16(input_device(model)) and model.dtype == torch.float32
         saved = _read_cache(cache, expected) or {}
         have = saved.get("input_ids", torch.zeros(0, settings.seq_len, dtype=torch.long))
+        have_targets = [TeacherTargets(*saved["targets"])] if saved else []
         seconds_per_sequence = float(saved.get("seconds_per_sequence", 0.0))
         from_cache = min(num_sequences, have.shape[0])
         if have.shape[0] < num_sequences:
@@ -312,11 +333,14 @@ def generate_sequences(
                     indices = range(batch * settings.batch_size, (batch + 1) * settings.batch_size)
                     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + batch)
                     batch_prompts = [sequence_prompt(index, prompts, start_token, settings) for index in indices]
-                    batches.append(
-                        sample_batch(model, batch_prompts, settings.seq_len, settings.temperature, generator, autocast)
+                    sequences, targets = sample_batch(
+                        model, batch_prompts, settings.seq_len, settings.temperature, generator, autocast
                     )
+                    batches.append(sequences)
+                    have_targets.append(targets)
             seconds_per_sequence = (time.perf_counter() - tick) / ((last_batch - first_batch) * settings.batch_size)
             have = torch.cat([have[: first_batch * settings.batch_size], *batches])
-            _write_cache(cache, expected, have, seconds_per_sequence)
+            _write_cache(cache, expected, have, TeacherTargets.concatenate(have_targets), seconds_per_sequence)
         del model
-    return GeneratedText(have[:num_sequences], time.perf_counter() - started, seconds_per_sequence, from_cache)
+    targets = TeacherTargets.concatenate(have_targets).rows(slice(0, num_sequences))
+    return GeneratedText(have[:num_sequences], time.perf_counter() - started, seconds_per_sequence, from_cache, targets)

@@ -353,17 +353,19 @@ class HealCosts:
     generation_seconds: float = 0.0
 
     def sequences_within(self, seconds: float, config: GradMAPConfig, generated_share: float) -> int:
-        """The training sequences whose heal fits in `seconds`: per sequence its share of a step, of the teacher's
-        pass, of the held-out checks and (a `generated_share` of them) its generation; once, the held-out
-        sequences' teacher pass and generation and the first check. Whole batches, at least one."""
+        """The training sequences whose heal fits in `seconds`: per sequence its share of a step, of the held-out
+        checks, and of the teacher's pass (corpus text) or its generation (the dense model's own text, a
+        `generated_share` of them, whose targets come with it); once, the held-out sequences' and the first check.
+        Whole batches, at least one."""
         batch = config.heal_batch_size
+        corpus_share = 1.0 - generated_share  # the dense model's own text comes with its targets: no teacher pass
         fixed = (
             self.check_seconds
-            + self.teacher_seconds * -(-config.heal_validation_sequences // batch)
+            + self.teacher_seconds * corpus_share * -(-config.heal_validation_sequences // batch)
             + self.generation_seconds * math.ceil(generated_share * config.heal_validation_sequences)
         )
         per_sequence = (
-            (self.step_seconds + self.teacher_seconds) / batch
+            (self.step_seconds + self.teacher_seconds * corpus_share) / batch
             + self.check_seconds / (batch * config.heal_check_every)
             + self.generation_seconds * generated_share
         )
@@ -483,13 +485,19 @@ class HealText:
         validation_ids (`torch.LongTensor` of shape `(M, T)`): The held-out sequences.
         source (`str`): What they are (the dataset's name or a description).
         generation_seconds (`float`): The seconds spent on the dense model's own text (reading its cache, or
-            generating it); 0 for corpus text. They count in the heal stage's time.
+            generating it, and the teacher's targets on the corpus part of a mix); 0 for corpus text. They count in the
+            heal stage's time.
+        train_targets ([`TeacherTargets`], *optional*), validation_targets ([`TeacherTargets`], *optional*): The
+            dense model's targets on the sequences, where they came with its text (kept while it wrote): the heal
+            then makes no teacher pass.
     """
 
     train_ids: torch.LongTensor
     validation_ids: torch.LongTensor
     source: str = ""
     generation_seconds: float = 0.0
+    train_targets: TeacherTargets | None = None
+    validation_targets: TeacherTargets | None = None
 
 
 def _generate(
@@ -598,6 +606,8 @@ def heal_sequences(
     generated = _generate(teacher, tokenizer, config, count, cache, progress_bar, prompt_data)
     seconds = generated.seconds
     train_ids, validation_ids = generated.input_ids[generated_validation:], generated.input_ids[:generated_validation]
+    train_targets = generated.targets.rows(slice(generated_validation, None))
+    validation_targets = generated.targets.rows(slice(0, generated_validation))
     prompts = describe_calibration_data(prompt_data, config.dataset, config.text_column)
     source = f"{GENERATED} (the dense model's own text, temperature {config.heal_temperature:g}, prompts from {prompts})"
     if corpus is not None:
@@ -610,12 +620,23 @@ def heal_sequences(
             config.seed + 2,
             config.text_column,
         )
-        generator = torch.Generator().manual_seed(config.seed + 2)
-        train_ids = torch.cat([train_ids, corpus_train])
-        train_ids = train_ids[torch.randperm(train_ids.shape[0], generator=generator)]
+        tick = time.perf_counter()  # the corpus windows' targets, from the teacher (the generated ones have theirs)
+        autocast = config.heal_autocast
+        with teacher() as dense_model:
+            autocast = autocast and has_native_bfloat16(input_device(dense_model)) and dense_model.dtype == torch.float32
+            corpus_targets = teacher_targets(dense_model, corpus_train, config.heal_batch_size, progress_bar, autocast)
+            corpus_validation_targets = teacher_targets(dense_model, corpus_validation, config.heal_batch_size, False, autocast)
+            del dense_model
+        seconds += time.perf_counter() - tick
+        order = torch.randperm(
+            train_ids.shape[0] + corpus_train.shape[0], generator=torch.Generator().manual_seed(config.seed + 2)
+        )
+        train_ids = torch.cat([train_ids, corpus_train])[order]
+        train_targets = TeacherTargets.concatenate([train_targets, corpus_targets]).rows(order)
         validation_ids = torch.cat([validation_ids, corpus_validation])
+        validation_targets = TeacherTargets.concatenate([validation_targets, corpus_validation_targets])
         source += f" and {corpus}, equal parts"
-    return HealText(train_ids, validation_ids, source, seconds)
+    return HealText(train_ids, validation_ids, source, seconds, train_targets, validation_targets)
 
 
 @dataclass
@@ -949,6 +970,7 @@ def heal(
     seed: int = 0,
     deadline: float | None = None,
     spent_seconds: float = 0.0,
+    targets: tuple[TeacherTargets, TeacherTargets] | None = None,
 ) -> HealResult:
     """Distils the teacher into `model` (in place; see the module docstring).
 
@@ -985,6 +1007,8 @@ def heal(
             `stopped_at_budget`). Under `torch.distributed` the main process's clock decides for every process.
         spent_seconds (`float`, defaults to 0): Seconds spent on the heal before this call (the dense model's text,
             an `auto` budget's measurement), added to `seconds`.
+        targets (`tuple[TeacherTargets, TeacherTargets]`, *optional*): The teacher's targets on `train_ids` and
+            `validation_ids`, made already (kept while the dense model wrote the text): no teacher pass is made.
 
     Returns:
         [`HealResult`]. The model holds the trained weights with the lowest held-out KL (the start's if none was
@@ -1049,9 +1073,14 @@ def heal(
     my_validation, _ = distributed.shard_any(validation_ids)
     device = input_device(model)
     result.autocast = bool(autocast) and has_native_bfloat16(device) and model.dtype == torch.float32
-    targets, validation_targets = _teacher_pass(
-        teacher, train_ids[my_rows], my_validation, batch_size, progress_bar, result.autocast
-    )
+    if targets is not None:  # kept while the dense model wrote its text: this process's rows
+        _, validation_start = distributed.shard_any(validation_ids)
+        validation_rows = slice(validation_start, validation_start + my_validation.shape[0])
+        targets, validation_targets = targets[0].rows(my_rows), targets[1].rows(validation_rows)
+    else:
+        targets, validation_targets = _teacher_pass(
+            teacher, train_ids[my_rows], my_validation, batch_size, progress_bar, result.autocast
+        )
     result.teacher_seconds = time.perf_counter() - started - spent_seconds
     position = {row: index for index, row in enumerate(my_rows)}
 
@@ -1227,12 +1256,13 @@ def heal_as_configured(
     progress_bar: bool = True,
     deadline: float | None = None,
     spent_seconds: float = 0.0,
+    targets: tuple[TeacherTargets, TeacherTargets] | None = None,
 ) -> HealResult:
     """[`heal`] with the `heal_*` settings of `config`, on given sequences ([`heal_stage`] prepares them).
 
     Args:
         model, teacher, train_ids, validation_ids, kept, num_layers, compensated, dataset, checkpoint, progress_bar,
-            deadline, spent_seconds: As in [`heal`].
+            deadline, spent_seconds, targets: As in [`heal`].
         config ([`GradMAPConfig`]): Its `heal_trainable`, `heal_lr`, `heal_batch_size`, `heal_check_every`,
             `heal_lora_rank`, `heal_autocast`, `execution` (whether the training steps run layer-streamed, see
             [`heal`]) and `seed` (LoRA's initialisation) are read.
@@ -1262,6 +1292,7 @@ def heal_as_configured(
             seed=config.seed,
             deadline=deadline,
             spent_seconds=spent_seconds,
+            targets=targets,
         )
 
 
@@ -1345,6 +1376,7 @@ def heal_stage(
         progress_bar,
         deadline=started + budget if budget is not None else None,
         spent_seconds=time.perf_counter() - started,
+        targets=(text.train_targets, text.validation_targets) if text.train_targets is not None else None,
     )
     result.generation_seconds = generated_before + text.generation_seconds
     result.budget_seconds = budget

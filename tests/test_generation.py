@@ -54,7 +54,7 @@ def test_generation_is_deterministic_under_a_seed_and_starts_from_the_prompts(tm
 def test_the_kv_cache_samples_what_full_forward_passes_would():
     model = tiny_model("llama", num_layers=2)
     prompts = [sequence_prompt(index, [d[:4] for d in documents()], 1, SETTINGS) for index in range(4)]
-    sampled = sample_batch(model, prompts, 12, 0.7, torch.Generator().manual_seed(0))
+    sampled, _ = sample_batch(model, prompts, 12, 0.7, torch.Generator().manual_seed(0))
     generator = torch.Generator().manual_seed(0)
     expected = torch.zeros(4, 12, dtype=torch.long)
     for row, prompt in enumerate(prompts):
@@ -142,6 +142,11 @@ def test_generated_and_corpus_text_come_in_equal_parts(tmp_path, byte_tokenizer)
         tuple(r.tolist()) for r in generated_only.validation_ids
     }
     assert sum(tuple(row.tolist()) in shared for row in text.train_ids) == 5  # the other half, the dense model's text
+    from optimum_gradmap.distillation import teacher_targets
+
+    for ids, targets in ((text.train_ids, text.train_targets), (text.validation_ids, text.validation_targets)):
+        again = teacher_targets(model, ids, 4, progress_bar=False)  # each row's targets, in the rows' order
+        torch.testing.assert_close(targets.log_probs, again.log_probs, rtol=1e-4, atol=1e-4)
     with pytest.raises(InvalidInputError, match="dense model"):
         heal_sequences(None, byte_tokenizer, config)
 
@@ -243,3 +248,15 @@ def test_auto_tokens_need_a_stage1_time(monkeypatch):
     assert GradMAPConfig(pruning_ratio=0.25, heal_tokens="auto").heal_tokens == "auto"
     with pytest.raises(InvalidInputError, match="heal_tokens"):
         GradMAPConfig(pruning_ratio=0.25, heal_tokens="many")
+
+
+def test_the_targets_kept_while_generating_are_the_teacher_pass_s():
+    from optimum_gradmap.distillation import teacher_targets
+
+    model = tiny_model("llama", num_layers=2)
+    generated = generate(model, 6)
+    again = teacher_targets(model, generated.input_ids, 4, progress_bar=False)
+    assert generated.targets.indices.shape == again.indices.shape == (6, 11, again.indices.shape[-1])
+    torch.testing.assert_close(generated.targets.log_probs, again.log_probs, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(generated.targets.rest_log_prob, again.rest_log_prob, rtol=1e-4, atol=1e-4)
+    assert (generated.targets.indices == again.indices).float().mean() > 0.99  # ties may order differently
