@@ -49,7 +49,7 @@ from . import distillation
 from .distillation import TeacherTargets, targets_from_logits
 from .errors import InvalidInputError
 from .passes import calibration_mode, input_device
-from .precision import has_native_bfloat16
+from .precision import uses_bfloat16_autocast
 from .weights import weights_digest
 
 logger = logging.get_logger(__name__)
@@ -312,7 +312,7 @@ def generate_sequences(
 
             name = hashlib.sha256(json.dumps(expected, sort_keys=True).encode()).hexdigest()[:16]
             cache = os.path.join(cache_dir(), "heal_text", f"{name}.pt")
-        autocast = autocast and has_native_bfloat16(input_device(model)) and model.dtype == torch.float32
+        autocast = uses_bfloat16_autocast(autocast, model)
         saved = _read_cache(cache, expected) or {}
         have = saved.get("input_ids", torch.zeros(0, settings.seq_len, dtype=torch.long))
         have_targets = [TeacherTargets(*saved["targets"])] if saved else []

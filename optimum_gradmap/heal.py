@@ -115,7 +115,7 @@ from .generation import (
 )
 from .importance.gradient import DecoderGradient
 from .passes import calibration_mode, input_device
-from .precision import has_native_bfloat16
+from .precision import uses_bfloat16_autocast
 from .weights import execution_device, is_offloaded_module, materialized, weights_digest
 
 logger = logging.get_logger(__name__)
@@ -395,7 +395,7 @@ def measure_heal_costs(
         [`HealCosts`] (without the generation's seconds).
     """
     device = input_device(model)
-    autocast = bool(config.heal_autocast) and has_native_bfloat16(device) and model.dtype == torch.float32
+    autocast = uses_bfloat16_autocast(config.heal_autocast, model)
     vocab_size = model.config.get_text_config(decoder=True).vocab_size
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab_size, (config.heal_batch_size, config.heal_seq_len), generator=generator)
@@ -623,7 +623,7 @@ def heal_sequences(
         tick = time.perf_counter()  # the corpus windows' targets, from the teacher (the generated ones have theirs)
         autocast = config.heal_autocast
         with teacher() as dense_model:
-            autocast = autocast and has_native_bfloat16(input_device(dense_model)) and dense_model.dtype == torch.float32
+            autocast = uses_bfloat16_autocast(autocast, dense_model)
             corpus_targets = teacher_targets(dense_model, corpus_train, config.heal_batch_size, progress_bar, autocast)
             corpus_validation_targets = teacher_targets(dense_model, corpus_validation, config.heal_batch_size, False, autocast)
             del dense_model
@@ -1072,7 +1072,7 @@ def heal(
     my_rows = [row for step in range(num_steps) for row in _batch_rows(step, batch_size, num_train)]
     my_validation, _ = distributed.shard_any(validation_ids)
     device = input_device(model)
-    result.autocast = bool(autocast) and has_native_bfloat16(device) and model.dtype == torch.float32
+    result.autocast = uses_bfloat16_autocast(autocast, model)
     if targets is not None:  # kept while the dense model wrote its text: this process's rows
         _, validation_start = distributed.shard_any(validation_ids)
         validation_rows = slice(validation_start, validation_start + my_validation.shape[0])

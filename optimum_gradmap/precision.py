@@ -91,3 +91,19 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device | None = 
         f"dtype={dtype!r}: expected one of {', '.join(DTYPE_CHOICES)} ('auto': bfloat16 where the hardware computes it "
         "natively, float32 elsewhere; 'checkpoint': the dtype the checkpoint was saved in)."
     )
+
+
+def uses_bfloat16_autocast(requested: bool, model: torch.nn.Module) -> bool:
+    """The heal's autocast rule (`heal_autocast`): bfloat16 autocast where it was asked for, the device that takes the
+    model's inputs computes bfloat16 natively ([`has_native_bfloat16`]), and the model is float32.
+
+    Args:
+        requested (`bool`): Whether autocast was asked for.
+        model (`torch.nn.Module`): The model the passes run.
+
+    Returns:
+        `bool`.
+    """
+    from .passes import input_device
+
+    return bool(requested) and has_native_bfloat16(input_device(model)) and model.dtype == torch.float32
