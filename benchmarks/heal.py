@@ -107,8 +107,13 @@ HEAL_TEXTS = {"corpus": HEAL_TEXT, "generated": "generated", "mix": f"generated+
 PERPLEXITY_DATASETS = ("offline:wikipedia", "offline:web_text")
 # Stage 1's seconds for GradMAP's layers in float32, on this machine type, quiet: the unit of the heal budgets.
 # SmolLM2-135M 25%: the main job (benchmarks/results/main_job-smollm2-135m.json); Qwen2.5-Coder-0.5B 25%: the
-# float32 row of benchmarks/results/dtype-qwen2.5-coder-0.5b-0.25.json.
-STAGE1_SECONDS = {("smollm2-135m", 0.25): 476.3, ("qwen2.5-coder-0.5b", 0.25): 1306.7}
+# float32 row of benchmarks/results/dtype-qwen2.5-coder-0.5b-0.25.json; SmolLM2-135M 40%: GradMAP's row of
+# benchmarks/results/compare-smollm2-135m-0.4.json.
+STAGE1_SECONDS = {
+    ("smollm2-135m", 0.25): 476.3,
+    ("smollm2-135m", 0.4): 910.1,
+    ("qwen2.5-coder-0.5b", 0.25): 1306.7,
+}
 MISSING_MARGINS = (
     "Confident flips: not counted, the dense row was measured without its questions' margins (before issue 65): "
     "measure it again with `--variants dense --redo dense --resume` (the other rows are kept and counted against it)."
