@@ -87,6 +87,12 @@ _REPORT_BYTES = 300_000
 # The host's float64 speed and the bandwidth of offloaded weights, where nothing was measured (labelled as assumed).
 _ASSUMED_HOST_FLOAT64_FLOPS = 50e9
 _ASSUMED_OFFLOAD_BYTES_PER_SECOND = {"cpu": 12e9, "disk": 1.5e9}
+# On a CPU device, the resident memory a pass's tensors take, per byte of them alive at once: glibc's malloc raises its
+# mmap threshold after the first large frees (up to 32 MiB), so a pass's later tensors come from the heap, which keeps
+# freed blocks and fragments. Measured on SmolLM2-135M's Stage 1 pass (float32, 8 x 128): the resident memory rose by
+# 1.448 GiB and stayed; with a fixed threshold (MALLOC_MMAP_THRESHOLD_=131072) by 0.978 GiB, the live tensors, and the
+# plan's 1.10 GiB of activations hold them. 1.448 / 0.978 = 1.48 (docs/benchmarks/scale.md, issue 64).
+HOST_ALLOCATOR_OVERHEAD = 1.48
 # Layouts of removed layers tried where Stage 1's choice is not known yet (Stage 2's counts depend on it).
 _SAMPLED_LAYOUTS = 64
 # The float64 work of a symmetric eigendecomposition with its vectors, in units of d^3 (LAPACK's syevd, about 9 d^3).
@@ -1753,17 +1759,21 @@ def plan_pruning(
     batch_tokens = config.batch_size * config.seq_len
     calibration_tokens = config.num_samples * config.seq_len
 
+    # in memory on the CPU, what a stage's passes hold beside the weights takes more than its bytes (glibc's heap)
+    overhead = HOST_ALLOCATOR_OVERHEAD if on_cpu else 1.0
+
     def stage(
         name: str,
         passes: str,
         tokens: int,
         work: Work,
-        in_memory: float,
+        beside_weights: float,
         streamed_peak: float | None,
         host: float,
         heal: bool = False,
     ) -> StagePlan:
-        in_memory, streamed_peak = in_memory + process, (streamed_peak + process if streamed_peak is not None else None)
+        in_memory = weights + overhead * beside_weights + process
+        streamed_peak = streamed_peak + process if streamed_peak is not None else None
         plan = _stage_plan(name, passes, tokens, work, shape, throughput, in_memory, streamed_peak, host, heal)
         if plan.seconds is not None and shares:
             plan.seconds = plan.seconds + _transfer_seconds(work, shape, batch_tokens, shares)
@@ -1775,7 +1785,7 @@ def plan_pruning(
         memory = _stage1_memory(config, shape, outline1)
         passes = _stage1_passes(outline1)
         stages.append(
-            stage("Stage 1", passes, calibration_tokens, work1, weights + memory["in_memory"], resident + memory["streamed"], 0.0)
+            stage("Stage 1", passes, calibration_tokens, work1, memory["in_memory"], resident + memory["streamed"], 0.0)
         )
     if removed_layers is not None:
         removable = Count.of(len(removed_layers))
@@ -1790,7 +1800,7 @@ def plan_pruning(
         stage2_text = _stage2_text(outline2, config)
         beside = memory["device"] + (memory["host"] if on_cpu else 0.0)
         passes = _stage2_passes(outline2)
-        stages.append(stage("Stage 2", passes, calibration_tokens, work2, weights + beside, resident + beside, memory["host"]))
+        stages.append(stage("Stage 2", passes, calibration_tokens, work2, beside, resident + beside, memory["host"]))
     if heal:
         num_kept_layers = int(num_kept.high)
         if config.heal_tokens == "auto":  # as many tokens as fit in Stage 1's planned time
@@ -1824,12 +1834,12 @@ def plan_pruning(
         tokens = (counts["train_sequences"] + counts["validation_sequences"]) * config.heal_seq_len
         passes = f"{counts['steps']} steps, {counts['checks']} checks"
         streamed_heal = resident + memory["streamed"] + (memory["host"] if on_cpu else 0.0)
-        stages.append(stage("Heal", passes, tokens, work3, weights + beside, streamed_heal, memory["host"], heal=True))
+        stages.append(stage("Heal", passes, tokens, work3, beside, streamed_heal, memory["host"], heal=True))
     if evaluation_tokens:
         logits = _logits_bytes(shape, config.batch_size, config.seq_len)
         work4 = _evaluation(shape, num_kept, evaluation_tokens)
         stages.append(
-            stage("Evaluation", "dense and pruned perplexity", evaluation_tokens, work4, weights + logits, resident + logits, 0.0)
+            stage("Evaluation", "dense and pruned perplexity", evaluation_tokens, work4, logits, resident + logits, 0.0)
         )
     if tokenizer_bytes is None:
         tokenizer_bytes = _tokenizer_bytes(model_or_path)
@@ -1840,11 +1850,16 @@ def plan_pruning(
     )
     # Saving: an offloaded model is written a shard at a time, each shard's weights read into memory first
     shard = min(_shard_bytes(), output_bytes.high)
-    save = stage("Save", "the checkpoint, shard by shard", 0, Work(), weights, resident + shard, 0.0)
+    save = stage("Save", "the checkpoint, shard by shard", 0, Work(), 0.0, resident + shard, 0.0)
     save.seconds = Count.of(output_bytes.high / _ASSUMED_OFFLOAD_BYTES_PER_SECOND["disk"]) if throughput is not None else None
     stages.append(save)
     if process:
         notes.append(f"Peaks include this process's own resident memory ({_bytes_text(process)}: Python, torch, transformers).")
+    if on_cpu:
+        notes.append(
+            f"In memory, what the passes hold beside the weights is counted {HOST_ALLOCATOR_OVERHEAD:g}x: the C allocator "
+            "keeps freed blocks (MALLOC_MMAP_THRESHOLD_=131072 returns them, at a cost in time)."
+        )
     if shares:
         places = ", ".join(f"{share:.0%} of the layers on {place}" for place, share in shares.items())
         bandwidths = ", ".join(f"{place} {_ASSUMED_OFFLOAD_BYTES_PER_SECOND[place] / 1e9:g} GB/s" for place in shares)
@@ -1987,7 +2002,9 @@ def plan_heal(
     work, counts = _heal(config, teacher_shape, student.num_layers, teacher_shape.num_layers)
     memory = _heal_memory(config, student, student.num_layers, counts)
     host = memory["host"] if device.type == "cpu" else 0.0
-    peak = Count.of(max(student.weight_bytes + teacher_shape.weight_bytes, student.weight_bytes + memory["device"]) + host)
+    overhead = HOST_ALLOCATOR_OVERHEAD if device.type == "cpu" else 1.0
+    training = student.weight_bytes + overhead * memory["device"]
+    peak = Count.of(max(student.weight_bytes + teacher_shape.weight_bytes, training) + host)
     streamed = None
     if _offloaded_shares(student, pruned_config, device_map, max_memory):
         largest = max(teacher_shape.layer_parameters) * teacher_shape.dtype_bytes

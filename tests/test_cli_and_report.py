@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from optimum_gradmap import GradMAPPruner, load_report
 from optimum_gradmap.cli import main
+from optimum_gradmap.commands.heal import default_heal_text_cache
 from optimum_gradmap.evaluation import QuestionRecord, TaskResult, ZeroShotResult
 
 from .conftest import random_ids, small_config, tiny_model
@@ -219,6 +220,9 @@ def test_optimum_cli_registers_gradmap_with_the_same_commands_and_runs_them(tiny
     quality = load_report(quality_output)
     assert (quality["gradmap_config"]["verify_top_k"], quality["gradmap_config"]["verify_halving"]) == (8, True)
     assert [len(verified) for verified in quality["verified"]] == [6, 5]  # every layer of the 6-layer model, every round
+    # then the heal, for about Stage 1's time, on the dense model's own text (cached beside the output)
+    assert quality["heal"]["budget_seconds"] is not None and quality["heal"]["budget_tokens"] > 0
+    assert "generated" in quality["heal"]["dataset"] and os.path.exists(default_heal_text_cache(quality_output))
     assert optimum_cli_main("gradmap", "prune", tiny_checkpoint, "--pruning-ratio", "1.5", "--output", str(tmp_path / "x")) == 2
     assert "optimum-cli gradmap prune: error: `pruning_ratio` must lie strictly between 0 and 1" in capsys.readouterr().err
 

@@ -124,6 +124,21 @@ def test_layer_streamed_passes_and_the_heal_are_counted_exactly():
     assert plan.stage("Stage 1").peak_bytes_streamed.low < plan.stage("Stage 1").peak_bytes_in_memory.low
 
 
+def test_in_memory_peaks_on_the_cpu_count_the_host_allocators_overhead(monkeypatch):
+    from optimum_gradmap import planning
+
+    monkeypatch.setattr(planning, "_process_bytes", lambda: 0)  # the peaks without this process's own memory
+    dense_config = tiny_model("llama").config
+    config = GradMAPConfig(**SMALL)
+    on_cpu = plan_pruning(dense_config, config, throughput=ASSUMED, device="cpu")
+    on_gpu = plan_pruning(dense_config, config, throughput=ASSUMED, device="cuda")
+    beside_on_cpu = on_cpu.stage("Stage 1").peak_bytes_in_memory.low - on_cpu.weight_bytes
+    beside_on_gpu = on_gpu.stage("Stage 1").peak_bytes_in_memory.low - on_gpu.weight_bytes  # the activations' bytes
+    assert beside_on_gpu > 0 and beside_on_cpu == pytest.approx(planning.HOST_ALLOCATOR_OVERHEAD * beside_on_gpu)
+    assert on_cpu.stage("Save").peak_bytes_in_memory.low == on_cpu.weight_bytes  # nothing beside the weights
+    assert any("allocator" in note for note in on_cpu.notes) and not any("allocator" in note for note in on_gpu.notes)
+
+
 def test_golden_search_scores_four_or_five_strengths_and_more_on_a_tie_never_more_than_the_grid():
     from optimum_gradmap.compensation.next_token import searched_losses
 
