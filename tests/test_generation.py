@@ -181,7 +181,7 @@ class FakeClock:
         model.register_forward_hook(lambda *args: setattr(self, "now", self.now + cost))
 
 
-def _auto_heal(monkeypatch, budget: float, slow_down: float = 1.0):
+def _auto_heal(monkeypatch, budget: float, slow_down: float = 1.0, warm_up: float = 0.0):
     """A `heal_tokens="auto"` heal of a tiny pruned model with a teacher beside it, on a fake clock: each forward pass
     of the student costs 1 s, the teacher's 2 s; `slow_down` makes the measured step that much faster than the real
     one (a device that slows down after the measurement)."""
@@ -205,6 +205,16 @@ def _auto_heal(monkeypatch, budget: float, slow_down: float = 1.0):
         return dataclasses.replace(costs, step_seconds=costs.step_seconds / slow_down)
 
     monkeypatch.setattr(heal_module, "measure_heal_costs", measured)
+    losses = heal_module.top_k_kl
+    calls = []
+
+    def loss(*args, **kwargs):  # the measurement's two steps, then the heal's first ones, `warm_up` s slower each
+        calls.append(1)
+        if 2 < len(calls) <= 2 + heal_module.REFIT_AFTER_STEPS:
+            clock.now += warm_up
+        return losses(*args, **kwargs)
+
+    monkeypatch.setattr(heal_module, "top_k_kl", loss)
     config = small_config(
         heal_tokens="auto", heal_seq_len=16, heal_validation_sequences=4, heal_batch_size=4, heal_check_every=2,
         heal_autocast=False, heal_lr=1e-3,
@@ -236,6 +246,13 @@ def test_auto_tokens_stop_within_the_time_given_when_the_steps_are_slower_than_m
     assert elapsed <= 200.0 and elapsed >= 195.0  # the schedule, fitted after the first steps, uses the time left
     assert result.kl_curve[-1][0] == result.trained_tokens  # the last state was checked before it stopped
     assert result.best_kl <= min(kl for _, kl in result.kl_curve)
+
+
+def test_auto_tokens_fill_the_time_when_the_first_steps_are_slower(monkeypatch):
+    # the heal's first 5 steps take 4 s more each (a warm-up): a schedule fitted to them alone would stop early
+    result, elapsed = _auto_heal(monkeypatch, budget=200.0, warm_up=4.0)
+    assert result.stopped_at_budget and elapsed <= 200.0
+    assert elapsed >= 195.0  # refitted at the checks from the steps after the first ones: the time is used
 
 
 def test_auto_tokens_need_a_stage1_time(monkeypatch):
