@@ -50,7 +50,7 @@ from provenance import finish, provenance
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.assets import MODEL_ASSETS, get_task_data_paths, load_model
-from optimum_gradmap.configuration import PAPER_STAGE2, PRESETS, PREVIOUS_DEFAULT_STAGE2
+from optimum_gradmap.configuration import PAPER_STAGE2, PRESETS, PREVIOUS_DEFAULT_STAGE2, QUALITY_SELECTION
 from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
 from optimum_gradmap.evaluation import (
     PAPER_TASKS,
@@ -76,12 +76,8 @@ SELECTIONS = {
     "quality": "gradmap_bound_token+top8+halving",  # the quality preset
     "fast": "relative_magnitude",  # the fast preset
 }
-# the quality preset's layer selection (the settings it adds for the heal since issue 65 are not Stage 1's)
-assert {key: value for key, value in PRESETS["quality"].items() if not key.startswith("heal_")} == {
-    "importance": "gradmap_bound_token",
-    "verify_top_k": 8,
-    "verify_halving": True,
-}
+# the quality preset's layer selection (it heals too since issue 65)
+assert QUALITY_SELECTION == {"importance": "gradmap_bound_token", "verify_top_k": 8, "verify_halving": True}
 assert PRESETS["fast"] == {"importance": "relative_magnitude"}
 # A variant is "stage1" (no Stage 2), "default" (GradMAPConfig's defaults today), "paper" (the paper's Stage 2),
 # "previous_default" (the default before issue 38), or changes to the previous default joined by "+" (e.g.

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.provenance import finish, provenance  # noqa: E402
 from optimum_gradmap import GradMAPConfig, GradMAPPruner  # noqa: E402
 from optimum_gradmap.assets import MODEL_ASSETS, load_model  # noqa: E402
-from optimum_gradmap.configuration import PRESETS  # noqa: E402
+from optimum_gradmap.configuration import PRESETS, QUALITY_SELECTION  # noqa: E402
 from optimum_gradmap.data import calibration_sha256  # noqa: E402
 from optimum_gradmap.evaluation import evaluate  # noqa: E402
 from optimum_gradmap.importance.metrics import SLEBImportance  # noqa: E402
@@ -58,15 +58,13 @@ class ReferenceCostSLEB(SLEBImportance):
         return reference_removal_losses(model, input_ids, batch_size, positions)
 
 
-# the quality preset's Stage 1 (it heals too since issue 65: Stage 1's time is measured here)
-QUALITY_STAGE1 = {key: value for key, value in PRESETS["quality"].items() if not key.startswith("heal_")}
 METHODS = {
     "sleb_reference": lambda: {"importance": ReferenceCostSLEB()},
     "sleb": lambda: {"importance": "sleb"},
-    "quality": lambda: dict(QUALITY_STAGE1),
+    "quality": lambda: dict(QUALITY_SELECTION),  # its Stage 1 (it heals too since issue 65)
     "fast": lambda: dict(PRESETS["fast"]),
     # the preset with its shortlist check started from the scoring pass's layer inputs instead of a pass of its own
-    "quality_from_scoring_pass": lambda: {**QUALITY_STAGE1, "verify_from_scoring_pass": True},
+    "quality_from_scoring_pass": lambda: {**QUALITY_SELECTION, "verify_from_scoring_pass": True},
     "paper": lambda: {"importance": PRESETS["paper"]["importance"]},
 }
 

@@ -71,6 +71,8 @@ PAPER_STAGE2: dict[str, Any] = {
 # The default Stage 2 of issue 19 (until issue 38 changed the default): the span-end fits with lambda chosen by the
 # held-out hidden-state error, every token in the fit. Pinned where those measurements are reproduced.
 PREVIOUS_DEFAULT_STAGE2: dict[str, Any] = {"compensation_selection": "hidden_state", "outlier_tokens": "keep"}
+# The quality preset's Stage 1 (issue 18, below), pinned where its layers are measured without its heal.
+QUALITY_SELECTION: dict[str, Any] = {"importance": "gradmap_bound_token", "verify_top_k": 8, "verify_halving": True}
 PRESETS: dict[str, dict[str, Any]] = {
     # GradMAP exactly as published: the gradient score (Eq. 5), iterative (Algorithm 1), and the paper's Stage 2
     # (pinned, so that the preset keeps its meaning if a default changes).
@@ -81,13 +83,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Stage 1 time; then the default Stage 2; then (issue 65) the heal for about Stage 1's measured time, on the dense
     # model's own text at temperature 1: at 1.5x Stage 1 on SmolLM2-135M 25% it raised accuracy over Stage 1 by
     # +2.52 points (corpus text +2.26), flips 0.89x Stage 1 + 2's, KL -23% / -28% (docs/benchmarks/heal.md).
-    "quality": {
-        "importance": "gradmap_bound_token",
-        "verify_top_k": 8,
-        "verify_halving": True,
-        "heal_tokens": "auto",
-        "heal_dataset": "generated",
-    },
+    "quality": {**QUALITY_SELECTION, "heal_tokens": "auto", "heal_dataset": "generated"},
     # Fastest selection: one pass, no gradients (relative magnitude, Samragh et al. 2023), removal in one shot;
     # then the default Stage 2.
     "fast": {"importance": "relative_magnitude"},

@@ -1140,12 +1140,10 @@ def heal(
                         taken = step - first_step
                         if taken == REFIT_AFTER_STEPS:
                             warm_seconds = seconds  # the first steps' time, left out of the later refits
-                        if (
-                            deadline is not None
-                            and taken >= REFIT_AFTER_STEPS
-                            and (taken == REFIT_AFTER_STEPS or (taken > REFIT_AFTER_STEPS and step % check_every == 0))
-                        ):
-                            recent = taken - REFIT_AFTER_STEPS  # the steps since the first ones, once there are any
+                        if deadline is not None and (
+                            taken == REFIT_AFTER_STEPS or (taken > REFIT_AFTER_STEPS and step % check_every == 0)
+                        ):  # the first fit times the first steps, the later ones the steps since them
+                            recent = taken - REFIT_AFTER_STEPS
                             step_seconds = (seconds - warm_seconds) / recent if recent else seconds / taken
                             schedule[0] = _steps_that_fit(deadline, step, num_steps, step_seconds, check_seconds, check_every)
                         if step >= schedule[0] or (

@@ -93,6 +93,13 @@ _ASSUMED_OFFLOAD_BYTES_PER_SECOND = {"cpu": 12e9, "disk": 1.5e9}
 # 1.448 GiB and stayed; with a fixed threshold (MALLOC_MMAP_THRESHOLD_=131072) by 0.978 GiB, the live tensors, and the
 # plan's 1.10 GiB of activations hold them. 1.448 / 0.978 = 1.48 (docs/benchmarks/scale.md, issue 64).
 HOST_ALLOCATOR_OVERHEAD = 1.48
+
+
+def _allocator_overhead(device: torch.device) -> float:
+    """How many bytes of resident memory a byte of a pass's tensors takes on `device` (see `HOST_ALLOCATOR_OVERHEAD`)."""
+    return HOST_ALLOCATOR_OVERHEAD if device.type == "cpu" else 1.0
+
+
 # Layouts of removed layers tried where Stage 1's choice is not known yet (Stage 2's counts depend on it).
 _SAMPLED_LAYOUTS = 64
 # The float64 work of a symmetric eigendecomposition with its vectors, in units of d^3 (LAPACK's syevd, about 9 d^3).
@@ -1759,8 +1766,7 @@ def plan_pruning(
     batch_tokens = config.batch_size * config.seq_len
     calibration_tokens = config.num_samples * config.seq_len
 
-    # in memory on the CPU, what a stage's passes hold beside the weights takes more than its bytes (glibc's heap)
-    overhead = HOST_ALLOCATOR_OVERHEAD if on_cpu else 1.0
+    overhead = _allocator_overhead(device)
 
     def stage(
         name: str,
@@ -2002,8 +2008,7 @@ def plan_heal(
     work, counts = _heal(config, teacher_shape, student.num_layers, teacher_shape.num_layers)
     memory = _heal_memory(config, student, student.num_layers, counts)
     host = memory["host"] if device.type == "cpu" else 0.0
-    overhead = HOST_ALLOCATOR_OVERHEAD if device.type == "cpu" else 1.0
-    training = student.weight_bytes + overhead * memory["device"]
+    training = student.weight_bytes + _allocator_overhead(device) * memory["device"]
     peak = Count.of(max(student.weight_bytes + teacher_shape.weight_bytes, training) + host)
     streamed = None
     if _offloaded_shares(student, pruned_config, device_map, max_memory):
