@@ -336,7 +336,8 @@ def copied_dense_row(source: str, record: dict, max_segments: int) -> dict:
     model's evaluation does not depend on the ratio or the selection."""
     with open(os.path.join(RESULTS, source + ".json"), encoding="utf-8") as file:
         other = json.load(file)
-    other.setdefault("device", "cpu")  # records from before `--device` ran on the CPU
+    for earlier in (other, record):
+        earlier.setdefault("device", "cpu")  # records from before `--device` ran on the CPU
     for key in ("model", "protocol", "subsets", "calibration_sha256", "device"):
         if other.get(key) != record.get(key):
             raise SystemExit(f"--dense-from {source}: its {key} ({other.get(key)!r}) is not this run's ({record.get(key)!r})")
