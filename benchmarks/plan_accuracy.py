@@ -13,6 +13,7 @@ other benchmarks measured:
 - `llama-3.1-8b-0.25`: the 8B run of benchmarks/scale.py (random weights, bfloat16 on disk, layer-streamed).
 
     python benchmarks/plan_accuracy.py --row smollm2-135m-0.25 --resume
+    python benchmarks/plan_accuracy.py --row smollm2-135m-0.25 --replan   # a planner change: the throughput kept
 
 Each plan is made without looking at the run: from the model's config, the run's settings and a short throughput
 measurement; Stage 2's fits are then a range (how many runs of layers Stage 1 removes decides them). A second plan,
@@ -103,17 +104,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--row", choices=ROWS, required=True)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument(
+        "--replan",
+        action="store_true",
+        help="plan the row again with the throughput its earlier plan measured (a change of the planner, not of the "
+        "machine: nothing is measured, so the row needs no quiet machine); the row records where its throughput came from",
+    )
     args = parser.parse_args()
     import torch
 
     from optimum_gradmap import GradMAPConfig, GradMAPPruner
     from optimum_gradmap.loading import resolve_model
+    from optimum_gradmap.planning import DeviceThroughput
 
     rows = json.load(open(RECORD)) if os.path.exists(RECORD) else []
     if args.resume and any(row["row"] == args.row for row in rows):
         print(f"{args.row}: planned already ({RECORD})")
         return
     spec = ROWS[args.row]
+    earlier = next((row for row in rows if row["row"] == args.row), None)
+    if args.replan and earlier is None:
+        parser.error(f"--replan: {args.row} has no plan in {RECORD} to take the throughput from")
     path = resolve_model(spec["model"]).path if spec["model"].startswith("offline:") else spec["model"]
     config = GradMAPConfig(**spec["settings"])
     record = {"row": args.row, "model": spec["model"], "settings": spec["settings"], "measured": spec["measured"]}
@@ -128,8 +139,18 @@ def main() -> None:
         name=spec["model"],
         **placement,
     )
-    plan = make_plan()
+    if args.replan:
+        plan = make_plan(throughput=DeviceThroughput(**earlier["plan"]["throughput"]))
+        measured_at = earlier.get("throughput_measured", earlier["provenance"])
+        record["throughput_measured"] = measured_at
+    else:
+        plan = make_plan()
     record["provenance"] = finish(record["provenance"])
+    if args.replan:
+        record["provenance"]["note"] = (
+            f"planned again with the throughput measured at commit {measured_at['commit'][:8]}, "
+            f"{measured_at['date'][:16].replace('T', ' ')} UTC ({'quiet' if measured_at.get('quiet') else 'not quiet'})"
+        )
     record["plan"] = plan.to_dict()
     record["printed"] = str(plan)
     removed = removed_layers(*spec["measured"])

@@ -48,6 +48,7 @@ import dataclasses
 import math
 import os
 import random
+import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -61,7 +62,7 @@ from transformers.utils import logging
 
 from . import streaming, surgery
 from .adapters import DecoderAdapter, get_adapter
-from .compensation.next_token import GOLDEN_SECTION, chooses_by_next_token_loss, resolve_selection
+from .compensation.next_token import GOLDEN_SECTION, chooses_by_next_token_loss, resolve_selection, searched_losses
 from .compensation.refinement import CHECK_EVERY as REFINEMENT_CHECK_EVERY
 from .compensation.solvers import AUTO_NUM_FOLDS, AUTO_RIDGE_GRID
 from .compensation.targets import compensation_targets
@@ -114,10 +115,14 @@ class Count:
     Args:
         low (`float`): The smallest value the run can give.
         high (`float`): The largest.
+        likely (`float`, *optional*): The value the run gives when it finds nothing unusual (the count of a
+            golden-section search whose losses have one minimum, the median over the layouts Stage 1 may leave), where
+            that is known better than the range's middle; `None`: the middle.
     """
 
     low: float = 0.0
     high: float = 0.0
+    likely: float | None = None
 
     @classmethod
     def of(cls, value: float) -> Count:
@@ -132,26 +137,33 @@ class Count:
     def middle(self) -> float:
         return (self.low + self.high) / 2
 
+    @property
+    def typical(self) -> float:
+        """The value to expect: `likely` where it is known, else the range's middle."""
+        return self.middle if self.likely is None else self.likely
+
     def __add__(self, other: Count | float) -> Count:
         other = other if isinstance(other, Count) else Count.of(other)
-        return Count(self.low + other.low, self.high + other.high)
+        likely = None if self.likely is None and other.likely is None else self.typical + other.typical
+        return Count(self.low + other.low, self.high + other.high, likely)
 
     __radd__ = __add__
 
-    def __mul__(self, factor: float) -> Count:
-        return Count(self.low * factor, self.high * factor)
+    def __mul__(self, factor: float | Count) -> Count:
+        if isinstance(factor, Count):  # both non-negative: the bounds multiply
+            likely = None if self.likely is None and factor.likely is None else self.typical * factor.typical
+            return Count(self.low * factor.low, self.high * factor.high, likely)
+        return Count(self.low * factor, self.high * factor, None if self.likely is None else self.likely * factor)
 
     __rmul__ = __mul__
 
     def __truediv__(self, divisor: float) -> Count:
-        return Count(self.low / divisor, self.high / divisor)
-
-    def hull(self, other: Count) -> Count:
-        """The smallest range holding both."""
-        return Count(min(self.low, other.low), max(self.high, other.high))
+        return self * (1 / divisor)
 
     def to_dict(self) -> dict[str, float] | float:
-        return self.low if self.exact else {"low": self.low, "high": self.high}
+        if self.exact:
+            return self.low
+        return {"low": self.low, "high": self.high} | ({} if self.likely is None else {"likely": self.likely})
 
 
 ZERO = Count()
@@ -187,15 +199,6 @@ class Work:
         sums = {item.name: getattr(self, item.name) + getattr(other, item.name) for item in fields(self) if _is_count(item)}
         return Work(
             **sums,
-            per_sample_norms=self.per_sample_norms or other.per_sample_norms,
-            weight_gradients=self.weight_gradients or other.weight_gradients,
-        )
-
-    def hull(self, other: Work) -> Work:
-        """Each count's range over both."""
-        spans = {item.name: getattr(self, item.name).hull(getattr(other, item.name)) for item in fields(self) if _is_count(item)}
-        return Work(
-            **spans,
             per_sample_norms=self.per_sample_norms or other.per_sample_norms,
             weight_gradients=self.weight_gradients or other.weight_gradients,
         )
@@ -1003,7 +1006,9 @@ def golden_search_evaluations(grid_size: int) -> Count:
     """How many strengths `lambda_search="golden"` scores on a grid of `grid_size` ([`searched_losses`]): from the
     fewest any outcome of its comparisons leaves, to the whole grid at most (each strength is scored once): a tie
     makes the search go on to the stronger strengths while their losses stay within the tolerance, and strong
-    strengths all give nearly W' = I, so ties are common where W' = I is near the best."""
+    strengths all give nearly W' = I, so ties are common where W' = I is near the best. Likely: the mean count for a
+    loss with one minimum and no tie, over where the minimum lies (4.4 of 9; SmolLM2-135M's five fits at 25% scored
+    4.2 on average, docs/benchmarks/scale.md)."""
     outcomes: set[int] = set()
 
     def explore(low: int, high: int, scored: frozenset[int]) -> None:
@@ -1017,7 +1022,12 @@ def golden_search_evaluations(grid_size: int) -> Count:
         explore(left, high, scored)
 
     explore(0, grid_size - 1, frozenset())
-    return Count(min(outcomes), grid_size)
+    # likely: a loss with one minimum and no tie (what the measured fits mostly give), the minimum at any strength
+    grid = list(range(grid_size))
+    single_minimum = [
+        len(searched_losses(lambda index, best=best: (index - best) ** 2 + 1e-3 * index, grid, "golden")) for best in grid
+    ]
+    return Count(min(outcomes), grid_size, sum(single_minimum) / grid_size)
 
 
 @dataclass
@@ -1145,17 +1155,33 @@ def _stage2(
         layouts = []
         for count in sorted({int(removable.low), int(removable.high)}):
             layouts += _layouts(num_layers, count, set(protected))
-    work: Work | None = None
-    fits: Count | None = None
+    works: list[Work] = []
+    fits: list[Count] = []
     for removed in layouts:
         kept = [index for index in range(num_layers) if index not in removed]
         for targets in _target_sets(resolved, kept, num_layers):
-            layout_work = _stage2_layout(resolved, shape, kept, targets, selection, post_norm, validation)
-            work = layout_work if work is None else work.hull(layout_work)
-            fits = Count.of(len(targets)) if fits is None else fits.hull(Count.of(len(targets)))
+            works.append(_stage2_layout(resolved, shape, kept, targets, selection, post_norm, validation))
+            fits.append(Count.of(len(targets)))
+    work, fits = _median_over(works), _median_over(fits)
     rows_fit = post_norm or resolved.compensation_objective == "cosine"
     outline = Stage2Outline(resolved.compensation_target, selection, fits, _evaluations(resolved, selection, rows_fit), rows_fit)
     return work, outline
+
+
+def _median_over(items: Sequence[Any]) -> Any:
+    """The range over `items` (`Count`s, or `Work`s count by count) that are the outcomes the run may have, with the
+    median of their typical values as the likely one: one outcome is returned as it is."""
+    if len(items) == 1:
+        return items[0]
+    if isinstance(items[0], Count):
+        low, high = min(item.low for item in items), max(item.high for item in items)
+        return Count(low, high, statistics.median(item.typical for item in items))
+    spans = {item.name: _median_over([getattr(work, item.name) for work in items]) for item in fields(Work) if _is_count(item)}
+    return Work(
+        **spans,
+        per_sample_norms=any(work.per_sample_norms for work in items),
+        weight_gradients=any(work.weight_gradients for work in items),
+    )
 
 
 def _target_sets(config: GradMAPConfig, kept: list[int], num_layers: int) -> list[list[tuple[int, int]]]:
@@ -1519,7 +1545,9 @@ def _range_text(count: Count | None, text: Callable[[float], str]) -> str:
     if count is None:
         return "-"
     low, high = text(count.low), text(count.high)
-    return low if low == high else f"{low} to {high}"
+    if low == high:
+        return low
+    return f"{low} to {high}" + ("" if count.likely is None else f" (likely {text(count.likely)})")
 
 
 def _counted(count: Count, word: str) -> str:

@@ -149,7 +149,43 @@ def test_golden_search_scores_four_or_five_strengths_and_more_on_a_tie_never_mor
     }
     counts.add(len(searched_losses(lambda index: 1.0, grid, "golden")))  # every loss tied
     planned = golden_search_evaluations(9)
-    assert planned == Count(4, 9) and min(counts) == 4 and 5 < max(counts) <= 9
+    assert (planned.low, planned.high) == (4, 9) and min(counts) == 4 and 5 < max(counts) <= 9
+    single_minimum = [  # losses with one minimum and no tie: what the plan calls likely
+        len(searched_losses(lambda index, best=best, tilt=tilt: (index - best) ** 2 + tilt * index, grid, "golden"))
+        for best in grid
+        for tilt in (1e-3, -1e-3)
+    ]
+    assert set(single_minimum) <= {4, 5} and planned.likely == pytest.approx(sum(single_minimum) / len(single_minimum))
+
+
+def test_a_count_adds_and_scales_its_likely_value_and_keeps_none_where_neither_has_one():
+    assert Count(1, 3, likely=1.5) + Count.of(2) == Count(3, 5, likely=3.5)
+    assert Count(1, 3) + Count.of(2) == Count(3, 5) and (Count(1, 3) + 2).typical == 4
+    assert 2 * Count(1, 3, likely=1.5) == Count(2, 6, likely=3.0)
+    assert Count(1, 3, likely=1.5) * Count(2, 4) == Count(2, 12, likely=4.5)
+    assert Count(1, 3, likely=1.5).to_dict() == {"low": 1, "high": 3, "likely": 1.5} and Count.of(2).to_dict() == 2
+
+
+def test_stage2_before_stage1_spans_the_layouts_stage1_may_leave_with_their_median_as_likely():
+    import statistics
+
+    from optimum_gradmap.compensation.targets import compensation_targets
+    from optimum_gradmap.planning import _layouts
+
+    model_config = tiny_model("llama", num_layers=8).config
+    config = GradMAPConfig(**SMALL)
+    before = plan_pruning(model_config, config, throughput=ASSUMED)
+    fits = [
+        len(compensation_targets([i for i in range(8) if i not in removed], {}, 8, "span_end", 1))
+        for removed in _layouts(8, 2, set())
+    ]
+    stage2 = before.stage("Stage 2")
+    assert "likely" in before.stage2 and (min(fits), max(fits)) == (0, 2)  # none when the last layers go
+    assert stage2.seconds.low < stage2.seconds.likely < stage2.seconds.high
+    one_run = plan_pruning(model_config, config, throughput=ASSUMED, removed_layers=[5, 6]).stage("Stage 2").seconds
+    two_runs = plan_pruning(model_config, config, throughput=ASSUMED, removed_layers=[2, 5]).stage("Stage 2").seconds
+    assert stage2.seconds.low <= one_run.low and two_runs.high <= stage2.seconds.high
+    assert f"likely {statistics.median(fits):.0f}" in before.stage2
 
 
 @pytest.mark.parametrize(("ratio", "iterative", "rounds"), [(0.25, None, 2), (0.5, None, 3), (0.25, False, 1)])

@@ -172,20 +172,31 @@ def _measured(spec_source: str, key) -> tuple[dict[str, float], float, dict, str
     return None
 
 
-def _range(value) -> tuple[float, float]:
-    return (value["low"], value["high"]) if isinstance(value, dict) else (value, value)
+def _range(value) -> tuple[float, float, float]:
+    """A planned figure's (low, high, typical): the plan's likely value where it gives one, else the middle."""
+    if not isinstance(value, dict):
+        return value, value, value
+    return value["low"], value["high"], value.get("likely", (value["low"] + value["high"]) / 2)
 
 
-def _planned_text(low: float, high: float, unit: str) -> str:
+def _summed(ranges: list[tuple[float, float, float]]) -> dict[str, float]:
+    low, high, typical = (sum(part[index] for part in ranges) for index in range(3))
+    return {"low": low, "high": high, "likely": typical}
+
+
+def _planned_text(low: float, high: float, typical: float, unit: str) -> str:
     scale, fmt = (2**30, "{:,.2f}") if unit == "GiB" else (1, "{:,.0f}")
-    return (fmt.format(low / scale) if low == high else f"{fmt.format(low / scale)} to {fmt.format(high / scale)}") + f" {unit}"
+    if low == high:
+        return f"{fmt.format(low / scale)} {unit}"
+    return f"{fmt.format(typical / scale)} {unit} ({fmt.format(low / scale)} to {fmt.format(high / scale)})"
 
 
 def plan_against_run(context: Context) -> str:
     """The plan `--dry-run` prints (benchmarks/plan_accuracy.py) beside the run it planned: each stage's seconds and
-    the peak resident memory, planned before the run (a range where the run's own findings decide: its middle is
-    compared) and once Stage 1 is done (the removed layers known, Stage 2's fits with them). The `run` cell says which
-    run was measured (`MEASURED_RUNS`): the command line's own `prune`, or the main job, which does more."""
+    the peak resident memory, planned before the run (a range where the run's own findings decide: its likely value
+    is compared, the middle where the plan gives none) and once Stage 1 is done (the removed layers known, Stage 2's
+    fits with them), and the stages together. The `run` cell says which run was measured (`MEASURED_RUNS`): the
+    command line's own `prune`, or the main job, which does more."""
     from .common import load
 
     table = Table(
@@ -200,18 +211,30 @@ def plan_against_run(context: Context) -> str:
         before = {stage["name"]: stage for stage in planned["plan"]["stages"]}
         after = {stage["name"]: stage for stage in planned.get("plan_after_stage1", {}).get("stages", [])}
         figures = [(name, _range(before[name]["seconds"]), after.get(name), seconds[name], "s") for name in seconds]
+        if len(seconds) > 1:  # the stages together: how long the run takes
+            both = [_range(before[name]["seconds"]) for name in seconds]
+            both_after = [_range(after[name]["seconds"]) for name in seconds] if after else None
+            figures.append(
+                (
+                    " + ".join(seconds),
+                    tuple(sum(part[index] for part in both) for index in range(3)),
+                    {"seconds": _summed(both_after)} if both_after else None,
+                    sum(seconds.values()),
+                    "s",
+                )
+            )
         after_peak = planned.get("plan_after_stage1", {}).get("peak_bytes")
         figures.append(("peak resident memory", _range(planned["plan"]["peak_bytes"]), after_peak, peak, "GiB"))
-        for name, (low, high), refined, value, unit in figures:
+        for name, planned_range, refined, value, unit in figures:
             if unit == "s":
                 refined_range = _range(refined["seconds"]) if refined else None
             else:
                 refined_range = _range(refined) if refined is not None else None
-            ratio_before = value / ((low + high) / 2)
+            ratio_before = value / planned_range[2]
             ratios = f"{ratio_before:.2f}"
             reference = ratio_before
-            if refined_range is not None and refined_range != (low, high):
-                reference = value / ((refined_range[0] + refined_range[1]) / 2)
+            if refined_range is not None and refined_range != planned_range:
+                reference = value / refined_range[2]
                 ratios += f"; {reference:.2f} once Stage 1 is done"
             tolerance = 0.3 if unit == "s" else 0.2
             goal = "met" if abs(ratio_before - 1) <= tolerance else f"**not met** ({tolerance:.0%})"
@@ -221,7 +244,7 @@ def plan_against_run(context: Context) -> str:
                 [
                     f"{planned['row']}: {measured_run(source)}",
                     name,
-                    _planned_text(low, high, unit),
+                    _planned_text(*planned_range, unit),
                     _planned_text(*refined_range, unit) if refined_range is not None else "-",
                     f"{value / (2**30 if unit == 'GiB' else 1):,.{2 if unit == 'GiB' else 0}f} {unit}",
                     ratios,
