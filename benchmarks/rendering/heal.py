@@ -320,6 +320,8 @@ TABLES = {
     "heal-flips-by-task": flips_by_task("heal-smollm2-135m-0.25-gradmap-screening"),
     "heal-smollm2-25-gradmap-text": heal_text_rows("heal-smollm2-135m-0.25-gradmap-screening"),
     "heal-smollm2-40-gradmap-text": heal_text_rows("heal-smollm2-135m-0.4-gradmap-screening"),
+    "heal-smollm2-25-quality-text": heal_text_rows("heal-smollm2-135m-0.25-quality-screening"),
+    "heal-qwen-25-gradmap-text": heal_text_rows("heal-qwen2.5-coder-0.5b-0.25-gradmap-screening"),
     "heal-smollm2-40-gradmap-tasks": heal_rows("heal-smollm2-135m-0.4-gradmap-screening"),
     "heal-smollm2-25-quality-tasks": heal_rows("heal-smollm2-135m-0.25-quality-screening"),
     "heal-qwen-25-gradmap-tasks": heal_rows("heal-qwen2.5-coder-0.5b-0.25-gradmap-screening"),

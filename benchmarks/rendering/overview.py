@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .common import (
     Context,
     Table,
@@ -14,17 +16,40 @@ from .common import (
     stage1_share_of_sleb,
 )
 
-# (model, record, the row's variant in it and its label, Stage 1 cost record, page); the screening protocol for all,
-# the records with a heal row (the standard protocol's rows are on the accuracy and heal pages)
+
+@dataclass(frozen=True)
+class ReadmeRow:
+    """One row of the README's table: `variant` of the model's record (or of `source`), its Stage 1 time from the
+    cost record's `cost_method` row, linked to `page` (or the model's page)."""
+
+    variant: str
+    label: str
+    source: str | None = None
+    cost_method: str = "paper"
+    page: str | None = None
+
+
+STAGE1_COST_PAGE = "docs/benchmarks/stage1-cost.md#stage-1-against-slebs-own-code"
+QUALITY_PAGE = "docs/benchmarks/heal.md#the-dense-models-own-text-on-the-quality-presets-layers"
+
+# (model, record, its rows, Stage 1 cost record, page); the screening protocol for all, the records with a heal row
+# (the standard protocol's rows are on the accuracy and heal pages)
 README_ROWS = (
     (
         "SmolLM2-135M, 25%",
         "heal-smollm2-135m-0.25-gradmap-screening",
         (
-            ("dense", "dense"),
-            ("stage1", "Stage 1 (GradMAP)"),
-            ("default", "Stage 1 + 2"),
-            ("lora@196608", "+ heal (LoRA, 196,608 tokens)"),
+            ReadmeRow("dense", "dense"),
+            ReadmeRow("stage1", "Stage 1 (GradMAP)"),
+            ReadmeRow("default", "Stage 1 + 2"),
+            ReadmeRow("lora@196608", "+ heal (LoRA, 196,608 tokens)"),
+            ReadmeRow(
+                "lora@1.5x+text=generated",
+                "`--preset quality`: its layers, Stage 2, heal on the dense model's own text (714 s)",
+                source="heal-smollm2-135m-0.25-quality-screening",
+                cost_method="quality",
+                page=QUALITY_PAGE,
+            ),
         ),
         "stage1_peers-smollm2-135m-0.25-16",
         "docs/benchmarks/heal.md#smollm2-135m-25-gradmaps-layers-with-tasks",
@@ -33,17 +58,16 @@ README_ROWS = (
         "Qwen2.5-Coder-0.5B, 25%",
         "heal-qwen2.5-coder-0.5b-0.25-gradmap-screening",
         (
-            ("dense", "dense"),
-            ("stage1", "Stage 1 (GradMAP)"),
-            ("default", "Stage 1 + 2"),
-            ("lora@131072", "+ heal (LoRA, 131,072 tokens)"),
+            ReadmeRow("dense", "dense"),
+            ReadmeRow("stage1", "Stage 1 (GradMAP)"),
+            ReadmeRow("default", "Stage 1 + 2"),
+            ReadmeRow("lora@131072", "+ heal (LoRA, 131,072 tokens)"),
+            ReadmeRow("lora@1.5x+text=generated", "+ heal on the dense model's own text (1,960 s)"),
         ),
         "stage1_peers-qwen2.5-coder-0.5b-0.25-8",
         "docs/benchmarks/heal.md#qwen25-coder-05b-25-gradmaps-layers-with-tasks",
     ),
 )
-
-STAGE1_COST_PAGE = "docs/benchmarks/stage1-cost.md#stage-1-against-slebs-own-code"
 
 
 def _row_flips(row: dict) -> str:
@@ -80,32 +104,33 @@ def readme_table(context: Context) -> Table:
         cite=False,
     )
     for model, source, variants, cost_source, page in README_ROWS:
-        rows = {row["variant"]: row for row in load(source)["rows"] if row.get("selection", "gradmap") in ("dense", "gradmap")}
         cost = {row["method"]: row for row in load(cost_source)["rows"]}
         first = True
-        for variant, label in variants:
-            if variant not in rows:
+        for entry in variants:
+            rows = {row["variant"]: row for row in load(entry.source or source)["rows"]}
+            if entry.variant not in rows:
                 continue
-            row = rows[variant]
+            row = rows[entry.variant]
             evaluation = row["evaluation"]
             accuracy, stderr = mean_accuracy(evaluation["zero_shot"])
             kl = kl_cell(evaluation, "offline:wikipedia").split(" ±")[0]
-            share = "-" if variant == "dense" else f"{100 * stage1_share_of_sleb(load(cost_source), 'paper'):.0f}%"
-            more = [] if variant == "dense" else [(7, cost["paper"]["provenance"], cost_source)]
+            dense = entry.variant == "dense"
+            share = "-" if dense else f"{100 * stage1_share_of_sleb(load(cost_source), entry.cost_method):.0f}%"
+            more = [] if dense else [(7, cost[entry.cost_method]["provenance"], cost_source)]
             table.add(
                 [
                     model if first else "",
-                    f"[{label}]({context.link(page)})",
+                    f"[{entry.label}]({context.link(entry.page or page)})",
                     number(perplexity(evaluation, "offline:wikipedia")),
                     number(perplexity(evaluation, "offline:web_text")),
-                    kl if variant != "dense" else "0",
+                    kl if not dense else "0",
                     f"{100 * accuracy:.1f} ± {100 * stderr:.1f}",
                     _row_flips(row),
                     share,
                 ],
                 row["provenance"],
-                source,
-                ("heal",) if "@" in variant else ("stage2",) if variant == "default" else (),
+                entry.source or source,
+                ("heal",) if "@" in entry.variant else ("stage2",) if entry.variant == "default" else (),
                 cell=1,
                 more=more,
             )
