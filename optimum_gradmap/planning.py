@@ -1170,7 +1170,9 @@ def _stage2(
 
 def _median_over(items: Sequence[Any]) -> Any:
     """The range over `items` (`Count`s, or `Work`s count by count) that are the outcomes the run may have, with the
-    median of their typical values as the likely one: one outcome is returned as it is."""
+    median of their typical values as the likely one: one outcome is returned as it is. Over Stage 1's layouts, most
+    are scattered sets, as GradMAP's choices on real models are (the paper: "broadly distributed across the entire
+    network depth")."""
     if len(items) == 1:
         return items[0]
     if isinstance(items[0], Count):
