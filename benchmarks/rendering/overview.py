@@ -45,7 +45,7 @@ README_ROWS = (
             ReadmeRow("lora@196608", "+ heal (LoRA, 196,608 tokens)"),
             ReadmeRow(
                 "lora@1.5x+text=generated",
-                "`--preset quality`: its layers, Stage 2, heal on the dense model's own text (714 s)",
+                "`--preset quality`: its layers, Stage 2, heal on the dense model's own text (1.5x GradMAP's Stage 1 time)",
                 source="heal-smollm2-135m-0.25-quality-screening",
                 cost_method="quality",
                 page=QUALITY_PAGE,
@@ -62,7 +62,7 @@ README_ROWS = (
             ReadmeRow("stage1", "Stage 1 (GradMAP)"),
             ReadmeRow("default", "Stage 1 + 2"),
             ReadmeRow("lora@131072", "+ heal (LoRA, 131,072 tokens)"),
-            ReadmeRow("lora@1.5x+text=generated", "+ heal on the dense model's own text (1,960 s)"),
+            ReadmeRow("lora@1.5x+text=generated", "+ heal on the dense model's own text (1.5x Stage 1's time)"),
         ),
         "stage1_peers-qwen2.5-coder-0.5b-0.25-8",
         "docs/benchmarks/heal.md#qwen25-coder-05b-25-gradmaps-layers-with-tasks",
