@@ -401,6 +401,20 @@ def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-samples", type=int, default=128)
 
 
+def layer_record(args: argparse.Namespace, layers: list[int], layers_from: str, calibration: torch.Tensor) -> dict:
+    """The head of a record about one pruned model named by [`add_layer_arguments`]: which model, ratio and selection,
+    the layers removed and where they came from, and the calibration set's SHA-256."""
+    return {
+        "model": args.model,
+        "ratio": args.ratio,
+        "selection": args.selection,
+        "removed_layers": layers,
+        "layers_from": layers_from,
+        "num_samples": args.num_samples,
+        "calibration_sha256": calibration_sha256(calibration),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_layer_arguments(parser)

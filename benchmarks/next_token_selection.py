@@ -17,7 +17,7 @@ import argparse
 import json
 import os
 
-from accuracy import CALIBRATION, RESULTS, add_layer_arguments, layers_of
+from accuracy import CALIBRATION, RESULTS, add_layer_arguments, layer_record, layers_of
 from provenance import finish, provenance
 
 import optimum_gradmap.compensation.fit as fit_module
@@ -25,7 +25,7 @@ from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.assets import load_model
 from optimum_gradmap.compensation.next_token import _choose, searched_losses
 from optimum_gradmap.compensation.solvers import AUTO_RIDGE_GRID
-from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
+from optimum_gradmap.data import prepare_calibration_data
 from optimum_gradmap.testing import reference_next_token_choice
 
 
@@ -60,13 +60,7 @@ def main() -> None:
     model, tokenizer = load_model(args.model)
     calibration = prepare_calibration_data(CALIBRATION, tokenizer, args.num_samples, 128, 0, CALIBRATION)
     record = {
-        "model": args.model,
-        "ratio": args.ratio,
-        "selection": args.selection,
-        "removed_layers": layers,
-        "layers_from": layers_from,
-        "num_samples": args.num_samples,
-        "calibration_sha256": calibration_sha256(calibration),
+        **layer_record(args, layers, layers_from, calibration),
         "fits": [],
     }
     started = provenance()

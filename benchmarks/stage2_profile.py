@@ -21,14 +21,14 @@ import os
 import time
 
 import torch
-from accuracy import CALIBRATION, RESULTS, add_layer_arguments, layers_of
+from accuracy import CALIBRATION, RESULTS, add_layer_arguments, layer_record, layers_of
 from provenance import finish, provenance
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.assets import get_model_path, load_model
 from optimum_gradmap.compensation import next_token
 from optimum_gradmap.compensation import stage2 as stage2_module
-from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
+from optimum_gradmap.data import prepare_calibration_data
 from optimum_gradmap.planning import DeviceThroughput
 
 # (module, function, name in the record): the parts of Stage 2, wrapped with a timer and a counter
@@ -82,12 +82,7 @@ def main() -> None:
     compensation = result.compensation
     planned = plan.stage("Stage 2")
     record = {
-        "model": args.model,
-        "ratio": args.ratio,
-        "selection": args.selection,
-        "removed_layers": layers,
-        "layers_from": layers_from,
-        "calibration_sha256": calibration_sha256(calibration),
+        **layer_record(args, layers, layers_from, calibration),
         "stage2_seconds": compensation.seconds,
         "parts": {label: {"seconds": seconds[label], "calls": calls[label]} for _, _, label in PARTS},
         "fitted_layers": {str(layer): value for layer, value in compensation.reg_lambda.items()},
