@@ -149,10 +149,7 @@ class Count:
 
     __radd__ = __add__
 
-    def __mul__(self, factor: float | Count) -> Count:
-        if isinstance(factor, Count):  # both non-negative: the bounds multiply
-            likely = None if self.likely is None and factor.likely is None else self.typical * factor.typical
-            return Count(self.low * factor.low, self.high * factor.high, likely)
+    def __mul__(self, factor: float) -> Count:
         return Count(self.low * factor, self.high * factor, None if self.likely is None else self.likely * factor)
 
     __rmul__ = __mul__

@@ -179,9 +179,9 @@ def _range(value) -> tuple[float, float, float]:
     return value["low"], value["high"], value.get("likely", (value["low"] + value["high"]) / 2)
 
 
-def _summed(ranges: list[tuple[float, float, float]]) -> dict[str, float]:
-    low, high, typical = (sum(part[index] for part in ranges) for index in range(3))
-    return {"low": low, "high": high, "likely": typical}
+def _summed(ranges: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """The (low, high, typical) of stages run one after the other."""
+    return tuple(sum(part[index] for part in ranges) for index in range(3))
 
 
 def _planned_text(low: float, high: float, typical: float, unit: str) -> str:
@@ -210,26 +210,19 @@ def plan_against_run(context: Context) -> str:
         seconds, peak, provenance, source = measured
         before = {stage["name"]: stage for stage in planned["plan"]["stages"]}
         after = {stage["name"]: stage for stage in planned.get("plan_after_stage1", {}).get("stages", [])}
-        figures = [(name, _range(before[name]["seconds"]), after.get(name), seconds[name], "s") for name in seconds]
+        after_seconds = {name: _range(after[name]["seconds"]) for name in seconds} if after else None
+        figures = [
+            (name, _range(before[name]["seconds"]), after_seconds[name] if after_seconds else None, seconds[name], "s")
+            for name in seconds
+        ]
         if len(seconds) > 1:  # the stages together: how long the run takes
-            both = [_range(before[name]["seconds"]) for name in seconds]
-            both_after = [_range(after[name]["seconds"]) for name in seconds] if after else None
-            figures.append(
-                (
-                    " + ".join(seconds),
-                    tuple(sum(part[index] for part in both) for index in range(3)),
-                    {"seconds": _summed(both_after)} if both_after else None,
-                    sum(seconds.values()),
-                    "s",
-                )
-            )
+            together = _summed([_range(before[name]["seconds"]) for name in seconds])
+            together_after = _summed(list(after_seconds.values())) if after_seconds else None
+            figures.append((" + ".join(seconds), together, together_after, sum(seconds.values()), "s"))
         after_peak = planned.get("plan_after_stage1", {}).get("peak_bytes")
-        figures.append(("peak resident memory", _range(planned["plan"]["peak_bytes"]), after_peak, peak, "GiB"))
-        for name, planned_range, refined, value, unit in figures:
-            if unit == "s":
-                refined_range = _range(refined["seconds"]) if refined else None
-            else:
-                refined_range = _range(refined) if refined is not None else None
+        peak_after = _range(after_peak) if after_peak is not None else None
+        figures.append(("peak resident memory", _range(planned["plan"]["peak_bytes"]), peak_after, peak, "GiB"))
+        for name, planned_range, refined_range, value, unit in figures:
             ratio_before = value / planned_range[2]
             ratios = f"{ratio_before:.2f}"
             reference = ratio_before
