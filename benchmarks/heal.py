@@ -15,8 +15,9 @@ A variant is `dense`, `stage1` (Stage 1 alone), `default` (Stage 1 and the defau
 TOKENS (`lora@1.5x`) is `heal_tokens="auto"` for FACTOR times Stage 1's quiet time on this machine (`STAGE1_SECONDS`):
 as many tokens as fit, the dense model's text included (issue 65: the heal's goals are at 1.5x). `+text=generated`
 heals on the dense model's own text ([`optimum_gradmap.generation`], generated afresh for the row and timed),
-`+text=mix` on it and the corpus text in equal parts, `+temp=T` sets its temperature (`heal_temperature`), and
-`+from=stage1` heals Stage 1 alone, without Stage 2 (Stage 2's worth once a heal follows). Two kinds of rows measure
+`+text=mix` on it and the corpus text in equal parts, `+temp=T` sets its temperature (`heal_temperature`),
+`+loss=NAME` what the heal minimises (`heal_loss`: `kl`, `logit_mse`, `kl_logit_mse`), and `+from=stage1` heals
+Stage 1 alone, without Stage 2 (Stage 2's worth once a heal follows). Two kinds of rows measure
 how flips follow the KL divergence when the damage is small (where the flips come from when a goal on them
 is missed): `dense@bf16` (the dense model with every weight rounded to bfloat16, computing in float32: a model
 almost equal to the dense one) and `stage1@K` (Stage 1 alone with only the first K of the removed layers, in the
@@ -98,7 +99,7 @@ from optimum_gradmap.evaluation import (
     flips,
     question_margin,
 )
-from optimum_gradmap.heal import heal_stage
+from optimum_gradmap.heal import HEAL_LOSS_CHOICES, heal_stage
 
 PROTOCOLS = {"standard": STANDARD_SUBSETS, "screening": SCREENING_SUBSETS}
 HEAL_TEXT = "offline:web_text+offline:wikipedia"
@@ -147,12 +148,14 @@ def parse_variant(name: str) -> dict | None:
             settings["heal_dataset"] = HEAL_TEXTS[value]
         elif key == "temp":
             settings["heal_temperature"] = float(value)
+        elif key == "loss" and value in HEAL_LOSS_CHOICES:
+            settings["heal_loss"] = value
         elif key == "from" and value in ("stage1", "default"):
             settings["start"] = value
         else:
             raise SystemExit(
                 f"unknown option {option!r} in {name!r}: lr=VALUE, topk=K, rank=R, text={'|'.join(HEAL_TEXTS)}, "
-                "temp=T or from=stage1"
+                f"temp=T, loss={'|'.join(HEAL_LOSS_CHOICES)} or from=stage1"
             )
     return settings
 

@@ -43,6 +43,8 @@ OutlierTokens = Literal["auto", "keep", "exclude", "clip", "preserve"]
 LambdaSearch = Literal["grid", "golden"]
 # What the heal stage trains (see `optimum_gradmap.heal`).
 HealTrainable = Literal["lora", "norms", "down_projections", "before_removed", "all"]
+# What the heal stage minimises (see `optimum_gradmap.distillation`).
+HealLoss = Literal["kl", "logit_mse", "kl_logit_mse"]
 # How Stage 1's gradient passes run (see `optimum_gradmap.streaming`).
 ExecutionMode = Literal["auto", "in_memory", "layer_streamed"]
 # The settings that only choose which layers go: unused where `layers_to_prune` names them (`protected_layers` is
@@ -328,6 +330,14 @@ class GradMAPConfig:
         "layers, merged into the weights; needs PEFT), `norms` (every normalisation weight), `down_projections` (the "
         "down projections of Stage 2's compensated layers), `before_removed` (every weight of the kept layer before "
         "each removed run), or `all` (every weight of the kept layers: small models only, AdamW holds three copies).",
+    )
+    heal_loss: HealLoss = _setting(
+        "kl",
+        "What the heal stage minimises: `kl` (the forward KL from the dense model over its top-64 tokens and the rest), "
+        "`logit_mse` (the mean squared difference of the two models' centred logits over the whole vocabulary, every "
+        "token weighted alike: Kim et al., IJCAI 2021), or `kl_logit_mse` (their sum). The held-out check that chooses "
+        "the state kept is the KL in every case. The logit losses run with the model's weights in memory (not "
+        "layer-streamed). See [`optimum_gradmap.distillation`].",
     )
     heal_lr: float | None = _setting(
         None,

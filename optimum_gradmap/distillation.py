@@ -17,12 +17,23 @@ top-K tokens and "any other token", whose probabilities are the sums of the rest
 It is the full-vocabulary KL of the two distributions with the tail merged into one outcome: exact where the teacher
 puts its mass on its top-K, never larger than the full KL, and it penalises a student that moves mass out of the
 top-K.
+
+**Logit MSE** (`heal_loss="logit_mse"` or `"kl_logit_mse"`). The forward KL weighs each token by the teacher's
+probability: the student's log-probabilities of the tokens the teacher finds unlikely (a multiple-choice question's
+wrong answers) are barely constrained. [`logit_mse`] is the mean squared difference of the two models' centred
+logits over the whole vocabulary, every token weighted alike (Kim et al., "Comparing Kullback-Leibler Divergence and
+Mean Squared Error Loss in Knowledge Distillation", IJCAI 2021, Sec. 3: L_MSE = ||z_s - z_t||^2, there over classes).
+The logits are centred (their mean over the vocabulary taken off) because a softmax ignores a shift. The teacher
+keeps its head's input (`TeacherTargets.hidden`, bfloat16) instead of `V` logits: the pruned model's head is the
+dense model's, so with `W_c` the head's weight less its mean row, the centred logit difference is `W_c (h_s - h_t)`
+and its mean square `(h_s - h_t)^T G (h_s - h_t)` with `G = W_c^T W_c / V` ([`centred_logit_gram`], `d x d`,
+computed once). These are the head's linear logits (before a soft-cap such as Gemma 2's).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -46,23 +57,30 @@ class TeacherTargets:
         indices (`torch.Tensor` of shape `(N, T - 1, TOP_K)`): Its most likely tokens (int32).
         log_probs (`torch.Tensor` of shape `(N, T - 1, TOP_K)`): Their log-probabilities (float32).
         rest_log_prob (`torch.Tensor` of shape `(N, T - 1)`): The log of the probability of every other token.
+        hidden (`torch.Tensor` of shape `(N, T - 1, hidden_size)`, *optional*): The input of its head (bfloat16), kept
+            for [`logit_mse`].
     """
 
     indices: torch.Tensor
     log_probs: torch.Tensor
     rest_log_prob: torch.Tensor
+    hidden: torch.Tensor | None = None
 
     def rows(self, rows: Sequence[int] | slice) -> TeacherTargets:
         """The targets of some of the sequences."""
-        return TeacherTargets(self.indices[rows], self.log_probs[rows], self.rest_log_prob[rows])
+        hidden = None if self.hidden is None else self.hidden[rows]
+        return TeacherTargets(self.indices[rows], self.log_probs[rows], self.rest_log_prob[rows], hidden)
 
     @staticmethod
     def concatenate(parts: Sequence[TeacherTargets], dim: int = 0) -> TeacherTargets:
-        """The targets of `parts` together: their sequences (`dim=0`), or their positions (`dim=1`)."""
+        """The targets of `parts` together: their sequences (`dim=0`), or their positions (`dim=1`). The head inputs
+        are kept where every part has them."""
+        hidden = [part.hidden for part in parts]
         return TeacherTargets(
             torch.cat([part.indices for part in parts], dim),
             torch.cat([part.log_probs for part in parts], dim),
             torch.cat([part.rest_log_prob for part in parts], dim),
+            torch.cat(hidden, dim) if parts and all(value is not None for value in hidden) else None,
         )
 
 
@@ -78,6 +96,7 @@ def teacher_targets(
     batch_size: int,
     progress_bar: bool = True,
     autocast: bool = False,
+    keep_hidden: bool = False,
 ) -> TeacherTargets:
     """Runs `teacher` over `input_ids` and keeps its top-`TOP_K` next-token log-probabilities and the rest's.
 
@@ -88,17 +107,23 @@ def teacher_targets(
         progress_bar (`bool`, defaults to `True`): Show a progress bar.
         autocast (`bool`, defaults to `False`): Run the teacher under bfloat16 autocast (the log-softmax stays in
             float32).
+        keep_hidden (`bool`, defaults to `False`): Keep its head's input too (`TeacherTargets.hidden`, for
+            [`logit_mse`]).
 
     Returns:
         [`TeacherTargets`], on the CPU.
     """
     parts: list[TeacherTargets] = []
+    head = teacher.get_output_embeddings()
     if input_ids.shape[0] == 0:  # a process with no sequence of its own (torchrun): nothing to keep
-        top_k = min(TOP_K, teacher.get_output_embeddings().weight.shape[0])
+        top_k = min(TOP_K, head.weight.shape[0])
         shape = (0, max(0, input_ids.shape[1] - 1))
-        return TeacherTargets(torch.zeros(*shape, top_k, dtype=torch.int32), torch.zeros(*shape, top_k), torch.zeros(*shape))
+        hidden = torch.zeros(*shape, head.weight.shape[1], dtype=torch.bfloat16) if keep_hidden else None
+        return TeacherTargets(
+            torch.zeros(*shape, top_k, dtype=torch.int32), torch.zeros(*shape, top_k), torch.zeros(*shape), hidden
+        )
     device = input_device(teacher)
-    with calibration_mode(teacher):
+    with calibration_mode(teacher), head_inputs(head if keep_hidden else None) as inputs:
         for start in logging.tqdm(
             range(0, input_ids.shape[0], batch_size),
             desc="Heal: the dense model's targets",
@@ -108,8 +133,65 @@ def teacher_targets(
             batch = input_ids[start : start + batch_size].to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext():
                 logits = teacher(input_ids=batch, use_cache=False).logits[:, :-1]
-            parts.append(targets_from_logits(logits))
+            targets = targets_from_logits(logits)
+            if keep_hidden:
+                targets.hidden = inputs.pop()[:, :-1].to(torch.bfloat16).cpu()
+            parts.append(targets)
     return TeacherTargets.concatenate(parts)
+
+
+@contextmanager
+def head_inputs(head: nn.Module | None) -> Iterator[list[torch.Tensor]]:
+    """A list that receives the input of every call of `head` inside the block (nothing where `head` is `None`)."""
+    inputs: list[torch.Tensor] = []
+    if head is None:
+        yield inputs
+        return
+    handle = head.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+    try:
+        yield inputs
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def centred_logit_gram(head_weight: torch.Tensor, rows_at_once: int = 8192) -> torch.Tensor:
+    """`G = W_c^T W_c / V`, with `W_c` the head's weight (`V x d`) less its mean row: for head inputs `h` and `h'`,
+    `(h - h')^T G (h - h')` is the mean squared difference of their centred logits (see the module docstring).
+    Summed `rows_at_once` rows at a time in float32 (`sum_i w_i w_i^T - V m m^T`, `m` the mean row).
+
+    Args:
+        head_weight (`torch.Tensor` of shape `(V, d)`): The head's weight.
+        rows_at_once (`int`, defaults to 8192): Rows converted to float32 at once.
+
+    Returns:
+        `torch.Tensor` of shape `(d, d)`: float32, symmetric, on the weight's device.
+    """
+    vocab_size, width = head_weight.shape
+    gram = torch.zeros(width, width, dtype=torch.float32, device=head_weight.device)
+    total = torch.zeros(width, dtype=torch.float32, device=head_weight.device)
+    for start in range(0, vocab_size, rows_at_once):
+        block = head_weight[start : start + rows_at_once].float()
+        gram += block.T @ block
+        total += block.sum(0)
+    mean = total / vocab_size
+    return gram / vocab_size - torch.outer(mean, mean)
+
+
+def logit_mse(hidden: torch.Tensor, teacher_hidden: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """The mean squared difference, over the vocabulary, of the student's and the teacher's centred logits, per
+    position (see the module docstring).
+
+    Args:
+        hidden (`torch.Tensor` of shape `(..., d)`): The student's head input.
+        teacher_hidden (`torch.Tensor` of shape `(..., d)`): The teacher's (`TeacherTargets.hidden`).
+        gram (`torch.Tensor` of shape `(d, d)`): [`centred_logit_gram`] of the head's weight.
+
+    Returns:
+        `torch.Tensor` of shape `(...)`: float32, >= 0 up to rounding.
+    """
+    difference = hidden.float() - teacher_hidden.to(device=hidden.device, dtype=torch.float32)
+    return ((difference @ gram) * difference).sum(-1)
 
 
 def targets_from_logits(logits: torch.Tensor) -> TeacherTargets:

@@ -46,7 +46,7 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 from transformers.utils import logging
 
 from . import distillation
-from .distillation import TeacherTargets, targets_from_logits
+from .distillation import TeacherTargets, head_inputs, targets_from_logits
 from .errors import InvalidInputError
 from .passes import calibration_mode, input_device
 from .precision import uses_bfloat16_autocast
@@ -77,6 +77,8 @@ class GenerationSettings:
         prompt_tokens (`int`): Tokens of a document that start a sequence.
         bos_every (`int`): One sequence in this many starts from the beginning-of-sequence token alone.
         batch_size (`int`): Sequences sampled together.
+        keep_hidden (`bool`): Keep the teacher's head input at every position too (`TeacherTargets.hidden`, for a
+            `heal_loss` other than `kl`).
     """
 
     seq_len: int
@@ -85,6 +87,7 @@ class GenerationSettings:
     prompt_tokens: int = PROMPT_TOKENS
     bos_every: int = BOS_EVERY
     batch_size: int = GENERATION_BATCH_SIZE
+    keep_hidden: bool = False
 
 
 def is_generated(heal_dataset: Any) -> bool:
@@ -140,6 +143,7 @@ def sample_batch(
     temperature: float,
     generator: torch.Generator,
     autocast: bool = False,
+    keep_hidden: bool = False,
 ) -> tuple[torch.LongTensor, TeacherTargets]:
     """Samples one batch of sequences of `seq_len` tokens, each starting with its prompt (prompts may differ in
     length: a row takes its prompt's token where it has one, and its sample elsewhere; every step feeds one token
@@ -154,6 +158,7 @@ def sample_batch(
         temperature (`float`): The sampling temperature (> 0).
         generator (`torch.Generator`): The draws' generator (on the CPU).
         autocast (`bool`, defaults to `False`): Run the passes under bfloat16 autocast.
+        keep_hidden (`bool`, defaults to `False`): Keep the model's head input too (`TeacherTargets.hidden`).
 
     Returns:
         `tuple[torch.LongTensor, TeacherTargets]`: the sequences `(len(prompts), seq_len)` and the targets at their
@@ -172,10 +177,12 @@ def sample_batch(
     cache = {cache_keyword: DynamicCache(config=model.config)}
     passes = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
     targets: list[TeacherTargets] = []
-    with passes:
+    with passes, head_inputs(model.get_output_embeddings() if keep_hidden else None) as inputs:
         for position in range(seq_len - 1):
             output = model(input_ids=sequences[:, position : position + 1].to(device), use_cache=True, **cache)
             targets.append(targets_from_logits(output.logits[:, -1:]))
+            if keep_hidden:
+                targets[-1].hidden = inputs.pop()[:, -1:].to(torch.bfloat16).cpu()
             probabilities = torch.softmax(output.logits[:, -1].float().cpu() / temperature, dim=-1)
             drawn = torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
             column = position + 1
@@ -195,7 +202,8 @@ def fingerprint(
         "prompts_sha256": hashlib.sha256(prompt_bytes).hexdigest(),
         "start_token": start_token,
         "top_k": distillation.TOP_K,
-        **asdict(settings),
+        # `keep_hidden` only where set: the caches written before it existed stay valid
+        **{key: value for key, value in asdict(settings).items() if key != "keep_hidden" or value},
     }
 
 
@@ -247,7 +255,8 @@ def _write_cache(
         payload = {
             "fingerprint": expected,
             "input_ids": input_ids,
-            "targets": [targets.indices, targets.log_probs, targets.rest_log_prob],
+            "targets": [targets.indices, targets.log_probs, targets.rest_log_prob]
+            + ([] if targets.hidden is None else [targets.hidden]),
             "seconds_per_sequence": seconds_per_sequence,
         }
         torch.save(payload, temporary)
@@ -334,7 +343,7 @@ def generate_sequences(
                     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + batch)
                     batch_prompts = [sequence_prompt(index, prompts, start_token, settings) for index in indices]
                     sequences, targets = sample_batch(
-                        model, batch_prompts, settings.seq_len, settings.temperature, generator, autocast
+                        model, batch_prompts, settings.seq_len, settings.temperature, generator, autocast, settings.keep_hidden
                     )
                     batches.append(sequences)
                     have_targets.append(targets)

@@ -83,7 +83,7 @@ from transformers.utils import logging
 
 from . import distributed, streaming
 from .adapters import DecoderAdapter, get_adapter, get_submodule
-from .configuration import GradMAPConfig, HealTrainable
+from .configuration import GradMAPConfig, HealLoss, HealTrainable
 from .data import (
     CalibrationData,
     calibration_sha256,
@@ -97,6 +97,9 @@ from .data import (
 )
 from .distillation import (
     TeacherTargets,
+    centred_logit_gram,
+    head_inputs,
+    logit_mse,
     teacher_targets,
     top_k_kl,
     top_k_kl_gradient,
@@ -138,6 +141,7 @@ DEFAULT_LEARNING_RATES: dict[str, float] = {
     "all": 3e-5,
 }
 HEAL_TRAINABLE_CHOICES: tuple[str, ...] = get_args(HealTrainable)
+HEAL_LOSS_CHOICES: tuple[str, ...] = get_args(HealLoss)
 # The name of the heal stage's LoRA adapter (in its parameters' names).
 LORA_ADAPTER = "heal"
 # `heal_tokens="auto"`: the heal's time (the dense model's text included) as a share of Stage 1's measured time.
@@ -154,6 +158,7 @@ HEAL_SETTINGS = (
     "heal_dataset",
     "heal_temperature",
     "heal_trainable",
+    "heal_loss",
     "heal_lr",
     "heal_batch_size",
     "heal_seq_len",
@@ -183,7 +188,7 @@ def check_heal_settings(model: nn.Module, config: GradMAPConfig, compensated: Se
     Raises:
         InvalidInputError: for a model that carries PEFT adapters, `lora` without PEFT, `down_projections` without a
             compensated layer, full weights in bfloat16 or float16, a choice other than `lora` on a model with offloaded
-            weights, or nothing to train.
+            weights, a logit loss layer-streamed, or nothing to train.
     """
     _check_no_peft_adapters(model)
     if config.heal_trainable == "lora":
@@ -209,6 +214,8 @@ def check_heal_settings(model: nn.Module, config: GradMAPConfig, compensated: Se
         )
     if config.heal_trainable != "lora" and streaming.is_offloaded(model):
         raise InvalidInputError(_offloaded_refusal(config.heal_trainable))
+    if config.heal_loss != "kl" and (config.execution == "layer_streamed" or streaming.is_offloaded(model)):
+        raise InvalidInputError(_streamed_loss_refusal(config.heal_loss))
     if config.execution == "in_memory" and streaming.is_offloaded(model):
         raise InvalidInputError(
             "execution='in_memory' with offloaded weights: the heal's backward pass would keep every weight Accelerate "
@@ -243,6 +250,7 @@ def _fingerprint_before_pruning(
     batch_size: int,
     lora_rank: int,
     num_layers: int,
+    loss: str = "kl",
 ) -> dict[str, Any]:
     """The part of a heal checkpoint's fingerprint known before Stage 1 (see [`check_heal_checkpoint_origin`]): the
     heal's text, its settings, the number of processes and the dense model's number of layers."""
@@ -253,6 +261,7 @@ def _fingerprint_before_pruning(
         "learning_rate": learning_rate,
         "batch_size": batch_size,
         "lora_rank": lora_rank,
+        "loss": loss,
         "world_size": distributed.world_size(),
         "num_layers": num_layers,
     }
@@ -313,6 +322,7 @@ def check_heal_checkpoint_origin(
         config.heal_batch_size,
         config.heal_lora_rank,
         get_adapter(model).num_layers(model),
+        config.heal_loss,
     )
     differs = [key for key, value in expected.items() if saved.get(key) != value]
     if differs:
@@ -513,7 +523,9 @@ def _generate(
 ) -> GeneratedText:
     """`num_sequences` of the dense model's own text as `config` says: prompts from the first tokens of `prompt_data`'s
     documents (text; `config.dataset` by default) or sequences (token ids), `heal_temperature`, seed `seed + 2`."""
-    settings = GenerationSettings(config.heal_seq_len, config.heal_temperature, config.seed + 2)
+    settings = GenerationSettings(
+        config.heal_seq_len, config.heal_temperature, config.seed + 2, keep_hidden=config.heal_loss != "kl"
+    )
     data = config.dataset if prompt_data is None else prompt_data
     if is_text_data(data):
         documents = tokenize_documents(text_documents(data, config.text_column), tokenizer)
@@ -626,7 +638,9 @@ def heal_sequences(
         autocast = config.heal_autocast
         with teacher() as dense_model:
             autocast = uses_bfloat16_autocast(autocast, dense_model)
-            corpus_targets = teacher_targets(dense_model, corpus_train, config.heal_batch_size, progress_bar, autocast)
+            corpus_targets = teacher_targets(
+                dense_model, corpus_train, config.heal_batch_size, progress_bar, autocast, config.heal_loss != "kl"
+            )
             corpus_validation_targets = teacher_targets(dense_model, corpus_validation, config.heal_batch_size, False, autocast)
             del dense_model
         seconds += time.perf_counter() - tick
@@ -655,6 +669,7 @@ class HealResult:
         trained_tokens (`int`): The tokens trained on (fewer after an interruption).
         steps (`int`), num_steps (`int`): Steps taken, of those planned.
         learning_rate (`float`), batch_size (`int`), seq_len (`int`): The settings.
+        loss (`str`): What was minimised (`heal_loss`).
         autocast (`bool`): Whether the passes ran under bfloat16 autocast.
         teacher_seconds (`float`): The teacher's pass over every sequence.
         seconds (`float`): The whole stage, teacher included.
@@ -682,6 +697,7 @@ class HealResult:
     learning_rate: float = 0.0
     batch_size: int = 0
     seq_len: int = 0
+    loss: str = "kl"
     autocast: bool = False
     teacher_seconds: float = 0.0
     seconds: float = 0.0
@@ -706,8 +722,9 @@ class HealResult:
         if self.budget_seconds is not None:
             stopped += f" (heal_tokens='auto' chose {self.budget_tokens:,} tokens for {self.budget_seconds:.0f} s)"
         kept = "" if self.best_tokens else " (no state beat the start: the model is as it came)"
+        loss = "" if self.loss == "kl" else f" with heal_loss={self.loss!r}"
         return (
-            f"Healed {self.trainable} ({self.num_trainable_parameters:,} parameters) on {self.trained_tokens:,} tokens of "
+            f"Healed {self.trainable} ({self.num_trainable_parameters:,} parameters){loss} on {self.trained_tokens:,} tokens of "
             f"{self.dataset}{stopped}: held-out KL from the dense model {self.start_kl:.4f} -> {self.best_kl:.4f}{kept} "
             f"in {self.seconds:.0f} s."
         )
@@ -812,6 +829,14 @@ def _choose(
             "adapters are float32 whatever the model's dtype)."
         )
     return choice
+
+
+def _streamed_loss_refusal(loss: str) -> str:
+    return (
+        f"heal_loss={loss!r} compares the two models' head inputs, which the layer-streamed heal (offloaded weights, or "
+        "execution='layer_streamed') does not keep: heal with heal_loss='kl', or load the model on devices that hold it "
+        "with execution='in_memory'."
+    )
 
 
 def _offloaded_refusal(trainable: str) -> str:
@@ -961,6 +986,7 @@ def heal(
     learning_rate: float | None = None,
     batch_size: int = 8,
     check_every: int = 25,
+    loss: str = "kl",
     lora_rank: int = 8,
     autocast: bool = True,
     kept: Sequence[int] | None = None,
@@ -989,6 +1015,8 @@ def heal(
         train_ids (`torch.LongTensor` of shape `(N, T)`): The training sequences, in the order they are trained on.
         validation_ids (`torch.LongTensor` of shape `(M, T)`): The held-out sequences.
         trainable (`str`, defaults to `"lora"`): What is trained, among `HEAL_TRAINABLE_CHOICES`.
+        loss (`str`, defaults to `"kl"`): What is minimised, among `HEAL_LOSS_CHOICES` (`GradMAPConfig.heal_loss`;
+            the held-out check is the KL whatever it is).
         learning_rate (`float`, *optional*): AdamW's peak rate; defaults to `DEFAULT_LEARNING_RATES[trainable]`.
         batch_size (`int`, defaults to 8): Sequences per step (over all processes).
         check_every (`int`, defaults to 25): Steps between two held-out checks.
@@ -1011,7 +1039,8 @@ def heal(
         spent_seconds (`float`, defaults to 0): Seconds spent on the heal before this call (the dense model's text,
             an `auto` budget's measurement), added to `seconds`.
         targets (`tuple[TeacherTargets, TeacherTargets]`, *optional*): The teacher's targets on `train_ids` and
-            `validation_ids`, made already (kept while the dense model wrote the text): no teacher pass is made.
+            `validation_ids`, made already (kept while the dense model wrote the text): no teacher pass is made,
+            unless `loss` needs the teacher's head inputs and they lack them.
 
     Returns:
         [`HealResult`]. The model holds the trained weights with the lowest held-out KL (the start's if none was
@@ -1029,6 +1058,10 @@ def heal(
     """
     if trainable not in HEAL_TRAINABLE_CHOICES:
         raise InvalidInputError(f"`heal_trainable` must be one of {HEAL_TRAINABLE_CHOICES}, got {trainable!r}.")
+    if loss not in HEAL_LOSS_CHOICES:
+        raise InvalidInputError(f"`heal_loss` must be one of {HEAL_LOSS_CHOICES}, got {loss!r}.")
+    if loss != "kl" and streaming.streams(model):
+        raise InvalidInputError(_streamed_loss_refusal(loss))
     if batch_size < distributed.world_size():
         raise InvalidInputError(
             f"heal_batch_size={batch_size} cannot be shared by {distributed.world_size()} processes: every process takes "
@@ -1064,9 +1097,10 @@ def heal(
         learning_rate=learning_rate,
         batch_size=batch_size,
         seq_len=train_ids.shape[1],
+        loss=loss,
     )
     fingerprint = _fingerprint_before_pruning(
-        result.train_sha256, result.validation_sha256, trainable, learning_rate, batch_size, lora_rank, num_layers
+        result.train_sha256, result.validation_sha256, trainable, learning_rate, batch_size, lora_rank, num_layers, loss
     )
     fingerprint.update(kept=kept, compensated=list(compensated))  # what Stage 1 and 2 made
     if checkpoint is not None:  # the model the run started from (Stage 1 and 2 as they were): only a resume compares it
@@ -1076,14 +1110,19 @@ def heal(
     my_validation, _ = distributed.shard_any(validation_ids)
     device = input_device(model)
     result.autocast = uses_bfloat16_autocast(autocast, model)
+    keep_hidden = loss != "kl"
+    if targets is not None and keep_hidden and targets[0].hidden is None:
+        targets = None  # the text's targets lack the teacher's head inputs: a teacher pass keeps them
     if targets is not None:  # kept while the dense model wrote its text: this process's rows
         _, validation_start = distributed.shard_any(validation_ids)
         validation_rows = slice(validation_start, validation_start + my_validation.shape[0])
         targets, validation_targets = targets[0].rows(my_rows), targets[1].rows(validation_rows)
     else:
         targets, validation_targets = _teacher_pass(
-            teacher, train_ids[my_rows], my_validation, batch_size, progress_bar, result.autocast
+            teacher, train_ids[my_rows], my_validation, batch_size, progress_bar, result.autocast, keep_hidden
         )
+    head = model.get_output_embeddings()
+    gram = centred_logit_gram(head.weight) if keep_hidden else None
     result.teacher_seconds = time.perf_counter() - started - spent_seconds
     position = {row: index for index, row in enumerate(my_rows)}
 
@@ -1167,10 +1206,10 @@ def heal(
                                             batch, _streamed_loss_gradient(streamed, batch_targets), chosen.parameters
                                         )
                                 else:
-                                    with passes():
+                                    with passes(), head_inputs(head if keep_hidden else None) as inputs:
                                         logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
-                                    loss = top_k_kl(logits, batch_targets).mean()
-                                    (loss * len(rows)).backward()
+                                    step_loss = _step_loss(loss, logits, inputs, batch_targets, gram)
+                                    (step_loss * len(rows)).backward()
                         except KeyboardInterrupt:
                             stop = True
                         if _average_gradients(chosen.parameters, global_rows, stop or deferred_interrupt()):
@@ -1227,6 +1266,20 @@ def heal(
     result.seconds = time.perf_counter() - started
     logger.info(result.summary())
     return result
+
+
+def _step_loss(
+    loss: str,
+    logits: torch.Tensor,
+    head_inputs: Sequence[torch.Tensor],
+    targets: TeacherTargets,
+    gram: torch.Tensor | None,
+) -> torch.Tensor:
+    """The mean over a batch's predicting positions of the heal's `loss` (see [`optimum_gradmap.distillation`])."""
+    total = top_k_kl(logits, targets).mean() if loss in ("kl", "kl_logit_mse") else 0.0
+    if loss in ("logit_mse", "kl_logit_mse"):
+        total = total + logit_mse(head_inputs[-1][:, :-1], targets.hidden, gram).mean()
+    return total
 
 
 def _steps_that_fit(
@@ -1289,6 +1342,7 @@ def heal_as_configured(
             learning_rate=config.heal_lr,
             batch_size=config.heal_batch_size,
             check_every=config.heal_check_every,
+            loss=config.heal_loss,
             lora_rank=config.heal_lora_rank,
             autocast=config.heal_autocast,
             kept=kept,
@@ -1444,11 +1498,13 @@ def _teacher_pass(
     batch_size: int,
     progress_bar: bool,
     autocast: bool,
+    keep_hidden: bool = False,
 ) -> tuple[TeacherTargets, TeacherTargets]:
-    """The teacher's targets on the training and the held-out sequences. The teacher is bound here only, so that no
-    reference to it outlives its block: a teacher loaded for the pass is freed before training starts."""
+    """The teacher's targets on the training and the held-out sequences (with its head inputs on the training ones
+    where `keep_hidden`). The teacher is bound here only, so that no reference to it outlives its block: a teacher
+    loaded for the pass is freed before training starts."""
     with teacher() as dense_model:
-        train_targets = teacher_targets(dense_model, train_ids, batch_size, progress_bar, autocast)
+        train_targets = teacher_targets(dense_model, train_ids, batch_size, progress_bar, autocast, keep_hidden)
         validation_targets = teacher_targets(dense_model, validation_ids, batch_size, progress_bar, autocast)
         del dense_model  # before the context's cleanup runs: a teacher it loaded is freed there, not at a later collection
     return train_targets, validation_targets
