@@ -309,7 +309,7 @@ def check_heal_checkpoint_origin(
             raise InvalidInputError(
                 f"The heal checkpoint {checkpoint} cannot be read ({type(error).__name__}: {error}): delete it."
             ) from error
-        return (saved.get("fingerprint") if isinstance(saved, dict) else None) or {}
+        return _with_default_loss((saved.get("fingerprint") if isinstance(saved, dict) else None) or {})
 
     saved = distributed.on_main_process(read_fingerprint)
     if saved is None:
@@ -1596,6 +1596,12 @@ def _gradient_buckets(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor
     return buckets
 
 
+def _with_default_loss(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """A saved fingerprint, with the loss of the checkpoints written before `heal_loss` existed (the KL) where it has
+    none: they resume."""
+    return {"loss": "kl", **fingerprint}
+
+
 def _load_checkpoint(path: str | os.PathLike | None, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
     """The state an interrupted run with this `fingerprint` saved in `path` (`None` without a file). The main process
     reads it and sends it to the others, which need not see the file (nodes without a shared file system): every
@@ -1607,7 +1613,8 @@ def _load_checkpoint(path: str | os.PathLike | None, fingerprint: dict[str, Any]
     )
     if saved is None:
         return None
-    if saved.get("fingerprint") != fingerprint:
+    saved["fingerprint"] = _with_default_loss(saved.get("fingerprint") or {})
+    if saved["fingerprint"] != fingerprint:
         differs = sorted(key for key in fingerprint if saved.get("fingerprint", {}).get(key) != fingerprint[key])
         raise InvalidInputError(
             f"The heal checkpoint {path} comes from another run (it differs in {', '.join(differs)}): delete it, or "

@@ -112,3 +112,40 @@ def test_a_logit_loss_needs_the_weights_in_memory_and_an_unknown_loss_is_refused
     ids = random_ids(8, 16)
     with pytest.raises(InvalidInputError, match="heal_loss"):
         heal(model, None, lambda: contextlib.nullcontext(model), ids, ids, loss="cross_entropy")
+
+
+def test_a_checkpoint_names_its_loss_and_one_written_before_heal_loss_existed_resumes_as_the_kl(tmp_path, monkeypatch):
+    from optimum_gradmap.adapters import get_adapter
+
+    train, validation = random_ids(16, 16, seed=1), random_ids(8, 16, seed=2)
+    checkpoint = tmp_path / "heal.pt"
+
+    def run(loss, steps_before_interrupt=None):
+        model = peaked_model()
+        teacher = copy.deepcopy(model)
+        clip, calls = torch.nn.utils.clip_grad_norm_, []
+
+        def interrupt(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == steps_before_interrupt:
+                raise KeyboardInterrupt
+            return clip(*args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", interrupt)
+        try:
+            return heal(
+                model, get_adapter(model), lambda: contextlib.nullcontext(teacher), train, validation, "norms", 1e-3, 4, 1,
+                loss=loss, autocast=False, num_layers=6, checkpoint=checkpoint, progress_bar=False,
+            )  # fmt: skip
+        finally:
+            monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+
+    assert run("kl", steps_before_interrupt=3).interrupted
+    saved = torch.load(checkpoint, weights_only=True)
+    assert saved["fingerprint"]["loss"] == "kl"
+    with pytest.raises(InvalidInputError, match="differs in loss"):
+        run("logit_mse")
+    del saved["fingerprint"]["loss"]  # as a checkpoint written before `heal_loss` existed
+    torch.save(saved, checkpoint)
+    resumed = run("kl")
+    assert not resumed.interrupted and resumed.steps == 4
