@@ -50,7 +50,10 @@ task's edges in `margin_edges`, not in the table), by the library's `flips`
 ([`optimum_gradmap.evaluation.margin_quartiles_by_task`]): Dutta et al. ("Accuracy is Not All You Need", NeurIPS
 2024) find flips come mostly from questions where the dense model's answer barely wins, and the margins are on very
 different scales per task (SmolLM2-135M's dense median: 13.2 nats on HellaSwag, 0.80 on WinoGrande), so a pooled
-median would pick tasks, not sure answers. Each row also keeps its BoolQ "yes" share (`boolq_yes`: the share of
+median would pick tasks, not sure answers. Rows measured from issue 65's logit losses on also keep every answer's
+log-likelihood, and the answers' drift from the dense model (`answer_drift`, with and without BoolQ: per question,
+the root mean square difference of the two models' centred answer log-likelihoods, averaged; what a flip needs to
+move, measured in nats rather than counted). Each row also keeps its BoolQ "yes" share (`boolq_yes`: the share of
 BoolQ questions answered "yes", lm-eval's answer 1), to tell a yes/no bias from knowledge. These are counted from the
 answers the rows keep, at every save: older rows get them without being measured again, and `--recount-only` counts
 them again and rewrites the record's .json and .md without measuring anything (no model is loaded):
@@ -73,6 +76,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -179,18 +183,40 @@ def partial_stage1(name: str) -> int | None:
 
 
 def compact(zero_shot: ZeroShotResult) -> dict[str, dict]:
-    """Every question's id, right/wrong, choice and margin (its log-likelihood of the chosen answer minus the next
-    best, 4 decimals; `None` without two log-likelihoods), per task: enough to pair two rows, count flips and split
-    them by the dense row's margins."""
+    """Every question's id, right/wrong, choice, margin (its log-likelihood of the chosen answer minus the next
+    best, 4 decimals; `None` without two log-likelihoods) and every answer's log-likelihood (4 decimals), per task:
+    enough to pair two rows, count flips, split them by the dense row's margins and measure the answers' drift."""
     return {
         task.task: {
             "doc_ids": [q.doc_id for q in task.questions],
             "acc": "".join(str(q.acc) for q in task.questions),
             "choice": [q.choice for q in task.questions],
             "margin": [None if (margin := question_margin(q)) is None else round(margin, 4) for q in task.questions],
+            "loglikelihoods": [[round(value, 4) for value in q.loglikelihoods] for q in task.questions],
         }
         for task in zero_shot.tasks
     }
+
+
+def answer_drift(answers: dict[str, dict], dense_answers: dict[str, dict], skip: tuple[str, ...] = ()) -> float | None:
+    """How far the model's answer log-likelihoods moved from the dense model's, relative to each other: per question,
+    the root mean square over its answers of the difference of the two models' centred log-likelihoods (each less its
+    mean over the question's answers: what decides the choice, and a flip, is their differences), averaged over the
+    questions both rows scored (nats). `None` where either row lacks the log-likelihoods (rows before this column)."""
+    drifts: list[float] = []
+    for task, kept in answers.items():
+        dense_kept = dense_answers.get(task) or {}
+        if task in skip or "loglikelihoods" not in kept or "loglikelihoods" not in dense_kept:
+            continue
+        dense_by_id = dict(zip(dense_kept["doc_ids"], dense_kept["loglikelihoods"]))
+        for doc_id, values in zip(kept["doc_ids"], kept["loglikelihoods"]):
+            reference = dense_by_id.get(doc_id)
+            if reference is None or len(reference) != len(values) or len(values) < 2:
+                continue
+            mine, theirs = sum(values) / len(values), sum(reference) / len(reference)
+            squares = [((a - mine) - (b - theirs)) ** 2 for a, b in zip(values, reference)]
+            drifts.append(math.sqrt(sum(squares) / len(squares)))
+    return sum(drifts) / len(drifts) if drifts else None
 
 
 def stand_in_loglikelihoods(choice: int, margin: float | None) -> list[float]:
@@ -244,6 +270,9 @@ def count_fidelity(row: dict, dense: dict) -> None:
     of the dense margins cut within each task and pooled, and each task's edges: all counted by the library's `flips`."""
     mine, dense_answers = answers_of(row), answers_of(dense)
     for suffix, skip in (("", ()), ("_without_boolq", ("boolq",))):
+        drift = answer_drift(mine, dense_answers, skip)
+        if drift is not None:
+            row["answer_drift" + suffix] = drift
         found = flips(expand(mine, skip), expand(dense_answers, skip))
         row["flips" + suffix] = asdict(found.pooled)
         if found.confident is not None:

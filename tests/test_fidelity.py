@@ -803,3 +803,23 @@ def test_the_heal_benchmark_counts_again_without_measuring(monkeypatch, tmp_path
     assert again["rows"][1]["margin_edges"] == flips(model_result, dense_result).margin_edges
     assert (tmp_path / "heal-m-0.25-gradmap-screening.md").read_text() == heal_benchmark.markdown(again)
     assert "counted again, nothing measured" in capsys.readouterr().out
+
+
+def test_the_heal_benchmark_s_answer_drift_compares_centred_log_likelihoods_question_by_question(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import heal as heal_benchmark
+
+    mine = {
+        "piqa": {"doc_ids": [0, 1, 7], "loglikelihoods": [[-1.0, -2.0], [-3.0, -3.0], [-1.0, -9.0]]},
+        "boolq": {"doc_ids": [0], "loglikelihoods": [[-1.0, -5.0]]},
+        "arc_easy": {"doc_ids": [0], "choice": [0]},  # a row from before the log-likelihoods: left out
+    }
+    dense = {
+        "piqa": {"doc_ids": [1, 0], "loglikelihoods": [[-13.0, -14.0], [-5.0, -6.0]]},  # question 7: not scored
+        "boolq": {"doc_ids": [0], "loglikelihoods": [[-1.0, -1.0]]},
+        "arc_easy": {"doc_ids": [0], "loglikelihoods": [[-1.0, -2.0]]},
+    }
+    # piqa: question 0 differs by a shift only (0), question 1 by [-0.5, +0.5] (0.5); BoolQ's by [2, -2] (2.0)
+    assert heal_benchmark.answer_drift(mine, dense, skip=("boolq",)) == pytest.approx(0.25)
+    assert heal_benchmark.answer_drift(mine, dense) == pytest.approx((0 + 0.5 + 2.0) / 3)
+    assert heal_benchmark.answer_drift({"arc_easy": mine["arc_easy"]}, dense) is None

@@ -170,9 +170,10 @@ def _text_name(heal: dict) -> str:
 
 def heal_text_rows(source: str) -> Callable[[Context], str]:
     """Issue 65's rows of one record: the heals whose budget is time (`@FACTORx`: as many tokens as fit, the dense
-    model's text included), on corpus text or the dense model's own, from Stage 1 + 2 or Stage 1 alone, against
-    Stage 1 + 2 (`default`): flips (pooled and on confident questions), KL, paired accuracy, and the goals (flips at
-    most 0.8x Stage 1 + 2's, KL at least 35% lower on both texts, paired accuracy against Stage 1 alone >= 0)."""
+    model's text included), on corpus text or the dense model's own, from Stage 1 + 2 or Stage 1 alone, with the loss
+    they minimised (`heal_loss`), against Stage 1 + 2 (`default`): flips (pooled and on confident questions), the
+    answers' drift where the rows keep their log-likelihoods, KL, paired accuracy, and the goals (flips at most 0.8x
+    Stage 1 + 2's, KL at least 35% lower on both texts, paired accuracy against Stage 1 alone >= 0)."""
 
     def render(context: Context) -> str:
         record = load(source)
@@ -184,10 +185,12 @@ def heal_text_rows(source: str) -> Callable[[Context], str]:
                 "row",
                 "text",
                 "from",
+                "loss",
                 "KL Wikipedia",
                 "KL web",
                 "flips, no BoolQ (all)",
                 "confident flips, no BoolQ (all)",
+                "answer drift, no BoolQ",
                 "BoolQ yes",
                 "vs Stage 1",
                 "vs Stage 1, no BoolQ",
@@ -196,7 +199,7 @@ def heal_text_rows(source: str) -> Callable[[Context], str]:
                 "tokens chosen",
                 "goals: flips x, KL, vs Stage 1",
             ],  # fmt: skip
-            ["---", "---", "---"] + ["---:"] * 11,
+            ["---", "---", "---", "---"] + ["---:"] * 12,
         )
         for variant in ("dense", "stage1", "default", *(v for v in rows if is_timed_budget(v))):
             row = rows.get(variant)
@@ -225,10 +228,12 @@ def heal_text_rows(source: str) -> Callable[[Context], str]:
                     _row_name(variant, ()),
                     _text_name(heal) if heal else "-",
                     ("Stage 1 alone" if "from=stage1" in variant else "Stage 1 + 2") if heal else "-",
+                    heal.get("loss", "kl") if heal else "-",  # rows from before `heal_loss` minimised the KL
                     kl_cell(evaluation, "offline:wikipedia"),
                     kl_cell(evaluation, "offline:web_text"),
                     flips_cell(row),
                     f"{100 * confident['flips']:.1f}% ({100 * confident_all['flips']:.1f}%)" if confident else "-",
+                    f"{row['answer_drift_without_boolq']:.3f}" if "answer_drift_without_boolq" in row else "-",
                     f"{100 * row['boolq_yes']:.1f}%" if row.get("boolq_yes") is not None else "-",
                     paired(row, "against_stage1") if "against_stage1" in row else "-",
                     paired_without_boolq(row, rows.get("stage1")) if variant not in ("dense", "stage1") else "-",
