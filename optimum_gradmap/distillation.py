@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
+from .errors import InvalidInputError
 from .passes import MAX_LOGIT_ELEMENTS, calibration_mode, input_device, rows_loss_gradient
 from .weights import rows_only
 
@@ -140,9 +141,26 @@ def teacher_targets(
     return TeacherTargets.concatenate(parts)
 
 
+def uses_kl(loss: str) -> bool:
+    """Whether the heal loss `loss` (`GradMAPConfig.heal_loss`) has the top-K KL term."""
+    return loss in ("kl", "kl_logit_mse")
+
+
+def uses_head_inputs(loss: str) -> bool:
+    """Whether the heal loss `loss` has the logit-MSE term, which reads both models' head inputs."""
+    return loss in ("logit_mse", "kl_logit_mse")
+
+
 @contextmanager
 def head_inputs(head: nn.Module | None) -> Iterator[list[torch.Tensor]]:
-    """A list that receives the input of every call of `head` inside the block (nothing where `head` is `None`)."""
+    """Collects the input of every call of `head` inside the block (by a forward pre-hook, removed on exit).
+
+    Args:
+        head (`nn.Module`, *optional*): The output embedding; `None` collects nothing.
+
+    Returns:
+        `Iterator[list[torch.Tensor]]`: the list the inputs are appended to, as the block's value.
+    """
     inputs: list[torch.Tensor] = []
     if head is None:
         yield inputs
@@ -154,11 +172,27 @@ def head_inputs(head: nn.Module | None) -> Iterator[list[torch.Tensor]]:
         handle.remove()
 
 
+def the_head_input(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The one input [`head_inputs`] collected over a forward pass.
+
+    Raises:
+        InvalidInputError: the head was not called exactly once (a model that computes its logits without calling its
+            output embedding, or calls it twice), where the logit loss cannot know the hidden states it scores.
+    """
+    if len(inputs) != 1:
+        raise InvalidInputError(
+            f"heal_loss reads the input of the model's output embedding, and a forward pass called it {len(inputs)} "
+            "times (once expected): this model computes its logits another way. Heal it with heal_loss='kl'."
+        )
+    return inputs[0]
+
+
 @torch.no_grad()
 def centred_logit_gram(head_weight: torch.Tensor, rows_at_once: int = 8192) -> torch.Tensor:
     """`G = W_c^T W_c / V`, with `W_c` the head's weight (`V x d`) less its mean row: for head inputs `h` and `h'`,
     `(h - h')^T G (h - h')` is the mean squared difference of their centred logits (see the module docstring).
-    Summed `rows_at_once` rows at a time in float32 (`sum_i w_i w_i^T - V m m^T`, `m` the mean row).
+    Two passes of `rows_at_once` rows at a time in float32: the mean row, then the sum of the centred rows' outer
+    products (a one-pass `sum_i w_i w_i^T - V m m^T` loses the small differences where the mean row is large).
 
     Args:
         head_weight (`torch.Tensor` of shape `(V, d)`): The head's weight.
@@ -168,14 +202,13 @@ def centred_logit_gram(head_weight: torch.Tensor, rows_at_once: int = 8192) -> t
         `torch.Tensor` of shape `(d, d)`: float32, symmetric, on the weight's device.
     """
     vocab_size, width = head_weight.shape
+    starts = range(0, vocab_size, rows_at_once)
+    mean = sum(head_weight[start : start + rows_at_once].float().sum(0) for start in starts) / vocab_size
     gram = torch.zeros(width, width, dtype=torch.float32, device=head_weight.device)
-    total = torch.zeros(width, dtype=torch.float32, device=head_weight.device)
-    for start in range(0, vocab_size, rows_at_once):
-        block = head_weight[start : start + rows_at_once].float()
+    for start in starts:
+        block = head_weight[start : start + rows_at_once].float() - mean
         gram += block.T @ block
-        total += block.sum(0)
-    mean = total / vocab_size
-    return gram / vocab_size - torch.outer(mean, mean)
+    return gram / vocab_size
 
 
 def logit_mse(hidden: torch.Tensor, teacher_hidden: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
@@ -191,7 +224,35 @@ def logit_mse(hidden: torch.Tensor, teacher_hidden: torch.Tensor, gram: torch.Te
         `torch.Tensor` of shape `(...)`: float32, >= 0 up to rounding.
     """
     difference = hidden.float() - teacher_hidden.to(device=hidden.device, dtype=torch.float32)
-    return ((difference @ gram) * difference).sum(-1)
+    # the head's input may sit on another device than its weight (a model split across devices)
+    return ((difference @ gram.to(difference.device)) * difference).sum(-1)
+
+
+def heal_loss(
+    loss: str,
+    logits: torch.Tensor,
+    head_input: torch.Tensor | None,
+    targets: TeacherTargets,
+    gram: torch.Tensor | None,
+) -> torch.Tensor:
+    """The heal's `loss` (`GradMAPConfig.heal_loss`: `kl`, `logit_mse` or `kl_logit_mse`, their unweighted sum), the
+    mean over a batch's predicting positions.
+
+    Args:
+        loss (`str`): Which.
+        logits (`torch.Tensor` of shape `(N, T - 1, V)`): The student's logits at the positions of `targets`.
+        head_input (`torch.Tensor` of shape `(N, T, d)`, *optional*): The student's head input over the whole
+            sequences ([`head_inputs`]); needed for the logit MSE.
+        targets ([`TeacherTargets`]): The teacher's, with `hidden` for the logit MSE.
+        gram (`torch.Tensor` of shape `(d, d)`, *optional*): [`centred_logit_gram`]; needed for the logit MSE.
+
+    Returns:
+        `torch.Tensor`: a float32 scalar.
+    """
+    total = top_k_kl(logits, targets).mean() if uses_kl(loss) else logits.new_zeros((), dtype=torch.float32)
+    if uses_head_inputs(loss):
+        total = total + logit_mse(head_input[:, :-1], targets.hidden, gram).mean()
+    return total
 
 
 def targets_from_logits(logits: torch.Tensor) -> TeacherTargets:
@@ -226,7 +287,8 @@ def top_k_kl(logits: torch.Tensor, targets: TeacherTargets) -> torch.Tensor:
 
 
 def _flat_targets(targets: TeacherTargets) -> TeacherTargets:
-    """`targets` with one row per position: `(N * (T - 1), K)` and `(N * (T - 1),)`."""
+    """`targets` with one row per position: `(N * (T - 1), K)` and `(N * (T - 1),)` (without `hidden`: the
+    layer-streamed gradients, the only readers, are those of the KL; the logit losses are refused there)."""
     return TeacherTargets(
         targets.indices.reshape(-1, targets.indices.shape[-1]),
         targets.log_probs.reshape(-1, targets.log_probs.shape[-1]),

@@ -99,10 +99,12 @@ from .distillation import (
     TeacherTargets,
     centred_logit_gram,
     head_inputs,
-    logit_mse,
+    heal_loss,
     teacher_targets,
+    the_head_input,
     top_k_kl,
     top_k_kl_gradient,
+    uses_head_inputs,
     vocab_sliced_top_k_kl_gradient,
 )
 from .errors import InvalidInputError
@@ -214,7 +216,7 @@ def check_heal_settings(model: nn.Module, config: GradMAPConfig, compensated: Se
         )
     if config.heal_trainable != "lora" and streaming.is_offloaded(model):
         raise InvalidInputError(_offloaded_refusal(config.heal_trainable))
-    if config.heal_loss != "kl" and (config.execution == "layer_streamed" or streaming.is_offloaded(model)):
+    if uses_head_inputs(config.heal_loss) and (config.execution == "layer_streamed" or streaming.is_offloaded(model)):
         raise InvalidInputError(_streamed_loss_refusal(config.heal_loss))
     if config.execution == "in_memory" and streaming.is_offloaded(model):
         raise InvalidInputError(
@@ -395,7 +397,8 @@ def measure_heal_costs(
     rule: the pruned model's forward pass as it is (the teacher's pass is that, scaled by the dense model's layers),
     and, with what `heal_trainable` trains set up as the heal sets it up (LoRA's adapters injected), a held-out
     forward pass and a whole training step (the top-K KL against targets of the same shape, the backward pass,
-    clipping and an AdamW step at a rate of 0). The model is put back as it came. A layer-streamed model's step is
+    clipping and an AdamW step at a rate of 0; a logit loss's small extra work, `d x d` per position, is left to the
+    refit after the first steps). The model is put back as it came. A layer-streamed model's step is
     taken as three forward passes; the heal corrects the number of steps after its first ones in any case.
 
     Args:
@@ -524,7 +527,7 @@ def _generate(
     """`num_sequences` of the dense model's own text as `config` says: prompts from the first tokens of `prompt_data`'s
     documents (text; `config.dataset` by default) or sequences (token ids), `heal_temperature`, seed `seed + 2`."""
     settings = GenerationSettings(
-        config.heal_seq_len, config.heal_temperature, config.seed + 2, keep_hidden=config.heal_loss != "kl"
+        config.heal_seq_len, config.heal_temperature, config.seed + 2, keep_hidden=uses_head_inputs(config.heal_loss)
     )
     data = config.dataset if prompt_data is None else prompt_data
     if is_text_data(data):
@@ -622,6 +625,7 @@ def heal_sequences(
     train_ids, validation_ids = generated.input_ids[generated_validation:], generated.input_ids[:generated_validation]
     train_targets = generated.targets.rows(slice(generated_validation, None))
     validation_targets = generated.targets.rows(slice(0, generated_validation))
+    validation_targets.hidden = None  # the held-out check is the KL: no head inputs held for it
     prompts = describe_calibration_data(prompt_data, config.dataset, config.text_column)
     source = f"{GENERATED} (the dense model's own text, temperature {config.heal_temperature:g}, prompts from {prompts})"
     if corpus is not None:
@@ -639,7 +643,7 @@ def heal_sequences(
         with teacher() as dense_model:
             autocast = uses_bfloat16_autocast(autocast, dense_model)
             corpus_targets = teacher_targets(
-                dense_model, corpus_train, config.heal_batch_size, progress_bar, autocast, config.heal_loss != "kl"
+                dense_model, corpus_train, config.heal_batch_size, progress_bar, autocast, uses_head_inputs(config.heal_loss)
             )
             corpus_validation_targets = teacher_targets(dense_model, corpus_validation, config.heal_batch_size, False, autocast)
             del dense_model
@@ -1060,7 +1064,7 @@ def heal(
         raise InvalidInputError(f"`heal_trainable` must be one of {HEAL_TRAINABLE_CHOICES}, got {trainable!r}.")
     if loss not in HEAL_LOSS_CHOICES:
         raise InvalidInputError(f"`heal_loss` must be one of {HEAL_LOSS_CHOICES}, got {loss!r}.")
-    if loss != "kl" and streaming.streams(model):
+    if uses_head_inputs(loss) and streaming.streams(model):
         raise InvalidInputError(_streamed_loss_refusal(loss))
     if batch_size < distributed.world_size():
         raise InvalidInputError(
@@ -1110,13 +1114,18 @@ def heal(
     my_validation, _ = distributed.shard_any(validation_ids)
     device = input_device(model)
     result.autocast = uses_bfloat16_autocast(autocast, model)
-    keep_hidden = loss != "kl"
+    keep_hidden = uses_head_inputs(loss)
     if targets is not None and keep_hidden and targets[0].hidden is None:
-        targets = None  # the text's targets lack the teacher's head inputs: a teacher pass keeps them
+        logger.info(
+            f"Heal: heal_loss={loss!r} needs the dense model's head inputs, which its text's targets lack: the dense "
+            "model runs over the text again to keep them."
+        )
+        targets = None
     if targets is not None:  # kept while the dense model wrote its text: this process's rows
         _, validation_start = distributed.shard_any(validation_ids)
         validation_rows = slice(validation_start, validation_start + my_validation.shape[0])
         targets, validation_targets = targets[0].rows(my_rows), targets[1].rows(validation_rows)
+        validation_targets.hidden = None  # the held-out check is the KL
     else:
         targets, validation_targets = _teacher_pass(
             teacher, train_ids[my_rows], my_validation, batch_size, progress_bar, result.autocast, keep_hidden
@@ -1208,7 +1217,8 @@ def heal(
                                 else:
                                     with passes(), head_inputs(head if keep_hidden else None) as inputs:
                                         logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
-                                    step_loss = _step_loss(loss, logits, inputs, batch_targets, gram)
+                                    head_input = the_head_input(inputs) if keep_hidden else None
+                                    step_loss = heal_loss(loss, logits, head_input, batch_targets, gram)
                                     (step_loss * len(rows)).backward()
                         except KeyboardInterrupt:
                             stop = True
@@ -1268,20 +1278,6 @@ def heal(
     return result
 
 
-def _step_loss(
-    loss: str,
-    logits: torch.Tensor,
-    head_inputs: Sequence[torch.Tensor],
-    targets: TeacherTargets,
-    gram: torch.Tensor | None,
-) -> torch.Tensor:
-    """The mean over a batch's predicting positions of the heal's `loss` (see [`optimum_gradmap.distillation`])."""
-    total = top_k_kl(logits, targets).mean() if loss in ("kl", "kl_logit_mse") else 0.0
-    if loss in ("logit_mse", "kl_logit_mse"):
-        total = total + logit_mse(head_inputs[-1][:, :-1], targets.hidden, gram).mean()
-    return total
-
-
 def _steps_that_fit(
     deadline: float, done: int, num_steps: int, step_seconds: float, check_seconds: float, check_every: int
 ) -> int:
@@ -1325,7 +1321,7 @@ def heal_as_configured(
         model, teacher, train_ids, validation_ids, kept, num_layers, compensated, dataset, checkpoint, progress_bar,
             deadline, spent_seconds, targets: As in [`heal`].
         config ([`GradMAPConfig`]): Its `heal_trainable`, `heal_lr`, `heal_batch_size`, `heal_check_every`,
-            `heal_lora_rank`, `heal_autocast`, `execution` (whether the training steps run layer-streamed, see
+            `heal_lora_rank`, `heal_loss`, `heal_autocast`, `execution` (whether the training steps run layer-streamed, see
             [`heal`]) and `seed` (LoRA's initialisation) are read.
 
     Returns:

@@ -68,7 +68,7 @@ from .compensation.solvers import AUTO_NUM_FOLDS, AUTO_RIDGE_GRID
 from .compensation.targets import compensation_targets
 from .compensation.through_norm import NORM_RIDGE_GRID
 from .configuration import GradMAPConfig
-from .distillation import TOP_K
+from .distillation import TOP_K, uses_head_inputs
 from .errors import InvalidInputError
 from .generation import is_generated
 from .heal import AUTO_TIME_SHARE
@@ -1293,8 +1293,8 @@ def _stage2_memory(config: GradMAPConfig, shape: ModelShape, outline: Stage2Outl
 
 def _heal_memory(config: GradMAPConfig, shape: ModelShape, num_kept: int, counts: dict[str, int]) -> dict[str, float]:
     """The heal's peak beyond the weights: the training batch's activations and logits, the trained parameters'
-    gradients and AdamW state (float32), and on the host the teacher's targets (with its head inputs for a logit loss)
-    and two copies of the trained state."""
+    gradients and AdamW state (float32), and on the host the teacher's targets (with its head inputs for a logit loss,
+    whose `d x d` matrix is on the device) and two copies of the trained state."""
     batch, seq_len = config.heal_batch_size, config.heal_seq_len
     tokens = batch * seq_len
     mean_activation = shape.mean("activation_bytes", heal=True) + (
@@ -1305,15 +1305,17 @@ def _heal_memory(config: GradMAPConfig, shape: ModelShape, num_kept: int, counts
     trained = _trained_parameters(config, shape, num_kept)
     optimizer = trained * 4 * (3 if config.heal_trainable != "lora" else 4)  # (the adapters) + gradient + two moments
     targets = (counts["train_sequences"] + counts["validation_sequences"]) * (seq_len - 1) * (TOP_K * 8 + 4)
-    if config.heal_loss != "kl":  # the teacher's head inputs, bfloat16, and the d x d matrix of the logit loss
-        targets += counts["train_sequences"] * (seq_len - 1) * shape.hidden_size * 2 + shape.hidden_size**2 * 4
+    gram = 0
+    if uses_head_inputs(config.heal_loss):  # the teacher's head inputs, bfloat16, held twice (the text's, the heal's rows)
+        targets += 2 * counts["train_sequences"] * (seq_len - 1) * shape.hidden_size * 2
+        gram = shape.hidden_size**2 * 4  # the logit loss's d x d matrix, on the device
     # layer-streamed steps (an offloaded model): the kept layers' inputs and one layer's activations, the head by slices
     stored_inputs = num_kept * tokens * shape.hidden_size * shape.dtype_bytes
     one_layer = tokens * max(layer.activation_bytes for layer in shape.layers)
     logits_chunk = min(MAX_LOGIT_ELEMENTS, shape.vocab_size * tokens) * 4 * 3
     streamed = stored_inputs + one_layer + logits_chunk + optimizer
     return {
-        "device": activations + logits + optimizer,
+        "device": activations + logits + optimizer + gram,
         "streamed": streamed,
         "host": targets + 2 * trained * 4,
         "trained": trained,

@@ -7,13 +7,17 @@ import copy
 import pytest
 import torch
 
-from optimum_gradmap import GradMAPPruner
+from optimum_gradmap import GradMAPPruner, streaming
 from optimum_gradmap.distillation import (
     TeacherTargets,
     centred_logit_gram,
     head_inputs,
+    heal_loss,
     logit_mse,
+    targets_from_logits,
     teacher_targets,
+    the_head_input,
+    top_k_kl,
 )
 from optimum_gradmap.errors import InvalidInputError
 from optimum_gradmap.generation import GenerationSettings, generate_sequences
@@ -46,7 +50,29 @@ def test_logit_mse_through_the_gram_matrix_is_the_mean_squared_centred_logit_dif
     # the teacher's head input is kept in bfloat16: its rounding is the only difference
     torch.testing.assert_close(mse.double(), expected, rtol=0.02, atol=1e-3)
     assert float(expected.mean()) > 1.0  # two different models: a loss far from 0
-    assert float(logit_mse(targets.hidden.float(), targets.hidden, gram).abs().max()) < 1e-6  # the teacher itself
+
+
+def test_the_heal_loss_is_the_kl_the_logit_mse_or_their_sum_and_its_gradient_reaches_the_head_input():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 40, bias=False)
+    teacher_hidden = torch.randn(2, 6, 8)
+    with torch.no_grad():
+        teacher_logits = head(teacher_hidden)[:, :-1]
+    targets = targets_from_logits(teacher_logits)
+    targets.hidden = teacher_hidden[:, :-1].to(torch.bfloat16)
+    gram = centred_logit_gram(head.weight)
+    student_hidden = torch.randn(2, 6, 8, requires_grad=True)
+    logits = head(student_hidden)[:, :-1]
+    kl = top_k_kl(logits, targets).mean()
+    mse = logit_mse(student_hidden[:, :-1], targets.hidden, gram).mean()
+    torch.testing.assert_close(heal_loss("kl", logits, None, targets, None), kl)
+    torch.testing.assert_close(heal_loss("logit_mse", logits, student_hidden, targets, gram), mse)
+    total = heal_loss("kl_logit_mse", logits, student_hidden, targets, gram)
+    torch.testing.assert_close(total, kl + mse)
+    (gradient,) = torch.autograd.grad(heal_loss("logit_mse", logits.detach(), student_hidden, targets, gram), student_hidden)
+    assert float(gradient[:, :-1].abs().sum()) > 0 and float(gradient[:, -1].abs().sum()) == 0  # the last predicts nothing
+    with pytest.raises(InvalidInputError, match="called it 2 times"):
+        the_head_input([student_hidden, student_hidden])
 
 
 def test_the_head_inputs_kept_are_the_teacher_s_and_follow_rows_and_concatenation():
@@ -112,6 +138,9 @@ def test_a_logit_loss_needs_the_weights_in_memory_and_an_unknown_loss_is_refused
     ids = random_ids(8, 16)
     with pytest.raises(InvalidInputError, match="heal_loss"):
         heal(model, None, lambda: contextlib.nullcontext(model), ids, ids, loss="cross_entropy")
+    with streaming.execution_mode("layer_streamed"), pytest.raises(InvalidInputError, match="layer-streamed"):
+        heal(model, None, lambda: contextlib.nullcontext(model), ids, ids, loss="kl_logit_mse")
+    assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
 
 
 def test_a_checkpoint_names_its_loss_and_one_written_before_heal_loss_existed_resumes_as_the_kl(tmp_path, monkeypatch):
@@ -147,5 +176,12 @@ def test_a_checkpoint_names_its_loss_and_one_written_before_heal_loss_existed_re
         run("logit_mse")
     del saved["fingerprint"]["loss"]  # as a checkpoint written before `heal_loss` existed
     torch.save(saved, checkpoint)
+    steps_after_resume, adamw_step = [], torch.optim.AdamW.step
+
+    def counted_step(self, *args, **kwargs):
+        steps_after_resume.append(1)
+        return adamw_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", counted_step)
     resumed = run("kl")
-    assert not resumed.interrupted and resumed.steps == 4
+    assert not resumed.interrupted and resumed.steps == 4 and len(steps_after_resume) == 2  # resumed after step 2
