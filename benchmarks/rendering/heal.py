@@ -334,6 +334,45 @@ def flips_by_task(source: str) -> Callable[[Context], str]:
     return render
 
 
+def answer_drift_rows(source: str) -> Callable[[Context], str]:
+    """The rows of one record that keep every answer's log-likelihood, ordered by their KL divergence on held-out
+    Wikipedia: that KL, the answers' drift from the dense model (benchmarks/heal.py `answer_drift`: per question, the
+    RMS difference of the two models' centred answer log-likelihoods, averaged), the flips it leads to, and for a heal
+    the loss it minimised. Does the KL on the heal's text tell how far the answers moved?"""
+
+    def render(context: Context) -> str:
+        record = load(source)
+        rows = [row for row in record["rows"] if "answer_drift_without_boolq" in row]
+        rows.sort(key=lambda row: wikipedia_kl(row["evaluation"]))
+        table = Table(
+            source.removeprefix("heal-") + "-drift",
+            ["row", "loss", "KL Wikipedia", "KL web", "answer drift, no BoolQ (all)", "flips, no BoolQ (all)",
+             "confident flips, no BoolQ (all)", "BoolQ yes"],
+            ["---", "---"] + ["---:"] * 6,
+        )  # fmt: skip
+        for row in rows:
+            heal = row.get("heal") or {}
+            confident, confident_all = row.get("confident_flips_without_boolq"), row.get("confident_flips")
+            table.add(
+                [
+                    _row_name(row["variant"], record["removed_layers"]),
+                    heal.get("loss", "kl") if heal else "-",
+                    kl_cell(row["evaluation"], "offline:wikipedia"),
+                    kl_cell(row["evaluation"], "offline:web_text"),
+                    f"{row['answer_drift_without_boolq']:.3f} ({row['answer_drift']:.3f})",
+                    flips_cell(row),
+                    f"{100 * confident['flips']:.1f}% ({100 * confident_all['flips']:.1f}%)" if confident else "-",
+                    f"{100 * row['boolq_yes']:.1f}%" if row.get("boolq_yes") is not None else "-",
+                ],
+                row["provenance"],
+                source,
+                ("heal",) if heal else ("stage2",) if row["variant"] == "default" else (),
+            )
+        return table.markdown()
+
+    return render
+
+
 def wikipedia_kl(evaluation: dict) -> float:
     """The KL divergence from the dense model on held-out Wikipedia."""
     return next(entry["kl_to_reference"] for entry in evaluation["perplexities"] if entry["dataset"] == "offline:wikipedia")
@@ -346,6 +385,7 @@ TABLES = {
     "heal-smollm2-25-gradmap": heal_rows("heal-smollm2-135m-0.25-gradmap-screening"),
     "heal-flips-by-task": flips_by_task("heal-smollm2-135m-0.25-gradmap-screening"),
     "heal-smollm2-25-gradmap-text": heal_text_rows("heal-smollm2-135m-0.25-gradmap-screening"),
+    "heal-smollm2-25-gradmap-drift": answer_drift_rows("heal-smollm2-135m-0.25-gradmap-screening"),
     "heal-smollm2-40-gradmap-text": heal_text_rows("heal-smollm2-135m-0.4-gradmap-screening"),
     "heal-smollm2-25-quality-text": heal_text_rows("heal-smollm2-135m-0.25-quality-screening"),
     "heal-qwen-25-gradmap-text": heal_text_rows("heal-qwen2.5-coder-0.5b-0.25-gradmap-screening"),
