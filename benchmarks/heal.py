@@ -16,7 +16,8 @@ TOKENS (`lora@1.5x`) is `heal_tokens="auto"` for FACTOR times Stage 1's quiet ti
 as many tokens as fit, the dense model's text included (issue 65: the heal's goals are at 1.5x). `+text=generated`
 heals on the dense model's own text ([`optimum_gradmap.generation`], generated afresh for the row and timed),
 `+text=mix` on it and the corpus text in equal parts, `+temp=T` sets its temperature (`heal_temperature`),
-`+loss=NAME` what the heal minimises (`heal_loss`: `kl`, `logit_mse`, `kl_logit_mse`), and `+from=stage1` heals
+`+prompts=chat` starts that text from the chat template's user turn (`heal_prompts`), `+loss=NAME` what the heal
+minimises (`heal_loss`: `kl`, `logit_mse`, `kl_logit_mse`), and `+from=stage1` heals
 Stage 1 alone, without Stage 2 (Stage 2's worth once a heal follows). Two kinds of rows measure
 how flips follow the KL divergence when the damage is small (where the flips come from when a goal on them
 is missed): `dense@bf16` (the dense model with every weight rounded to bfloat16, computing in float32: a model
@@ -152,6 +153,8 @@ def parse_variant(name: str) -> dict | None:
             settings["heal_dataset"] = HEAL_TEXTS[value]
         elif key == "temp":
             settings["heal_temperature"] = float(value)
+        elif key == "prompts" and value in ("documents", "chat"):
+            settings["heal_prompts"] = value
         elif key == "loss" and value in HEAL_LOSS_CHOICES:
             settings["heal_loss"] = value
         elif key == "from" and value in ("stage1", "default"):
@@ -159,7 +162,7 @@ def parse_variant(name: str) -> dict | None:
         else:
             raise SystemExit(
                 f"unknown option {option!r} in {name!r}: lr=VALUE, topk=K, rank=R, text={'|'.join(HEAL_TEXTS)}, "
-                f"temp=T, loss={'|'.join(HEAL_LOSS_CHOICES)} or from=stage1"
+                f"temp=T, prompts=documents|chat, loss={'|'.join(HEAL_LOSS_CHOICES)} or from=stage1"
             )
     return settings
 

@@ -320,6 +320,13 @@ class GradMAPConfig:
         "model's own text, sampled at `heal_temperature` from the first tokens of calibration documents (see "
         "[`optimum_gradmap.generation`]); joined to corpus names by '+' (`generated+offline:web_text`), equal parts.",
     )
+    heal_prompts: Literal["documents", "chat"] = _setting(
+        "documents",
+        "Where the dense model's own text (`heal_dataset` `generated`) starts: `documents` (the first tokens of the "
+        "calibration documents, and one sequence in 8 from the beginning-of-sequence token), or `chat` (the tokenizer's "
+        "chat template up to where a user's message starts, for an instruct model: it writes a user's question, then "
+        "its own answer; Magpie, Xu et al., 2024).",
+    )
     heal_temperature: float = _setting(
         1.0,
         "The sampling temperature of the dense model's own text (`heal_dataset` `generated`): 1.0 samples its own distribution.",

@@ -11,7 +11,9 @@ contexts: on the teacher's samples, those contexts are the ones the dense model 
 **Prompts.** Each sequence starts from the first `PROMPT_TOKENS` tokens of a calibration document (the documents
 shuffled with the seed, cycled when there are fewer documents than sequences), and one sequence in `BOS_EVERY`
 starts from the beginning-of-sequence token alone (the end-of-sequence token for a tokenizer without one), so that
-part of the text is what the model writes unprompted.
+part of the text is what the model writes unprompted. With `heal_prompts="chat"` every sequence starts from the
+chat template's opening of a user's turn instead ([`chat_prompt`]; Magpie, Xu et al., 2024): an instruct model
+writes a question and answers it.
 
 **Sampling.** Plain ancestral sampling from the teacher's next-token distribution at `temperature` (no top-k or
 top-p truncation: at 1.0 the contexts follow the teacher's own distribution, which is what the KL objective weighs;
@@ -121,6 +123,25 @@ def prompt_starts(
             "tokenizer has no beginning- or end-of-sequence token. Give longer calibration text (`dataset`)."
         )
     return prompts
+
+
+def chat_prompt(tokenizer: PreTrainedTokenizerBase | None) -> torch.LongTensor:
+    """The tokens of the tokenizer's chat template up to where a user's message starts (with the template's default
+    system turn, if it has one): Magpie's "pre-query template" (Xu et al., 2024, Sec. 2.1). From it an instruct model
+    writes a user's question, then, through the turn markers it was trained on, its own answer: the teacher's text in
+    the shape of questions and answers, with no question given.
+
+    Raises:
+        InvalidInputError: for a tokenizer without a chat template.
+    """
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise InvalidInputError(
+            "heal_prompts='chat' starts the dense model's text from its chat template, and its tokenizer has none (a base "
+            "model, not an instruct one): use heal_prompts='documents'."
+        )
+    marker = "\u2063heal-prompt\u2063"  # text no template contains: where the user's message would start
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    return tokenizer(text[: text.index(marker)], add_special_tokens=False, return_tensors="pt").input_ids[0]
 
 
 def sequence_prompt(

@@ -113,6 +113,7 @@ from .generation import (
     GENERATION_BATCH_SIZE,
     GeneratedText,
     GenerationSettings,
+    chat_prompt,
     corpus_part,
     generate_sequences,
     is_generated,
@@ -158,6 +159,7 @@ REFIT_AFTER_STEPS = 5
 HEAL_SETTINGS = (
     "heal_tokens",
     "heal_dataset",
+    "heal_prompts",
     "heal_temperature",
     "heal_trainable",
     "heal_loss",
@@ -396,9 +398,8 @@ def measure_heal_costs(
     """Times the heal's parts on one batch of random tokens, each after one warm-up run, under the heal's autocast
     rule: the pruned model's forward pass as it is (the teacher's pass is that, scaled by the dense model's layers),
     and, with what `heal_trainable` trains set up as the heal sets it up (LoRA's adapters injected), a held-out
-    forward pass and a whole training step (the top-K KL against targets of the same shape, the backward pass,
-    clipping and an AdamW step at a rate of 0; a logit loss's small extra work, `d x d` per position, is left to the
-    refit after the first steps). The model is put back as it came. A layer-streamed model's step is
+    forward pass and a whole training step (`heal_loss` against targets of the same shape, the backward pass,
+    clipping and an AdamW step at a rate of 0). The model is put back as it came. A layer-streamed model's step is
     taken as three forward passes; the heal corrects the number of steps after its first ones in any case.
 
     Args:
@@ -431,7 +432,10 @@ def measure_heal_costs(
 
     with calibration_mode(model):
         teacher_forward = timed(forward)
-    targets = teacher_targets(model, ids, config.heal_batch_size, progress_bar=False, autocast=autocast)  # a stand-in
+    keep_hidden = uses_head_inputs(config.heal_loss)
+    targets = teacher_targets(model, ids, config.heal_batch_size, False, autocast, keep_hidden)  # a stand-in
+    head = model.get_output_embeddings()
+    gram = centred_logit_gram(head.weight) if keep_hidden else None
     choice = _choose(model, get_adapter(model), config.heal_trainable, list(kept), num_layers, list(compensated))
     streamed = streaming.streams(model)
     with calibration_mode(model, grad=True, freeze_parameters=True):
@@ -442,9 +446,10 @@ def measure_heal_costs(
 
             def step() -> None:
                 optimizer.zero_grad(set_to_none=True)
-                with passes():
+                with passes(), head_inputs(head if keep_hidden else None) as inputs:
                     logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
-                top_k_kl(logits, targets).mean().backward()
+                head_input = the_head_input(inputs) if keep_hidden else None
+                heal_loss(config.heal_loss, logits, head_input, targets, gram).backward()
                 torch.nn.utils.clip_grad_norm_(chosen.parameters, MAX_GRAD_NORM)
                 optimizer.step()
 
@@ -529,15 +534,21 @@ def _generate(
     settings = GenerationSettings(
         config.heal_seq_len, config.heal_temperature, config.seed + 2, keep_hidden=uses_head_inputs(config.heal_loss)
     )
-    data = config.dataset if prompt_data is None else prompt_data
-    if is_text_data(data):
-        documents = tokenize_documents(text_documents(data, config.text_column), tokenizer)
+    start_token = start_token_of(tokenizer)
+    if config.heal_prompts == "chat":  # every sequence from the chat template's user turn
+        prompt = chat_prompt(tokenizer)
+        settings = dataclasses.replace(settings, prompt_tokens=prompt.numel())
+        documents, start_token = [prompt], None
     else:
-        documents = list(prepare_calibration_data(data, tokenizer, 0, config.seq_len, config.seed, "", config.text_column))
+        data = config.dataset if prompt_data is None else prompt_data
+        if is_text_data(data):
+            documents = tokenize_documents(text_documents(data, config.text_column), tokenizer)
+        else:
+            documents = list(prepare_calibration_data(data, tokenizer, 0, config.seq_len, config.seed, "", config.text_column))
     return generate_sequences(
         teacher,
         documents,
-        start_token_of(tokenizer),
+        start_token,
         num_sequences,
         settings,
         cache,
@@ -627,6 +638,8 @@ def heal_sequences(
     validation_targets = generated.targets.rows(slice(0, generated_validation))
     validation_targets.hidden = None  # the held-out check is the KL: no head inputs held for it
     prompts = describe_calibration_data(prompt_data, config.dataset, config.text_column)
+    if config.heal_prompts == "chat":
+        prompts = "its chat template's user turn"
     source = f"{GENERATED} (the dense model's own text, temperature {config.heal_temperature:g}, prompts from {prompts})"
     if corpus is not None:
         corpus_train, corpus_validation = prepare_heal_data(

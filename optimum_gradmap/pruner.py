@@ -40,7 +40,7 @@ from .data import (
     prepare_calibration_data,
 )
 from .errors import InvalidInputError
-from .generation import is_generated
+from .generation import chat_prompt, is_generated
 from .heal import (
     HEAL_SETTINGS,
     HealText,
@@ -618,6 +618,8 @@ class GradMAPPruner:
         data = heal_data if heal_data is not None else config.heal_dataset
         if isinstance(data, str) and not os.path.exists(data):
             check_heal_dataset_name(data)  # a name: refused before a tokenizer is looked for
+        if heal_data is None and is_generated(config.heal_dataset) and config.heal_prompts == "chat":
+            chat_prompt(self._tokenizer_for(model, config.dataset, tokenizer))  # no chat template: refused before Stage 1
         if config.heal_tokens == "auto" or (heal_data is None and is_generated(config.heal_dataset)):
             return None
         text = heal_sequences(data, self._tokenizer_for(model, data, tokenizer), config)

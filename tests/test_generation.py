@@ -205,7 +205,7 @@ def _auto_heal(monkeypatch, budget: float, slow_down: float = 1.0, warm_up: floa
         return dataclasses.replace(costs, step_seconds=costs.step_seconds / slow_down)
 
     monkeypatch.setattr(heal_module, "measure_heal_costs", measured)
-    losses = heal_module.top_k_kl
+    losses = heal_module.heal_loss
     calls = []
 
     def loss(*args, **kwargs):  # the measurement's two steps, then the heal's first ones, `warm_up` s slower each
@@ -214,7 +214,7 @@ def _auto_heal(monkeypatch, budget: float, slow_down: float = 1.0, warm_up: floa
             clock.now += warm_up
         return losses(*args, **kwargs)
 
-    monkeypatch.setattr(heal_module, "top_k_kl", loss)
+    monkeypatch.setattr(heal_module, "heal_loss", loss)
     config = small_config(
         heal_tokens="auto", heal_seq_len=16, heal_validation_sequences=4, heal_batch_size=4, heal_check_every=2,
         heal_autocast=False, heal_lr=1e-3,
@@ -277,3 +277,40 @@ def test_the_targets_kept_while_generating_are_the_teacher_pass_s():
     torch.testing.assert_close(generated.targets.log_probs, again.log_probs, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(generated.targets.rest_log_prob, again.rest_log_prob, rtol=1e-4, atol=1e-4)
     assert (generated.targets.indices == again.indices).float().mean() > 0.99  # ties may order differently
+
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def test_chat_prompts_start_every_sequence_from_the_template_s_user_turn(tmp_path, byte_tokenizer):
+    from optimum_gradmap.generation import chat_prompt
+
+    with pytest.raises(InvalidInputError, match="heal_prompts='documents'"):
+        chat_prompt(byte_tokenizer)  # no chat template
+    byte_tokenizer.chat_template = CHAT_TEMPLATE
+    prompt = chat_prompt(byte_tokenizer)
+    assert byte_tokenizer.decode(prompt) == "<|user|>\n"  # up to where the user's message starts
+    model = peaked_model()
+    config = small_config(
+        num_samples=16, dataset=_text_file(tmp_path, byte_tokenizer), heal_dataset="generated", heal_prompts="chat",
+        heal_tokens=16 * 16, heal_lr=1e-3, **HEAL,
+    )  # fmt: skip
+    pruner = GradMAPPruner(config, model, tokenizer=byte_tokenizer, progress_bar=False)
+    result = pruner.prune(model, random_ids(16, 16), heal_text_cache=tmp_path / "cache.pt")
+    cached = torch.load(tmp_path / "cache.pt", weights_only=True)["input_ids"]
+    assert cached.shape[0] >= 8 + 16 and torch.equal(cached[:, : prompt.numel()], prompt.expand(cached.shape[0], -1))
+    assert "chat template" in result.heal.dataset and len({tuple(row.tolist()) for row in cached}) == cached.shape[0]
+
+
+def test_chat_prompts_without_a_chat_template_are_refused_before_stage_1(tmp_path, byte_tokenizer):
+    model = peaked_model()
+    state = copy.deepcopy(model.state_dict())
+    config = small_config(
+        dataset=_text_file(tmp_path, byte_tokenizer), heal_dataset="generated", heal_prompts="chat", heal_tokens=256, **HEAL
+    )
+    with pytest.raises(InvalidInputError, match="chat template"):
+        GradMAPPruner(config, model, tokenizer=byte_tokenizer, progress_bar=False).prune(model, random_ids(16, 16))
+    assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
