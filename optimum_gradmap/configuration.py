@@ -45,6 +45,8 @@ LambdaSearch = Literal["grid", "golden"]
 HealTrainable = Literal["lora", "norms", "down_projections", "before_removed", "all"]
 # What the heal stage minimises (see `optimum_gradmap.distillation`).
 HealLoss = Literal["kl", "logit_mse", "kl_logit_mse"]
+# Where the dense model's own heal text starts (see `optimum_gradmap.generation`).
+HealPrompts = Literal["documents", "chat"]
 # How Stage 1's gradient passes run (see `optimum_gradmap.streaming`).
 ExecutionMode = Literal["auto", "in_memory", "layer_streamed"]
 # The settings that only choose which layers go: unused where `layers_to_prune` names them (`protected_layers` is
@@ -320,7 +322,7 @@ class GradMAPConfig:
         "model's own text, sampled at `heal_temperature` from the first tokens of calibration documents (see "
         "[`optimum_gradmap.generation`]); joined to corpus names by '+' (`generated+offline:web_text`), equal parts.",
     )
-    heal_prompts: Literal["documents", "chat"] = _setting(
+    heal_prompts: HealPrompts = _setting(
         "documents",
         "Where the dense model's own text (`heal_dataset` `generated`) starts: `documents` (the first tokens of the "
         "calibration documents, and one sequence in 8 from the beginning-of-sequence token), or `chat` (the tokenizer's "

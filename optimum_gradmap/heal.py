@@ -530,7 +530,8 @@ def _generate(
     prompt_data: CalibrationData = None,
 ) -> GeneratedText:
     """`num_sequences` of the dense model's own text as `config` says: prompts from the first tokens of `prompt_data`'s
-    documents (text; `config.dataset` by default) or sequences (token ids), `heal_temperature`, seed `seed + 2`."""
+    documents (text; `config.dataset` by default) or sequences (token ids), or with `heal_prompts="chat"` from the
+    chat template's user turn ([`~optimum_gradmap.generation.chat_prompt`]); `heal_temperature`, seed `seed + 2`."""
     settings = GenerationSettings(
         config.heal_seq_len, config.heal_temperature, config.seed + 2, keep_hidden=uses_head_inputs(config.heal_loss)
     )
