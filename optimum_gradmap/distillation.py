@@ -136,7 +136,7 @@ def teacher_targets(
                 logits = teacher(input_ids=batch, use_cache=False).logits[:, :-1]
             targets = targets_from_logits(logits)
             if keep_hidden:
-                targets.hidden = inputs.pop()[:, :-1].to(torch.bfloat16).cpu()
+                targets.hidden = the_head_input(inputs)[:, :-1].to(torch.bfloat16).cpu()
             parts.append(targets)
     return TeacherTargets.concatenate(parts)
 
@@ -172,8 +172,9 @@ def head_inputs(head: nn.Module | None) -> Iterator[list[torch.Tensor]]:
         handle.remove()
 
 
-def the_head_input(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The one input [`head_inputs`] collected over a forward pass.
+def the_head_input(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """The one input [`head_inputs`] collected over a forward pass, taken out of the list (which the next pass then
+    fills again).
 
     Raises:
         InvalidInputError: the head was not called exactly once (a model that computes its logits without calling its
@@ -184,7 +185,7 @@ def the_head_input(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
             f"heal_loss reads the input of the model's output embedding, and a forward pass called it {len(inputs)} "
             "times (once expected): this model computes its logits another way. Heal it with heal_loss='kl'."
         )
-    return inputs[0]
+    return inputs.pop()
 
 
 @torch.no_grad()

@@ -48,7 +48,7 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 from transformers.utils import logging
 
 from . import distillation
-from .distillation import TeacherTargets, head_inputs, targets_from_logits
+from .distillation import TeacherTargets, head_inputs, targets_from_logits, the_head_input
 from .errors import InvalidInputError
 from .passes import calibration_mode, input_device
 from .precision import uses_bfloat16_autocast
@@ -203,7 +203,7 @@ def sample_batch(
             output = model(input_ids=sequences[:, position : position + 1].to(device), use_cache=True, **cache)
             targets.append(targets_from_logits(output.logits[:, -1:]))
             if keep_hidden:
-                targets[-1].hidden = inputs.pop()[:, -1:].to(torch.bfloat16).cpu()
+                targets[-1].hidden = the_head_input(inputs)[:, -1:].to(torch.bfloat16).cpu()
             probabilities = torch.softmax(output.logits[:, -1].float().cpu() / temperature, dim=-1)
             drawn = torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
             column = position + 1

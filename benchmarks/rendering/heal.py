@@ -74,6 +74,28 @@ def flips_cell(row: dict) -> str:
     return f"{100 * fidelity['flips']:.1f}% ({100 * row['flips']['flips']:.1f}%)"
 
 
+def confident_flips_cell(row: dict) -> str:
+    """The flips on confident questions, without BoolQ (with it in brackets); `-` for rows counted without margins."""
+    confident, confident_all = row.get("confident_flips_without_boolq"), row.get("confident_flips")
+    if not confident:
+        return "-"
+    return f"{100 * confident['flips']:.1f}% ({100 * confident_all['flips']:.1f}%)"
+
+
+def boolq_yes_cell(row: dict) -> str:
+    return f"{100 * row['boolq_yes']:.1f}%" if row.get("boolq_yes") is not None else "-"
+
+
+def loss_cell(heal: dict) -> str:
+    """The loss a heal row minimised; `-` for a row without a heal (rows from before `heal_loss` minimised the KL)."""
+    return heal.get("loss", "kl") if heal else "-"
+
+
+def row_kinds(row: dict) -> tuple[str, ...]:
+    """The changes whose older code marks a row: the heal's for a heal row, Stage 2's for Stage 1 + 2."""
+    return ("heal",) if row.get("heal") else ("stage2",) if row["variant"] == "default" else ()
+
+
 def is_floor_row(variant: str) -> bool:
     """The rows that measure how flips follow the KL divergence at small damage (benchmarks/heal.py): the dense
     model with its weights rounded to bfloat16, and Stage 1 with only its first K layers removed."""
@@ -145,7 +167,7 @@ def heal_rows(source: str, unit_from: str | None = None) -> Callable[[Context], 
                 ],
                 row["provenance"],
                 source,
-                ("heal",) if heal else ("stage2",) if row["variant"] == "default" else (),
+                row_kinds(row),
             )
         return table.markdown()
 
@@ -207,8 +229,6 @@ def heal_text_rows(source: str) -> Callable[[Context], str]:
                 continue
             heal = row.get("heal") or {}
             evaluation = row["evaluation"]
-            confident = row.get("confident_flips_without_boolq")
-            confident_all = row.get("confident_flips")
             goals = "-"
             if heal and default and row.get("flips_without_boolq") and default.get("flips_without_boolq"):
                 ratio = row["flips_without_boolq"]["flips"] / default["flips_without_boolq"]["flips"]
@@ -228,13 +248,13 @@ def heal_text_rows(source: str) -> Callable[[Context], str]:
                     _row_name(variant, ()),
                     _text_name(heal) if heal else "-",
                     ("Stage 1 alone" if "from=stage1" in variant else "Stage 1 + 2") if heal else "-",
-                    heal.get("loss", "kl") if heal else "-",  # rows from before `heal_loss` minimised the KL
+                    loss_cell(heal),
                     kl_cell(evaluation, "offline:wikipedia"),
                     kl_cell(evaluation, "offline:web_text"),
                     flips_cell(row),
-                    f"{100 * confident['flips']:.1f}% ({100 * confident_all['flips']:.1f}%)" if confident else "-",
+                    confident_flips_cell(row),
                     f"{row['answer_drift_without_boolq']:.3f}" if "answer_drift_without_boolq" in row else "-",
-                    f"{100 * row['boolq_yes']:.1f}%" if row.get("boolq_yes") is not None else "-",
+                    boolq_yes_cell(row),
                     paired(row, "against_stage1") if "against_stage1" in row else "-",
                     paired_without_boolq(row, rows.get("stage1")) if variant not in ("dense", "stage1") else "-",
                     paired(row, "against_default") if "against_default" in row else "-",
@@ -244,7 +264,7 @@ def heal_text_rows(source: str) -> Callable[[Context], str]:
                 ],
                 row["provenance"],
                 source,
-                ("heal",) if heal else ("stage2",) if variant == "default" else (),
+                row_kinds(row),
             )
         return table.markdown()
 
@@ -327,7 +347,7 @@ def flips_by_task(source: str) -> Callable[[Context], str]:
                 ],
                 row["provenance"],
                 source,
-                ("heal",) if row.get("heal") else ("stage2",) if row["variant"] == "default" else (),
+                row_kinds(row),
             )
         return table.markdown()
 
@@ -352,21 +372,20 @@ def answer_drift_rows(source: str) -> Callable[[Context], str]:
         )  # fmt: skip
         for row in rows:
             heal = row.get("heal") or {}
-            confident, confident_all = row.get("confident_flips_without_boolq"), row.get("confident_flips")
             table.add(
                 [
                     _row_name(row["variant"], record["removed_layers"]),
-                    heal.get("loss", "kl") if heal else "-",
+                    loss_cell(heal),
                     kl_cell(row["evaluation"], "offline:wikipedia"),
                     kl_cell(row["evaluation"], "offline:web_text"),
                     f"{row['answer_drift_without_boolq']:.3f} ({row['answer_drift']:.3f})",
                     flips_cell(row),
-                    f"{100 * confident['flips']:.1f}% ({100 * confident_all['flips']:.1f}%)" if confident else "-",
-                    f"{100 * row['boolq_yes']:.1f}%" if row.get("boolq_yes") is not None else "-",
+                    confident_flips_cell(row),
+                    boolq_yes_cell(row),
                 ],
                 row["provenance"],
                 source,
-                ("heal",) if heal else ("stage2",) if row["variant"] == "default" else (),
+                row_kinds(row),
             )
         return table.markdown()
 
