@@ -44,7 +44,7 @@ LambdaSearch = Literal["grid", "golden"]
 # What the heal stage trains (see `optimum_gradmap.heal`).
 HealTrainable = Literal["lora", "norms", "down_projections", "before_removed", "all"]
 # What the heal stage minimises (see `optimum_gradmap.distillation`).
-HealLoss = Literal["kl", "logit_mse", "kl_logit_mse"]
+HealLoss = Literal["kl", "logit_mse", "kl_logit_mse", "kl_hidden_mse"]
 # Where the dense model's own heal text starts (see `optimum_gradmap.generation`).
 HealPrompts = Literal["documents", "chat"]
 # How Stage 1's gradient passes run (see `optimum_gradmap.streaming`).
@@ -344,9 +344,11 @@ class GradMAPConfig:
         "kl",
         "What the heal stage minimises: `kl` (the forward KL from the dense model over its top-64 tokens and the rest), "
         "`logit_mse` (the mean squared difference of the two models' centred logits over the whole vocabulary, every "
-        "token weighted alike: Kim et al., IJCAI 2021), or `kl_logit_mse` (their sum). The held-out check that chooses "
-        "the state kept is the KL in every case. The logit losses run with the model's weights in memory (not "
-        "layer-streamed). See [`optimum_gradmap.distillation`].",
+        "token weighted alike: Kim et al., IJCAI 2021), `kl_logit_mse` (their sum), or `kl_hidden_mse` (the KL plus, "
+        "at each kept layer directly after a removed run, the relative distance of its output to the dense model's "
+        "output of the same layer, weighted to equal the KL: Minitron's intermediate-state loss, Muralidharan et al., "
+        "NeurIPS 2024). The held-out check that chooses the state kept is the KL in every case. The losses other than "
+        "`kl` run with the model's weights in memory (not layer-streamed). See [`optimum_gradmap.distillation`].",
     )
     heal_lr: float | None = _setting(
         None,

@@ -28,12 +28,30 @@ keeps its head's input (`TeacherTargets.hidden`, bfloat16) instead of `V` logits
 dense model's, so with `W_c` the head's weight less its mean row, the centred logit difference is `W_c (h_s - h_t)`
 and its mean square `(h_s - h_t)^T G (h_s - h_t)` with `G = W_c^T W_c / V` ([`centred_logit_gram`], `d x d`,
 computed once). These are the head's linear logits (before a soft-cap such as Gemma 2's).
+
+**Hidden states at the seams** (`heal_loss="kl_hidden_mse"`). The KL plus, at every kept layer that directly follows
+a run of removed ones (a "seam", where the pruned model's residual stream first lacks what the removed layers added),
+the distance of the student's output of that layer to the teacher's output of the same original layer: Minitron's
+intermediate-state loss (Muralidharan et al., "Compact Language Models via Pruning and Knowledge Distillation",
+NeurIPS 2024, Sec. 3.2: L = L_logits + alpha L_is, with L_is a sum over chosen layers of a distance between the two
+models' hidden states), as Kovalev and Tikhomirov use for layer-pruned Qwen2.5 (arXiv 2511.05085: the KL plus the
+hidden states' MSE). Two choices of ours:
+
+- The distance, per position and seam, is `||h_s - h_t||^2 / (||h_s||^2 + ||h_t||^2)` ([`hidden_state_mse`], in
+  [0, 2]; `1 - cos` where the norms are equal), averaged over the seams. A plain MSE is decided by the few positions
+  whose states are orders of magnitude larger than the rest (attention sinks: on SmolLM2-135M the first token's norm
+  is about 23,500 against 150-630 elsewhere); one relative to the teacher's norm alone explodes where the pruned model
+  makes a sink the dense model does not (a ratio of 1,500 measured at one position).
+- alpha is the ratio of the batch's KL to its seam distance, taken without gradient: the two terms weigh the same at
+  every step, whatever the scales of the two.
+
+The teacher keeps those layers' outputs (`TeacherTargets.layer_states`, bfloat16).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -60,28 +78,36 @@ class TeacherTargets:
         rest_log_prob (`torch.Tensor` of shape `(N, T - 1)`): The log of the probability of every other token.
         hidden (`torch.Tensor` of shape `(N, T - 1, hidden_size)`, *optional*): The input of its head (bfloat16), kept
             for [`logit_mse`].
+        layer_states (`torch.Tensor` of shape `(N, T - 1, S, hidden_size)`, *optional*): The outputs of `S` of its
+            decoder layers (bfloat16), kept for [`hidden_state_mse`].
     """
 
     indices: torch.Tensor
     log_probs: torch.Tensor
     rest_log_prob: torch.Tensor
     hidden: torch.Tensor | None = None
+    layer_states: torch.Tensor | None = None
 
     def rows(self, rows: Sequence[int] | slice) -> TeacherTargets:
         """The targets of some of the sequences."""
         hidden = None if self.hidden is None else self.hidden[rows]
-        return TeacherTargets(self.indices[rows], self.log_probs[rows], self.rest_log_prob[rows], hidden)
+        layer_states = None if self.layer_states is None else self.layer_states[rows]
+        return TeacherTargets(self.indices[rows], self.log_probs[rows], self.rest_log_prob[rows], hidden, layer_states)
 
     @staticmethod
     def concatenate(parts: Sequence[TeacherTargets], dim: int = 0) -> TeacherTargets:
         """The targets of `parts` together: their sequences (`dim=0`), or their positions (`dim=1`). The head inputs
-        are kept where every part has them."""
-        hidden = [part.hidden for part in parts]
+        and the layers' outputs are kept where every part has them."""
+
+        def joined(values: list[torch.Tensor | None]) -> torch.Tensor | None:
+            return torch.cat(values, dim) if values and all(value is not None for value in values) else None
+
         return TeacherTargets(
             torch.cat([part.indices for part in parts], dim),
             torch.cat([part.log_probs for part in parts], dim),
             torch.cat([part.rest_log_prob for part in parts], dim),
-            torch.cat(hidden, dim) if parts and all(value is not None for value in hidden) else None,
+            joined([part.hidden for part in parts]),
+            joined([part.layer_states for part in parts]),
         )
 
 
@@ -98,6 +124,7 @@ def teacher_targets(
     progress_bar: bool = True,
     autocast: bool = False,
     keep_hidden: bool = False,
+    layers: Sequence[nn.Module] = (),
 ) -> TeacherTargets:
     """Runs `teacher` over `input_ids` and keeps its top-`TOP_K` next-token log-probabilities and the rest's.
 
@@ -110,6 +137,8 @@ def teacher_targets(
             float32).
         keep_hidden (`bool`, defaults to `False`): Keep its head's input too (`TeacherTargets.hidden`, for
             [`logit_mse`]).
+        layers (`Sequence[nn.Module]`, defaults to `()`): Decoder layers of `teacher`, in the order they run, whose
+            outputs are kept too (`TeacherTargets.layer_states`, for [`hidden_state_mse`]).
 
     Returns:
         [`TeacherTargets`], on the CPU.
@@ -117,14 +146,19 @@ def teacher_targets(
     parts: list[TeacherTargets] = []
     head = teacher.get_output_embeddings()
     if input_ids.shape[0] == 0:  # a process with no sequence of its own (torchrun): nothing to keep
-        top_k = min(TOP_K, head.weight.shape[0])
+        top_k, width = min(TOP_K, head.weight.shape[0]), head.weight.shape[1]
         shape = (0, max(0, input_ids.shape[1] - 1))
-        hidden = torch.zeros(*shape, head.weight.shape[1], dtype=torch.bfloat16) if keep_hidden else None
+        hidden = torch.zeros(*shape, width, dtype=torch.bfloat16) if keep_hidden else None
+        states = torch.zeros(*shape, len(layers), width, dtype=torch.bfloat16) if layers else None
         return TeacherTargets(
-            torch.zeros(*shape, top_k, dtype=torch.int32), torch.zeros(*shape, top_k), torch.zeros(*shape), hidden
+            torch.zeros(*shape, top_k, dtype=torch.int32), torch.zeros(*shape, top_k), torch.zeros(*shape), hidden, states
         )
     device = input_device(teacher)
-    with calibration_mode(teacher), head_inputs(head if keep_hidden else None) as inputs:
+    with (
+        calibration_mode(teacher),
+        head_inputs(head if keep_hidden else None) as inputs,
+        layer_outputs(layers) as outputs,
+    ):
         for start in logging.tqdm(
             range(0, input_ids.shape[0], batch_size),
             desc="Heal: the dense model's targets",
@@ -137,18 +171,31 @@ def teacher_targets(
             targets = targets_from_logits(logits)
             if keep_hidden:
                 targets.hidden = the_head_input(inputs)[:, :-1].to(torch.bfloat16).cpu()
+            if layers:
+                targets.layer_states = the_layer_outputs(outputs, len(layers))[:, :-1].to(torch.bfloat16).cpu()
             parts.append(targets)
     return TeacherTargets.concatenate(parts)
 
 
 def uses_kl(loss: str) -> bool:
     """Whether the heal loss `loss` (`GradMAPConfig.heal_loss`) has the top-K KL term."""
-    return loss in ("kl", "kl_logit_mse")
+    return loss in ("kl", "kl_logit_mse", "kl_hidden_mse")
 
 
 def uses_head_inputs(loss: str) -> bool:
     """Whether the heal loss `loss` has the logit-MSE term, which reads both models' head inputs."""
     return loss in ("logit_mse", "kl_logit_mse")
+
+
+def uses_layer_states(loss: str) -> bool:
+    """Whether the heal loss `loss` has the seams' hidden-state term, which reads both models' layer outputs."""
+    return loss == "kl_hidden_mse"
+
+
+def reads_hidden_states(loss: str) -> bool:
+    """Whether the heal loss `loss` reads hidden states beside the logits (head inputs or layer outputs), which only a
+    forward pass with the weights in memory collects (not a layer-streamed one)."""
+    return uses_head_inputs(loss) or uses_layer_states(loss)
 
 
 @contextmanager
@@ -186,6 +233,64 @@ def the_head_input(inputs: list[torch.Tensor]) -> torch.Tensor:
             "times (once expected): this model computes its logits another way. Heal it with heal_loss='kl'."
         )
     return inputs.pop()
+
+
+@contextmanager
+def layer_outputs(layers: Sequence[nn.Module]) -> Iterator[list[torch.Tensor]]:
+    """Collects the hidden-state output of every call of each of `layers` inside the block (by forward hooks, removed
+    on exit), in the order the calls come.
+
+    Args:
+        layers (`Sequence[nn.Module]`): Decoder layers; none collects nothing.
+
+    Returns:
+        `Iterator[list[torch.Tensor]]`: the list the outputs are appended to, as the block's value.
+    """
+    outputs: list[torch.Tensor] = []
+
+    def keep(module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
+        outputs.append(output[0] if isinstance(output, tuple) else output)
+
+    handles = [layer.register_forward_hook(keep) for layer in layers]
+    try:
+        yield outputs
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def the_layer_outputs(outputs: list[torch.Tensor], count: int) -> torch.Tensor:
+    """The `count` layer outputs [`layer_outputs`] collected over a forward pass, stacked as `(N, T, count, d)` and
+    taken out of the list (which the next pass then fills again).
+
+    Raises:
+        InvalidInputError: the layers were not called `count` times in all (a model that skips or repeats a layer).
+    """
+    if len(outputs) != count:
+        raise InvalidInputError(
+            f"heal_loss='kl_hidden_mse' reads the outputs of {count} decoder layer(s), and a forward pass gave "
+            f"{len(outputs)}: this model does not call each of its layers once. Heal it with heal_loss='kl'."
+        )
+    stacked = torch.stack(outputs, dim=2)
+    outputs.clear()
+    return stacked
+
+
+def hidden_state_mse(states: torch.Tensor, teacher_states: torch.Tensor) -> torch.Tensor:
+    """The squared distance of the student's layer outputs to the teacher's, relative to the sum of their squared
+    norms, averaged over the layers, per position (see the module docstring).
+
+    Args:
+        states (`torch.Tensor` of shape `(..., S, d)`): The student's outputs of its seam layers.
+        teacher_states (`torch.Tensor` of shape `(..., S, d)`): The teacher's outputs of the same original layers
+            (`TeacherTargets.layer_states`).
+
+    Returns:
+        `torch.Tensor` of shape `(...)`: float32, in [0, 2].
+    """
+    teacher, student = teacher_states.to(device=states.device, dtype=torch.float32), states.float()
+    squared_norms = (student.square().sum(-1) + teacher.square().sum(-1)).clamp_min(torch.finfo(torch.float32).tiny)
+    return ((student - teacher).square().sum(-1) / squared_norms).mean(-1)
 
 
 @torch.no_grad()
@@ -235,9 +340,11 @@ def heal_loss(
     head_input: torch.Tensor | None,
     targets: TeacherTargets,
     gram: torch.Tensor | None,
+    layer_states: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The heal's `loss` (`GradMAPConfig.heal_loss`: `kl`, `logit_mse` or `kl_logit_mse`, their unweighted sum), the
-    mean over a batch's predicting positions.
+    """The heal's `loss` (`GradMAPConfig.heal_loss`: `kl`, `logit_mse`, `kl_logit_mse` (their unweighted sum) or
+    `kl_hidden_mse` (the KL plus the seams' distance weighted to equal it, see the module docstring)), the mean over
+    a batch's predicting positions.
 
     Args:
         loss (`str`): Which.
@@ -246,6 +353,8 @@ def heal_loss(
             sequences ([`head_inputs`]); needed for the logit MSE.
         targets ([`TeacherTargets`]): The teacher's, with `hidden` for the logit MSE.
         gram (`torch.Tensor` of shape `(d, d)`, *optional*): [`centred_logit_gram`]; needed for the logit MSE.
+        layer_states (`torch.Tensor` of shape `(N, T, S, d)`, *optional*): The student's outputs of its seam layers over
+            the whole sequences ([`the_layer_outputs`]); needed for the hidden-state MSE, with `targets.layer_states`.
 
     Returns:
         `torch.Tensor`: a float32 scalar.
@@ -253,7 +362,43 @@ def heal_loss(
     total = top_k_kl(logits, targets).mean() if uses_kl(loss) else logits.new_zeros((), dtype=torch.float32)
     if uses_head_inputs(loss):
         total = total + logit_mse(head_input[:, :-1], targets.hidden, gram).mean()
+    if uses_layer_states(loss):
+        distance = hidden_state_mse(layer_states[:, :-1], targets.layer_states).mean()
+        total = total + distance * (total.detach() / distance.detach().clamp_min(torch.finfo(torch.float32).tiny))
     return total
+
+
+def distillation_loss(
+    model: nn.Module,
+    batch: torch.LongTensor,
+    loss: str,
+    targets: TeacherTargets,
+    gram: torch.Tensor | None = None,
+    layers: Sequence[nn.Module] = (),
+    passes: Callable[[], AbstractContextManager[None]] = nullcontext,
+) -> torch.Tensor:
+    """The student's forward pass over `batch`, collecting what `loss` reads, and [`heal_loss`] on it.
+
+    Args:
+        model (`nn.Module`): The student (its weights in memory).
+        batch (`torch.LongTensor` of shape `(N, T)`): The sequences, on its input device.
+        loss (`str`): `GradMAPConfig.heal_loss`.
+        targets ([`TeacherTargets`]): The teacher's on `batch`.
+        gram (`torch.Tensor` of shape `(d, d)`, *optional*): [`centred_logit_gram`], for the logit MSE.
+        layers (`Sequence[nn.Module]`, defaults to `()`): The student's seam layers, in the order they run, for the
+            hidden-state MSE (the teacher's outputs of the same original layers in `targets.layer_states`).
+        passes (`Callable`, defaults to `nullcontext`): The forward pass's context (autocast); the loss is computed
+            outside it, in float32.
+
+    Returns:
+        `torch.Tensor`: a float32 scalar.
+    """
+    head = model.get_output_embeddings() if uses_head_inputs(loss) else None
+    with passes(), head_inputs(head) as inputs, layer_outputs(layers if uses_layer_states(loss) else ()) as outputs:
+        logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
+    head_input = the_head_input(inputs) if head is not None else None
+    states = the_layer_outputs(outputs, len(layers)) if uses_layer_states(loss) else None
+    return heal_loss(loss, logits, head_input, targets, gram, states)
 
 
 def targets_from_logits(logits: torch.Tensor) -> TeacherTargets:

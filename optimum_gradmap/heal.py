@@ -98,13 +98,13 @@ from .data import (
 from .distillation import (
     TeacherTargets,
     centred_logit_gram,
-    head_inputs,
-    heal_loss,
+    distillation_loss,
+    reads_hidden_states,
     teacher_targets,
-    the_head_input,
     top_k_kl,
     top_k_kl_gradient,
     uses_head_inputs,
+    uses_layer_states,
     vocab_sliced_top_k_kl_gradient,
 )
 from .errors import InvalidInputError
@@ -192,7 +192,8 @@ def check_heal_settings(model: nn.Module, config: GradMAPConfig, compensated: Se
     Raises:
         InvalidInputError: for a model that carries PEFT adapters, `lora` without PEFT, `down_projections` without a
             compensated layer, full weights in bfloat16 or float16, a choice other than `lora` on a model with offloaded
-            weights, a logit loss layer-streamed, or nothing to train.
+            weights, a loss that reads hidden states layer-streamed, `kl_hidden_mse` with a `layers_to_prune` that
+            leaves no kept layer after a removed run, or nothing to train.
     """
     _check_no_peft_adapters(model)
     if config.heal_trainable == "lora":
@@ -218,7 +219,7 @@ def check_heal_settings(model: nn.Module, config: GradMAPConfig, compensated: Se
         )
     if config.heal_trainable != "lora" and streaming.is_offloaded(model):
         raise InvalidInputError(_offloaded_refusal(config.heal_trainable))
-    if uses_head_inputs(config.heal_loss) and (config.execution == "layer_streamed" or streaming.is_offloaded(model)):
+    if reads_hidden_states(config.heal_loss) and (config.execution == "layer_streamed" or streaming.is_offloaded(model)):
         raise InvalidInputError(_streamed_loss_refusal(config.heal_loss))
     if config.execution == "in_memory" and streaming.is_offloaded(model):
         raise InvalidInputError(
@@ -244,6 +245,10 @@ def check_heal_settings(model: nn.Module, config: GradMAPConfig, compensated: Se
                     f"layers_to_prune={config.layers_to_prune} removes only a run that starts at layer 0: choose another "
                     "`heal_trainable`."
                 )
+        if uses_layer_states(config.heal_loss) and config.layers_to_prune is not None:
+            kept = [index for index in range(num_layers) if index not in set(config.layers_to_prune)]
+            if not _seams(kept):
+                raise InvalidInputError(_no_seam_refusal(kept))
 
 
 def _fingerprint_before_pruning(
@@ -432,11 +437,13 @@ def measure_heal_costs(
 
     with calibration_mode(model):
         teacher_forward = timed(forward)
+    adapter = get_adapter(model)
     keep_hidden = uses_head_inputs(config.heal_loss)
-    targets = teacher_targets(model, ids, config.heal_batch_size, False, autocast, keep_hidden)  # a stand-in
-    head = model.get_output_embeddings()
-    gram = centred_logit_gram(head.weight) if keep_hidden else None
-    choice = _choose(model, get_adapter(model), config.heal_trainable, list(kept), num_layers, list(compensated))
+    seam_layers = _seam_layers(model, adapter, config.heal_loss, kept)
+    # a stand-in for the teacher's targets (the pruned model's own, of the same shapes)
+    targets = teacher_targets(model, ids, config.heal_batch_size, False, autocast, keep_hidden, seam_layers)
+    gram = centred_logit_gram(model.get_output_embeddings().weight) if keep_hidden else None
+    choice = _choose(model, adapter, config.heal_trainable, list(kept), num_layers, list(compensated))
     streamed = streaming.streams(model)
     with calibration_mode(model, grad=True, freeze_parameters=True):
         chosen = _Trainable(model, choice, config.heal_lora_rank, config.seed)
@@ -446,10 +453,7 @@ def measure_heal_costs(
 
             def step() -> None:
                 optimizer.zero_grad(set_to_none=True)
-                with passes(), head_inputs(head if keep_hidden else None) as inputs:
-                    logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
-                head_input = the_head_input(inputs) if keep_hidden else None
-                heal_loss(config.heal_loss, logits, head_input, targets, gram).backward()
+                distillation_loss(model, batch, config.heal_loss, targets, gram, seam_layers, passes).backward()
                 torch.nn.utils.clip_grad_norm_(chosen.parameters, MAX_GRAD_NORM)
                 optimizer.step()
 
@@ -768,6 +772,29 @@ def _norm_parameters(model: nn.Module, kept_layers: Sequence[nn.Module], adapter
     return [parameter for module in modules for parameter in module.parameters(recurse=False)]
 
 
+def _seam_layers(model: nn.Module, adapter: DecoderAdapter, loss: str, kept: Sequence[int]) -> list[nn.Module]:
+    """The pruned model's seam layers ([`_seams`]) where `loss` matches their outputs, none otherwise."""
+    if not uses_layer_states(loss):
+        return []
+    layers = adapter.get_layers(model)
+    return [layers[position] for position in _seams(kept)]
+
+
+def _seams(kept: Sequence[int]) -> list[int]:
+    """The positions, among the kept layers, of those directly after a run of removed ones (whose outputs
+    `heal_loss="kl_hidden_mse"` matches to the dense model's outputs of the same original layers)."""
+    kept_set = set(kept)
+    return [position for position, index in enumerate(kept) if index > 0 and index - 1 not in kept_set]
+
+
+def _no_seam_refusal(kept: Sequence[int]) -> str:
+    return (
+        f"heal_loss='kl_hidden_mse' matches the hidden states after each kept layer that directly follows a removed "
+        f"run, and the kept layers {list(kept)} leave none (only the last layers are removed): heal with "
+        "heal_loss='kl', which already compares the last hidden states through the logits."
+    )
+
+
 def _layer_before_each_run(kept: Sequence[int], num_layers: int) -> list[int]:
     """The original indices of the kept layers directly before a run of removed ones."""
     kept_set = set(kept)
@@ -851,7 +878,7 @@ def _choose(
 
 def _streamed_loss_refusal(loss: str) -> str:
     return (
-        f"heal_loss={loss!r} compares the two models' head inputs, which the layer-streamed heal (offloaded weights, or "
+        f"heal_loss={loss!r} compares the two models' hidden states, which the layer-streamed heal (offloaded weights, or "
         "execution='layer_streamed') does not keep: heal with heal_loss='kl', or load the model on devices that hold it "
         "with execution='in_memory'."
     )
@@ -1078,7 +1105,7 @@ def heal(
         raise InvalidInputError(f"`heal_trainable` must be one of {HEAL_TRAINABLE_CHOICES}, got {trainable!r}.")
     if loss not in HEAL_LOSS_CHOICES:
         raise InvalidInputError(f"`heal_loss` must be one of {HEAL_LOSS_CHOICES}, got {loss!r}.")
-    if uses_head_inputs(loss) and streaming.streams(model):
+    if reads_hidden_states(loss) and streaming.streams(model):
         raise InvalidInputError(_streamed_loss_refusal(loss))
     if batch_size < distributed.world_size():
         raise InvalidInputError(
@@ -1100,6 +1127,8 @@ def heal(
     started = time.perf_counter() - spent_seconds
     kept = list(range(adapter.num_layers(model))) if kept is None else list(kept)
     num_layers = num_layers if num_layers is not None else kept[-1] + 1
+    if uses_layer_states(loss) and not _seams(kept):
+        raise InvalidInputError(_no_seam_refusal(kept))
     learning_rate = learning_rate if learning_rate is not None else DEFAULT_LEARNING_RATES[trainable]
     choice = _choose(model, adapter, trainable, kept, num_layers, compensated)  # refusals before any compute
     num_train = train_ids.shape[0]
@@ -1129,9 +1158,10 @@ def heal(
     device = input_device(model)
     result.autocast = uses_bfloat16_autocast(autocast, model)
     keep_hidden = uses_head_inputs(loss)
-    if targets is not None and keep_hidden and targets[0].hidden is None:
+    seam_layers = _seam_layers(model, adapter, loss, kept)
+    if targets is not None and ((keep_hidden and targets[0].hidden is None) or (seam_layers and targets[0].layer_states is None)):
         logger.info(
-            f"Heal: heal_loss={loss!r} needs the dense model's head inputs, which its text's targets lack: the dense "
+            f"Heal: heal_loss={loss!r} needs the dense model's hidden states, which its text's targets lack: the dense "
             "model runs over the text again to keep them."
         )
         targets = None
@@ -1139,13 +1169,20 @@ def heal(
         _, validation_start = distributed.shard_any(validation_ids)
         validation_rows = slice(validation_start, validation_start + my_validation.shape[0])
         targets, validation_targets = targets[0].rows(my_rows), targets[1].rows(validation_rows)
-        validation_targets.hidden = None  # the held-out check is the KL
+        validation_targets.hidden = validation_targets.layer_states = None  # the held-out check is the KL
     else:
         targets, validation_targets = _teacher_pass(
-            teacher, train_ids[my_rows], my_validation, batch_size, progress_bar, result.autocast, keep_hidden
+            teacher,
+            train_ids[my_rows],
+            my_validation,
+            batch_size,
+            progress_bar,
+            result.autocast,
+            keep_hidden,
+            [kept[position] for position in _seams(kept)] if seam_layers else [],
+            adapter,
         )
-    head = model.get_output_embeddings()
-    gram = centred_logit_gram(head.weight) if keep_hidden else None
+    gram = centred_logit_gram(model.get_output_embeddings().weight) if keep_hidden else None
     result.teacher_seconds = time.perf_counter() - started - spent_seconds
     position = {row: index for index, row in enumerate(my_rows)}
 
@@ -1229,10 +1266,7 @@ def heal(
                                             batch, _streamed_loss_gradient(streamed, batch_targets), chosen.parameters
                                         )
                                 else:
-                                    with passes(), head_inputs(head if keep_hidden else None) as inputs:
-                                        logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
-                                    head_input = the_head_input(inputs) if keep_hidden else None
-                                    step_loss = heal_loss(loss, logits, head_input, batch_targets, gram)
+                                    step_loss = distillation_loss(model, batch, loss, batch_targets, gram, seam_layers, passes)
                                     (step_loss * len(rows)).backward()
                         except KeyboardInterrupt:
                             stop = True
@@ -1509,12 +1543,17 @@ def _teacher_pass(
     progress_bar: bool,
     autocast: bool,
     keep_hidden: bool = False,
+    layer_indices: Sequence[int] = (),
+    adapter: DecoderAdapter | None = None,
 ) -> tuple[TeacherTargets, TeacherTargets]:
-    """The teacher's targets on the training and the held-out sequences (with its head inputs on the training ones
-    where `keep_hidden`). The teacher is bound here only, so that no reference to it outlives its block: a teacher
-    loaded for the pass is freed before training starts."""
+    """The teacher's targets on the training and the held-out sequences (with, on the training ones, its head inputs
+    where `keep_hidden`, and the outputs of its layers `layer_indices`, found by `adapter`). The teacher is bound here
+    only, so that no reference to it outlives its block: a teacher loaded for the pass is freed before training
+    starts."""
     with teacher() as dense_model:
-        train_targets = teacher_targets(dense_model, train_ids, batch_size, progress_bar, autocast, keep_hidden)
+        layers = [adapter.get_layers(dense_model)[index] for index in layer_indices] if layer_indices else []
+        train_targets = teacher_targets(dense_model, train_ids, batch_size, progress_bar, autocast, keep_hidden, layers)
+        del layers
         validation_targets = teacher_targets(dense_model, validation_ids, batch_size, progress_bar, autocast)
         del dense_model  # before the context's cleanup runs: a teacher it loaded is freed there, not at a later collection
     return train_targets, validation_targets

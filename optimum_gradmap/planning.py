@@ -68,7 +68,7 @@ from .compensation.solvers import AUTO_NUM_FOLDS, AUTO_RIDGE_GRID
 from .compensation.targets import compensation_targets
 from .compensation.through_norm import NORM_RIDGE_GRID
 from .configuration import GradMAPConfig
-from .distillation import TOP_K, uses_head_inputs
+from .distillation import TOP_K, uses_head_inputs, uses_layer_states
 from .errors import InvalidInputError
 from .generation import is_generated
 from .heal import AUTO_TIME_SHARE
@@ -1294,7 +1294,8 @@ def _stage2_memory(config: GradMAPConfig, shape: ModelShape, outline: Stage2Outl
 def _heal_memory(config: GradMAPConfig, shape: ModelShape, num_kept: int, counts: dict[str, int]) -> dict[str, float]:
     """The heal's peak beyond the weights: the training batch's activations and logits, the trained parameters'
     gradients and AdamW state (float32), and on the host the teacher's targets (with its head inputs for a logit loss,
-    whose `d x d` matrix is on the device) and two copies of the trained state."""
+    whose `d x d` matrix is on the device; its seam layers' outputs for `kl_hidden_mse`) and two copies of the trained
+    state."""
     batch, seq_len = config.heal_batch_size, config.heal_seq_len
     tokens = batch * seq_len
     mean_activation = shape.mean("activation_bytes", heal=True) + (
@@ -1309,6 +1310,9 @@ def _heal_memory(config: GradMAPConfig, shape: ModelShape, num_kept: int, counts
     if uses_head_inputs(config.heal_loss):  # the teacher's head inputs, bfloat16, held twice (the text's, the heal's rows)
         targets += 2 * counts["train_sequences"] * (seq_len - 1) * shape.hidden_size * 2
         gram = shape.hidden_size**2 * 4  # the logit loss's d x d matrix, on the device
+    if uses_layer_states(config.heal_loss):  # the teacher's outputs of the seam layers, bfloat16, held twice likewise
+        seams = min(num_kept, shape.num_layers - num_kept)  # at most one kept layer after each removed one
+        targets += 2 * counts["train_sequences"] * (seq_len - 1) * seams * shape.hidden_size * 2
     # layer-streamed steps (an offloaded model): the kept layers' inputs and one layer's activations, the head by slices
     stored_inputs = num_kept * tokens * shape.hidden_size * shape.dtype_bytes
     one_layer = tokens * max(layer.activation_bytes for layer in shape.layers)

@@ -205,7 +205,7 @@ def _auto_heal(monkeypatch, budget: float, slow_down: float = 1.0, warm_up: floa
         return dataclasses.replace(costs, step_seconds=costs.step_seconds / slow_down)
 
     monkeypatch.setattr(heal_module, "measure_heal_costs", measured)
-    losses = heal_module.heal_loss
+    losses = heal_module.distillation_loss
     calls = []
 
     def loss(*args, **kwargs):  # the measurement's two steps, then the heal's first ones, `warm_up` s slower each
@@ -214,7 +214,7 @@ def _auto_heal(monkeypatch, budget: float, slow_down: float = 1.0, warm_up: floa
             clock.now += warm_up
         return losses(*args, **kwargs)
 
-    monkeypatch.setattr(heal_module, "heal_loss", loss)
+    monkeypatch.setattr(heal_module, "distillation_loss", loss)
     config = small_config(
         heal_tokens="auto", heal_seq_len=16, heal_validation_sequences=4, heal_batch_size=4, heal_check_every=2,
         heal_autocast=False, heal_lr=1e-3,

@@ -1,5 +1,5 @@
-"""What the heal stage minimises (`heal_loss`): the top-K KL, the centred-logit MSE over the whole vocabulary, or both
-(optimum_gradmap.distillation, optimum_gradmap.heal)."""
+"""What the heal stage minimises (`heal_loss`): the top-K KL, the centred-logit MSE over the whole vocabulary, both, or
+the KL with the hidden states at the seams (optimum_gradmap.distillation, optimum_gradmap.heal)."""
 
 import contextlib
 import copy
@@ -7,21 +7,26 @@ import copy
 import pytest
 import torch
 
-from optimum_gradmap import GradMAPPruner, streaming
+from optimum_gradmap import GradMAPPruner, distillation, streaming
+from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.distillation import (
     TeacherTargets,
     centred_logit_gram,
     head_inputs,
     heal_loss,
+    hidden_state_mse,
+    layer_outputs,
     logit_mse,
     targets_from_logits,
     teacher_targets,
     the_head_input,
+    the_layer_outputs,
     top_k_kl,
 )
 from optimum_gradmap.errors import InvalidInputError
 from optimum_gradmap.generation import GenerationSettings, generate_sequences
-from optimum_gradmap.heal import heal
+from optimum_gradmap.heal import _seams, heal, measure_heal_costs
+from optimum_gradmap.surgery import remove_layers
 
 from .conftest import random_ids, small_config
 from .test_heal import HEAL, peaked_model
@@ -144,8 +149,6 @@ def test_a_logit_loss_needs_the_weights_in_memory_and_an_unknown_loss_is_refused
 
 
 def test_a_checkpoint_names_its_loss_and_one_written_before_heal_loss_existed_resumes_as_the_kl(tmp_path, monkeypatch):
-    from optimum_gradmap.adapters import get_adapter
-
     train, validation = random_ids(16, 16, seed=1), random_ids(8, 16, seed=2)
     checkpoint = tmp_path / "heal.pt"
 
@@ -185,3 +188,120 @@ def test_a_checkpoint_names_its_loss_and_one_written_before_heal_loss_existed_re
     monkeypatch.setattr(torch.optim.AdamW, "step", counted_step)
     resumed = run("kl")
     assert not resumed.interrupted and resumed.steps == 4 and len(steps_after_resume) == 2  # resumed after step 2
+
+
+def test_the_hidden_state_mse_is_each_seam_s_squared_distance_relative_to_both_norms_averaged():
+    torch.manual_seed(0)
+    teacher = torch.randn(2, 5, 3, 8)
+    teacher[0, 0] *= 1000  # a position whose state is far larger (an attention sink) weighs the same
+    student = teacher + 0.1 * torch.randn(2, 5, 3, 8)
+    student[1, 2, 0] *= 1000  # a sink the teacher does not make: bounded by 2
+    double = student.double(), teacher.double()
+    expected = ((double[0] - double[1]) ** 2).sum(-1) / ((double[0] ** 2).sum(-1) + (double[1] ** 2).sum(-1))
+    mse = hidden_state_mse(student, teacher.to(torch.bfloat16))
+    assert mse.shape == (2, 5) and mse.dtype == torch.float32
+    torch.testing.assert_close(mse.double(), expected.mean(-1), rtol=0.05, atol=1e-3)  # the teacher's bfloat16 rounding
+    assert 0.3 < float(mse[1, 2]) < 2 / 3 and float(mse[0, 0]) < 1e-4  # one seam of three near 1; the sink as any other
+    torch.testing.assert_close(hidden_state_mse(3 * student, 3 * teacher), hidden_state_mse(student, teacher))
+    assert float(hidden_state_mse(teacher, teacher).abs().max()) == 0.0
+    # in the heal's loss, added to the KL over the predicting positions, weighted to equal it
+    head = torch.nn.Linear(8, 40, bias=False)
+    targets = targets_from_logits(head(teacher[..., -1, :]).detach()[:, :-1])
+    targets.layer_states = teacher[:, :-1].to(torch.bfloat16)
+    states = student.clone().requires_grad_(True)
+    logits = head(states[..., -1, :])[:, :-1]
+    total = heal_loss("kl_hidden_mse", logits, None, targets, None, states)
+    kl, distance = top_k_kl(logits, targets).mean(), hidden_state_mse(states[:, :-1], targets.layer_states).mean()
+    torch.testing.assert_close(total, 2 * kl)
+    (gradient,) = torch.autograd.grad(total, states, retain_graph=True)
+    (expected_gradient,) = torch.autograd.grad(kl + float(kl / distance) * distance, states)
+    torch.testing.assert_close(gradient, expected_gradient)  # the weight is a constant to the gradient
+    # every seam gets a gradient, the last position none
+    assert float(gradient[:, :-1, :2].abs().sum()) > 0 and float(gradient[:, -1].abs().sum()) == 0
+
+
+def test_the_seams_are_the_kept_layers_right_after_a_removed_run():
+    assert _seams([0, 1, 3, 4, 7]) == [2, 4]  # positions (among the kept layers) of layers 3 and 7
+    assert _seams([1, 2, 5]) == [0, 2]  # layer 0 removed: layer 1 follows a removed run
+    assert _seams([0, 1, 2]) == [] and _seams(list(range(6))) == []  # only the last layers removed, or none
+
+
+def test_the_layer_outputs_kept_are_the_teacher_s_and_follow_rows_and_concatenation():
+    teacher = peaked_model(num_layers=5)
+    ids = random_ids(4, 8, seed=5)
+    layers = [teacher.model.layers[1], teacher.model.layers[3]]
+    with torch.no_grad():
+        hidden_states = teacher(input_ids=ids, output_hidden_states=True).hidden_states  # [j + 1]: layer j's output
+    hooks = [dict(layer._forward_hooks) for layer in layers]  # transformers' own, installed by the pass above
+    targets = teacher_targets(teacher, ids, batch_size=3, progress_bar=False, layers=layers)
+    expected = torch.stack([hidden_states[2], hidden_states[4]], dim=2)[:, :-1].to(torch.bfloat16)
+    assert targets.layer_states.shape == (4, 7, 2, teacher.config.hidden_size)
+    torch.testing.assert_close(targets.layer_states, expected)
+    assert targets.hidden is None and teacher_targets(teacher, ids, 3, progress_bar=False).layer_states is None
+    assert torch.equal(targets.rows([2, 0]).layer_states, targets.layer_states[[2, 0]])
+    both = TeacherTargets.concatenate([targets.rows(slice(0, 1)), targets.rows(slice(1, 4))])
+    assert torch.equal(both.layer_states, targets.layer_states)
+    assert [dict(layer._forward_hooks) for layer in layers] == hooks  # its hooks are gone after the pass
+    with pytest.raises(InvalidInputError, match="gave 1"):
+        with torch.no_grad(), layer_outputs(layers[:1]) as outputs:
+            teacher(input_ids=ids)
+        the_layer_outputs(outputs, 2)
+
+
+def test_a_heal_on_the_seams_brings_them_closer_to_the_dense_model_on_unseen_text_than_the_kl_alone():
+    dense = peaked_model()
+    probe = random_ids(8, 16, seed=9)
+
+    def healed(loss):
+        model = copy.deepcopy(dense)
+        config = small_config(num_samples=16, num_layers_to_prune=2, heal_tokens=48 * 16, heal_lr=1e-4, heal_loss=loss, **HEAL)
+        pruner = GradMAPPruner(config, model, progress_bar=False)
+        result = pruner.select_layers(model, random_ids(16, 16))
+        pruner.compensate(result)
+        positions = _seams(result.kept_layers)
+        assert positions  # GradMAP kept a layer after a removed one
+        teacher_layers = [dense.model.layers[result.kept_layers[position]] for position in positions]
+        teacher = teacher_targets(dense, probe, batch_size=8, progress_bar=False, layers=teacher_layers)
+
+        def probe_distance() -> float:
+            with torch.no_grad(), layer_outputs([model.model.layers[position] for position in positions]) as outputs:
+                model(input_ids=probe)
+            states = the_layer_outputs(outputs, len(positions))[:, :-1]
+            return float(hidden_state_mse(states, teacher.layer_states).mean())
+
+        before = probe_distance()
+        heal_result = pruner.heal(result, heal_data=random_ids(64, 16, seed=1)).heal
+        assert heal_result.loss == loss and (loss == "kl") != (f"heal_loss={loss!r}" in heal_result.summary())
+        assert heal_result.best_kl < heal_result.start_kl  # the state kept is chosen by the held-out KL
+        return before, probe_distance()
+
+    before, after_kl = healed("kl")
+    same_start, after_seams = healed("kl_hidden_mse")
+    assert same_start == before
+    assert after_seams < 0.95 * before and after_seams < after_kl  # closer at the seams, on text the heal never saw
+
+
+def test_the_seams_loss_is_refused_where_it_has_no_seam_or_no_weights_in_memory_and_its_step_is_timed(monkeypatch):
+    model = peaked_model()
+    state = copy.deepcopy(model.state_dict())
+    config = small_config(heal_tokens=256, heal_loss="kl_hidden_mse", num_layers_to_prune=None, layers_to_prune=[4, 5], **HEAL)
+    with pytest.raises(InvalidInputError, match="kl_hidden_mse.*leave none"):  # before Stage 1
+        GradMAPPruner(config, model, progress_bar=False).prune(model, random_ids(), heal_data=random_ids(32, 16))
+    streamed = small_config(heal_tokens=256, heal_loss="kl_hidden_mse", execution="layer_streamed", **HEAL)
+    with pytest.raises(InvalidInputError, match="kl_hidden_mse.*hidden states.*layer-streamed"):
+        GradMAPPruner(streamed, model, progress_bar=False).prune(model, random_ids(), heal_data=random_ids(32, 16))
+    assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
+    ids = random_ids(8, 16)
+    with pytest.raises(InvalidInputError, match="leave none"):  # every layer kept: no seam
+        heal(model, get_adapter(model), lambda: contextlib.nullcontext(model), ids, ids, loss="kl_hidden_mse")
+    assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
+    remove_layers(model, [2, 3])
+    seams_measured = []
+
+    def counted(states, teacher_states):
+        seams_measured.append(states.shape[-2])
+        return hidden_state_mse(states, teacher_states)
+
+    monkeypatch.setattr(distillation, "hidden_state_mse", counted)
+    costs = measure_heal_costs(model, small_config(heal_loss="kl_hidden_mse", **HEAL), kept=[0, 1, 4, 5], num_layers=6)
+    assert costs.step_seconds > 0 and seams_measured == [1, 1]  # the step (warm-up, timed) with the one seam, layer 4
