@@ -17,7 +17,7 @@ as many tokens as fit, the dense model's text included (issue 65: the heal's goa
 heals on the dense model's own text ([`optimum_gradmap.generation`], generated afresh for the row and timed),
 `+text=mix` on it and the corpus text in equal parts, `+temp=T` sets its temperature (`heal_temperature`),
 `+prompts=chat` starts that text from the chat template's user turn (`heal_prompts`), `+loss=NAME` what the heal
-minimises (`heal_loss`: `kl`, `logit_mse`, `kl_logit_mse`), and `+from=stage1` heals
+minimises (`heal_loss`: `kl`, `logit_mse`, `kl_logit_mse`, `kl_hidden_mse`), and `+from=stage1` heals
 Stage 1 alone, without Stage 2 (Stage 2's worth once a heal follows). Two kinds of rows measure
 how flips follow the KL divergence when the damage is small (where the flips come from when a goal on them
 is missed): `dense@bf16` (the dense model with every weight rounded to bfloat16, computing in float32: a model
@@ -384,6 +384,29 @@ def copied_dense_row(source: str, record: dict, max_segments: int) -> dict:
     return row
 
 
+def print_pair(record: dict, variant_a: str, variant_b: str) -> None:
+    """Prints `variant_b` against `variant_a`, paired per question ([`compare_zero_shot`] with the dense row as the
+    reference): the accuracy difference, the flips' difference and that of the flips on the confident questions, each
+    with its standard error and McNemar's p-value, with BoolQ and without."""
+    rows = {row["variant"]: row for row in record["rows"]}
+    missing = [name for name in ("dense", variant_a, variant_b) if name not in rows or not answers_of(rows[name])]
+    if missing:
+        raise SystemExit(f"--pair: no answers kept for {missing} in this record.")
+    for label, skip in (("all tasks", ()), ("without BoolQ", ("boolq",))):
+        comparison = compare_zero_shot(
+            *(expand(answers_of(rows[name]), skip) for name in (variant_a, variant_b, "dense")),
+            names=(variant_a, variant_b, "dense"),
+        )
+        print(f"{variant_b} - {variant_a}, {label}:")
+        entries = [("accuracy", comparison.pooled), ("flips", comparison.pooled_flips)]
+        entries += [("confident flips", comparison.confident_flips)] if comparison.confident_flips is not None else []
+        for name, paired in entries:
+            print(
+                f"  {name}: {100 * paired.difference:+.2f} +/- {100 * paired.stderr:.2f} points, McNemar p = "
+                f"{paired.p_value:.3f} ({paired.num_questions} questions)"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -428,6 +451,14 @@ def main() -> None:
         help="measure nothing: load the record, count every row's flips again from the answers it keeps, and rewrite "
         "its .json and .md",
     )
+    parser.add_argument(
+        "--pair",
+        nargs=2,
+        default=None,
+        metavar=("A", "B"),
+        help="measure nothing: compare two rows of the record question by question (B - A: accuracy, flips against the "
+        "dense row, flips on its confident questions; with BoolQ and without), from the answers they keep",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.manual_seed(0)
@@ -442,6 +473,10 @@ def main() -> None:
         write(record, path)
         print(markdown(record))
         print(f"counted again, nothing measured: {path} and its .md", flush=True)
+        return
+    if args.pair:
+        with open(path, encoding="utf-8") as file:
+            print_pair(json.load(file), *args.pair)
         return
     record = {
         "model": args.model,
