@@ -48,7 +48,8 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 from transformers.utils import logging
 
 from . import distillation
-from .distillation import TeacherTargets, head_inputs, targets_from_logits, the_head_input
+from .adapters import get_adapter
+from .distillation import TeacherTargets, head_inputs, layer_outputs, targets_from_logits, the_head_input, the_layer_outputs
 from .errors import InvalidInputError
 from .passes import calibration_mode, input_device
 from .precision import uses_bfloat16_autocast
@@ -80,7 +81,9 @@ class GenerationSettings:
         bos_every (`int`): One sequence in this many starts from the beginning-of-sequence token alone.
         batch_size (`int`): Sequences sampled together.
         keep_hidden (`bool`): Keep the teacher's head input at every position too (`TeacherTargets.hidden`, for a
-            `heal_loss` other than `kl`).
+            logit loss).
+        keep_layers (`tuple[int, ...]`): The teacher's layers (their indices) whose outputs are kept at every position
+            too (`TeacherTargets.layer_states`, for `heal_loss="kl_hidden_mse"`).
     """
 
     seq_len: int
@@ -90,6 +93,7 @@ class GenerationSettings:
     bos_every: int = BOS_EVERY
     batch_size: int = GENERATION_BATCH_SIZE
     keep_hidden: bool = False
+    keep_layers: tuple[int, ...] = ()
 
 
 def is_generated(heal_dataset: Any) -> bool:
@@ -165,6 +169,7 @@ def sample_batch(
     generator: torch.Generator,
     autocast: bool = False,
     keep_hidden: bool = False,
+    layers: Sequence[nn.Module] = (),
 ) -> tuple[torch.LongTensor, TeacherTargets]:
     """Samples one batch of sequences of `seq_len` tokens, each starting with its prompt (prompts may differ in
     length: a row takes its prompt's token where it has one, and its sample elsewhere; every step feeds one token
@@ -180,6 +185,8 @@ def sample_batch(
         generator (`torch.Generator`): The draws' generator (on the CPU).
         autocast (`bool`, defaults to `False`): Run the passes under bfloat16 autocast.
         keep_hidden (`bool`, defaults to `False`): Keep the model's head input too (`TeacherTargets.hidden`).
+        layers (`Sequence[nn.Module]`, defaults to `()`): Decoder layers of `model`, in the order they run, whose outputs
+            are kept too (`TeacherTargets.layer_states`).
 
     Returns:
         `tuple[torch.LongTensor, TeacherTargets]`: the sequences `(len(prompts), seq_len)` and the targets at their
@@ -198,12 +205,18 @@ def sample_batch(
     cache = {cache_keyword: DynamicCache(config=model.config)}
     passes = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
     targets: list[TeacherTargets] = []
-    with passes, head_inputs(model.get_output_embeddings() if keep_hidden else None) as inputs:
+    with (
+        passes,
+        head_inputs(model.get_output_embeddings() if keep_hidden else None) as inputs,
+        layer_outputs(layers) as outputs,
+    ):
         for position in range(seq_len - 1):
             output = model(input_ids=sequences[:, position : position + 1].to(device), use_cache=True, **cache)
             targets.append(targets_from_logits(output.logits[:, -1:]))
             if keep_hidden:
                 targets[-1].hidden = the_head_input(inputs)[:, -1:].to(torch.bfloat16).cpu()
+            if layers:
+                targets[-1].layer_states = the_layer_outputs(outputs, len(layers))[:, -1:].to(torch.bfloat16).cpu()
             probabilities = torch.softmax(output.logits[:, -1].float().cpu() / temperature, dim=-1)
             drawn = torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
             column = position + 1
@@ -223,8 +236,12 @@ def fingerprint(
         "prompts_sha256": hashlib.sha256(prompt_bytes).hexdigest(),
         "start_token": start_token,
         "top_k": distillation.TOP_K,
-        # `keep_hidden` only where set: the caches written before it existed stay valid
-        **{key: value for key, value in asdict(settings).items() if key != "keep_hidden" or value},
+        # `keep_hidden` and `keep_layers` only where set: the caches written before they existed stay valid
+        **{
+            key: list(value) if isinstance(value, tuple) else value
+            for key, value in asdict(settings).items()
+            if key not in ("keep_hidden", "keep_layers") or value
+        },
     }
 
 
@@ -280,6 +297,8 @@ def _write_cache(
             + ([] if targets.hidden is None else [targets.hidden]),
             "seconds_per_sequence": seconds_per_sequence,
         }
+        if targets.layer_states is not None:
+            payload["layer_states"] = targets.layer_states
         torch.save(payload, temporary)
         os.replace(temporary, path)
     finally:
@@ -345,7 +364,8 @@ def generate_sequences(
         autocast = uses_bfloat16_autocast(autocast, model)
         saved = _read_cache(cache, expected) or {}
         have = saved.get("input_ids", torch.zeros(0, settings.seq_len, dtype=torch.long))
-        have_targets = [TeacherTargets(*saved["targets"])] if saved else []
+        have_targets = [TeacherTargets(*saved["targets"], layer_states=saved.get("layer_states"))] if saved else []
+        layers = [get_adapter(model).get_layers(model)[index] for index in settings.keep_layers]
         seconds_per_sequence = float(saved.get("seconds_per_sequence", 0.0))
         from_cache = min(num_sequences, have.shape[0])
         if have.shape[0] < num_sequences:
@@ -364,13 +384,20 @@ def generate_sequences(
                     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + batch)
                     batch_prompts = [sequence_prompt(index, prompts, start_token, settings) for index in indices]
                     sequences, targets = sample_batch(
-                        model, batch_prompts, settings.seq_len, settings.temperature, generator, autocast, settings.keep_hidden
+                        model,
+                        batch_prompts,
+                        settings.seq_len,
+                        settings.temperature,
+                        generator,
+                        autocast,
+                        settings.keep_hidden,
+                        layers,
                     )
                     batches.append(sequences)
                     have_targets.append(targets)
             seconds_per_sequence = (time.perf_counter() - tick) / ((last_batch - first_batch) * settings.batch_size)
             have = torch.cat([have[: first_batch * settings.batch_size], *batches])
             _write_cache(cache, expected, have, TeacherTargets.concatenate(have_targets), seconds_per_sequence)
-        del model
+        del model, layers
     targets = TeacherTargets.concatenate(have_targets).rows(slice(0, num_sequences))
     return GeneratedText(have[:num_sequences], time.perf_counter() - started, seconds_per_sequence, from_cache, targets)

@@ -532,12 +532,18 @@ def _generate(
     cache: str | os.PathLike | None,
     progress_bar: bool,
     prompt_data: CalibrationData = None,
+    kept: Sequence[int] | None = None,
 ) -> GeneratedText:
     """`num_sequences` of the dense model's own text as `config` says: prompts from the first tokens of `prompt_data`'s
     documents (text; `config.dataset` by default) or sequences (token ids), or with `heal_prompts="chat"` from the
-    chat template's user turn ([`~optimum_gradmap.generation.chat_prompt`]); `heal_temperature`, seed `seed + 2`."""
+    chat template's user turn ([`~optimum_gradmap.generation.chat_prompt`]); `heal_temperature`, seed `seed + 2`.
+    The targets kept while it writes hold what `heal_loss` reads (the seams' outputs where `kept` is given)."""
     settings = GenerationSettings(
-        config.heal_seq_len, config.heal_temperature, config.seed + 2, keep_hidden=uses_head_inputs(config.heal_loss)
+        config.heal_seq_len,
+        config.heal_temperature,
+        config.seed + 2,
+        keep_hidden=uses_head_inputs(config.heal_loss),
+        keep_layers=tuple(_seam_indices(config.heal_loss, kept)),
     )
     start_token = start_token_of(tokenizer)
     if config.heal_prompts == "chat":  # every sequence from the chat template's user turn
@@ -568,10 +574,12 @@ def generation_seconds_per_sequence(
     config: GradMAPConfig,
     cache: str | os.PathLike | None = None,
     prompt_data: CalibrationData = None,
+    kept: Sequence[int] | None = None,
 ) -> float:
     """What a sequence of the dense model's own text costs, for `heal_tokens="auto"`: its first batch is generated
-    (or read from the cache, which records what it cost) and kept in the cache for the heal."""
-    first = _generate(teacher, tokenizer, config, GENERATION_BATCH_SIZE, cache, False, prompt_data)
+    (or read from the cache, which records what it cost) and kept in the cache for the heal (`kept` as in
+    [`heal_sequences`])."""
+    first = _generate(teacher, tokenizer, config, GENERATION_BATCH_SIZE, cache, False, prompt_data, kept)
     return first.seconds_per_sequence
 
 
@@ -583,6 +591,7 @@ def heal_sequences(
     cache: str | os.PathLike | None = None,
     progress_bar: bool = True,
     prompt_data: CalibrationData = None,
+    kept: Sequence[int] | None = None,
 ) -> HealText:
     """The training and held-out sequences of a heal run as `config` says: `heal_tokens` worth of `heal_seq_len`-token
     windows of `data` (or `config.heal_dataset`) and `heal_validation_sequences` held out, shuffled with seed
@@ -606,6 +615,9 @@ def heal_sequences(
         progress_bar (`bool`, defaults to `True`): Show a progress bar while the dense model writes.
         prompt_data (*optional*): The calibration data whose documents' (or sequences') first tokens prompt the dense
             model; defaults to `config.dataset`.
+        kept (`Sequence[int]`, *optional*): The original indices of the pruned model's layers: with
+            `heal_loss="kl_hidden_mse"` the dense model keeps its seams' outputs with its targets (without it, the
+            heal runs the dense model over the text again for them).
 
     Returns:
         [`HealText`].
@@ -636,12 +648,13 @@ def heal_sequences(
     generated_train = num_train if corpus is None else -(-num_train // 2)
     generated_validation = num_validation if corpus is None else -(-num_validation // 2)
     count = generated_validation + generated_train
-    generated = _generate(teacher, tokenizer, config, count, cache, progress_bar, prompt_data)
+    generated = _generate(teacher, tokenizer, config, count, cache, progress_bar, prompt_data, kept)
+    generated_layers = _seam_indices(config.heal_loss, kept)  # the corpus part's targets keep what the text's do
     seconds = generated.seconds
     train_ids, validation_ids = generated.input_ids[generated_validation:], generated.input_ids[:generated_validation]
     train_targets = generated.targets.rows(slice(generated_validation, None))
     validation_targets = generated.targets.rows(slice(0, generated_validation))
-    validation_targets.hidden = None  # the held-out check is the KL: no head inputs held for it
+    validation_targets.hidden = validation_targets.layer_states = None  # the held-out check is the KL
     prompts = describe_calibration_data(prompt_data, config.dataset, config.text_column)
     if config.heal_prompts == "chat":
         prompts = "its chat template's user turn"
@@ -660,11 +673,18 @@ def heal_sequences(
         autocast = config.heal_autocast
         with teacher() as dense_model:
             autocast = uses_bfloat16_autocast(autocast, dense_model)
+            layers = [get_adapter(dense_model).get_layers(dense_model)[index] for index in generated_layers]
             corpus_targets = teacher_targets(
-                dense_model, corpus_train, config.heal_batch_size, progress_bar, autocast, uses_head_inputs(config.heal_loss)
+                dense_model,
+                corpus_train,
+                config.heal_batch_size,
+                progress_bar,
+                autocast,
+                uses_head_inputs(config.heal_loss),
+                layers,
             )
             corpus_validation_targets = teacher_targets(dense_model, corpus_validation, config.heal_batch_size, False, autocast)
-            del dense_model
+            del dense_model, layers
         seconds += time.perf_counter() - tick
         order = torch.randperm(
             train_ids.shape[0] + corpus_train.shape[0], generator=torch.Generator().manual_seed(config.seed + 2)
@@ -778,6 +798,14 @@ def _seam_layers(model: nn.Module, adapter: DecoderAdapter, loss: str, kept: Seq
         return []
     layers = adapter.get_layers(model)
     return [layers[position] for position in _seams(kept)]
+
+
+def _seam_indices(loss: str, kept: Sequence[int] | None) -> list[int]:
+    """The original indices of the seam layers ([`_seams`]), whose outputs the dense model keeps where `loss` matches
+    them; none otherwise, or without `kept`."""
+    if not uses_layer_states(loss) or kept is None:
+        return []
+    return [kept[position] for position in _seams(kept)]
 
 
 def _seams(kept: Sequence[int]) -> list[int]:
@@ -1159,7 +1187,11 @@ def heal(
     result.autocast = uses_bfloat16_autocast(autocast, model)
     keep_hidden = uses_head_inputs(loss)
     seam_layers = _seam_layers(model, adapter, loss, kept)
-    if targets is not None and ((keep_hidden and targets[0].hidden is None) or (seam_layers and targets[0].layer_states is None)):
+    seam_states = None if targets is None else targets[0].layer_states
+    if targets is not None and (
+        (keep_hidden and targets[0].hidden is None)
+        or (seam_layers and (seam_states is None or seam_states.shape[-2] != len(seam_layers)))
+    ):
         logger.info(
             f"Heal: heal_loss={loss!r} needs the dense model's hidden states, which its text's targets lack: the dense "
             "model runs over the text again to keep them."
@@ -1179,7 +1211,7 @@ def heal(
             progress_bar,
             result.autocast,
             keep_hidden,
-            [kept[position] for position in _seams(kept)] if seam_layers else [],
+            _seam_indices(loss, kept),
             adapter,
         )
     gram = centred_logit_gram(model.get_output_embeddings().weight) if keep_hidden else None
@@ -1456,7 +1488,7 @@ def heal_stage(
         budget = AUTO_TIME_SHARE * stage1_seconds
         rate = 0.0
         if data is None and is_generated(config.heal_dataset):
-            rate = generation_seconds_per_sequence(teacher, tokenizer, config, text_cache, prompt_data)
+            rate = generation_seconds_per_sequence(teacher, tokenizer, config, text_cache, prompt_data, kept)
             generated_before = time.perf_counter() - started
         remaining = budget - (time.perf_counter() - started)
         tokens, costs = choose_heal_tokens(model, config, remaining, kept, num_layers, compensated, rate)
@@ -1464,7 +1496,7 @@ def heal_stage(
         config = dataclasses.replace(config, heal_tokens=tokens)
         text = None
     if text is None:
-        text = heal_sequences(data, tokenizer, config, teacher, text_cache, progress_bar, prompt_data)
+        text = heal_sequences(data, tokenizer, config, teacher, text_cache, progress_bar, prompt_data, kept)
         for ids in (text.train_ids, text.validation_ids):
             if check_ids is not None:
                 check_ids(ids)

@@ -3,6 +3,7 @@ the KL with the hidden states at the seams (optimum_gradmap.distillation, optimu
 
 import contextlib
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -214,7 +215,7 @@ def test_the_hidden_state_mse_is_each_seam_s_squared_distance_relative_to_both_n
     kl, distance = top_k_kl(logits, targets).mean(), hidden_state_mse(states[:, :-1], targets.layer_states).mean()
     torch.testing.assert_close(total, 2 * kl)
     (gradient,) = torch.autograd.grad(total, states, retain_graph=True)
-    (expected_gradient,) = torch.autograd.grad(kl + float(kl / distance) * distance, states)
+    (expected_gradient,) = torch.autograd.grad(kl + float((kl / distance).detach()) * distance, states)
     torch.testing.assert_close(gradient, expected_gradient)  # the weight is a constant to the gradient
     # every seam gets a gradient, the last position none
     assert float(gradient[:, :-1, :2].abs().sum()) > 0 and float(gradient[:, -1].abs().sum()) == 0
@@ -305,3 +306,47 @@ def test_the_seams_loss_is_refused_where_it_has_no_seam_or_no_weights_in_memory_
     monkeypatch.setattr(distillation, "hidden_state_mse", counted)
     costs = measure_heal_costs(model, small_config(heal_loss="kl_hidden_mse", **HEAL), kept=[0, 1, 4, 5], num_layers=6)
     assert costs.step_seconds > 0 and seams_measured == [1, 1]  # the step (warm-up, timed) with the one seam, layer 4
+
+
+def test_the_generated_text_keeps_the_seams_outputs_a_teacher_pass_would_and_its_cache_is_told_apart(tmp_path):
+    teacher = peaked_model(num_layers=4)
+    documents = [random_ids(1, 8 + index, seed=index)[0] for index in range(4)]
+    plain = GenerationSettings(seq_len=10, seed=3, prompt_tokens=3, bos_every=4, batch_size=4)
+    settings = dataclasses.replace(plain, keep_layers=(1, 3))
+    cache = tmp_path / "text.pt"
+
+    def generated(settings):
+        return generate_sequences(lambda: contextlib.nullcontext(teacher), documents, 1, 8, settings, cache, progress_bar=False)
+
+    without = generated(plain)
+    assert without.targets.layer_states is None
+    first = generated(settings)
+    assert first.from_cache == 0 and torch.equal(first.input_ids, without.input_ids)  # another fingerprint, same text
+    layers = [teacher.model.layers[1], teacher.model.layers[3]]
+    again = teacher_targets(teacher, first.input_ids, 4, progress_bar=False, layers=layers)
+    assert first.targets.layer_states.shape == again.layer_states.shape == (8, 9, 2, teacher.config.hidden_size)
+    torch.testing.assert_close(first.targets.layer_states.float(), again.layer_states.float(), rtol=0.02, atol=0.02)
+    read = generated(settings)
+    assert read.from_cache == 8 and torch.equal(read.targets.layer_states, first.targets.layer_states)
+
+
+def test_a_heal_on_the_dense_model_s_own_text_keeps_the_seams_outputs_as_it_writes(tmp_path, byte_tokenizer, monkeypatch):
+    from optimum_gradmap import heal as heal_module
+
+    from .test_generation import _text_file
+
+    passes = []
+    teacher_pass = heal_module._teacher_pass
+    monkeypatch.setattr(heal_module, "_teacher_pass", lambda *args, **kwargs: passes.append(1) or teacher_pass(*args, **kwargs))
+    model = peaked_model()
+    config = small_config(
+        num_samples=16, dataset=_text_file(tmp_path, byte_tokenizer), heal_dataset="generated", heal_tokens=16 * 16,
+        heal_lr=1e-4, heal_loss="kl_hidden_mse", **HEAL,
+    )  # fmt: skip
+    pruner = GradMAPPruner(config, model, tokenizer=byte_tokenizer, progress_bar=False)
+    result = pruner.prune(model, random_ids(16, 16), heal_text_cache=tmp_path / "cache.pt")
+    assert result.heal.loss == "kl_hidden_mse" and result.heal.steps == result.heal.num_steps
+    assert passes == []  # no second pass of the dense model over its text
+    saved = torch.load(tmp_path / "cache.pt", weights_only=True)
+    seams = [result.kept_layers[position] for position in _seams(result.kept_layers)]
+    assert saved["fingerprint"]["keep_layers"] == seams and saved["layer_states"].shape[2] == len(seams)
