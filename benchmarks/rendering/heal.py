@@ -236,7 +236,7 @@ def heal_text_rows(source: str) -> Callable[[Context], str]:
                 gain = (row.get("against_stage1") or {}).get("difference")
                 met = ratio <= 0.8 and min(drops) >= 0.35 and gain is not None and gain >= 0
                 goals = (
-                    f"x{ratio:.2f}, -{100 * drops[0]:.0f}% / -{100 * drops[1]:.0f}%, "
+                    f"x{ratio:.2f}, {-100 * drops[0]:+.0f}% / {-100 * drops[1]:+.0f}%, "
                     f"{100 * gain:+.2f}: {'met' if met else '**not met**'}"
                 )
             seconds = "-"
