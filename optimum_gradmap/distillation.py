@@ -433,8 +433,9 @@ def top_k_kl(logits: torch.Tensor, targets: TeacherTargets) -> torch.Tensor:
 
 
 def _flat_targets(targets: TeacherTargets) -> TeacherTargets:
-    """`targets` with one row per position: `(N * (T - 1), K)` and `(N * (T - 1),)` (without `hidden`: the
-    layer-streamed gradients, the only readers, are those of the KL; the logit losses are refused there)."""
+    """`targets` with one row per position: `(N * (T - 1), K)` and `(N * (T - 1),)` (without `hidden` and
+    `layer_states`: the layer-streamed gradients, the only readers, are those of the KL; the losses that read hidden
+    states are refused there)."""
     return TeacherTargets(
         targets.indices.reshape(-1, targets.indices.shape[-1]),
         targets.log_probs.reshape(-1, targets.log_probs.shape[-1]),
