@@ -649,7 +649,6 @@ def heal_sequences(
     generated_validation = num_validation if corpus is None else -(-num_validation // 2)
     count = generated_validation + generated_train
     generated = _generate(teacher, tokenizer, config, count, cache, progress_bar, prompt_data, kept)
-    generated_layers = _seam_indices(config.heal_loss, kept)  # the corpus part's targets keep what the text's do
     seconds = generated.seconds
     train_ids, validation_ids = generated.input_ids[generated_validation:], generated.input_ids[:generated_validation]
     train_targets = generated.targets.rows(slice(generated_validation, None))
@@ -673,7 +672,8 @@ def heal_sequences(
         autocast = config.heal_autocast
         with teacher() as dense_model:
             autocast = uses_bfloat16_autocast(autocast, dense_model)
-            layers = [get_adapter(dense_model).get_layers(dense_model)[index] for index in generated_layers]
+            # the corpus part's targets keep what the generated text's do
+            layers = [get_adapter(dense_model).get_layers(dense_model)[index] for index in _seam_indices(config.heal_loss, kept)]
             corpus_targets = teacher_targets(
                 dense_model,
                 corpus_train,
