@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from .common import Context, Table, kl_cell, load, number, paired, perplexity
@@ -392,6 +393,87 @@ def answer_drift_rows(source: str) -> Callable[[Context], str]:
     return render
 
 
+def centred_loglikelihoods(answers: dict, doc_ids: Sequence) -> list[list[float]]:
+    """One task's answer log-likelihoods for `doc_ids`, each less its question's mean (what decides a choice is their
+    differences), then less the task's mean at its answer's index: a constant preference for one answer's place (BoolQ's
+    "no" and "yes" are always in the same order) is taken out, and is shown by its own column (BoolQ yes)."""
+    by_id = dict(zip(answers["doc_ids"], answers["loglikelihoods"]))
+    centred = [[value - sum(values) / len(values) for value in values] for values in (by_id[doc_id] for doc_id in doc_ids)]
+    width = max(len(values) for values in centred)
+    index_means = []
+    for index in range(width):
+        column = [values[index] for values in centred if len(values) > index]
+        index_means.append(sum(column) / len(column))
+    return [[value - index_means[index] for index, value in enumerate(values)] for values in centred]
+
+
+def answer_agreement(answers: dict, dense_answers: dict) -> float | None:
+    """How much of one task's answer preferences a model shares with the dense model: the correlation of the two
+    models' answer log-likelihoods, centred per question and per answer place ([`centred_loglikelihoods`]), over every
+    answer of the questions both scored with two answers or more (1: the same preferences up to a scale; 0: none in
+    common). `None` where either row lacks the log-likelihoods."""
+    if "loglikelihoods" not in answers or "loglikelihoods" not in dense_answers:
+        return None
+    dense_lengths = dict(zip(dense_answers["doc_ids"], map(len, dense_answers["loglikelihoods"])))
+    doc_ids = [
+        doc_id
+        for doc_id, values in zip(answers["doc_ids"], answers["loglikelihoods"])
+        if len(values) >= 2 and dense_lengths.get(doc_id) == len(values)
+    ]
+    mine = [value for values in centred_loglikelihoods(answers, doc_ids) for value in values]
+    theirs = [value for values in centred_loglikelihoods(dense_answers, doc_ids) for value in values]
+    covariance = sum(a * b for a, b in zip(mine, theirs))
+    scale = math.sqrt(sum(a * a for a in mine) * sum(b * b for b in theirs))
+    return covariance / scale if scale else None
+
+
+def answer_agreement_by_task(source: str) -> Callable[[Context], str]:
+    """Where the answers part from the dense model's, task by task: for every row of one record that keeps every
+    answer's log-likelihood, ordered by its KL divergence on held-out Wikipedia, the correlation of its centred answer
+    log-likelihoods with the dense model's ([`answer_agreement`]) and its flips on the task. A task where a heal's
+    agreement stays below a less damaged model's is a task whose answers the heal does not bring back. The first row
+    gives the size of the dense model's preferences per task: the RMS of its centred answer log-likelihoods."""
+
+    def render(context: Context) -> str:
+        record = load(source)
+        dense = next(row for row in record["rows"] if row["variant"] == "dense")["evaluation"]["zero_shot"]["answers"]
+        tasks = list(dense)
+        table = Table(
+            source.removeprefix("heal-") + "-agreement",
+            ["row", "KL Wikipedia", *tasks, "flips, no BoolQ (all)"],
+            ["---"] + ["---:"] * (len(tasks) + 2),
+        )
+        spreads = []
+        for task in tasks:  # how far apart the dense model's answers are: what a drift is measured against
+            values = [value for values in centred_loglikelihoods(dense[task], dense[task]["doc_ids"]) for value in values]
+            spreads.append(f"{math.sqrt(sum(value * value for value in values) / len(values)):.2f} nats")
+        dense_row = next(row for row in record["rows"] if row["variant"] == "dense")
+        table.add(["dense model's preferences (RMS)", "-", *spreads, "-"], dense_row["provenance"], source)
+        rows = [row for row in record["rows"] if row["variant"] != "dense" and "answer_drift" in row]
+        rows.sort(key=lambda row: wikipedia_kl(row["evaluation"]))
+        for row in rows:
+            answers = row["evaluation"]["zero_shot"]["answers"]
+            cells = []
+            for task in tasks:
+                agreement = answer_agreement(answers[task], dense[task])
+                flipped = sum(a != b for a, b in zip(dense[task]["acc"], answers[task]["acc"])) / len(dense[task]["acc"])
+                cells.append("-" if agreement is None else f"{agreement:.2f} ({100 * flipped:.0f}%)")
+            table.add(
+                [
+                    _row_name(row["variant"], record["removed_layers"]),
+                    kl_cell(row["evaluation"], "offline:wikipedia"),
+                    *cells,
+                    flips_cell(row),
+                ],
+                row["provenance"],
+                source,
+                row_kinds(row),
+            )
+        return table.markdown()
+
+    return render
+
+
 def wikipedia_kl(evaluation: dict) -> float:
     """The KL divergence from the dense model on held-out Wikipedia."""
     return next(entry["kl_to_reference"] for entry in evaluation["perplexities"] if entry["dataset"] == "offline:wikipedia")
@@ -405,6 +487,7 @@ TABLES = {
     "heal-flips-by-task": flips_by_task("heal-smollm2-135m-0.25-gradmap-screening"),
     "heal-smollm2-25-gradmap-text": heal_text_rows("heal-smollm2-135m-0.25-gradmap-screening"),
     "heal-smollm2-25-gradmap-drift": answer_drift_rows("heal-smollm2-135m-0.25-gradmap-screening"),
+    "heal-smollm2-25-gradmap-agreement": answer_agreement_by_task("heal-smollm2-135m-0.25-gradmap-screening"),
     "heal-smollm2-40-gradmap-text": heal_text_rows("heal-smollm2-135m-0.4-gradmap-screening"),
     "heal-smollm2-25-quality-text": heal_text_rows("heal-smollm2-135m-0.25-quality-screening"),
     "heal-qwen-25-gradmap-text": heal_text_rows("heal-qwen2.5-coder-0.5b-0.25-gradmap-screening"),
