@@ -474,6 +474,23 @@ def answer_agreement_by_task(source: str) -> Callable[[Context], str]:
     return render
 
 
+def generation_speed(source: str) -> Callable[[Context], str]:
+    """How fast the dense model writes its own text (benchmarks/generation_speed.py): tokens a second per batch size,
+    with each token drawn by `torch.multinomial` and by `draw_tokens`, measured in one run."""
+
+    def render(context: Context) -> str:
+        record = load(source)
+        sizes = sorted({row["batch_size"] for row in record["rows"]})
+        table = Table(source, ["draw", *(f"{size} sequences" for size in sizes)], ["---"] + ["---:"] * len(sizes))
+        samplers = list(dict.fromkeys(row["sampler"] for row in record["rows"]))
+        for sampler in samplers:
+            speeds = {row["batch_size"]: row["tokens_per_second"] for row in record["rows"] if row["sampler"] == sampler}
+            table.add([f"`{sampler}`", *(f"{speeds[size]:.0f} tokens/s" for size in sizes)], record["provenance"], source)
+        return table.markdown()
+
+    return render
+
+
 def wikipedia_kl(evaluation: dict) -> float:
     """The KL divergence from the dense model on held-out Wikipedia."""
     return next(entry["kl_to_reference"] for entry in evaluation["perplexities"] if entry["dataset"] == "offline:wikipedia")
@@ -488,6 +505,7 @@ TABLES = {
     "heal-smollm2-25-gradmap-text": heal_text_rows("heal-smollm2-135m-0.25-gradmap-screening"),
     "heal-smollm2-25-gradmap-drift": answer_drift_rows("heal-smollm2-135m-0.25-gradmap-screening"),
     "heal-smollm2-25-gradmap-agreement": answer_agreement_by_task("heal-smollm2-135m-0.25-gradmap-screening"),
+    "heal-generation-speed": generation_speed("generation_speed-smollm2-135m"),
     "heal-smollm2-40-gradmap-text": heal_text_rows("heal-smollm2-135m-0.4-gradmap-screening"),
     "heal-smollm2-25-quality-text": heal_text_rows("heal-smollm2-135m-0.25-quality-screening"),
     "heal-qwen-25-gradmap-text": heal_text_rows("heal-qwen2.5-coder-0.5b-0.25-gradmap-screening"),
