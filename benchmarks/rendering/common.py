@@ -52,6 +52,17 @@ CHANGES = (
         "issue 56: the heal stage's teacher runs under bfloat16 autocast where native (the heal's seconds)",
         ("heal",),
     ),
+    Change(
+        "dbd89c9",
+        "issue 65: the dense model's text is drawn by inverting the cumulative distribution, not `torch.multinomial` "
+        "(other draws, faster)",
+        ("generation",),
+    ),
+    Change(
+        "4875841",
+        "issue 65: the dense model writes 64 sequences at a time, not 32 (other draws, faster)",
+        ("generation",),
+    ),
 )
 
 

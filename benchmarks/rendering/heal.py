@@ -93,8 +93,12 @@ def loss_cell(heal: dict) -> str:
 
 
 def row_kinds(row: dict) -> tuple[str, ...]:
-    """The changes whose older code marks a row: the heal's for a heal row, Stage 2's for Stage 1 + 2."""
-    return ("heal",) if row.get("heal") else ("stage2",) if row["variant"] == "default" else ()
+    """The changes whose older code marks a row: the heal's for a heal row (and the generation's for a heal on the
+    dense model's own text), Stage 2's for Stage 1 + 2."""
+    heal = row.get("heal")
+    if heal:
+        return ("heal", "generation") if "generated" in str(heal.get("dataset", "")) else ("heal",)
+    return ("stage2",) if row["variant"] == "default" else ()
 
 
 def is_floor_row(variant: str) -> bool:

@@ -15,6 +15,7 @@ from .common import (
     perplexity,
     stage1_share_of_sleb,
 )
+from .heal import row_kinds
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def readme_table(context: Context) -> Table:
                 ],
                 row["provenance"],
                 entry.source or source,
-                ("heal",) if "@" in entry.variant else ("stage2",) if entry.variant == "default" else (),
+                row_kinds(row),
                 cell=1,
                 more=more,
             )
