@@ -314,6 +314,13 @@ def _row_name(variant: str, removed: Sequence[int]) -> str:
     return names.get(variant, f"+ heal `{variant}`")
 
 
+def task_flips_percent(answers: dict, dense_answers: dict) -> float:
+    """The percentage of one task's questions whose right/wrong differs from the dense model's (both rows score the
+    same questions in the same order)."""
+    reference, mine = dense_answers["acc"], answers["acc"]
+    return 100 * sum(a != b for a, b in zip(reference, mine)) / len(reference)
+
+
 def flips_by_task(source: str) -> Callable[[Context], str]:
     """Where the flips come from: per task, the share of questions whose right/wrong differs from the dense model's,
     for every row of one record of benchmarks/heal.py with tasks, ordered by the KL divergence on held-out
@@ -341,8 +348,7 @@ def flips_by_task(source: str) -> Callable[[Context], str]:
             answers = row["evaluation"]["zero_shot"]["answers"]
             cells = []
             for task in tasks:
-                reference, mine = dense["answers"][task]["acc"], answers[task]["acc"]
-                cells.append(f"{100 * sum(a != b for a, b in zip(reference, mine)) / len(reference):.1f}%")
+                cells.append(f"{task_flips_percent(answers[task], dense['answers'][task]):.1f}%")
             table.add(
                 [
                     _row_name(row["variant"], record["removed_layers"]),
@@ -460,8 +466,8 @@ def answer_agreement_by_task(source: str) -> Callable[[Context], str]:
             cells = []
             for task in tasks:
                 agreement = answer_agreement(answers[task], dense[task])
-                flipped = sum(a != b for a, b in zip(dense[task]["acc"], answers[task]["acc"])) / len(dense[task]["acc"])
-                cells.append("-" if agreement is None else f"{agreement:.2f} ({100 * flipped:.0f}%)")
+                flipped = task_flips_percent(answers[task], dense[task])
+                cells.append("-" if agreement is None else f"{agreement:.2f} ({flipped:.0f}%)")
             table.add(
                 [
                     _row_name(row["variant"], record["removed_layers"]),
