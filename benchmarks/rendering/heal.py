@@ -491,11 +491,25 @@ def generation_speed(source: str) -> Callable[[Context], str]:
     def render(context: Context) -> str:
         record = load(source)
         sizes = sorted({row["batch_size"] for row in record["rows"]})
-        table = Table(source, ["draw", *(f"{size} sequences" for size in sizes)], ["---"] + ["---:"] * len(sizes))
-        samplers = list(dict.fromkeys(row["sampler"] for row in record["rows"]))
-        for sampler in samplers:
-            speeds = {row["batch_size"]: row["tokens_per_second"] for row in record["rows"] if row["sampler"] == sampler}
-            table.add([f"`{sampler}`", *(f"{speeds[size]:.0f} tokens/s" for size in sizes)], record["provenance"], source)
+        table = Table(
+            source, ["passes", "draw", *(f"{size} sequences" for size in sizes)], ["---", "---"] + ["---:"] * len(sizes)
+        )
+        settings = list(dict.fromkeys((row.get("autocast", False), row["sampler"]) for row in record["rows"]))
+        for autocast, sampler in settings:
+            speeds = {
+                row["batch_size"]: row["tokens_per_second"]
+                for row in record["rows"]
+                if (row.get("autocast", False), row["sampler"]) == (autocast, sampler)
+            }
+            table.add(
+                [
+                    "bfloat16 autocast" if autocast else "float32",
+                    f"`{sampler}`",
+                    *(f"{speeds[size]:.0f} tokens/s" for size in sizes),
+                ],
+                record["provenance"],
+                source,
+            )
         return table.markdown()
 
     return render
