@@ -65,9 +65,9 @@ PROMPT_TOKENS = 8
 # One generated sequence in this many starts from the beginning-of-sequence token alone.
 BOS_EVERY = 8
 # Sequences sampled together (one KV cache): part of the fingerprint, since it decides each sequence's draws. Each
-# step reads every weight once for the whole batch: on SmolLM2-135M (2 CPU cores, float32, benchmarks/generation_speed.py)
-# 64 rows wrote 388 tokens a second against 306 for 32 (424 for 128, whose last batch wastes more of a time budget); the
-# KV cache of 64 sequences of 128 tokens is about 1 GB for a Llama-3-8B in bfloat16.
+# step reads every weight once for the whole batch: on SmolLM2-135M (2 CPU cores, bfloat16 autocast as the heal runs,
+# benchmarks/generation_speed.py) 64 rows wrote 498 tokens a second against 444 for 32 (506 for 128, whose last batch
+# wastes more of a time budget); the KV cache of 64 sequences of 128 tokens is about 1 GB for a Llama-3-8B in bfloat16.
 GENERATION_BATCH_SIZE = 64
 # Changes with any change to how the sequences are drawn: part of the fingerprint.
 GENERATION_VERSION = 3  # 2: the targets are kept with the sequences; 3: tokens drawn by `draw_tokens`
@@ -168,9 +168,9 @@ def draw_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gener
     """Draws one token per row from `softmax(logits / temperature)` by inverting its cumulative distribution: a
     uniform draw per row, scaled to the row's total, and the first token whose cumulative probability passes it (a
     token of probability 0 is never drawn). The same distribution as `torch.multinomial`, which is slow on a large
-    vocabulary on the CPU (with it, SmolLM2-135M wrote 243 tokens a second, 32 sequences at a time on 2 cores,
-    against 306 with this: benchmarks/generation_speed.py); its draws differ from `multinomial`'s
-    (`GENERATION_VERSION` 3).
+    vocabulary on the CPU (with it, SmolLM2-135M wrote 375 tokens a second, 32 sequences at a time on 2 cores under
+    bfloat16 autocast, against 444 with this: benchmarks/generation_speed.py); its draws differ from
+    `multinomial`'s (`GENERATION_VERSION` 3).
 
     Args:
         logits (`torch.Tensor` of shape `(rows, vocab)`): Next-token logits, on the CPU.

@@ -44,8 +44,8 @@ README_ROWS = (
             ReadmeRow("stage1", "Stage 1 (GradMAP)"),
             ReadmeRow("default", "Stage 1 + 2"),
             ReadmeRow("lora@196608", "+ heal (LoRA, 196,608 tokens)"),
-            ReadmeRow(
-                "lora@1.5x+text=generated",
+            ReadmeRow(  # the pipeline as the code now runs it (`+loss=kl` is the default loss: the same settings)
+                "lora@1.5x+text=generated+loss=kl",
                 "`--preset quality`: its layers, Stage 2, heal on the dense model's own text (1.5x GradMAP's Stage 1 time)",
                 source="heal-smollm2-135m-0.25-quality-screening",
                 cost_method="quality",
