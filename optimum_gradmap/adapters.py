@@ -121,6 +121,19 @@ class DecoderAdapter:
             raise TypeError(f"`{self.layers_path}` of {type(model).__name__} is a {type(layers).__name__}, not a ModuleList.")
         return layers
 
+    def layers_at(self, model: nn.Module, indices: Sequence[int]) -> list[nn.Module]:
+        """Returns the model's decoder layers at `indices` (positions in its stack, in the order given).
+
+        Args:
+            model (`nn.Module`): A model of the family.
+            indices (`Sequence[int]`): Positions in [`get_layers`]'s list.
+
+        Returns:
+            `list[nn.Module]`
+        """
+        layers = self.get_layers(model)
+        return [layers[index] for index in indices]
+
     def num_layers(self, model: nn.Module) -> int:
         """Returns the number of decoder layers the model currently runs.
 

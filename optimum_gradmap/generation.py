@@ -389,7 +389,7 @@ def generate_sequences(
         saved = _read_cache(cache, expected) or {}
         have = saved.get("input_ids", torch.zeros(0, settings.seq_len, dtype=torch.long))
         have_targets = [TeacherTargets(*saved["targets"], layer_states=saved.get("layer_states"))] if saved else []
-        layers = [get_adapter(model).get_layers(model)[index] for index in settings.keep_layers]
+        layers = get_adapter(model).layers_at(model, settings.keep_layers)
         seconds_per_sequence = float(saved.get("seconds_per_sequence", 0.0))
         from_cache = min(num_sequences, have.shape[0])
         if have.shape[0] < num_sequences:

@@ -673,7 +673,7 @@ def heal_sequences(
         with teacher() as dense_model:
             autocast = uses_bfloat16_autocast(autocast, dense_model)
             # the corpus part's targets keep what the generated text's do
-            layers = [get_adapter(dense_model).get_layers(dense_model)[index] for index in _seam_indices(config.heal_loss, kept)]
+            layers = get_adapter(dense_model).layers_at(dense_model, _seam_indices(config.heal_loss, kept))
             corpus_targets = teacher_targets(
                 dense_model,
                 corpus_train,
@@ -796,8 +796,7 @@ def _seam_layers(model: nn.Module, adapter: DecoderAdapter, loss: str, kept: Seq
     """The pruned model's seam layers ([`_seams`]) where `loss` matches their outputs, none otherwise."""
     if not uses_layer_states(loss):
         return []
-    layers = adapter.get_layers(model)
-    return [layers[position] for position in _seams(kept)]
+    return adapter.layers_at(model, _seams(kept))
 
 
 def _seam_indices(loss: str, kept: Sequence[int] | None) -> list[int]:
@@ -1583,7 +1582,7 @@ def _teacher_pass(
     only, so that no reference to it outlives its block: a teacher loaded for the pass is freed before training
     starts."""
     with teacher() as dense_model:
-        layers = [adapter.get_layers(dense_model)[index] for index in layer_indices] if layer_indices else []
+        layers = adapter.layers_at(dense_model, layer_indices)
         train_targets = teacher_targets(dense_model, train_ids, batch_size, progress_bar, autocast, keep_hidden, layers)
         del layers
         validation_targets = teacher_targets(dense_model, validation_ids, batch_size, progress_bar, autocast)
