@@ -72,19 +72,20 @@ PAPER_STAGE2: dict[str, Any] = {
     "compensation_selection": "hidden_state",
     "outlier_tokens": "keep",
 }
-# The default Stage 2 of issue 19 (until issue 38 changed the default): the span-end fits with lambda chosen by the
-# held-out hidden-state error, every token in the fit. Pinned where those measurements are reproduced.
+# The span-end fits with lambda chosen by the held-out hidden-state error and every token in the fit: the Stage 2
+# that docs/benchmarks/ compares the default against (it costs no model pass to choose lambda, about half the default's
+# Stage 2 time, and keeps less zero-shot accuracy). Pinned where those measurements are reproduced.
 PREVIOUS_DEFAULT_STAGE2: dict[str, Any] = {"compensation_selection": "hidden_state", "outlier_tokens": "keep"}
-# The quality preset's Stage 1 (issue 18, below), pinned where its layers are measured without its heal.
+# The quality preset's Stage 1 (below), pinned where its layers are measured without its heal.
 QUALITY_SELECTION: dict[str, Any] = {"importance": "gradmap_bound_token", "verify_top_k": 8, "verify_halving": True}
 PRESETS: dict[str, dict[str, Any]] = {
     # GradMAP exactly as published: the gradient score (Eq. 5), iterative (Algorithm 1), and the paper's Stage 2
     # (pinned, so that the preset keeps its meaning if a default changes).
     "paper": {"importance": "gradmap", **PAPER_STAGE2},
-    # Best held-out quality per unit of time measured (docs/benchmarks/layer-selection.md, issue 18): the paper's bound (Eq. 9-11)
-    # as a per-token score, iterative, with a shortlist of eight checked by SLEB's criterion and successive
+    # Best held-out quality per unit of time measured (docs/benchmarks/layer-selection.md): the paper's bound
+    # (Eq. 9-11) as a per-token score, iterative, with a shortlist of eight checked by SLEB's criterion and successive
     # halving: SLEB's perplexity or better on SmolLM2-135M and Qwen2.5-Coder-0.5B at 25% in 25-31% of SLEB's
-    # Stage 1 time; then the default Stage 2; then (issue 65) the heal for about Stage 1's measured time, on the dense
+    # Stage 1 time; then the default Stage 2; then the heal for about Stage 1's measured time, on the dense
     # model's own text at temperature 1: at 1.5x Stage 1 on SmolLM2-135M 25% it raised accuracy over Stage 1 by
     # +2.52 points (corpus text +2.26), flips 0.89x Stage 1 + 2's, KL -23% / -28% (docs/benchmarks/heal.md).
     "quality": {**QUALITY_SELECTION, "heal_tokens": "auto", "heal_dataset": "generated"},
@@ -236,7 +237,7 @@ class GradMAPConfig:
         "next-token loss of the whole model on the held-out fold, each candidate fitted on the other three folds and "
         "folded in (the criterion LinearPatch and ReplaceMe report accuracy against; W' = I is a candidate), then "
         "fitted on every sequence; it needs the `mse` objective, the `closed_form` solver and no norm after the MLP. "
-        "`auto` (the default since issue 38; `hidden_state` before): `next_token_loss` where it can run, "
+        "`auto` (the default): `next_token_loss` where it can run, "
         '`hidden_state` elsewhere (the cosine objective; `solver="adam"`; a family with a norm after the MLP: '
         "Gemma 2 and 3, OLMo 2). With the default `outlier_tokens` it "
         "kept more zero-shot accuracy than `hidden_state` did on SmolLM2-135M, for less perplexity gain and about twice "
@@ -245,10 +246,10 @@ class GradMAPConfig:
     lambda_search: LambdaSearch = _setting(
         "golden",
         'How `compensation_selection="next_token_loss"` searches the strengths of the grid: `grid` scores every one '
-        "(nine held-out passes, and W' = I; the only search before issue 55); `golden` (the default) narrows a "
+        "(nine held-out passes, and W' = I); `golden` (the default) narrows a "
         "golden-section search over log lambda (four or five passes, then the stronger neighbours a tie would choose), "
         "which chooses as `grid` does where the held-out loss has one minimum over the grid, and chose as it did on "
-        "every fit measured (benchmarks/next_token_selection.py). The hidden-state selection always scores the whole "
+        "every fit measured (docs/benchmarks/stage1-cost.md). The hidden-state selection always scores the whole "
         "grid (it costs no model pass).",
     )
     outlier_tokens: OutlierTokens = _setting(
@@ -256,8 +257,8 @@ class GradMAPConfig:
         "What Stage 2's fit does with the tokens that carry massive activations (Sun et al., COLM 2024; LinearPatch, "
         "Chen et al., NeurIPS 2025, Sec. 3.1), those whose dense hidden state's norm exceeds 5 times the median norm "
         "over every calibration token (one threshold for the calibration set, whatever the batch size or number of "
-        "processes; per batch before issue 55): "
-        "`keep` them like every token (the paper, and the default before issue 38); `exclude` them, with the first "
+        "processes): "
+        "`keep` them like every token (the paper's fit); `exclude` them, with the first "
         "token of every calibration sequence; "
         "or `clip` their weight: each token's squared error counts min(1, (5 x median / norm)^2), as if its norm were "
         "clipped to 5 times the median (the influence clipping of robust regression, Huber 1964). On SmolLM2-135M the "
@@ -272,7 +273,7 @@ class GradMAPConfig:
         "(docs/benchmarks/accuracy-and-fidelity.md); with "
         '`compensation_selection="next_token_loss"`, which judges each fit by the whole model\'s loss, the fit of '
         "that layer was left out (measured on Wikipedia alone). `preserve` measured as `keep` there (the same "
-        "perplexities, the same answers to 0.1 point). `auto` (the default since issue 38): `exclude` where lambda is "
+        "perplexities, the same answers to 0.1 point). `auto` (the default): `exclude` where lambda is "
         "chosen by the next-token loss, which guards against such a fit, and `keep` elsewhere (on GradMAP's layers of "
         "SmolLM2-135M at 25%, `exclude` with the hidden-state selection did not lower web-text perplexity).",
     )
@@ -282,8 +283,8 @@ class GradMAPConfig:
         "`wikipedia+c4`), drawn with the same `num_samples`, `seq_len` and `seed`; Stage 1 is unchanged (the fits "
         "`compensate_each_round` makes during it too). `None`: the calibration sequences, as in the paper. "
         "Calibration text decides what a fit learns (Williams and Aletras, ACL 2024, on pruning and quantisation): "
-        "on SmolLM2-135M at 25%, the previous default fit (`hidden_state`, `keep`: `PREVIOUS_DEFAULT_STAGE2`) "
-        "on Wikipedia cost 1.2 points of zero-shot accuracy against Stage 1 "
+        "on SmolLM2-135M at 25%, the fit that chooses lambda by the hidden state's error and keeps every token "
+        "(`hidden_state`, `keep`) on Wikipedia cost 1.2 points of zero-shot accuracy against Stage 1 "
         "alone on average over five selections (2.6 +/- 0.8 on GradMAP's layers), the same fit on Wikipedia and web "
         "text in equal parts 0.8 (1.1 +/- 0.8), with lower web-text perplexity (docs/benchmarks/accuracy-and-fidelity.md). "
         "The `compensation_data` argument of `prune` and `compensate` takes the other "
@@ -396,6 +397,24 @@ class GradMAPConfig:
     text_column: str = _setting("text", "The column of a calibration dataset that holds the text.")
 
     def __post_init__(self) -> None:
+        """Checks every value when the config is built, in this order: the amount to remove, each field's type, the
+        explicit layers, the Stage 1 selection, the numbers, the outlier tokens, the learning rates and the data.
+
+        Raises:
+            ValueError: an `InvalidInputError` naming the first setting that is wrong and the values it takes.
+        """
+        self._check_amount()
+        self._check_types()
+        self._check_layers()
+        self._check_selection()
+        self._check_numbers()
+        self._check_outlier_tokens()
+        self._check_rates()
+        self._check_data()
+
+    def _check_amount(self) -> None:
+        """How much to remove: exactly one of a ratio, a count and explicit layers, or a budget (not with explicit
+        layers, which leave a budget nothing to decide)."""
         given = [self.pruning_ratio is not None, self.num_layers_to_prune is not None, self.layers_to_prune is not None]
         if sum(given) > 1 or (sum(given) == 0 and not self.has_budget):
             raise InvalidInputError(
@@ -410,7 +429,10 @@ class GradMAPConfig:
                 "`layers_to_prune` names the layers to remove: a budget (`max_loss_increase`, `target_num_parameters`) "
                 "has nothing to decide. Give `num_layers_to_prune` or `pruning_ratio` as the most to remove instead."
             )
-        self._check_types()
+
+    def _check_layers(self) -> None:
+        """`layers_to_prune` (distinct indices >= 0, without the settings that act on Stage 1's rounds) and
+        `pruning_ratio` (a fraction in (0, 1)), stored as a list and a float."""
         if self.layers_to_prune is not None and (self.loss_curve or self.compensate_each_round):
             raise InvalidInputError(
                 "`layers_to_prune` removes the named layers at once, without Stage 1's rounds: `loss_curve` and "
@@ -434,6 +456,10 @@ class GradMAPConfig:
             if not 0.0 < float(self.pruning_ratio) < 1.0:
                 raise InvalidInputError(f"`pruning_ratio` must lie strictly between 0 and 1, got {self.pruning_ratio}.")
             self.pruning_ratio = float(self.pruning_ratio)
+
+    def _check_selection(self) -> None:
+        """The settings of Stage 1's selection: a registered metric (or an instance), protected layers as a list
+        of indices, and the verified shortlist's options only with a shortlist."""
         if isinstance(self.importance, str) and self.importance not in IMPORTANCE_METRICS:
             raise InvalidInputError(
                 f"`importance` must be the name of a registered metric ({', '.join(IMPORTANCE_METRICS)}) or an "
@@ -455,6 +481,9 @@ class GradMAPConfig:
                 "`verify_from_scoring_pass=True` starts a verified shortlist's check from the scoring pass, and there is "
                 "no shortlist: set `verify_top_k` too (e.g. verify_top_k=8), or leave `verify_from_scoring_pass` off."
             )
+
+    def _check_numbers(self) -> None:
+        """`reg_lambda` (a finite number >= 0, or `"auto"`) and `max_loss_increase` (a finite fraction > 0)."""
         if self.reg_lambda != "auto" and (
             isinstance(self.reg_lambda, bool)
             or not isinstance(self.reg_lambda, (int, float))
@@ -469,19 +498,28 @@ class GradMAPConfig:
             or self.max_loss_increase <= 0
         ):
             raise InvalidInputError(f"`max_loss_increase` must be a fraction > 0 (0.1: +10%), got {self.max_loss_increase!r}.")
+
+    def _check_outlier_tokens(self) -> None:
+        """`outlier_tokens="clip"` weighs each token's squared error: it needs the `mse` objective."""
         if self.outlier_tokens == "clip" and self.compensation_objective != "mse":
             raise InvalidInputError(
                 "outlier_tokens='clip' weighs each token's squared error, and compensation_objective="
                 f"{self.compensation_objective!r} has none: use compensation_objective='mse' with it, or "
                 "outlier_tokens='exclude'."
             )
-        for name in ("adam_lr", "refinement_lr", "heal_lr", "heal_temperature"):  # heal_lr may also be None
+
+    def _check_rates(self) -> None:
+        """The learning rates and the sampling temperature: finite numbers > 0 (`heal_lr` may be `None`)."""
+        for name in ("adam_lr", "refinement_lr", "heal_lr", "heal_temperature"):
             value = getattr(self, name)
             if name == "heal_lr" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 none = ", or None for the default" if name == "heal_lr" else ""
                 raise InvalidInputError(f"`{name}` must be a finite number > 0{none}, got {value!r}.")
+
+    def _check_data(self) -> None:
+        """The names of the calibration, Stage 2 and heal text, and the text column: non-empty strings."""
         if self.compensation_dataset is not None and (
             not isinstance(self.compensation_dataset, str) or not self.compensation_dataset
         ):

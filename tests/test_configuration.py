@@ -52,7 +52,7 @@ def test_stage1_defaults_follow_the_paper_and_stage2_defaults_are_span_end_with_
     assert (config.num_samples, config.seq_len, config.adam_lr) == (128, 128, 1e-3)
     assert config.importance == "gradmap" and config.iterative is None  # None: the metric's own choice (GradMAP: iterative)
     assert config.compensation and (config.compensation_target, config.reg_lambda) == ("span_end", "auto")
-    assert (config.compensation_selection, config.outlier_tokens) == ("auto", "auto")  # since issue 38
+    assert (config.compensation_selection, config.outlier_tokens) == ("auto", "auto")
     assert config.dataset == "wikipedia"
     # the paper's Stage 2 (Eq. 10-15), pinned by the "paper" preset and the benchmarks, whatever the defaults
     assert PAPER_STAGE2 == {
