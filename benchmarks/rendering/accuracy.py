@@ -61,21 +61,17 @@ PRETTY = {
 def row_kinds(row: dict) -> tuple[str, ...]:
     """The kinds of `rendering.common.CHANGES` that concern a row: "stage2" (the outlier threshold, the
     next-token selection) for the default Stage 2 and every variant that chooses lambda by the next-token loss or
-    leaves out, clips or preserves outlier tokens; "refinement" for `refinement_steps`."""
+    leaves out, clips or preserves outlier tokens."""
     settings = row.get("stage2_settings")
     if settings is None:  # dense, Stage 1 alone
         return ()
-    kinds = []
-    if (
+    changed = (
         row["variant"] == "default"
         or settings.get("compensation_selection") == "next_token_loss"
         or settings.get("exclude_outlier_tokens")
         or settings.get("outlier_tokens", "keep") != "keep"
-    ):
-        kinds.append("stage2")
-    if settings.get("refinement_steps"):
-        kinds.append("refinement")
-    return tuple(kinds)
+    )
+    return ("stage2",) if changed else ()
 
 
 def row_provenance(row: dict, record: dict | None = None) -> dict:
@@ -317,7 +313,7 @@ def decision(context: Context) -> str:
             + "; each row's own provenance is in its record"
         )
         note += "".join(
-            f"; older code: measured before {change.summary} (`{change.commit}`)" for change in CHANGES if change in older
+            f"; older code: measured before `{change.commit}`, since which {change.summary}" for change in CHANGES if change in older
         )
         table.notes.append(note + ".")
         cells[0] += f"[^{table.prefix}-{len(table.notes)}]" + (" (older code)" if older else "")

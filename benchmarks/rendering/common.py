@@ -43,11 +43,6 @@ CHANGES = (
         ("stage2",),
     ),
     Change(
-        "1c021df",
-        "`refinement_steps` distils the dense model, not the pruned model with Stage 2's folds in",
-        ("refinement",),
-    ),
-    Change(
         "7ff3327",
         "the heal stage's teacher runs under bfloat16 autocast where native (the heal's seconds)",
         ("heal",),
@@ -166,7 +161,7 @@ def footnote(provenance: dict, source: str, kinds: Sequence[str] = ()) -> str:
     if provenance.get("copied_from"):
         parts.append(f"copied from {provenance['copied_from']}")
     for change in older_than(provenance, kinds):
-        parts.append(f"older code: measured before {change.summary} (`{change.commit}`)")
+        parts.append(f"older code: measured before `{change.commit}`, since which {change.summary}")
     if provenance.get("note"):
         parts.append(provenance["note"].replace("\n", " ").rstrip("."))
     return "; ".join(parts) + "."
