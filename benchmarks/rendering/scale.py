@@ -34,7 +34,7 @@ def _parameters(row: dict) -> int:
 
 def prune_from_disk(context: Context) -> str:
     """`optimum-gradmap prune` on a model larger than this machine's memory, its weights on disk: seconds per Stage 1
-    round and for Stage 2, peak resident memory (over the float32 weight bytes, the issue's yardstick), what was read
+    round and for Stage 2, peak resident memory (over the float32 weight bytes), what was read
     from disk and written, and whether the checkpoint reloaded to the same logits."""
     table = Table(
         "scale",
