@@ -19,6 +19,7 @@ from .common import (
     mean_accuracy,
     measured_commit,
     number,
+    older_code,
     older_than,
     paired,
     perplexity,
@@ -312,9 +313,7 @@ def decision(context: Context) -> str:
             + f", measured {dates[0]} to {dates[-1]} UTC at commits {', '.join(f'`{c}`' for c in commits)}"
             + "; each row's own provenance is in its record"
         )
-        note += "".join(
-            f"; older code: measured before `{change.commit}`, since which {change.summary}" for change in CHANGES if change in older
-        )
+        note += "".join(f"; {older_code(change)}" for change in CHANGES if change in older)
         table.notes.append(note + ".")
         cells[0] += f"[^{table.prefix}-{len(table.notes)}]" + (" (older code)" if older else "")
         table.rows.append(cells)

@@ -49,8 +49,7 @@ CHANGES = (
     ),
     Change(
         "dbd89c9",
-        "the dense model's text is drawn by inverting the cumulative distribution, not `torch.multinomial` "
-        "(other draws, faster)",
+        "the dense model's text is drawn by inverting the cumulative distribution, not `torch.multinomial` (other draws, faster)",
         ("generation",),
     ),
     Change(
@@ -74,6 +73,11 @@ def _contains(commit: str, ancestor: str) -> bool | None:
 def measured_commit(provenance: dict) -> str:
     """The commit a row was measured at (a lent machine's copy names the commit it was copied from)."""
     return provenance.get("commit_of_git_history") or provenance.get("commit", "")
+
+
+def older_code(change: Change) -> str:
+    """How a footnote says that its row was measured before `change`."""
+    return f"older code: measured before `{change.commit}`, since which {change.summary}"
 
 
 def older_than(provenance: dict, kinds: Sequence[str]) -> list[Change]:
@@ -161,7 +165,7 @@ def footnote(provenance: dict, source: str, kinds: Sequence[str] = ()) -> str:
     if provenance.get("copied_from"):
         parts.append(f"copied from {provenance['copied_from']}")
     for change in older_than(provenance, kinds):
-        parts.append(f"older code: measured before `{change.commit}`, since which {change.summary}")
+        parts.append(older_code(change))
     if provenance.get("note"):
         parts.append(provenance["note"].replace("\n", " ").rstrip("."))
     return "; ".join(parts) + "."

@@ -14,12 +14,8 @@ HEAL_RECORDS = (
 
 def heal_kl_rows(prefix: str, records: Sequence[str]) -> Callable[[Context], str]:
     """Heal rows measured without tasks (held-out perplexities and KL only), after the default Stage 2 of their
-    records: on SmolLM2-135M 25% (GradMAP's layers) each trainable choice, elsewhere the default heal."""
-
-    def render(context: Context) -> str:
-        return _kl_table(prefix, records)
-
-    return render
+    records: on SmolLM2-135M 25% (GradMAP's layers) each trainable choice."""
+    return lambda context: _kl_table(prefix, records)
 
 
 def _kl_table(prefix: str, records: Sequence[str]) -> str:

@@ -178,7 +178,8 @@ def stage2_variants_smollm2_40(context: Context) -> str:
 
 
 def stage2_variants_qwen_25(context: Context) -> str:
-    """The seven selections and two shortlists at Qwen2.5-Coder-0.5B 25%, each Stage 2 variant a column, and `span_end+auto` against Stage 1 alone."""
+    """The seven selections and two shortlists at Qwen2.5-Coder-0.5B 25%, each Stage 2 variant a column, and
+    `span_end+auto` against Stage 1 alone."""
     source = "stage2-qwen2.5-coder-0.5b-0.25"
     methods = [*SELECTIONS[:5], "taylor", "random", "gradmap_bound_token+top4", "gradmap_bound_token+top2"]
     labels = {method: f"{method} (shortlist)" for method in methods if "+top" in method}
