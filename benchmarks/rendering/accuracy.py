@@ -1,8 +1,7 @@
 """Accuracy and fidelity (docs/benchmarks/accuracy-and-fidelity.md).
 
-The row tables are benchmarks/accuracy.py's `markdown(record)` rows and the goal tables its `goal_table(record,
-variants)`, re-implemented here (importing that script pulls torch), with a provenance footnote on every measured
-cell: a goal table's row holds one record row per cell."""
+The tables read benchmarks/accuracy.py's records (importing that script pulls torch), with a provenance footnote on
+every measured cell: a row of the paired table holds one record row per cell."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ from .common import (
     mean_accuracy,
     measured_commit,
     number,
-    older_record,
+    older_code,
     older_than,
     paired,
     perplexity,
@@ -36,11 +35,8 @@ VARIANT_NAMES = {"dense": "dense", "stage1": "Stage 1 alone", "default": "+ defa
 
 SCREENING_25 = "accuracy-smollm2-135m-0.25-screening"
 SCREENING_40 = "accuracy-smollm2-135m-0.4-screening"
-QWEN_SCREENING = "accuracy-qwen2.5-coder-0.5b-0.25-screening"
 CUDA_25 = "accuracy-smollm2-135m-0.25-cuda"
 CUDA_40 = "accuracy-smollm2-135m-0.4-cuda"
-EVALUATION = "evaluation-smollm2-135m-0.25-limit100"
-SPEED = "inference_speed-smollm2-135m-cpu-float32-batch1"
 WIKIPEDIA, WEB = "offline:wikipedia", "offline:web_text"
 
 # benchmarks/accuracy.py's SELECTIONS: the method of benchmarks/compare.py whose removed layers a selection takes
@@ -58,43 +54,25 @@ PRETTY = {
     "fast": "`fast` preset",
     "block_influence": "Block Influence",
 }
-ROW_COLUMNS = (
-    "selection",
-    "Stage 2",
-    "compensated",
-    "Wikipedia",
-    "web text",
-    "7-task avg",
-    "pooled",
-    "vs Stage 1 (pooled)",
-    "p",
-    "retained %",
-    "eval s",
-    "quiet",
-)
 
 
 # --- rows, their provenance and the changes that concern them ----------------------------------------------------
 
 
 def row_kinds(row: dict) -> tuple[str, ...]:
-    """The kinds of `rendering.common.CHANGES` that concern a row: "stage2" (issue 55: the outlier threshold, the
+    """The kinds of `rendering.common.CHANGES` that concern a row: "stage2" (the outlier threshold, the
     next-token selection) for the default Stage 2 and every variant that chooses lambda by the next-token loss or
-    leaves out, clips or preserves outlier tokens; "refinement" for `refinement_steps`."""
+    leaves out, clips or preserves outlier tokens."""
     settings = row.get("stage2_settings")
     if settings is None:  # dense, Stage 1 alone
         return ()
-    kinds = []
-    if (
+    changed = (
         row["variant"] == "default"
         or settings.get("compensation_selection") == "next_token_loss"
         or settings.get("exclude_outlier_tokens")
         or settings.get("outlier_tokens", "keep") != "keep"
-    ):
-        kinds.append("stage2")
-    if settings.get("refinement_steps"):
-        kinds.append("refinement")
-    return tuple(kinds)
+    )
+    return ("stage2",) if changed else ()
 
 
 def row_provenance(row: dict, record: dict | None = None) -> dict:
@@ -201,11 +179,6 @@ def paired_without_boolq(a: dict, b: dict) -> tuple[float, float]:
     return mean, math.sqrt(variance / n)
 
 
-def accuracy_without_boolq(row: dict) -> float:
-    tasks = [task["acc"] for task in row["evaluation"]["zero_shot"]["tasks"] if task["task"] != BOOLQ]
-    return sum(tasks) / len(tasks)
-
-
 # --- the headline rows ---------------------------------------------------------------------------------------------
 
 
@@ -258,187 +231,6 @@ def accuracy_headline(context: Context) -> str:
     return table.markdown()
 
 
-# --- benchmarks/accuracy.py's row table ----------------------------------------------------------------------------
-
-
-def rows_table(
-    prefix: str,
-    source: str,
-    keys: Sequence[tuple[str, str]],
-    columns: Sequence[str] = ROW_COLUMNS,
-    lambdas: bool = False,
-    p_digits: int = 3,
-) -> str:
-    """Rows `keys` (selection, variant) of `source` as benchmarks/accuracy.py's `markdown(record)` writes them, in the
-    columns `columns` of its; `lambdas`: each compensated layer with its lambda. The footnote is on the Stage 2 cell."""
-    record = load(source)
-    rows = rows_by_key(record)
-    headers = [("compensated (lambda)" if lambdas and column == "compensated" else column) for column in columns]
-    table = Table(prefix, headers)
-    for key in keys:
-        row = rows[key]
-        evaluation = row["evaluation"]
-        zero_shot = evaluation["zero_shot"]
-        pooled = (row.get("against_stage1") or {}).get("pooled")
-        retained = (row.get("against_dense") or {}).get("retained_b")
-        compensated = row.get("compensated_layers", "")
-        if lambdas and compensated:
-            compensated = ", ".join(f"{layer} ({row['compensation_lambda'][str(layer)]:.2g})" for layer in compensated)
-        cells = {
-            "selection": selection_label(row["selection"], record, pretty=False) if row["variant"] != "dense" else "dense",
-            "Stage 2": row["variant"],
-            "compensated": str(compensated),
-            "Wikipedia": number(perplexity(evaluation, WIKIPEDIA), 2),
-            "web text": number(perplexity(evaluation, WEB), 2),
-            "7-task avg": f"{zero_shot['average_acc']:.4f}",
-            "pooled": f"{zero_shot['pooled_acc']:.4f}",
-            "vs Stage 1 (pooled)": f"{pooled['difference']:+.4f} ± {pooled['stderr']:.4f}" if pooled else "",
-            "p": f"{pooled['p_value']:.{p_digits}g}" if pooled else "",
-            "retained %": f"{retained:.1f}" if retained else "",
-            "eval s": f"{evaluation['seconds']:.0f}",
-            "quiet": str(row["provenance"]["quiet"]),
-        }
-        add_row(table, [cells[column] for column in columns], [(columns.index("Stage 2"), *mark(row, record, source))])
-    return table.markdown()
-
-
-def screening_gradmap(context: Context) -> str:
-    """SmolLM2-135M 25%, GradMAP's layers: every Stage 2 variant of the first screening run."""
-    variants = ("stage1", "previous_default", "paper", "rotated_diagonal+no_outliers", "refined", "no_outliers")
-    keys = [("dense", "dense")] + [("gradmap", v) for v in variants + ("next_token+no_outliers", "cosine")]
-    return rows_table("screening-gradmap", SCREENING_25, keys)
-
-
-def screening_quality(context: Context) -> str:
-    keys = [("quality", v) for v in ("stage1", "next_token+no_outliers", "previous_default")]
-    return rows_table("screening-quality", SCREENING_25, keys)
-
-
-def screening_sleb(context: Context) -> str:
-    keys = [("sleb", v) for v in ("stage1", "previous_default", "next_token+no_outliers", "paper")]
-    return rows_table("screening-sleb", SCREENING_25, keys)
-
-
-def screening_clip(context: Context) -> str:
-    return rows_table("screening-clip", SCREENING_25, [("gradmap", "clip_outliers")])
-
-
-def screening_fast(context: Context) -> str:
-    keys = [("fast", v) for v in ("stage1", "previous_default", "next_token+no_outliers")]
-    return rows_table("screening-fast", SCREENING_25, keys)
-
-
-def screening_block_influence(context: Context) -> str:
-    keys = [("block_influence", v) for v in ("stage1", "previous_default", "next_token+no_outliers")]
-    return rows_table("screening-block-influence", SCREENING_25, keys)
-
-
-def screening_mixed(context: Context) -> str:
-    keys = [(s, "mixed") for s in ("gradmap", "quality", "block_influence", "sleb", "fast")]
-    return rows_table("screening-mixed", SCREENING_25, keys)
-
-
-def screening_outliers_mixed(context: Context) -> str:
-    keys = [
-        ("gradmap", "mixed+no_outliers"),
-        ("block_influence", "mixed+no_outliers"),
-        ("block_influence", "mixed+preserve_outliers"),
-        ("block_influence", "preserve_outliers"),
-    ]
-    return rows_table("screening-outliers-mixed", SCREENING_25, keys, ROW_COLUMNS[:-1])
-
-
-def screening_40(context: Context) -> str:
-    """SmolLM2-135M 40%: Stage 1 and the previous default on each selection, then the paper's on GradMAP's layers."""
-    keys = [("dense", "dense")]
-    keys += [(s, v) for s in ("gradmap", "quality", "fast", "block_influence") for v in ("stage1", "previous_default")]
-    return rows_table("screening-40", SCREENING_40, keys + [("gradmap", "paper")], ROW_COLUMNS[:-1])
-
-
-def screening_qwen(context: Context) -> str:
-    keys = [("dense", "dense")] + [(s, v) for s in ("gradmap", "quality", "fast") for v in ("stage1", "default")]
-    return rows_table("screening-qwen", QWEN_SCREENING, keys, ROW_COLUMNS[:-2], lambdas=True, p_digits=2)
-
-
-# --- benchmarks/accuracy.py's goal table ---------------------------------------------------------------------------
-
-
-def goal_table(prefix: str, source: str, variants: Sequence[str], headers: Sequence[str], rises: bool = False) -> str:
-    """benchmarks/accuracy.py's `goal_table(record, variants)`: per selection and variant, the pooled paired change
-    against Stage 1 in points ± its standard error (in standard errors), then Wikipedia / web-text perplexity, bold where
-    the goal's condition holds; "not measured" where the record has no such row; the mean change and the rows meeting
-    the condition of each variant measured on every selection. `rises`: say which perplexity rises above Stage 1's."""
-    record = load(source)
-    rows = rows_by_key(record)
-    selections = selections_in(record)
-    table = Table(prefix, ["layers of", "Stage 1", *headers])
-    for selection in selections:
-        stage1 = rows[(selection, "stage1")]
-        cells = [selection_label(selection, record, pretty=True), perplexity_pair(stage1)]
-        marks = [(1, *mark(stage1, record, source))]
-        for variant in variants:
-            row = rows.get((selection, variant))
-            if row is None:
-                cells.append("not measured")
-                continue
-            pooled = row["against_stage1"]["pooled"]
-            change, stderr = 100 * pooled["difference"], 100 * pooled["stderr"]
-            text = f"{change:+.2f} ± {stderr:.2f} ({change / stderr:+.2f} SE)"
-            cell = f"{f'**{text}**' if meets_goal(row, stage1) else text}; {perplexity_pair(row)}"
-            if rises:
-                up = [
-                    name
-                    for name, dataset in (("Wikipedia", WIKIPEDIA), ("web", WEB))
-                    if perplexity(row["evaluation"], dataset) > perplexity(stage1["evaluation"], dataset)
-                ]
-                cell += f" ({' and '.join(up)} up)" if up else ""
-            marks.append((len(cells), *mark(row, record, source)))
-            cells.append(cell)
-        add_row(table, cells, marks)
-    complete = [v for v in variants if all((s, v) in rows for s in selections)]
-    if complete:
-        means, passed = [], []
-        for variant in variants:
-            if variant not in complete:
-                means.append("")
-                passed.append("")
-                continue
-            measured = [rows[(s, variant)] for s in selections]
-            means.append(f"{sum(100 * row['against_stage1']['pooled']['difference'] for row in measured) / len(measured):+.2f}")
-            goals = sum(meets_goal(rows[(s, variant)], rows[(s, "stage1")]) for s in selections)
-            passed.append(f"{goals} of {len(selections)}")
-        table.add([f"mean change, {len(selections)} selections", "", *means], None, source)
-        table.add(["rows meeting the condition", "", *passed], None, source)
-    return table.markdown()
-
-
-def goal_rows_so_far(context: Context) -> str:
-    """SmolLM2-135M 25%: every variant measured on more than one row, or on GradMAP's layers."""
-    variants = ("previous_default", "next_token+no_outliers", "mixed", "clip_outliers", "paper", "mixed+no_outliers")
-    return goal_table("goal-so-far", SCREENING_25, variants, variants, rises=True)
-
-
-def goal_40_next_token(context: Context) -> str:
-    variants = ("previous_default", "next_token+no_outliers")
-    return goal_table("goal-40-next-token", SCREENING_40, variants, variants)
-
-
-ISSUE_VARIANTS = ("next_token+no_outliers", "paper", "previous_default")
-ISSUE_HEADERS = ("default (`next_token+no_outliers`)", "paper", "previous default")
-
-
-def goal_issue_25(context: Context) -> str:
-    return goal_table("goal-issue-25", SCREENING_25, ISSUE_VARIANTS, ISSUE_HEADERS)
-
-
-def goal_issue_40(context: Context) -> str:
-    return goal_table("goal-issue-40", SCREENING_40, ISSUE_VARIANTS, ISSUE_HEADERS)
-
-
-def goal_issue_qwen(context: Context) -> str:
-    return goal_table("goal-issue-qwen", QWEN_SCREENING, ("default", "paper"), ("default", "paper"))
-
-
 # --- the headline rows with the standard protocol on the lent GPU --------------------------------------------------
 
 STANDARD_ROWS = (("25%", CUDA_25), ("40%", CUDA_40))
@@ -473,33 +265,7 @@ def standard_paired(context: Context) -> str:
     return table.markdown()
 
 
-def standard_retained(context: Context) -> str:
-    """Retained accuracy on SmolLM2's headline rows, standard protocol: of the dense model's 7-task average and of its
-    average without BoolQ."""
-    table = Table("standard-retained", ["setting, layers of", "Stage 1", "default Stage 2", "the paper's Stage 2"])
-    for ratio, source in STANDARD_ROWS:
-        record = load(source)
-        rows = rows_by_key(record)
-        dense = accuracy_without_boolq(rows[("dense", "dense")])
-        for selection in selections_in(record):
-            cells = [f"{ratio}, {selection_label(selection, record, pretty=True)}"]
-            marks = []
-            for variant in ("stage1", "default", "paper"):
-                row = rows.get((selection, variant))
-                if row is None:
-                    cells.append("")
-                    continue
-                without = 100 * accuracy_without_boolq(row) / dense
-                marks.append((len(cells), *mark(row, record, source)))
-                retained = row["against_dense"]["retained_b"]
-                cells.append(
-                    f"{retained:.1f} ({without:.1f} without BoolQ)" if variant == "stage1" else f"{retained:.1f} ({without:.1f})"
-                )
-            add_row(table, cells, marks)
-    return table.markdown()
-
-
-# --- what decided the default Stage 2 (issue 38) -------------------------------------------------------------------
+# --- what decided the default Stage 2 -------------------------------------------------------------------
 
 DECISION_RECORDS = (SCREENING_25, SCREENING_40)
 DECISION_ROWS = (
@@ -545,107 +311,17 @@ def decision(context: Context) -> str:
             f"the {n} rows `{variant}` of "
             + " and ".join(f"`benchmarks/results/{source}.json`" for source in sources)
             + f", measured {dates[0]} to {dates[-1]} UTC at commits {', '.join(f'`{c}`' for c in commits)}"
-            + "; each row's own provenance is in the goal tables' footnotes"
+            + "; each row's own provenance is in its record"
         )
-        note += "".join(
-            f"; older code: measured before {change.summary} (`{change.commit}`)" for change in CHANGES if change in older
-        )
+        note += "".join(f"; {older_code(change)}" for change in CHANGES if change in older)
         table.notes.append(note + ".")
         cells[0] += f"[^{table.prefix}-{len(table.notes)}]" + (" (older code)" if older else "")
         table.rows.append(cells)
     return table.markdown()
 
 
-# --- benchmarks/evaluation.py: dense against GradMAP 25% (100 questions per task) ------------------------------------
-
-EVALUATION_LABELS = ("dense", "GradMAP 25%, Stage 1 only", "GradMAP 25%, both stages")
-EVALUATION_SHORT = ("dense", "Stage 1 only", "both stages")
-EVALUATION_TASKS = (
-    ("boolq", "BoolQ"),
-    ("piqa", "PIQA"),
-    ("hellaswag", "HellaSwag"),
-    ("winogrande", "WinoGrande"),
-    ("arc_easy", "ARC-e"),
-    ("arc_challenge", "ARC-c"),
-    ("openbookqa", "OBQA"),
-)
-EVALUATION_RUN = "one run: the dense model, the layers given (`--layers`) removed, then the paper's Stage 2 (`PAPER_STAGE2`)"
-COMMITTED = "`2377281` (2026-11-22 12:18 UTC, with docs/evaluation.md)"
-
-
-def older(record: dict, what: str) -> dict:
-    machine = record["machine"]
-    return older_record(
-        f"{what}; committed in {COMMITTED}; `{record['command']}`; {machine['cpu_count']}-core CPU, torch {machine['torch']}"
-    )
-
-
-def evaluation_perplexity(context: Context) -> str:
-    record = load(EVALUATION)
-    table = Table("evaluation-ppl", ["model", "layers", "held-out Wikipedia", "web text"])
-    provenance = older(record, EVALUATION_RUN)
-    for label, row in zip(EVALUATION_LABELS, record["rows"]):
-        ppl = {entry["dataset"]: entry["perplexity"] for entry in row["perplexities"]}
-        cells = [label, str(row["speed"]["num_layers"]), number(ppl["wikipedia"], 2), number(ppl["web_text"], 2)]
-        table.add(cells, provenance, EVALUATION)
-    return table.markdown()
-
-
-def evaluation_zero_shot(context: Context) -> str:
-    record = load(EVALUATION)
-    headers = ["model", *(name for _, name in EVALUATION_TASKS), "avg acc", "avg (acc_norm where defined)"]
-    table = Table("evaluation-zero-shot", headers)
-    provenance = older(record, EVALUATION_RUN)
-    for label, row in zip(EVALUATION_SHORT, record["rows"]):
-        tasks = {task["task"]: task for task in row["zero_shot"]["tasks"]}
-        cells = [label]
-        for task, _ in EVALUATION_TASKS:
-            entry = tasks[task]
-            norm = entry.get("acc_norm")
-            cells.append(f"{entry['acc']:.2f}" + (f" / {norm:.2f}" if norm is not None else ""))
-        cells += [f"{row['zero_shot']['average_acc']:.3f}", f"{row['zero_shot']['average_best']:.3f}"]
-        table.add(cells, provenance, EVALUATION)
-    return table.markdown()
-
-
-def evaluation_speed(context: Context) -> str:
-    record = load(SPEED)
-    table = Table("evaluation-speed", ["model", "layers", "prefill ms", "decode tokens/s"])
-    provenance = older(record, f"median of {record['dense']['repeats']} runs after {record['dense']['warmup']} warm-up runs")
-    for label, key in (("dense", "dense"), ("pruned (any 22 layers; Stage 2 adds nothing)", "pruned")):
-        speed = record[key]
-        cells = [
-            label,
-            str(speed["num_layers"]),
-            f"{speed['prefill_latency_ms']:.1f}",
-            f"{speed['decode_tokens_per_second']:.2f}",
-        ]
-        table.add(cells, provenance, SPEED)
-    table.add(["ratio", "", f"{record['prefill_speedup']:.2f}x", f"{record['decode_speedup']:.2f}x"], None, SPEED)
-    return table.markdown()
-
-
 TABLES = {
     "accuracy-headline": accuracy_headline,
-    "accuracy-screening-gradmap": screening_gradmap,
-    "accuracy-screening-quality": screening_quality,
-    "accuracy-screening-sleb": screening_sleb,
-    "accuracy-screening-clip": screening_clip,
-    "accuracy-screening-fast": screening_fast,
-    "accuracy-screening-block-influence": screening_block_influence,
-    "accuracy-screening-mixed": screening_mixed,
-    "accuracy-screening-outliers-mixed": screening_outliers_mixed,
-    "accuracy-goal-so-far": goal_rows_so_far,
-    "accuracy-screening-40": screening_40,
-    "accuracy-goal-40-next-token": goal_40_next_token,
-    "accuracy-screening-qwen": screening_qwen,
     "accuracy-standard-paired": standard_paired,
-    "accuracy-standard-retained": standard_retained,
     "accuracy-decision": decision,
-    "accuracy-goal-issue-25": goal_issue_25,
-    "accuracy-goal-issue-40": goal_issue_40,
-    "accuracy-goal-issue-qwen": goal_issue_qwen,
-    "accuracy-evaluation-perplexity": evaluation_perplexity,
-    "accuracy-evaluation-zero-shot": evaluation_zero_shot,
-    "accuracy-evaluation-speed": evaluation_speed,
 }

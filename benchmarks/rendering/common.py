@@ -39,28 +39,22 @@ class Change:
 CHANGES = (
     Change(
         "8f30c0d",
-        "issue 55: Stage 2's outlier threshold is one median over the whole calibration set, not each batch's",
+        "Stage 2's outlier threshold is one median over the whole calibration set, not each batch's",
         ("stage2",),
     ),
     Change(
-        "1c021df",
-        "issue 56: `refinement_steps` distils the dense model, not the pruned model with Stage 2's folds in",
-        ("refinement",),
-    ),
-    Change(
         "7ff3327",
-        "issue 56: the heal stage's teacher runs under bfloat16 autocast where native (the heal's seconds)",
+        "the heal stage's teacher runs under bfloat16 autocast where native (the heal's seconds)",
         ("heal",),
     ),
     Change(
         "dbd89c9",
-        "issue 65: the dense model's text is drawn by inverting the cumulative distribution, not `torch.multinomial` "
-        "(other draws, faster)",
+        "the dense model's text is drawn by inverting the cumulative distribution, not `torch.multinomial` (other draws, faster)",
         ("generation",),
     ),
     Change(
         "4875841",
-        "issue 65: the dense model writes 64 sequences at a time, not 32 (other draws, faster)",
+        "the dense model writes 64 sequences at a time, not 32 (other draws, faster)",
         ("generation",),
     ),
 )
@@ -79,6 +73,11 @@ def _contains(commit: str, ancestor: str) -> bool | None:
 def measured_commit(provenance: dict) -> str:
     """The commit a row was measured at (a lent machine's copy names the commit it was copied from)."""
     return provenance.get("commit_of_git_history") or provenance.get("commit", "")
+
+
+def older_code(change: Change) -> str:
+    """How a footnote says that its row was measured before `change`."""
+    return f"older code: measured before `{change.commit}`, since which {change.summary}"
 
 
 def older_than(provenance: dict, kinds: Sequence[str]) -> list[Change]:
@@ -166,7 +165,7 @@ def footnote(provenance: dict, source: str, kinds: Sequence[str] = ()) -> str:
     if provenance.get("copied_from"):
         parts.append(f"copied from {provenance['copied_from']}")
     for change in older_than(provenance, kinds):
-        parts.append(f"older code: measured before {change.summary} (`{change.commit}`)")
+        parts.append(older_code(change))
     if provenance.get("note"):
         parts.append(provenance["note"].replace("\n", " ").rstrip("."))
     return "; ".join(parts) + "."
@@ -232,3 +231,15 @@ def kl_cell(evaluation: dict, dataset: str) -> str:
         if entry["dataset"] == dataset and entry.get("kl_to_reference") is not None:
             return f"{entry['kl_to_reference']:.4f} ± {entry['kl_stderr']:.4f}"
     return "-"
+
+
+def machine_text(machine: dict) -> str:
+    """A record's top-level machine, as the footnotes say it."""
+    where = machine.get("accelerator") or f"{machine.get('cpu_count') or machine.get('threads') or '?'}-core CPU"
+    return where + (f", torch {machine['torch']}" if machine.get("torch") else "")
+
+
+def scientific(value: float) -> str:
+    """`2.6e-5` rather than Python's `2.6e-05`."""
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"

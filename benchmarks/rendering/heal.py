@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 from .common import Context, Table, kl_cell, load, number, paired, perplexity
@@ -15,12 +14,8 @@ HEAL_RECORDS = (
 
 def heal_kl_rows(prefix: str, records: Sequence[str]) -> Callable[[Context], str]:
     """Heal rows measured without tasks (held-out perplexities and KL only), after the default Stage 2 of their
-    records: on SmolLM2-135M 25% (GradMAP's layers) each trainable choice, elsewhere the default heal."""
-
-    def render(context: Context) -> str:
-        return _kl_table(prefix, records)
-
-    return render
+    records: on SmolLM2-135M 25% (GradMAP's layers) each trainable choice."""
+    return lambda context: _kl_table(prefix, records)
 
 
 def _kl_table(prefix: str, records: Sequence[str]) -> str:
@@ -157,7 +152,7 @@ def heal_rows(source: str, unit_from: str | None = None) -> Callable[[Context], 
                 seconds = f"{heal['seconds']:.0f} ({share})"
             table.add(
                 [
-                    _row_name(row["variant"], ()) + (f", lr {heal['learning_rate']:g}" if heal else ""),
+                    _row_name(row["variant"]) + (f", lr {heal['learning_rate']:g}" if heal else ""),
                     number(perplexity(evaluation, "offline:wikipedia"), 2),
                     number(perplexity(evaluation, "offline:web_text"), 2),
                     kl_cell(evaluation, "offline:wikipedia"),
@@ -196,7 +191,7 @@ def _text_name(heal: dict) -> str:
 
 
 def heal_text_rows(source: str) -> Callable[[Context], str]:
-    """Issue 65's rows of one record: the heals whose budget is time (`@FACTORx`: as many tokens as fit, the dense
+    """The time-budget rows of one record: the heals whose budget is time (`@FACTORx`: as many tokens as fit, the dense
     model's text included), on corpus text or the dense model's own, from Stage 1 + 2 or Stage 1 alone, with the loss
     they minimised (`heal_loss`), against Stage 1 + 2 (`default`): flips (pooled and on confident questions), the
     answers' drift where the rows keep their log-likelihoods, KL, paired accuracy, and the goals (flips at most 0.8x
@@ -250,7 +245,7 @@ def heal_text_rows(source: str) -> Callable[[Context], str]:
                 seconds = f"{heal['seconds']:.0f} ({generation:.0f})"
             table.add(
                 [
-                    _row_name(variant, ()),
+                    _row_name(variant),
                     _text_name(heal) if heal else "-",
                     ("Stage 1 alone" if "from=stage1" in variant else "Stage 1 + 2") if heal else "-",
                     loss_cell(heal),
@@ -304,232 +299,15 @@ def kl_on(evaluation: dict, dataset: str) -> float:
     return next(entry["kl_to_reference"] for entry in evaluation["perplexities"] if entry["dataset"] == dataset)
 
 
-def _row_name(variant: str, removed: Sequence[int]) -> str:
-    if variant == "dense@bf16":
-        return "dense, weights rounded to bfloat16"
-    if variant.startswith("stage1@"):
-        count = int(variant.partition("@")[2])
-        return f"Stage 1 alone, first {count} layer{'s' if count > 1 else ''} ({', '.join(map(str, removed[:count]))})"
+def _row_name(variant: str) -> str:
     names = {"dense": "dense", "stage1": "Stage 1 alone", "default": "Stage 1 + default Stage 2"}
     return names.get(variant, f"+ heal `{variant}`")
 
 
-def task_flips_percent(answers: dict, dense_answers: dict) -> float:
-    """The percentage of one task's questions whose right/wrong differs from the dense model's (both rows score the
-    same questions in the same order)."""
-    reference, mine = dense_answers["acc"], answers["acc"]
-    return 100 * sum(a != b for a, b in zip(reference, mine)) / len(reference)
-
-
-def flips_by_task(source: str) -> Callable[[Context], str]:
-    """Where the flips come from: per task, the share of questions whose right/wrong differs from the dense model's,
-    for every row of one record of benchmarks/heal.py with tasks, ordered by the KL divergence on held-out
-    Wikipedia; the first row gives the dense model's accuracy per task."""
-
-    def render(context: Context) -> str:
-        record = load(source)
-        rows = {row["variant"]: row for row in record["rows"]}
-        dense = rows["dense"]["evaluation"]["zero_shot"]
-        tasks = list(dense["answers"])
-        table = Table(
-            source.removeprefix("heal-") + "-tasks",
-            ["row", "KL Wikipedia", *tasks, "pooled, no BoolQ"],
-            ["---"] + ["---:"] * (len(tasks) + 2),
-        )
-        accuracy = {task["task"]: task["acc"] for task in dense["tasks"]}
-        table.add(
-            ["dense model's accuracy", "-", *(f"{100 * accuracy[task]:.1f}%" for task in tasks), "-"],
-            rows["dense"]["provenance"],
-            source,
-        )
-        others = [row for row in record["rows"] if row["variant"] != "dense"]
-        others.sort(key=lambda row: wikipedia_kl(row["evaluation"]))
-        for row in others:
-            answers = row["evaluation"]["zero_shot"]["answers"]
-            cells = []
-            for task in tasks:
-                cells.append(f"{task_flips_percent(answers[task], dense['answers'][task]):.1f}%")
-            table.add(
-                [
-                    _row_name(row["variant"], record["removed_layers"]),
-                    kl_cell(row["evaluation"], "offline:wikipedia"),
-                    *cells,
-                    f"{100 * row['flips_without_boolq']['flips']:.1f}%",
-                ],
-                row["provenance"],
-                source,
-                row_kinds(row),
-            )
-        return table.markdown()
-
-    return render
-
-
-def answer_drift_rows(source: str) -> Callable[[Context], str]:
-    """The rows of one record that keep every answer's log-likelihood, ordered by their KL divergence on held-out
-    Wikipedia: that KL, the answers' drift from the dense model (benchmarks/heal.py `answer_drift`: per question, the
-    RMS difference of the two models' centred answer log-likelihoods, averaged), the flips it leads to, and for a heal
-    the loss it minimised. Does the KL on the heal's text tell how far the answers moved?"""
-
-    def render(context: Context) -> str:
-        record = load(source)
-        rows = [row for row in record["rows"] if "answer_drift_without_boolq" in row]
-        rows.sort(key=lambda row: wikipedia_kl(row["evaluation"]))
-        table = Table(
-            source.removeprefix("heal-") + "-drift",
-            ["row", "loss", "KL Wikipedia", "KL web", "answer drift, no BoolQ (all)", "flips, no BoolQ (all)",
-             "confident flips, no BoolQ (all)", "BoolQ yes"],
-            ["---", "---"] + ["---:"] * 6,
-        )  # fmt: skip
-        for row in rows:
-            heal = row.get("heal") or {}
-            table.add(
-                [
-                    _row_name(row["variant"], record["removed_layers"]),
-                    loss_cell(heal),
-                    kl_cell(row["evaluation"], "offline:wikipedia"),
-                    kl_cell(row["evaluation"], "offline:web_text"),
-                    f"{row['answer_drift_without_boolq']:.3f} ({row['answer_drift']:.3f})",
-                    flips_cell(row),
-                    confident_flips_cell(row),
-                    boolq_yes_cell(row),
-                ],
-                row["provenance"],
-                source,
-                row_kinds(row),
-            )
-        return table.markdown()
-
-    return render
-
-
-def centred_loglikelihoods(answers: dict, doc_ids: Sequence) -> list[list[float]]:
-    """One task's answer log-likelihoods for `doc_ids`, each less its question's mean (what decides a choice is their
-    differences), then less the task's mean at its answer's index: a constant preference for one answer's place (BoolQ's
-    "no" and "yes" are always in the same order) is taken out, and is shown by its own column (BoolQ yes)."""
-    by_id = dict(zip(answers["doc_ids"], answers["loglikelihoods"]))
-    centred = [[value - sum(values) / len(values) for value in values] for values in (by_id[doc_id] for doc_id in doc_ids)]
-    width = max(len(values) for values in centred)
-    index_means = []
-    for index in range(width):
-        column = [values[index] for values in centred if len(values) > index]
-        index_means.append(sum(column) / len(column))
-    return [[value - index_means[index] for index, value in enumerate(values)] for values in centred]
-
-
-def answer_agreement(answers: dict, dense_answers: dict) -> float | None:
-    """How much of one task's answer preferences a model shares with the dense model: the correlation of the two
-    models' answer log-likelihoods, centred per question and per answer place ([`centred_loglikelihoods`]), over every
-    answer of the questions both scored with two answers or more (1: the same preferences up to a scale; 0: none in
-    common). `None` where either row lacks the log-likelihoods."""
-    if "loglikelihoods" not in answers or "loglikelihoods" not in dense_answers:
-        return None
-    dense_lengths = dict(zip(dense_answers["doc_ids"], map(len, dense_answers["loglikelihoods"])))
-    doc_ids = [
-        doc_id
-        for doc_id, values in zip(answers["doc_ids"], answers["loglikelihoods"])
-        if len(values) >= 2 and dense_lengths.get(doc_id) == len(values)
-    ]
-    mine = [value for values in centred_loglikelihoods(answers, doc_ids) for value in values]
-    theirs = [value for values in centred_loglikelihoods(dense_answers, doc_ids) for value in values]
-    covariance = sum(a * b for a, b in zip(mine, theirs))
-    scale = math.sqrt(sum(a * a for a in mine) * sum(b * b for b in theirs))
-    return covariance / scale if scale else None
-
-
-def answer_agreement_by_task(source: str) -> Callable[[Context], str]:
-    """Where the answers part from the dense model's, task by task: for every row of one record that keeps every
-    answer's log-likelihood, ordered by its KL divergence on held-out Wikipedia, the correlation of its centred answer
-    log-likelihoods with the dense model's ([`answer_agreement`]) and its flips on the task. A task where a heal's
-    agreement stays below a less damaged model's is a task whose answers the heal does not bring back. The first row
-    gives the size of the dense model's preferences per task: the RMS of its centred answer log-likelihoods."""
-
-    def render(context: Context) -> str:
-        record = load(source)
-        dense = next(row for row in record["rows"] if row["variant"] == "dense")["evaluation"]["zero_shot"]["answers"]
-        tasks = list(dense)
-        table = Table(
-            source.removeprefix("heal-") + "-agreement",
-            ["row", "KL Wikipedia", *tasks, "flips, no BoolQ (all)"],
-            ["---"] + ["---:"] * (len(tasks) + 2),
-        )
-        spreads = []
-        for task in tasks:  # how far apart the dense model's answers are: what a drift is measured against
-            values = [value for values in centred_loglikelihoods(dense[task], dense[task]["doc_ids"]) for value in values]
-            spreads.append(f"{math.sqrt(sum(value * value for value in values) / len(values)):.2f} nats")
-        dense_row = next(row for row in record["rows"] if row["variant"] == "dense")
-        table.add(["dense model's preferences (RMS)", "-", *spreads, "-"], dense_row["provenance"], source)
-        rows = [row for row in record["rows"] if row["variant"] != "dense" and "answer_drift" in row]
-        rows.sort(key=lambda row: wikipedia_kl(row["evaluation"]))
-        for row in rows:
-            answers = row["evaluation"]["zero_shot"]["answers"]
-            cells = []
-            for task in tasks:
-                agreement = answer_agreement(answers[task], dense[task])
-                flipped = task_flips_percent(answers[task], dense[task])
-                cells.append("-" if agreement is None else f"{agreement:.2f} ({flipped:.0f}%)")
-            table.add(
-                [
-                    _row_name(row["variant"], record["removed_layers"]),
-                    kl_cell(row["evaluation"], "offline:wikipedia"),
-                    *cells,
-                    flips_cell(row),
-                ],
-                row["provenance"],
-                source,
-                row_kinds(row),
-            )
-        return table.markdown()
-
-    return render
-
-
-def generation_speed(source: str) -> Callable[[Context], str]:
-    """How fast the dense model writes its own text (benchmarks/generation_speed.py): tokens a second per batch size,
-    with each token drawn by `torch.multinomial` and by `draw_tokens`, measured in one run."""
-
-    def render(context: Context) -> str:
-        record = load(source)
-        sizes = sorted({row["batch_size"] for row in record["rows"]})
-        table = Table(
-            source, ["passes", "draw", *(f"{size} sequences" for size in sizes)], ["---", "---"] + ["---:"] * len(sizes)
-        )
-        settings = list(dict.fromkeys((row.get("autocast", False), row["sampler"]) for row in record["rows"]))
-        for autocast, sampler in settings:
-            speeds = {
-                row["batch_size"]: row["tokens_per_second"]
-                for row in record["rows"]
-                if (row.get("autocast", False), row["sampler"]) == (autocast, sampler)
-            }
-            table.add(
-                [
-                    "bfloat16 autocast" if autocast else "float32",
-                    f"`{sampler}`",
-                    *(f"{speeds[size]:.0f} tokens/s" for size in sizes),
-                ],
-                record["provenance"],
-                source,
-            )
-        return table.markdown()
-
-    return render
-
-
-def wikipedia_kl(evaluation: dict) -> float:
-    """The KL divergence from the dense model on held-out Wikipedia."""
-    return next(entry["kl_to_reference"] for entry in evaluation["perplexities"] if entry["dataset"] == "offline:wikipedia")
-
-
 TABLES = {
     "heal-trainables": heal_kl_rows("heal", HEAL_RECORDS),
-    "heal-smollm2-40-gradmap": heal_kl_rows("heal-40", ("heal-smollm2-135m-0.4-gradmap-screening-notasks",)),
-    "heal-smollm2-25-quality": heal_kl_rows("heal-quality", ("heal-smollm2-135m-0.25-quality-screening-notasks",)),
     "heal-smollm2-25-gradmap": heal_rows("heal-smollm2-135m-0.25-gradmap-screening"),
-    "heal-flips-by-task": flips_by_task("heal-smollm2-135m-0.25-gradmap-screening"),
     "heal-smollm2-25-gradmap-text": heal_text_rows("heal-smollm2-135m-0.25-gradmap-screening"),
-    "heal-smollm2-25-gradmap-drift": answer_drift_rows("heal-smollm2-135m-0.25-gradmap-screening"),
-    "heal-smollm2-25-gradmap-agreement": answer_agreement_by_task("heal-smollm2-135m-0.25-gradmap-screening"),
-    "heal-generation-speed": generation_speed("generation_speed-smollm2-135m"),
     "heal-smollm2-40-gradmap-text": heal_text_rows("heal-smollm2-135m-0.4-gradmap-screening"),
     "heal-smollm2-25-quality-text": heal_text_rows("heal-smollm2-135m-0.25-quality-screening"),
     "heal-qwen-25-gradmap-text": heal_text_rows("heal-qwen2.5-coder-0.5b-0.25-gradmap-screening"),

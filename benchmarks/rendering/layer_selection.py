@@ -1,14 +1,13 @@
-"""Which layers to remove (docs/benchmarks/layer-selection.md): the importance metrics compared (compare.py), the
-scores' rankings against the true damage (score_probe.py), the shortlists and their rounds.
+"""Which layers to remove (docs/benchmarks/layer-selection.md): the importance metrics compared and every shortlist
+measured (benchmarks/compare.py).
 
-The compare, score_probe and rounds records were written before rows carried their provenance
+The compare records were written before rows carried their provenance
 (benchmarks/provenance.py): each row's footnote gives what the record keeps (the command that measured the method,
 the machine, the calibration set's SHA-256) and the commit that added the row to the record (`COMMITTED`)."""
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 
 from .common import Context, Table, load, older_record
@@ -16,16 +15,7 @@ from .common import Context, Table, load, older_record
 QWEN = "compare-qwen2.5-coder-0.5b-0.25"
 SMOLLM2_25 = "compare-smollm2-135m-0.25"
 SMOLLM2_40 = "compare-smollm2-135m-0.4"
-QWEN_TOP4_ROUNDS = "compare-qwen2.5-coder-0.5b-0.25-gradmap_bound_token+top4-rounds"
-ISSUE_6_METHODS = ("dense", "gradmap", "sleb", "block_influence", "taylor", "relative_magnitude", "random")
-NAMES = {
-    "sleb": "SLEB",
-    "block_influence": "Block Influence",
-    "relative_magnitude": "relative magnitude",
-    "gradmap": "GradMAP",
-    "random": "random",
-    "taylor": "Taylor+",
-}
+METRICS = ("dense", "gradmap", "sleb", "block_influence", "taylor", "relative_magnitude", "random")
 
 # The commit (and its UTC time) that first added a method's rows to a record without per-row provenance: the row was
 # measured with the code of that commit or an earlier one. Found with
@@ -82,14 +72,6 @@ COMMITTED = {
         "gradmap+top4": "6741604 2026-11-25 07:46",
         "gradmap+top2": "7e7e06c 2026-11-25 11:38",
     },
-    "stage2-smollm2-135m-0.25": {
-        "gradmap_bound_token+top8+halving": "72f21f6 2026-11-24 18:06",
-        "gradmap+top8+halving": "dedbf61 2026-11-24 21:32",
-    },
-    "stage2-smollm2-135m-0.4": {"gradmap_bound_token+top8+halving": "c1b8c41 2026-11-24 19:36"},
-    "score_probe-smollm2-135m": {None: "b46ec28 2026-11-23 11:06"},
-    "score_probe-qwen2.5-coder-0.5b": {None: "41b3dba 2026-11-24 21:09"},
-    QWEN_TOP4_ROUNDS: {None: "cb11891 2026-11-24 13:23"},
 }
 
 
@@ -143,18 +125,6 @@ def compare_provenance(source: str, method: str) -> dict:
     return older_record("; ".join(parts))
 
 
-@functools.cache
-def stage2_provenance(source: str, method: str) -> dict:
-    """A stage2.py row's (variant `span_end+auto`) provenance, from what its record keeps."""
-    record = load(source)
-    row = next(row for row in record["rows"] if row["method"] == method and row["variant"] == "span_end+auto")
-    parts = [f"`{_command(record, method, '--methods')}`", _machine(record)]
-    if row.get("same_model_as"):
-        parts.append(f"the same layers as `{row['same_model_as']}`'s row, whose figures it reuses (`same_model_as`)")
-    parts.append(_committed(source, method))
-    return older_record("; ".join(parts))
-
-
 # --- compare.py's tables ---------------------------------------------------------------------------------------------
 
 
@@ -196,204 +166,6 @@ def compare_table(context: Context, source: str, prefix: str, methods: Sequence[
             _seconds(row["stage2_seconds"]),
         ]
         table.add(cells, compare_provenance(source, row["method"]), source, ("stage2",) if row["stage2"] else ())
-    return table.markdown()
-
-
-def _short(value: float) -> str:
-    """A perplexity with two decimals, or to the unit with separators from 1,000 on."""
-    return f"{value:,.0f}" if value >= 1000 else f"{value:.2f}"
-
-
-def stage1_ranking(context: Context, source: str, prefix: str) -> str:
-    """The issue-6 metrics ranked by held-out Wikipedia perplexity after Stage 1 (ties share a rank)."""
-    rows = _rows(source)
-    ranked = sorted((rows[method, False] for method in NAMES), key=lambda row: _perplexities(row)[0])
-    table = Table(prefix, ["rank", "method", "Wikipedia ppl", "web-text ppl"])
-    for row in ranked:
-        wikipedia, web = _perplexities(row)[:2]
-        rank = 1 + sum(_perplexities(other)[0] < wikipedia for other in ranked)
-        tied = sum(_perplexities(other)[0] == wikipedia for other in ranked) > 1
-        table.add(
-            [f"{rank} (tied)" if tied else str(rank), NAMES[row["method"]], _short(wikipedia), _short(web)],
-            compare_provenance(source, row["method"]),
-            source,
-            cell=1,
-        )
-    return table.markdown()
-
-
-def stage2_effect(context: Context, source: str, prefix: str) -> str:
-    """Held-out Wikipedia perplexity of each issue-6 metric, Stage 1 alone and with the paper's Stage 2; metrics with
-    the same figures (the same layers) share a row."""
-    rows = _rows(source)
-    groups: dict[tuple[float, float], list[str]] = {}
-    for method in sorted(NAMES, key=lambda method: _perplexities(rows[method, False])[0]):
-        key = (_perplexities(rows[method, False])[0], _perplexities(rows[method, True])[0])
-        groups.setdefault(key, []).append(method)
-    table = Table(prefix, ["method", "Wikipedia ppl, Stage 1 -> + Stage 2"])
-    for (alone, both), methods in groups.items():
-        provenances = [compare_provenance(source, method) for method in methods]
-        table.add(
-            [", ".join(NAMES[method] for method in methods), f"{_short(alone)} -> {_short(both)}"],
-            provenances[0],
-            source,
-            ("stage2",),
-            more=[(0, provenance, source) for provenance in provenances[1:]],
-        )
-    return table.markdown()
-
-
-STAGE2_LABELS = {"no": "no", "paper": "paper's", "default": "default (span end, auto)"}
-BOLD_COLUMNS = {"wiki": 3, "web": 4, "zero-shot": 5, "stage1": 6}
-
-
-def selection(
-    context: Context,
-    source: str,
-    prefix: str,
-    rows: Sequence[str],
-    bold: Sequence[str] = (),
-    same: bool = False,
-    stage2_source: str | None = None,
-) -> str:
-    """Chosen rows of a compare.py record, without the Stage 2 seconds. A row is `METHOD` (Stage 1 alone),
-    `METHOD:paper` (the paper's Stage 2, compare.py's) or `METHOD:default` (the default Stage 2, from the stage2.py
-    record `stage2_source`, with the Stage 1 seconds of the compare row); a leading `**` sets the method and the
-    `bold` columns in bold. `same`: a Stage 2 row whose layers are those of its method's Stage 1 row above reads
-    "the same". GradMAP's own score is labelled "gradmap (the paper)"."""
-    records = _rows(source)
-    table = Table(prefix, ["method", "Stage 2", "removed layers", "wikipedia ppl", "web_text ppl", "zero-shot avg", "Stage 1 s"])
-    shown: dict[str, list[int]] = {}
-    for spec in rows:
-        strong = spec.startswith("**")
-        method, _, variant = spec.removeprefix("**").partition(":")
-        variant = variant or "no"
-        alone = records[method, False]
-        more = []
-        if variant == "default":
-            row = next(
-                row for row in load(stage2_source)["rows"] if row["method"] == method and row["variant"] == "span_end+auto"
-            )
-            provenance, row_source = stage2_provenance(stage2_source, method), stage2_source
-            more = [(6, compare_provenance(source, method), source)]
-        else:
-            row = records[method, variant == "paper"]
-            provenance, row_source = compare_provenance(source, method), source
-        layers = _layers(row["removed_layers"])
-        if variant != "no" and same and shown.get(method) == row["removed_layers"]:
-            layers = "the same"
-        if variant == "no":
-            shown[method] = row["removed_layers"]
-        wikipedia, web = _perplexities(row)[:2]
-        cells = [
-            "gradmap (the paper)" if method == "gradmap" else method,
-            STAGE2_LABELS[variant],
-            layers,
-            f"{wikipedia:.2f}",
-            f"{web:.2f}",
-            _zero_shot(row),
-            _seconds(alone["stage1_seconds"]),
-        ]
-        if strong:
-            for index in [0] + [BOLD_COLUMNS[name] for name in bold]:
-                cells[index] = f"**{cells[index]}**"
-        table.add(cells, provenance, row_source, ("stage2",) if variant != "no" else (), more=more)
-    return table.markdown()
-
-
-# --- the rounds of a shortlist -------------------------------------------------------------------------------------
-
-
-def _shortlist(round_: dict, marked: Sequence[int] = ()) -> str:
-    """The round's verified layers in score order (lowest first), each with the mean loss without it."""
-    verified = round_["verified"]
-    order = sorted(verified, key=lambda layer: round_["scores"][layer])
-    return ", ".join(f"{layer}: {verified[layer]:.4f}{'*' if int(layer) in marked else ''}" for layer in order)
-
-
-def rounds_table(context: Context, source: str, method: str, prefix: str, score: str, finalists: str | None = None) -> str:
-    """Each round of a compare.py row's Stage 1 (`stage1_rounds`): the shortlist with the mean calibration loss
-    without each candidate, the layer removed, and SLEB's. `finalists`: a method whose rounds measured every
-    candidate on every sequence (an unhalved shortlist, `QWEN_TOP4_ROUNDS`'s); a candidate whose mean loss equals the
-    one that run measured from the same model state ran on every sequence, and so reached the last rung (marked *,
-    as the layer removed is)."""
-    records = _rows(source)
-    row, sleb = records[method, False], records["sleb", False]
-    full = load(finalists)["rounds"] if finalists else []
-    header = ["round", f"shortlist (lowest {score} first): mean loss without it", "removed", "SLEB removed"]
-    table = Table(prefix, header)
-    for index, round_ in enumerate(row["stage1_rounds"]):
-        removed = row["removed_layers"][index]
-        marked = [removed] if finalists else []
-        before = row["removed_layers"][:index]
-        if index < len(full) and [layer for past in full[:index] for layer in past["removed"]] == before:
-            for layer, loss in round_["verified"].items():
-                other = full[index]["verified"].get(layer)
-                if other is not None and math.isclose(loss, other, rel_tol=1e-6):
-                    marked.append(int(layer))
-        table.add(
-            [str(index + 1), _shortlist(round_, marked), str(removed), str(sleb["removed_layers"][index])],
-            compare_provenance(source, method),
-            source,
-            more=[(3, compare_provenance(source, "sleb"), source)],
-        )
-    return table.markdown()
-
-
-def top4_rounds(context: Context) -> str:
-    """The rounds of the bound's unhalved shortlist of four on Qwen, from its Stage 1 checkpoint file."""
-    record = load(QWEN_TOP4_ROUNDS)
-    sleb = _rows(QWEN)["sleb", False]
-    command = _command(load(QWEN), "gradmap_bound_token+top4", "--metrics")
-    provenance = older_record(
-        f"the Stage 1 checkpoint of `{command}` (its machine: {_machine(load(QWEN))}); {_committed(QWEN_TOP4_ROUNDS, None)}"
-    )
-    table = Table(
-        "layers-qwen-bound4-rounds",
-        ["round", "shortlist (lowest bound score first): loss without it", "removed", "SLEB removed", "seconds"],
-    )
-    for index, round_ in enumerate(record["rounds"]):
-        table.add(
-            [
-                str(index + 1),
-                _shortlist(round_),
-                " ".join(str(layer) for layer in round_["removed"]),
-                str(sleb["removed_layers"][index]),
-                f"{round_['seconds']:.0f}",
-            ],
-            provenance,
-            QWEN_TOP4_ROUNDS,
-            more=[(3, compare_provenance(QWEN, "sleb"), QWEN)],
-        )
-    return table.markdown()
-
-
-# --- score_probe.py ----------------------------------------------------------------------------------------------
-
-
-def score_probe(context: Context, source: str, prefix: str) -> str:
-    """score_probe.py's table (its `markdown(record)` without the line above it), sorted by Spearman correlation."""
-    record = load(source)
-    provenance = older_record(
-        f"`{record['commands'][0]}`; {_machine(record)}; calibration SHA-256 `{record['calibration_sha256'][:8]}`; "
-        + _committed(source, None)
-    )
-    table = Table(
-        prefix,
-        ["score", "Spearman vs true damage", "its first choice (true rank)", "true best layer's rank in it", "seconds"],
-    )
-    for name, entry in sorted(record["scores"].items(), key=lambda item: -item[1]["spearman"]):
-        table.add(
-            [
-                "gradmap (the paper's Eq. 5)" if name == "gradmap" else name,
-                f"{entry['spearman']:.3f}",
-                f"layer {entry['first_choice']} ({entry['first_choice_true_rank']})",
-                str(entry["true_best_rank_in_score"]),
-                f"{entry['seconds']:.1f}{'*' if entry.get('shared_pass') else ''}",
-            ],
-            provenance,
-            source,
-        )
     return table.markdown()
 
 
@@ -475,150 +247,14 @@ def every_shortlist(context: Context) -> str:
 
 # --- the page's tables -----------------------------------------------------------------------------------------------
 
-BOUND = "gradmap_bound_token"
-HALVING = "gradmap_bound_token+top8+halving"
-
-
-def _selection(source: str, prefix: str, rows: Sequence[str], **options) -> functools.partial:
-    return functools.partial(selection, source=source, prefix=prefix, rows=rows, **options)
-
-
 TABLES = {
-    # importance metrics compared (issue 6)
-    "layers-issue6-smollm2-25": functools.partial(
-        compare_table, source=SMOLLM2_25, prefix="layers-issue6-smollm2-25", methods=ISSUE_6_METHODS
-    ),
-    "layers-issue6-smollm2-40": functools.partial(
-        compare_table, source=SMOLLM2_40, prefix="layers-issue6-smollm2-40", methods=ISSUE_6_METHODS
-    ),
-    "layers-issue6-qwen-25": functools.partial(
-        compare_table, source=QWEN, prefix="layers-issue6-qwen-25", methods=ISSUE_6_METHODS
-    ),
-    "layers-qwen-ranking": functools.partial(stage1_ranking, source=QWEN, prefix="layers-qwen-ranking"),
-    "layers-qwen-stage2": functools.partial(stage2_effect, source=QWEN, prefix="layers-qwen-stage2"),
-    # scores from the paper's bound (issue 18)
-    "layers-probe-smollm2": functools.partial(score_probe, source="score_probe-smollm2-135m", prefix="layers-probe-smollm2"),
-    "layers-probe-qwen": functools.partial(score_probe, source="score_probe-qwen2.5-coder-0.5b", prefix="layers-probe-qwen"),
-    "layers-smollm2-25-bound": _selection(
-        SMOLLM2_25, "layers-smollm2-25-bound", ["sleb", BOUND, "relative_magnitude", "gradmap"]
-    ),
-    "layers-smollm2-25-quality": _selection(
-        SMOLLM2_25,
-        "layers-smollm2-25-quality",
-        ["sleb", f"**{HALVING}", BOUND, f"{HALVING}:paper"],
-        bold=("wiki", "web", "zero-shot"),
-    ),
-    "layers-smollm2-25-gradmap8": _selection(
-        SMOLLM2_25,
-        "layers-smollm2-25-gradmap8",
-        ["sleb", "gradmap+top8+halving", "gradmap", "gradmap+top8+halving:paper", "gradmap+top8+halving:default"],
-        stage2_source="stage2-smollm2-135m-0.25",
-    ),
-    "layers-smollm2-25-gradmap8-unhalved": _selection(
-        SMOLLM2_25,
-        "layers-smollm2-25-gradmap8-unhalved",
-        ["gradmap+top8", "gradmap+top8+halving", "gradmap+top8:paper"],
-        same=True,
-    ),
-    "layers-smollm2-25-gradmap4": _selection(
-        SMOLLM2_25,
-        "layers-smollm2-25-gradmap4",
-        ["gradmap+top4", "gradmap", "gradmap+top8+halving", "gradmap+top4:paper"],
-        same=True,
-    ),
-    "layers-smollm2-25-gradmap2": _selection(
-        SMOLLM2_25,
-        "layers-smollm2-25-gradmap2",
-        ["gradmap+top2", "gradmap+top4", "gradmap", "gradmap+top2:paper"],
-        same=True,
-    ),
-    "layers-smollm2-40-bound": _selection(
-        SMOLLM2_40, "layers-smollm2-40-bound", ["sleb", BOUND, "relative_magnitude", "block_influence", "gradmap"]
-    ),
-    "layers-smollm2-40-quality": _selection(
-        SMOLLM2_40,
-        "layers-smollm2-40-quality",
-        ["sleb", f"**{HALVING}", BOUND, f"{HALVING}:paper", f"{HALVING}:default"],
-        bold=("wiki", "web", "stage1"),
-        same=True,
-        stage2_source="stage2-smollm2-135m-0.4",
-    ),
-    "layers-smollm2-40-bound4": _selection(
-        SMOLLM2_40,
-        "layers-smollm2-40-bound4",
-        ["sleb", f"**{BOUND}+top4", HALVING, f"{BOUND}+top4:paper"],
-        bold=("wiki", "web", "stage1"),
-        same=True,
-    ),
-    "layers-smollm2-40-bound2": _selection(
-        SMOLLM2_40,
-        "layers-smollm2-40-bound2",
-        [f"**{BOUND}+top2", f"{BOUND}+top2:paper"],
-        bold=("wiki", "web", "stage1"),
-        same=True,
-    ),
-    "layers-smollm2-40-bound8-unhalved": _selection(
-        SMOLLM2_40,
-        "layers-smollm2-40-bound8-unhalved",
-        ["sleb", f"{BOUND}+top8", HALVING, f"{BOUND}+top8:paper"],
-        same=True,
-    ),
-    "layers-smollm2-40-gradmap4": _selection(
-        SMOLLM2_40,
-        "layers-smollm2-40-gradmap4",
-        ["sleb", "gradmap+top4", "gradmap", "gradmap+top4:paper"],
-        same=True,
-    ),
-    "layers-smollm2-40-gradmap2": _selection(
-        SMOLLM2_40, "layers-smollm2-40-gradmap2", ["gradmap+top2", "gradmap+top2:paper"], same=True
-    ),
-    "layers-smollm2-40-gradmap8": _selection(
-        SMOLLM2_40, "layers-smollm2-40-gradmap8", ["gradmap+top8+halving", "gradmap+top8+halving:paper"], same=True
-    ),
-    "layers-qwen-bound": _selection(
-        QWEN, "layers-qwen-bound", ["sleb", "block_influence", "relative_magnitude", BOUND, "gradmap"]
-    ),
-    "layers-qwen-bound4": _selection(
-        QWEN, "layers-qwen-bound4", ["sleb", "block_influence", f"{BOUND}+top4", BOUND, f"{BOUND}+top4:paper"]
-    ),
-    "layers-qwen-bound4-rounds": top4_rounds,
-    "layers-qwen-quality": _selection(
-        QWEN,
-        "layers-qwen-quality",
-        ["sleb", f"**{HALVING}", f"{BOUND}+top4", "block_influence", BOUND, "gradmap", "sleb:paper", f"{HALVING}:paper"],
-        bold=("wiki", "web", "stage1"),
-    ),
-    "layers-qwen-quality-rounds": functools.partial(
-        rounds_table,
-        source=QWEN,
-        method=HALVING,
-        prefix="layers-qwen-quality-rounds",
-        score="bound score",
-        finalists=QWEN_TOP4_ROUNDS,
-    ),
-    "layers-qwen-bound2": _selection(
-        QWEN,
-        "layers-qwen-bound2",
-        ["sleb", HALVING, f"{BOUND}+top4", f"{BOUND}+top2", BOUND, f"{BOUND}+top2:paper"],
-    ),
-    "layers-qwen-gradmap8": _selection(
-        QWEN,
-        "layers-qwen-gradmap8",
-        ["sleb", HALVING, BOUND, "gradmap+top8+halving", "gradmap", "gradmap+top8+halving:paper"],
-    ),
-    "layers-qwen-gradmap8-rounds": functools.partial(
-        rounds_table, source=QWEN, method="gradmap+top8+halving", prefix="layers-qwen-gradmap8-rounds", score="Fisher trace"
-    ),
-    "layers-qwen-gradmap4": _selection(
-        QWEN, "layers-qwen-gradmap4", ["sleb", "gradmap+top8+halving", "gradmap+top4", "gradmap", "gradmap+top4:paper"]
-    ),
-    "layers-qwen-gradmap4-rounds": functools.partial(
-        rounds_table, source=QWEN, method="gradmap+top4", prefix="layers-qwen-gradmap4-rounds", score="Fisher trace"
-    ),
-    "layers-qwen-gradmap2": _selection(
-        QWEN,
-        "layers-qwen-gradmap2",
-        ["sleb", "gradmap+top8+halving", "gradmap+top4", "gradmap+top2", "gradmap", "gradmap+top2:paper"],
-    ),
     "layers-every-shortlist": every_shortlist,
+    # every importance metric, with and without the paper's Stage 2
+    "layers-metrics-smollm2-25": functools.partial(
+        compare_table, source=SMOLLM2_25, prefix="layers-metrics-smollm2-25", methods=METRICS
+    ),
+    "layers-metrics-smollm2-40": functools.partial(
+        compare_table, source=SMOLLM2_40, prefix="layers-metrics-smollm2-40", methods=METRICS
+    ),
+    "layers-metrics-qwen-25": functools.partial(compare_table, source=QWEN, prefix="layers-metrics-qwen-25", methods=METRICS),
 }

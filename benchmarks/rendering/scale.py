@@ -6,8 +6,9 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 
-from .common import RESULTS, Context, Table
+from .common import RESULTS, Context, Table, load
 
 FLOAT32_BYTES = 4
 
@@ -34,7 +35,7 @@ def _parameters(row: dict) -> int:
 
 def prune_from_disk(context: Context) -> str:
     """`optimum-gradmap prune` on a model larger than this machine's memory, its weights on disk: seconds per Stage 1
-    round and for Stage 2, peak resident memory (over the float32 weight bytes, the issue's yardstick), what was read
+    round and for Stage 2, peak resident memory (over the float32 weight bytes), what was read
     from disk and written, and whether the checkpoint reloaded to the same logits."""
     table = Table(
         "scale",
@@ -88,8 +89,6 @@ TABLES = {
 def main_job_memory(context: Context) -> str:
     """The README's main job run as a child process: its peak resident memory (VmHWM), its own (anonymous) memory at
     its peak, over the model's float32 weight bytes, with what it removed and its perplexities."""
-    from .common import load
-
     table = Table(
         "main-job-memory", ["main job options", "seconds", "peak resident GiB", "peak anonymous GiB", "/ weight bytes", "result"]
     )
@@ -125,8 +124,6 @@ TABLES["main-job-memory"] = main_job_memory
 
 def _stage_seconds_printed(printed: list[str]) -> dict[str, float]:
     """Stage 1's and Stage 2's seconds from the main job's printed line `stage 1: X s   stage 2 (...): Y s`."""
-    import re
-
     for line in printed:
         match = re.match(r"stage 1: ([\d.]+) s\s+stage 2 \([^)]*\): ([\d.]+) s", line)
         if match:
@@ -150,8 +147,6 @@ def measured_run(source: str) -> str:
 def _measured(spec_source: str, key) -> tuple[dict[str, float], float, dict, str] | None:
     """A planned run's measured stage seconds, peak resident bytes, provenance and record. A row of
     `cli_prune_memory` adds the command line it ran to its provenance's note (its footnote shows it)."""
-    from .common import load
-
     if not os.path.exists(os.path.join(RESULTS, spec_source + ".json")):
         return None  # not measured yet
     for row in load(spec_source):
@@ -197,8 +192,6 @@ def plan_against_run(context: Context) -> str:
     is compared, the middle where the plan gives none) and once Stage 1 is done (the removed layers known, Stage 2's
     fits with them), and the stages together. The `run` cell says which run was measured (`MEASURED_RUNS`): the
     command line's own `prune`, or the main job, which does more."""
-    from .common import load
-
     table = Table(
         "plan",
         ["run", "what", "planned before the run", "planned once Stage 1 is done", "measured", "measured / planned", "goal"],

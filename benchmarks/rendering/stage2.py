@@ -2,28 +2,12 @@
 
 from __future__ import annotations
 
-import datetime
 import shlex
 from collections.abc import Sequence
 
-from .common import Context, Table, load, number, older_record
+from .common import Context, Table, load, machine_text, older_record
 
-# --- shared by this page's modules (stage1_cost.py, streaming_memory.py) ------------------------------------------
-
-
-def machine_text(machine: dict) -> str:
-    """A record's top-level machine, as the footnotes say it."""
-    where = machine.get("accelerator") or f"{machine.get('cpu_count') or machine.get('threads') or '?'}-core CPU"
-    return where + (f", torch {machine['torch']}" if machine.get("torch") else "")
-
-
-def scientific(value: float) -> str:
-    """`2.6e-5` rather than Python's `2.6e-05`."""
-    mantissa, exponent = f"{value:.1e}".split("e")
-    return f"{mantissa}e{int(exponent)}"
-
-
-# --- benchmarks/stage2.py's records (issue 19) ----------------------------------------------------------------------
+# --- benchmarks/stage2.py's records ----------------------------------------------------------------------------
 
 
 def copied_from(row: dict, record: dict) -> str | None:
@@ -109,12 +93,12 @@ def stage2_row(record: dict, method: str, variant: str) -> dict:
     return next(row for row in record["rows"] if row["method"] == method and row["variant"] == variant)
 
 
-ISSUE19_METHODS = ("gradmap", "sleb", "gradmap_bound_token", "block_influence", "relative_magnitude", "taylor", "random")
-ISSUE19_VARIANTS = ("none", "paper", "span_end+auto")
+SELECTIONS = ("gradmap", "sleb", "gradmap_bound_token", "block_influence", "relative_magnitude", "taylor", "random")
+VARIANTS = ("none", "paper", "span_end+auto")
 
 
 def stage2_variants_smollm2_25(context: Context) -> str:
-    """benchmarks/stage2.py's table of SmolLM2-135M at 25%: dense and the seven selections of issue 19 with no Stage 2,
+    """benchmarks/stage2.py's table of SmolLM2-135M at 25%: dense and the seven selections with no Stage 2,
     the paper's and `span_end+auto` (the record's other rows are in the tables further down)."""
     source = "stage2-smollm2-135m-0.25"
     record = load(source)
@@ -134,7 +118,7 @@ def stage2_variants_smollm2_25(context: Context) -> str:
     )
     methods = list(dict.fromkeys(row["method"] for row in record["rows"]))  # each method's rows together
     for row in sorted(record["rows"], key=lambda row: methods.index(row["method"])):
-        if row["method"] not in ("dense", *ISSUE19_METHODS) or row["variant"] not in ISSUE19_VARIANTS:
+        if row["method"] not in ("dense", *SELECTIONS) or row["variant"] not in VARIANTS:
             continue
         cells = stage2_cells(row, record)
         table.add(
@@ -167,7 +151,7 @@ def _pivot(source: str, prefix: str, methods: Sequence[str], labels: dict[str, s
         header.append("span_end+auto against Stage 1 alone")
     table = Table(prefix, header)
     for method in methods:
-        rows = [stage2_row(record, method, variant) for variant in ISSUE19_VARIANTS]
+        rows = [stage2_row(record, method, variant) for variant in VARIANTS]
         cells = [labels.get(method, method)] + [_pivot_cell(row) for row in rows]
         if against_stage1:
             stage1, _, fitted = (row["evaluation"] for row in rows)
@@ -188,17 +172,17 @@ def _pivot(source: str, prefix: str, methods: Sequence[str], labels: dict[str, s
 
 
 def stage2_variants_smollm2_40(context: Context) -> str:
-    """The seven selections at SmolLM2-135M 40%, each Stage 2 variant of issue 19 a column."""
+    """The seven selections at SmolLM2-135M 40%, each Stage 2 variant a column."""
     methods = ("gradmap", "sleb", "gradmap_bound_token", "block_influence", "relative_magnitude", "taylor", "random")
     return _pivot("stage2-smollm2-135m-0.4", "stage2-smollm2-40", methods, {}, against_stage1=False)
 
 
 def stage2_variants_qwen_25(context: Context) -> str:
-    """The seven selections and the shortlists of issue 18 at Qwen2.5-Coder-0.5B 25%, each Stage 2 variant of issue
-    19 a column, and `span_end+auto` against Stage 1 alone."""
+    """The seven selections and two shortlists at Qwen2.5-Coder-0.5B 25%, each Stage 2 variant a column, and
+    `span_end+auto` against Stage 1 alone."""
     source = "stage2-qwen2.5-coder-0.5b-0.25"
-    methods = [*ISSUE19_METHODS[:5], "taylor", "random", "gradmap_bound_token+top4", "gradmap_bound_token+top2"]
-    labels = {method: f"{method} (issue 18)" for method in methods if "+top" in method}
+    methods = [*SELECTIONS[:5], "taylor", "random", "gradmap_bound_token+top4", "gradmap_bound_token+top2"]
+    labels = {method: f"{method} (shortlist)" for method in methods if "+top" in method}
     for row in load(source)["rows"]:
         if row["variant"] == "span_end+auto" and row.get("same_model_as"):
             labels[row["method"]] = f"{row['method']} (COPY of {row['same_model_as']}'s row: same layers)"
@@ -296,219 +280,7 @@ def stage2_each_round(context: Context) -> str:
     return table.markdown()
 
 
-# --- benchmarks/quality.py's and benchmarks/evaluation.py's records (before issue 19) -------------------------------
-
-
-def quality_provenance(record: dict, command: str, more: str = "") -> dict:
-    """A benchmarks/quality.py record's provenance: the command the page gives, the record's settings, machine and
-    date."""
-    calibration, evaluation = record["calibration"], record["evaluation"]
-    environment = record["environment"]
-    parts = [
-        f"`{command}` (the command the page gives)",
-        f"{calibration['num_samples']} x {calibration['seq_len']} calibration tokens, the first {evaluation['segments']} "
-        "held-out Wikipedia segments",
-        f"{environment['threads']}-core CPU, torch {environment['torch']}",
-        record["date"] + " (the record's date, no time)",
-    ]
-    return older_record("; ".join(parts + ([more] if more else [])))
-
-
-def stage2_main_job_first(context: Context) -> str:
-    """Dense, Stage 1 and the paper's Stage 2 on GradMAP's layers of SmolLM2-135M at 25%, every held-out segment."""
-    source = "evaluation-smollm2-135m-0.25-limit100"
-    record = load(source)
-    provenance = older_record(
-        f"`{record['command']}` (the record's command), {machine_text(record['machine'])}, no date in the record; "
-        "the same three perplexities as `quality-smollm2-135m-layers-lambda-sweep-sum-objective.json` and as the "
-        "README's main job printed for its checkpoint saved and reloaded"
-    )
-    table = Table("stage2-main-job-first", ["model", "held-out perplexity"])
-    labels = ("dense", "GradMAP Stage 1 only", "GradMAP Stage 1 + the paper's Stage 2 (closed form)")
-    for label, row in zip(labels, record["rows"], strict=True):
-        wikipedia = next(entry for entry in row["perplexities"] if entry["dataset"] == "wikipedia")
-        table.add([label, f"{wikipedia['perplexity']:.3f}"], provenance, source)
-    return table.markdown()
-
-
-def _clock(date: str, elapsed: str | None = None) -> str:
-    """`18:36` from an ISO date, plus an `elapsed` of `/usr/bin/time` (`12:22.15`) when given."""
-    start = datetime.datetime.fromisoformat(date)
-    if elapsed is None:
-        return start.strftime("%H:%M")
-    minutes, seconds = elapsed.split(":")
-    return (start + datetime.timedelta(minutes=int(minutes), seconds=float(seconds))).strftime("%H:%M")
-
-
-def main_job_provenance(run: dict) -> dict:
-    """A run of benchmarks/results/main_job-smollm2-135m.json (written from the run's log) as a row's provenance."""
-    return {
-        "commit": run["commit"],
-        "date": run["date"],
-        "command": run["command"],
-        "machine": run["machine"],
-        "quiet": run["others_running"].startswith("none"),
-        "note": f"load before {run['load_before']}, after {run['load_after']}; other processes: {run['others_running']}",
-    }
-
-
-def stage2_main_job_runs(context: Context) -> str:
-    """The README's main job from a fresh clone, each run a row (benchmarks/results/main_job-smollm2-135m.json)."""
-    source = "main_job-smollm2-135m"
-    table = Table(
-        "stage2-main-job-runs",
-        [
-            "commit",
-            "UTC",
-            "in all",
-            "Stage 1",
-            "Stage 2",
-            "dense / Stage 1 only / both stages (128 segments)",
-            "peak memory",
-        ],
-    )
-    for run in load(source)["runs"]:
-        minutes, seconds = run["elapsed"].split(":")
-        perplexities = run["perplexity_128_segments"]
-        table.add(
-            [
-                f"{run['commit']} ({run['note']})",
-                f"{_clock(run['date'])}-{_clock(run['date'], run['elapsed'])}",
-                f"{int(minutes)} min {float(seconds):.0f} s",
-                f"{run['stage1_seconds']:.1f} s",
-                f"{run['stage2_seconds']:.1f} s",
-                f"{perplexities['dense']:.3f} / {perplexities['stage1']:.3f} / {perplexities['both_stages']:.3f}",
-                f"{run['max_rss_kb'] / 2**20:.1f} GiB",
-            ],
-            main_job_provenance(run),
-            source,
-            ("stage2",),
-        )
-    return table.markdown()
-
-
-def stage2_random_removal(context: Context) -> str:
-    """Eight of SmolLM2-135M's 30 layers removed at random, three draws."""
-    source = "quality-smollm2-135m-0.25-sum-objective"
-    record = load(source)
-    table = Table("stage2-random", ["random removal", "held-out perplexity"])
-    for draw in record["random_removal"]:
-        provenance = quality_provenance(
-            record, "python benchmarks/quality.py --model smollm2-135m --ratio 0.25", f"seed {draw['seed']}"
-        )
-        table.add([f"`{draw['removed_layers']}`", number(draw["perplexity"])], provenance, source)
-    return table.markdown()
-
-
-SOLVER_RECORDS = (
-    # (objective, record, closed-form key, Adam key, the command the page gives)
-    (
-        "squared error **summed** per sequence, averaged over sequences",
-        "quality-smollm2-135m-0.25-sum-objective",
-        "stage1+2 (closed_form)",
-        "stage1+2 (adam)",
-        "python benchmarks/quality.py --model smollm2-135m --ratio 0.25",
-    ),
-    (
-        "squared error **averaged over all elements** (`nn.MSELoss`)",
-        "quality-smollm2-135m-layers-lambda-sweep-sum-objective",
-        "stage1+2 (closed_form, lambda=73.728)",
-        "stage1+2 (adam, lambda=73.728)",
-        "python benchmarks/quality.py --layers 26 25 21 18 14 13 17 10 --solvers closed_form adam --reg-lambdas 73.728 "
-        "--random-seeds 0",
-    ),
-)
-
-
-def stage2_solvers(context: Context) -> str:
-    """The closed form against Adam, with the objective summed per sequence or averaged over elements, on GradMAP's
-    layers of SmolLM2-135M at 25% (the lowest perplexity in bold)."""
-    table = Table(
-        "stage2-solvers",
-        ["Stage 2 objective (lambda = 1e-3)", "closed form", "Adam (2000 full-batch steps, lr 1e-3)"],
-    )
-    best = min(load(source)["perplexity"][key] for _, source, *keys, _ in SOLVER_RECORDS for key in keys)
-    for objective, source, *keys, command in SOLVER_RECORDS:
-        record = load(source)
-        more = "the per-sequence objective with lambda x 128 x 576 = 73.728" if "73.728" in command else ""
-        cells = [objective]
-        for key in keys:
-            value = record["perplexity"][key]
-            cells.append(f"**{value:.3f}**" if value == best else f"{value:.3f}")
-        table.add(cells, quality_provenance(record, command, more), source)
-    _, source, _, _, command = SOLVER_RECORDS[0]
-    record = load(source)
-    stage1 = f"{record['perplexity']['stage1']:.3f}"
-    table.add(["(Stage 1 only, for reference)", stage1, stage1], quality_provenance(record, command), source)
-    return table.markdown()
-
-
-def _quality_model_table(source: str, prefix: str, header: Sequence[str], command: str, random_row: bool) -> str:
-    """Dense, Stage 1 only and Stage 1 + the closed-form Stage 2 of one benchmarks/quality.py record."""
-    record = load(source)
-    provenance = quality_provenance(record, command)
-    [(solver_key, solver)] = record["solvers"].items()
-    perplexity = record["perplexity"]
-    table = Table(prefix, list(header))
-    stage1 = f"`{record['removed_layers']}`"
-    compensated = ", ".join(map(str, solver["compensated_layers"]))
-    rows = [("dense", f"{perplexity['dense']:.3f}")]
-    if random_row:
-        rows += [
-            (
-                f"GradMAP Stage 1 only (removed {stage1}, {record['stage1_seconds']:.0f} s)",
-                f"{perplexity['stage1']:.3f}",
-            ),
-            (
-                f"GradMAP Stage 1 + Stage 2 (closed form, layer {compensated} compensated, {solver['stage2_seconds']:.0f} s)",
-                f"**{perplexity[solver_key]:.3f}**",
-            ),
-        ]
-        rows += [(f"random removal `{draw['removed_layers']}`", f"{draw['perplexity']:.3f}") for draw in record["random_removal"]]
-    else:
-        rows += [
-            (f"Stage 1 only ({stage1})", f"{perplexity['stage1']:.3f}"),
-            (
-                f"Stage 1 + Stage 2 (closed form, layer {compensated}, {solver['stage2_seconds']:.0f} s)",
-                f"**{perplexity[solver_key]:.3f}**",
-            ),
-        ]
-    for cells in rows:
-        table.add(list(cells), provenance, source)
-    return table.markdown()
-
-
-def stage2_qwen_quality(context: Context) -> str:
-    """Qwen2.5-Coder-0.5B at 25%: dense, GradMAP's Stage 1, the closed-form Stage 2 and a random removal."""
-    return _quality_model_table(
-        "quality-qwen2.5-coder-0.5b-0.25",
-        "stage2-qwen-quality",
-        ("model", "held-out perplexity"),
-        "python benchmarks/quality.py --model qwen2.5-coder-0.5b --ratio 0.25 --num-samples 32 --max-eval-segments 128 "
-        "--solvers closed_form --random-seeds 1",
-        random_row=True,
-    )
-
-
-def stage2_mistral(context: Context) -> str:
-    """SmolLM2-135M's weights in Mistral's classes: the same layers, the closed-form Stage 2."""
-    return _quality_model_table(
-        "quality-smollm2-135m-as-mistral-layers-26-25-21-18-14-13-17-10",
-        "stage2-mistral",
-        ("model (Mistral classes)", "held-out perplexity, first 128 segments"),
-        "python benchmarks/quality.py --model smollm2-135m --architecture mistral --layers 26 25 21 18 14 13 17 10 "
-        "--solvers closed_form --random-seeds 0 --max-eval-segments 128",
-        random_row=False,
-    )
-
-
 TABLES = {
-    "stage2-main-job-first": stage2_main_job_first,
-    "stage2-main-job-runs": stage2_main_job_runs,
-    "stage2-random-removal": stage2_random_removal,
-    "stage2-solvers": stage2_solvers,
-    "stage2-qwen-quality": stage2_qwen_quality,
-    "stage2-mistral": stage2_mistral,
     "stage2-variants-smollm2-25": stage2_variants_smollm2_25,
     "stage2-variants-smollm2-40": stage2_variants_smollm2_40,
     "stage2-variants-qwen-25": stage2_variants_qwen_25,

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from .common import Context, Table, load, older_record
-from .stage2 import machine_text, scientific
+from .common import Context, Table, load, machine_text, older_record, scientific
 
 STREAMING_RECORDS = (
     ("SmolLM2-135M", "streaming_memory-smollm2-135m-batch8"),
