@@ -3,8 +3,8 @@
 
 A record is plain JSON, a container put on one line where it fits in `WIDTH` characters. The per-question answers of a
 zero-shot evaluation (`answers[task]`: `doc_ids`, `acc` as a string of 0/1 digits, and where kept `choice`, `margin`,
-`loglikelihoods`) are stored packed: each array as the base64 text of its zlib-compressed variable-length integers
-(floats as integers of ten-thousandths: they are kept to 4 decimals), and the question ids once per record and task, as
+`loglikelihoods`) are stored packed: `acc` as the base64 text of its bits, every other array as the base64 text of its
+zlib-compressed variable-length integers (floats as integers of ten-thousandths: they are kept to 4 decimals), and the question ids once per record and task, as
 ranges (`"0-1837"`, `"9,12,25-27"`), under the record's `question_ids`. `read` gives back the arrays exactly as they
 were written.
 
@@ -82,6 +82,15 @@ def _unpack_integers(text: str) -> list[int | None]:
     return values
 
 
+def _pack_bits(digits: str) -> str:
+    """Base64 of a string of 0/1 digits, eight to a byte (the first digit the lowest bit)."""
+    return base64.b64encode(int(digits[::-1] or "0", 2).to_bytes((len(digits) + 7) // 8, "little")).decode("ascii")
+
+
+def _unpack_bits(text: str, count: int) -> str:
+    return format(int.from_bytes(base64.b64decode(text), "little"), f"0{count}b")[::-1] if count else ""
+
+
 def _ranges(ids: Sequence[int]) -> str:
     parts: list[str] = []
     for doc_id in ids:
@@ -107,7 +116,7 @@ def _pack_task(kept: dict, question_ids: dict, task: str) -> dict:
         packed["doc_ids"] = _ranges(ids)  # other questions than the record's: kept with the row
     for key, value in kept.items():
         if key == "acc":
-            packed[key] = _pack_integers([int(digit) for digit in value])
+            packed[key] = _pack_bits(value)
         elif key == "loglikelihoods":
             packed["answers_per_question"] = _pack_integers([len(values) for values in value])
             packed[key] = _pack_integers([round(item * SCALE) for values in value for item in values])
@@ -124,10 +133,11 @@ def _unpack_task(packed: dict, question_ids: dict, task: str) -> dict:
     for key, value in packed.items():
         if key in ("doc_ids", "answers_per_question"):
             continue
-        values = _unpack_integers(value)
         if key == "acc":
-            kept[key] = "".join(map(str, values))
-        elif key == "loglikelihoods":
+            kept[key] = _unpack_bits(value, len(kept["doc_ids"]))
+            continue
+        values = _unpack_integers(value)
+        if key == "loglikelihoods":
             flat = iter(values)
             kept[key] = [[next(flat) / SCALE for _ in range(width)] for width in widths]
         elif key in FLOATS:
