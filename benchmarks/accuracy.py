@@ -40,11 +40,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.metadata
-import json
 import logging
 import os
 import time
 
+import records
 import torch
 from provenance import finish, provenance
 
@@ -121,8 +121,7 @@ def variant_settings(name: str) -> dict | None:
 
 def layers_of(model: str, ratio: float, selection: str) -> tuple[list[int], str]:
     path = os.path.join(RESULTS, f"compare-{model}-{ratio:g}.json")
-    with open(path, encoding="utf-8") as file:
-        record = json.load(file)
+    record = records.read(path)
     row = next(row for row in record["rows"] if row["method"] == SELECTIONS[selection] and not row["stage2"])
     return row["removed_layers"], f"{os.path.relpath(path, os.path.dirname(RESULTS))}, row {SELECTIONS[selection]!r}"
 
@@ -461,17 +460,13 @@ def main() -> None:
     subsets = PROTOCOLS[args.protocol]
     record = {"model": args.model, "ratio": args.ratio, "protocol": args.protocol, "subsets": subsets, "rows": []}
     if (args.resume or args.pair or args.goal or args.boolq_yes_rate) and os.path.isfile(prefix + ".json"):
-        with open(prefix + ".json", encoding="utf-8") as file:
-            record = json.load(file)
+        record = records.read(prefix + ".json")
 
     def save() -> None:
         if record["rows"]:
             answers = record["rows"][0]["evaluation"]["zero_shot"]["answers"]
             record["questions"] = sum(len(kept["acc"]) for kept in answers.values())
-        with open(prefix + ".json", "w", encoding="utf-8") as file:
-            json.dump(record, file, indent=1)
-        with open(prefix + ".md", "w", encoding="utf-8") as file:
-            file.write(markdown(record))
+        records.write(prefix + ".json", record)
 
     def done(selection: str, variant: str) -> dict | None:
         return rows_by_key(record).get((selection, variant))

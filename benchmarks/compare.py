@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
-import json
 import logging
 import math
 import os
@@ -43,7 +42,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.provenance import finish, provenance  # noqa: E402
+import records  # noqa: E402
+from provenance import finish, provenance  # noqa: E402
+
 from optimum_gradmap import GradMAPConfig, GradMAPPruner  # noqa: E402
 from optimum_gradmap.assets import MODEL_ASSETS, load_model  # noqa: E402
 from optimum_gradmap.configuration import PAPER_STAGE2  # noqa: E402
@@ -100,15 +101,6 @@ def measure_held_out(model, tokenizer, label: str, max_eval_segments: int, task_
     ).to_dict()
     evaluation["seconds"] = time.perf_counter() - started
     return evaluation
-
-
-def save_record(record: dict, prefix: str, table: str) -> None:
-    """Writes `prefix`.json (the record) and `prefix`.md (its commands, then the table)."""
-    with open(f"{prefix}.json", "w", encoding="utf-8") as file:
-        json.dump(record, file, indent=2)
-    with open(f"{prefix}.md", "w", encoding="utf-8") as file:
-        commands = "\n".join(f"`{command}`  " for command in record["commands"])
-        file.write(f"{commands}\n\n{table}\n")
 
 
 def markdown(record: dict) -> str:
@@ -286,8 +278,7 @@ def main() -> None:
     os.makedirs(args.output_dir, exist_ok=True)
     prefix = os.path.join(args.output_dir, f"compare-{args.model}-{args.ratio}")
     if args.resume and os.path.exists(f"{prefix}.json"):
-        with open(f"{prefix}.json", encoding="utf-8") as file:
-            record = json.load(file)
+        record = records.read(f"{prefix}.json")
         different = {key: (record["settings"][key], value) for key, value in settings.items() if record["settings"][key] != value}
         if different:
             raise SystemExit(f"--resume: settings differ from {prefix}.json (saved, asked): {different}")
@@ -303,7 +294,7 @@ def main() -> None:
         }
 
     def save() -> None:
-        save_record(record, prefix, markdown(record))
+        records.write(f"{prefix}.json", record)
 
     done = {row["method"] for row in record["rows"]}
     if "dense" not in done:

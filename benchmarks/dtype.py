@@ -15,10 +15,10 @@ kept. Every row carries its provenance (`benchmarks/provenance.py`): compare the
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 
+import records
 import torch
 from accuracy import CALIBRATION, RESULTS
 from provenance import finish, provenance, wait_until_quiet
@@ -90,8 +90,7 @@ def main() -> None:
     }
     record["rows"] = []
     if args.resume and os.path.isfile(path + ".json"):
-        with open(path + ".json", encoding="utf-8") as file:
-            record = json.load(file)
+        record = records.read(path + ".json")
     for dtype in args.dtypes:
         if any(row["dtype"] == dtype for row in record["rows"]):
             continue
@@ -122,10 +121,7 @@ def main() -> None:
             "provenance": finish(started),
         }
         record["rows"].append(row)
-        with open(path + ".json", "w", encoding="utf-8") as file:
-            json.dump(record, file, indent=1)
-        with open(path + ".md", "w", encoding="utf-8") as file:
-            file.write(markdown(record))
+        records.write(path + ".json", record)
         print(
             f"{dtype}: removed {row['removed_layers']}, Stage 1 {row['stage1_seconds']:.1f} s, Stage 2 "
             f"{row['stage2_seconds']:.1f} s, perplexity {full}",

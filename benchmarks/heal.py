@@ -83,6 +83,7 @@ import tempfile
 import time
 from dataclasses import asdict
 
+import records
 import torch
 from accuracy import CALIBRATION, RESULTS, layers_of
 from provenance import finish, provenance
@@ -358,19 +359,23 @@ def markdown(record: dict) -> str:
 
 
 def write(record: dict, path: str) -> None:
-    """Counts the record's flips again ([`recount`]) and writes it to `path` (.json) and its table beside it (.md)."""
+    """Counts the record's flips again ([`recount`]) and writes it to `path`: the rows' answers kept packed, every
+    question's margin and log-likelihoods only for the dense row (what the other rows are counted against; their own
+    drift is counted before they are dropped)."""
     recount(record)
-    with open(path, "w", encoding="utf-8") as file:
-        json.dump(record, file, indent=1)
-    with open(path[: -len(".json")] + ".md", "w", encoding="utf-8") as file:
-        file.write(markdown(record))
+    kept = json.loads(json.dumps(record))
+    for row in kept["rows"]:
+        if row["variant"] != "dense":
+            for answers in (answers_of(row) or {}).values():
+                answers.pop("margin", None)
+                answers.pop("loglikelihoods", None)
+    records.write(path, kept)
 
 
 def copied_dense_row(source: str, record: dict, max_segments: int) -> dict:
     """The `dense` row of another record of the same model and protocol, its provenance marked as a copy: the dense
     model's evaluation does not depend on the ratio or the selection."""
-    with open(os.path.join(RESULTS, source + ".json"), encoding="utf-8") as file:
-        other = json.load(file)
+    other = records.read(os.path.join(RESULTS, source + ".json"))
     for earlier in (other, record):
         earlier.setdefault("device", "cpu")  # records from before `--device` ran on the CPU
     for key in ("model", "protocol", "subsets", "calibration_sha256", "device"):
@@ -468,15 +473,13 @@ def main() -> None:
     name = f"heal-{args.model}-{args.ratio:g}-{args.selection}-{args.protocol}{suffix}" + (f"-{args.label}" if args.label else "")
     path = os.path.join(RESULTS, name + ".json")
     if args.recount_only:
-        with open(path, encoding="utf-8") as file:
-            record = json.load(file)
+        record = records.read(path)
         write(record, path)
         print(markdown(record))
-        print(f"counted again, nothing measured: {path} and its .md", flush=True)
+        print(f"counted again, nothing measured: {path}", flush=True)
         return
     if args.pair:
-        with open(path, encoding="utf-8") as file:
-            print_pair(json.load(file), *args.pair)
+        print_pair(records.read(path), *args.pair)
         return
     record = {
         "model": args.model,
@@ -493,8 +496,7 @@ def main() -> None:
         "rows": [],
     }
     if args.resume and os.path.exists(path):
-        with open(path, encoding="utf-8") as file:
-            record = json.load(file)
+        record = records.read(path)
     done = {row["variant"] for row in record["rows"]} - set(args.redo)
     variants = [*args.variants, *(variant for variant in args.redo if variant not in args.variants)]
     variants.sort(key=lambda variant: variant != "dense")  # the dense row first: the others' flips count against it

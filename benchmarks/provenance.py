@@ -44,18 +44,20 @@ def _git(*arguments: str) -> str:
 
 
 def program(command: str) -> str:
-    """The program a command line runs, without its folder or arguments: the script or module for a Python
-    interpreter (`python -m pytest ...` is `pytest`, `.venv/bin/python benchmarks/heal.py ...` is `heal.py`)."""
+    """The program a command line runs, without its folder or arguments: for a Python interpreter, the script or
+    module it runs (`python -m pytest ...` is `pytest`, `.venv/bin/python benchmarks/heal.py ...` is `heal.py`;
+    `python -c CODE` is `python`)."""
     words = command.split()
-    if not words:
-        return ""
-    name = os.path.basename(words[0])
-    if name.startswith("python"):
-        rest = [word for word in words[1:] if not word.startswith("-") or word == "-m"]
-        if rest[:1] == ["-m"] and len(rest) > 1:
-            return rest[1]
-        if rest and rest[0] != "-m":
-            return os.path.basename(rest[0])
+    name = os.path.basename(words[0]) if words else ""
+    if not name.startswith("python"):
+        return name
+    for index, word in enumerate(words[1:], 1):
+        if word == "-c":
+            return name
+        if word == "-m":
+            return words[index + 1] if index + 1 < len(words) else name
+        if not word.startswith("-"):
+            return os.path.basename(word)
     return name
 
 

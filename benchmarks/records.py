@@ -4,9 +4,9 @@
 A record is plain JSON, a container put on one line where it fits in `WIDTH` characters. The per-question answers of a
 zero-shot evaluation (`answers[task]`: `doc_ids`, `acc` as a string of 0/1 digits, and where kept `choice`, `margin`,
 `loglikelihoods`) are stored packed: `acc` as the base64 text of its bits, every other array as the base64 text of its
-zlib-compressed variable-length integers (floats as integers of ten-thousandths: they are kept to 4 decimals), and the question ids once per record and task, as
-ranges (`"0-1837"`, `"9,12,25-27"`), under the record's `question_ids`. `read` gives back the arrays exactly as they
-were written.
+zlib-compressed variable-length integers (floats as integers of ten-thousandths: they are kept to 4 decimals), and
+the question ids once per record and task, as ranges (`"0-1837"`, `"9,12,25-27"`), under the record's
+`question_ids`. `read` gives back the arrays exactly as they were written.
 
 Every string a record holds is written with the paths of this machine made relative (`relative_paths`): the
 repository's own folder is left out, a folder beside it is `../NAME`, the temporary folder is `$TMPDIR` and the home
@@ -36,12 +36,12 @@ SCALE = 10_000
 def relative_paths(text: str, root: str = ROOT) -> str:
     """`text` with the absolute paths of this machine made relative: in the repository `root`, relative to it (the
     folder beside it as `../NAME`); in the temporary folder, `$TMPDIR/...`; in the home folder, `~/...`."""
-    places = {os.path.dirname(root): "..", os.path.expanduser("~"): "~", tempfile.gettempdir(): "$TMPDIR", root: "."}
+    places = {os.path.expanduser("~"): "~", os.path.dirname(root): "..", tempfile.gettempdir(): "$TMPDIR", root: "."}
     for folder in sorted(places, key=len, reverse=True):
         if folder.rstrip("/"):
             pattern = re.escape(folder.rstrip("/")) + r"(/|(?=[\s'\"]|$))"
             name = places[folder]
-            text = re.sub(pattern, lambda match: "" if name == "." and match.group(1) else name + match.group(1), text)
+            text = re.sub(pattern, lambda match, name=name: "" if name == "." and match.group(1) else name + match.group(1), text)
     return text
 
 
@@ -151,7 +151,8 @@ def _answers(value: object) -> Iterator[dict]:
     """Every `answers` mapping (task -> per-question arrays) in a record."""
     if isinstance(value, dict):
         for key, item in value.items():
-            if key == "answers" and isinstance(item, dict) and all(isinstance(kept, dict) and "acc" in kept for kept in item.values()):
+            per_question = isinstance(item, dict) and all(isinstance(kept, dict) and "acc" in kept for kept in item.values())
+            if key == "answers" and per_question:
                 yield item
             else:
                 yield from _answers(item)

@@ -31,6 +31,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -38,7 +39,46 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from provenance import finish, provenance  # noqa: E402
-from stage1_speed import PeakMemory  # noqa: E402  (the same sampler as the Stage 1 speed benchmark)
+
+
+class PeakMemory:
+    """Peak memory above the level at entry: CUDA's allocator statistics, or sampled resident memory."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.extra = 0
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as file:
+            return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.base = self._rss()
+            self.peak = self.base
+            self.running = True
+            self.thread = threading.Thread(target=self._sample, daemon=True)
+            self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.005)
+
+    def __exit__(self, *exc_info) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.extra = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self.running = False
+            self.thread.join()
+            self.extra = max(self.peak, self._rss()) - self.base
 
 
 def worker(args: argparse.Namespace) -> dict:
