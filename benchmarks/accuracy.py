@@ -1,4 +1,4 @@
-"""Accuracy you can trust (issue 38): for one model, ratio and selection of removed layers, the Stage 1
+"""Accuracy you can trust: for one model, ratio and selection of removed layers, the Stage 1
 model and each Stage 2 variant, evaluated on the same questions, and compared with the Stage 1 model
 question by question.
 
@@ -20,7 +20,7 @@ and McNemar's test; the dense model's row gives retained accuracy. Every row car
 (benchmarks/provenance.py).
 
 A variant is `stage1`; `default`, the library's default Stage 2 when the row is measured; `paper`
-(`PAPER_STAGE2`); `previous_default`, the default Stage 2 before issue 38 changed it (`PREVIOUS_DEFAULT_STAGE2`: rows
+(`PAPER_STAGE2`); `previous_default`, the earlier default Stage 2 (`PREVIOUS_DEFAULT_STAGE2`: rows
 measured as `default` before the change carry that name now, with `renamed_from`); or changes to the previous default
 joined by `+` (`CHANGES`; `next_token+no_outliers` has the settings the default has had since, on a family without a
 norm after the MLP, so `default` there measures it again under another name); `mixed` fits
@@ -76,13 +76,13 @@ SELECTIONS = {
     "quality": "gradmap_bound_token+top8+halving",  # the quality preset
     "fast": "relative_magnitude",  # the fast preset
 }
-# the quality preset's layer selection (it heals too since issue 65)
+# the quality preset's layer selection (the preset heals too)
 assert QUALITY_SELECTION == {"importance": "gradmap_bound_token", "verify_top_k": 8, "verify_halving": True}
 assert PRESETS["fast"] == {"importance": "relative_magnitude"}
 # A variant is "stage1" (no Stage 2), "default" (GradMAPConfig's defaults today), "paper" (the paper's Stage 2),
-# "previous_default" (the default before issue 38), or changes to the previous default joined by "+" (e.g.
+# "previous_default" (the earlier default), or changes to the previous default joined by "+" (e.g.
 # "rotated_diagonal+no_outliers"), so that a name keeps what it measured when the default changes.
-# `grid`: the default Stage 2 with every strength of the grid scored (its only search before issue 55)
+# `grid`: the default Stage 2 with every strength of the grid scored (the strength search alone)
 NAMED_VARIANTS: dict[str, dict] = {
     "default": {},
     "paper": PAPER_STAGE2,
@@ -306,7 +306,7 @@ def print_boolq_yes_rates(record: dict) -> None:
 
 
 def meets_goal(row: dict, stage1: dict) -> bool:
-    """Issue 38's condition on one row: both held-out perplexities below Stage 1's and a pooled paired change
+    """The accuracy goal on one row: both held-out perplexities below Stage 1's and a pooled paired change
     against Stage 1 of at least -1 standard error."""
     lower = all(
         mine["perplexity"] < theirs["perplexity"]

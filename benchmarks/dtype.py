@@ -1,4 +1,4 @@
-"""What computing in bfloat16 changes (issue 55): for one model and ratio, GradMAP's two stages run from weights loaded
+"""What computing in bfloat16 changes: for one model and ratio, GradMAP's two stages run from weights loaded
 in each dtype, on the same calibration set, in one process: the layers Stage 1 removes, the lambdas Stage 2 chooses,
 each stage's seconds, and the held-out perplexity after both stages on Wikipedia and web text, measured in float32
 (the pruned weights cast up, exactly) and in the dtype the model computed in.

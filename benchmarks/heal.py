@@ -1,4 +1,4 @@
-"""Heal (issue 56): what distilling the dense model back into the pruned one brings, judged by fidelity to the dense
+"""Heal: what distilling the dense model back into the pruned one brings, judged by fidelity to the dense
 model (flips, KL) as well as accuracy and perplexity, on one model, ratio and selection of removed layers.
 
     python benchmarks/heal.py --model smollm2-135m --ratio 0.25 --selection gradmap --variants dense stage1 default
@@ -13,7 +13,7 @@ A variant is `dense`, `stage1` (Stage 1 alone), `default` (Stage 1 and the defau
 (`heal_lora_rank`) and `+topk=K` (the teacher's K most likely tokens the loss keeps apart,
 `optimum_gradmap.distillation.TOP_K`, 64 by default; the tail beyond them is one outcome). A budget `FACTORx` in place of
 TOKENS (`lora@1.5x`) is `heal_tokens="auto"` for FACTOR times Stage 1's quiet time on this machine (`STAGE1_SECONDS`):
-as many tokens as fit, the dense model's text included (issue 65: the heal's goals are at 1.5x). `+text=generated`
+as many tokens as fit, the dense model's text included (the heal's goals are at 1.5x). `+text=generated`
 heals on the dense model's own text ([`optimum_gradmap.generation`], generated afresh for the row and timed),
 `+text=mix` on it and the corpus text in equal parts, `+temp=T` sets its temperature (`heal_temperature`),
 `+prompts=chat` starts that text from the chat template's user turn (`heal_prompts`), `+loss=NAME` what the heal
@@ -43,7 +43,7 @@ carries its provenance (benchmarks/provenance.py). Writes
 benchmarks/results/heal-<model>-<ratio>-<selection>-<protocol>[-<label>].{json,md}; with `--resume`, rows already
 there are kept, except the variants named by `--redo VARIANT ...`, measured again and put in their old rows' place.
 
-Which flips (issue 65): every question's record keeps the model's margin (its log-likelihood of the chosen answer
+Which flips: every question's record keeps the model's margin (its log-likelihood of the chosen answer
 minus the next best, 4 decimals), and each row's flips are also counted on the confident questions, those whose
 dense margin is above the median of their own task's dense margins (`confident flips`, with and without BoolQ), and
 per quartile of the dense margins cut within each task and pooled over tasks (`flips_by_margin` in the JSON, each
@@ -51,7 +51,7 @@ task's edges in `margin_edges`, not in the table), by the library's `flips`
 ([`optimum_gradmap.evaluation.margin_quartiles_by_task`]): Dutta et al. ("Accuracy is Not All You Need", NeurIPS
 2024) find flips come mostly from questions where the dense model's answer barely wins, and the margins are on very
 different scales per task (SmolLM2-135M's dense median: 13.2 nats on HellaSwag, 0.80 on WinoGrande), so a pooled
-median would pick tasks, not sure answers. Rows measured from issue 65's logit losses on also keep every answer's
+median would pick tasks, not sure answers. Rows measured since the logit losses also keep every answer's
 log-likelihood, and the answers' drift from the dense model (`answer_drift`, with and without BoolQ: per question,
 the root mean square difference of the two models' centred answer log-likelihoods, averaged; what a flip needs to
 move, measured in nats rather than counted). Each row also keeps its BoolQ "yes" share (`boolq_yes`: the share of
@@ -61,7 +61,7 @@ them again and rewrites the record's .json and .md without measuring anything (n
 
     python benchmarks/heal.py --model smollm2-135m --ratio 0.25 --selection gradmap --recount-only
 
-Dense rows recorded before the margins (every record before issue 65) have none, and the run says so: measure the
+Dense rows recorded before the margins have none, and the run says so: measure the
 dense row again, the other rows kept and counted against it, with
 
     python benchmarks/heal.py --model smollm2-135m --ratio 0.25 --variants dense --redo dense --resume
@@ -122,7 +122,7 @@ STAGE1_SECONDS = {
     ("qwen2.5-coder-0.5b", 0.25): 1306.7,
 }
 MISSING_MARGINS = (
-    "Confident flips: not counted, the dense row was measured without its questions' margins (before issue 65): "
+    "Confident flips: not counted, the dense row was measured without its questions' margins: "
     "measure it again with `--variants dense --redo dense --resume` (the other rows are kept and counted against it)."
 )
 
@@ -256,7 +256,7 @@ def answers_of(row: dict) -> dict | None:
 
 
 def has_margins(row: dict) -> bool:
-    """Whether the row's answers keep every question's margin (rows from before issue 65 do not)."""
+    """Whether the row's answers keep every question's margin (rows recorded before the margins do not)."""
     answers = answers_of(row)
     return bool(answers) and all(None not in kept.get("margin", [None]) for kept in answers.values())
 

@@ -62,7 +62,7 @@ class ReferenceCostSLEB(SLEBImportance):
 METHODS = {
     "sleb_reference": lambda: {"importance": ReferenceCostSLEB()},
     "sleb": lambda: {"importance": "sleb"},
-    "quality": lambda: dict(QUALITY_SELECTION),  # its Stage 1 (it heals too since issue 65)
+    "quality": lambda: dict(QUALITY_SELECTION),  # its Stage 1 (the preset heals too)
     "fast": lambda: dict(PRESETS["fast"]),
     # the preset with its shortlist check started from the scoring pass's layer inputs instead of a pass of its own
     "quality_from_scoring_pass": lambda: {**QUALITY_SELECTION, "verify_from_scoring_pass": True},
