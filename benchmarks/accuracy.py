@@ -5,8 +5,6 @@ question by question.
     python benchmarks/accuracy.py --model smollm2-135m --ratio 0.25 --selection gradmap --variants stage1 default paper
     python benchmarks/accuracy.py --model smollm2-135m --ratio 0.25 --selection sleb --variants stage1 default --resume
     python benchmarks/accuracy.py --protocol screening --pair previous_default mixed   # two saved variants, paired
-    python benchmarks/accuracy.py --protocol screening --goal previous_default mixed   # the issue's goal, per selection
-    python benchmarks/accuracy.py --device cuda --boolq-yes-rate   # how often each row's model answered BoolQ "yes"
     python benchmarks/accuracy.py --model qwen2.5-coder-0.5b --variants --resume   # the dense model's row only
 
 The removed layers of a selection are those benchmarks/compare.py recorded for its method on the same
@@ -27,7 +25,7 @@ norm after the MLP, so `default` there measures it again under another name); `m
 Stage 2 on Wikipedia and web text in equal parts instead of the calibration set (`compensation_dataset`; Stage 1's
 layers stay the same); each Stage 2 row records the SHA-256 of the sequences its fits used.
 
-Writes benchmarks/results/accuracy-<model>-<ratio>.{json,md} (`-screening` with `--protocol screening`: 400
+Writes benchmarks/results/accuracy-<model>-<ratio>.json (`-screening` with `--protocol screening`: 400
 questions per task, for comparing many variants; `-cuda` with `--device cuda`, so that rows of different devices
 are never paired); with `--resume`, rows already there are kept. A row is saved as it goes (its perplexities, then
 each task as it ends, under `in_progress`): a run stopped halfway resumes at the row's next task with `--resume`,
@@ -49,7 +47,7 @@ import torch
 from provenance import finish, provenance
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
-from optimum_gradmap.assets import MODEL_ASSETS, get_task_data_paths, load_model
+from optimum_gradmap.assets import MODEL_ASSETS, load_model
 from optimum_gradmap.configuration import PAPER_STAGE2, PRESETS, PREVIOUS_DEFAULT_STAGE2, QUALITY_SELECTION
 from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
 from optimum_gradmap.evaluation import (
@@ -286,75 +284,6 @@ def print_pairs(record: dict, a: str, b: str) -> None:
             )
 
 
-def print_boolq_yes_rates(record: dict) -> None:
-    """For every row, how often the model answered BoolQ "yes" (from its right/wrong answers and the labels of the
-    offline validation split), beside how often "yes" is the right answer: BoolQ's accuracy moves with this bias."""
-    import datasets
-
-    (path,) = get_task_data_paths(["boolq"]).values()
-    labels = datasets.Dataset.from_file(path)["answer"]
-    for row in record["rows"]:
-        answers = row["evaluation"]["zero_shot"]["answers"]["boolq"]
-        questions = list(zip(answers["doc_ids"], answers["acc"]))
-        says_yes = sum((right == "1") == bool(labels[doc_id]) for doc_id, right in questions)
-        is_yes = sum(bool(labels[doc_id]) for doc_id, _ in questions)
-        accuracy = answers["acc"].count("1") / len(questions)
-        print(
-            f"{row['selection']} + {row['variant']}: answers yes on {says_yes / len(questions):.3f} of {len(questions)} "
-            f"questions (yes is right on {is_yes / len(questions):.3f}), accuracy {accuracy:.3f}"
-        )
-
-
-def meets_goal(row: dict, stage1: dict) -> bool:
-    """The accuracy goal on one row: both held-out perplexities below Stage 1's and a pooled paired change
-    against Stage 1 of at least -1 standard error."""
-    lower = all(
-        mine["perplexity"] < theirs["perplexity"]
-        for mine, theirs in zip(row["evaluation"]["perplexities"], stage1["evaluation"]["perplexities"])
-    )
-    pooled = row["against_stage1"]["pooled"]
-    return lower and pooled["difference"] >= -pooled["stderr"]
-
-
-def goal_table(record: dict, variants: list[str]) -> str:
-    """Markdown: per selection (rows) and Stage 2 variant (columns), the pooled paired change against Stage 1 in
-    points, its standard error and the change in standard errors, then Wikipedia / web-text perplexity; bold where
-    the goal's condition holds; the mean change and the number of rows meeting the condition per variant, over the
-    selections that have every variant."""
-    rows = rows_by_key(record)
-    selections = [s for s in selections_in(record) if (s, "stage1") in rows]
-    perplexities = lambda row: " / ".join(f"{p['perplexity']:,.1f}" for p in row["evaluation"]["perplexities"])  # noqa: E731
-    lines = ["| layers of | Stage 1 | " + " | ".join(variants) + " |", "|---|---|" + "---|" * len(variants)]
-    changes: dict[str, list[float]] = {variant: [] for variant in variants}
-    passed: dict[str, int] = {variant: 0 for variant in variants}
-    complete = [s for s in selections if all((s, v) in rows for v in variants)]
-    for selection in selections:
-        stage1 = rows[(selection, "stage1")]
-        cells = [selection, perplexities(stage1)]
-        for variant in variants:
-            row = rows.get((selection, variant))
-            if row is None:
-                cells.append("not measured")
-                continue
-            pooled = row["against_stage1"]["pooled"]
-            change, stderr = 100 * pooled["difference"], 100 * pooled["stderr"]
-            text = f"{change:+.2f} ± {stderr:.2f} ({change / stderr:+.2f} SE)"
-            good = meets_goal(row, stage1)
-            cells.append(f"{f'**{text}**' if good else text}; {perplexities(row)}")
-            if selection in complete:
-                changes[variant].append(change)
-                passed[variant] += good
-        lines.append("| " + " | ".join(cells) + " |")
-    if complete:
-        lines.append(
-            f"| mean change, {len(complete)} selections | | "
-            + " | ".join(f"{sum(c) / len(c):+.2f}" for c in changes.values())
-            + " |"
-        )
-        lines.append("| rows meeting the condition | | " + " | ".join(f"{passed[v]} of {len(complete)}" for v in variants) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def markdown(record: dict) -> str:
     lines = [
         f"# Accuracy: {record['model']} at {record['ratio']:g}",
@@ -433,21 +362,10 @@ def main() -> None:
     )
     parser.add_argument("--resume", action="store_true")
     parser.add_argument(
-        "--goal",
-        nargs="+",
-        metavar="VARIANT",
-        help="measure nothing: print the issue's goal table (change against Stage 1 per selection) for these variants",
-    )
-    parser.add_argument(
         "--pair",
         nargs=2,
         metavar=("A", "B"),
         help="measure nothing: print, for every selection in the record with both variants, B's paired change against A",
-    )
-    parser.add_argument(
-        "--boolq-yes-rate",
-        action="store_true",
-        help="measure nothing: print how often each row's model answered BoolQ 'yes'",
     )
     args = parser.parse_args()
     logging.getLogger("optimum_gradmap").setLevel(logging.WARNING)
@@ -459,7 +377,7 @@ def main() -> None:
     prefix = os.path.join(RESULTS, f"accuracy-{args.model}-{args.ratio:g}{suffix}")
     subsets = PROTOCOLS[args.protocol]
     record = {"model": args.model, "ratio": args.ratio, "protocol": args.protocol, "subsets": subsets, "rows": []}
-    if (args.resume or args.pair or args.goal or args.boolq_yes_rate) and os.path.isfile(prefix + ".json"):
+    if (args.resume or args.pair) and os.path.isfile(prefix + ".json"):
         record = records.read(prefix + ".json")
 
     def save() -> None:
@@ -473,12 +391,6 @@ def main() -> None:
 
     if args.pair:
         print_pairs(record, *args.pair)
-        return
-    if args.goal:
-        print(goal_table(record, args.goal))
-        return
-    if args.boolq_yes_rate:
-        print_boolq_yes_rates(record)
         return
     model, tokenizer = load_model(args.model)
     model.to(args.device)

@@ -9,7 +9,7 @@ perplexity on Wikipedia and web text, and provenance. The largest budget's curve
     python benchmarks/budget.py --model smollm2-135m --budgets 0.1 0.5 1.0 --num-samples 32 \
         --picture docs/images/budget-curve-smollm2-135m.png --resume
 
-Writes benchmarks/results/budget-<model>-<importance>-<num samples>.{json,md} after every row.
+Writes benchmarks/results/budget-<model>-<importance>-<num samples>.json after every row.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ each stage's seconds, and the held-out perplexity after both stages on Wikipedia
     python benchmarks/dtype.py --num-layers-to-prune 4 --num-samples 16   # the issue's first measurement's setting
 
 Stage 1 is the library's default (GradMAP's gradient score), Stage 2 its default; `--dtypes` run in the order given,
-one row each. Writes benchmarks/results/dtype-<model>-<ratio>.{json,md}; with `--resume`, rows already there are
+one row each. Writes benchmarks/results/dtype-<model>-<ratio>.json; with `--resume`, rows already there are
 kept. Every row carries its provenance (`benchmarks/provenance.py`): compare the seconds of rows that are both quiet.
 """
 

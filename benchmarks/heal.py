@@ -40,7 +40,7 @@ Stage 1 and the default Stage 2 run once per invocation, and every heal row star
 model, loaded beside them, as its teacher (as `optimum-gradmap heal --teacher` does; the pruner's own teacher, the
 pruned model with its layers put back and its folds undone, gives the same targets: tests/test_heal.py). Every row
 carries its provenance (benchmarks/provenance.py). Writes
-benchmarks/results/heal-<model>-<ratio>-<selection>-<protocol>[-<label>].{json,md}; with `--resume`, rows already
+benchmarks/results/heal-<model>-<ratio>-<selection>-<protocol>[-<label>].json; with `--resume`, rows already
 there are kept, except the variants named by `--redo VARIANT ...`, measured again and put in their old rows' place.
 
 Which flips: every question's record keeps the model's margin (its log-likelihood of the chosen answer
@@ -57,7 +57,7 @@ the root mean square difference of the two models' centred answer log-likelihood
 move, measured in nats rather than counted). Each row also keeps its BoolQ "yes" share (`boolq_yes`: the share of
 BoolQ questions answered "yes", lm-eval's answer 1), to tell a yes/no bias from knowledge. These are counted from the
 answers the rows keep, at every save: older rows get them without being measured again, and `--recount-only` counts
-them again and rewrites the record's .json and .md without measuring anything (no model is loaded):
+them again and rewrites the record without measuring anything (no model is loaded):
 
     python benchmarks/heal.py --model smollm2-135m --ratio 0.25 --selection gradmap --recount-only
 
@@ -453,8 +453,7 @@ def main() -> None:
     parser.add_argument(
         "--recount-only",
         action="store_true",
-        help="measure nothing: load the record, count every row's flips again from the answers it keeps, and rewrite "
-        "its .json and .md",
+        help="measure nothing: load the record, count every row's flips again from the answers it keeps, and rewrite the record",
     )
     parser.add_argument(
         "--pair",

@@ -23,7 +23,7 @@ machine: the table shows, per row, how many other processes were busy when it st
     python benchmarks/stage1_peers.py --model smollm2-135m --ratio 0.25 --num-samples 32 --resume
     python benchmarks/stage1_peers.py --model qwen2.5-coder-0.5b --ratio 0.25 --num-samples 32 --resume
 
-Writes benchmarks/results/stage1_peers-<model>-<ratio>-<num samples>.{json,md}, after every row; `--resume`
+Writes benchmarks/results/stage1_peers-<model>-<ratio>-<num samples>.json, after every row; `--resume`
 keeps the rows already there (same settings, same calibration set by its SHA-256) and runs the others.
 """
 

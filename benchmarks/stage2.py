@@ -17,7 +17,7 @@ settings; its calibration SHA-256 is checked against the one rebuilt here. Varia
   seed (in-domain text the user could hold out); `mixed`, fitted on Wikipedia and web text in equal parts
   (`offline:wikipedia+offline:web_text`; Stage 1's layers stay compare.py's).
 
-Writes benchmarks/results/stage2-<model>-<ratio>.{json,md}; with `--resume`, rows already there are kept.
+Writes benchmarks/results/stage2-<model>-<ratio>.json; with `--resume`, rows already there are kept.
 Every row measured here carries its provenance (`benchmarks/provenance.py`); a copied row, `copied_from`.
 """
 
