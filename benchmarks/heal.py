@@ -43,31 +43,14 @@ carries its provenance (benchmarks/provenance.py). Writes
 benchmarks/results/heal-<model>-<ratio>-<selection>-<protocol>[-<label>].json; with `--resume`, rows already
 there are kept, except the variants named by `--redo VARIANT ...`, measured again and put in their old rows' place.
 
-Which flips: every question's record keeps the model's margin (its log-likelihood of the chosen answer
-minus the next best, 4 decimals), and each row's flips are also counted on the confident questions, those whose
-dense margin is above the median of their own task's dense margins (`confident flips`, with and without BoolQ), and
-per quartile of the dense margins cut within each task and pooled over tasks (`flips_by_margin` in the JSON, each
-task's edges in `margin_edges`, not in the table), by the library's `flips`
-([`optimum_gradmap.evaluation.margin_quartiles_by_task`]): Dutta et al. ("Accuracy is Not All You Need", NeurIPS
-2024) find flips come mostly from questions where the dense model's answer barely wins, and the margins are on very
-different scales per task (SmolLM2-135M's dense median: 13.2 nats on HellaSwag, 0.80 on WinoGrande), so a pooled
-median would pick tasks, not sure answers. Rows measured since the logit losses also keep every answer's
-log-likelihood, and the answers' drift from the dense model (`answer_drift`, with and without BoolQ: per question,
-the root mean square difference of the two models' centred answer log-likelihoods, averaged; what a flip needs to
-move, measured in nats rather than counted). Each row also keeps its BoolQ "yes" share (`boolq_yes`: the share of
-BoolQ questions answered "yes", lm-eval's answer 1), to tell a yes/no bias from knowledge. These are counted from the
-answers the rows keep, at every save: older rows get them without being measured again, and `--recount-only` counts
-them again and rewrites the record without measuring anything (no model is loaded):
-
-    python benchmarks/heal.py --model smollm2-135m --ratio 0.25 --selection gradmap --recount-only
-
-Dense rows recorded before the margins have none, and the run says so: measure the
-dense row again, the other rows kept and counted against it, with
-
-    python benchmarks/heal.py --model smollm2-135m --ratio 0.25 --variants dense --redo dense --resume
-
-(a dense row copied with `--dense-from` has the margins of its source: redo the source's first, then
-`--redo dense --dense-from SOURCE --resume`).
+Flips are also counted on the confident questions (dense margin, its answer's log-likelihood minus the next best,
+above the median of its own task's dense margins: `confident_flips`) and per quartile of those margins
+(`flips_by_margin`, `margin_edges`), by the library's `flips`; `answer_drift` is the RMS difference of the two models'
+centred answer log-likelihoods per question, averaged; `boolq_yes` the share of BoolQ questions answered "yes". Every
+row keeps its answers (packed, benchmarks/records.py); the dense row, which the others are counted against, also
+keeps every question's margin and log-likelihoods. These figures are counted again at every save;
+`--recount-only` does only that, loading no model. A dense row recorded without margins is measured again with
+`--variants dense --redo dense --resume`.
 """
 
 from __future__ import annotations
