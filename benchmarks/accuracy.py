@@ -1,12 +1,10 @@
-"""Accuracy you can trust (issue 38): for one model, ratio and selection of removed layers, the Stage 1
+"""Accuracy you can trust: for one model, ratio and selection of removed layers, the Stage 1
 model and each Stage 2 variant, evaluated on the same questions, and compared with the Stage 1 model
 question by question.
 
     python benchmarks/accuracy.py --model smollm2-135m --ratio 0.25 --selection gradmap --variants stage1 default paper
     python benchmarks/accuracy.py --model smollm2-135m --ratio 0.25 --selection sleb --variants stage1 default --resume
     python benchmarks/accuracy.py --protocol screening --pair previous_default mixed   # two saved variants, paired
-    python benchmarks/accuracy.py --protocol screening --goal previous_default mixed   # the issue's goal, per selection
-    python benchmarks/accuracy.py --device cuda --boolq-yes-rate   # how often each row's model answered BoolQ "yes"
     python benchmarks/accuracy.py --model qwen2.5-coder-0.5b --variants --resume   # the dense model's row only
 
 The removed layers of a selection are those benchmarks/compare.py recorded for its method on the same
@@ -20,14 +18,14 @@ and McNemar's test; the dense model's row gives retained accuracy. Every row car
 (benchmarks/provenance.py).
 
 A variant is `stage1`; `default`, the library's default Stage 2 when the row is measured; `paper`
-(`PAPER_STAGE2`); `previous_default`, the default Stage 2 before issue 38 changed it (`PREVIOUS_DEFAULT_STAGE2`: rows
+(`PAPER_STAGE2`); `previous_default`, the earlier default Stage 2 (`PREVIOUS_DEFAULT_STAGE2`: rows
 measured as `default` before the change carry that name now, with `renamed_from`); or changes to the previous default
 joined by `+` (`CHANGES`; `next_token+no_outliers` has the settings the default has had since, on a family without a
 norm after the MLP, so `default` there measures it again under another name); `mixed` fits
 Stage 2 on Wikipedia and web text in equal parts instead of the calibration set (`compensation_dataset`; Stage 1's
 layers stay the same); each Stage 2 row records the SHA-256 of the sequences its fits used.
 
-Writes benchmarks/results/accuracy-<model>-<ratio>.{json,md} (`-screening` with `--protocol screening`: 400
+Writes benchmarks/results/accuracy-<model>-<ratio>.json (`-screening` with `--protocol screening`: 400
 questions per task, for comparing many variants; `-cuda` with `--device cuda`, so that rows of different devices
 are never paired); with `--resume`, rows already there are kept. A row is saved as it goes (its perplexities, then
 each task as it ends, under `in_progress`): a run stopped halfway resumes at the row's next task with `--resume`,
@@ -40,16 +38,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.metadata
-import json
 import logging
 import os
 import time
 
+import records
 import torch
 from provenance import finish, provenance
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
-from optimum_gradmap.assets import MODEL_ASSETS, get_task_data_paths, load_model
+from optimum_gradmap.assets import MODEL_ASSETS, load_model
 from optimum_gradmap.configuration import PAPER_STAGE2, PRESETS, PREVIOUS_DEFAULT_STAGE2, QUALITY_SELECTION
 from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
 from optimum_gradmap.evaluation import (
@@ -76,13 +74,13 @@ SELECTIONS = {
     "quality": "gradmap_bound_token+top8+halving",  # the quality preset
     "fast": "relative_magnitude",  # the fast preset
 }
-# the quality preset's layer selection (it heals too since issue 65)
+# the quality preset's layer selection (the preset heals too)
 assert QUALITY_SELECTION == {"importance": "gradmap_bound_token", "verify_top_k": 8, "verify_halving": True}
 assert PRESETS["fast"] == {"importance": "relative_magnitude"}
 # A variant is "stage1" (no Stage 2), "default" (GradMAPConfig's defaults today), "paper" (the paper's Stage 2),
-# "previous_default" (the default before issue 38), or changes to the previous default joined by "+" (e.g.
+# "previous_default" (the earlier default), or changes to the previous default joined by "+" (e.g.
 # "rotated_diagonal+no_outliers"), so that a name keeps what it measured when the default changes.
-# `grid`: the default Stage 2 with every strength of the grid scored (its only search before issue 55)
+# `grid`: the default Stage 2 with every strength of the grid scored (the strength search alone)
 NAMED_VARIANTS: dict[str, dict] = {
     "default": {},
     "paper": PAPER_STAGE2,
@@ -121,8 +119,7 @@ def variant_settings(name: str) -> dict | None:
 
 def layers_of(model: str, ratio: float, selection: str) -> tuple[list[int], str]:
     path = os.path.join(RESULTS, f"compare-{model}-{ratio:g}.json")
-    with open(path, encoding="utf-8") as file:
-        record = json.load(file)
+    record = records.read(path)
     row = next(row for row in record["rows"] if row["method"] == SELECTIONS[selection] and not row["stage2"])
     return row["removed_layers"], f"{os.path.relpath(path, os.path.dirname(RESULTS))}, row {SELECTIONS[selection]!r}"
 
@@ -287,75 +284,6 @@ def print_pairs(record: dict, a: str, b: str) -> None:
             )
 
 
-def print_boolq_yes_rates(record: dict) -> None:
-    """For every row, how often the model answered BoolQ "yes" (from its right/wrong answers and the labels of the
-    offline validation split), beside how often "yes" is the right answer: BoolQ's accuracy moves with this bias."""
-    import datasets
-
-    (path,) = get_task_data_paths(["boolq"]).values()
-    labels = datasets.Dataset.from_file(path)["answer"]
-    for row in record["rows"]:
-        answers = row["evaluation"]["zero_shot"]["answers"]["boolq"]
-        questions = list(zip(answers["doc_ids"], answers["acc"]))
-        says_yes = sum((right == "1") == bool(labels[doc_id]) for doc_id, right in questions)
-        is_yes = sum(bool(labels[doc_id]) for doc_id, _ in questions)
-        accuracy = answers["acc"].count("1") / len(questions)
-        print(
-            f"{row['selection']} + {row['variant']}: answers yes on {says_yes / len(questions):.3f} of {len(questions)} "
-            f"questions (yes is right on {is_yes / len(questions):.3f}), accuracy {accuracy:.3f}"
-        )
-
-
-def meets_goal(row: dict, stage1: dict) -> bool:
-    """Issue 38's condition on one row: both held-out perplexities below Stage 1's and a pooled paired change
-    against Stage 1 of at least -1 standard error."""
-    lower = all(
-        mine["perplexity"] < theirs["perplexity"]
-        for mine, theirs in zip(row["evaluation"]["perplexities"], stage1["evaluation"]["perplexities"])
-    )
-    pooled = row["against_stage1"]["pooled"]
-    return lower and pooled["difference"] >= -pooled["stderr"]
-
-
-def goal_table(record: dict, variants: list[str]) -> str:
-    """Markdown: per selection (rows) and Stage 2 variant (columns), the pooled paired change against Stage 1 in
-    points, its standard error and the change in standard errors, then Wikipedia / web-text perplexity; bold where
-    the goal's condition holds; the mean change and the number of rows meeting the condition per variant, over the
-    selections that have every variant."""
-    rows = rows_by_key(record)
-    selections = [s for s in selections_in(record) if (s, "stage1") in rows]
-    perplexities = lambda row: " / ".join(f"{p['perplexity']:,.1f}" for p in row["evaluation"]["perplexities"])  # noqa: E731
-    lines = ["| layers of | Stage 1 | " + " | ".join(variants) + " |", "|---|---|" + "---|" * len(variants)]
-    changes: dict[str, list[float]] = {variant: [] for variant in variants}
-    passed: dict[str, int] = {variant: 0 for variant in variants}
-    complete = [s for s in selections if all((s, v) in rows for v in variants)]
-    for selection in selections:
-        stage1 = rows[(selection, "stage1")]
-        cells = [selection, perplexities(stage1)]
-        for variant in variants:
-            row = rows.get((selection, variant))
-            if row is None:
-                cells.append("not measured")
-                continue
-            pooled = row["against_stage1"]["pooled"]
-            change, stderr = 100 * pooled["difference"], 100 * pooled["stderr"]
-            text = f"{change:+.2f} ± {stderr:.2f} ({change / stderr:+.2f} SE)"
-            good = meets_goal(row, stage1)
-            cells.append(f"{f'**{text}**' if good else text}; {perplexities(row)}")
-            if selection in complete:
-                changes[variant].append(change)
-                passed[variant] += good
-        lines.append("| " + " | ".join(cells) + " |")
-    if complete:
-        lines.append(
-            f"| mean change, {len(complete)} selections | | "
-            + " | ".join(f"{sum(c) / len(c):+.2f}" for c in changes.values())
-            + " |"
-        )
-        lines.append("| rows meeting the condition | | " + " | ".join(f"{passed[v]} of {len(complete)}" for v in variants) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def markdown(record: dict) -> str:
     lines = [
         f"# Accuracy: {record['model']} at {record['ratio']:g}",
@@ -434,21 +362,10 @@ def main() -> None:
     )
     parser.add_argument("--resume", action="store_true")
     parser.add_argument(
-        "--goal",
-        nargs="+",
-        metavar="VARIANT",
-        help="measure nothing: print the issue's goal table (change against Stage 1 per selection) for these variants",
-    )
-    parser.add_argument(
         "--pair",
         nargs=2,
         metavar=("A", "B"),
         help="measure nothing: print, for every selection in the record with both variants, B's paired change against A",
-    )
-    parser.add_argument(
-        "--boolq-yes-rate",
-        action="store_true",
-        help="measure nothing: print how often each row's model answered BoolQ 'yes'",
     )
     args = parser.parse_args()
     logging.getLogger("optimum_gradmap").setLevel(logging.WARNING)
@@ -460,30 +377,20 @@ def main() -> None:
     prefix = os.path.join(RESULTS, f"accuracy-{args.model}-{args.ratio:g}{suffix}")
     subsets = PROTOCOLS[args.protocol]
     record = {"model": args.model, "ratio": args.ratio, "protocol": args.protocol, "subsets": subsets, "rows": []}
-    if (args.resume or args.pair or args.goal or args.boolq_yes_rate) and os.path.isfile(prefix + ".json"):
-        with open(prefix + ".json", encoding="utf-8") as file:
-            record = json.load(file)
+    if (args.resume or args.pair) and os.path.isfile(prefix + ".json"):
+        record = records.read(prefix + ".json")
 
     def save() -> None:
         if record["rows"]:
             answers = record["rows"][0]["evaluation"]["zero_shot"]["answers"]
             record["questions"] = sum(len(kept["acc"]) for kept in answers.values())
-        with open(prefix + ".json", "w", encoding="utf-8") as file:
-            json.dump(record, file, indent=1)
-        with open(prefix + ".md", "w", encoding="utf-8") as file:
-            file.write(markdown(record))
+        records.write(prefix + ".json", record)
 
     def done(selection: str, variant: str) -> dict | None:
         return rows_by_key(record).get((selection, variant))
 
     if args.pair:
         print_pairs(record, *args.pair)
-        return
-    if args.goal:
-        print(goal_table(record, args.goal))
-        return
-    if args.boolq_yes_rate:
-        print_boolq_yes_rates(record)
         return
     model, tokenizer = load_model(args.model)
     model.to(args.device)

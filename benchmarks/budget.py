@@ -9,7 +9,7 @@ perplexity on Wikipedia and web text, and provenance. The largest budget's curve
     python benchmarks/budget.py --model smollm2-135m --budgets 0.1 0.5 1.0 --num-samples 32 \
         --picture docs/images/budget-curve-smollm2-135m.png --resume
 
-Writes benchmarks/results/budget-<model>-<importance>-<num samples>.{json,md} after every row.
+Writes benchmarks/results/budget-<model>-<importance>-<num samples>.json after every row.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.provenance import finish, provenance  # noqa: E402
-from benchmarks.stage1_peers import held_out, load_record, save_record  # noqa: E402
+from provenance import finish, provenance  # noqa: E402
+from records import write  # noqa: E402
+from stage1_peers import held_out, load_record  # noqa: E402
+
 from optimum_gradmap import GradMAPConfig, GradMAPPruner  # noqa: E402
 from optimum_gradmap.assets import MODEL_ASSETS, load_model  # noqa: E402
 from optimum_gradmap.data import calibration_sha256  # noqa: E402
@@ -75,7 +77,7 @@ def main() -> None:
     record = load_record(path, settings, args.resume)
 
     def save() -> None:
-        save_record(path, record, markdown)
+        write(f"{path}.json", record)
 
     dense, tokenizer = load_model(args.model)
     if "dense_perplexity" not in record:

@@ -1,4 +1,4 @@
-"""The command line's own `prune`, monitored (issue 64): the run `optimum-gradmap prune ... --dry-run` plans, and
+"""The command line's own `prune`, monitored: the run `optimum-gradmap prune ... --dry-run` plans, and
 nothing more (no `--evaluate`, no reload check), for the plan-against-run rows of SmolLM2-135M and
 Qwen2.5-Coder-0.5B (benchmarks/plan_accuracy.py). It runs
 
@@ -67,11 +67,12 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="more options for `prune` (after --)")
     args = parser.parse_args()
 
+    import records
     from main_job_memory import float32_weight_bytes
     from provenance import finish, provenance, wait_until_quiet
     from scale import folder_bytes, run_monitored
 
-    rows = json.load(open(RECORD)) if os.path.exists(RECORD) else []
+    rows = records.read(RECORD) if os.path.exists(RECORD) else []
     key = prune_key(args.model, args.ratio, args.dtype, args.extra, args.dataset)
     if args.resume and any(row["key"] == key and row["exit_code"] == 0 for row in rows):
         print(f"{shown_command(key)}: measured already ({RECORD})")
@@ -96,8 +97,7 @@ def main() -> None:
             row["printed"] = printed_tail(file.read())
     rows = [existing for existing in rows if existing["key"] != key] + [row]
     os.makedirs(os.path.dirname(RECORD), exist_ok=True)
-    with open(RECORD, "w") as file:
-        json.dump(rows, file, indent=1)
+    records.write(RECORD, rows)
     shown = {name: value for name, value in row.items() if name not in ("provenance", "printed", "memory")}
     shown["memory"] = {name: value for name, value in memory.items() if name != "timeline"}
     print(json.dumps(shown, indent=1))

@@ -17,7 +17,7 @@ A method is a metric name, optionally with a verified shortlist: `METRIC+topK` r
 `compensate_each_round=True` (Prune&Comp's fit between removals, with the default Stage 2 settings; the
 "Stage 2" rows then add the paper's fit on top).
 
-Writes benchmarks/results/compare-<model>-<ratio>.{json,md} and compare-<model>-<ratio>-{layers,drift}.png.
+Writes benchmarks/results/compare-<model>-<ratio>.json and compare-<model>-<ratio>-{layers,drift}.png.
 With `--resume`, methods already in that JSON are kept (the dense row too) and only the others run,
 so a long comparison can be split over several invocations; the settings must match, and the
 calibration set is checked to be the same one (by its SHA-256). Stage 1 saves its progress after
@@ -31,9 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
-import json
 import logging
-import math
 import os
 import platform
 import sys
@@ -43,7 +41,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.provenance import finish, provenance  # noqa: E402
+import records  # noqa: E402
+from provenance import finish, provenance  # noqa: E402
+
 from optimum_gradmap import GradMAPConfig, GradMAPPruner  # noqa: E402
 from optimum_gradmap.assets import MODEL_ASSETS, load_model  # noqa: E402
 from optimum_gradmap.configuration import PAPER_STAGE2  # noqa: E402
@@ -100,15 +100,6 @@ def measure_held_out(model, tokenizer, label: str, max_eval_segments: int, task_
     ).to_dict()
     evaluation["seconds"] = time.perf_counter() - started
     return evaluation
-
-
-def save_record(record: dict, prefix: str, table: str) -> None:
-    """Writes `prefix`.json (the record) and `prefix`.md (its commands, then the table)."""
-    with open(f"{prefix}.json", "w", encoding="utf-8") as file:
-        json.dump(record, file, indent=2)
-    with open(f"{prefix}.md", "w", encoding="utf-8") as file:
-        commands = "\n".join(f"`{command}`  " for command in record["commands"])
-        file.write(f"{commands}\n\n{table}\n")
 
 
 def markdown(record: dict) -> str:
@@ -183,64 +174,7 @@ def plot(record: dict, prefix: str) -> list[str]:
     drift_path = f"{prefix}-drift.png"
     figure.savefig(drift_path, dpi=120)
     plt.close(figure)
-    return [layers_path, drift_path, pareto_plot(record, prefix)]
-
-
-def pareto_front(points: list[tuple[float, float]]) -> list[int]:
-    """Indices of the points no other point beats on both (lower time, lower perplexity), by time."""
-    order = sorted(range(len(points)), key=lambda i: points[i])
-    front, best = [], float("inf")
-    for index in order:
-        if points[index][1] < best * (1 - 1e-6):  # the same perplexity (the same layers) later is no gain
-            front.append(index)
-            best = points[index][1]
-    return front
-
-
-def pareto_plot(record: dict, prefix: str) -> str:
-    """Held-out perplexity (Wikipedia and web text) against Stage 1 time, one point per method (Stage 1
-    only), with the Pareto front drawn: what each method buys for its compute."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [row for row in record["rows"] if not row["stage2"] and row["method"] not in ("dense", "random")]
-    datasets = [entry["dataset"] for entry in record["rows"][0]["evaluation"]["perplexities"]]
-    figure, axes = plt.subplots(1, len(datasets), figsize=(6.5 * len(datasets), 5))
-    for axis, position in zip(axes, range(len(datasets))):
-        points = [(max(row["stage1_seconds"], 1.0), row["evaluation"]["perplexities"][position]["perplexity"]) for row in rows]
-        front = pareto_front(points)
-        axis.plot([points[i][0] for i in front], [points[i][1] for i in front], color="tab:green", alpha=0.5, linewidth=3)
-        for index, (row, (seconds, value)) in enumerate(zip(rows, points)):  # one colour and marker per method
-            on_front = index in front
-            axis.scatter(
-                seconds,
-                value,
-                color=plt.cm.tab10(index % 10),
-                marker="osD^v<>"[index // 10 % 7],
-                s=45 if on_front else 30,
-                edgecolors="black" if on_front else "none",
-                zorder=3,
-                label=row["method"],
-            )
-        dense = record["rows"][0]["evaluation"]["perplexities"][position]["perplexity"]
-        axis.axhline(dense, color="gray", linestyle=":", linewidth=1)
-        axis.set_xscale("log")
-        axis.set_yscale("log")
-        axis.set_xlabel("Stage 1 seconds (2-core CPU)")
-        axis.set_ylabel(f"held-out {datasets[position]} perplexity (Stage 1 only)")
-        axis.set_title(f"{datasets[position]}: green line and black edge = Pareto front; dotted = dense", fontsize=9)
-    handles, labels = axes[0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
-    figure.suptitle(
-        f"Quality against Stage 1 time, {record['settings']['model']} at {record['settings']['ratio']:.0%}", fontsize=11
-    )
-    figure.tight_layout(rect=(0, 0.06 * math.ceil(len(rows) / 4), 1, 1))
-    path = f"{prefix}-pareto.png"
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return [layers_path, drift_path]
 
 
 def main() -> None:
@@ -286,8 +220,7 @@ def main() -> None:
     os.makedirs(args.output_dir, exist_ok=True)
     prefix = os.path.join(args.output_dir, f"compare-{args.model}-{args.ratio}")
     if args.resume and os.path.exists(f"{prefix}.json"):
-        with open(f"{prefix}.json", encoding="utf-8") as file:
-            record = json.load(file)
+        record = records.read(f"{prefix}.json")
         different = {key: (record["settings"][key], value) for key, value in settings.items() if record["settings"][key] != value}
         if different:
             raise SystemExit(f"--resume: settings differ from {prefix}.json (saved, asked): {different}")
@@ -303,7 +236,7 @@ def main() -> None:
         }
 
     def save() -> None:
-        save_record(record, prefix, markdown(record))
+        records.write(f"{prefix}.json", record)
 
     done = {row["method"] for row in record["rows"]}
     if "dense" not in done:
@@ -384,7 +317,7 @@ def main() -> None:
     print(markdown(record))
     if "sleb_over_gradmap_stage1_time" in record:
         print(f"Stage 1 time, SLEB / GradMAP: {record['sleb_over_gradmap_stage1_time']:.2f}x")
-    print(f"saved {prefix}.json, {prefix}.md and the plots")
+    print(f"saved {prefix}.json and the plots")
 
 
 if __name__ == "__main__":

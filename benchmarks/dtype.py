@@ -1,4 +1,4 @@
-"""What computing in bfloat16 changes (issue 55): for one model and ratio, GradMAP's two stages run from weights loaded
+"""What computing in bfloat16 changes: for one model and ratio, GradMAP's two stages run from weights loaded
 in each dtype, on the same calibration set, in one process: the layers Stage 1 removes, the lambdas Stage 2 chooses,
 each stage's seconds, and the held-out perplexity after both stages on Wikipedia and web text, measured in float32
 (the pruned weights cast up, exactly) and in the dtype the model computed in.
@@ -8,17 +8,17 @@ each stage's seconds, and the held-out perplexity after both stages on Wikipedia
     python benchmarks/dtype.py --num-layers-to-prune 4 --num-samples 16   # the issue's first measurement's setting
 
 Stage 1 is the library's default (GradMAP's gradient score), Stage 2 its default; `--dtypes` run in the order given,
-one row each. Writes benchmarks/results/dtype-<model>-<ratio>.{json,md}; with `--resume`, rows already there are
+one row each. Writes benchmarks/results/dtype-<model>-<ratio>.json; with `--resume`, rows already there are
 kept. Every row carries its provenance (`benchmarks/provenance.py`): compare the seconds of rows that are both quiet.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 
+import records
 import torch
 from accuracy import CALIBRATION, RESULTS
 from provenance import finish, provenance, wait_until_quiet
@@ -90,8 +90,7 @@ def main() -> None:
     }
     record["rows"] = []
     if args.resume and os.path.isfile(path + ".json"):
-        with open(path + ".json", encoding="utf-8") as file:
-            record = json.load(file)
+        record = records.read(path + ".json")
     for dtype in args.dtypes:
         if any(row["dtype"] == dtype for row in record["rows"]):
             continue
@@ -122,10 +121,7 @@ def main() -> None:
             "provenance": finish(started),
         }
         record["rows"].append(row)
-        with open(path + ".json", "w", encoding="utf-8") as file:
-            json.dump(record, file, indent=1)
-        with open(path + ".md", "w", encoding="utf-8") as file:
-            file.write(markdown(record))
+        records.write(path + ".json", record)
         print(
             f"{dtype}: removed {row['removed_layers']}, Stage 1 {row['stage1_seconds']:.1f} s, Stage 2 "
             f"{row['stage2_seconds']:.1f} s, perplexity {full}",

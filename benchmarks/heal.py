@@ -1,4 +1,4 @@
-"""Heal (issue 56): what distilling the dense model back into the pruned one brings, judged by fidelity to the dense
+"""Heal: what distilling the dense model back into the pruned one brings, judged by fidelity to the dense
 model (flips, KL) as well as accuracy and perplexity, on one model, ratio and selection of removed layers.
 
     python benchmarks/heal.py --model smollm2-135m --ratio 0.25 --selection gradmap --variants dense stage1 default
@@ -13,7 +13,7 @@ A variant is `dense`, `stage1` (Stage 1 alone), `default` (Stage 1 and the defau
 (`heal_lora_rank`) and `+topk=K` (the teacher's K most likely tokens the loss keeps apart,
 `optimum_gradmap.distillation.TOP_K`, 64 by default; the tail beyond them is one outcome). A budget `FACTORx` in place of
 TOKENS (`lora@1.5x`) is `heal_tokens="auto"` for FACTOR times Stage 1's quiet time on this machine (`STAGE1_SECONDS`):
-as many tokens as fit, the dense model's text included (issue 65: the heal's goals are at 1.5x). `+text=generated`
+as many tokens as fit, the dense model's text included (the heal's goals are at 1.5x). `+text=generated`
 heals on the dense model's own text ([`optimum_gradmap.generation`], generated afresh for the row and timed),
 `+text=mix` on it and the corpus text in equal parts, `+temp=T` sets its temperature (`heal_temperature`),
 `+prompts=chat` starts that text from the chat template's user turn (`heal_prompts`), `+loss=NAME` what the heal
@@ -40,34 +40,17 @@ Stage 1 and the default Stage 2 run once per invocation, and every heal row star
 model, loaded beside them, as its teacher (as `optimum-gradmap heal --teacher` does; the pruner's own teacher, the
 pruned model with its layers put back and its folds undone, gives the same targets: tests/test_heal.py). Every row
 carries its provenance (benchmarks/provenance.py). Writes
-benchmarks/results/heal-<model>-<ratio>-<selection>-<protocol>[-<label>].{json,md}; with `--resume`, rows already
+benchmarks/results/heal-<model>-<ratio>-<selection>-<protocol>[-<label>].json; with `--resume`, rows already
 there are kept, except the variants named by `--redo VARIANT ...`, measured again and put in their old rows' place.
 
-Which flips (issue 65): every question's record keeps the model's margin (its log-likelihood of the chosen answer
-minus the next best, 4 decimals), and each row's flips are also counted on the confident questions, those whose
-dense margin is above the median of their own task's dense margins (`confident flips`, with and without BoolQ), and
-per quartile of the dense margins cut within each task and pooled over tasks (`flips_by_margin` in the JSON, each
-task's edges in `margin_edges`, not in the table), by the library's `flips`
-([`optimum_gradmap.evaluation.margin_quartiles_by_task`]): Dutta et al. ("Accuracy is Not All You Need", NeurIPS
-2024) find flips come mostly from questions where the dense model's answer barely wins, and the margins are on very
-different scales per task (SmolLM2-135M's dense median: 13.2 nats on HellaSwag, 0.80 on WinoGrande), so a pooled
-median would pick tasks, not sure answers. Rows measured from issue 65's logit losses on also keep every answer's
-log-likelihood, and the answers' drift from the dense model (`answer_drift`, with and without BoolQ: per question,
-the root mean square difference of the two models' centred answer log-likelihoods, averaged; what a flip needs to
-move, measured in nats rather than counted). Each row also keeps its BoolQ "yes" share (`boolq_yes`: the share of
-BoolQ questions answered "yes", lm-eval's answer 1), to tell a yes/no bias from knowledge. These are counted from the
-answers the rows keep, at every save: older rows get them without being measured again, and `--recount-only` counts
-them again and rewrites the record's .json and .md without measuring anything (no model is loaded):
-
-    python benchmarks/heal.py --model smollm2-135m --ratio 0.25 --selection gradmap --recount-only
-
-Dense rows recorded before the margins (every record before issue 65) have none, and the run says so: measure the
-dense row again, the other rows kept and counted against it, with
-
-    python benchmarks/heal.py --model smollm2-135m --ratio 0.25 --variants dense --redo dense --resume
-
-(a dense row copied with `--dense-from` has the margins of its source: redo the source's first, then
-`--redo dense --dense-from SOURCE --resume`).
+Flips are also counted on the confident questions (dense margin, its answer's log-likelihood minus the next best,
+above the median of its own task's dense margins: `confident_flips`) and per quartile of those margins
+(`flips_by_margin`, `margin_edges`), by the library's `flips`; `answer_drift` is the RMS difference of the two models'
+centred answer log-likelihoods per question, averaged; `boolq_yes` the share of BoolQ questions answered "yes". Every
+row keeps its answers (packed, benchmarks/records.py); the dense row, which the others are counted against, also
+keeps every question's margin and log-likelihoods. These figures are counted again at every save;
+`--recount-only` does only that, loading no model. A dense row recorded without margins is measured again with
+`--variants dense --redo dense --resume`.
 """
 
 from __future__ import annotations
@@ -83,6 +66,7 @@ import tempfile
 import time
 from dataclasses import asdict
 
+import records
 import torch
 from accuracy import CALIBRATION, RESULTS, layers_of
 from provenance import finish, provenance
@@ -121,7 +105,7 @@ STAGE1_SECONDS = {
     ("qwen2.5-coder-0.5b", 0.25): 1306.7,
 }
 MISSING_MARGINS = (
-    "Confident flips: not counted, the dense row was measured without its questions' margins (before issue 65): "
+    "Confident flips: not counted, the dense row was measured without its questions' margins: "
     "measure it again with `--variants dense --redo dense --resume` (the other rows are kept and counted against it)."
 )
 
@@ -255,7 +239,7 @@ def answers_of(row: dict) -> dict | None:
 
 
 def has_margins(row: dict) -> bool:
-    """Whether the row's answers keep every question's margin (rows from before issue 65 do not)."""
+    """Whether the row's answers keep every question's margin (rows recorded before the margins do not)."""
     answers = answers_of(row)
     return bool(answers) and all(None not in kept.get("margin", [None]) for kept in answers.values())
 
@@ -358,19 +342,23 @@ def markdown(record: dict) -> str:
 
 
 def write(record: dict, path: str) -> None:
-    """Counts the record's flips again ([`recount`]) and writes it to `path` (.json) and its table beside it (.md)."""
+    """Counts the record's flips again ([`recount`]) and writes it to `path`: the rows' answers kept packed, every
+    question's margin and log-likelihoods only for the dense row (what the other rows are counted against; their own
+    drift is counted before they are dropped)."""
     recount(record)
-    with open(path, "w", encoding="utf-8") as file:
-        json.dump(record, file, indent=1)
-    with open(path[: -len(".json")] + ".md", "w", encoding="utf-8") as file:
-        file.write(markdown(record))
+    kept = json.loads(json.dumps(record))
+    for row in kept["rows"]:
+        if row["variant"] != "dense":
+            for answers in (answers_of(row) or {}).values():
+                answers.pop("margin", None)
+                answers.pop("loglikelihoods", None)
+    records.write(path, kept)
 
 
 def copied_dense_row(source: str, record: dict, max_segments: int) -> dict:
     """The `dense` row of another record of the same model and protocol, its provenance marked as a copy: the dense
     model's evaluation does not depend on the ratio or the selection."""
-    with open(os.path.join(RESULTS, source + ".json"), encoding="utf-8") as file:
-        other = json.load(file)
+    other = records.read(os.path.join(RESULTS, source + ".json"))
     for earlier in (other, record):
         earlier.setdefault("device", "cpu")  # records from before `--device` ran on the CPU
     for key in ("model", "protocol", "subsets", "calibration_sha256", "device"):
@@ -448,8 +436,7 @@ def main() -> None:
     parser.add_argument(
         "--recount-only",
         action="store_true",
-        help="measure nothing: load the record, count every row's flips again from the answers it keeps, and rewrite "
-        "its .json and .md",
+        help="measure nothing: load the record, count every row's flips again from the answers it keeps, and rewrite the record",
     )
     parser.add_argument(
         "--pair",
@@ -468,15 +455,13 @@ def main() -> None:
     name = f"heal-{args.model}-{args.ratio:g}-{args.selection}-{args.protocol}{suffix}" + (f"-{args.label}" if args.label else "")
     path = os.path.join(RESULTS, name + ".json")
     if args.recount_only:
-        with open(path, encoding="utf-8") as file:
-            record = json.load(file)
+        record = records.read(path)
         write(record, path)
         print(markdown(record))
-        print(f"counted again, nothing measured: {path} and its .md", flush=True)
+        print(f"counted again, nothing measured: {path}", flush=True)
         return
     if args.pair:
-        with open(path, encoding="utf-8") as file:
-            print_pair(json.load(file), *args.pair)
+        print_pair(records.read(path), *args.pair)
         return
     record = {
         "model": args.model,
@@ -493,8 +478,7 @@ def main() -> None:
         "rows": [],
     }
     if args.resume and os.path.exists(path):
-        with open(path, encoding="utf-8") as file:
-            record = json.load(file)
+        record = records.read(path)
     done = {row["variant"] for row in record["rows"]} - set(args.redo)
     variants = [*args.variants, *(variant for variant in args.redo if variant not in args.variants)]
     variants.sort(key=lambda variant: variant != "dense")  # the dense row first: the others' flips count against it

@@ -1,4 +1,4 @@
-"""The main job's memory (issue 64, item 3): runs the README's main job (`examples/main_job/prune_smollm2.py`) as a
+"""The main job's memory: runs the README's main job (`examples/main_job/prune_smollm2.py`) as a
 child process and samples its memory every 0.5 s (`/proc/PID/status`: RssAnon, the process's own memory, and RssFile,
 mapped files), with its peak resident memory (`VmHWM`) read when it ends, beside the weight bytes it prunes.
 
@@ -21,6 +21,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+import records  # noqa: E402
 from provenance import finish, provenance  # noqa: E402
 from scale import run_monitored  # noqa: E402
 
@@ -53,7 +54,7 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="skip a set of options measured already")
     parser.add_argument("main_job_options", nargs="*", help="options for the main job (after --)")
     args = parser.parse_args()
-    rows = json.load(open(RECORD)) if os.path.exists(RECORD) else []
+    rows = records.read(RECORD) if os.path.exists(RECORD) else []
     options = args.main_job_options
     if args.resume and any(row["options"] == options and row["exit_code"] == 0 for row in rows):
         print(f"{options}: measured already ({RECORD})")
@@ -72,8 +73,7 @@ def main() -> None:
     row["printed"] = [line for line in printed if line and "it/s]" not in line and "s/it]" not in line][-40:]
     rows = [existing for existing in rows if existing["options"] != options] + [row]
     os.makedirs(os.path.dirname(RECORD), exist_ok=True)
-    with open(RECORD, "w") as file:
-        json.dump(rows, file, indent=1)
+    records.write(RECORD, rows)
     shown = {key: value for key, value in memory.items() if key != "timeline"}
     print(json.dumps({"exit_code": code, "seconds": round(seconds, 1), **shown}, indent=1))
     print("\n".join(row["printed"][-16:]))

@@ -1,4 +1,4 @@
-"""The cost told before the run against the run (issue 64, item 4): the plan `optimum-gradmap prune --dry-run` prints
+"""The cost told before the run against the run: the plan `optimum-gradmap prune --dry-run` prints
 (`GradMAPPruner.plan`, its throughput measured on this machine in a few seconds), for the runs whose time and memory
 other benchmarks measured:
 
@@ -35,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, ROOT)
 
+import records  # noqa: E402
 from cli_prune_memory import prune_key  # noqa: E402
 from provenance import finish, provenance  # noqa: E402
 
@@ -72,7 +73,7 @@ ROWS = {
         "measured": ("main_job_memory", ["--model", "qwen2.5-coder-0.5b", "--num-samples", "32", "--output", "out/qwen-main"]),
     },
     "llama-3.1-8b-0.25": {
-        "model": "/work/scale/llama-3.1-8b-bf16",
+        "model": os.path.join(os.path.dirname(ROOT), "scale", "llama-3.1-8b-bf16"),  # scale.py build --output ../scale/...
         "dtype": "bfloat16",
         "settings": {"pruning_ratio": 0.25, "num_samples": 16},
         "device_map": "auto",
@@ -88,7 +89,7 @@ def removed_layers(source: str, key) -> list[int] | None:
     path = os.path.join(ROOT, "benchmarks", "results", source + ".json")
     if not os.path.exists(path):
         return None
-    for row in json.load(open(path)):
+    for row in records.read(path):
         if source == "main_job_memory" and row["options"] == key and row["exit_code"] == 0:
             for line in row["printed"]:
                 if line.startswith("removed layers, in removal order: "):
@@ -117,7 +118,7 @@ def main() -> None:
     from optimum_gradmap.loading import resolve_model
     from optimum_gradmap.planning import DeviceThroughput
 
-    rows = json.load(open(RECORD)) if os.path.exists(RECORD) else []
+    rows = records.read(RECORD) if os.path.exists(RECORD) else []
     if args.resume and any(row["row"] == args.row for row in rows):
         print(f"{args.row}: planned already ({RECORD})")
         return
@@ -160,8 +161,7 @@ def main() -> None:
         record["plan_after_stage1"] = after.to_dict()
     rows = [row for row in rows if row["row"] != args.row] + [record]
     os.makedirs(os.path.dirname(RECORD), exist_ok=True)
-    with open(RECORD, "w") as file:
-        json.dump(rows, file, indent=1)
+    records.write(RECORD, rows)
     print(plan)
 
 

@@ -3,14 +3,16 @@ row's measurement starts and finished when it ends (`finish(...)`):
 
 - `commit` (and `dirty`: uncommitted changes to tracked files), both taken when this module is first imported, at the
   start of the benchmark's process: the code it runs is that commit's, however HEAD moves during a long run (a row
-  measured hours later still ran the code loaded then); `date` (UTC), the exact `command`;
+  measured hours later still ran the code loaded then); `date` (UTC), this process's `command`, its paths relative
+  (`records.relative_paths`);
 - the machine: CPU count, platform, torch and transformers versions, the GPU if one is visible (`accelerator`);
   `$PROVENANCE_COMMIT`, where set, is the `commit` (a copy of the repository whose git history is not that of its
   files, as on the lent GPU machine, names the commit it was copied from that way);
 - `load_before` / `load_after`: the 1-, 5- and 15-minute load averages when the row started and ended;
-- `others_running`: the other processes that used more than 10% of a CPU when the row started or ended
-  (none means the machine was quiet, as far as two looks can tell; a stopped process, `kill -STOP`, uses none
-  and is listed in `others_stopped` instead), and `quiet`: no such process at
+- `others_running`: the other processes that used more than 10% of a CPU when the row started or ended, each as its
+  id, CPU share and program name (`program`: no command line of another process is kept; none means the machine was
+  quiet, as far as two looks can tell; a stopped process, `kill -STOP`, uses none and is listed in `others_stopped`
+  instead), and `quiet`: no such process at
   either end and a 1-minute load below 1 before the row started (the load at its end counts the row itself).
 
 A row copied from another measurement carries `copied_from` (what it was copied from) instead of being
@@ -29,6 +31,7 @@ import time
 
 import torch
 import transformers
+from records import relative_paths
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,6 +41,24 @@ def _git(*arguments: str) -> str:
         return subprocess.run(["git", *arguments], cwd=_ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
+
+
+def program(command: str) -> str:
+    """The program a command line runs, without its folder or arguments: for a Python interpreter, the script or
+    module it runs (`python -m pytest ...` is `pytest`, `.venv/bin/python benchmarks/heal.py ...` is `heal.py`;
+    `python -c CODE` is `python`)."""
+    words = command.split()
+    name = os.path.basename(words[0]) if words else ""
+    if not name.startswith("python"):
+        return name
+    for index, word in enumerate(words[1:], 1):
+        if word == "-c":
+            return name
+        if word == "-m":
+            return words[index + 1] if index + 1 < len(words) else name
+        if not word.startswith("-"):
+            return os.path.basename(word)
+    return name
 
 
 def other_busy_processes(threshold: float = 10.0) -> list[str]:
@@ -63,7 +84,7 @@ def other_processes(threshold: float = 10.0) -> tuple[list[str], list[str]]:
         pid, state, cpu, *command = line.split(maxsplit=3)
         is_this_look = command and command[0] == " ".join(arguments)  # `ps` itself, often at 100% as it starts
         if int(pid) != os.getpid() and not is_this_look and float(cpu) > threshold:
-            (stopped if state.startswith("T") else running).append(f"{pid} {cpu}% {command[0][:120] if command else ''}")
+            (stopped if state.startswith("T") else running).append(f"{pid} {cpu}% {program(command[0]) if command else ''}")
     return running, stopped
 
 
@@ -91,7 +112,7 @@ def provenance() -> dict:
         "commit": PROCESS_COMMIT,
         "dirty": PROCESS_DIRTY,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join([os.path.relpath(sys.argv[0], _ROOT), *sys.argv[1:]]),
+        "command": relative_paths(shlex.join([os.path.relpath(sys.argv[0], _ROOT), *sys.argv[1:]])),
         "machine": {
             "cpu_count": os.cpu_count(),
             "platform": platform.platform(),

@@ -1,13 +1,13 @@
-"""The scale harness (issue 64): real architectures' published configs with random weights, pruned from disk.
+"""The scale harness: real architectures' published configs with random weights, pruned from disk.
 
 Random weights make the chosen layers and every perplexity meaningless: this harness measures time, memory, disk
 and the machinery's correctness (the pruned checkpoint reloads with plain `AutoModelForCausalLM` and computes the
 logits the pruned model computed in the process), never quality.
 
     # write Llama-3.1-8B's shape with random weights, sharded as `save_pretrained(max_shard_size="5GB")` shards it
-    python benchmarks/scale.py build --model llama-3.1-8b --dtype bfloat16 --output /work/scale/llama-3.1-8b-bf16
+    python benchmarks/scale.py build --model llama-3.1-8b --dtype bfloat16 --output ../scale/llama-3.1-8b-bf16
     # prune it from disk with the command line, layer-streamed, and measure
-    python benchmarks/scale.py prune --model llama-3.1-8b --weights /work/scale/llama-3.1-8b-bf16 \
+    python benchmarks/scale.py prune --model llama-3.1-8b --weights ../scale/llama-3.1-8b-bf16 \
         --dtype bfloat16 --num-samples 16 --max-memory cpu=2GiB --resume
 
 `build` draws every weight as the family's `_init_weights` draws it (normal with the config's
@@ -339,10 +339,11 @@ def heal_child(args: argparse.Namespace) -> None:
 
 def heal(args: argparse.Namespace) -> None:
     """`optimum-gradmap heal PRUNED --teacher WEIGHTS` with both models offloaded as the prune was, measured."""
+    import records
     from provenance import finish, provenance
 
     record_path = os.path.join(ROOT, "benchmarks", "results", f"scale-{args.model}-{args.dtype}.json")
-    rows = json.load(open(record_path)) if os.path.exists(record_path) else []
+    rows = records.read(record_path) if os.path.exists(record_path) else []
     key = {"heal_tokens": args.heal_tokens, "max_memory": args.max_memory, "pruned": os.path.basename(args.pruned)}
     if args.resume and any(row.get("key") == key and row.get("exit_code") == 0 for row in rows):
         print(f"{key}: done already ({record_path})")
@@ -371,8 +372,7 @@ def heal(args: argparse.Namespace) -> None:
         row["heal"]["tokens_per_second"] = healed["trained_tokens"] / training if training > 0 else None
         row["output_bytes"] = folder_bytes(output)
     rows = [existing for existing in rows if existing.get("key") != key] + [row]
-    with open(record_path, "w") as file:
-        json.dump(rows, file, indent=1)
+    records.write(record_path, rows)
     shown = {k: v for k, v in row.items() if k not in ("provenance", "argv")}
     shown["memory"] = {k: v for k, v in row["memory"].items() if k != "timeline"}
     print(json.dumps(shown, indent=1))
@@ -383,10 +383,11 @@ def folder_bytes(path: str) -> int:
 
 
 def prune(args: argparse.Namespace) -> None:
+    import records
     from provenance import finish, provenance
 
     record_path = os.path.join(ROOT, "benchmarks", "results", f"scale-{args.model}-{args.dtype}.json")
-    rows = json.load(open(record_path)) if os.path.exists(record_path) else []
+    rows = records.read(record_path) if os.path.exists(record_path) else []
     key = {"num_samples": args.num_samples, "seq_len": args.seq_len, "ratio": args.ratio, "max_memory": args.max_memory}
     if args.resume and any(row.get("key") == key and row.get("reloaded") for row in rows):
         print(f"{key}: done already ({record_path})")
@@ -431,8 +432,7 @@ def prune(args: argparse.Namespace) -> None:
             row["reloaded"] = True
     rows = [existing for existing in rows if existing.get("key") != key] + [row]
     os.makedirs(os.path.dirname(record_path), exist_ok=True)
-    with open(record_path, "w") as file:
-        json.dump(rows, file, indent=1)
+    records.write(record_path, rows)
     shown = {k: v for k, v in row.items() if k not in ("provenance", "argv")}
     shown["memory"] = {k: v for k, v in row["memory"].items() if k != "timeline"}
     print(json.dumps(shown, indent=1))

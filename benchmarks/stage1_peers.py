@@ -23,7 +23,7 @@ machine: the table shows, per row, how many other processes were busy when it st
     python benchmarks/stage1_peers.py --model smollm2-135m --ratio 0.25 --num-samples 32 --resume
     python benchmarks/stage1_peers.py --model qwen2.5-coder-0.5b --ratio 0.25 --num-samples 32 --resume
 
-Writes benchmarks/results/stage1_peers-<model>-<ratio>-<num samples>.{json,md}, after every row; `--resume`
+Writes benchmarks/results/stage1_peers-<model>-<ratio>-<num samples>.json, after every row; `--resume`
 keeps the rows already there (same settings, same calibration set by its SHA-256) and runs the others.
 """
 
@@ -31,14 +31,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.provenance import finish, provenance  # noqa: E402
+import records  # noqa: E402
+from provenance import finish, provenance  # noqa: E402
+
 from optimum_gradmap import GradMAPConfig, GradMAPPruner  # noqa: E402
 from optimum_gradmap.assets import MODEL_ASSETS, load_model  # noqa: E402
 from optimum_gradmap.configuration import PRESETS, QUALITY_SELECTION  # noqa: E402
@@ -61,7 +62,7 @@ class ReferenceCostSLEB(SLEBImportance):
 METHODS = {
     "sleb_reference": lambda: {"importance": ReferenceCostSLEB()},
     "sleb": lambda: {"importance": "sleb"},
-    "quality": lambda: dict(QUALITY_SELECTION),  # its Stage 1 (it heals too since issue 65)
+    "quality": lambda: dict(QUALITY_SELECTION),  # its Stage 1 (the preset heals too)
     "fast": lambda: dict(PRESETS["fast"]),
     # the preset with its shortlist check started from the scoring pass's layer inputs instead of a pass of its own
     "quality_from_scoring_pass": lambda: {**QUALITY_SELECTION, "verify_from_scoring_pass": True},
@@ -84,20 +85,11 @@ def held_out(model, tokenizer, max_segments: int) -> dict[str, float]:
 def load_record(path: str, settings: dict, resume: bool) -> dict:
     """The record at `path`.json when resuming (its settings must be `settings`), else a new one."""
     if resume and os.path.exists(f"{path}.json"):
-        with open(f"{path}.json", encoding="utf-8") as file:
-            record = json.load(file)
+        record = records.read(f"{path}.json")
         if record["settings"] != settings:
             raise SystemExit(f"--resume: {path}.json has settings {record['settings']}, not {settings}")
         return record
     return {"settings": settings, "rows": []}
-
-
-def save_record(path: str, record: dict, markdown) -> None:
-    """Writes `record` to `path`.json and its table (`markdown(record)`) to `path`.md."""
-    with open(f"{path}.json", "w", encoding="utf-8") as file:
-        json.dump(record, file, indent=1)
-    with open(f"{path}.md", "w", encoding="utf-8") as file:
-        file.write(markdown(record) + "\n")
 
 
 def markdown(record: dict) -> str:
@@ -153,7 +145,7 @@ def main() -> None:
     record = load_record(path, settings, args.resume)
 
     def save() -> None:
-        save_record(path, record, markdown)
+        records.write(f"{path}.json", record)
 
     dense, tokenizer = load_model(args.model)
     if "dense_perplexity" not in record:

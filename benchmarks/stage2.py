@@ -17,7 +17,7 @@ settings; its calibration SHA-256 is checked against the one rebuilt here. Varia
   seed (in-domain text the user could hold out); `mixed`, fitted on Wikipedia and web text in equal parts
   (`offline:wikipedia+offline:web_text`; Stage 1's layers stay compare.py's).
 
-Writes benchmarks/results/stage2-<model>-<ratio>.{json,md}; with `--resume`, rows already there are kept.
+Writes benchmarks/results/stage2-<model>-<ratio>.json; with `--resume`, rows already there are kept.
 Every row measured here carries its provenance (`benchmarks/provenance.py`); a copied row, `copied_from`.
 """
 
@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
 import os
 import platform
 
+import records
 import torch
-from compare import measure_held_out, save_record  # the same protocol and files as compare.py
+from compare import measure_held_out  # the same protocol as compare.py
 from provenance import finish, mark_copy, provenance
 from rendering.stage2 import copied_from, stage2_cells  # one implementation, shared with the docs' tables
 
@@ -97,8 +97,7 @@ def main() -> None:
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("optimum_gradmap").setLevel(logging.INFO)
 
-    with open(os.path.join(args.compare_dir, f"compare-{args.model}-{args.ratio}.json"), encoding="utf-8") as file:
-        compare = json.load(file)
+    compare = records.read(os.path.join(args.compare_dir, f"compare-{args.model}-{args.ratio}.json"))
     settings = {
         "model": args.model,
         "ratio": args.ratio,
@@ -127,8 +126,7 @@ def main() -> None:
     os.makedirs(args.output_dir, exist_ok=True)
     prefix = os.path.join(args.output_dir, f"stage2-{args.model}-{args.ratio}")
     if args.resume and os.path.exists(f"{prefix}.json"):
-        with open(f"{prefix}.json", encoding="utf-8") as file:
-            record = json.load(file)
+        record = records.read(f"{prefix}.json")
         if record["settings"] != settings:
             raise SystemExit(f"--resume: settings differ from {prefix}.json: {record['settings']}, asked {settings}")
         record["commands"].append(command + " --resume")
@@ -143,7 +141,7 @@ def main() -> None:
         }
 
     def save() -> None:
-        save_record(record, prefix, markdown(record))
+        records.write(f"{prefix}.json", record)
 
     done = {(row["method"], row["variant"]) for row in record["rows"]}
     for method in ["dense", *methods]:
@@ -225,7 +223,7 @@ def main() -> None:
                 print(markdown(record).splitlines()[-1], flush=True)
             del model, pruner, result
     print(markdown(record))
-    print(f"saved {prefix}.json and {prefix}.md")
+    print(f"saved {prefix}.json")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Peak memory and time of one GradMAP Stage 1 round with the weights in memory, against the
-layer-streamed execution on a model whose weights Accelerate offloaded to disk (issue 21).
+layer-streamed execution on a model whose weights Accelerate offloaded to disk.
 
     python benchmarks/streaming_memory.py --model smollm2-135m
     python benchmarks/streaming_memory.py --model qwen2.5-coder-0.5b --num-samples 32 --batch-size 8
@@ -31,14 +31,55 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import records  # noqa: E402
 from provenance import finish, provenance  # noqa: E402
-from stage1_speed import PeakMemory  # noqa: E402  (the same sampler as the Stage 1 speed benchmark)
+
+
+class PeakMemory:
+    """Peak memory above the level at entry: CUDA's allocator statistics, or sampled resident memory."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.extra = 0
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as file:
+            return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.base = self._rss()
+            self.peak = self.base
+            self.running = True
+            self.thread = threading.Thread(target=self._sample, daemon=True)
+            self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.005)
+
+    def __exit__(self, *exc_info) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.extra = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self.running = False
+            self.thread.join()
+            self.extra = max(self.peak, self._rss()) - self.base
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -112,9 +153,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--worker", choices=["in_memory", "layer_streamed"], help=argparse.SUPPRESS)
     parser.add_argument("--output-dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument("--resume", action="store_true", help="keep a record written already: print it, measure nothing")
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args)))
+        return
+    path = os.path.join(args.output_dir, f"streaming_memory-{args.model}-batch{args.batch_size}.json")
+    if args.resume and os.path.exists(path):
+        print(json.dumps(records.read(path)["figures"], indent=1))
         return
 
     environment = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -155,9 +201,7 @@ def main() -> None:
         "provenance": origin,
     }
     os.makedirs(args.output_dir, exist_ok=True)
-    path = os.path.join(args.output_dir, f"streaming_memory-{args.model}-batch{args.batch_size}.json")
-    with open(path, "w", encoding="utf-8") as file:
-        json.dump(report, file, indent=2)
+    records.write(path, report)
     for name, value in figures.items():
         print(f"{name}: {value:.4g}")
     print(f"saved {path}")

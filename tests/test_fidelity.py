@@ -798,10 +798,15 @@ def test_the_heal_benchmark_counts_again_without_measuring(monkeypatch, tmp_path
     monkeypatch.setattr(heal_benchmark, "load_model", None)  # nothing is loaded, nothing measured
     monkeypatch.setattr(sys, "argv", ["heal.py", "--model", "m", "--ratio", "0.25", "--recount-only"])
     heal_benchmark.main()
-    again = json.loads(path.read_text())
+    again = heal_benchmark.records.read(str(path))
     assert again["rows"][1]["confident_flips"] == dataclasses.asdict(flips(model_result, dense_result).confident)
     assert again["rows"][1]["margin_edges"] == flips(model_result, dense_result).margin_edges
-    assert (tmp_path / "heal-m-0.25-gradmap-screening.md").read_text() == heal_benchmark.markdown(again)
+    # every row keeps its answers (packed in the file); the margins only the dense row, which the others count against
+    assert "question_ids" in json.loads(path.read_text())
+    dense_answers, model_answers = (row["evaluation"]["zero_shot"]["answers"] for row in again["rows"])
+    assert dense_answers == record["rows"][0]["evaluation"]["zero_shot"]["answers"]
+    kept = record["rows"][1]["evaluation"]["zero_shot"]["answers"]
+    assert model_answers == {task: {key: value[key] for key in ("doc_ids", "acc", "choice")} for task, value in kept.items()}
     assert "counted again, nothing measured" in capsys.readouterr().out
 
 

@@ -14,13 +14,14 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # benchmarks/ has no __init__.py: imported as the scripts import it
+sys.path.insert(0, str(ROOT / "benchmarks"))  # imported as the scripts import it: a sibling module
 
-from benchmarks import provenance as provenance_module  # noqa: E402
-from benchmarks.provenance import finish, provenance  # noqa: E402
+import provenance as provenance_module  # noqa: E402
+from provenance import finish, provenance  # noqa: E402
 
 BENCHMARKS = ROOT / "benchmarks"
 FIELDS = {
@@ -93,6 +94,8 @@ def test_a_busy_process_stopped_with_sigstop_is_listed_as_stopped_and_not_as_run
         running = [line.split()[0] for line in provenance_module.other_busy_processes(threshold=0.0)]
         stopped = [line.split()[0] for line in provenance_module.other_stopped_processes(threshold=0.0)]
         assert str(busy.pid) not in running and str(busy.pid) in stopped
+        entry = next(line for line in provenance_module.other_stopped_processes(threshold=0.0) if line.startswith(f"{busy.pid} "))
+        assert entry.split()[2:] == ["python"], f"another process is kept by its program's name only: {entry!r}"
     finally:
         busy.kill()
         busy.wait()
@@ -113,10 +116,10 @@ def _calls(source: str) -> set[str]:
 
 
 def without_provenance(source: str) -> bool:
-    """Whether a benchmark's source writes JSON (`json.dump` or `json.dumps`) without calling both `provenance()`
-    and `finish(...)`."""
+    """Whether a benchmark's source writes JSON (`json.dump`, `json.dumps` or a record with `records.write`) without
+    calling both `provenance()` and `finish(...)`."""
     calls = _calls(source)
-    writes_json = bool(calls & {"json.dump", "json.dumps"})
+    writes_json = bool(calls & {"json.dump", "json.dumps", "records.write", "write"})
     return writes_json and not {"provenance", "finish"} <= calls
 
 
@@ -125,15 +128,36 @@ def test_the_check_finds_a_benchmark_that_writes_json_without_provenance():
     assert without_provenance("import json\nstarted = provenance()\nprint(json.dumps({'provenance': started}))\n")
     assert not without_provenance("import json\nstarted = provenance()\njson.dump({'provenance': finish(started)}, file)\n")
     assert not without_provenance("print('no JSON written')\n")
+    assert without_provenance("import records\nrecords.write('a.json', {})\n")
 
 
 def test_every_benchmark_that_writes_json_records_provenance():
-    scripts = sorted(path for path in BENCHMARKS.glob("*.py") if path.name not in ("provenance.py", "__init__.py"))
+    scripts = sorted(path for path in BENCHMARKS.glob("*.py") if path.name not in ("provenance.py", "records.py", "render.py"))
     assert scripts, f"no benchmark scripts found in {BENCHMARKS}"
     missing = [path.name for path in scripts if without_provenance(path.read_text(encoding="utf-8"))]
     assert not missing, (
         f"these benchmarks write JSON but never call provenance() and finish(...) (benchmarks/provenance.py): {missing}"
     )
+
+
+@pytest.mark.parametrize(
+    "command, name",
+    [
+        ("/opt/venv/bin/python3 /opt/venv/bin/optimum-gradmap prune offline:smollm2-135m --output /srv/x", "optimum-gradmap"),
+        ("/opt/venv/bin/python -u /srv/someone/probe.py --flag", "probe.py"),
+        ("python -m pytest -q tests", "pytest"),
+        ("python3 -c while True: pass", "python3"),
+        ("/usr/bin/ps -eo pid", "ps"),
+        ("", ""),
+    ],
+)
+def test_another_process_is_named_by_its_program_without_folders_or_arguments(command, name):
+    assert provenance_module.program(command) == name
+
+
+def test_the_command_of_a_provenance_holds_paths_relative_to_the_repository(monkeypatch):
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / "heal.py"), "--output", str(ROOT / "out" / "x"), "--model", "m"])
+    assert provenance()["command"] == "benchmarks/heal.py --output out/x --model m"
 
 
 def test_mark_copy_adds_where_the_row_was_copied_from_and_keeps_the_rest():

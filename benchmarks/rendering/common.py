@@ -4,12 +4,13 @@ library's behaviour, and the figures read from the records (benchmarks/render.py
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -18,9 +19,8 @@ BOOLQ = "boolq"
 
 @functools.cache
 def load(name: str) -> dict:
-    """The record `benchmarks/results/<name>.json`."""
-    with open(os.path.join(RESULTS, name + ".json"), encoding="utf-8") as file:
-        return json.load(file)
+    """The record `benchmarks/results/<name>.json`, its packed answers unpacked (benchmarks/records.py)."""
+    return records.read(os.path.join(RESULTS, name + ".json"))
 
 
 # --- what changed in the library's behaviour since a row was measured -------------------------------------------
