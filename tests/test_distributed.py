@@ -265,3 +265,33 @@ def test_every_rank_resumes_from_rank_0s_checkpoint_which_rank_1_cannot_see(two_
     _assert_same_weights(weights)
     for name, value in weights[0].items():
         torch.testing.assert_close(value, uninterrupted[0][name], rtol=1e-5, atol=1e-6)
+
+
+# --- the heal's decisions under torchrun: one process decides, the others follow -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_process_heal_decisions(tmp_path_factory) -> str:
+    output = str(tmp_path_factory.mktemp("distributed_heal_decisions"))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += [os.path.join(ROOT, "tests", "integration", "heal_decisions_worker.py"), output]
+    environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # ranks that part would wait in a collective: the process group's timeout (60 s) turns that into a failure
+    completed = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    return output
+
+
+def test_auto_heal_tokens_are_chosen_once_by_the_main_process_and_every_rank_trains_them(two_process_heal_decisions):
+    ranks = _ranks(os.path.join(two_process_heal_decisions, "auto_tokens"))
+    assert ranks[0]["budget_tokens"] == ranks[1]["budget_tokens"] > 0  # rank 1's own Stage 1 time did not count
+    assert ranks[0]["steps"] == ranks[1]["steps"] >= 1
+    assert ranks[0]["kl_curve"] == ranks[1]["kl_curve"]
+
+
+def test_the_dense_models_text_is_generated_and_cached_by_the_main_process_alone(two_process_heal_decisions):
+    ranks = _ranks(os.path.join(two_process_heal_decisions, "generated_text"))
+    assert ranks[0]["sampled"] == 2 and ranks[0]["written"] == 1  # two batches of 4, one cache write
+    assert ranks[1]["sampled"] == ranks[1]["written"] == 0  # rank 1 waited and got rank 0's text
+    assert ranks[0]["digest"] == ranks[1]["digest"] and ranks[1]["rows"] == 8
+    assert sorted(os.listdir(two_process_heal_decisions)).count("text-cache.pt") == 1
