@@ -182,7 +182,7 @@ class GradMAPPruner:
         heal_text_cache: str | os.PathLike | None = None,
     ) -> PruningResult:
         """Prunes `model` in place: Stage 1, then Stage 2 if `config.compensation`, then the heal stage if
-        `config.heal_tokens` ([`~GradMAPPruner.heal`]).
+        `config.heal_tokens` ([`~GradMAPPruner.heal`]). Every text is read and checked before Stage 1 starts.
 
         Args:
             model (`PreTrainedModel`, *optional*): Defaults to the pruner's model.
@@ -202,7 +202,6 @@ class GradMAPPruner:
                 ([`~optimum_gradmap.heal.check_heal_checkpoint_origin`]; the text where it is known then).
             heal_text_cache (`str` or `os.PathLike`, *optional*): The file that caches the dense model's own text
                 (`heal_dataset` with `generated`); defaults to one per fingerprint in the user cache.
-            Every text is read and checked before Stage 1 starts.
 
         Returns:
             [`PruningResult`]: `result.model` is the pruned model.

@@ -143,7 +143,7 @@ def test_command_line_under_torchrun(tiny_checkpoint, tmp_path):
     assert report["evaluation"]["perplexities"][0]["perplexity"] == pytest.approx(alone.perplexities[0].perplexity, rel=1e-5)
 
 
-# --- Stage 2's held-out decisions over processes (issue 55, 4.5 and 4.6) ----------------------------------------------
+# --- Stage 2's held-out decisions over processes ---------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +164,7 @@ def _stage2_ranks(output: str, case: str) -> list[dict]:
 
 def test_refinement_with_the_held_out_fold_on_one_process_means_over_every_held_out_sequence(two_process_stage2_run):
     """6 sequences on 2 processes: rank 0's share holds no held-out sequence. It adds nothing to the held-out loss, which
-    is the mean over the one held-out sequence there is, as with one process (issue 55, 4.5)."""
+    is the mean over the one held-out sequence there is, as with one process."""
     from tests.integration.stage2_worker import stage2_case_inputs
 
     case = "refinement_held_out_on_one_process"
@@ -181,7 +181,7 @@ def test_refinement_with_the_held_out_fold_on_one_process_means_over_every_held_
 def test_each_process_validates_its_share_and_all_take_the_decision_of_one_process(two_process_stage2_run, case):
     """Validation perplexity under torchrun: each process scores its contiguous share of the validation sequences (none,
     for rank 0 with one sequence), the losses are combined over processes, and every process keeps or undoes the
-    compensation alike, as one process on all the sequences does (issue 55, 4.6)."""
+    compensation alike, as one process on all the sequences does."""
     from tests.conftest import random_ids
     from tests.integration.stage2_worker import stage2_case_inputs
 
@@ -202,7 +202,7 @@ def test_each_process_validates_its_share_and_all_take_the_decision_of_one_proce
     torch.testing.assert_close(torch.tensor(ranks[0]["logits"]).view_as(logits), logits, rtol=1e-5, atol=1e-5)
 
 
-# --- the heal stage under torchrun: Ctrl-C, resume, gradient buckets (issue 64, 6.3 and 6.8) ---------------------------
+# --- the heal stage under torchrun: Ctrl-C, resume, gradient buckets ----------------------------------------------------
 
 
 @pytest.fixture(scope="module")
