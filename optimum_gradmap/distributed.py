@@ -19,7 +19,8 @@ process on all the sequences:
   validation perplexity (summed losses and token counts: a process whose share holds none of those sequences adds
   zero), and, where a norm follows the MLP (Gemma2/3, OLMo2), the fit's stored activations, gathered as tensors
   ([`gather_rows`]);
-- the CLI's `--evaluate` perplexity: each process scores its share of the segments.
+- the CLI's `--evaluate` perplexity: each process scores its share of the segments;
+- the heal's training steps: each process's gradient of its rows, averaged in flat buckets ([`average_gradients`]).
 
 Only the main process ([`is_main_process`]) writes files and uploads, through [`on_main_process`], which
 hands its result, or its failure, to every process. Without an initialised process group of
@@ -32,15 +33,20 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .errors import InvalidInputError
 
 T = TypeVar("T")
+# The gradients of a data-parallel training step are averaged in flat buckets of at most this many bytes, one
+# all-reduce each (25 MiB: DistributedDataParallel's default `bucket_cap_mb`), not one all-reduce per trained tensor.
+GRADIENT_BUCKET_BYTES = 25 * 2**20
 
 
 def is_distributed() -> bool:
@@ -221,3 +227,65 @@ def shard_any(input_ids: torch.LongTensor) -> tuple[torch.LongTensor, int]:
     size, process, num_samples = world_size(), rank(), input_ids.shape[0]
     start, stop = process * num_samples // size, (process + 1) * num_samples // size
     return input_ids[start:stop], start
+
+
+def average_gradients(parameters: Sequence[nn.Parameter], global_rows: int, stop: bool = False) -> bool:
+    """Turns each process's gradient of its rows' summed loss into the gradient of the mean over the global batch, and
+    tells every process whether one of them was interrupted.
+
+    Under `torch.distributed` the gradients travel flattened, in buckets of at most `GRADIENT_BUCKET_BYTES` of one
+    dtype and device, one all-reduce each (LoRA on a 30-layer model trains 420 tensors: one all-reduce each would
+    cost 420 latencies per step), and `stop` rides in the first bucket. Each gradient gets the same sums as an
+    all-reduce of its own.
+
+    Args:
+        parameters (`Sequence[nn.Parameter]`): The trained parameters; a missing gradient counts zero.
+        global_rows (`int`): The rows of the global batch.
+        stop (`bool`, defaults to `False`): Whether this process was interrupted during its share of the step.
+
+    Returns:
+        `bool`: Whether any process was interrupted (every process gets the same answer).
+    """
+    gradients = []
+    for parameter in parameters:
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        gradients.append(parameter.grad)
+    if not is_distributed():
+        for gradient in gradients:
+            gradient.div_(global_rows)
+        return stop
+    buckets = gradient_buckets(gradients)
+    if not buckets:
+        return any_process(stop)
+    interrupted = False
+    for index, bucket in enumerate(buckets):
+        flat = _flatten_dense_tensors(bucket)
+        if index == 0:
+            flat = torch.cat([flat, flat.new_full((1,), float(stop))])
+        total = all_reduce_sum(flat)
+        if index == 0:
+            interrupted, total = bool(total[-1] > 0), total[:-1]
+        total.div_(global_rows)
+        for gradient, averaged in zip(bucket, _unflatten_dense_tensors(total, bucket)):
+            gradient.copy_(averaged)
+    return interrupted
+
+
+def gradient_buckets(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` in order, cut into runs of one dtype and device of at most `GRADIENT_BUCKET_BYTES` (a larger tensor
+    alone)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if (
+            not buckets
+            or (tensor.dtype, tensor.device) != (buckets[-1][0].dtype, buckets[-1][0].device)
+            or size + nbytes > GRADIENT_BUCKET_BYTES
+        ):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(tensor)
+        size += nbytes
+    return buckets

@@ -48,7 +48,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from . import distillation
+from . import distillation, distributed
 from .adapters import get_adapter
 from .distillation import TeacherTargets, head_inputs, layer_outputs, targets_from_logits, the_head_input, the_layer_outputs
 from .errors import InvalidInputError
@@ -352,7 +352,9 @@ def generate_sequences(
     progress_bar: bool = True,
 ) -> GeneratedText:
     """The teacher's own text: `num_sequences` sequences it samples from the prompts (see the module docstring), read
-    from `cache` when it holds them for the same fingerprint (a cache with fewer is extended).
+    from `cache` when it holds them for the same fingerprint (a cache with fewer is extended). Under
+    `torch.distributed` the main process alone reads, writes and extends the cache, and sends the text to the others
+    (which need not see the file): one process generates, the others wait for it.
 
     Args:
         teacher (`Callable`): Returns a context manager that gives the dense model for its block.
@@ -370,14 +372,37 @@ def generate_sequences(
         [`GeneratedText`].
 
     Raises:
-        InvalidInputError: for a temperature that is not a finite number > 0, a `seq_len` below 2, or no prompt.
+        InvalidInputError: for a temperature that is not a finite number > 0, a `seq_len` below 2, no prompt, or a
+            prompt longer than `seq_len`, before the teacher runs.
     """
     if not (isinstance(settings.temperature, (int, float)) and 0 < settings.temperature < float("inf")):
         raise InvalidInputError(f"The generation temperature must be a finite number > 0, got {settings.temperature!r}.")
     if settings.seq_len < 2:
         raise InvalidInputError(f"Generated sequences need at least 2 tokens, got seq_len={settings.seq_len}.")
-    started = time.perf_counter()
     prompts = prompt_starts(documents, start_token, settings)
+    longest = max([prompt.numel() for prompt in prompts] + [1 if start_token is not None else 0])
+    if longest > settings.seq_len:
+        raise InvalidInputError(
+            f"The dense model's prompts have up to {longest} tokens, more than the {settings.seq_len} of a generated "
+            f"sequence (`heal_seq_len`): use sequences longer than the prompts, or shorter prompts."
+        )
+    return distributed.on_main_process(
+        lambda: _generate_or_read(teacher, prompts, start_token, num_sequences, settings, cache, autocast, progress_bar)
+    )
+
+
+def _generate_or_read(
+    teacher: Callable[[], AbstractContextManager[nn.Module]],
+    prompts: Sequence[torch.LongTensor],
+    start_token: int | None,
+    num_sequences: int,
+    settings: GenerationSettings,
+    cache: str | os.PathLike | None,
+    autocast: bool,
+    progress_bar: bool,
+) -> GeneratedText:
+    """[`generate_sequences`] on one process: the cache's sequences, and those it lacks generated and saved in it."""
+    started = time.perf_counter()
     with teacher() as model:
         expected = fingerprint(model, prompts, start_token, settings)
         if cache is None:
@@ -389,39 +414,46 @@ def generate_sequences(
         saved = _read_cache(cache, expected) or {}
         have = saved.get("input_ids", torch.zeros(0, settings.seq_len, dtype=torch.long))
         have_targets = [TeacherTargets(*saved["targets"], layer_states=saved.get("layer_states"))] if saved else []
-        layers = get_adapter(model).layers_at(model, settings.keep_layers)
         seconds_per_sequence = float(saved.get("seconds_per_sequence", 0.0))
         from_cache = min(num_sequences, have.shape[0])
         if have.shape[0] < num_sequences:
-            batches = []
             first_batch = have.shape[0] // settings.batch_size  # a cache always holds whole batches
             last_batch = -(-num_sequences // settings.batch_size)
             tick = time.perf_counter()
-            with calibration_mode(model):
-                for batch in logging.tqdm(
-                    range(first_batch, last_batch),
-                    desc="Heal: the dense model writes its text",
-                    leave=False,
-                    disable=not progress_bar,
-                ):
-                    indices = range(batch * settings.batch_size, (batch + 1) * settings.batch_size)
-                    generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + batch)
-                    batch_prompts = [sequence_prompt(index, prompts, start_token, settings) for index in indices]
-                    sequences, targets = sample_batch(
-                        model,
-                        batch_prompts,
-                        settings.seq_len,
-                        settings.temperature,
-                        generator,
-                        autocast,
-                        settings.keep_hidden,
-                        layers,
-                    )
-                    batches.append(sequences)
-                    have_targets.append(targets)
+            batches, targets = _sample_batches(
+                model, prompts, start_token, settings, range(first_batch, last_batch), autocast, progress_bar
+            )
             seconds_per_sequence = (time.perf_counter() - tick) / ((last_batch - first_batch) * settings.batch_size)
             have = torch.cat([have[: first_batch * settings.batch_size], *batches])
+            have_targets += targets
             _write_cache(cache, expected, have, TeacherTargets.concatenate(have_targets), seconds_per_sequence)
-        del model, layers
+        del model
     targets = TeacherTargets.concatenate(have_targets).rows(slice(0, num_sequences))
     return GeneratedText(have[:num_sequences], time.perf_counter() - started, seconds_per_sequence, from_cache, targets)
+
+
+def _sample_batches(
+    model: nn.Module,
+    prompts: Sequence[torch.LongTensor],
+    start_token: int | None,
+    settings: GenerationSettings,
+    batches: range,
+    autocast: bool,
+    progress_bar: bool,
+) -> tuple[list[torch.LongTensor], list[TeacherTargets]]:
+    """The generation batches `batches` (each drawn from its own generator, seeded from the seed and its index), with
+    the targets kept while the model wrote them."""
+    layers = get_adapter(model).layers_at(model, settings.keep_layers)
+    sequences, targets = [], []
+    with calibration_mode(model):
+        for batch in logging.tqdm(batches, desc="Heal: the dense model writes its text", leave=False, disable=not progress_bar):
+            indices = range(batch * settings.batch_size, (batch + 1) * settings.batch_size)
+            generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + batch)
+            batch_prompts = [sequence_prompt(index, prompts, start_token, settings) for index in indices]
+            batch_sequences, batch_targets = sample_batch(
+                model, batch_prompts, settings.seq_len, settings.temperature, generator, autocast, settings.keep_hidden,
+                layers,
+            )  # fmt: skip
+            sequences.append(batch_sequences)
+            targets.append(batch_targets)
+    return sequences, targets

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from . import distributed, streaming, surgery
+from . import streaming, surgery
 from .adapters import get_adapter
 from .checkpoint import save_checkpoint
 from .compensation import (
@@ -30,7 +30,6 @@ from .compensation import (
     compensate,
     compensate_run,
 )
-from .compensation.refinement import check_refinement_data
 from .configuration import GradMAPConfig
 from .data import (
     CalibrationData,
@@ -40,20 +39,11 @@ from .data import (
     prepare_calibration_data,
 )
 from .errors import InvalidInputError
-from .generation import chat_prompt, is_generated
-from .heal import (
-    HEAL_SETTINGS,
-    HealText,
-    check_heal_checkpoint_origin,
-    check_heal_dataset_name,
-    check_heal_settings,
-    heal_sequences,
-    heal_stage,
-)
+from .heal import HEAL_SETTINGS, HealText, check_heal_checkpoint_origin, heal_stage, prepare_heal_text
 from .hub import save_and_upload
-from .importance import get_importance_metric
 from .importance.selection import Selection, Stage1Checkpoint, Stage1Plan, remove_by_importance, remove_explicit_layers
 from .precision import compute_device, resolve_dtype
+from .pruner_checks import check_fit_ids, check_layers_left_for_stage2, check_token_ids, refuse_after_heal, stage1_plan
 from .result import PruningResult
 
 if TYPE_CHECKING:
@@ -192,99 +182,111 @@ class GradMAPPruner:
         heal_text_cache: str | os.PathLike | None = None,
     ) -> PruningResult:
         """Prunes `model` in place: Stage 1, then Stage 2 if `config.compensation`, then the heal stage if
-        `config.heal_tokens` ([`~GradMAPPruner.heal`]).
+        `config.heal_tokens` ([`~GradMAPPruner.heal`]). Every text is read and checked before Stage 1 starts.
 
         Args:
             model (`PreTrainedModel`, *optional*): Defaults to the pruner's model.
-            calibration_data: `None` (use `config.dataset`), a dataset name, a `datasets.Dataset`, a
-                list of strings, a list of token-id lists, or a `LongTensor` of shape `(N, T)` (see
-                [`~optimum_gradmap.data.prepare_calibration_data`]).
-            tokenizer (`PreTrainedTokenizerBase`, *optional*): For text (`calibration_data`, `validation_data` and
-                `compensation_data`); defaults to the pruner's tokenizer, else the one saved with the model.
-            stage1_checkpoint (`str` or `os.PathLike`, *optional*): A JSON file where Stage 1 saves
-                its progress after every round, and from which an interrupted run resumes (see
-                [`~GradMAPPruner.select_layers`]).
-            validation_data (*optional*): Text (any form `calibration_data` takes) that decides whether
-                Stage 2's compensation is kept: only if it lowers its perplexity (see [`~GradMAPPruner.compensate`]).
-                Read and checked before Stage 1 starts.
-            compensation_data (*optional*): Text Stage 2 fits on instead of the calibration sequences (any form
-                `calibration_data` takes); defaults to `config.compensation_dataset`, and without it to the
-                calibration sequences. Read and checked before Stage 1 starts.
-            heal_data (*optional*): Text the heal stage trains on (any form `calibration_data` takes); defaults to
-                `config.heal_dataset`. Read and checked before Stage 1 starts.
-            heal_checkpoint (`str` or `os.PathLike`, *optional*): A file where the heal stage saves its state at every
-                held-out check, and from which an interrupted heal resumes ([`optimum_gradmap.heal.heal`]). An existing
-                file whose heal text, settings, number of processes or model size differ from this run's is refused
-                before Stage 1 ([`~optimum_gradmap.heal.check_heal_checkpoint_origin`]), except for the dense model's
-                own text and `heal_tokens="auto"`, whose sequences are made after Stage 2 (the heal compares the file
-                when it starts).
+            calibration_data: `None` (use `config.dataset`), a dataset name, a `datasets.Dataset`, a list of strings, a
+                list of token-id lists, or a `LongTensor` of shape `(N, T)` ([`~optimum_gradmap.data.prepare_calibration_data`]).
+            tokenizer (`PreTrainedTokenizerBase`, *optional*): For text; defaults to the pruner's tokenizer, else the
+                one saved with the model.
+            stage1_checkpoint (`str` or `os.PathLike`, *optional*): Stage 1's progress file ([`~GradMAPPruner.select_layers`]).
+            validation_data (*optional*): Text (any form `calibration_data` takes) whose perplexity decides whether Stage
+                2's compensation is kept ([`~GradMAPPruner.compensate`]).
+            compensation_data (*optional*): Text Stage 2 fits on; defaults to `config.compensation_dataset`, and without
+                it to the calibration sequences.
+            heal_data (*optional*): Text the heal stage trains on; defaults to `config.heal_dataset`.
+            heal_checkpoint (`str` or `os.PathLike`, *optional*): The heal's state, saved at every held-out check, from
+                which an interrupted heal resumes ([`optimum_gradmap.heal.heal`]). A file whose heal text, settings,
+                number of processes or model size differ from this run's is refused before Stage 1
+                ([`~optimum_gradmap.heal.check_heal_checkpoint_origin`]; the text where it is known then).
             heal_text_cache (`str` or `os.PathLike`, *optional*): The file that caches the dense model's own text
-                (`heal_dataset` with `generated`); defaults to one per fingerprint in the user cache
-                ([`~optimum_gradmap.generation`]).
+                (`heal_dataset` with `generated`); defaults to one per fingerprint in the user cache.
 
         Returns:
             [`PruningResult`]: `result.model` is the pruned model.
 
         Raises:
             InvalidInputError (a `ValueError`): for a model, settings or data that cannot be pruned as configured
-                (Stage 2's and the heal stage's included: a model that carries PEFT adapters, nothing of
-                `heal_trainable`'s kind to train, a heal checkpoint from another run), before anything changes; the
-                model is left untouched. What depends on the layers Stage 1 removes is refused where it becomes
-                known, and what Stage 1 and 2 did is undone: with a budget, a `num_compensated_layers` larger than the
-                layers Stage 1 leaves stops Stage 1 at the removal that leaves too few; the heal refuses
-                `heal_trainable="before_removed"` when every removed run starts at layer 0,
-                `heal_trainable="down_projections"` when Stage 2 compensated no layer, and a heal checkpoint that
-                matches this run's heal but not its pruning.
-            Exception: any other error (an interruption, running out of memory) raised once Stage 1 started
-                propagates after the model was put back as it came: the same layers, config and weights. Ctrl-C
-                during the heal stage's training steps is not an error: it stops training and keeps its best
-                state so far (`result.heal.interrupted`).
+                (Stage 2's and the heal stage's included), before anything changes. What depends on the layers Stage 1
+                removes is refused where it becomes known, and what Stage 1 and 2 did is undone: with a budget, a
+                `num_compensated_layers` larger than the layers Stage 1 leaves; `heal_trainable="before_removed"` when
+                every removed run starts at layer 0, `"down_projections"` when Stage 2 compensated no layer, and a heal
+                checkpoint that matches this run's heal but not its pruning.
+            Exception: any other error once Stage 1 started propagates after the model was put back as it came.
+                Ctrl-C during the heal's training steps stops training and keeps its best state
+                (`result.heal.interrupted`).
         """
         config = self.config
         model = self._resolve_model(model)
-        if not config.heal_tokens and heal_data is not None:
-            raise InvalidInputError(
-                "`heal_data` was given, but the heal stage is off (`heal_tokens=0`): give it a budget, or leave the text out."
-            )
-        heal_text = self._heal_text(model, heal_data, config, tokenizer) if config.heal_tokens else None
-        if heal_text is not None:
-            check_heal_checkpoint_origin(heal_checkpoint, model, heal_text.train_ids, heal_text.validation_ids, config)
-        compensation_ids = validation_ids = None
+        heal_text = self._heal_input(model, heal_data, tokenizer, heal_checkpoint)
+        compensation_ids, validation_ids = self._stage2_input(model, compensation_data, validation_data, tokenizer)
+
+        def check_fit_data(calibration_ids: torch.LongTensor) -> None:  # Stage 2 fits on them: checked before Stage 1
+            if config.compensation and compensation_ids is None:
+                check_fit_ids(calibration_ids, config)
+
+        result = self._select_layers(model, calibration_data, tokenizer, stage1_checkpoint, check_fit_data)
+        try:
+            if config.compensation:
+                fit_ids = compensation_ids if compensation_ids is not None else result.calibration_ids
+                self._compensate(result, config, fit_ids, validation_ids)
+            if config.heal_tokens:
+                self._heal(result, config, heal_text, heal_data, tokenizer, None, heal_checkpoint, heal_text_cache)
+        except BaseException:
+            self._roll_back(result)
+            raise
+        self.release()
+        return result
+
+    def _heal_input(
+        self,
+        model: PreTrainedModel,
+        heal_data: CalibrationData,
+        tokenizer: PreTrainedTokenizerBase | None,
+        heal_checkpoint: str | os.PathLike | None,
+    ) -> HealText | None:
+        """The heal's text where it is known before Stage 1, after every check of the heal's input: its settings, text
+        and prompts ([`~optimum_gradmap.heal.prepare_heal_text`]) and its checkpoint file's origin."""
+        config = self.config
+        if not config.heal_tokens:
+            if heal_data is not None:
+                raise InvalidInputError(
+                    "`heal_data` was given, but the heal stage is off (`heal_tokens=0`): give it a budget, or leave the text out."
+                )
+            return None
+        heal_text = self._heal_text(model, heal_data, config, tokenizer)
+        ids = (heal_text.train_ids, heal_text.validation_ids) if heal_text is not None else (None, None)
+        check_heal_checkpoint_origin(heal_checkpoint, model, *ids, config)
+        return heal_text
+
+    def _stage2_input(
+        self,
+        model: PreTrainedModel,
+        compensation_data: CalibrationData,
+        validation_data: CalibrationData,
+        tokenizer: PreTrainedTokenizerBase | None,
+    ) -> tuple[torch.LongTensor | None, torch.LongTensor | None]:
+        """The sequences Stage 2 fits on (where they are not the calibration ones) and those that validate it, read and
+        checked before Stage 1; text for a Stage 2 that is off is refused."""
+        config = self.config
         if config.compensation:
             compensation_ids = self._compensation_ids(model, compensation_data, config, tokenizer)
+            validation_ids = None
             if validation_data is not None:
                 validation_ids = self._validation_ids(model, validation_data, config, tokenizer)
-        elif compensation_data is not None or config.compensation_dataset is not None:
+            return compensation_ids, validation_ids
+        if compensation_data is not None or config.compensation_dataset is not None:
             raise InvalidInputError(
                 "Text for Stage 2 was given (`compensation_data` or `compensation_dataset`), but Stage 2 is off "
                 "(`compensation=False`): turn it on, or leave the text out."
             )
-        elif validation_data is not None:
+        if validation_data is not None:
             raise InvalidInputError(
                 "`validation_data` was given, but Stage 2 is off (`compensation=False`): it decides whether Stage 2's "
                 "compensation is kept. Turn Stage 2 on, or leave `validation_data` out."
             )
-
-        def check_fit_data(calibration_ids: torch.LongTensor) -> None:  # Stage 2 fits on them: checked before Stage 1
-            if config.compensation and compensation_ids is None:
-                self._check_fit_ids(calibration_ids, config)
-
-        result = self._select_layers(model, calibration_data, tokenizer, stage1_checkpoint, check_fit_data)
-        if config.compensation:
-            fit_ids = compensation_ids if compensation_ids is not None else result.calibration_ids
-            try:
-                self._compensate(result, config, fit_ids, validation_ids)
-            except BaseException:
-                self._roll_back(result)
-                raise
-        if config.heal_tokens:
-            try:
-                self._heal(result, config, heal_text, heal_data, tokenizer, None, heal_checkpoint, heal_text_cache)
-            except BaseException:
-                self._roll_back(result)
-                raise
-        self.release()
-        return result
+        return None, None
 
     def select_layers(
         self,
@@ -331,7 +333,7 @@ class GradMAPPruner:
         if config.compensation or config.compensate_each_round:
             check_stage2_settings(config, adapter)
         num_layers = adapter.num_layers(model)
-        plan = self._stage1_plan(num_layers)
+        plan = stage1_plan(config, num_layers)
         calibration_ids = self._calibration_ids(model, calibration_data, tokenizer)
         if config.reg_lambda == "auto" and (config.compensation or config.compensate_each_round):
             check_auto_lambda_data(calibration_ids)  # before Stage 1 changes anything
@@ -399,7 +401,7 @@ class GradMAPPruner:
 
         def after_removal(removed: int) -> None:
             if config.compensation and config.has_budget:  # K is known only as Stage 1 goes: checked at each removal
-                self._check_layers_left_for_stage2(dense, removed, plan)
+                check_layers_left_for_stage2(config, dense, removed, plan)
             if config.compensate_each_round:  # Prune&Comp's repair between removals
                 done = compensate_run(dense, calibration_ids, config, removed, self.progress_bar)
                 if done is not None:
@@ -466,7 +468,7 @@ class GradMAPPruner:
         unknown = sorted(set(config_overrides) - set(STAGE2_SETTINGS))
         if unknown:
             raise InvalidInputError(f"{unknown} are not Stage 2 settings; these are: {list(STAGE2_SETTINGS)}.")
-        _refuse_after_heal(result, "Stage 2")
+        refuse_after_heal(result, "Stage 2")
         config = dataclasses.replace(self.config, compensation=True, **config_overrides)  # the pruner's, not the last run's
         # every check before the previous fit is undone: a refused re-run leaves the result as it was
         adapter = get_adapter(result.model)
@@ -476,7 +478,7 @@ class GradMAPPruner:
         fit_ids = self._compensation_ids(result.model, compensation_data, config, tokenizer)
         if fit_ids is None:
             fit_ids = result.calibration_ids
-            self._check_fit_ids(fit_ids, config)
+            check_fit_ids(fit_ids, config)
         validation_ids = None
         if validation_data is not None:
             validation_ids = self._validation_ids(result.model, validation_data, config, tokenizer)
@@ -551,7 +553,7 @@ class GradMAPPruner:
         config = dataclasses.replace(result.config or self.config, **config_overrides)  # how the result was pruned
         if not config.heal_tokens:
             raise InvalidInputError("The heal stage needs a budget: give `heal_tokens` (e.g. heal_tokens=200_000).")
-        _refuse_after_heal(result, "a second heal")
+        refuse_after_heal(result, "a second heal")
         if teacher is None and (result is not self.result or self._dense is None):
             raise InvalidInputError(
                 "This pruner no longer holds the dense layers of that result, which the heal stage's teacher is made of: "
@@ -571,8 +573,8 @@ class GradMAPPruner:
         checkpoint: str | os.PathLike | None,
         text_cache: str | os.PathLike | None,
     ) -> PruningResult:
-        """The heal stage on checked inputs: `heal_text` prepared already, or made here (the dense model's own text,
-        `heal_tokens="auto"`)."""
+        """The heal stage on checked inputs ([`~optimum_gradmap.heal.heal_stage`]): `heal_text` prepared already, or
+        made there (the dense model's own text, `heal_tokens="auto"`)."""
         if teacher is not None:
             teacher_context = lambda: contextlib.nullcontext(teacher)  # noqa: E731
         else:
@@ -581,6 +583,7 @@ class GradMAPPruner:
                 backups.append(result.compensation.backup)
             teacher_context = lambda: self._dense.dense_model(backups)  # noqa: E731
         data = heal_data if heal_data is not None else config.heal_dataset
+        stage1_seconds, stage1_basis = _stage1_seconds(result, config, teacher)
         result.heal = heal_stage(
             result.model,
             teacher_context,
@@ -591,11 +594,12 @@ class GradMAPPruner:
             result.compensated_layers,
             data=heal_data,
             text=heal_text,
-            stage1_seconds=result.timings.get("stage1"),
+            stage1_seconds=stage1_seconds,
+            stage1_basis=stage1_basis,
             checkpoint=checkpoint,
             text_cache=text_cache,
             progress_bar=self.progress_bar,
-            check_ids=lambda ids: _check_token_ids(ids, result.model),
+            check_ids=lambda ids: check_token_ids(ids, result.model),
             prompt_data=self._calibration_data if result is self.result else None,
         )
         result.config = config
@@ -610,23 +614,15 @@ class GradMAPPruner:
         tokenizer: PreTrainedTokenizerBase | None,
         compensated: list[int] | None = None,
     ) -> HealText | None:
-        """The heal stage's training and held-out sequences (`heal_data`, else `config.heal_dataset`), drawn with seed
-        `seed + 2`, after the checks of its settings on `model` (pruned already when `compensated`, the layers Stage 2
-        compensated, is given). `None` where the heal makes them when it starts: the dense model's own text, and
-        `heal_tokens="auto"` (only the names are checked here)."""
-        check_heal_settings(model, config, compensated)
-        data = heal_data if heal_data is not None else config.heal_dataset
-        if isinstance(data, str) and not os.path.exists(data):
-            check_heal_dataset_name(data)  # a name: refused before a tokenizer is looked for
-        if heal_data is None and is_generated(config.heal_dataset) and config.heal_prompts == "chat":
-            chat_prompt(self._tokenizer_for(model, config.dataset, tokenizer))  # no chat template: refused before Stage 1
-        if config.heal_tokens == "auto" or (heal_data is None and is_generated(config.heal_dataset)):
-            return None
-        text = heal_sequences(data, self._tokenizer_for(model, data, tokenizer), config)
-        for ids in (text.train_ids, text.validation_ids):
-            _check_token_ids(ids, model)
-        distributed.shard_bounds(text.train_ids.shape[0])
-        return text
+        """[`~optimum_gradmap.heal.prepare_heal_text`] with this pruner's tokenizer and token-id check."""
+        return prepare_heal_text(
+            model,
+            heal_data,
+            config,
+            lambda data: self._tokenizer_for(model, data, tokenizer),
+            lambda ids: check_token_ids(ids, model),
+            compensated,
+        )
 
     def cut(self, result: PruningResult, num_layers_to_prune: int) -> PruningResult:
         """Keeps only the first `num_layers_to_prune` removals of a Stage 1 run, without scoring again: removal
@@ -653,7 +649,7 @@ class GradMAPPruner:
                 "This pruner no longer holds the dense layers of that result: `cut` needs the result of this pruner's last "
                 "`select_layers`, before `prune` or `release` drops them."
             )
-        _refuse_after_heal(result, "a cut")
+        refuse_after_heal(result, "a cut")
         made = len(result.removed_layers)
         if (
             isinstance(num_layers_to_prune, bool)
@@ -787,64 +783,6 @@ class GradMAPPruner:
             self.model = model
         return model
 
-    def _stage1_plan(self, num_layers: int) -> Stage1Plan:
-        """What Stage 1 will do on a model of `num_layers` layers; refuses, before any change, a number of
-        layers to remove the model cannot lose."""
-        config = self.config
-        num_to_prune = config.num_layers_to_remove(num_layers)
-        if num_to_prune < 1:
-            raise InvalidInputError(
-                f"pruning_ratio={config.pruning_ratio} of {num_layers} layers rounds to 0 layers: "
-                "raise the ratio or give `num_layers_to_prune`."
-            )
-        if config.layers_to_prune is not None and max(config.layers_to_prune) >= num_layers:
-            raise InvalidInputError(
-                f"layers_to_prune={config.layers_to_prune} names layers the model does not have: "
-                f"it has {num_layers} decoder layers, indexed 0 to {num_layers - 1}."
-            )
-        if num_to_prune >= num_layers:
-            raise InvalidInputError(
-                f"Cannot remove {num_to_prune} of the model's {num_layers} decoder layers: at least one must "
-                f"remain. Choose num_layers_to_prune <= {num_layers - 1}."
-            )
-        protected = config.resolved_protected_layers(num_layers)
-        if config.layers_to_prune is not None and protected and protected & set(config.layers_to_prune):
-            raise InvalidInputError(
-                f"layers_to_prune={config.layers_to_prune} names the protected layer(s) "
-                f"{sorted(protected & set(config.layers_to_prune))} (protected_layers={config.protected_layers}): "
-                "remove them from one of the two lists."
-            )
-        if config.unused_stage1_settings():
-            logger.warning(
-                f"layers_to_prune={config.layers_to_prune} names the layers to remove, so Stage 1 scores nothing: "
-                f"{', '.join(config.unused_stage1_settings())} are not used."
-            )
-        if config.compensation and not config.has_budget:
-            check_num_compensated_layers(config.num_compensated_layers, num_layers - num_to_prune, config.compensation_target)
-        elif config.compensation and config.compensation_target == "max_drift" and config.num_compensated_layers > num_layers:
-            # with a budget, K is known only as Stage 1 goes (checked at each removal); no budget keeps more than all
-            raise InvalidInputError(
-                f"num_compensated_layers={config.num_compensated_layers} exceeds the {num_layers} layers the model has: "
-                f"Stage 2 cannot fit more layers than remain after pruning. Use num_compensated_layers <= "
-                f"{num_layers - num_to_prune} (valid whatever the budget removes), or compensation_target='span_end'."
-            )
-        metric = get_importance_metric(config.importance, seed=config.seed)
-        return Stage1Plan(
-            metric=metric,
-            iterative=metric.iterative if config.iterative is None else config.iterative,
-            num_to_prune=num_to_prune,
-            protected=protected,
-            verify_top_k=config.verify_top_k,
-            verify_halving=config.verify_halving,
-            verify_from_scoring_pass=config.verify_from_scoring_pass,
-            batch_size=config.batch_size,
-            seed=config.seed,
-            compensate_each_round=config.compensate_each_round,
-            max_loss_increase=config.max_loss_increase,
-            target_num_parameters=config.target_num_parameters,
-            loss_curve=config.loss_curve,
-        )
-
     def _compensation_ids(
         self,
         model: PreTrainedModel,
@@ -858,7 +796,7 @@ class GradMAPPruner:
         if data is None:
             return None
         ids = self._calibration_ids(model, data, tokenizer)
-        self._check_fit_ids(ids, config)
+        check_fit_ids(ids, config)
         return ids
 
     def _validation_ids(
@@ -871,29 +809,6 @@ class GradMAPPruner:
         """The sequences whose perplexity decides whether Stage 2's compensation is kept, drawn with seed `seed + 1`:
         given the calibration dataset itself, they are other windows of the same text."""
         return self._calibration_ids(model, validation_data, tokenizer, seed=config.seed + 1)
-
-    @staticmethod
-    def _check_fit_ids(fit_ids: torch.LongTensor, config: GradMAPConfig) -> None:
-        """Refuses, before anything changes, sequences Stage 2 cannot fit on as `config` says: too few for
-        `reg_lambda="auto"`'s folds or `refinement_steps`'s held-out fold, or fewer than the processes sharing them."""
-        if config.reg_lambda == "auto":
-            check_auto_lambda_data(fit_ids)
-        if config.refinement_steps:
-            check_refinement_data(fit_ids)
-        distributed.shard_bounds(fit_ids.shape[0])
-
-    def _check_layers_left_for_stage2(self, dense: surgery.LayerSnapshot, removed: int, plan: Stage1Plan) -> None:
-        """With a budget, refuses the removal after which fewer layers remain than Stage 2 fits (`max_drift`'s
-        `num_compensated_layers`): Stage 2 would fail, so Stage 1 stops there (and its removals are undone)."""
-        config, num_kept = self.config, len(dense.kept_layers())
-        if config.compensation_target == "max_drift" and config.num_compensated_layers > num_kept:
-            raise InvalidInputError(
-                f"num_compensated_layers={config.num_compensated_layers} exceeds the {num_kept} layers that remain once "
-                f"Stage 1 removed layer {removed}: with a budget it may remove up to {plan.num_to_prune} of the "
-                f"{dense.num_layers} layers. Use num_compensated_layers <= {dense.num_layers - plan.num_to_prune} (valid "
-                "whatever the budget removes), a smaller num_layers_to_prune, or compensation_target='span_end'. "
-                "Stage 1's removals were undone."
-            )
 
     def _roll_back(self, result: PruningResult) -> None:
         """Puts the model of `result` back as `prune` got it (after an error once Stage 1 started): undoes Stage 2's
@@ -925,7 +840,7 @@ class GradMAPPruner:
             config.dataset,
             config.text_column,
         )
-        _check_token_ids(ids, model)
+        check_token_ids(ids, model)
         return ids
 
     def _tokenizer_for(
@@ -945,17 +860,30 @@ class GradMAPPruner:
         return tokenizer
 
 
-def _check_token_ids(ids: torch.LongTensor, model: PreTrainedModel) -> None:
-    """Refuses token ids outside the model's vocabulary."""
-    vocab_size = model.get_input_embeddings().weight.shape[0]
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise InvalidInputError(f"Calibration token ids must lie in [0, {vocab_size}), the model's vocabulary.")
+def _stage1_seconds(result: PruningResult, config: GradMAPConfig, teacher: PreTrainedModel | None) -> tuple[float | None, str]:
+    """Stage 1's time for `heal_tokens="auto"`, and where it comes from: the time measured, or, where no Stage 1 scored
+    (`layers_to_prune`, a cut replayed from an earlier run), the plan's time for a Stage 1 that removes as many layers
+    ([`~optimum_gradmap.planning.plan_pruning`], on the dense model's config, its throughput measured here)."""
+    measured = result.timings.get("stage1")
+    if config.heal_tokens != "auto" or config.layers_to_prune is None:
+        return measured, "measured"
+    from .planning import plan_pruning
 
-
-def _refuse_after_heal(result: PruningResult, what: str) -> None:
-    """Refuses to change a healed result's stack or folds: the heal stage trained the model they left."""
-    if result.heal is not None:
-        raise InvalidInputError(
-            f"This result was healed already: {what} would build on weights the heal stage changed (the pruner's dense "
-            "layers no longer make the dense model with them). Heal last and once, or start again from the dense model."
-        )
+    if teacher is not None:
+        dense_config = teacher.config
+    else:  # the pruned model's config with the dense model's layer fields
+        dense_config = copy.deepcopy(result.model.config)
+        text_config = dense_config.get_text_config(decoder=True)
+        for name, value in result.dense_layer_config.items():
+            setattr(text_config, name, copy.deepcopy(value))
+    scored = dataclasses.replace(
+        config, layers_to_prune=None, num_layers_to_prune=len(result.removed_layers), heal_tokens=0, compensation=False
+    )
+    parameter = next(result.model.parameters())
+    plan = plan_pruning(dense_config, scored, dtype=parameter.dtype, device=parameter.device, tokenizer_bytes=0)
+    predicted = plan.stage("Stage 1").seconds
+    logger.info(
+        f"Heal: heal_tokens='auto' sizes the heal by Stage 1's predicted time ({predicted.high:.1f} s for scoring "
+        f"{len(result.removed_layers)} removals): layers_to_prune={config.layers_to_prune} ran no Stage 1."
+    )
+    return predicted.high, "predicted"

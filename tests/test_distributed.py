@@ -143,7 +143,7 @@ def test_command_line_under_torchrun(tiny_checkpoint, tmp_path):
     assert report["evaluation"]["perplexities"][0]["perplexity"] == pytest.approx(alone.perplexities[0].perplexity, rel=1e-5)
 
 
-# --- Stage 2's held-out decisions over processes (issue 55, 4.5 and 4.6) ----------------------------------------------
+# --- Stage 2's held-out decisions over processes ---------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +164,7 @@ def _stage2_ranks(output: str, case: str) -> list[dict]:
 
 def test_refinement_with_the_held_out_fold_on_one_process_means_over_every_held_out_sequence(two_process_stage2_run):
     """6 sequences on 2 processes: rank 0's share holds no held-out sequence. It adds nothing to the held-out loss, which
-    is the mean over the one held-out sequence there is, as with one process (issue 55, 4.5)."""
+    is the mean over the one held-out sequence there is, as with one process."""
     from tests.integration.stage2_worker import stage2_case_inputs
 
     case = "refinement_held_out_on_one_process"
@@ -181,7 +181,7 @@ def test_refinement_with_the_held_out_fold_on_one_process_means_over_every_held_
 def test_each_process_validates_its_share_and_all_take_the_decision_of_one_process(two_process_stage2_run, case):
     """Validation perplexity under torchrun: each process scores its contiguous share of the validation sequences (none,
     for rank 0 with one sequence), the losses are combined over processes, and every process keeps or undoes the
-    compensation alike, as one process on all the sequences does (issue 55, 4.6)."""
+    compensation alike, as one process on all the sequences does."""
     from tests.conftest import random_ids
     from tests.integration.stage2_worker import stage2_case_inputs
 
@@ -202,7 +202,7 @@ def test_each_process_validates_its_share_and_all_take_the_decision_of_one_proce
     torch.testing.assert_close(torch.tensor(ranks[0]["logits"]).view_as(logits), logits, rtol=1e-5, atol=1e-5)
 
 
-# --- the heal stage under torchrun: Ctrl-C, resume, gradient buckets (issue 64, 6.3 and 6.8) ---------------------------
+# --- the heal stage under torchrun: Ctrl-C, resume, gradient buckets ----------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -265,3 +265,33 @@ def test_every_rank_resumes_from_rank_0s_checkpoint_which_rank_1_cannot_see(two_
     _assert_same_weights(weights)
     for name, value in weights[0].items():
         torch.testing.assert_close(value, uninterrupted[0][name], rtol=1e-5, atol=1e-6)
+
+
+# --- the heal's decisions under torchrun: one process decides, the others follow -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_process_heal_decisions(tmp_path_factory) -> str:
+    output = str(tmp_path_factory.mktemp("distributed_heal_decisions"))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += [os.path.join(ROOT, "tests", "integration", "heal_decisions_worker.py"), output]
+    environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # ranks that part would wait in a collective: the process group's timeout (60 s) turns that into a failure
+    completed = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    return output
+
+
+def test_auto_heal_tokens_are_chosen_once_by_the_main_process_and_every_rank_trains_them(two_process_heal_decisions):
+    ranks = _ranks(os.path.join(two_process_heal_decisions, "auto_tokens"))
+    assert ranks[0]["budget_tokens"] == ranks[1]["budget_tokens"] > 0  # rank 1's own Stage 1 time did not count
+    assert ranks[0]["steps"] == ranks[1]["steps"] >= 1
+    assert ranks[0]["kl_curve"] == ranks[1]["kl_curve"]
+
+
+def test_the_dense_models_text_is_generated_and_cached_by_the_main_process_alone(two_process_heal_decisions):
+    ranks = _ranks(os.path.join(two_process_heal_decisions, "generated_text"))
+    assert ranks[0]["sampled"] == 2 and ranks[0]["written"] == 1  # two batches of 4, one cache write
+    assert ranks[1]["sampled"] == ranks[1]["written"] == 0  # rank 1 waited and got rank 0's text
+    assert ranks[0]["digest"] == ranks[1]["digest"] and ranks[1]["rows"] == 8
+    assert sorted(os.listdir(two_process_heal_decisions)).count("text-cache.pt") == 1

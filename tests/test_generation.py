@@ -195,16 +195,18 @@ class FakeClock:
         model.register_forward_hook(lambda *args: setattr(self, "now", self.now + cost))
 
 
-def _auto_heal(monkeypatch, budget: float, slow_down: float = 1.0, warm_up: float = 0.0):
+def _auto_heal(monkeypatch, budget: float, slow_down: float = 1.0, warm_up: float = 0.0, checkpoint=None, interrupt_at: int = 0):
     """A `heal_tokens="auto"` heal of a tiny pruned model with a teacher beside it, on a fake clock: each forward pass
     of the student costs 1 s, the teacher's 2 s; `slow_down` makes the measured step that much faster than the real
-    one (a device that slows down after the measurement)."""
-    from optimum_gradmap import heal as heal_module
+    one (a device that slows down after the measurement); `interrupt_at` > 0 stops the heal by Ctrl-C in its step of
+    that number."""
+    from optimum_gradmap.heal import budget as heal_budget
     from optimum_gradmap.heal import heal_stage
+    from optimum_gradmap.heal import loop as heal_loop
     from optimum_gradmap.surgery import remove_layers
 
     clock = FakeClock()
-    monkeypatch.setattr(heal_module.time, "perf_counter", clock)
+    monkeypatch.setattr(heal_loop.time, "perf_counter", clock)
     teacher_model = tiny_model("llama", num_layers=4)
     with torch.no_grad():
         teacher_model.lm_head.weight.mul_(30)
@@ -212,23 +214,26 @@ def _auto_heal(monkeypatch, budget: float, slow_down: float = 1.0, warm_up: floa
     remove_layers(student, [2, 3])
     clock.watch(student, 1.0)
     clock.watch(teacher_model, 2.0)
-    measure = heal_module.measure_heal_costs
+    measure = heal_budget.measure_heal_costs
 
     def measured(*args, **kwargs):
         costs = measure(*args, **kwargs)
         return dataclasses.replace(costs, step_seconds=costs.step_seconds / slow_down)
 
-    monkeypatch.setattr(heal_module, "measure_heal_costs", measured)
-    losses = heal_module.distillation_loss
+    monkeypatch.setattr(heal_budget, "measure_heal_costs", measured)
+    losses = heal_loop.distillation_loss
     calls = []
 
     def loss(*args, **kwargs):  # the measurement's two steps, then the heal's first ones, `warm_up` s slower each
         calls.append(1)
-        if 2 < len(calls) <= 2 + heal_module.REFIT_AFTER_STEPS:
+        if 2 < len(calls) <= 2 + heal_loop.REFIT_AFTER_STEPS:
             clock.now += warm_up
+        if interrupt_at and len(calls) == 2 + interrupt_at:
+            raise KeyboardInterrupt
         return losses(*args, **kwargs)
 
-    monkeypatch.setattr(heal_module, "distillation_loss", loss)
+    monkeypatch.setattr(heal_loop, "distillation_loss", loss)
+    monkeypatch.setattr(heal_budget, "distillation_loss", loss)
     config = small_config(
         heal_tokens="auto", heal_seq_len=16, heal_validation_sequences=4, heal_batch_size=4, heal_check_every=2,
         heal_autocast=False, heal_lr=1e-3,
@@ -236,7 +241,7 @@ def _auto_heal(monkeypatch, budget: float, slow_down: float = 1.0, warm_up: floa
     start = clock()
     result = heal_stage(
         student, lambda: contextlib.nullcontext(teacher_model), config, None, [0, 1], 4, [], data=random_ids(400, 16, seed=1),
-        stage1_seconds=budget,
+        stage1_seconds=budget, checkpoint=checkpoint,
     )  # fmt: skip
     return result, clock() - start
 
@@ -328,3 +333,87 @@ def test_chat_prompts_without_a_chat_template_are_refused_before_stage_1(tmp_pat
     with pytest.raises(InvalidInputError, match="chat template"):
         GradMAPPruner(config, model, tokenizer=byte_tokenizer, progress_bar=False).prune(model, random_ids(16, 16))
     assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
+
+
+def test_an_interrupted_auto_heal_resumes_with_the_tokens_it_chose(monkeypatch, tmp_path):
+    """The resumed run would time the heal anew and choose another number of tokens, which its checkpoint refuses: it
+    trains the count the interrupted run chose (the checkpoint keeps it) from where it stopped."""
+    checkpoint = tmp_path / "heal.pt"
+    first, _ = _auto_heal(monkeypatch, budget=200.0, checkpoint=checkpoint, interrupt_at=6)
+    assert first.interrupted and first.steps == 5 and first.budget_tokens == 54 * 4 * 16
+    monkeypatch.undo()
+    again, _ = _auto_heal(monkeypatch, budget=100.0, checkpoint=checkpoint)  # timed anew: about 25 steps would fit
+    assert again.budget_tokens == first.budget_tokens and again.budget_basis == "resumed"
+    assert again.kl_curve[:3] == first.kl_curve[:3] and again.steps > 4  # the checks to step 4, then on from there
+    assert "interrupted run it resumed" in again.summary()
+
+
+def test_auto_tokens_after_given_layers_are_sized_by_stage_1s_predicted_time(monkeypatch):
+    """`layers_to_prune` (or `--cut-from`) runs no Stage 1 round: its removal takes milliseconds, which sized the heal
+    to one batch. The heal is sized by the plan's time for a Stage 1 that removes as many layers, and says so."""
+    from optimum_gradmap import planning
+
+    predicted, plan_pruning = [], planning.plan_pruning
+
+    def recorded(*args, **kwargs):
+        plan = plan_pruning(*args, **kwargs)
+        predicted.append(plan.stage("Stage 1").seconds.high)
+        return plan
+
+    monkeypatch.setattr(planning, "plan_pruning", recorded)
+    model = peaked_model(num_layers=4)
+    config = small_config(
+        num_layers_to_prune=None, layers_to_prune=[1, 2], heal_tokens="auto", heal_lr=1e-3, **HEAL
+    )  # fmt: skip
+    pruner = GradMAPPruner(config, model, progress_bar=False)
+    result = pruner.prune(model, random_ids(16, 16), heal_data=random_ids(8000, 16, seed=1))
+    assert len(predicted) == 1 and predicted[0] > result.timings["stage1"]
+    assert result.heal.budget_basis == "predicted" and result.heal.budget_seconds == pytest.approx(predicted[0])
+    assert "Stage 1's predicted time" in result.heal.summary()
+
+
+def _stage1_refused(*args, **kwargs):
+    raise AssertionError("Stage 1 ran")
+
+
+@pytest.mark.parametrize("heal", [dict(heal_tokens="auto"), dict(heal_tokens=64, heal_dataset="generated")])
+def test_a_heal_checkpoint_from_another_run_is_refused_before_stage_1_with_auto_tokens_or_generated_text(
+    tmp_path, byte_tokenizer, monkeypatch, heal
+):
+    """Their sequences are made when the heal starts: the settings, the processes and the model's layers are compared
+    before Stage 1 all the same."""
+    monkeypatch.setattr("optimum_gradmap.pruner.remove_by_importance", _stage1_refused)
+    checkpoint = tmp_path / "heal.pt"
+    torch.save({"fingerprint": {"trainable": "all", "learning_rate": 1.0}}, checkpoint)
+    model = peaked_model()
+    state = copy.deepcopy(model.state_dict())
+    config = small_config(dataset=_text_file(tmp_path, byte_tokenizer), heal_lr=1e-3, **HEAL, **heal)
+    pruner = GradMAPPruner(config, model, tokenizer=byte_tokenizer, progress_bar=False)
+    with pytest.raises(InvalidInputError, match="comes from another run .*Refused before pruning started"):
+        pruner.prune(model, random_ids(16, 16), heal_checkpoint=checkpoint)
+    assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
+
+
+@pytest.mark.parametrize("prompts, seq_len", [("documents", 4), ("chat", 8)])
+def test_prompts_longer_than_the_heal_sequences_are_refused_before_any_work(
+    tmp_path, byte_tokenizer, monkeypatch, prompts, seq_len
+):
+    monkeypatch.setattr("optimum_gradmap.pruner.remove_by_importance", _stage1_refused)
+    byte_tokenizer.chat_template = CHAT_TEMPLATE  # "<|user|>\n": 9 tokens
+    model = peaked_model()
+    state = copy.deepcopy(model.state_dict())
+    settings = {**HEAL, "heal_seq_len": seq_len}
+    config = small_config(
+        dataset=_text_file(tmp_path, byte_tokenizer), heal_dataset="generated", heal_prompts=prompts, heal_tokens=64,
+        **settings,
+    )  # fmt: skip
+    with pytest.raises(InvalidInputError, match=f"heal_seq_len={seq_len} is shorter than the dense model's prompts"):
+        GradMAPPruner(config, model, tokenizer=byte_tokenizer, progress_bar=False).prune(model, random_ids(16, 16))
+    assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
+
+    def teacher():
+        raise AssertionError("the teacher ran")
+
+    short = dataclasses.replace(SETTINGS, seq_len=3)  # 4-token prompts
+    with pytest.raises(InvalidInputError, match="more than the 3"):
+        generate_sequences(teacher, documents(), 1, 4, short, tmp_path / "cache.pt", progress_bar=False)

@@ -248,7 +248,7 @@ def test_heal_settings_are_config_fields_and_cli_options():
 
 
 def test_the_refinement_distils_from_the_dense_model_not_from_the_folded_one(monkeypatch):
-    """`refinement_steps`'s teacher had Stage 2's folds in until issue 56: it is the dense model now."""
+    """`refinement_steps`'s teacher is the dense model, without Stage 2's folds."""
     from optimum_gradmap.compensation import refinement
 
     model = peaked_model()
@@ -338,7 +338,7 @@ def test_a_refused_checkpoint_file_leaves_no_lora_wrapper_and_the_model_as_it_wa
 
 @pytest.mark.parametrize("family", ["gpt2", "opt"])
 def test_lora_finds_gpt2s_conv1d_maps_and_norms_include_the_final_norm_whatever_its_name(family):
-    from optimum_gradmap.heal import _choose, _norm_parameters
+    from optimum_gradmap.heal.trainable import _choose, _norm_parameters
 
     model = tiny_model(family, num_layers=4)
     adapter = get_adapter(model)
@@ -371,7 +371,7 @@ def test_pruner_heal_keeps_the_results_stage2_settings_and_checks_its_compensate
     assert result.config.reg_lambda == 0.5 and result.config.compensation and result.config.heal_tokens == 128
 
 
-# --- Issue 64, section 6: the defects a review found ------------------------------------------------------------------
+# --- the teacher, the adapters' dtype, the checkpoint, the digest, the merge, the checks, the seed ----------------------
 
 
 def heal_tiny(model, teacher=None, trainable="norms", **settings):
@@ -385,7 +385,7 @@ def heal_tiny(model, teacher=None, trainable="norms", **settings):
 
 
 def test_no_reference_to_the_teacher_outlives_its_pass(monkeypatch):
-    """6.1: the `heal` command's teacher was kept alive through training by a name bound in `heal`."""
+    """No name bound in `heal` keeps the `heal` command's teacher alive through training."""
     import gc
     import weakref
 
@@ -411,7 +411,7 @@ def test_no_reference_to_the_teacher_outlives_its_pass(monkeypatch):
 
 
 def test_the_teacher_is_freed_by_its_own_context_cleanup():
-    """6.1: the `heal` command frees the teacher in its context's cleanup (`del`, `gc.collect()`); a name still bound
+    """The `heal` command frees the teacher in its context's cleanup (`del`, `gc.collect()`); a name still bound
     to it while that cleanup ran left it to a later collection (an offloaded teacher is held in cycles by its hooks)."""
     import gc
     import weakref
@@ -434,7 +434,7 @@ def test_the_teacher_is_freed_by_its_own_context_cleanup():
 
 
 def test_lora_adapters_are_float32_on_a_bfloat16_model_and_merge_into_its_bfloat16_weights(monkeypatch):
-    """6.2: the adapters took the model's dtype, so AdamW stepped in bfloat16."""
+    """LoRA's adapters are float32 whatever the model's dtype, so AdamW's steps keep their bits."""
     model = peaked_model(num_layers=2).to(torch.bfloat16)
     seen = {}
     adamw = torch.optim.AdamW
@@ -451,7 +451,7 @@ def test_lora_adapters_are_float32_on_a_bfloat16_model_and_merge_into_its_bfloat
 
 
 def test_a_heal_checkpoint_is_written_in_folders_that_do_not_exist_yet(tmp_path):
-    """6.4: the first save failed, after the teacher's pass, when the checkpoint's folder did not exist."""
+    """The first save creates the checkpoint's missing folders."""
     checkpoint = tmp_path / "new" / "deeper" / "heal.pt"
     heal_tiny(peaked_model(num_layers=2), checkpoint=checkpoint)
     assert checkpoint.is_file() and [path.name for path in checkpoint.parent.iterdir()] == ["heal.pt"]
@@ -487,12 +487,12 @@ def test_a_failed_checkpoint_write_leaves_no_temporary_file_and_the_model_as_it_
 
 
 def test_the_weights_digest_is_made_only_for_a_checkpoint_chunk_by_chunk_and_tells_weights_apart(tmp_path, monkeypatch):
-    """6.6: the digest ran on every heal, with two float64 copies of each whole tensor."""
-    from optimum_gradmap import heal as heal_module
+    """The weights' digest runs only for a checkpoint, chunk by chunk (no float64 copy of a whole tensor)."""
     from optimum_gradmap import weights as weights_module
+    from optimum_gradmap.heal import loop as heal_loop
 
     digest, calls = weights_module.weights_digest, []
-    monkeypatch.setattr(heal_module, "weights_digest", lambda model: calls.append(model) or digest(model))
+    monkeypatch.setattr(heal_loop, "weights_digest", lambda model: calls.append(model) or digest(model))
     heal_tiny(peaked_model(num_layers=2))
     assert calls == []
     heal_tiny(peaked_model(num_layers=2), checkpoint=tmp_path / "heal.pt")
@@ -511,7 +511,7 @@ def test_the_weights_digest_is_made_only_for_a_checkpoint_chunk_by_chunk_and_tel
 
 
 def test_an_error_in_the_merge_puts_the_model_back_as_it_came_without_lora_wrappers(monkeypatch):
-    """6.7: the merge sat outside the `try`, so an error in it left a half-merged, LoRA-wrapped model."""
+    """An error in the merge leaves neither a half-merged model nor LoRA's wrappers."""
     from peft.tuners.lora import layer as lora_layer
 
     model = peaked_model(num_layers=2)
@@ -535,7 +535,7 @@ def test_an_error_in_the_merge_puts_the_model_back_as_it_came_without_lora_wrapp
 
 
 def test_no_held_out_sequence_and_a_check_every_below_1_are_refused_before_the_teacher_runs():
-    """6.9: no held-out sequence gave a NaN KL (and the start kept silently); check_every=0 a ZeroDivisionError."""
+    """No held-out sequence (a NaN KL) and check_every=0 (a division by zero) are refused up front."""
     model = peaked_model(num_layers=2)
 
     def teacher():
@@ -548,10 +548,10 @@ def test_no_held_out_sequence_and_a_check_every_below_1_are_refused_before_the_t
 
 
 def test_the_held_out_kl_reads_the_device_once_per_check_not_once_per_batch(monkeypatch):
-    """6.10: each held-out batch's sum came back to the host (`.cpu()`) as it was made."""
-    from optimum_gradmap import heal as heal_module
+    """The held-out sums stay on the device: one read per check."""
+    from optimum_gradmap.heal import loop as heal_loop
 
-    held_out_kl, reads = heal_module._held_out_kl, []
+    held_out_kl, reads = heal_loop._held_out_kl, []
     names = ("cpu", "item", "tolist", "__float__")
 
     def counted(*args, **kwargs):
@@ -571,23 +571,23 @@ def test_the_held_out_kl_reads_the_device_once_per_check_not_once_per_batch(monk
         reads.append(count[0])
         return value
 
-    monkeypatch.setattr(heal_module, "_held_out_kl", counted)
+    monkeypatch.setattr(heal_loop, "_held_out_kl", counted)
     result = heal_tiny(peaked_model(num_layers=2), batch_size=2, validation=random_ids(8, 16, seed=2))
     assert len(reads) == len(result.kl_curve) >= 2 and set(reads) == {1}
 
 
 def test_lora_initialisation_follows_the_configs_seed(monkeypatch):
-    """6.11: `_Trainable`'s seed was never passed: LoRA's initialisation ignored `seed`."""
-    from optimum_gradmap import heal as heal_module
+    """LoRA's initialisation follows `seed`."""
     from optimum_gradmap.heal import heal_as_configured
+    from optimum_gradmap.heal.trainable import _Trainable
 
-    init, seeds = heal_module._Trainable.__init__, []
+    init, seeds = _Trainable.__init__, []
 
     def record(self, model, choice, lora_rank, seed=0):
         seeds.append(seed)
         init(self, model, choice, lora_rank, seed)
 
-    monkeypatch.setattr(heal_module._Trainable, "__init__", record)
+    monkeypatch.setattr(_Trainable, "__init__", record)
     model = peaked_model(num_layers=2)
     config = small_config(seed=7, heal_tokens=128, heal_trainable="lora", **HEAL)
     teacher = lambda: contextlib.nullcontext(peaked_model(num_layers=2, seed=1))  # noqa: E731
@@ -597,7 +597,7 @@ def test_lora_initialisation_follows_the_configs_seed(monkeypatch):
 
 
 def test_the_report_says_whose_weights_a_heal_that_beat_nothing_kept():
-    """6.11: the report said "the weights are Stage 2's" when Stage 2 had changed nothing."""
+    """A heal that beat nothing names whose weights the model keeps (not Stage 2's when Stage 2 changed nothing)."""
     from optimum_gradmap.report import _heal_sentence
 
     healed = dict(trainable="norms", num_trainable_parameters=10, trained_tokens=64, dataset="d", train_sha256="0" * 64,
@@ -608,7 +608,7 @@ def test_the_report_says_whose_weights_a_heal_that_beat_nothing_kept():
     assert _heal_sentence(no_layer).endswith("Stage 1's (Stage 2 compensated no layer).")
 
 
-# --- Issue 64, 6.5: heal refusals inside `prune` come before Stage 1 -------------------------------------------------
+# --- heal refusals inside `prune` come before Stage 1 ----------------------------------------------------------------
 
 
 @pytest.fixture
@@ -695,3 +695,66 @@ def test_an_interrupted_heal_keeps_stage_1s_checkpoint_and_the_same_command_resu
     assert not report["heal"]["interrupted"] and report["heal"]["steps"] == report["heal"]["num_steps"] == 8
     assert report["heal"]["kl_curve"][:2] == interrupted["kl_curve"]  # the checks before the interrupt, resumed
     assert not stage1.exists() and not heal_state.exists()
+
+
+def test_parameters_trained_without_lora_keep_no_gradient_after_the_heal():
+    """A trained weight's `.grad` is a weight-sized tensor: it is dropped once the heal ends."""
+    model = peaked_model(num_layers=2)
+    result = heal_tiny(model, trainable="norms")
+    assert result.steps > 0 and result.num_trainable_parameters > 0
+    assert all(parameter.grad is None for parameter in model.parameters())
+
+
+def test_a_peft_failure_part_way_leaves_the_model_exactly_as_it_was(monkeypatch):
+    """PEFT raising after it wrapped some maps: no wrapper, adapter, PEFT config or changed flag stays on the model."""
+    from peft.tuners.lora import LoraModel
+
+    model = peaked_model(num_layers=2)
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)  # flags as a user left them
+    state = copy.deepcopy(model.state_dict())
+    modules = [(name, type(module)) for name, module in model.named_modules()]
+    flags = {name: parameter.requires_grad for name, parameter in model.named_parameters()}
+    create, calls = LoraModel._create_and_replace, []
+
+    def fail_on_the_third_map(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("PEFT failed")
+        return create(self, *args, **kwargs)
+
+    monkeypatch.setattr(LoraModel, "_create_and_replace", fail_on_the_third_map)
+    with pytest.raises(RuntimeError, match="PEFT failed"):
+        heal_tiny(model, trainable="lora")
+    assert len(calls) == 3  # two maps were wrapped before the failure
+    assert [(name, type(module)) for name, module in model.named_modules()] == modules
+    assert not hasattr(model, "peft_config")
+    assert {name: parameter.requires_grad for name, parameter in model.named_parameters()} == flags
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
+
+
+def test_the_heal_commands_evaluation_frees_the_teacher_in_its_cleanup_before_the_checkpoint_is_saved(byte_tokenizer):
+    """The `heal` command saves after its evaluation: the teacher loaded for the KL is freed by its context's cleanup."""
+    import gc
+    import weakref
+
+    from optimum_gradmap.commands.heal import healed_evaluation
+
+    freed = []
+
+    @contextlib.contextmanager
+    def teacher():  # as the command's: loaded for the block, freed by its cleanup
+        dense = peaked_model(num_layers=2, seed=1)
+        alive = weakref.ref(dense)
+        try:
+            yield dense
+        finally:
+            del dense
+            gc.collect()
+            freed.append(alive() is None)
+
+    entry = {"dataset": "offline:wikipedia", "segment_length": 16, "num_segments": 2, "kl_to_reference": 1.0}
+    report = {"evaluation": {"perplexities": [entry]}}
+    result = healed_evaluation(report, peaked_model(num_layers=2), byte_tokenizer, teacher, "dense", "healed", False)
+    assert freed == [True]
+    assert result.perplexities[0].kl_to_reference > 0 and result.perplexities[0].num_segments == 2

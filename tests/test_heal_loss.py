@@ -26,7 +26,8 @@ from optimum_gradmap.distillation import (
 )
 from optimum_gradmap.errors import InvalidInputError
 from optimum_gradmap.generation import GenerationSettings, generate_sequences
-from optimum_gradmap.heal import _seams, heal, measure_heal_costs
+from optimum_gradmap.heal import heal, measure_heal_costs
+from optimum_gradmap.heal.loss import _seams
 from optimum_gradmap.surgery import remove_layers
 
 from .conftest import random_ids, small_config
@@ -331,13 +332,13 @@ def test_the_generated_text_keeps_the_seams_outputs_a_teacher_pass_would_and_its
 
 
 def test_a_heal_on_the_dense_model_s_own_text_keeps_the_seams_outputs_as_it_writes(tmp_path, byte_tokenizer, monkeypatch):
-    from optimum_gradmap import heal as heal_module
+    from optimum_gradmap.heal import loop as heal_loop
 
     from .test_generation import _text_file
 
     passes = []
-    teacher_pass = heal_module._teacher_pass
-    monkeypatch.setattr(heal_module, "_teacher_pass", lambda *args, **kwargs: passes.append(1) or teacher_pass(*args, **kwargs))
+    teacher_pass = heal_loop._teacher_pass
+    monkeypatch.setattr(heal_loop, "_teacher_pass", lambda *args, **kwargs: passes.append(1) or teacher_pass(*args, **kwargs))
     model = peaked_model()
     config = small_config(
         num_samples=16, dataset=_text_file(tmp_path, byte_tokenizer), heal_dataset="generated", heal_tokens=16 * 16,

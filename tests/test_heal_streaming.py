@@ -25,7 +25,9 @@ from optimum_gradmap.distillation import (
     vocab_sliced_top_k_kl_gradient,
 )
 from optimum_gradmap.errors import InvalidInputError
-from optimum_gradmap.heal import _choose, _streamed_loss_gradient, _Trainable, check_heal_settings, heal
+from optimum_gradmap.heal import check_heal_settings, heal
+from optimum_gradmap.heal.loss import _streamed_loss_gradient
+from optimum_gradmap.heal.trainable import _choose, _Trainable
 from optimum_gradmap.importance.gradient import DecoderGradient
 from optimum_gradmap.passes import calibration_mode
 from optimum_gradmap.weights import stored_state_dict, weights_digest

@@ -78,18 +78,63 @@ def default_heal_text_cache(output: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """`optimum-gradmap heal`: heals a pruned checkpoint and saves it with its report."""
-    import gc
-
-    import torch
-    from transformers import AutoConfig
-
     from .. import distributed
-    from ..checkpoint import check_output_location, save_checkpoint
-    from ..configuration import GradMAPConfig
-    from ..heal import HEAL_SETTINGS, check_heal_checkpoint, check_heal_dataset_name, check_heal_settings, heal_stage
-    from ..report import environment, load_report, reproduction, stage_before_heal
+    from ..checkpoint import save_checkpoint
+    from ..heal import check_generation_prompts, check_heal_settings, heal_stage
 
     progress = set_verbosity(args)
+    loading, path, report, config, teacher_loading, teacher_path = _checked_heal_input(args)
+    checkpoint = args.heal_checkpoint or default_heal_checkpoint(args.output)
+    if args.dry_run:  # the plan from the two configs alone: no weight is loaded
+        return _dry_run(loading, path, teacher_path, config, args.model)
+    distributed.init_from_environment()
+    model, tokenizer = loading.load(path)
+    compensated = (report.get("compensation") or {}).get("compensated_layers", [])
+    check_heal_settings(model, config, compensated)
+    check_generation_prompts(config, tokenizer)  # before the teacher loads
+    teacher = _teacher(teacher_loading, teacher_path)
+    stage1_seconds, stage1_basis = _stage1_seconds(report, config, teacher_path, model)
+    shown = progress and distributed.is_main_process()
+    healed = heal_stage(
+        model,
+        teacher,
+        config,
+        tokenizer,
+        report["kept_layers"],
+        report["original_num_layers"],
+        compensated,
+        stage1_seconds=stage1_seconds,
+        stage1_basis=stage1_basis,
+        checkpoint=checkpoint,
+        text_cache=default_heal_text_cache(args.output),
+        progress_bar=shown,
+    )
+    evaluation = None
+    if args.evaluate and not healed.interrupted:  # after Ctrl-C the best state is saved now; the resume evaluates
+        name = os.path.basename(os.path.abspath(args.output))
+        evaluation = healed_evaluation(report, model, tokenizer, teacher, args.teacher, name, shown)
+    before = {key: report.get(key) for key in ("evaluation", "zero_shot_against_dense", "flips_against_dense")}
+    report = _healed_report(report, config, healed, evaluation, before, model, args)
+    save_checkpoint(args.output, model, tokenizer, config, report, overwrite=args.overwrite)
+    if not distributed.is_main_process():
+        return 0
+    _print_outcome(healed, evaluation, before, args)
+    finish_heal_checkpoint(checkpoint, healed.interrupted, explicit=args.heal_checkpoint is not None)
+    print(f"Saved the healed checkpoint, pruning_report.json and model card to {os.path.abspath(args.output)}")
+    return 0
+
+
+def _checked_heal_input(args: argparse.Namespace) -> tuple[ModelLoading, str, dict[str, Any], Any, ModelLoading, str]:
+    """Everything `heal` checks before a weight loads: the checkpoint and its report, the heal settings and text, the
+    output folder, the heal checkpoint's path and the teacher's config. Returns the checkpoint's loading, path,
+    report and config (with this run's heal settings), and the teacher's loading and path."""
+    from transformers import AutoConfig
+
+    from ..checkpoint import check_output_location
+    from ..configuration import GradMAPConfig
+    from ..heal import HEAL_SETTINGS, check_heal_checkpoint, check_heal_dataset_name
+    from ..report import load_report
+
     loading = config_from_arguments(args, ModelLoading)
     path = loading.resolve().path
     report = load_report(path)
@@ -107,19 +152,21 @@ def run(args: argparse.Namespace) -> int:
     teacher_path = teacher_loading.resolve().path
     keep_safe = tuple(folder for folder in (path, teacher_path) if os.path.isdir(folder))
     check_output_location(args.output, args.overwrite, keep_safe=keep_safe)
-    checkpoint = args.heal_checkpoint or default_heal_checkpoint(args.output)
-    check_heal_checkpoint(checkpoint)  # before anything loads, not at the first held-out check
+    check_heal_checkpoint(args.heal_checkpoint or default_heal_checkpoint(args.output))  # not at the first check
     _check_teacher(AutoConfig.from_pretrained(teacher_path), AutoConfig.from_pretrained(path), report, args.teacher)
-    if args.dry_run:  # the plan from the two configs alone: no weight is loaded
-        return _dry_run(loading, path, teacher_path, config, args.model)
-    distributed.init_from_environment()
-    model, tokenizer = loading.load(path)
-    compensated = (report.get("compensation") or {}).get("compensated_layers", [])
-    check_heal_settings(model, config, compensated)
+    return loading, path, report, config, teacher_loading, teacher_path
+
+
+def _teacher(loading: ModelLoading, path: str) -> Callable[[], AbstractContextManager[Any]]:
+    """The dense model's context: loaded for its block only and freed by its cleanup (the heal and the evaluation keep
+    no reference to it), so that training and saving do not hold it."""
+    import gc
+
+    import torch
 
     @contextlib.contextmanager
-    def teacher():  # loaded for its pass only: the heal keeps no reference to it, so it is freed before training
-        dense, _ = teacher_loading.load(teacher_path, with_tokenizer=False)
+    def teacher():
+        dense, _ = loading.load(path, with_tokenizer=False)
         try:
             yield dense
         finally:
@@ -128,36 +175,51 @@ def run(args: argparse.Namespace) -> int:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
-    healed = heal_stage(
-        model,
-        teacher,
-        config,
-        tokenizer,
-        report["kept_layers"],
-        report["original_num_layers"],
-        compensated,
-        stage1_seconds=(report.get("timings") or {}).get("stage1"),
-        checkpoint=checkpoint,
-        text_cache=default_heal_text_cache(args.output),
-        progress_bar=progress and distributed.is_main_process(),
+    return teacher
+
+
+def _stage1_seconds(report: dict[str, Any], config: Any, teacher_path: str, model: Any) -> tuple[float | None, str]:
+    """Stage 1's time for `--heal-tokens auto`: the one the pruning run measured, or, where it scored nothing (its
+    `layers_to_prune`, a cut), the plan's time for a Stage 1 that removes as many layers from the teacher
+    ([`~optimum_gradmap.planning.plan_pruning`], the throughput measured on this device)."""
+    measured = (report.get("timings") or {}).get("stage1")
+    if config.heal_tokens != "auto" or config.layers_to_prune is None:
+        return measured, "measured"
+    from ..planning import plan_pruning
+
+    scored = dataclasses.replace(
+        config, layers_to_prune=None, num_layers_to_prune=len(report["removed_layers"]), heal_tokens=0, compensation=False
     )
-    evaluation = None
-    if args.evaluate and not healed.interrupted:  # after Ctrl-C the best state is saved now; the resume evaluates
-        name = os.path.basename(os.path.abspath(args.output))
-        shown = progress and distributed.is_main_process()
-        evaluation = healed_evaluation(report, model, tokenizer, teacher, args.teacher, name, shown)
-    before = {key: report.get(key) for key in ("evaluation", "zero_shot_against_dense", "flips_against_dense")}
+    parameter = next(model.parameters())
+    plan = plan_pruning(teacher_path, scored, dtype=parameter.dtype, device=parameter.device, tokenizer_bytes=0)
+    return plan.stage("Stage 1").seconds.high, "predicted"
+
+
+def _healed_report(
+    report: dict[str, Any],
+    config: Any,
+    healed: Any,
+    evaluation: Any,
+    before: dict[str, Any],
+    model: Any,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """The healed checkpoint's report: every top-level figure describes the healed weights, and what the pruning run
+    measured is kept, labelled (`evaluation_before_heal`)."""
+    from ..report import environment, reproduction, stage_before_heal
+
     made = reproduction(command_line(args), step="heal", earlier=report.get("reproduce"))  # after the pruning's run
     report = {**report, "gradmap_config": config.to_dict(), "reproduce": made, "heal": healed.to_dict()}
-    # every top-level figure describes the healed weights; what the pruning run measured is kept, labelled
     report["evaluation_before_heal"] = {"measured_after": stage_before_heal(report), **before}
     report["evaluation"] = evaluation.to_dict() if evaluation is not None else None
     report["zero_shot_against_dense"] = report["flips_against_dense"] = None  # zero-shot is not run again
     report["environment"] = environment(model)  # this run's
     report["timings"] = {**report.get("timings", {}), "heal": healed.seconds}
-    save_checkpoint(args.output, model, tokenizer, config, report, overwrite=args.overwrite)
-    if not distributed.is_main_process():
-        return 0
+    return report
+
+
+def _print_outcome(healed: Any, evaluation: Any, before: dict[str, Any], args: argparse.Namespace) -> None:
+    """Prints what the heal did and the healed model's perplexities beside those measured before it."""
     print(healed.summary())
     earlier = {(e["dataset"], e["protocol"]): e for e in (before["evaluation"] or {}).get("perplexities", [])}
     for entry in evaluation.perplexities if evaluation is not None else ():
@@ -169,9 +231,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"{line} ({entry.protocol}, {entry.num_segments} segments)")
     if args.evaluate and healed.interrupted and before["evaluation"]:
         print("The interrupted heal was not evaluated: the card labels the figures measured before it 'before heal'.")
-    finish_heal_checkpoint(checkpoint, healed.interrupted, explicit=args.heal_checkpoint is not None)
-    print(f"Saved the healed checkpoint, pruning_report.json and model card to {os.path.abspath(args.output)}")
-    return 0
 
 
 def healed_evaluation(
@@ -230,6 +289,7 @@ def healed_evaluation(
                 reference_model_name=teacher_name,
             )
             result.perplexities += measured.perplexities
+        del dense  # before the context's cleanup runs: the teacher is freed there, before the checkpoint is saved
     return result
 
 

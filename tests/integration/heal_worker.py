@@ -3,10 +3,10 @@
 
 Each rank writes what it found to OUTPUT/CASE/rank-R.json (and the healed weights to OUTPUT/CASE/rank-R.pt):
 
-- `buckets`: the gradient averaging (`_average_gradients`) of tensors of two dtypes, one gradient missing on rank 1:
+- `buckets`: the gradient averaging (`distributed.average_gradients`) of tensors of two dtypes, one gradient missing on rank 1:
   how many all-reduces it made, and whether each gradient equals a per-tensor all-reduce of its own, with the default
   bucket size and with 64-byte buckets; and whether an interrupt on rank 1 reached both ranks.
-- `uninterrupted`: a LoRA heal, and the all-reduces `_average_gradients` made at each step;
+- `uninterrupted`: a LoRA heal, and the all-reduces `distributed.average_gradients` made at each step;
 - `interrupt_on_rank_1`: the same heal, rank 1 raising `KeyboardInterrupt` in its third training forward pass, with a
   heal checkpoint rank 0 writes and rank 1 cannot see (its path names a folder that exists on rank 0 alone);
 - `resume_from_rank_0s_file`: the same heal again with those paths: every rank must resume from rank 0's file;
@@ -84,9 +84,9 @@ def summary(result: heal_module.HealResult) -> dict:
 
 
 def count_all_reduces() -> tuple[list[int], contextlib.AbstractContextManager]:
-    """Counts the calls of `distributed.all_reduce_sum` inside each call of `_average_gradients`."""
+    """Counts the calls of `distributed.all_reduce_sum` inside each call of `distributed.average_gradients`."""
     counts: list[int] = []
-    all_reduce_sum, average_gradients = distributed.all_reduce_sum, heal_module._average_gradients
+    all_reduce_sum, average_gradients = distributed.all_reduce_sum, distributed.average_gradients
     inside = {"now": False}
 
     def counted_all_reduce_sum(tensor):
@@ -104,18 +104,18 @@ def count_all_reduces() -> tuple[list[int], contextlib.AbstractContextManager]:
 
     @contextlib.contextmanager
     def patched():
-        distributed.all_reduce_sum, heal_module._average_gradients = counted_all_reduce_sum, counted_average_gradients
+        distributed.all_reduce_sum, distributed.average_gradients = counted_all_reduce_sum, counted_average_gradients
         try:
             yield
         finally:
-            distributed.all_reduce_sum, heal_module._average_gradients = all_reduce_sum, average_gradients
+            distributed.all_reduce_sum, distributed.average_gradients = all_reduce_sum, average_gradients
 
     return counts, patched()
 
 
 def buckets(folder: str) -> None:
     found = {}
-    for name, bucket_bytes in (("default", heal_module.GRADIENT_BUCKET_BYTES), ("64_bytes", 64)):
+    for name, bucket_bytes in (("default", distributed.GRADIENT_BUCKET_BYTES), ("64_bytes", 64)):
         generator = torch.Generator().manual_seed(10 + distributed.rank())
         parameters = [nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape, dtype in BUCKET_SHAPES]
         for index, parameter in enumerate(parameters):
@@ -123,12 +123,12 @@ def buckets(folder: str) -> None:
                 parameter.grad = torch.randn(parameter.shape, generator=generator).to(parameter.dtype)
         expected = [distributed.all_reduce_sum(p.grad if p.grad is not None else torch.zeros_like(p)) / 3 for p in parameters]
         counts, patched = count_all_reduces()
-        saved, heal_module.GRADIENT_BUCKET_BYTES = heal_module.GRADIENT_BUCKET_BYTES, bucket_bytes
+        saved, distributed.GRADIENT_BUCKET_BYTES = distributed.GRADIENT_BUCKET_BYTES, bucket_bytes
         try:
             with patched:
-                stop = heal_module._average_gradients(parameters, 3, stop=distributed.rank() == 1)
+                stop = distributed.average_gradients(parameters, 3, stop=distributed.rank() == 1)
         finally:
-            heal_module.GRADIENT_BUCKET_BYTES = saved
+            distributed.GRADIENT_BUCKET_BYTES = saved
         found[name] = {
             "all_reduces": counts,
             "equal": [torch.equal(p.grad, value) for p, value in zip(parameters, expected)],

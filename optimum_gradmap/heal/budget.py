@@ -1,0 +1,181 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""`heal_tokens="auto"`: the heal's time is a share `AUTO_TIME_SHARE` of Stage 1's, and the number of tokens is the
+one whose heal fits in it, from the costs of the heal's parts measured on the pruned model ([`choose_heal_tokens`])."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from .. import distributed, streaming
+from ..adapters import get_adapter
+from ..configuration import GradMAPConfig
+from ..distillation import centred_logit_gram, distillation_loss, teacher_targets, uses_head_inputs
+from ..generation import corpus_part, is_generated
+from ..passes import calibration_mode, input_device
+from ..precision import uses_bfloat16_autocast
+from .loop import MAX_GRAD_NORM
+from .loss import _seam_layers
+from .trainable import _choose, _Trainable
+
+# `heal_tokens="auto"`: the heal's time (the dense model's text included) as a share of Stage 1's measured time.
+AUTO_TIME_SHARE = 1.0
+
+
+@dataclass
+class HealCosts:
+    """The seconds of the heal's parts, measured on the pruned model before an `auto` budget is chosen
+    ([`choose_heal_tokens`]).
+
+    Attributes:
+        forward_seconds (`float`): The pruned model's forward pass over one batch.
+        step_seconds (`float`): One training step over one batch (forward and backward).
+        teacher_seconds (`float`): The dense model's forward pass over one batch: `forward_seconds` times its number
+            of layers over the pruned model's.
+        check_seconds (`float`): One held-out check.
+        generation_seconds (`float`): One sequence of the dense model's own text (0 for corpus text).
+    """
+
+    forward_seconds: float
+    step_seconds: float
+    teacher_seconds: float
+    check_seconds: float
+    generation_seconds: float = 0.0
+
+    def sequences_within(self, seconds: float, config: GradMAPConfig, generated_share: float) -> int:
+        """The training sequences whose heal fits in `seconds`: per sequence its share of a step, of the held-out
+        checks, and of the teacher's pass (corpus text) or its generation (the dense model's own text, a
+        `generated_share` of them, whose targets come with it); once, the held-out sequences' and the first check.
+        Whole batches, at least one."""
+        batch = config.heal_batch_size
+        corpus_share = 1.0 - generated_share  # the dense model's own text comes with its targets: no teacher pass
+        fixed = (
+            self.check_seconds
+            + self.teacher_seconds * corpus_share * -(-config.heal_validation_sequences // batch)
+            + self.generation_seconds * math.ceil(generated_share * config.heal_validation_sequences)
+        )
+        per_sequence = (
+            (self.step_seconds + self.teacher_seconds * corpus_share) / batch
+            + self.check_seconds / (batch * config.heal_check_every)
+            + self.generation_seconds * generated_share
+        )
+        return max(1, math.floor((seconds - fixed) / per_sequence) // batch) * batch
+
+
+def measure_heal_costs(
+    model: PreTrainedModel,
+    config: GradMAPConfig,
+    kept: Sequence[int],
+    num_layers: int,
+    compensated: Sequence[int] = (),
+) -> HealCosts:
+    """Times the heal's parts on one batch of random tokens, each after one warm-up run, under the heal's autocast
+    rule: the pruned model's forward pass as it is (the teacher's pass is that, scaled by the dense model's layers),
+    and, with what `heal_trainable` trains set up as the heal sets it up (LoRA's adapters injected), a held-out
+    forward pass and a whole training step (`heal_loss` against targets of the same shape, the backward pass,
+    clipping and an AdamW step at a rate of 0). The model is put back as it came. A layer-streamed model's step is
+    taken as three forward passes; the heal corrects the number of steps after its first ones in any case.
+
+    Args:
+        model (`PreTrainedModel`): The pruned model.
+        config ([`GradMAPConfig`]): Its `heal_*` settings are read.
+        kept (`Sequence[int]`), num_layers (`int`), compensated (`Sequence[int]`): As in [`heal`].
+
+    Returns:
+        [`HealCosts`] (without the generation's seconds).
+    """
+    device = input_device(model)
+    autocast = uses_bfloat16_autocast(config.heal_autocast, model)
+    vocab_size = model.config.get_text_config(decoder=True).vocab_size
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (config.heal_batch_size, config.heal_seq_len), generator=generator)
+    batch = ids.to(device)
+
+    def passes() -> AbstractContextManager[None]:
+        return torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
+
+    def forward() -> None:
+        with torch.no_grad(), passes():
+            model(input_ids=batch, use_cache=False)
+
+    def timed(work: Callable[[], None]) -> float:
+        work()  # warm-up
+        tick = time.perf_counter()
+        work()
+        return time.perf_counter() - tick
+
+    with calibration_mode(model):
+        teacher_forward = timed(forward)
+    adapter = get_adapter(model)
+    keep_hidden = uses_head_inputs(config.heal_loss)
+    seam_layers = _seam_layers(model, adapter, config.heal_loss, kept)
+    # a stand-in for the teacher's targets (the pruned model's own, of the same shapes)
+    targets = teacher_targets(model, ids, config.heal_batch_size, False, autocast, keep_hidden, seam_layers)
+    gram = centred_logit_gram(model.get_output_embeddings().weight) if keep_hidden else None
+    choice = _choose(model, adapter, config.heal_trainable, list(kept), num_layers, list(compensated))
+    streamed = streaming.streams(model)
+    with calibration_mode(model, grad=True, freeze_parameters=True):
+        chosen = _Trainable(model, choice, config.heal_lora_rank, config.seed)
+        start = chosen.state()
+        try:
+            optimizer = torch.optim.AdamW(chosen.parameters, lr=0.0, weight_decay=0.0)
+
+            def step() -> None:
+                optimizer.zero_grad(set_to_none=True)
+                distillation_loss(model, batch, config.heal_loss, targets, gram, seam_layers, passes).backward()
+                torch.nn.utils.clip_grad_norm_(chosen.parameters, MAX_GRAD_NORM)
+                optimizer.step()
+
+            forward_seconds = timed(forward)
+            step_seconds = 3 * forward_seconds if streamed else timed(step)
+        finally:
+            chosen.restore(start)
+    return HealCosts(
+        forward_seconds=forward_seconds,
+        step_seconds=step_seconds,
+        teacher_seconds=teacher_forward * num_layers / max(1, len(kept)),
+        check_seconds=forward_seconds * -(-config.heal_validation_sequences // config.heal_batch_size),
+    )
+
+
+def choose_heal_tokens(
+    model: PreTrainedModel,
+    config: GradMAPConfig,
+    budget_seconds: float,
+    kept: Sequence[int],
+    num_layers: int,
+    compensated: Sequence[int] = (),
+    generation_seconds_per_sequence: float = 0.0,
+) -> tuple[int, HealCosts]:
+    """`heal_tokens="auto"`: the tokens whose heal fits in `budget_seconds`, from [`measure_heal_costs`] (the
+    measurement's own seconds count against the budget). Under `torch.distributed` the main process measures and
+    decides, and every process gets its answer: the processes train the same number of steps.
+
+    Args:
+        model (`PreTrainedModel`): The pruned model.
+        config ([`GradMAPConfig`]): Its `heal_*` settings are read.
+        budget_seconds (`float`): The heal's time.
+        kept (`Sequence[int]`), num_layers (`int`), compensated (`Sequence[int]`): As in [`heal`].
+        generation_seconds_per_sequence (`float`, defaults to 0): Seconds per sequence of the dense model's own text,
+            for `generated` in `heal_dataset`.
+
+    Returns:
+        `tuple[int, HealCosts]`: the tokens (whole `heal_seq_len` sequences, at least one batch) and the costs.
+    """
+
+    def choose() -> tuple[int, HealCosts]:
+        started = time.perf_counter()
+        costs = measure_heal_costs(model, config, kept, num_layers, compensated)
+        costs.generation_seconds = generation_seconds_per_sequence
+        share = (1.0 if corpus_part(config.heal_dataset) is None else 0.5) if is_generated(config.heal_dataset) else 0.0
+        remaining = budget_seconds - (time.perf_counter() - started)
+        return costs.sequences_within(remaining, config, share) * config.heal_seq_len, costs
+
+    return distributed.on_main_process(choose)

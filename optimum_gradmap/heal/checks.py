@@ -1,0 +1,295 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""The checks the heal makes before any work: what the model and the environment can run as the settings say, the
+origin of a heal checkpoint file, the heal text's name and the dense model's prompts, and the arguments of a training
+run. Every refusal the inputs decide comes from here, before Stage 1 (or, for a checkpoint pruned earlier, before
+the teacher loads)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from .. import distributed, streaming
+from ..adapters import get_adapter
+from ..configuration import GradMAPConfig
+from ..data import calibration_sha256, check_dataset_name
+from ..distillation import reads_hidden_states, uses_layer_states
+from ..errors import InvalidInputError
+from ..generation import PROMPT_TOKENS, chat_prompt, corpus_part, is_generated
+from .loss import HEAL_LOSS_CHOICES, _no_seam_refusal, _seams, _streamed_loss_refusal
+from .state import _fingerprint_before_pruning, _read_saved
+from .trainable import (
+    DEFAULT_LEARNING_RATES,
+    HEAL_TRAINABLE_CHOICES,
+    _check_no_peft_adapters,
+    _choose,
+    _layer_before_each_run,
+    _offloaded_refusal,
+)
+
+# The GradMAPConfig fields the heal stage reads: the ones `GradMAPPruner.heal` may override.
+HEAL_SETTINGS = (
+    "heal_tokens",
+    "heal_dataset",
+    "heal_prompts",
+    "heal_temperature",
+    "heal_trainable",
+    "heal_loss",
+    "heal_lr",
+    "heal_batch_size",
+    "heal_seq_len",
+    "heal_lora_rank",
+    "heal_validation_sequences",
+    "heal_check_every",
+    "heal_autocast",
+)
+
+
+def check_heal_settings(model: nn.Module, config: GradMAPConfig, compensated: Sequence[int] | None = None) -> None:
+    """Refuses, before anything changes, a heal the model or the environment cannot run as `config` says.
+
+    Args:
+        model (`nn.Module`): The model to prune (or pruned).
+        config ([`GradMAPConfig`]): Its `heal_*` settings are read.
+        compensated (`Sequence[int]`, *optional*): For a model pruned already, the layers Stage 2 compensated; without
+            it, `config.compensation` says whether Stage 2 will run.
+
+    Before pruning (`compensated` not given) it also refuses what would leave the heal nothing to train, where the
+    dense model and `config` tell it already: no linear map for `lora`, no normalisation for `norms`, and for
+    `before_removed` a `layers_to_prune` whose removed runs all start at layer 0. Which layers Stage 1 removes and Stage 2
+    compensates is known only once they ran: `before_removed` when Stage 1 removes only a run from layer 0 (possible
+    where layer 0 is not protected), and `down_projections` when Stage 2 compensates no layer (its compensation undone
+    by `validation_data`, or `span_end` with no kept layer before a removed run), are refused when the heal starts.
+
+    Raises:
+        InvalidInputError: for a model that carries PEFT adapters, `lora` without PEFT, `down_projections` without a
+            compensated layer, full weights in bfloat16 or float16, a choice other than `lora` on a model with offloaded
+            weights, a loss that reads hidden states layer-streamed, `kl_hidden_mse` with a `layers_to_prune` that
+            leaves no kept layer after a removed run, or nothing to train.
+    """
+    _check_no_peft_adapters(model)
+    if config.heal_trainable == "lora":
+        try:
+            import peft  # noqa: F401
+        except ImportError as error:
+            raise InvalidInputError(
+                "heal_trainable='lora' needs PEFT: `pip install peft` (or `pip install optimum-gradmap[heal]`), or choose "
+                "heal_trainable='norms'."
+            ) from error
+    if config.heal_trainable == "down_projections" and not (config.compensation if compensated is None else compensated):
+        raise InvalidInputError(
+            "heal_trainable='down_projections' trains the down projections of Stage 2's compensated layers, and "
+            + ("Stage 2 is off (`compensation=False`)" if compensated is None else "Stage 2 compensated no layer")
+            + ": choose another `heal_trainable`."
+        )
+    dtype = next(model.parameters()).dtype
+    if config.heal_trainable != "lora" and dtype in (torch.bfloat16, torch.float16):
+        raise InvalidInputError(
+            f"heal_trainable={config.heal_trainable!r} would train {str(dtype).replace('torch.', '')} weights in place, "
+            "where AdamW's small steps round away: load the model in float32 (`--dtype float32`), or heal with "
+            "heal_trainable='lora' (its adapters are float32 whatever the model's dtype)."
+        )
+    if config.heal_trainable != "lora" and streaming.is_offloaded(model):
+        raise InvalidInputError(_offloaded_refusal(config.heal_trainable))
+    if reads_hidden_states(config.heal_loss) and (config.execution == "layer_streamed" or streaming.is_offloaded(model)):
+        raise InvalidInputError(_streamed_loss_refusal(config.heal_loss))
+    if config.execution == "in_memory" and streaming.is_offloaded(model):
+        raise InvalidInputError(
+            "execution='in_memory' with offloaded weights: the heal's backward pass would keep every weight Accelerate "
+            "brings in until it runs, a whole copy of the model. Use execution='auto' (layer-streamed), or load the "
+            "model without offload."
+        )
+    if config.heal_batch_size < distributed.world_size():
+        raise InvalidInputError(
+            f"heal_batch_size={config.heal_batch_size} cannot be shared by {distributed.world_size()} processes: use a "
+            "batch at least as large as the number of processes."
+        )
+    if compensated is None:  # before pruning: what the dense model already shows there will be nothing to train
+        adapter = get_adapter(model)
+        num_layers = adapter.num_layers(model)
+        if config.heal_trainable in ("lora", "norms", "all"):  # the kept layers are of the dense model's kinds
+            _choose(model, adapter, config.heal_trainable, list(range(num_layers)), num_layers, [])
+        elif config.heal_trainable == "before_removed" and config.layers_to_prune is not None:
+            kept = [index for index in range(num_layers) if index not in set(config.layers_to_prune)]
+            if not _layer_before_each_run(kept, num_layers):
+                raise InvalidInputError(
+                    f"heal_trainable='before_removed' trains the kept layer before each removed run, and "
+                    f"layers_to_prune={config.layers_to_prune} removes only a run that starts at layer 0: choose another "
+                    "`heal_trainable`."
+                )
+        if uses_layer_states(config.heal_loss) and config.layers_to_prune is not None:
+            kept = [index for index in range(num_layers) if index not in set(config.layers_to_prune)]
+            if not _seams(kept):
+                raise InvalidInputError(_no_seam_refusal(kept))
+
+
+def check_heal_checkpoint_origin(
+    checkpoint: str | os.PathLike | None,
+    model: nn.Module,
+    train_ids: torch.LongTensor | None,
+    validation_ids: torch.LongTensor | None,
+    config: GradMAPConfig,
+) -> None:
+    """Refuses, before pruning starts, a heal checkpoint file that comes from another run.
+
+    A heal checkpoint's fingerprint has two parts. The first is known before Stage 1: the heal's training and held-out
+    sequences, its settings (`heal_trainable`, the learning rate, `heal_batch_size`, `heal_lora_rank`, `heal_loss`),
+    the number of processes and the dense model's number of layers. The second is what Stage 1 and 2 made: the kept and
+    compensated layers and a digest of the weights. This compares the first part: a file that differs in it is refused
+    here, before anything changes. Where the sequences are made only when the heal starts (the dense model's own text,
+    `heal_tokens="auto"`), they are not given, and the settings, the number of processes and the number of layers are
+    compared alone. A file that matches is taken as this run's own, left by an interrupted run of the same command
+    (what the file is for), and [`heal`] compares the whole fingerprint when it starts: a file from a run with the same
+    heal but another pruning (other calibration text or Stage 1 settings, the same output) is refused only then, after
+    Stage 1 and 2, which `prune` undoes. The file is read by the main process alone (the others need not see it).
+
+    Args:
+        checkpoint (`str` or `os.PathLike`, *optional*): The heal checkpoint file; nothing is checked without one, or
+            when it does not exist.
+        model (`nn.Module`): The dense model to prune.
+        train_ids (`torch.LongTensor`, *optional*), validation_ids (`torch.LongTensor`, *optional*): The heal's
+            sequences ([`heal_sequences`]), where they are known before Stage 1.
+        config ([`GradMAPConfig`]): Its `heal_*` settings are read.
+
+    Raises:
+        InvalidInputError: for a path that cannot be written ([`check_heal_checkpoint`]), a file that cannot be read, or
+            that differs in the first part, saying where.
+    """
+    if checkpoint is None:
+        return
+    distributed.on_main_process(lambda: check_heal_checkpoint(checkpoint))  # a path it cannot write: refused here too
+    saved = _read_saved(checkpoint)
+    if saved is None:
+        return
+    expected = _fingerprint_before_pruning(
+        calibration_sha256(train_ids) if train_ids is not None else None,
+        calibration_sha256(validation_ids) if validation_ids is not None else None,
+        config.heal_trainable,
+        config.heal_lr if config.heal_lr is not None else DEFAULT_LEARNING_RATES[config.heal_trainable],
+        config.heal_batch_size,
+        config.heal_lora_rank,
+        get_adapter(model).num_layers(model),
+        config.heal_loss,
+    )
+    compared = {key: value for key, value in expected.items() if value is not None}  # the sequences, where known
+    differs = [key for key, value in compared.items() if saved["fingerprint"].get(key) != value]
+    if differs:
+        raise InvalidInputError(
+            f"The heal checkpoint {checkpoint} comes from another run (it differs in {', '.join(differs)}): delete it, or "
+            "resume with the same model, text, heal settings and number of processes. Refused before pruning started."
+        )
+
+
+def check_heal_dataset_name(name: str) -> None:
+    """Refuses a `heal_dataset` that names no text, before anything loads: the corpus names in it are checked as
+    calibration datasets (or paths); `generated` (the dense model's own text) needs no check.
+
+    Raises:
+        InvalidInputError: for an unknown name, saying which are available.
+    """
+    corpus = corpus_part(name) if is_generated(name) else name
+    if corpus is not None and not os.path.exists(corpus):
+        check_dataset_name(corpus, "calibration")
+
+
+def check_generation_prompts(config: GradMAPConfig, tokenizer: PreTrainedTokenizerBase | None) -> None:
+    """Refuses, before any work, the dense model's own text (`generated` in `heal_dataset`) with prompts longer than
+    `heal_seq_len`: the first `PROMPT_TOKENS` tokens of the calibration documents, or with `heal_prompts="chat"` the
+    chat template's opening of a user's turn ([`~optimum_gradmap.generation.chat_prompt`], which refuses a tokenizer
+    without a template).
+
+    Args:
+        config ([`GradMAPConfig`]): Its `heal_dataset`, `heal_prompts` and `heal_seq_len` are read.
+        tokenizer (`PreTrainedTokenizerBase`, *optional*): The dense model's tokenizer (for the chat template).
+
+    Raises:
+        InvalidInputError: for a prompt longer than `heal_seq_len`, or `heal_prompts="chat"` without a chat template.
+    """
+    if not is_generated(config.heal_dataset):
+        return
+    if config.heal_prompts == "chat":
+        length, what = chat_prompt(tokenizer).numel(), "the chat template's opening of a user's turn"
+    else:
+        length, what = PROMPT_TOKENS, "the first tokens of a calibration document"
+    if length > config.heal_seq_len:
+        raise InvalidInputError(
+            f"heal_seq_len={config.heal_seq_len} is shorter than the dense model's prompts ({what}: {length} tokens), "
+            f"which start each sequence it writes: use heal_seq_len > {length}"
+            + (f", or heal_prompts='documents' ({PROMPT_TOKENS}-token prompts)." if config.heal_prompts == "chat" else ".")
+        )
+
+
+def check_heal_arguments(
+    model: nn.Module,
+    validation_ids: torch.LongTensor,
+    trainable: str,
+    loss: str,
+    batch_size: int,
+    check_every: int,
+) -> None:
+    """Refuses, before the teacher runs, arguments of [`heal`] a training run cannot take: an unknown `trainable` or
+    `loss`, a loss that reads hidden states layer-streamed, a batch smaller than the number of processes,
+    `check_every` below 1, or no held-out sequence of 2 tokens or more.
+
+    Raises:
+        InvalidInputError: saying what and how to fix it.
+    """
+    if trainable not in HEAL_TRAINABLE_CHOICES:
+        raise InvalidInputError(f"`heal_trainable` must be one of {HEAL_TRAINABLE_CHOICES}, got {trainable!r}.")
+    if loss not in HEAL_LOSS_CHOICES:
+        raise InvalidInputError(f"`heal_loss` must be one of {HEAL_LOSS_CHOICES}, got {loss!r}.")
+    if reads_hidden_states(loss) and streaming.streams(model):
+        raise InvalidInputError(_streamed_loss_refusal(loss))
+    if batch_size < distributed.world_size():
+        raise InvalidInputError(
+            f"heal_batch_size={batch_size} cannot be shared by {distributed.world_size()} processes: every process takes "
+            "at least one sequence of each step. Use a batch at least as large as the number of processes."
+        )
+    if check_every < 1:
+        raise InvalidInputError(
+            f"heal_check_every={check_every}: the held-out KL is measured every `heal_check_every` steps, which must be "
+            "at least 1. Use a positive number of steps (e.g. 25)."
+        )
+    if validation_ids.shape[0] == 0 or validation_ids.shape[1] < 2:
+        raise InvalidInputError(
+            f"The heal got {validation_ids.shape[0]} held-out sequence(s) of {validation_ids.shape[1]} token(s): their KL "
+            "to the dense model chooses the state it keeps, so it needs at least one sequence of 2 tokens or more. Hold "
+            "out some sequences (heal_validation_sequences >= 1, heal_seq_len >= 2)."
+        )
+
+
+def check_heal_checkpoint(path: str | os.PathLike | None) -> None:
+    """Refuses, before anything runs, a heal checkpoint file that could not be written at the first held-out check.
+    Folders on its path that do not exist yet are fine: the first save creates them.
+
+    Args:
+        path (`str` or `os.PathLike`, *optional*): The heal checkpoint file; `None` (no checkpoint) passes.
+
+    Raises:
+        InvalidInputError: for a path that is a folder, that lies under a file, or whose nearest existing folder is not
+            writable.
+    """
+    if path is None:
+        return
+    target = os.path.abspath(os.fspath(path))
+    if os.path.isdir(target):
+        raise InvalidInputError(
+            f"The heal checkpoint {path} is a folder: give a file path for the heal's state, e.g. "
+            f"{os.path.join(os.fspath(path), 'heal.pt')}."
+        )
+    existing = os.path.dirname(target)
+    while not os.path.exists(existing):  # the nearest existing folder: the missing ones are created in it
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise InvalidInputError(
+            f"The heal checkpoint {path} cannot be written: {existing} is a file, not a folder. Give a path in a folder."
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InvalidInputError(
+            f"The heal checkpoint {path} cannot be written: {existing} is not writable. Give a path in a folder you can write to."
+        )

@@ -1,0 +1,72 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""What the heal's loss compares (`heal_loss`): the seams whose hidden states `kl_hidden_mse` matches, the refusals of
+a loss the run cannot compute, and the loss's gradient at the final hidden states of a layer-streamed step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import get_args
+
+import torch
+from torch import nn
+
+from ..adapters import DecoderAdapter
+from ..configuration import HealLoss
+from ..distillation import TeacherTargets, top_k_kl_gradient, uses_layer_states, vocab_sliced_top_k_kl_gradient
+from ..importance.gradient import DecoderGradient
+
+HEAL_LOSS_CHOICES: tuple[str, ...] = get_args(HealLoss)
+
+
+def _seam_layers(model: nn.Module, adapter: DecoderAdapter, loss: str, kept: Sequence[int]) -> list[nn.Module]:
+    """The pruned model's seam layers ([`_seams`]) where `loss` matches their outputs, none otherwise."""
+    if not uses_layer_states(loss):
+        return []
+    return adapter.layers_at(model, _seams(kept))
+
+
+def _seam_indices(loss: str, kept: Sequence[int] | None) -> list[int]:
+    """The original indices of the seam layers ([`_seams`]), whose outputs the dense model keeps where `loss` matches
+    them; none otherwise, or without `kept`."""
+    if not uses_layer_states(loss) or kept is None:
+        return []
+    return [kept[position] for position in _seams(kept)]
+
+
+def _seams(kept: Sequence[int]) -> list[int]:
+    """The positions, among the kept layers, of those directly after a run of removed ones (whose outputs
+    `heal_loss="kl_hidden_mse"` matches to the dense model's outputs of the same original layers)."""
+    kept_set = set(kept)
+    return [position for position, index in enumerate(kept) if index > 0 and index - 1 not in kept_set]
+
+
+def _no_seam_refusal(kept: Sequence[int]) -> str:
+    return (
+        f"heal_loss='kl_hidden_mse' matches the hidden states after each kept layer that directly follows a removed "
+        f"run, and the kept layers {list(kept)} leave none (only the last layers are removed): heal with "
+        "heal_loss='kl', which already compares the last hidden states through the logits."
+    )
+
+
+def _streamed_loss_refusal(loss: str) -> str:
+    return (
+        f"heal_loss={loss!r} compares the two models' hidden states, which the layer-streamed heal (offloaded weights, or "
+        "execution='layer_streamed') does not keep: heal with heal_loss='kl', or load the model on devices that hold it "
+        "with execution='in_memory'."
+    )
+
+
+def _streamed_loss_gradient(streamed: DecoderGradient, targets: TeacherTargets) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The heal loss's gradient at the final hidden states of a layer-streamed step: the summed per-sequence mean top-K
+    KL, through the head in memory by autograd, or through an offloaded head a slice of the vocabulary at a time."""
+    if streamed.sliced_head is not None:
+        return partial(
+            vocab_sliced_top_k_kl_gradient,
+            targets=targets,
+            compute_logits=streamed.compute_logits,
+            head=streamed.sliced_head,
+            vocab_size=streamed.vocab_size,
+        )
+    return partial(top_k_kl_gradient, targets=targets, compute_logits=streamed.compute_logits, vocab_size=streamed.vocab_size)
