@@ -126,8 +126,9 @@ def test_layer_streamed_passes_and_the_heal_are_counted_exactly():
 
 def test_in_memory_peaks_on_the_cpu_count_the_host_allocators_overhead(monkeypatch):
     from optimum_gradmap import planning
+    from optimum_gradmap.planning import pruning
 
-    monkeypatch.setattr(planning, "_process_bytes", lambda: 0)  # the peaks without this process's own memory
+    monkeypatch.setattr(pruning, "process_bytes", lambda: 0)  # the peaks without this process's own memory
     dense_config = tiny_model("llama").config
     config = GradMAPConfig(**SMALL)
     on_cpu = plan_pruning(dense_config, config, throughput=ASSUMED, device="cpu")
@@ -169,14 +170,14 @@ def test_stage2_before_stage1_spans_the_layouts_stage1_may_leave_with_their_medi
     import statistics
 
     from optimum_gradmap.compensation.targets import compensation_targets
-    from optimum_gradmap.planning import _layouts
+    from optimum_gradmap.planning.stage2 import layouts
 
     model_config = tiny_model("llama", num_layers=8).config
     config = GradMAPConfig(**SMALL)
     before = plan_pruning(model_config, config, throughput=ASSUMED)
     fits = [
         len(compensation_targets([i for i in range(8) if i not in removed], {}, 8, "span_end", 1))
-        for removed in _layouts(8, 2, set())
+        for removed in layouts(8, 2, set())
     ]
     stage2 = before.stage("Stage 2")
     assert "likely" in before.stage2 and (min(fits), max(fits)) == (0, 2)  # none when the last layers go
