@@ -138,6 +138,12 @@ def test_in_memory_peaks_on_the_cpu_count_the_host_allocators_overhead(monkeypat
     assert beside_on_gpu > 0 and beside_on_cpu == pytest.approx(planning.HOST_ALLOCATOR_OVERHEAD * beside_on_gpu)
     assert on_cpu.stage("Save").peak_bytes_in_memory.low == on_cpu.weight_bytes  # nothing beside the weights
     assert any("allocator" in note for note in on_cpu.notes) and not any("allocator" in note for note in on_gpu.notes)
+    # the factor is an assumption about the C allocator: stated, it replaces the default
+    returned = plan_pruning(dense_config, config, throughput=ASSUMED, device="cpu", host_allocator_overhead=1.0)
+    assert returned.stage("Stage 1").peak_bytes_in_memory.low - returned.weight_bytes == pytest.approx(beside_on_gpu)
+    assert any("counted 1x" in note for note in returned.notes)
+    with pytest.raises(InvalidInputError, match="above 0"):
+        plan_pruning(dense_config, config, throughput=ASSUMED, host_allocator_overhead=0)
 
 
 def test_golden_search_scores_four_or_five_strengths_and_more_on_a_tie_never_more_than_the_grid():
@@ -275,7 +281,7 @@ def test_prune_dry_run_prints_the_plan_and_reads_no_weight(tiny_checkpoint, tmp_
     _refuse_weights(monkeypatch)
     output = tmp_path / "pruned"
     argv = ["prune", tiny_checkpoint, "--num-layers-to-prune", "2", "--num-samples", "8", "--seq-len", "16",
-            "--batch-size", "4", "--output", str(output), "--dry-run"]  # fmt: skip
+            "--batch-size", "4", "--dataset", "offline:wikipedia", "--output", str(output), "--dry-run"]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert f"GradMAP plan for {tiny_checkpoint}" in printed and "Remove 2 of 6 layers" in printed

@@ -111,6 +111,7 @@ def plan_heal(
     measure: bool = True,
     device_map: str | dict[str, Any] | None = None,
     max_memory: dict[int | str, str] | None = None,
+    host_allocator_overhead: float | None = None,
 ) -> PruningPlan:
     """The plan of `optimum-gradmap heal` on a pruned checkpoint: its tokens, FLOPs, peak memory (the teacher is loaded
     for its pass beside the student) and time. Only the configs are read.
@@ -119,8 +120,9 @@ def plan_heal(
         pruned (`PreTrainedModel`, `PretrainedConfig`, `str` or `os.PathLike`): The pruned checkpoint.
         teacher (`PreTrainedModel`, `PretrainedConfig`, `str` or `os.PathLike`): The dense model it was pruned from.
         config ([`GradMAPConfig`]): Its `heal_*` settings are read (`heal_tokens` > 0).
-        dtype, device, throughput, measure, device_map, max_memory: As in [`plan_pruning`]; with a device map that
-            offloads layers, both models are offloaded and the training steps run layer-streamed.
+        dtype, device, throughput, measure, device_map, max_memory, host_allocator_overhead: As in [`plan_pruning`];
+            with a device map that offloads layers, both models are offloaded and the training steps run
+            layer-streamed.
 
     Returns:
         [`PruningPlan`] with the heal stage alone.
@@ -138,7 +140,7 @@ def plan_heal(
     work, counts = heal_work(config, teacher_shape, student.num_layers, teacher_shape.num_layers)
     memory = heal_memory(config, student, student.num_layers, counts)
     host = memory["host"] if device.type == "cpu" else 0.0
-    training = student.weight_bytes + allocator_overhead(device) * memory["device"]
+    training = student.weight_bytes + allocator_overhead(device, host_allocator_overhead) * memory["device"]
     peak = Count.of(max(student.weight_bytes + teacher_shape.weight_bytes, training) + host)
     streamed = None
     if offloaded_shares(student, pruned_config, device_map, max_memory):

@@ -13,6 +13,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ..adapters import get_adapter
+from ..errors import InvalidInputError
 from .counts import ZERO, Count, Work
 from .shape import ModelShape, empty_model
 
@@ -23,7 +24,7 @@ ASSUMED_OFFLOAD_BYTES_PER_SECOND = {"cpu": 12e9, "disk": 1.5e9}
 # freed blocks and fragments. An assumption, measured on one machine (glibc, SmolLM2-135M's Stage 1 pass in float32,
 # 8 x 128 tokens): the resident memory rose by 1.448 GiB and stayed; with a fixed threshold
 # (MALLOC_MMAP_THRESHOLD_=131072) by 0.978 GiB, the live tensors, which the plan's 1.10 GiB of activations hold.
-# 1.448 / 0.978 = 1.48 (benchmarks/allocator_memory.py, docs/benchmarks/scale.md). Another allocator (jemalloc,
+# 1.448 / 0.978 = 1.48 (docs/benchmarks/scale.md). Another allocator (jemalloc,
 # tcmalloc, a fixed threshold) keeps less: `plan_pruning(host_allocator_overhead=...)` and
 # `prune --dry-run --host-allocator-overhead` state it.
 HOST_ALLOCATOR_OVERHEAD = 1.48
@@ -32,6 +33,11 @@ HOST_ALLOCATOR_OVERHEAD = 1.48
 def allocator_overhead(device: torch.device, host_allocator_overhead: float | None = None) -> float:
     """How many bytes of resident memory a byte of a pass's tensors takes on `device`: on a CPU device
     `host_allocator_overhead` (`None`: [`HOST_ALLOCATOR_OVERHEAD`]), elsewhere 1."""
+    if host_allocator_overhead is not None and not host_allocator_overhead > 0:
+        raise InvalidInputError(
+            f"The host allocator's overhead is a factor on the bytes of a pass's tensors, above 0 (1.0: none); got "
+            f"{host_allocator_overhead!r}."
+        )
     if device.type != "cpu":
         return 1.0
     return HOST_ALLOCATOR_OVERHEAD if host_allocator_overhead is None else host_allocator_overhead

@@ -51,6 +51,7 @@ def plan_pruning(
     tokenizer_bytes: int | None = None,
     measure: bool = True,
     name: str | None = None,
+    host_allocator_overhead: float | None = None,
 ) -> PruningPlan:
     """The plan of a pruning run ([`GradMAPPruner.plan`]): see [`PruningPlan`] and the package docstring.
 
@@ -74,6 +75,9 @@ def plan_pruning(
         tokenizer_bytes (`int`, *optional*): The tokenizer's files; read from a local folder when not given.
         measure (`bool`, defaults to `True`): Measure the throughput when none is given (else no time is told).
         name (`str`, *optional*): The model's name in the plan; defaults to `model_or_path`.
+        host_allocator_overhead (`float`, *optional*): On a CPU device, the resident bytes one byte of a pass's tensors
+            takes: an assumption about the C allocator, which keeps freed blocks. `None`: [`HOST_ALLOCATOR_OVERHEAD`]
+            (1.48, measured with glibc's malloc on one machine); 1.0 for an allocator that returns freed memory.
 
     Returns:
         [`PruningPlan`].
@@ -85,7 +89,7 @@ def plan_pruning(
     if config.layers_to_prune is not None:
         removed_layers = list(config.layers_to_prune)
     planner = _Planner(model_config, config, resolve_dtype(dtype, model_config), device, name, execution, device_map, max_memory)
-    planner.measure(throughput, measure)
+    planner.measure(throughput, measure, host_allocator_overhead)
     return planner.plan(model_or_path, removed_layers, validation, evaluation_tokens, tokenizer_bytes)
 
 
@@ -132,8 +136,9 @@ class _Planner:
         self.stages: list[StagePlan] = []
         self.throughput: DeviceThroughput | None = None
 
-    def measure(self, throughput: DeviceThroughput | None, measure: bool) -> None:
-        """The device's rates: `throughput`, else measured where `measure` is on; and what stays on the device."""
+    def measure(self, throughput: DeviceThroughput | None, measure: bool, host_allocator_overhead: float | None) -> None:
+        """The device's rates: `throughput`, else measured where `measure` is on; what stays on the device; and what
+        the host's allocator adds to a pass's tensors on a CPU device."""
         config, shape = self.config, self.shape
         if throughput is None and measure:
             throughput = DeviceThroughput.measure(self.model_config, self.dtype, self.device, config.batch_size, config.seq_len)
@@ -143,7 +148,7 @@ class _Planner:
         kept_on_device = weights_kept_on_device(shape, self.model_config, *self.placement, self.device) if self.shares else None
         self.resident = self.largest + (kept_on_device if kept_on_device is not None else 0)
         self.batch_tokens = config.batch_size * config.seq_len
-        self.overhead = allocator_overhead(self.device)
+        self.overhead = allocator_overhead(self.device, host_allocator_overhead)
 
     def stage(
         self,
