@@ -85,6 +85,8 @@ class Work:
         device_float64_flops (`Count`): float64 products on the device (Stage 2's statistics and Adam fits on rows).
         host_float64_flops (`Count`): float64 products on the host (Stage 2's solves).
         host_eigh (`Count`): d x d float64 eigendecompositions on the host.
+        generated_tokens (`Count`): Tokens the dense model writes itself (`heal_dataset="generated"`), a position at a
+            time with its KV cache: each runs every decoder layer of the dense model and its head.
         per_sample_norms (`bool`): The gradient passes compute per-sample gradient norms (GradMAP's score).
         weight_gradients (`bool`): The gradient passes form the parameters' gradients (Taylor+, a full heal).
     """
@@ -96,6 +98,7 @@ class Work:
     device_float64_flops: Count = ZERO
     host_float64_flops: Count = ZERO
     host_eigh: Count = ZERO
+    generated_tokens: Count = ZERO
     per_sample_norms: bool = False
     weight_gradients: bool = False
 
@@ -153,4 +156,5 @@ def flops(work: Work, shape: ModelShape, heal: bool = False) -> Count:
         + work.device_float64_flops
         + work.host_float64_flops
         + work.host_eigh * (EIGH_FLOPS_PER_CUBE * shape.hidden_size**3)
+        + work.generated_tokens * (shape.num_layers * forward + head)
     )

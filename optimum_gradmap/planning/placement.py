@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 
 from ..adapters import get_adapter
 from ..errors import InvalidInputError
+from ..generation import GENERATION_BATCH_SIZE
 from .counts import ZERO, Count, Work
 from .shape import ModelShape, empty_model
 
@@ -108,8 +109,10 @@ def _prefixes(name: str) -> list[str]:
 
 def transfer_seconds(work: Work, shape: ModelShape, batch_tokens: int, shares: dict[str, float]) -> Count:
     """The seconds spent bringing offloaded layers' weights to the device: once per call of such a layer (a batch of
-    `batch_tokens`), at an assumed bandwidth for each place."""
+    `batch_tokens`, or a generation step of `GENERATION_BATCH_SIZE` sequences), at an assumed bandwidth for each
+    place."""
     calls = (work.layer_forward + work.layer_gradient) / batch_tokens
+    calls = calls + work.generated_tokens * (shape.num_layers / GENERATION_BATCH_SIZE)
     layer_bytes = sum(shape.layer_parameters) / shape.num_layers * shape.dtype_bytes
     return sum((calls * (share * layer_bytes / ASSUMED_OFFLOAD_BYTES_PER_SECOND[place]) for place, share in shares.items()), ZERO)
 

@@ -16,10 +16,9 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ..adapters import get_adapter
 from ..configuration import GradMAPConfig
 from ..errors import InvalidInputError
-from ..generation import is_generated
 from ..heal import AUTO_TIME_SHARE
 from .counts import Count, Work
-from .heal import AUTO_REFERENCE_STEPS, heal_memory, heal_work
+from .heal import AUTO_REFERENCE_STEPS, heal_memory, heal_work, layers_before_removed_runs
 from .placement import (
     ASSUMED_OFFLOAD_BYTES_PER_SECOND,
     allocator_overhead,
@@ -147,7 +146,6 @@ class _Planner:
         # layer-streamed, the device holds the weights the device map keeps there (none without one) and one layer at a time
         kept_on_device = weights_kept_on_device(shape, self.model_config, *self.placement, self.device) if self.shares else None
         self.resident = self.largest + (kept_on_device if kept_on_device is not None else 0)
-        self.batch_tokens = config.batch_size * config.seq_len
         self.overhead = allocator_overhead(self.device, host_allocator_overhead)
 
     def stage(
@@ -165,8 +163,10 @@ class _Planner:
         in_memory = self.weights + self.overhead * beside_weights + self.process
         streamed_peak = streamed_peak + self.process if streamed_peak is not None else None
         plan = stage_plan(name, passes, tokens, work, self.shape, self.throughput, in_memory, streamed_peak, host, heal)
-        if plan.seconds is not None and self.shares:
-            plan.seconds = plan.seconds + transfer_seconds(work, self.shape, self.batch_tokens, self.shares)
+        if plan.seconds is not None and self.shares:  # offloaded layers come to the device once per call: per batch
+            config = self.config
+            batch_tokens = config.heal_batch_size * config.heal_seq_len if heal else config.batch_size * config.seq_len
+            plan.seconds = plan.seconds + transfer_seconds(work, self.shape, batch_tokens, self.shares)
         return plan
 
     def plan(
@@ -181,9 +181,11 @@ class _Planner:
         config, shape = self.config, self.shape
         outline1, removable = self.plan_stage1(removed_layers)
         num_kept = Count(shape.num_layers - removable.high, shape.num_layers - removable.low)
-        stage2_line = self.plan_stage2(removed_layers, outline1, removable, validation) if config.compensation else ""
+        stage2_line, compensated = "", 0
+        if config.compensation:
+            stage2_line, compensated = self.plan_stage2(removed_layers, outline1, removable, validation)
         if self.heal:
-            self.plan_heal(int(num_kept.high))
+            self.plan_heal(int(num_kept.high), self.trained_layers(removed_layers, removable, compensated))
         if evaluation_tokens:
             self.plan_evaluation(num_kept, evaluation_tokens)
         if tokenizer_size is None:
@@ -232,8 +234,8 @@ class _Planner:
 
     def plan_stage2(
         self, removed_layers: Sequence[int] | None, outline1: Stage1Outline, removable: Count, validation: bool
-    ) -> str:
-        """Stage 2's stage; returns its outline in words."""
+    ) -> tuple[str, int]:
+        """Stage 2's stage; returns its outline in words and the most layers it may compensate."""
         config = self.config
         removed = list(removed_layers) if removed_layers is not None else None
         work, outline = stage2(config, self.shape, self.adapter, removed, outline1.protected, removable, validation)
@@ -242,15 +244,25 @@ class _Planner:
         tokens = config.num_samples * config.seq_len
         passes = stage2_passes(outline)
         self.stages.append(self.stage("Stage 2", passes, tokens, work, beside, self.resident + beside, memory["host"]))
-        return stage2_text(outline, config)
+        return stage2_text(outline, config), int(outline.fits.high)
 
-    def plan_heal(self, num_kept: int) -> None:
+    def trained_layers(self, removed_layers: Sequence[int] | None, removable: Count, compensated: int) -> tuple[int, int]:
+        """The kept layers before a removed run (for a layout not known yet, the most `removable` layers can leave:
+        one before each) and the most layers Stage 2 compensates: what `heal_trainable` may train."""
+        num_layers = self.shape.num_layers
+        if removed_layers is not None:
+            kept = [index for index in range(num_layers) if index not in set(removed_layers)]
+            return layers_before_removed_runs(kept, num_layers), compensated
+        most = int(removable.high)
+        return min(most, num_layers - most), compensated
+
+    def plan_heal(self, num_kept: int, trained_layers: tuple[int, int]) -> None:
         """The heal's stage (an `auto` budget sized to Stage 1's planned time first)."""
         config, shape = self.config, self.shape
         if config.heal_tokens == "auto":
             config = self.auto_heal_config(num_kept)
         work, counts = heal_work(config, shape, num_kept, shape.num_layers, self.streamed)
-        memory = heal_memory(config, shape, num_kept, counts)
+        memory = heal_memory(config, shape, num_kept, counts, trained_layers)
         host = memory["host"] if self.on_cpu else 0.0
         tokens = (counts["train_sequences"] + counts["validation_sequences"]) * config.heal_seq_len
         passes = f"{counts['steps']} steps, {counts['checks']} checks"
@@ -261,7 +273,7 @@ class _Planner:
         """`heal_tokens="auto"`: as many tokens as fit in Stage 1's planned time. The heal's time is a fixed part (the
         held-out sequences' teacher pass, the first check) and a part per step: two budgets give both."""
         config, shape = self.config, self.shape
-        self.batch_tokens = batch_tokens = config.heal_batch_size * config.heal_seq_len
+        batch_tokens = config.heal_batch_size * config.heal_seq_len
 
         def heal_seconds(steps: int) -> Count | None:
             budget = dataclasses.replace(config, heal_tokens=steps * batch_tokens)
@@ -281,8 +293,6 @@ class _Planner:
             self.notes.append(
                 f"heal_tokens='auto': about {config.heal_tokens:,} tokens, Stage 1's planned time (the run measures its own)."
             )
-        if is_generated(config.heal_dataset):
-            self.notes.append("The dense model's own text (`generated`) is not in the heal's planned time.")
         return config
 
     def plan_evaluation(self, num_kept: Count, tokens: int) -> None:

@@ -6,6 +6,7 @@ decoder layer of the model's family ([`DeviceThroughput.measure`]) or stated for
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from collections.abc import Callable
@@ -14,16 +15,20 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
+from transformers.utils import logging
 
 from .. import streaming
 from ..adapters import DecoderAdapter, get_adapter
 from ..errors import InvalidInputError
+from ..generation import GENERATION_BATCH_SIZE
 from ..importance.gradient import PerSampleGradientNorms, causal_lm_loss_gradient
 from ..passes import summed_next_token_loss
 from .counts import EIGH_FLOPS_PER_CUBE, Count, Work
 from .layers import LayerCost
 from .shape import ModelShape, describe_model, layer_dependent_config, load_model_config
+
+logger = logging.get_logger(__name__)
 
 # The host's float64 speed, where nothing was measured (labelled as assumed).
 ASSUMED_HOST_FLOAT64_FLOPS = 50e9
@@ -47,6 +52,9 @@ class DeviceThroughput:
         float64_flops_per_second (`float`): float64 matrix products on the device (Stage 2's statistics).
         host_float64_flops_per_second (`float`): float64 matrix products on the host CPU (Stage 2's solves).
         host_eigh_flops_per_second (`float`): float64 eigendecompositions on the host, counted as 9 d^3 FLOPs each.
+        generation_flops_per_second (`float`, *optional*): The dense model writing its own text, a position at a time
+            for `GENERATION_BATCH_SIZE` sequences with its KV cache (each step reads every weight for few tokens);
+            `None`: the forward rate (stated throughputs, records made before it was measured).
         source (`str`): How the figures were obtained (measured, or stated and assumed).
         measured (`bool`): Whether they were measured on this machine.
         measurement_seconds (`float`): How long the measurement took.
@@ -65,6 +73,7 @@ class DeviceThroughput:
     source: str
     measured: bool = False
     measurement_seconds: float = 0.0
+    generation_flops_per_second: float | None = None
 
     @classmethod
     def assumed(
@@ -172,6 +181,7 @@ class DeviceThroughput:
         gradient_flops = forward + backward + (per_sample if work.per_sample_norms else 0.0)
         gradient_flops += forward if work.weight_gradients else 0.0
         head = 2 * shape.hidden_size * shape.vocab_size
+        generation_rate = self.generation_flops_per_second or self.forward_flops_per_second
         return (
             work.layer_forward * (forward / self.forward_flops_per_second)
             + work.layer_gradient * (gradient_flops / gradient_rate)
@@ -180,6 +190,7 @@ class DeviceThroughput:
             + work.device_float64_flops / self.float64_flops_per_second
             + work.host_float64_flops / self.host_float64_flops_per_second
             + work.host_eigh * (EIGH_FLOPS_PER_CUBE * shape.hidden_size**3 / self.host_eigh_flops_per_second)
+            + work.generated_tokens * ((shape.num_layers * forward + head) / generation_rate)
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -246,6 +257,7 @@ class _Bench:
         self.rows = torch.randn(batch_size * seq_len, self.side, generator=generator, device=device, dtype=torch.float64)
         host = torch.randn(256, 256, dtype=torch.float64)
         self.host, self.symmetric = host, host @ host.T
+        self.decoding = _Decoding(model, seq_len, generator)
 
     def forward(self) -> None:
         with torch.no_grad():
@@ -281,6 +293,7 @@ class _Bench:
             "float64": _timed(lambda: self.rows.T @ self.rows, device, min_seconds / 2),
             "host": _timed(lambda: self.host @ self.host, cpu, min_seconds / 2),
             "eigh": _timed(lambda: torch.linalg.eigh(self.symmetric), cpu, min_seconds / 2),
+            "generation": self.decoding.timed(device, min_seconds),
         }
 
     def rates(self, cost: LayerCost, seconds: dict[str, float]) -> dict[str, float]:
@@ -300,7 +313,45 @@ class _Bench:
             "float64_flops_per_second": 2 * tokens * self.side * self.side / seconds["float64"],
             "host_float64_flops_per_second": 2 * 256**3 / seconds["host"],
             "host_eigh_flops_per_second": EIGH_FLOPS_PER_CUBE * 256**3 / seconds["eigh"],
+            "generation_flops_per_second": (
+                GENERATION_BATCH_SIZE
+                * (cost.forward_flops + 2 * self.shape.hidden_size * self.decoding.vocab_size)
+                / seconds["generation"]
+                if seconds["generation"] is not None
+                else None
+            ),
         }
+
+
+class _Decoding:
+    """One step of the dense model writing its own text, on the one-layer model: a position of
+    `GENERATION_BATCH_SIZE` sequences whose KV cache holds half a heal sequence."""
+
+    def __init__(self, model: PreTrainedModel, seq_len: int, generator: torch.Generator):
+        self.model = model
+        self.vocab_size = model.config.get_text_config(decoder=True).vocab_size
+        device = next(model.parameters()).device
+        prompt = torch.randint(
+            0, self.vocab_size, (GENERATION_BATCH_SIZE, max(1, seq_len // 2)), generator=generator, device=device
+        )
+        keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache: dict[str, Any] = {}
+        try:
+            with torch.no_grad():
+                self.cache = {keyword: DynamicCache(config=model.config)}
+                model(input_ids=prompt, use_cache=True, **self.cache)
+        except Exception as error:  # noqa: BLE001 - a family whose cache this cannot fill: the forward rate stands in
+            logger.info(f"The plan times no generation step ({error}): the forward rate stands in for it.")
+            self.cache = {}
+        self.next_ids = prompt[:, -1:]
+
+    def step(self) -> None:
+        with torch.no_grad():
+            self.model(input_ids=self.next_ids, use_cache=True, **self.cache)
+
+    def timed(self, device: torch.device, min_seconds: float) -> float | None:
+        """The seconds of one step (`None` where the cache could not be filled)."""
+        return _timed(self.step, device, min_seconds / 2) if self.cache else None
 
 
 def _timed(work: Callable[[], Any], device: torch.device, min_seconds: float, max_repeats: int = 3) -> float:
