@@ -416,3 +416,50 @@ def test_the_dense_models_own_text_is_planned_as_its_generation_and_its_targets_
     fast_plan = plan_pruning(model_config, GradMAPConfig.from_preset("quality", **quality), throughput=ASSUMED)
     slow_plan = plan_pruning(model_config, GradMAPConfig.from_preset("quality", **quality), throughput=slow)
     assert slow_plan.stage("Heal").tokens < fast_plan.stage("Heal").tokens
+
+
+def test_the_throughput_of_a_70b_model_is_measured_on_a_narrower_layer_of_the_same_kind(monkeypatch):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from optimum_gradmap.planning import empty_model
+
+    llama_70b = LlamaConfig(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        vocab_size=128256, max_position_embeddings=8192,
+    )  # fmt: skip
+    built, build = [], AutoModelForCausalLM.from_config
+
+    class Built(Exception):
+        pass
+
+    def from_config(model_config, **kwargs):  # the meta device's models are built; the one with storage is only noted
+        if torch.get_default_device().type == "meta":
+            return build(model_config, **kwargs)
+        built.append(model_config)
+        raise Built
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", from_config)
+    with pytest.raises(Built):
+        DeviceThroughput.measure(llama_70b, dtype=torch.float32)
+    (measured,) = built
+    full = get_adapter(llama_70b).get_layers(empty_model(llama_70b, torch.float32))[0]
+    layer = get_adapter(measured).get_layers(empty_model(measured, torch.float32))[0]
+    layer_bytes = 4 * sum(parameter.numel() for parameter in layer.parameters())
+    assert layer_bytes <= 512 * 2**20 < 4 * sum(parameter.numel() for parameter in full.parameters())  # 3.4 GB in full
+    assert type(layer) is type(full) and measured.head_dim == 128 and measured.num_key_value_heads < 8
+
+
+def test_a_narrowed_measurement_gives_rates_for_the_full_layers_flops(monkeypatch):
+    from optimum_gradmap.planning import shape
+
+    config = GradMAPConfig(**SMALL)
+    model_config = tiny_model("llama", num_layers=6).config
+    full = DeviceThroughput.measure(model_config, batch_size=4, seq_len=16, min_seconds=0.01)
+    monkeypatch.setattr(shape, "MEASURED_LAYER_BYTES", 16 * 1024)  # the tiny layer's 37 KB, measured at half its widths
+    narrowed = DeviceThroughput.measure(model_config, batch_size=4, seq_len=16, min_seconds=0.01)
+    assert "widths divided by 2" in narrowed.source and "divided" not in full.source
+    plan = plan_pruning(model_config, config, throughput=narrowed)
+    assert (
+        plan.stage("Stage 1").seconds.low > 0
+        and plan.stage("Stage 1").flops == plan_pruning(model_config, config, throughput=full).stage("Stage 1").flops
+    )  # the plan's FLOPs are the full layers'; the narrowed layer gives only the rates

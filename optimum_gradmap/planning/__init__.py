@@ -26,9 +26,10 @@ statistics are float64 products on the device (4 d^2 per token), its solves floa
 on the host CPU.
 
 **Time.** [`DeviceThroughput`] says how fast the device runs each kind of work, in FLOP/s: measured in a few seconds
-by building one decoder layer of the model's family from its config (random weights, the compute dtype) on the device
-and timing its forward, its gradient pass with and without the per-sample norms, and the head's logits on one
-calibration batch ([`DeviceThroughput.measure`]); or stated for a device one does not have
+by building one decoder layer of the model's family from its config (random weights, the compute dtype; a layer
+over 512 MiB narrowed, its widths divided) on the device and timing its forward, its gradient pass with and without
+the per-sample norms, a generation step and the head's logits on one calibration batch
+([`DeviceThroughput.measure`]); or stated for a device one does not have
 ([`DeviceThroughput.assumed`]: its peak FLOP/s times an assumed efficiency, labelled as such). Each stage's seconds
 are its FLOPs of each kind divided by that kind's rate.
 

@@ -6,6 +6,7 @@ cost), built by [`describe_model`] on the meta device (no weight is read, none i
 from __future__ import annotations
 
 import copy
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,12 @@ from ..adapters import DecoderAdapter, get_adapter
 from ..errors import InvalidInputError
 from ..weights import is_linear_map
 from .layers import LayerCost, layer_costs
+
+# The most parameter bytes of the layer the throughput is measured on: a wider layer is measured narrowed (the same
+# family and layer type, its widths divided; the rates are FLOPs over seconds, so the seconds scale with the FLOPs).
+MEASURED_LAYER_BYTES = 512 * 2**20
+# The widths a narrowed layer divides (those its config names), beside the attention heads.
+_WIDTHS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "ffn_dim", "n_inner")
 
 
 @dataclass
@@ -200,3 +207,45 @@ def _kv_width(text_config: PretrainedConfig) -> int:
     heads = getattr(text_config, "num_attention_heads", None) or 1
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
     return (getattr(text_config, "num_key_value_heads", None) or heads) * head_dim
+
+
+def narrowed_config(config: PretrainedConfig, shape: ModelShape, bound: int | None = None) -> tuple[PretrainedConfig, int]:
+    """The config of a model of the same family whose largest layer holds at most `bound` bytes of parameters: the
+    attention heads (queries and keys-values alike, each as wide as before) and the MLP's widths divided by the
+    smallest factor that gets there; `(config, 1)` where the largest layer is within `bound` already, or where the
+    family's widths cannot be divided (its heads share no divisor that large).
+
+    Args:
+        config (`PretrainedConfig`): The model's config.
+        shape ([`ModelShape`]): Its shape ([`describe_model`]).
+        bound (`int`, *optional*): The most bytes of the narrowed layer's parameters (`None`: `MEASURED_LAYER_BYTES`).
+
+    Returns:
+        `tuple[PretrainedConfig, int]`: the config and the factor its widths are divided by.
+    """
+    bound = MEASURED_LAYER_BYTES if bound is None else bound
+    largest = max(shape.layer_parameters) * shape.dtype_bytes
+    if largest <= bound:
+        return config, 1
+    text = config.get_text_config(decoder=True)
+    heads = getattr(text, "num_attention_heads", None)
+    if not isinstance(heads, int) or not hasattr(text, "hidden_size"):
+        return config, 1
+    key_values = getattr(text, "num_key_value_heads", None) or heads
+    wanted = math.ceil(math.sqrt(largest / bound))  # the parameters go with the square of the widths
+    factor = next((f for f in range(wanted, heads + 1) if heads % f == 0 and key_values % f == 0), None)
+    if factor is None:
+        return config, 1
+    narrowed = copy.deepcopy(config)
+    text = narrowed.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    if getattr(text, "head_dim", None) is not None or text.hidden_size != heads * head_dim:
+        text.head_dim = head_dim
+    text.hidden_size = text.hidden_size // factor
+    text.num_attention_heads = heads // factor
+    if getattr(text, "num_key_value_heads", None):
+        text.num_key_value_heads = key_values // factor
+    for name in _WIDTHS:
+        if isinstance(getattr(text, name, None), int):
+            setattr(text, name, max(1, getattr(text, name) // factor))
+    return narrowed, factor

@@ -26,7 +26,7 @@ from ..importance.gradient import PerSampleGradientNorms, causal_lm_loss_gradien
 from ..passes import summed_next_token_loss
 from .counts import EIGH_FLOPS_PER_CUBE, Count, Work
 from .layers import LayerCost
-from .shape import ModelShape, describe_model, layer_dependent_config, load_model_config
+from .shape import ModelShape, describe_model, layer_dependent_config, load_model_config, narrowed_config
 
 logger = logging.get_logger(__name__)
 
@@ -139,8 +139,10 @@ class DeviceThroughput:
         weights in `dtype` (the vocabulary cut to a slice: no layer depends on it), run on one batch of
         `batch_size x seq_len` random hidden states (forward; forward and input-gradient backward; the same with the
         per-sample norm hooks of GradMAP's score), a slice of the head's logits with their cross-entropy (scaled to
-        the whole vocabulary), and float64 products on the device and the host. A few seconds for a 7B-sized
-        layer on a GPU; each timing is the median of repeats lasting at least `min_seconds` together (3 at most).
+        the whole vocabulary), a generation step, and float64 products on the device and the host. A layer holding
+        more than 512 MiB of parameters is measured narrowed ([`narrowed_config`]: the same family and layer type,
+        its widths divided), its FLOP rates standing for the full layer's. A few seconds for a 7B-sized layer on a
+        GPU; each timing is the median of repeats lasting at least `min_seconds` together (3 at most).
 
         Args:
             model_or_path (`PreTrainedModel`, `PretrainedConfig`, `str` or `os.PathLike`): The model (its config is
@@ -158,6 +160,9 @@ class DeviceThroughput:
         device = _measurable(device)
         adapter = get_adapter(config)
         shape = describe_model(config, dtype, batch_size, seq_len)
+        config, factor = narrowed_config(config, shape)  # a layer too large to build for a measurement, narrowed
+        if factor > 1:
+            shape = describe_model(config, dtype, batch_size, seq_len)
         representative = max(range(shape.num_layers), key=lambda index: (shape.layer_parameters[index], -index))
         model = _one_layer_model(config, adapter, representative, shape.vocab_size, dtype, device)
         bench = _Bench(model, adapter, shape, dtype, device, batch_size, seq_len)
@@ -165,9 +170,10 @@ class DeviceThroughput:
         elapsed = time.perf_counter() - started
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         dtype_name = str(dtype).replace("torch.", "")
+        narrowed = f", its widths divided by {factor}" if factor > 1 else ""
         source = (
             f"measured in {elapsed:.1f} s on {name} ({device}), {dtype_name}: one decoder layer (layer "
-            f"{representative}'s shape) on a {batch_size} x {seq_len} batch, and the head"
+            f"{representative}'s shape{narrowed}) on a {batch_size} x {seq_len} batch, and the head"
         )
         rates = bench.rates(shape.layers[representative], seconds)
         return cls(f"{name} ({device})", dtype_name, **rates, source=source, measured=True, measurement_seconds=elapsed)
