@@ -139,6 +139,33 @@ def test_a_model_name_that_is_neither_a_folder_nor_on_the_hub_says_so(tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("case", ["unreadable calibration file", "unreachable Hub dataset", "unknown dataset", "no model"])
+def test_a_dry_run_fails_with_the_runs_own_error_where_the_run_could_not_start(
+    case, tiny_checkpoint, tmp_path, capsys, monkeypatch
+):
+    model, dataset = tiny_checkpoint, "offline:wikipedia"
+    if case == "unreadable calibration file":  # read only by the run's loader: no `text` field in its records
+        dataset = str(tmp_path / "records.jsonl")
+        (tmp_path / "records.jsonl").write_text(json.dumps({"content": TEXT}))
+    elif case == "unreachable Hub dataset":
+
+        def offline(*args, **kwargs):
+            raise ConnectionError("Couldn't reach 'Salesforce/wikitext' on the Hub (LocalEntryNotFoundError)")
+
+        monkeypatch.setattr("optimum_gradmap.data._load_dataset", offline)
+        dataset = "wikitext2"
+    elif case == "unknown dataset":
+        dataset = "wikitext3"
+    else:
+        model = str(tmp_path / "no-such-model")
+    argv = _prune(model, str(tmp_path / "out"), "--dataset", dataset)
+    run_code, run_error = main(argv), capsys.readouterr().err
+    dry_code, dry_error = main([*argv, "--dry-run"]), capsys.readouterr()
+    assert run_code != 0 and run_error.strip()
+    assert (dry_code, dry_error.err) == (run_code, run_error) and "GradMAP plan" not in dry_error.out
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("form", ["text", "jsonl", "folder"])
 def test_calibration_from_a_text_file_json_lines_or_a_folder(tiny_checkpoint, tmp_path, form):
     if form == "text":

@@ -15,7 +15,15 @@ import torch
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.errors import InvalidInputError
-from optimum_gradmap.planning import Count, DeviceThroughput, Work, golden_search_evaluations, plan_heal, plan_pruning
+from optimum_gradmap.planning import (
+    Count,
+    DeviceThroughput,
+    Work,
+    describe_model,
+    golden_search_evaluations,
+    plan_heal,
+    plan_pruning,
+)
 
 from .conftest import random_ids, tiny_model
 
@@ -126,8 +134,9 @@ def test_layer_streamed_passes_and_the_heal_are_counted_exactly():
 
 def test_in_memory_peaks_on_the_cpu_count_the_host_allocators_overhead(monkeypatch):
     from optimum_gradmap import planning
+    from optimum_gradmap.planning import pruning
 
-    monkeypatch.setattr(planning, "_process_bytes", lambda: 0)  # the peaks without this process's own memory
+    monkeypatch.setattr(pruning, "process_bytes", lambda: 0)  # the peaks without this process's own memory
     dense_config = tiny_model("llama").config
     config = GradMAPConfig(**SMALL)
     on_cpu = plan_pruning(dense_config, config, throughput=ASSUMED, device="cpu")
@@ -137,6 +146,12 @@ def test_in_memory_peaks_on_the_cpu_count_the_host_allocators_overhead(monkeypat
     assert beside_on_gpu > 0 and beside_on_cpu == pytest.approx(planning.HOST_ALLOCATOR_OVERHEAD * beside_on_gpu)
     assert on_cpu.stage("Save").peak_bytes_in_memory.low == on_cpu.weight_bytes  # nothing beside the weights
     assert any("allocator" in note for note in on_cpu.notes) and not any("allocator" in note for note in on_gpu.notes)
+    # the factor is an assumption about the C allocator: stated, it replaces the default
+    returned = plan_pruning(dense_config, config, throughput=ASSUMED, device="cpu", host_allocator_overhead=1.0)
+    assert returned.stage("Stage 1").peak_bytes_in_memory.low - returned.weight_bytes == pytest.approx(beside_on_gpu)
+    assert any("counted 1x" in note for note in returned.notes)
+    with pytest.raises(InvalidInputError, match="above 0"):
+        plan_pruning(dense_config, config, throughput=ASSUMED, host_allocator_overhead=0)
 
 
 def test_golden_search_scores_four_or_five_strengths_and_more_on_a_tie_never_more_than_the_grid():
@@ -169,14 +184,14 @@ def test_stage2_before_stage1_spans_the_layouts_stage1_may_leave_with_their_medi
     import statistics
 
     from optimum_gradmap.compensation.targets import compensation_targets
-    from optimum_gradmap.planning import _layouts
+    from optimum_gradmap.planning.stage2 import layouts
 
     model_config = tiny_model("llama", num_layers=8).config
     config = GradMAPConfig(**SMALL)
     before = plan_pruning(model_config, config, throughput=ASSUMED)
     fits = [
         len(compensation_targets([i for i in range(8) if i not in removed], {}, 8, "span_end", 1))
-        for removed in _layouts(8, 2, set())
+        for removed in layouts(8, 2, set())
     ]
     stage2 = before.stage("Stage 2")
     assert "likely" in before.stage2 and (min(fits), max(fits)) == (0, 2)  # none when the last layers go
@@ -274,7 +289,7 @@ def test_prune_dry_run_prints_the_plan_and_reads_no_weight(tiny_checkpoint, tmp_
     _refuse_weights(monkeypatch)
     output = tmp_path / "pruned"
     argv = ["prune", tiny_checkpoint, "--num-layers-to-prune", "2", "--num-samples", "8", "--seq-len", "16",
-            "--batch-size", "4", "--output", str(output), "--dry-run"]  # fmt: skip
+            "--batch-size", "4", "--dataset", "offline:wikipedia", "--output", str(output), "--dry-run"]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert f"GradMAP plan for {tiny_checkpoint}" in printed and "Remove 2 of 6 layers" in printed
@@ -313,6 +328,138 @@ def test_an_auto_heal_budget_is_planned_at_stage1s_planned_time():
     generated = plan_pruning(
         model_config, GradMAPConfig(**{**SMALL, "num_samples": 64}, **{**heal, "heal_dataset": "generated"}), throughput=ASSUMED
     )
-    assert any("own text" in note for note in generated.notes)
+    assert generated.stage("Heal").work.generated_tokens.low > 0  # the dense model's own text, in the heal's time
     with pytest.raises(InvalidInputError, match="a number of tokens"):
         plan_heal(model_config, model_config, GradMAPConfig(**SMALL, **heal), throughput=ASSUMED)
+
+
+def _offloaded_map(num_layers: int) -> dict[str, str]:
+    """A device map of a tiny Llama with every module on the CPU: its layers offloaded, for a GPU run."""
+    return {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"} | {
+        f"model.layers.{index}": "cpu" for index in range(num_layers)
+    }
+
+
+def test_offloaded_layers_come_to_the_device_once_per_batch_of_the_stage_that_calls_them():
+    model_config = tiny_model("llama", num_layers=6).config
+    heal = dict(heal_seq_len=16, heal_batch_size=2, heal_validation_sequences=2)  # heal batches of 32 tokens, Stage 1's 64
+
+    def plan(heal_tokens, device_map):
+        config = GradMAPConfig(**{**SMALL, "num_samples": 64}, heal_tokens=heal_tokens, **heal)
+        return plan_pruning(
+            model_config, config, throughput=ASSUMED, execution="layer_streamed", device_map=device_map, evaluation_tokens=256
+        )
+
+    auto, fixed, not_offloaded = plan("auto", _offloaded_map(6)), plan(640, _offloaded_map(6)), plan(640, None)
+    # an `auto` heal budget leaves the other stages' transfers as they are
+    assert auto.stage("Evaluation").seconds == fixed.stage("Evaluation").seconds
+    layer_bytes = 4 * (fixed.num_parameters - _head_and_embeddings(model_config)) / 6
+    for name, batch_tokens in (("Stage 1", 4 * 16), ("Heal", 2 * 16), ("Evaluation", 4 * 16)):
+        work = fixed.stage(name).work
+        calls = (work.layer_forward.low + work.layer_gradient.low) / batch_tokens
+        transfers = fixed.stage(name).seconds.low - not_offloaded.stage(name).seconds.low
+        assert transfers == pytest.approx(calls * layer_bytes / 12e9), name  # the assumed CPU-to-device bandwidth
+
+
+def test_the_heals_plan_counts_the_transfers_and_passes_of_offloaded_layers():
+    dense, pruned = tiny_model("llama", num_layers=6).config, tiny_model("llama", num_layers=4).config
+    config = GradMAPConfig(num_layers_to_prune=2, heal_tokens=640, heal_seq_len=16, heal_batch_size=2)
+    in_memory = plan_heal(pruned, dense, config, throughput=ASSUMED, device="cuda").stages[0]
+    offloaded = plan_heal(pruned, dense, config, throughput=ASSUMED, device="cuda", device_map=_offloaded_map(4)).stages[0]
+    # layer-streamed, each step first runs the kept layers forward to store their inputs: 4 layers x 20 sequences x 16
+    assert offloaded.work.layer_forward.low - in_memory.work.layer_forward.low == 4 * (40 * 16 + 2 * 16)
+    # and each call of an offloaded layer (a heal batch of 2 x 16 tokens) brings its weights at the assumed 12 GB/s
+    teacher = describe_model(dense, torch.float32, 2, 16)
+    calls = (offloaded.work.layer_forward.low + offloaded.work.layer_gradient.low) / (2 * 16)
+    transfers = calls * sum(teacher.layer_parameters) / 6 * 4 / 12e9
+    assert offloaded.seconds.low == pytest.approx(ASSUMED.seconds(offloaded.work, teacher, heal=True).low + transfers)
+    assert transfers > ASSUMED.seconds(offloaded.work, teacher, heal=True).low  # on this tiny model they outweigh the compute
+
+
+def test_the_heals_memory_counts_each_layer_before_a_removed_run_and_each_compensated_down_projection():
+    model = tiny_model("llama", num_layers=8)
+    layers = get_adapter(model).get_layers(model)
+    removed = [1, 2, 5]  # two runs: kept layers 0 and 4 come before them, and Stage 2 compensates both
+
+    def trained_bytes(trainable: str) -> float:  # the host holds two float32 copies of the trained state
+        config = GradMAPConfig(layers_to_prune=removed, num_samples=8, seq_len=16, batch_size=4, heal_tokens=64,
+                               heal_seq_len=16, heal_trainable=trainable)  # fmt: skip
+        return plan_pruning(model.config, config, throughput=ASSUMED).stage("Heal").host_bytes
+
+    every_kept = sum(parameter.numel() for index in (0, 3, 4, 6, 7) for parameter in layers[index].parameters())
+    before_removed = sum(parameter.numel() for index in (0, 4) for parameter in layers[index].parameters())
+    down_projections = sum(layers[index].mlp.down_proj.weight.numel() for index in (0, 4))
+    assert trained_bytes("before_removed") - trained_bytes("all") == 8 * (before_removed - every_kept)
+    assert trained_bytes("down_projections") - trained_bytes("all") == 8 * (down_projections - every_kept)
+
+
+def test_the_dense_models_own_text_is_planned_as_its_generation_and_its_targets_kept_twice():
+    from optimum_gradmap.distillation import TOP_K
+
+    model_config = tiny_model("llama", num_layers=6).config
+    heal = dict(heal_tokens=640, heal_seq_len=16, heal_batch_size=2, heal_validation_sequences=2)
+    corpus = plan_pruning(model_config, GradMAPConfig(**SMALL, **heal), throughput=ASSUMED).stage("Heal")
+    generated = plan_pruning(model_config, GradMAPConfig(**SMALL, **heal, heal_dataset="generated"), throughput=ASSUMED)
+    heal_stage = generated.stage("Heal")
+    # the generated text's top-K targets are held twice (the text's and the heal's rows): one more copy on the host
+    assert heal_stage.host_bytes - corpus.host_bytes == (40 + 2) * 15 * (TOP_K * 8 + 4)
+    # its targets come with the generation (every sequence written, a position at a time): no teacher pass over them
+    assert heal_stage.work.generated_tokens == Count.of((40 + 2) * 16)
+    assert corpus.work.layer_forward.low - heal_stage.work.layer_forward.low == 6 * (40 + 2) * 16
+    assert heal_stage.peak_bytes_in_memory.low > corpus.peak_bytes_in_memory.low  # the generation's KV cache and logits
+    # writing a position at a time is slower than a pass: at a tenth of the forward rate, the heal takes longer...
+    slow = DeviceThroughput(**{**ASSUMED.to_dict(), "generation_flops_per_second": ASSUMED.forward_flops_per_second / 10})
+    slower = plan_pruning(model_config, GradMAPConfig(**SMALL, **heal, heal_dataset="generated"), throughput=slow)
+    assert slower.stage("Heal").seconds.low > 3 * heal_stage.seconds.low
+    # ... and the quality preset's `auto` budget buys fewer tokens in Stage 1's time
+    quality = {**SMALL, "num_samples": 64, "heal_seq_len": 16, "heal_batch_size": 2, "heal_validation_sequences": 2}
+    fast_plan = plan_pruning(model_config, GradMAPConfig.from_preset("quality", **quality), throughput=ASSUMED)
+    slow_plan = plan_pruning(model_config, GradMAPConfig.from_preset("quality", **quality), throughput=slow)
+    assert slow_plan.stage("Heal").tokens < fast_plan.stage("Heal").tokens
+
+
+def test_the_throughput_of_a_70b_model_is_measured_on_a_narrower_layer_of_the_same_kind(monkeypatch):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from optimum_gradmap.planning import empty_model
+
+    llama_70b = LlamaConfig(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        vocab_size=128256, max_position_embeddings=8192,
+    )  # fmt: skip
+    built, build = [], AutoModelForCausalLM.from_config
+
+    class Built(Exception):
+        pass
+
+    def from_config(model_config, **kwargs):  # the meta device's models are built; the one with storage is only noted
+        if torch.get_default_device().type == "meta":
+            return build(model_config, **kwargs)
+        built.append(model_config)
+        raise Built
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", from_config)
+    with pytest.raises(Built):
+        DeviceThroughput.measure(llama_70b, dtype=torch.float32)
+    (measured,) = built
+    full = get_adapter(llama_70b).get_layers(empty_model(llama_70b, torch.float32))[0]
+    layer = get_adapter(measured).get_layers(empty_model(measured, torch.float32))[0]
+    layer_bytes = 4 * sum(parameter.numel() for parameter in layer.parameters())
+    assert layer_bytes <= 512 * 2**20 < 4 * sum(parameter.numel() for parameter in full.parameters())  # 3.4 GB in full
+    assert type(layer) is type(full) and measured.head_dim == 128 and measured.num_key_value_heads < 8
+
+
+def test_a_narrowed_measurement_gives_rates_for_the_full_layers_flops(monkeypatch):
+    from optimum_gradmap.planning import shape
+
+    config = GradMAPConfig(**SMALL)
+    model_config = tiny_model("llama", num_layers=6).config
+    full = DeviceThroughput.measure(model_config, batch_size=4, seq_len=16, min_seconds=0.01)
+    monkeypatch.setattr(shape, "MEASURED_LAYER_BYTES", 16 * 1024)  # the tiny layer's 37 KB, measured at half its widths
+    narrowed = DeviceThroughput.measure(model_config, batch_size=4, seq_len=16, min_seconds=0.01)
+    assert "widths divided by 2" in narrowed.source and "divided" not in full.source
+    plan = plan_pruning(model_config, config, throughput=narrowed)
+    assert (
+        plan.stage("Stage 1").seconds.low > 0
+        and plan.stage("Stage 1").flops == plan_pruning(model_config, config, throughput=full).stage("Stage 1").flops
+    )  # the plan's FLOPs are the full layers'; the narrowed layer gives only the rates

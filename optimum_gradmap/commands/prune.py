@@ -82,7 +82,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dry-run",
         action="store_true",
         help="print what the run would do and cost (layers, rounds and passes, tokens, FLOPs, peak memory, disk, and the "
-        "time on this device from a few seconds' measurement of its throughput) and exit, without loading a weight",
+        "time on this device from a few seconds' measurement of its throughput) and exit, without loading a weight; "
+        "the model and the calibration text are read as the run reads them, so that a run that cannot start fails here",
+    )
+    parser.add_argument(
+        "--host-allocator-overhead",
+        type=float,
+        default=None,
+        metavar="FACTOR",
+        help="with --dry-run on a CPU device: the resident bytes one byte of a pass's tensors takes, an assumption about "
+        "the C allocator (default 1.48, measured with glibc's malloc on one machine, docs/benchmarks/scale.md; "
+        "1.0 for an allocator that returns freed memory, e.g. with MALLOC_MMAP_THRESHOLD_=131072)",
     )
     add_logging_arguments(parser)
 
@@ -169,7 +179,6 @@ def run(args: argparse.Namespace) -> int:
     """`optimum-gradmap prune`: prunes, saves checkpoint + report + model card, optionally uploads."""
     from .. import distributed
     from ..pruner import GradMAPPruner
-    from ..report import curve_lines
 
     progress = set_verbosity(args)
     config, loading = _checked_prune_input(args)
@@ -197,15 +206,7 @@ def run(args: argparse.Namespace) -> int:
             heal_text_cache=default_heal_text_cache(args.output) if config.heal_tokens else None,
         )
     except KeyboardInterrupt:
-        command = command_line(args)
-        saved = stage1_checkpoint is not None and os.path.isfile(stage1_checkpoint)
-        print(
-            f"\nInterrupted. Stage 1's finished rounds are saved in {stage1_checkpoint}; the same command resumes from "
-            f"them:\n  {command}"
-            if saved
-            else "\nInterrupted before any Stage 1 round finished: nothing was saved.",
-            file=sys.stderr,
-        )
+        _print_interrupted(args, stage1_checkpoint)
         return 130
     evaluation = _measure_perplexity(model, tokenizer, args, progress)
     result.save_pretrained(
@@ -221,6 +222,34 @@ def run(args: argparse.Namespace) -> int:
     )  # by the main process; the others wait for it
     if not main_process:
         return 0
+    _finish(args, result, stage1_checkpoint, heal_checkpoint, dense_evaluation, evaluation)
+    return 0
+
+
+def _print_interrupted(args: argparse.Namespace, stage1_checkpoint: str | None) -> None:
+    """After Ctrl-C: where Stage 1's finished rounds are, and the command that resumes from them."""
+    saved = stage1_checkpoint is not None and os.path.isfile(stage1_checkpoint)
+    print(
+        f"\nInterrupted. Stage 1's finished rounds are saved in {stage1_checkpoint}; the same command resumes from "
+        f"them:\n  {command_line(args)}"
+        if saved
+        else "\nInterrupted before any Stage 1 round finished: nothing was saved.",
+        file=sys.stderr,
+    )
+
+
+def _finish(
+    args: argparse.Namespace,
+    result: Any,
+    stage1_checkpoint: str | None,
+    heal_checkpoint: str | None,
+    dense_evaluation: Any,
+    evaluation: Any,
+) -> None:
+    """After the save, on the main process: the default Stage 1 checkpoint removed (kept for an interrupted heal's
+    resume), the result printed, and the upload."""
+    from ..report import curve_lines
+
     heal_interrupted = result.heal is not None and result.heal.interrupted
     if stage1_checkpoint is not None and args.stage1_checkpoint is None and os.path.isfile(stage1_checkpoint):
         if heal_interrupted:  # the resume (the same command) replays Stage 1 from it, then the heal goes on
@@ -249,7 +278,6 @@ def run(args: argparse.Namespace) -> int:
         commit_message = result.commit_message()
         url = upload_checkpoint(args.output, args.push_to_hub, private=args.private or None, commit_message=commit_message)
         print(f"Uploaded to {url}")
-    return 0
 
 
 def _measure_perplexity(model: Any, tokenizer: Any, args: argparse.Namespace, progress: bool, label: str | None = None) -> Any:
@@ -278,11 +306,13 @@ def _measure_perplexity(model: Any, tokenizer: Any, args: argparse.Namespace, pr
 
 
 def _dry_run(args: argparse.Namespace, config: GradMAPConfig, loading: ModelLoading, path: str) -> int:
-    """`prune --dry-run`: prints the plan of the run ([`optimum_gradmap.planning.plan_pruning`]) from the model's
+    """`prune --dry-run`: reads the calibration text as the run would (a dataset that cannot be reached fails here,
+    with the run's own error), prints the plan of the run ([`optimum_gradmap.planning.plan_pruning`]) from the model's
     config alone, and returns 0 without loading a weight."""
     from ..planning import plan_pruning
     from ..precision import compute_device, resolve_dtype
 
+    _read_calibration_text(args, config)
     device = compute_device(loading.device, loading.device_map)
     evaluation_tokens = 0
     if args.evaluate is not None and args.max_segments is not None:  # dense and pruned, 128-token segments
@@ -297,8 +327,20 @@ def _dry_run(args: argparse.Namespace, config: GradMAPConfig, loading: ModelLoad
         validation=args.validation_dataset is not None,
         evaluation_tokens=evaluation_tokens,
         name=args.model,
+        host_allocator_overhead=args.host_allocator_overhead,
     )
     if args.evaluate is not None and args.max_segments is None:
         plan.notes.append("--evaluate without --max-segments: the evaluation is not counted (its size is known once read).")
     print(plan)
     return 0
+
+
+def _read_calibration_text(args: argparse.Namespace, config: GradMAPConfig) -> None:
+    """Reads the text the run reads before Stage 1 (the calibration dataset, Stage 2's and the validation's where
+    given) with the run's own loaders ([`optimum_gradmap.data.text_documents`]): a dataset the run could not reach, or
+    a file it could not read, raises the error the run would raise."""
+    from ..data import text_documents
+
+    for data in (config.dataset, config.compensation_dataset, args.validation_dataset):
+        if data is not None:
+            text_documents(data, config.text_column)
