@@ -114,7 +114,7 @@ class FlipsResult:
         by_margin (`list[MarginFlips]`, *optional*): The pooled questions by quartile of the reference's margins,
             each question's quartile cut among its own task's margins, the four in order: their flips add up to the
             pooled flips, their questions to the pooled questions. `None` where a reference record has fewer than two
-            log-likelihoods (records written without them), and in results from before the split.
+            log-likelihoods (records written without them), and in results written without the split.
         confident ([`TaskFlips`], *optional*): The flips on the pooled questions whose reference margin is above their
             own task's median (`task` `"confident"`; the third and fourth quartiles): questions the reference was
             sure of. `None` where `by_margin` is.
@@ -136,9 +136,9 @@ class FlipsResult:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> FlipsResult:
-        """Builds a result from [`to_dict`]'s output. A margin split cut over the pooled margins (its quartiles with
-        a `low` and `high` edge, written by a development version before the within-task cut) is left out: its
-        quartiles and confident questions are not those of [`flips`].
+        """Builds a result from [`to_dict`]'s output. A margin split cut over the pooled margins (quartiles with a
+        `low` and `high` edge and no `cut`) is left out: its quartiles and confident questions are not those of
+        [`flips`], which cuts them within each task.
 
         Args:
             values (`dict[str, Any]`): [`to_dict`]'s output.
