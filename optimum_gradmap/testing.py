@@ -87,7 +87,7 @@ def reference_next_token_choice(
         resolve_selection,
         ridge_solutions,
     )
-    from .compensation.next_token import LOSS_TIE_TOLERANCE
+    from .compensation.lambda_search import LOSS_TIE_TOLERANCE
 
     config = resolve_selection(replace(config, compensation_selection="next_token_loss"), adapter)
     folds = compensation_statistics(

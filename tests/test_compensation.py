@@ -1224,7 +1224,8 @@ def test_a_held_out_loss_over_no_sequence_adds_nothing_instead_of_dividing_by_ze
 @pytest.mark.parametrize("minimum", range(9))
 @pytest.mark.parametrize("plateau", [0, 2])  # strengths after the minimum whose loss ties it (up to rounding)
 def test_the_golden_section_search_chooses_as_the_grid_does_with_fewer_passes(minimum, plateau):
-    from optimum_gradmap.compensation.next_token import LOSS_TIE_TOLERANCE, _choose, searched_losses
+    from optimum_gradmap.compensation.lambda_search import LOSS_TIE_TOLERANCE
+    from optimum_gradmap.compensation.next_token import _choose, searched_losses
     from optimum_gradmap.compensation.solvers import AUTO_RIDGE_GRID
 
     grid = AUTO_RIDGE_GRID

@@ -317,7 +317,7 @@ def test_successive_halving_never_removes_a_candidate_dropped_on_an_easier_rung(
         rung = int(input_ids[0, 0]) // 4
         return {position: 1.0 + 0.01 * position if rung == 0 else 3.0 - 0.03 * position for position in positions}
 
-    monkeypatch.setattr("optimum_gradmap.importance.selection.removal_losses", fake_removal_losses)
+    monkeypatch.setattr("optimum_gradmap.importance.shortlist.removal_losses", fake_removal_losses)
     losses, best = verify_shortlist(None, None, ids, 4, list(range(8)), halving=True, progress_bar=False)
     # rung 1 keeps 0-3 (lowest there), rung 2 keeps 2 and 3, the finalists; 7 was dropped at 1.07
     assert best == 3 and losses[3] == pytest.approx((1.03 + 2 * 2.91) / 3)

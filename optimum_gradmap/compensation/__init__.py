@@ -37,7 +37,8 @@ The modules, in the order Stage 2 uses them:
 - [`refinement`]: the matrices refined together by distillation from the dense model's next-token distribution;
 - [`targets`]: which kept layers to fit, and to which dense hidden state;
 - [`each_round`]: the fit between Stage 1 removals ([`compensate_run`]);
-- [`stage2`]: all the fits in forward order, with rollback ([`compensate`]).
+- [`stage2`]: all the fits in forward order, with rollback ([`compensate`]); [`settings`]: the config fields it reads
+  and the checks made before it runs; [`result`]: what it did ([`CompensationResult`]).
 """
 
 from .activations import (
@@ -65,7 +66,9 @@ from .next_token import (
     resolve_selection,
 )
 from .refinement import TOP_K, dense_top_k, refine
+from .result import CompensationResult
 from .rotation import hadamard_matrix, rotation
+from .settings import MIN_TOKENS_PER_HIDDEN_UNIT, STAGE2_SETTINGS, check_stage2_settings
 from .solvers import (
     AUTO_NUM_FOLDS,
     AUTO_RIDGE_GRID,
@@ -81,7 +84,7 @@ from .solvers import (
     solve_adam,
     solve_closed_form,
 )
-from .stage2 import MIN_TOKENS_PER_HIDDEN_UNIT, STAGE2_SETTINGS, CompensationResult, check_stage2_settings, compensate
+from .stage2 import compensate
 from .statistics import (
     CompensationRows,
     CompensationStatistics,

@@ -21,12 +21,19 @@ from .next_token import chooses_by_next_token_loss, learn_by_next_token_loss, re
 from .solvers import (
     AUTO_NUM_FOLDS,
     CompensationFit,
+    RidgeChoice,
     cross_validate_ridge,
     lambda_for_strength,
     solve_adam,
     solve_closed_form,
 )
-from .statistics import CompensationRows, collect_rows, compensation_statistics, summed_over_processes
+from .statistics import (
+    CompensationRows,
+    CompensationStatistics,
+    collect_rows,
+    compensation_statistics,
+    summed_over_processes,
+)
 from .through_norm import choose_ridge_through_norm, fit_through_norm
 
 
@@ -105,27 +112,32 @@ def learn_compensation(
             return learn_cosine(rows, config, progress_bar, norm)
         return _learn_through_norm(rows, norm, config, progress_bar)
 
-    choice = None
-    if config.reg_lambda == "auto":
-        folds = compensation_statistics(
-            model,
-            adapter,
-            layer,
-            original_outputs,
-            input_ids,
-            config.batch_size,
-            progress_bar,
-            num_folds=AUTO_NUM_FOLDS,
-            first_sample=first_sample,
-            outliers=config.outlier_tokens,
-        )
-        folds = [summed_over_processes(fold) for fold in folds]
-        choice = cross_validate_ridge(folds, form=config.compensation_form)
-        if choice.alpha is None:
-            return CompensationFit.identity(original_outputs.shape[-1], choice)
-        statistics = sum(folds[1:], folds[0])
-        reg_lambda = lambda_for_strength(choice.alpha, statistics.mean_eigenvalue, statistics.num_elements)
+    statistics, reg_lambda, choice = _statistics_and_lambda(
+        model, adapter, layer, original_outputs, input_ids, config, progress_bar, first_sample
+    )
+    if statistics is None:  # no strength beat W' = I
+        return CompensationFit.identity(original_outputs.shape[-1], choice)
+    if config.solver == "closed_form":
+        matrix = solve_closed_form(statistics, reg_lambda, config.compensation_form)
     else:
+        matrix = solve_adam(statistics, reg_lambda, config.adam_lr, config.adam_steps, progress_bar, config.compensation_form)
+    return CompensationFit.measured(matrix, statistics, reg_lambda, choice)
+
+
+def _statistics_and_lambda(
+    model: nn.Module,
+    adapter: DecoderAdapter,
+    layer: nn.Module,
+    original_outputs: torch.Tensor,
+    input_ids: torch.LongTensor,
+    config: GradMAPConfig,
+    progress_bar: bool,
+    first_sample: int,
+) -> tuple[CompensationStatistics | None, float | None, RidgeChoice | None]:
+    """The statistics W' is solved from (summed over processes), its lambda, and with `reg_lambda="auto"` the
+    cross-validation that chose it ([`cross_validate_ridge`] over `AUTO_NUM_FOLDS` folds); the statistics are `None`
+    where no strength beats W' = I on the held-out sequences."""
+    if config.reg_lambda != "auto":
         statistics = summed_over_processes(
             compensation_statistics(
                 model,
@@ -138,12 +150,25 @@ def learn_compensation(
                 outliers=config.outlier_tokens,
             )
         )
-        reg_lambda = config.reg_lambda
-    if config.solver == "closed_form":
-        matrix = solve_closed_form(statistics, reg_lambda, config.compensation_form)
-    else:
-        matrix = solve_adam(statistics, reg_lambda, config.adam_lr, config.adam_steps, progress_bar, config.compensation_form)
-    return CompensationFit.measured(matrix, statistics, reg_lambda, choice)
+        return statistics, config.reg_lambda, None
+    folds = compensation_statistics(
+        model,
+        adapter,
+        layer,
+        original_outputs,
+        input_ids,
+        config.batch_size,
+        progress_bar,
+        num_folds=AUTO_NUM_FOLDS,
+        first_sample=first_sample,
+        outliers=config.outlier_tokens,
+    )
+    folds = [summed_over_processes(fold) for fold in folds]
+    choice = cross_validate_ridge(folds, form=config.compensation_form)
+    if choice.alpha is None:
+        return None, None, choice
+    statistics = sum(folds[1:], folds[0])
+    return statistics, lambda_for_strength(choice.alpha, statistics.mean_eigenvalue, statistics.num_elements), choice
 
 
 def fit_and_fold(

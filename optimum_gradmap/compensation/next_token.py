@@ -15,12 +15,12 @@ lowest loss is then fitted on every sequence. The held-out criterion is the one 
 The layers before the fitted one compute the same thing for every candidate: their output on the held-out sequences
 is recorded once, in the pass that collects the fit's statistics, and each candidate runs from the fitted layer on
 ([`HeldOutLoss`]). [`optimum_gradmap.testing.reference_next_token_choice`] computes the same choice with a pass of the
-whole model per candidate.
+whole model per candidate. The search over the grid and the choice among its losses are in
+[`~optimum_gradmap.compensation.lambda_search`].
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -33,20 +33,10 @@ from ..errors import InvalidInputError
 from ..passes import calibration_batches, next_token_loss_sum, summed_next_token_loss
 from .activations import CompensationBatch
 from .folding import apply_compensation, down_projection_backup
-from .solvers import (
-    AUTO_NUM_FOLDS,
-    AUTO_RIDGE_GRID,
-    CompensationFit,
-    RidgeChoice,
-    closed_form_at_strength,
-    relative_ridge,
-    ridge_solutions,
-)
-from .statistics import compensation_statistics, summed_over_processes
-
-# Held-out losses closer than this (relative) are a tie, decided for the stronger lambda: a float32 model's loss
-# moves by about this much with the order of its sums (another batch split, another number of processes).
-LOSS_TIE_TOLERANCE = 1e-6
+from .lambda_search import GOLDEN_SECTION as GOLDEN_SECTION  # planning estimates the search's passes from it
+from .lambda_search import _choose, searched_losses
+from .solvers import AUTO_NUM_FOLDS, AUTO_RIDGE_GRID, CompensationFit, closed_form_at_strength, relative_ridge, ridge_solutions
+from .statistics import CompensationStatistics, compensation_statistics, summed_over_processes
 
 
 def next_token_selection_runs(config: GradMAPConfig, adapter: DecoderAdapter) -> bool:
@@ -197,6 +187,44 @@ def learn_by_next_token_loss(
     """
     config = resolve_selection(replace(config, compensation_selection="next_token_loss", reg_lambda="auto"), adapter)
     check_next_token_selection(config, adapter)
+    folds, loss = _statistics_and_held_out_loss(
+        model, adapter, layer, original_outputs, input_ids, config, progress_bar, first_sample
+    )
+    train = sum(folds[1:-1], folds[0])
+    candidates = ridge_solutions(train, [relative_ridge(train, alpha) for alpha in AUTO_RIDGE_GRID], config.compensation_form)
+    backup = down_projection_backup(adapter, [layer])
+
+    def loss_with(matrix: torch.Tensor) -> float:
+        apply_compensation(adapter, layer, matrix)
+        try:
+            return loss()
+        finally:
+            backup.restore()
+
+    identity_loss = loss()
+    matrices = dict(zip(AUTO_RIDGE_GRID, candidates))
+    losses = searched_losses(lambda alpha: loss_with(matrices[alpha]), AUTO_RIDGE_GRID, config.lambda_search)
+    choice = _choose(losses, identity_loss)
+    size = original_outputs.shape[-1]
+    if choice.alpha is None:
+        return CompensationFit.identity(size, choice)
+    total = sum(folds[1:], folds[0])
+    matrix, reg_lambda = closed_form_at_strength(total, choice.alpha, config.compensation_form)
+    return CompensationFit.measured(matrix, total, reg_lambda, choice)
+
+
+def _statistics_and_held_out_loss(
+    model: nn.Module,
+    adapter: DecoderAdapter,
+    layer: nn.Module,
+    original_outputs: torch.Tensor,
+    input_ids: torch.LongTensor,
+    config: GradMAPConfig,
+    progress_bar: bool,
+    first_sample: int,
+) -> tuple[list[CompensationStatistics], HeldOutLoss]:
+    """One pass over the calibration sequences: the statistics of every cross-validation fold (summed over processes),
+    and the input `layer` receives on the held-out sequences, from which [`HeldOutLoss`] scores each candidate."""
     held_out_inputs: list[torch.Tensor] = []
     returns_tuple: list[bool] = []
 
@@ -221,7 +249,6 @@ def learn_by_next_token_loss(
         on_batch=keep_held_out_inputs,
     )
     folds = [summed_over_processes(fold) for fold in folds]
-    train = sum(folds[1:-1], folds[0])
     held_out = input_ids[[row for row in range(input_ids.shape[0]) if is_held_out(first_sample + row)]]
     loss = HeldOutLoss(
         model,
@@ -233,88 +260,4 @@ def learn_by_next_token_loss(
         config.batch_size,
         progress_bar,
     )
-    candidates = ridge_solutions(train, [relative_ridge(train, alpha) for alpha in AUTO_RIDGE_GRID], config.compensation_form)
-    backup = down_projection_backup(adapter, [layer])
-
-    def loss_with(matrix: torch.Tensor) -> float:
-        apply_compensation(adapter, layer, matrix)
-        try:
-            return loss()
-        finally:
-            backup.restore()
-
-    identity_loss = loss()
-    matrices = dict(zip(AUTO_RIDGE_GRID, candidates))
-    losses = searched_losses(lambda alpha: loss_with(matrices[alpha]), AUTO_RIDGE_GRID, config.lambda_search)
-    choice = _choose(losses, identity_loss)
-    size = original_outputs.shape[-1]
-    if choice.alpha is None:
-        return CompensationFit.identity(size, choice)
-    total = sum(folds[1:], folds[0])
-    matrix, reg_lambda = closed_form_at_strength(total, choice.alpha, config.compensation_form)
-    return CompensationFit.measured(matrix, total, reg_lambda, choice)
-
-
-# The share of a bracket that a golden-section step cuts off: 1 - 1 / golden ratio.
-GOLDEN_SECTION = (3 - 5**0.5) / 2
-
-
-def searched_losses(loss_of: Callable[[float], float], grid: Sequence[float], search: str = "grid") -> dict[float, float]:
-    """The held-out losses of the strengths of `grid` (increasing) that `search` scores (`GradMAPConfig.lambda_search`):
-
-    - `"grid"`: every strength;
-    - `"golden"`: a golden-section search over the grid's indices (the grid is log-spaced: a search over log lambda),
-      which keeps the bracket around the lower of two inner points until at most three strengths remain, all
-      scored; then, from the strongest strength whose loss is the lowest up to `LOSS_TIE_TOLERANCE`, the next stronger
-      ones while they stay within it (the tie [`learn_by_next_token_loss`] decides for the stronger lambda). Where the
-      loss has a single minimum over the grid it finds the choice of `"grid"` with about five of its nine passes.
-
-    Args:
-        loss_of (`Callable`): A strength -> its held-out loss (one pass of the model each).
-        grid (`Sequence[float]`): The strengths, increasing.
-        search (`str`, defaults to `"grid"`): `"grid"` or `"golden"`.
-
-    Returns:
-        `dict[float, float]`: The loss of each strength scored, in the order they were scored.
-    """
-    losses: dict[float, float] = {}
-
-    def at(index: int) -> float:
-        if grid[index] not in losses:
-            losses[grid[index]] = loss_of(grid[index])
-        return losses[grid[index]]
-
-    if search == "grid":
-        for index in range(len(grid)):
-            at(index)
-        return losses
-    if search != "golden":
-        raise ValueError(f"lambda_search={search!r}: expected 'grid' or 'golden'.")
-    low, high = 0, len(grid) - 1
-    while high - low > 2:
-        step = round((high - low) * GOLDEN_SECTION)
-        left, right = low + step, max(high - step, low + step + 1)
-        if at(left) <= at(right):
-            high = right
-        else:
-            low = left
-    for index in range(low, high + 1):
-        at(index)
-    lowest = min(losses.values())
-    strongest = max(index for index in range(len(grid)) if grid[index] in losses and _tied(losses[grid[index]], lowest))
-    while strongest + 1 < len(grid) and _tied(at(strongest + 1), lowest):
-        strongest += 1
-    return losses
-
-
-def _tied(loss: float, lowest: float) -> bool:
-    """Whether `loss` is the lowest loss up to float rounding (`LOSS_TIE_TOLERANCE`)."""
-    return loss <= lowest + LOSS_TIE_TOLERANCE * abs(lowest)
-
-
-def _choose(losses: dict[float, float], identity_loss: float) -> RidgeChoice:
-    """The strongest lambda among those whose held-out loss is the lowest up to float rounding (processes that sum
-    the loss in another order, [`optimum_gradmap.distributed`], then choose alike); `None` unless it beats W' = I."""
-    lowest = min(losses.values())
-    best = max(alpha for alpha in losses if _tied(losses[alpha], lowest))
-    return RidgeChoice(best if losses[best] < identity_loss else None, losses, identity_loss)
+    return folds, loss

@@ -21,6 +21,7 @@ like W'.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -114,8 +115,8 @@ def refine(
         first_sample (`int`): The index of `input_ids[0]` in the calibration set (which sets the folds).
         num_steps (`int`), learning_rate (`float`), batch_size (`int`): Adam's steps, step size and batches.
         fold_backups (`Sequence[WeightBackup]`): The backups of Stage 2's folds (those of `layers`): the teacher is the
-            snapshot's stack with them undone (before issue 56 it ran with them in). The fits `compensate_each_round`
-            made between Stage 1's removals stay in, as in the rest of Stage 2.
+            snapshot's stack with them undone: the dense model as it was, not one that carries Stage 2's W'. The fits
+            `compensate_each_round` made between Stage 1's removals stay in, as in the rest of Stage 2.
         progress_bar (`bool`, defaults to `True`): Show a progress bar.
 
     Returns:
@@ -125,6 +126,40 @@ def refine(
         InvalidInputError: with fewer than `AUTO_NUM_FOLDS` sequences over all processes (no held-out fold).
     """
     model = dense.model
+    train, held_out, num_held_out, num_batch_rows = _folds(input_ids, first_sample, batch_size)
+    indices, probabilities = dense_top_k(dense, input_ids, batch_size, fold_backups)
+    device, hidden_size = input_device(model), adapter.get_text_config(model).hidden_size  # the residual stream's width
+    teacher = _Teacher(model, input_ids, indices, probabilities, device)
+    factors = [torch.eye(hidden_size, device=device, requires_grad=True) for _ in layers]
+    hooks = [
+        (adapter.get_mlp(layer), lambda module, args, output, factor=factor: _scaled(output, factor))
+        for layer, factor in zip(layers, factors)
+    ]
+    optimizer = torch.optim.Adam(factors, lr=learning_rate)
+    generator = torch.Generator().manual_seed(0)
+    with calibration_mode(model, grad=True, freeze_parameters=True), forward_hooks(hooks):
+        start_loss = best_loss = teacher.held_out_loss(held_out, batch_size, num_held_out)
+        best = [factor.detach().clone() for factor in factors]
+        best_step = 0
+        for step in logging.tqdm(
+            range(1, num_steps + 1), desc="Refining W' (distillation)", leave=False, disable=not progress_bar
+        ):
+            rows = [train[i] for i in torch.randperm(len(train), generator=generator)[:batch_size].tolist()]
+            _step(teacher, factors, optimizer, rows, num_batch_rows)
+            if step % CHECK_EVERY == 0:
+                loss = teacher.held_out_loss(held_out, batch_size, num_held_out)
+                if loss < best_loss:
+                    best_loss, best, best_step = loss, [factor.detach().clone() for factor in factors], step
+    for layer, factor in zip(layers, best):
+        apply_compensation(adapter, layer, factor.double().cpu())
+    logger.info(f"Refinement: held-out distillation loss {start_loss:.6g} -> {best_loss:.6g} (step {best_step} of {num_steps})")
+    return {"start": start_loss, "refined": best_loss, "step": best_step}
+
+
+def _folds(input_ids: torch.LongTensor, first_sample: int, batch_size: int) -> tuple[list[int], list[int], int, int]:
+    """This process's training and held-out rows (sequence j in fold j mod `AUTO_NUM_FOLDS`, the last fold held out),
+    and over all processes the number of held-out sequences and of rows in a step's batches; refuses fewer than
+    `AUTO_NUM_FOLDS` sequences over all processes."""
     folds = [(first_sample + i) % AUTO_NUM_FOLDS for i in range(input_ids.shape[0])]
     train = [i for i, fold in enumerate(folds) if fold != AUTO_NUM_FOLDS - 1]
     held_out = [i for i, fold in enumerate(folds) if fold == AUTO_NUM_FOLDS - 1]
@@ -133,49 +168,53 @@ def refine(
     counts = distributed.all_reduce_sum(torch.tensor([input_ids.shape[0], len(held_out), batch_rows], dtype=torch.float64))
     num_sequences, num_held_out, num_batch_rows = (int(count) for count in counts.tolist())
     _check_num_sequences(num_sequences)
-    indices, probabilities = dense_top_k(dense, input_ids, batch_size, fold_backups)
-    device, hidden_size = input_device(model), adapter.get_text_config(model).hidden_size  # the residual stream's width
-    factors = [torch.eye(hidden_size, device=device, requires_grad=True) for _ in layers]
-    hooks = [
-        (adapter.get_mlp(layer), lambda module, args, output, factor=factor: _scaled(output, factor))
-        for layer, factor in zip(layers, factors)
-    ]
+    return train, held_out, num_held_out, num_batch_rows
 
-    def held_out_loss() -> float:
+
+@dataclass
+class _Teacher:
+    """The calibration sequences with the dense model's top-K targets on them, and the model's distillation loss.
+
+    Args:
+        model (`nn.Module`): The pruned model, its factors hooked in.
+        input_ids (`torch.LongTensor`): This process's calibration sequences.
+        indices (`torch.Tensor`), probabilities (`torch.Tensor`): The dense model's top-K targets ([`dense_top_k`]).
+        device (`torch.device`): The model's input device.
+    """
+
+    model: nn.Module
+    input_ids: torch.LongTensor
+    indices: torch.Tensor
+    probabilities: torch.Tensor
+    device: torch.device
+
+    def loss(self, rows: list[int]) -> torch.Tensor:
+        """The distillation loss on the sequences `rows`, mean over positions."""
+        return _distillation_loss(self.model, self.input_ids[rows].to(self.device), self.indices[rows], self.probabilities[rows])
+
+    def held_out_loss(self, held_out: list[int], batch_size: int, num_held_out: int) -> float:
+        """The mean loss over every process's held-out sequences (this process's `held_out` rows may be none)."""
         total = 0.0  # the sum over this process's held-out sequences of their loss (0 for none)
         with torch.no_grad():
             for start in range(0, len(held_out), batch_size):
                 rows = held_out[start : start + batch_size]
-                batch = input_ids[rows].to(device)
-                total += float(_distillation_loss(model, batch, indices[rows], probabilities[rows])) * len(rows)
+                total += float(self.loss(rows)) * len(rows)
         return float(distributed.all_reduce_sum(torch.tensor(total, dtype=torch.float64)) / num_held_out)
 
-    optimizer = torch.optim.Adam(factors, lr=learning_rate)
-    generator = torch.Generator().manual_seed(0)
-    with calibration_mode(model, grad=True, freeze_parameters=True), forward_hooks(hooks):
-        start_loss = best_loss = held_out_loss()
-        best = [factor.detach().clone() for factor in factors]
-        best_step = 0
-        for step in logging.tqdm(
-            range(1, num_steps + 1), desc="Refining W' (distillation)", leave=False, disable=not progress_bar
-        ):
-            rows = [train[i] for i in torch.randperm(len(train), generator=generator)[:batch_size].tolist()]
-            optimizer.zero_grad(set_to_none=True)
-            if rows:
-                _distillation_loss(model, input_ids[rows].to(device), indices[rows], probabilities[rows]).backward()
-            if distributed.is_distributed():  # every process takes the same step: that of the mean over all batches
-                for factor in factors:
-                    local = factor.grad * len(rows) if factor.grad is not None else torch.zeros_like(factor)
-                    factor.grad = distributed.all_reduce_sum(local) / num_batch_rows
-            optimizer.step()
-            if step % CHECK_EVERY == 0:
-                loss = held_out_loss()
-                if loss < best_loss:
-                    best_loss, best, best_step = loss, [factor.detach().clone() for factor in factors], step
-    for layer, factor in zip(layers, best):
-        apply_compensation(adapter, layer, factor.double().cpu())
-    logger.info(f"Refinement: held-out distillation loss {start_loss:.6g} -> {best_loss:.6g} (step {best_step} of {num_steps})")
-    return {"start": start_loss, "refined": best_loss, "step": best_step}
+
+def _step(
+    teacher: _Teacher, factors: list[torch.Tensor], optimizer: torch.optim.Optimizer, rows: list[int], num_batch_rows: int
+) -> None:
+    """One Adam step on the factors, from the loss on this process's `rows` (maybe none); under `torch.distributed`
+    every process takes the same step: that of the mean over all processes' batches."""
+    optimizer.zero_grad(set_to_none=True)
+    if rows:
+        teacher.loss(rows).backward()
+    if distributed.is_distributed():
+        for factor in factors:
+            local = factor.grad * len(rows) if factor.grad is not None else torch.zeros_like(factor)
+            factor.grad = distributed.all_reduce_sum(local) / num_batch_rows
+    optimizer.step()
 
 
 def _scaled(output: object, factor: torch.Tensor) -> object:

@@ -1,13 +1,14 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
 """Stage 2 as one call ([`compensate`]): which kept layers to fit, the fits in forward order, the
-rollback if anything fails, and the optional check on validation text."""
+rollback if anything fails, and the optional check on validation text. Its settings and their checks are in [`settings`], what it
+did in [`result`]."""
 
 from __future__ import annotations
 
 import time
 from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -15,115 +16,21 @@ from torch import nn
 from transformers.utils import logging
 
 from .. import distributed
-from ..adapters import DecoderAdapter
 from ..configuration import GradMAPConfig
 from ..data import calibration_sha256
 from ..evaluation.perplexity import perplexity
 from ..passes import RecordedLayerInputs
 from ..surgery import LayerSnapshot
-from ..weights import WeightBackup
-from .activations import check_outlier_tokens, hidden_state_means, hidden_state_means_and_outputs, record_layer_outputs
+from .activations import hidden_state_means, hidden_state_means_and_outputs, record_layer_outputs
 from .fit import fit_and_fold
 from .folding import down_projection_backup
-from .next_token import check_next_token_selection, resolve_selection
+from .next_token import resolve_selection
 from .refinement import refine
+from .result import CompensationResult
+from .settings import check_stage2_settings, warn_if_few_tokens
 from .targets import check_num_compensated_layers, compensation_targets, targets_need_drift
 
 logger = logging.get_logger(__name__)
-
-# Below this many calibration tokens per hidden unit, W' (hidden x hidden parameters) overfitted on
-# SmolLM2-135M: 1.8 tokens per unit raised held-out perplexity by 60%, 7 by 2%, 28 lowered it.
-MIN_TOKENS_PER_HIDDEN_UNIT = 16
-# The GradMAPConfig fields Stage 2 reads: the ones a re-run of Stage 2 may change.
-STAGE2_SETTINGS = (
-    "compensation_target",
-    "compensation_form",
-    "compensation_objective",
-    "compensation_selection",
-    "lambda_search",
-    "outlier_tokens",
-    "compensation_dataset",
-    "refinement_steps",
-    "refinement_lr",
-    "num_compensated_layers",
-    "solver",
-    "reg_lambda",
-    "adam_lr",
-    "adam_steps",
-    "batch_size",
-)
-
-
-def check_stage2_settings(config: GradMAPConfig, adapter: DecoderAdapter) -> None:
-    """Refuses, before anything changes, Stage 2 settings that `adapter`'s family cannot run: a next-token
-    selection ([`check_next_token_selection`]) or clipped outlier weights ([`check_outlier_tokens`]) with a
-    norm after the MLP.
-
-    Raises:
-        InvalidInputError: saying which setting and what to use instead.
-    """
-    check_next_token_selection(config, adapter)
-    check_outlier_tokens(config, adapter)
-
-
-@dataclass
-class CompensationResult:
-    """What Stage 2 did. Layer indices are indices in the dense model.
-
-    Args:
-        drift (`dict[int, float]`): Mean drift (Eq. 10) of each kept layer before compensation.
-        drift_after_compensation (`dict[int, float]`): The same, measured again after the folds.
-        compensated_layers (`list[int]`): Layers whose down projection received W', in fitting order.
-        objective (`dict[int, dict[str, float]]`): For each compensated layer, the objective at W' = I
-            (`"identity"`) and at the learned W' (`"fitted"`).
-        targets (`dict[int, int]`): For each fitted layer, the dense layer whose output it was fitted to.
-        reg_lambda (`dict[int, float]`): For each compensated layer, the lambda of Eq. 14 its fit used.
-        skipped_layers (`dict[int, str]`): Target layers left as they were, and why.
-        validation (`dict[str, float]`, *optional*): With validation data, its perplexity without and with
-            the compensation, and whether the compensation was kept.
-        refinement (`dict[str, float]`, *optional*): With `refinement_steps`, the held-out distillation loss
-            before and after the refinement, and the step kept.
-        seconds (`float`): Time Stage 2 took.
-        calibration_sha256 (`str`, *optional*): The SHA-256 of the sequences the fits used (the calibration set, or
-            `compensation_dataset`'s sequences), as `optimum_gradmap.data.calibration_sha256` gives it.
-        backup (`WeightBackup`, *optional*): The folded tensors as they were before the fold; `restore()`
-            undoes Stage 2 (to re-run it with other settings).
-    """
-
-    drift: dict[int, float] = field(default_factory=dict)
-    drift_after_compensation: dict[int, float] = field(default_factory=dict)
-    compensated_layers: list[int] = field(default_factory=list)
-    objective: dict[int, dict[str, float]] = field(default_factory=dict)
-    targets: dict[int, int] = field(default_factory=dict)
-    reg_lambda: dict[int, float] = field(default_factory=dict)
-    skipped_layers: dict[int, str] = field(default_factory=dict)
-    validation: dict[str, float] | None = None
-    refinement: dict[str, float] | None = None
-    seconds: float = 0.0
-    calibration_sha256: str | None = None
-    backup: WeightBackup | None = field(default=None, repr=False, compare=False)
-
-    def to_dict(self) -> dict:
-        """A JSON-serialisable summary (layer indices as strings, no backup)."""
-        by_layer = lambda values: {str(index): value for index, value in values.items()}  # noqa: E731
-        return {
-            "compensated_layers": self.compensated_layers,
-            "drift": by_layer(self.drift),
-            "drift_after_compensation": by_layer(self.drift_after_compensation),
-            "objective": by_layer(self.objective),
-            "targets": by_layer(self.targets),
-            "reg_lambda": by_layer(self.reg_lambda),
-            "skipped_layers": by_layer(self.skipped_layers),
-            "validation": self.validation,
-            "refinement": self.refinement,
-            "seconds": self.seconds,
-            "calibration_sha256": self.calibration_sha256,
-        }
-
-    def undo(self) -> None:
-        """Puts the folded tensors back as they were before Stage 2."""
-        if self.backup is not None:
-            self.backup.restore()
 
 
 def compensate(
@@ -166,20 +73,80 @@ def compensate(
         [`CompensationResult`].
     """
     started = time.perf_counter()
-    model, adapter = dense.model, dense.adapter
-    adapter.check_supported(model, compensation=True)
-    check_stage2_settings(config, adapter)
-    config = resolve_selection(config, adapter)
+    config, kept = _checked(dense, config)
+    shared_ids, first_sample = distributed.shard(calibration_ids)  # all of them with one process
+    passes = _drift_passes(dense, kept, shared_ids, config, progress_bar)
+    result = CompensationResult(drift=passes.drift(passes.pruned_means), calibration_sha256=calibration_sha256(calibration_ids))
+    warn_if_few_tokens(calibration_ids, passes.dense_means.shape[-1], config)
+    targets = compensation_targets(
+        kept, result.drift, dense.num_layers, config.compensation_target, config.num_compensated_layers
+    )
+    if not targets:
+        logger.warning(f"Stage 2 ({config.compensation_target}) found no layer to compensate.")
+        result.seconds = time.perf_counter() - started
+        return result
+
+    result.backup = down_projection_backup(dense.adapter, [dense.layers[index] for index, _ in targets])
+    try:
+        _fold(dense, targets, passes, shared_ids, first_sample, config, progress_bar, validation_ids, result)
+    except BaseException:
+        result.undo()
+        raise
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _checked(dense: LayerSnapshot, config: GradMAPConfig) -> tuple[GradMAPConfig, list[int]]:
+    """Refuses, before anything runs, what the adapter cannot compensate exactly and settings its family cannot run;
+    returns `config` with its `"auto"` choices made ([`resolve_selection`]) and the kept layers."""
+    dense.adapter.check_supported(dense.model, compensation=True)
+    check_stage2_settings(config, dense.adapter)
+    config = resolve_selection(config, dense.adapter)
     kept = dense.kept_layers()
     check_num_compensated_layers(config.num_compensated_layers, len(kept), config.compensation_target)
-    shared_ids, first_sample = distributed.shard(calibration_ids)  # all of them with one process
+    return config, kept
 
-    def means(description: str) -> torch.Tensor:
-        local = hidden_state_means(model, adapter.get_layers(model), shared_ids, config.batch_size, progress_bar, description)
-        return distributed.average(local, shared_ids.numel())
 
-    # where the targets do not depend on the drift, the dense outputs they are fitted to are recorded in the pass that
-    # measures the dense means
+class _Start(NamedTuple):
+    """Where the passes of a fit can start: what kept layer `layer` (an original index) received on every calibration
+    sequence of this process, recorded while the layers before it were as they are now."""
+
+    layer: int
+    hidden_states: torch.Tensor
+    returns_tuple: bool
+
+
+@dataclass
+class _DriftPasses:
+    """What the dense and the pruned passes measured: each layer's mean output (this process's share averaged over
+    every process), the dense outputs already recorded for the fits, and where the first fit can start.
+
+    Args:
+        kept (`list[int]`): The kept layers (original indices).
+        dense_means (`torch.Tensor`): The dense model's mean output of every layer.
+        pruned_means (`torch.Tensor`): The pruned model's mean output of every kept layer.
+        originals (`dict[int, torch.Tensor]`): Dense outputs recorded in the dense pass, by layer.
+        start ([`_Start`], *optional*): What the first target received in the pruned pass, where it was recorded.
+    """
+
+    kept: list[int]
+    dense_means: torch.Tensor
+    pruned_means: torch.Tensor
+    originals: dict[int, torch.Tensor]
+    start: _Start | None
+
+    def drift(self, means: torch.Tensor) -> dict[int, float]:
+        """Each kept layer's drift (Eq. 10): the norm of its mean output's shift from the dense model's."""
+        return {index: float((self.dense_means[index] - means[p]).norm()) for p, index in enumerate(self.kept)}
+
+
+def _drift_passes(
+    dense: LayerSnapshot, kept: list[int], shared_ids: torch.LongTensor, config: GradMAPConfig, progress_bar: bool
+) -> _DriftPasses:
+    """The dense pass (the dense stack run from `dense`, then the pruned one put back) and the pruned pass. Where the
+    targets do not depend on the drift, the dense outputs they are fitted to are recorded in the dense pass, and what
+    the first target receives in the pruned pass: its fit starts there."""
+    model = dense.model
     originals: dict[int, torch.Tensor] = {}
     early: list[tuple[int, int]] = []
     if not targets_need_drift(config.compensation_target):
@@ -191,66 +158,36 @@ def compensate(
         )
     originals.update(zip(originals, recorded))
     dense_means = distributed.average(local_means, shared_ids.numel())
-    # where the first target is known, what it receives is recorded in the pruned pass: its fit starts there
     first = early[0][0] if early else None
     with RecordedLayerInputs(model, {first: dense.layers[first]} if first is not None else {}, shared_ids) as recorder:
-        pruned_means = means("Pruned hidden states")
-    start = _start_of(first, recorder)
-    drift_of = lambda means: {index: float((dense_means[index] - means[p]).norm()) for p, index in enumerate(kept)}  # noqa: E731
-    result = CompensationResult(drift=drift_of(pruned_means), calibration_sha256=calibration_sha256(calibration_ids))
-    _warn_if_few_tokens(calibration_ids, dense_means.shape[-1], config)
-    targets = compensation_targets(
-        kept, result.drift, dense.num_layers, config.compensation_target, config.num_compensated_layers
-    )
-    if not targets:
-        logger.warning(f"Stage 2 ({config.compensation_target}) found no layer to compensate.")
-        result.seconds = time.perf_counter() - started
-        return result
-
-    result.backup = down_projection_backup(adapter, [dense.layers[index] for index, _ in targets])
-    try:
-        folds = _fit_targets(dense, targets, originals, start, shared_ids, first_sample, config, progress_bar, result)
-        if config.refinement_steps and folds:
-            result.refinement = refine(
-                dense,
-                [layer for layer, _ in folds],
-                adapter,
-                shared_ids,
-                first_sample,
-                config.refinement_steps,
-                config.refinement_lr,
-                config.batch_size,
-                [result.backup],
-                progress_bar,
-            )
-        if validation_ids is not None and folds:
-            _keep_if_validated(dense, folds, validation_ids, config.batch_size, progress_bar, result)
-        compensated_means = _compensated_means(dense, pruned_means, start, shared_ids, config, progress_bar)
-        result.drift_after_compensation = drift_of(compensated_means)
-    except BaseException:
-        result.undo()
-        raise
-    result.seconds = time.perf_counter() - started
-    return result
-
-
-def _warn_if_few_tokens(calibration_ids: torch.LongTensor, hidden_size: int, config: GradMAPConfig) -> None:
-    if calibration_ids.numel() < MIN_TOKENS_PER_HIDDEN_UNIT * hidden_size and config.reg_lambda != "auto":
-        logger.warning(
-            f"Stage 2 fits a {hidden_size} x {hidden_size} matrix on {calibration_ids.numel()} calibration tokens: with "
-            f"fewer than {MIN_TOKENS_PER_HIDDEN_UNIT} x hidden size = {MIN_TOKENS_PER_HIDDEN_UNIT * hidden_size} tokens it "
-            "can overfit and raise held-out perplexity. Use more calibration data (the paper uses 128 x 128 tokens), "
-            "or reg_lambda='auto'."
+        local = hidden_state_means(
+            model, dense.adapter.get_layers(model), shared_ids, config.batch_size, progress_bar, "Pruned hidden states"
         )
+        pruned_means = distributed.average(local, shared_ids.numel())
+    return _DriftPasses(kept, dense_means, pruned_means, originals, _start_of(first, recorder))
 
 
-class _Start(NamedTuple):
-    """Where the passes of a fit can start: what kept layer `layer` (an original index) received on every calibration
-    sequence of this process, recorded while the layers before it were as they are now."""
-
-    layer: int
-    hidden_states: torch.Tensor
-    returns_tuple: bool
+def _fold(
+    dense: LayerSnapshot,
+    targets: list[tuple[int, int]],
+    passes: _DriftPasses,
+    shared_ids: torch.LongTensor,
+    first_sample: int,
+    config: GradMAPConfig,
+    progress_bar: bool,
+    validation_ids: torch.LongTensor | None,
+    result: CompensationResult,
+) -> None:
+    """Fits and folds the targets, refines them (`refinement_steps`), keeps them only if they lower the validation
+    perplexity (with `validation_ids`), and measures the drift after them, all recorded in `result`."""
+    folds = _fit_targets(dense, targets, passes.originals, passes.start, shared_ids, first_sample, config, progress_bar, result)
+    if config.refinement_steps and folds:
+        layers, steps = [layer for layer, _ in folds], (config.refinement_steps, config.refinement_lr, config.batch_size)
+        result.refinement = refine(dense, layers, dense.adapter, shared_ids, first_sample, *steps, [result.backup], progress_bar)
+    if validation_ids is not None and folds:
+        _keep_if_validated(dense, folds, validation_ids, config.batch_size, progress_bar, result)
+    compensated_means = _compensated_means(dense, passes.pruned_means, passes.start, shared_ids, config, progress_bar)
+    result.drift_after_compensation = passes.drift(compensated_means)
 
 
 def _compensated_means(

@@ -29,10 +29,10 @@ cancel out). The paired difference of the flip shares, its standard error and Mc
 question's flip flags (1 flipped, 0 not) exactly as the accuracies' are from its right/wrong flags. Where the
 reference's records hold every answer's log-likelihood, the pooled questions are also cut into the quartiles of the
 reference's margins (its chosen answer's log-likelihood minus the next best's,
-[`~optimum_gradmap.evaluation.fidelity.question_margin`]), and the two models' flips are compared within each
+[`~optimum_gradmap.evaluation.margins.question_margin`]), and the two models' flips are compared within each
 quartile and on the confident questions, those whose reference margin is above its task's median (Dutta et al. find
 flips come mostly from questions where the reference's top answer barely wins). The quartiles are cut within each
-task, then pooled ([`~optimum_gradmap.evaluation.fidelity.margin_quartiles_by_task`]): raw margins are on very
+task, then pooled ([`~optimum_gradmap.evaluation.margins.margin_quartiles_by_task`]): raw margins are on very
 different scales per task (on SmolLM2-135M's dense answers the median margin is 13.2 nats on HellaSwag, 0.80 on
 WinoGrande), so quartiles of the pooled margins would sort the questions by task more than by how sure the reference
 was.
@@ -46,14 +46,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import InvalidInputError
-from .fidelity import (
-    _check_reference_covers,
-    _check_same_data,
-    _records,
-    format_margin_edges,
-    margin_quartiles_by_task,
-    question_margin,
-)
+from .fidelity import _check_reference_covers, _check_same_data, _records
+from .margins import format_margin_edges, margin_quartiles_by_task, question_margin
 from .zero_shot import ZeroShotResult
 
 
@@ -296,7 +290,7 @@ def _compare_by_margin(
     comparison: ZeroShotComparison, flipped_a: list[int], flipped_b: list[int], tasks: list[str], margins: list[float | None]
 ) -> None:
     """Fills the comparison's flips per quartile of the reference's margins, cut within each task
-    ([`~optimum_gradmap.evaluation.fidelity.margin_quartiles_by_task`]) and pooled, and on its confident questions
+    ([`~optimum_gradmap.evaluation.margins.margin_quartiles_by_task`]) and pooled, and on its confident questions
     (margin above its task's median), from the pooled questions' flip flags, tasks and margins; nothing where a
     margin is missing."""
     if not margins or any(margin is None for margin in margins):

@@ -32,184 +32,22 @@ task's questions on which a model chose each answer (on BoolQ, its "yes" rate).
 [`~optimum_gradmap.evaluation.evaluate`] reports both (`reference=` and `reference_model=`), and
 [`~optimum_gradmap.evaluation.compare_zero_shot`] compares two models' flips against the same reference, question
 by question.
+
+[`~optimum_gradmap.evaluation.kl_divergence`] computes the KL divergence and [`~optimum_gradmap.evaluation.margins`] the
+margins and their quartiles; this module counts the flips.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-from torch import nn
-
 from ..errors import InvalidInputError
-from ..passes import calibration_batches, calibration_mode, input_device, summed_next_token_loss
+from .margins import format_margin_edges, margin_quartiles_by_task, question_margin
 from .zero_shot import STANDARD_SUBSETS, SUBSET_SEED, QuestionRecord, ZeroShotResult, question_ids, scored_split_and_source
 
 
-# ------------------------------------------------------------------------------------------ KL divergence
-@dataclass
-class KLDivergence:
-    """The next-token KL divergence of a model from a reference model on evaluation segments (see the module docstring).
-
-    Attributes:
-        mean (`float`): KL(p_reference || p_model) in nats, averaged over every predicted token of every segment.
-        stderr (`float`, *optional*): Its standard error: the standard deviation over segments of each segment's mean,
-            / sqrt(num_segments) (`None` for one segment).
-        num_segments (`int`): Segments evaluated.
-        num_predicted_tokens (`int`): Tokens whose divergence was averaged (`segment_length - 1` per segment).
-    """
-
-    mean: float
-    stderr: float | None
-    num_segments: int
-    num_predicted_tokens: int
-
-
-def _segment_kl(logits: torch.Tensor, reference_logits: torch.Tensor) -> torch.Tensor:
-    """Each row's mean over its predicted positions (`[:-1]`) of KL(softmax(reference) || softmax(model)), computed in
-    float32 from the log-softmax of both, one row at a time (a row's vocabulary-sized tensors only); float64 on the
-    logits' device (no host synchronisation: the caller brings the rows back once)."""
-    if logits.shape != reference_logits.shape:
-        raise InvalidInputError(
-            f"The model's logits have shape {tuple(logits.shape)}, the reference model's {tuple(reference_logits.shape)}: "
-            "the KL divergence needs two models with the same vocabulary (the same tokenizer)."
-        )
-    means = []
-    for row, reference_row in zip(logits, reference_logits):
-        log_q = torch.log_softmax(row[:-1].float(), dim=-1)
-        log_p = torch.log_softmax(reference_row[:-1].to(log_q.device).float(), dim=-1)
-        p = log_p.exp()
-        terms = torch.where(p > 0, p * (log_p - log_q), torch.zeros((), dtype=p.dtype, device=p.device))  # 0 log 0 = 0
-        means.append(terms.sum(dim=-1).double().mean())
-    return torch.stack(means)
-
-
-def next_token_kl_per_segment(
-    model: nn.Module,
-    reference_model: nn.Module,
-    segments: torch.LongTensor,
-    batch_size: int = 8,
-    progress_bar: bool = True,
-) -> torch.Tensor:
-    """Each segment's mean next-token KL divergence of `model` from `reference_model` (see the module docstring).
-
-    Both models run batch by batch, each on its own device (the batch goes to each model's input device), in eval
-    mode without gradients; no logits are kept beyond a batch.
-
-    Args:
-        model (`nn.Module`): The causal LM measured (the pruned one).
-        reference_model (`nn.Module`): The causal LM it is measured against (the dense one), with the same vocabulary.
-        segments (`torch.LongTensor` of shape `(num_segments, segment_length)`): Evaluation segments, possibly none.
-        batch_size (`int`, defaults to 8): Segments per forward pass of each model.
-        progress_bar (`bool`, defaults to `True`): Show a progress bar.
-
-    Returns:
-        `torch.Tensor` of shape `(num_segments,)`: float64, on CPU.
-    """
-    return _kl_and_loss_per_segment(model, reference_model, segments, batch_size, progress_bar)[0]
-
-
-def _kl_and_loss_per_segment(
-    model: nn.Module, reference_model: nn.Module, segments: torch.LongTensor, batch_size: int, progress_bar: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[`next_token_kl_per_segment`], and from the same logits the model's next-token loss summed over every predicted
-    token, batch by batch as [`~optimum_gradmap.passes.next_token_loss_sum`] sums it (the same float64 scalar).
-    Both are summed on the logits' device and brought to the CPU once, after the last batch (no per-batch sync)."""
-    reference_device = input_device(reference_model)
-    means, total = [], None
-    with (
-        calibration_mode(reference_model),
-        calibration_batches(model, segments, batch_size, "KL divergence", progress_bar) as batches,
-    ):
-        for batch in batches:
-            logits = model(input_ids=batch, use_cache=False).logits
-            reference_logits = reference_model(input_ids=batch.to(reference_device), use_cache=False).logits
-            means.append(_segment_kl(logits, reference_logits))
-            batch_total = summed_next_token_loss(logits, batch)
-            total = batch_total if total is None else total + batch_total.to(total.device)
-    if not means:
-        return torch.zeros(0, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-    return torch.cat([row.to(means[0].device) for row in means]).cpu(), total.cpu()
-
-
-def perplexity_and_kl(
-    model: nn.Module,
-    reference_model: nn.Module,
-    segments: torch.LongTensor,
-    batch_size: int = 8,
-    progress_bar: bool = True,
-    shared_by_processes: bool = False,
-) -> tuple[float, KLDivergence]:
-    """The perplexity of `model` on `segments` ([`~optimum_gradmap.evaluation.perplexity`]) and its next-token KL
-    divergence from `reference_model` ([`next_token_kl`]), from one pass of each model: `model` runs once for both.
-
-    Args:
-        model, reference_model, segments, batch_size, progress_bar, shared_by_processes: As in [`next_token_kl`].
-
-    Returns:
-        `tuple[float, KLDivergence]`.
-    """
-    from .. import distributed
-
-    _check_segments(segments)
-    share = distributed.shard_any(segments)[0] if shared_by_processes else segments
-    means, total = _kl_and_loss_per_segment(model, reference_model, share, batch_size, progress_bar)
-    count = share.shape[0] * (share.shape[1] - 1)
-    loss = distributed.mean_from_sums(total, count) if shared_by_processes else float(total) / count
-    return math.exp(loss), _kl_result(distributed.gather_rows(means) if shared_by_processes else means, segments)
-
-
-def _check_segments(segments: torch.LongTensor) -> None:
-    if segments.dim() != 2 or segments.shape[0] == 0 or segments.shape[1] < 2:
-        raise InvalidInputError(
-            f"The KL divergence needs at least one segment of two tokens or more; got segments of shape {tuple(segments.shape)}."
-        )
-
-
-def _kl_result(means: torch.Tensor, segments: torch.LongTensor) -> KLDivergence:
-    count = means.numel()
-    stderr = float(means.std() / math.sqrt(count)) if count > 1 else None
-    return KLDivergence(float(means.mean()), stderr, count, count * (segments.shape[1] - 1))
-
-
-def next_token_kl(
-    model: nn.Module,
-    reference_model: nn.Module,
-    segments: torch.LongTensor,
-    batch_size: int = 8,
-    progress_bar: bool = True,
-    shared_by_processes: bool = False,
-) -> KLDivergence:
-    """The next-token KL divergence KL(p_reference || p_model) of `model` from `reference_model`, averaged over every
-    predicted token of `segments` (those perplexity averages over), with its standard error over segments. The
-    measure of Dutta et al., "Accuracy is Not All You Need" (NeurIPS 2024).
-
-    Args:
-        model (`nn.Module`): The causal LM measured (the pruned one).
-        reference_model (`nn.Module`): The causal LM it is measured against (the dense one), with the same vocabulary;
-            its parameters may be on another device than `model`'s.
-        segments (`torch.LongTensor` of shape `(num_segments, segment_length)`): From
-            [`~optimum_gradmap.evaluation.load_evaluation_segments`].
-        batch_size (`int`, defaults to 8): Segments per forward pass of each model.
-        progress_bar (`bool`, defaults to `True`): Show a progress bar.
-        shared_by_processes (`bool`, defaults to `False`): Under `torch.distributed`, every process calls this with the
-            same segments, measures its contiguous share of them ([`~optimum_gradmap.distributed.shard_any`]) and
-            gets the result on all of them (the segments' means are gathered,
-            [`~optimum_gradmap.distributed.gather_rows`]). Without it, each process measures every segment.
-
-    Returns:
-        [`KLDivergence`].
-
-    Raises:
-        InvalidInputError: for no segment, segments of one token, or models whose vocabularies differ.
-    """
-    return perplexity_and_kl(model, reference_model, segments, batch_size, progress_bar, shared_by_processes)[1]
-
-
-# ------------------------------------------------------------------------------------------ flips
 @dataclass
 class TaskFlips:
     """A model's answers against the reference's on one task's questions, or on every question of every task.
@@ -276,7 +114,7 @@ class FlipsResult:
         by_margin (`list[MarginFlips]`, *optional*): The pooled questions by quartile of the reference's margins,
             each question's quartile cut among its own task's margins, the four in order: their flips add up to the
             pooled flips, their questions to the pooled questions. `None` where a reference record has fewer than two
-            log-likelihoods (records written without them), and in results from before the split.
+            log-likelihoods (records written without them), and in results written without the split.
         confident ([`TaskFlips`], *optional*): The flips on the pooled questions whose reference margin is above their
             own task's median (`task` `"confident"`; the third and fourth quartiles): questions the reference was
             sure of. `None` where `by_margin` is.
@@ -298,9 +136,9 @@ class FlipsResult:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> FlipsResult:
-        """Builds a result from [`to_dict`]'s output. A margin split cut over the pooled margins (its quartiles with
-        a `low` and `high` edge, written by a development version before the within-task cut) is left out: its
-        quartiles and confident questions are not those of [`flips`].
+        """Builds a result from [`to_dict`]'s output. A margin split cut over the pooled margins (quartiles with a
+        `low` and `high` edge and no `cut`) is left out: its quartiles and confident questions are not those of
+        [`flips`], which cuts them within each task.
 
         Args:
             values (`dict[str, Any]`): [`to_dict`]'s output.
@@ -348,19 +186,6 @@ class FlipsResult:
         return lines
 
 
-def format_margin_edges(edges: Mapping[str, Sequence[float]]) -> str:
-    """`"piqa 0.1, 0.4, 1.2, 2.2, 3; arc_easy ..."`: each task's five margin edges ([`margin_quartiles_by_task`]),
-    3 significant digits, for tables and summaries.
-
-    Args:
-        edges (`Mapping[str, Sequence[float]]`): Each task's edges.
-
-    Returns:
-        `str`.
-    """
-    return "; ".join(f"{task} " + ", ".join(f"{edge:.3g}" for edge in task_edges) for task, task_edges in edges.items())
-
-
 def _task_flips(task: str, pairs: Sequence[tuple[Any, Any]]) -> TaskFlips:
     """[`TaskFlips`] from (model's record, reference's record) pairs of the same questions."""
     right_to_wrong = sum(1 for mine, theirs in pairs if theirs.acc and not mine.acc)
@@ -369,89 +194,6 @@ def _task_flips(task: str, pairs: Sequence[tuple[Any, Any]]) -> TaskFlips:
     n = len(pairs)
     share = n or 1  # no question (an empty margin quartile): shares of 0
     return TaskFlips(task, n, (right_to_wrong + wrong_to_right) / share, changes / share, right_to_wrong, wrong_to_right)
-
-
-def question_margin(record: QuestionRecord) -> float | None:
-    """The margin of a model's answer to one question: the log-likelihood of the answer it chose (the largest, as
-    `choice` is chosen) minus the next best answer's, in nats; 0 where the two best tie. Dutta et al., "Accuracy is
-    Not All You Need" (NeurIPS 2024), find that a compressed model's flips come mostly from questions where the
-    reference's margin is small.
-
-    Args:
-        record ([`QuestionRecord`]): The question's record, with every answer's log-likelihood.
-
-    Returns:
-        `float`, or `None` for a record with fewer than two log-likelihoods (written without them).
-    """
-    values = sorted(record.loglikelihoods or (), reverse=True)
-    return values[0] - values[1] if len(values) >= 2 else None
-
-
-def _quantile(ordered: Sequence[float], q: float) -> float:
-    """The `q` quantile of ascending `ordered` by linear interpolation between order statistics (numpy's default)."""
-    position = q * (len(ordered) - 1)
-    below = math.floor(position)
-    above = min(below + 1, len(ordered) - 1)
-    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
-
-
-def margin_quartiles(margins: Sequence[float]) -> tuple[list[float], list[int]]:
-    """Cuts margins into quartiles: the edges are the smallest margin, the quartiles (linear interpolation between
-    order statistics, numpy's default: the middle edge is the median, the mean of the two middle margins for an even
-    count) and the largest margin, and each margin goes to the quartile whose edges hold it, above the lower and at
-    most the upper (the first: from the smallest). Ties at an edge all go to the lower quartile, so every margin is in
-    exactly one quartile, and a margin is above the median exactly when it is in the third or fourth.
-
-    Args:
-        margins (`Sequence[float]`): One per question ([`question_margin`]), at least one: those of one task
-            ([`flips`] cuts each task's margins alone, [`margin_quartiles_by_task`]).
-
-    Returns:
-        `tuple[list[float], list[int]]`: the five edges, ascending, and each margin's quartile, 1 to 4.
-
-    Raises:
-        InvalidInputError: for no margins.
-    """
-    if not margins:
-        raise InvalidInputError("No margins to cut into quartiles.")
-    ordered = sorted(margins)
-    edges = [ordered[0], _quantile(ordered, 0.25), _quantile(ordered, 0.5), _quantile(ordered, 0.75), ordered[-1]]
-    return edges, [1 + sum(margin > edge for edge in edges[1:4]) for margin in margins]
-
-
-def margin_quartiles_by_task(tasks: Sequence[str], margins: Sequence[float]) -> tuple[dict[str, list[float]], list[int]]:
-    """Cuts each task's margins into its own quartiles: [`margin_quartiles`] on the margins of each task's questions
-    alone (the same edges, ties at an edge in the lower quartile), so a question is in quartile 3 or 4 exactly when
-    its margin is above its own task's median. Raw margins are differences of log-likelihoods summed over an answer's
-    tokens, on very different scales per task (on SmolLM2-135M's dense answers the median margin is 13.2 nats on
-    HellaSwag and 0.80 on WinoGrande, see the module docstring): quartiles of the pooled margins would sort the
-    questions by task more than by how sure the model was. Dutta et al., "Accuracy is Not All You Need" (NeurIPS
-    2024), find flips come mostly from questions where the reference's top answer barely wins.
-
-    Args:
-        tasks (`Sequence[str]`): Each question's task.
-        margins (`Sequence[float]`): Each question's margin ([`question_margin`]), in the same order; at least one.
-
-    Returns:
-        `tuple[dict[str, list[float]], list[int]]`: each task's five edges (in the order the tasks first appear), and
-        each question's quartile among its task's margins, 1 to 4.
-
-    Raises:
-        InvalidInputError: for no margins, or not one task per margin.
-    """
-    if len(tasks) != len(margins):
-        raise InvalidInputError(f"{len(margins)} margins for {len(tasks)} questions' tasks: give one task per margin.")
-    if not margins:
-        raise InvalidInputError("No margins to cut into quartiles.")
-    members: dict[str, list[int]] = {}
-    for index, task in enumerate(tasks):
-        members.setdefault(task, []).append(index)
-    edges, quartiles = {}, [0] * len(margins)
-    for task, indices in members.items():
-        edges[task], task_quartiles = margin_quartiles([margins[i] for i in indices])
-        for index, quartile in zip(indices, task_quartiles):
-            quartiles[index] = quartile
-    return edges, quartiles
 
 
 def _margin_split(
@@ -474,8 +216,8 @@ def _margin_split(
     return by_margin, confident, edges
 
 
-# Pairing two results' records: comparison.py imports these from here (fidelity imports nothing from comparison, so
-# the two modules do not import each other).
+# Pairing two results' records, shared with comparison.py (which imports them from here: fidelity imports nothing
+# from comparison, so the two modules do not import each other).
 def _records(result: ZeroShotResult, name: str) -> dict[str, dict[int, QuestionRecord]]:
     """Every task's questions' records by question id; refuses a result with a task without records."""
     records = {task.task: {question.doc_id: question for question in task.questions} for task in result.tasks}

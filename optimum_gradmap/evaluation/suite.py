@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging
@@ -22,7 +23,8 @@ from transformers.utils import logging
 from ..data import check_dataset_name
 from ..errors import InvalidInputError
 from ..files import write_atomically
-from .fidelity import FlipsResult, check_flips_reference, flips, perplexity_and_kl
+from .fidelity import FlipsResult, check_flips_reference, flips
+from .kl_divergence import perplexity_and_kl
 from .perplexity import PerplexityResult, load_evaluation_segments, perplexity, protocol_name
 from .speed import SpeedResult, inference_speed
 from .zero_shot import STANDARD_SUBSETS, ZeroShotResult, check_zero_shot_settings, zero_shot_accuracy
@@ -223,7 +225,39 @@ def evaluate(
         InvalidInputError: for an unknown dataset or task, bad zero-shot settings, or a `reference` without the
             records the flips of `tasks` need (or given without `tasks`), before anything runs.
     """
-    name = model_name or getattr(model, "name_or_path", "") or type(model).__name__
+    name = model_name or _name_of(model)
+    _check_before_running(tasks, task_data, task_limit, task_subsets, reference)
+    if reference_model is not None:
+        reference_model_name = reference_model_name or _name_of(reference_model)
+    result = EvaluationResult(model=name)
+    for dataset in [check_dataset_name(name, "evaluation") for name in perplexity_datasets]:  # all checked first
+        segments = load_evaluation_segments(dataset, tokenizer, segment_length, max_segments)
+        measure = (model, segments, batch_size, progress_bar, shared_by_processes, reference_model, reference_model_name)
+        result.perplexities.append(_perplexity_entry(name, dataset, segment_length, *measure))
+    if tasks:
+        result.zero_shot, result.flips = _zero_shot_and_flips(
+            model, tokenizer, name, tasks, task_limit, task_data, task_subsets, batch_size, progress_bar, reference
+        )
+    if speed:
+        result.speed = inference_speed(model)
+        logger.info(f"{name}: decoding {result.speed.decode_tokens_per_second:.1f} tokens/s")
+    return result
+
+
+def _name_of(model: nn.Module) -> str:
+    """A model's label: its `name_or_path`, else its class's name."""
+    return getattr(model, "name_or_path", "") or type(model).__name__
+
+
+def _check_before_running(
+    tasks: Sequence[str],
+    task_data: str,
+    task_limit: int | None,
+    task_subsets: Mapping[str, int],
+    reference: EvaluationResult | None,
+) -> None:
+    """Refuses, before anything runs, zero-shot settings [`zero_shot_accuracy`] refuses and a `reference` whose records
+    cannot give the flips of `tasks` (or given without `tasks`)."""
     if tasks:  # checked before the perplexities run, as the dataset names are
         check_zero_shot_settings(tasks, task_data, task_limit)
     if reference is not None and not tasks:
@@ -233,46 +267,68 @@ def evaluate(
         )
     if reference is not None:
         check_flips_reference(reference.zero_shot, tasks, task_data, task_limit, task_subsets, name=reference.model)
+
+
+def _perplexity_entry(
+    name: str,
+    dataset: str,
+    segment_length: int,
+    model: nn.Module,
+    segments: torch.LongTensor,
+    batch_size: int,
+    progress_bar: bool,
+    shared_by_processes: bool,
+    reference_model: nn.Module | None,
+    reference_model_name: str | None,
+) -> PerplexityResult:
+    """The perplexity of `model` on one dataset's segments and, with `reference_model`, its KL divergence from it (one
+    pass of the model for both), logged."""
+    if reference_model is not None:  # one pass of the model for both
+        value, kl = perplexity_and_kl(model, reference_model, segments, batch_size, progress_bar, shared_by_processes)
+    else:
+        value = perplexity(model, segments, batch_size, progress_bar, shared_by_processes)
+    entry = PerplexityResult(
+        dataset=dataset,
+        protocol=protocol_name(segment_length),
+        segment_length=segment_length,
+        num_segments=segments.shape[0],
+        num_predicted_tokens=segments.shape[0] * (segment_length - 1),
+        perplexity=value,
+    )
+    logger.info(f"{name}: {dataset} perplexity {value:.3f} ({protocol_name(segment_length)}, {segments.shape[0]} segments)")
     if reference_model is not None:
-        reference_model_name = (
-            reference_model_name or getattr(reference_model, "name_or_path", "") or type(reference_model).__name__
-        )
-    result = EvaluationResult(model=name)
-    for dataset in [check_dataset_name(name, "evaluation") for name in perplexity_datasets]:  # all checked first
-        segments = load_evaluation_segments(dataset, tokenizer, segment_length, max_segments)
-        if reference_model is not None:  # one pass of the model for both
-            value, kl = perplexity_and_kl(model, reference_model, segments, batch_size, progress_bar, shared_by_processes)
-        else:
-            value = perplexity(model, segments, batch_size, progress_bar, shared_by_processes)
-        entry = PerplexityResult(
-            dataset=dataset,
-            protocol=protocol_name(segment_length),
-            segment_length=segment_length,
-            num_segments=segments.shape[0],
-            num_predicted_tokens=segments.shape[0] * (segment_length - 1),
-            perplexity=value,
-        )
-        logger.info(f"{name}: {dataset} perplexity {value:.3f} ({protocol_name(segment_length)}, {segments.shape[0]} segments)")
-        if reference_model is not None:
-            entry.kl_to_reference, entry.kl_stderr, entry.reference = kl.mean, kl.stderr, reference_model_name
-            logger.info(f"{name}: {dataset} KL divergence from {reference_model_name} {kl.mean:.4f} nats/token")
-        result.perplexities.append(entry)
-    if tasks:
-        result.zero_shot = zero_shot_accuracy(
-            model,
-            tokenizer,
-            tasks,
-            limit=task_limit,
-            task_data=task_data,
-            batch_size=batch_size,
-            progress_bar=progress_bar,
-            subsets=task_subsets,
-        )
-        logger.info(f"{name}: zero-shot average accuracy {result.zero_shot.average_acc:.4f} over {len(tasks)} tasks")
-        if reference is not None:
-            result.flips = flips(result.zero_shot, reference.zero_shot, names=(name, reference.model))
-            logger.info(f"{name}: {result.flips.pooled.flips:.2%} of the zero-shot answers flipped against {reference.model}")
-    if speed:
-        result.speed = inference_speed(model)
-        logger.info(f"{name}: decoding {result.speed.decode_tokens_per_second:.1f} tokens/s")
-    return result
+        entry.kl_to_reference, entry.kl_stderr, entry.reference = kl.mean, kl.stderr, reference_model_name
+        logger.info(f"{name}: {dataset} KL divergence from {reference_model_name} {kl.mean:.4f} nats/token")
+    return entry
+
+
+def _zero_shot_and_flips(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    name: str,
+    tasks: Sequence[str],
+    task_limit: int | None,
+    task_data: str,
+    task_subsets: Mapping[str, int],
+    batch_size: int,
+    progress_bar: bool,
+    reference: EvaluationResult | None,
+) -> tuple[ZeroShotResult, FlipsResult | None]:
+    """The zero-shot accuracies of `model` on `tasks` ([`zero_shot_accuracy`]) and, with `reference`, its flips
+    against the reference's answers, logged."""
+    zero_shot = zero_shot_accuracy(
+        model,
+        tokenizer,
+        tasks,
+        limit=task_limit,
+        task_data=task_data,
+        batch_size=batch_size,
+        progress_bar=progress_bar,
+        subsets=task_subsets,
+    )
+    logger.info(f"{name}: zero-shot average accuracy {zero_shot.average_acc:.4f} over {len(tasks)} tasks")
+    if reference is None:
+        return zero_shot, None
+    result_flips = flips(zero_shot, reference.zero_shot, names=(name, reference.model))
+    logger.info(f"{name}: {result_flips.pooled.flips:.2%} of the zero-shot answers flipped against {reference.model}")
+    return zero_shot, result_flips

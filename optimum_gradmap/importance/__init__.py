@@ -6,7 +6,9 @@
 - [`metrics`]: every metric (GradMAP and its bound, ShortGPT's Block Influence, SLEB, Taylor+, the
   Taylor gate, relative magnitude, random), selected by `GradMAPConfig(importance=...)`.
 - [`gradient`]: GradMAP's exact per-sample gradient norms in batched passes (Eq. 5).
-- [`selection`]: the removal loop (Algorithm 1) and the Stage 1 resume checkpoint.
+- [`selection`]: the removal loop (Algorithm 1), its budget and its parameter target.
+- [`rounds`]: Stage 1's state: its plan, each finished round, what it decided, and the resume checkpoint.
+- [`shortlist`]: the verified shortlist (`verify_top_k`), raced by successive halving with `verify_halving`.
 """
 
 from .gradient import (

@@ -1,0 +1,192 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""The verified shortlist (`verify_top_k`): the calibration loss without each of Stage 1's k lowest-scored layers
+(SLEB's criterion, [`~optimum_gradmap.importance.metrics.removal_losses`]), every candidate on every sequence or raced
+by successive halving (`verify_halving`), and the layer whose removal raises it least."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from transformers import PreTrainedModel
+
+from .. import distributed
+from ..adapters import DecoderAdapter
+from ..errors import InvalidInputError
+from .metrics import removal_losses
+
+
+def halving_rungs(num_candidates: int, num_samples: int) -> int:
+    """The number of rungs successive halving ([`verify_shortlist`]) splits the calibration sequences into.
+
+    Args:
+        num_candidates (`int`): k, the size of the shortlist.
+        num_samples (`int`): The number of calibration sequences.
+
+    Returns:
+        `int`: ceil(log2 k), so that halving after every rung but the last leaves two finalists for the last
+        (1 for k <= 2: plain verification), and never more rungs than sequences.
+    """
+    return max(1, min(math.ceil(math.log2(max(num_candidates, 1))), num_samples))
+
+
+def verify_shortlist(
+    model: PreTrainedModel,
+    adapter: DecoderAdapter,
+    calibration_ids: torch.LongTensor,
+    batch_size: int,
+    positions: list[int],
+    halving: bool = False,
+    progress_bar: bool = True,
+    description: str = "Verifying removals",
+    layer_inputs: Mapping[int, torch.Tensor] | None = None,
+    returns_tuple: bool | None = None,
+) -> tuple[dict[int, float], int]:
+    """The calibration loss without each shortlisted layer ([`removal_losses`], SLEB's criterion), and the
+    layer to remove.
+
+    With `halving=False`, every candidate is measured on every calibration sequence. With `halving=True`,
+    successive halving (Jamieson & Talwalkar, AISTATS 2016, "Non-stochastic Best Arm Identification and
+    Hyperparameter Optimization", Algorithm 1, after Karnin et al., ICML 2013): the sequences are split into
+    R = [`halving_rungs`] contiguous rungs; every candidate still in the race is measured on the next rung,
+    and after each rung but the last only the better half (by its mean loss over every rung it has seen)
+    goes on. The finalists (two, unless there are fewer rungs than halvings) are measured on every
+    sequence, and the one with the lowest loss is removed. A candidate dropped earlier keeps its mean over
+    the sequences it was measured on; that mean is not comparable with the finalists' (rungs differ in how
+    hard their text is), so it is never the one removed. For a shortlist of 8, the candidates are measured
+    on 8 + 4 + 2 thirds of the sequences: 58% of measuring all 8 on all of them (more where a rung ends in
+    a part-filled batch; the layers before the deepest candidate still run once per sequence).
+
+    Args:
+        model (`PreTrainedModel`): The model as it is now.
+        adapter (`DecoderAdapter`): Its adapter.
+        calibration_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
+        batch_size (`int`): Sequences per pass.
+        positions (`list[int]`): Positions, in the current stack, of the shortlisted layers.
+        halving (`bool`, defaults to `False`): Use successive halving.
+        progress_bar (`bool`, defaults to `True`): Show a progress bar per rung.
+        description (`str`, defaults to `"Verifying removals"`): The progress bar's label.
+        layer_inputs (`Mapping[int, torch.Tensor]`, *optional*): Position -> that layer's input on every calibration
+            sequence, recorded by the scoring pass ([`~optimum_gradmap.passes.RecordedLayerInputs`]): the candidates
+            then start from them, and no pass runs the layers before them. One process only.
+        returns_tuple (`bool`, *optional*): With `layer_inputs`: whether the model's layers return a tuple.
+
+    Returns:
+        `tuple[dict[int, float], int]`: Position -> mean calibration loss without that layer (over the
+        sequences it was measured on), and the position of the layer to remove (the lowest loss over every
+        sequence; ties go to the lower position).
+
+    Raises:
+        ValueError: with several processes, when a rung has fewer sequences than there are processes.
+    """
+    race = _Race.prepare(
+        model, adapter, calibration_ids, batch_size, positions, halving, progress_bar, layer_inputs, returns_tuple
+    )
+    if len(race.rungs) == 1:  # every candidate on every sequence: the losses as measured
+        losses = race.measure(0, positions, description)
+        return losses, min(positions, key=lambda position: (losses[position], position))
+    return race.run(positions, description)
+
+
+@dataclass
+class _Race:
+    """The calibration sequences split into rungs, and how a candidate's loss is measured on one of them.
+
+    Args:
+        model (`PreTrainedModel`), adapter (`DecoderAdapter`), batch_size (`int`), progress_bar (`bool`): As in
+            [`verify_shortlist`].
+        rungs (`tuple[torch.LongTensor, ...]`): The calibration sequences, split into contiguous rungs.
+        offsets (`list[int]`): The index of each rung's first sequence, and the number of sequences last.
+        layer_inputs (`Mapping[int, torch.Tensor]`, *optional*), returns_tuple (`bool`, *optional*): As in
+            [`verify_shortlist`].
+    """
+
+    model: PreTrainedModel
+    adapter: DecoderAdapter
+    rungs: tuple[torch.LongTensor, ...]
+    offsets: list[int]
+    batch_size: int
+    progress_bar: bool
+    layer_inputs: Mapping[int, torch.Tensor] | None = None
+    returns_tuple: bool | None = None
+
+    @classmethod
+    def prepare(
+        cls,
+        model: PreTrainedModel,
+        adapter: DecoderAdapter,
+        calibration_ids: torch.LongTensor,
+        batch_size: int,
+        positions: list[int],
+        halving: bool,
+        progress_bar: bool,
+        layer_inputs: Mapping[int, torch.Tensor] | None,
+        returns_tuple: bool | None,
+    ) -> _Race:
+        """Splits the sequences into [`halving_rungs`] rungs (one without `halving`); refuses rungs the processes
+        cannot share, and recorded layer inputs under several processes (they cover one process's sequences)."""
+        num_rungs = halving_rungs(len(positions), calibration_ids.shape[0]) if halving else 1
+        rungs = torch.tensor_split(calibration_ids, num_rungs)
+        if distributed.world_size() > rungs[-1].shape[0]:
+            raise InvalidInputError(
+                f"verify_halving splits the {calibration_ids.shape[0]} calibration sequences into {num_rungs} rungs of "
+                f"{rungs[-1].shape[0]} or more, fewer than the {distributed.world_size()} processes that share each "
+                f"rung: use at least {num_rungs * distributed.world_size()} calibration sequences, or fewer processes."
+            )
+
+        if layer_inputs is not None and distributed.world_size() > 1:
+            raise InvalidInputError(
+                "Recorded layer inputs cover one process's sequences: verify without them under several processes."
+            )
+        offsets = [0, *itertools.accumulate(rung.shape[0] for rung in rungs)]
+        return cls(model, adapter, rungs, offsets, batch_size, progress_bar, layer_inputs, returns_tuple)
+
+    def measure(self, rung_index: int, candidates: list[int], label: str) -> dict[int, float]:
+        """The loss without each of `candidates`, over the sequences of rung `rung_index` (shared among the processes)."""
+        if self.layer_inputs is not None:
+            start, end = self.offsets[rung_index], self.offsets[rung_index + 1]
+            return removal_losses(
+                self.model,
+                self.adapter,
+                self.rungs[rung_index],
+                self.batch_size,
+                candidates,
+                self.progress_bar,
+                label,
+                layer_inputs={position: self.layer_inputs[position][start:end] for position in candidates},
+                returns_tuple=self.returns_tuple,
+            )
+        return distributed.mean_over_samples(
+            partial(
+                removal_losses,
+                self.model,
+                self.adapter,
+                batch_size=self.batch_size,
+                positions=candidates,
+                progress_bar=self.progress_bar,
+                description=label,
+            ),
+            self.rungs[rung_index],
+        )
+
+    def run(self, positions: list[int], description: str) -> tuple[dict[int, float], int]:
+        """Successive halving over the rungs: after every rung but the last, the better half (by the mean loss over
+        every rung seen) goes on; the finalist with the lowest loss over every sequence is the one removed."""
+        totals = dict.fromkeys(positions, 0.0)
+        counts = dict.fromkeys(positions, 0)
+        racing = list(positions)
+        num_rungs = len(self.rungs)
+        for rung_index, rung in enumerate(self.rungs):
+            for position, loss in self.measure(rung_index, racing, f"{description}, rung {rung_index + 1}/{num_rungs}").items():
+                totals[position] += loss * rung.shape[0]
+                counts[position] += rung.shape[0]
+            if rung_index < num_rungs - 1:
+                ranked = sorted(racing, key=lambda position: (totals[position] / counts[position], position))
+                racing = ranked[: max(2, math.ceil(len(racing) / 2))]
+        means = {position: totals[position] / counts[position] for position in positions}
+        return means, min(racing, key=lambda position: (means[position], position))
