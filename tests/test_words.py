@@ -131,7 +131,8 @@ def record_text(text: str) -> str:
 
     def unpacked(value: object) -> object:
         if isinstance(value, dict):
-            return {key: "<packed>" if key in PACKED_KEYS and isinstance(item, str) else unpacked(item) for key, item in value.items()}
+            packed = {key for key, item in value.items() if key in PACKED_KEYS and isinstance(item, str)}
+            return {key: "<packed>" if key in packed else unpacked(item) for key, item in value.items()}
         if isinstance(value, list):
             return [unpacked(item) for item in value]
         return value
