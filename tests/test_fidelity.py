@@ -828,25 +828,3 @@ def test_the_heal_benchmark_s_answer_drift_compares_centred_log_likelihoods_ques
     assert heal_benchmark.answer_drift(mine, dense, skip=("boolq",)) == pytest.approx(0.25)
     assert heal_benchmark.answer_drift(mine, dense) == pytest.approx((0 + 0.5 + 2.0) / 3)
     assert heal_benchmark.answer_drift({"arc_easy": mine["arc_easy"]}, dense) is None
-
-
-def test_the_heal_pages_answer_agreement_leaves_out_a_constant_preference_and_follows_the_dense_answers(monkeypatch):
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
-    from rendering.heal import answer_agreement
-
-    dense = {"doc_ids": [0, 1, 2, 3], "loglikelihoods": [[-1.0, -3.0], [-4.0, -1.0], [-2.0, -2.5], [-6.0, -3.0]]}
-    # the same preferences, scaled by 2 and each question shifted: full agreement
-    scaled = {"doc_ids": [3, 2, 1, 0], "loglikelihoods": [[-20.0, -14.0], [-9.0, -10.0], [-8.0, -2.0], [0.0, -4.0]]}
-    assert answer_agreement(scaled, dense) == pytest.approx(1.0)
-    # a model that prefers the second answer by 5 nats more on every question, and otherwise agrees: still 1
-    biased = {"doc_ids": dense["doc_ids"], "loglikelihoods": [[a, b + 5.0] for a, b in dense["loglikelihoods"]]}
-    assert answer_agreement(biased, dense) == pytest.approx(1.0)
-    # the opposite preferences: -1; a question scored with a different number of answers is left out
-    opposite = {"doc_ids": [0, 1, 2, 3, 4], "loglikelihoods": [[b, a] for a, b in dense["loglikelihoods"]] + [[0.0]]}
-    assert answer_agreement(opposite, dense) == pytest.approx(-1.0)
-    # hand count: with two answers it is the correlation of the two models' differences (first answer less second):
-    # mine 1, 0, -1 against the dense model's 1, -1, 0 (both of mean 0): covariance 1, variances 2 and 2
-    mine = {"doc_ids": [0, 1, 2], "loglikelihoods": [[0.0, -1.0], [-2.0, -2.0], [-3.0, -2.0]]}
-    hand = {"doc_ids": [0, 1, 2], "loglikelihoods": [[-1.0, -2.0], [-2.0, -1.0], [-5.0, -5.0]]}
-    assert answer_agreement(mine, hand) == pytest.approx(0.5)
-    assert answer_agreement({"doc_ids": [0], "choice": [0]}, dense) is None  # a row without log-likelihoods
