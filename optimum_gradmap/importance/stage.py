@@ -2,7 +2,7 @@
 # Licensed under the Apache License, Version 2.0.
 """Stage 1's entry, which [`~optimum_gradmap.GradMAPPruner`] calls: what Stage 1 will do ([`stage1_plan`]), its input
 checked before anything changes ([`check_stage1_input`]), the removals with the fits made between them
-([`select_layers`]), and the cut of a finished run to its first removals ([`cut`])."""
+([`select_layers`]), the cut of a finished run to its first removals ([`cut`]), and the rollback ([`undo`])."""
 
 from __future__ import annotations
 
@@ -286,3 +286,15 @@ def cut(result: PruningResult, dense: surgery.LayerSnapshot, num_layers_to_prune
     result.stopped, result.rejected = f"cut at {num_layers_to_prune} of the {made} layers Stage 1 removed", None
     logger.info(f"Cut Stage 1 at {num_layers_to_prune} of {made} removals: removed {removed}.")
     return result
+
+
+def undo(result: PruningResult, dense: surgery.LayerSnapshot | None, run_compensations: list[RunCompensation]) -> None:
+    """Puts the model of `result` back as Stage 1 got it (after an error once Stage 1 started): undoes Stage 2's
+    folds, the fits made between removals, and the removals of `dense`."""
+    if result.compensation is not None:
+        result.compensation.undo()
+        result.compensation = None
+    for done in reversed(run_compensations):
+        done.backup.restore()
+    if dense is not None:
+        dense.restore()
