@@ -267,7 +267,7 @@ def test_push_to_hub_uploads_nothing_when_its_staged_checkpoint_fails_validation
     assert len(uploads) == 1 and not os.path.exists(uploads[0])  # staged in a temporary folder, uploaded, removed
 
 
-# --- prune leaves the model as it came on any error (issue 55, 4.3) --------------------------------------------------
+# --- prune leaves the model as it came on any error -------------------------------------------------------------------
 
 
 def _as_it_came(model) -> tuple:
