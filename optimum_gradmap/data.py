@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .errors import InvalidInputError
 
@@ -360,6 +360,13 @@ def sample_windows(documents: Sequence[torch.LongTensor], num_samples: int, seq_
 def calibration_sha256(calibration_ids: torch.LongTensor) -> str:
     """The SHA-256 of a calibration set's token ids: equal for the same sequences in the same order."""
     return hashlib.sha256(calibration_ids.cpu().numpy().tobytes()).hexdigest()
+
+
+def check_token_ids(ids: torch.LongTensor, model: PreTrainedModel) -> None:
+    """Refuses token ids outside the model's vocabulary."""
+    vocab_size = model.get_input_embeddings().weight.shape[0]
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise InvalidInputError(f"Calibration token ids must lie in [0, {vocab_size}), the model's vocabulary.")
 
 
 def is_hf_dataset(data: Any) -> bool:

@@ -2,19 +2,25 @@
 # Licensed under the Apache License, Version 2.0.
 """How a model named on the command line is found and loaded: [`ModelLoading`], the options every
 command that loads a model takes (generated from its fields, as `GradMAPConfig`'s are), and
-[`resolve_model`]: a local folder, an offline asset `offline:NAME`, or a Hub id."""
+[`resolve_model`]: a local folder, an offline asset `offline:NAME`, or a Hub id. [`load_model_and_tokenizer`] and
+[`saved_tokenizer`] load a model and its tokenizer for [`~optimum_gradmap.GradMAPPruner`]."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import InvalidInputError
 from .hub import base_model_license
 from .precision import compute_device, resolve_dtype
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 OFFLINE_MODEL_PREFIX = "offline:"
+# `from_pretrained` arguments that say where the model came from: the tokenizer is loaded from the same place.
+LOCATION_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "trust_remote_code", "subfolder")
 
 
 @dataclass(frozen=True)
@@ -162,3 +168,46 @@ class ModelLoading:
         if self.device and not self.device_map:
             model.to(self.device)
         return model, AutoTokenizer.from_pretrained(path, **location) if with_tokenizer else None
+
+
+def load_model_and_tokenizer(
+    model_name_or_path: str | os.PathLike, tokenizer: PreTrainedTokenizerBase | str | None = None, **model_kwargs: Any
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, dict[str, Any]]:
+    """Loads a causal LM and its tokenizer ([`~optimum_gradmap.GradMAPPruner.from_pretrained`]).
+
+    Args:
+        model_name_or_path (`str` or `os.PathLike`): Hub model id or local checkpoint folder.
+        tokenizer (`PreTrainedTokenizerBase` or `str`, *optional*): A tokenizer, or where to load it from; defaults to
+            `model_name_or_path`, with the model's arguments in `LOCATION_KWARGS`.
+        model_kwargs: Passed to `AutoModelForCausalLM.from_pretrained`; `dtype` is read as the CLI's `--dtype`
+            ([`~optimum_gradmap.precision.resolve_dtype`]).
+
+    Returns:
+        `tuple`: the model, the tokenizer, and where they came from (the arguments in `LOCATION_KWARGS`).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if "dtype" in model_kwargs:
+        device = compute_device(device_map=model_kwargs.get("device_map"))
+        model_kwargs = {**model_kwargs, "dtype": resolve_dtype(model_kwargs["dtype"], device)}
+    model = AutoModelForCausalLM.from_pretrained(model_name_or_path, **model_kwargs)
+    location = {key: model_kwargs[key] for key in LOCATION_KWARGS if key in model_kwargs}
+    if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer or model_name_or_path, **location)
+    return model, tokenizer, location
+
+
+def saved_tokenizer(model: PreTrainedModel, location: dict[str, Any]) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with `model`, loaded from its name with `location` (where it was loaded from; defaults to
+    its commit).
+
+    Raises:
+        InvalidInputError: for a model without a name to load one from.
+    """
+    from transformers import AutoTokenizer
+
+    name = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
+    if not name:
+        raise InvalidInputError("Calibration text needs a tokenizer: pass `tokenizer=` (the model has no name to load one from).")
+    location = location or {"revision": getattr(model.config, "_commit_hash", None)}
+    return AutoTokenizer.from_pretrained(name, **location)

@@ -1,49 +1,30 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""The GradMAP pruner: orchestrates Stage 1 (layer selection, [`optimum_gradmap.importance.selection`])
-and Stage 2 (projection compensation, [`optimum_gradmap.compensation`]) on any model that has an
-architecture adapter, and hands back a [`PruningResult`]."""
+"""The GradMAP pruner: runs Stage 1 (layer selection, [`optimum_gradmap.importance.stage`]), Stage 2 (projection
+compensation, [`optimum_gradmap.compensation.stage`]) and the heal ([`optimum_gradmap.heal.pruned`]) in order on any
+model that has an architecture adapter, and hands back a [`PruningResult`]."""
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import dataclasses
 import os
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from . import streaming, surgery
-from .adapters import get_adapter
+from . import surgery
 from .checkpoint import save_checkpoint
-from .compensation import (
-    STAGE2_SETTINGS,
-    RunCompensation,
-    check_auto_lambda_data,
-    check_num_compensated_layers,
-    check_stage2_settings,
-    compensate,
-    compensate_run,
-)
+from .compensation import RunCompensation
+from .compensation import stage as stage2
 from .configuration import GradMAPConfig
-from .data import (
-    CalibrationData,
-    calibration_sha256,
-    describe_calibration_data,
-    is_text_data,
-    prepare_calibration_data,
-)
+from .data import CalibrationData, check_token_ids, is_text_data, prepare_calibration_data
 from .errors import InvalidInputError
-from .heal import HEAL_SETTINGS, HealText, check_heal_checkpoint_origin, heal_stage, prepare_heal_text
+from .heal import pruned as healing
 from .hub import save_and_upload
-from .importance.selection import Selection, Stage1Checkpoint, Stage1Plan, remove_by_importance, remove_explicit_layers
-from .precision import compute_device, resolve_dtype
-from .pruner_checks import check_fit_ids, check_layers_left_for_stage2, check_token_ids, refuse_after_heal, stage1_plan
+from .importance import stage as stage1
+from .loading import load_model_and_tokenizer, saved_tokenizer
 from .result import PruningResult
 
 if TYPE_CHECKING:
@@ -51,9 +32,6 @@ if TYPE_CHECKING:
     from .planning import DeviceThroughput, PruningPlan
 
 logger = logging.get_logger(__name__)
-
-# `from_pretrained` arguments that say where the model came from: the tokenizer is loaded from the same place.
-_LOCATION_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "trust_remote_code", "subfolder")
 
 
 class GradMAPPruner:
@@ -115,17 +93,10 @@ class GradMAPPruner:
                 it from; defaults to `model_name_or_path`, with the same `revision`, `token`,
                 `cache_dir`, `local_files_only`, `trust_remote_code` and `subfolder` as the model.
             model_kwargs: Passed to `AutoModelForCausalLM.from_pretrained` (`dtype`, `device_map`, `revision`, ...).
-                `dtype` is read as the CLI's `--dtype` ([`optimum_gradmap.precision.resolve_dtype`]): `"auto"` is
-                bfloat16 where the hardware computes it natively and float32 elsewhere (not the checkpoint's dtype,
-                which is `"checkpoint"`); a `torch.dtype` is used as it is.
+                `dtype` is read as the CLI's `--dtype` ([`optimum_gradmap.precision.resolve_dtype`]: `"auto"` is
+                bfloat16 where the hardware computes it natively, `"checkpoint"` the checkpoint's dtype).
         """
-        if "dtype" in model_kwargs:
-            device = compute_device(device_map=model_kwargs.get("device_map"))
-            model_kwargs = {**model_kwargs, "dtype": resolve_dtype(model_kwargs["dtype"], device)}
-        model = AutoModelForCausalLM.from_pretrained(model_name_or_path, **model_kwargs)
-        location = {key: model_kwargs[key] for key in _LOCATION_KWARGS if key in model_kwargs}
-        if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer or model_name_or_path, **location)
+        model, tokenizer, location = load_model_and_tokenizer(model_name_or_path, tokenizer, **model_kwargs)
         pruner = cls(config, model=model, tokenizer=tokenizer)
         pruner._location = location
         return pruner
@@ -139,11 +110,9 @@ class GradMAPPruner:
         throughput: DeviceThroughput | None = None,
         **kwargs: Any,
     ) -> PruningPlan:
-        """What a run of `config` on the model will do and cost, told before the run from the model's config alone
-        (built on the meta device: no weight is read): the layers to remove, the rounds and passes, the tokens and
-        FLOPs of each stage, the peak memory in memory and layer-streamed, the disk the output needs, and the expected
-        time of each stage on `device`, from a few seconds' measurement of its throughput. `optimum-gradmap prune
-        --dry-run` prints it.
+        """What a run of `config` on the model will do and cost, told before the run from the model's config alone (no
+        weight is read): the layers to remove, the work, peak memory, disk and expected time of each stage
+        ([`~optimum_gradmap.planning.plan_pruning`]). `optimum-gradmap prune --dry-run` prints it.
 
         ```python
         >>> plan = GradMAPPruner.plan("HuggingFaceTB/SmolLM2-135M", GradMAPConfig(pruning_ratio=0.25))
@@ -154,12 +123,9 @@ class GradMAPPruner:
             model_or_path (`PreTrainedModel`, `PretrainedConfig`, `str` or `os.PathLike`): The model (its config is
                 used), its config, a local folder or a Hub id (`config.json` alone is read).
             config (`GradMAPConfig`): The run.
-            dtype (`torch.dtype` or `str`, defaults to `torch.float32`): The dtype the model computes in.
-            device (`str` or `torch.device`, *optional*): Where it computes (defaults to the CPU).
-            throughput (`DeviceThroughput`, *optional*): The device's speed; measured on `device` when not given.
-                [`~optimum_gradmap.planning.DeviceThroughput.assumed`] plans for a device you do not have.
-            kwargs: The other arguments of [`~optimum_gradmap.planning.plan_pruning`] (`device_map`, `max_memory`,
-                `execution`, `removed_layers`, `evaluation_tokens`, ...).
+            dtype, device, throughput, kwargs: As in [`~optimum_gradmap.planning.plan_pruning`]: the dtype the model
+                computes in (defaults to float32), where (defaults to the CPU), the device's speed (measured on `device`
+                when not given), and `device_map`, `max_memory`, `execution`, `removed_layers`, ....
 
         Returns:
             [`~optimum_gradmap.planning.PruningPlan`].
@@ -168,7 +134,6 @@ class GradMAPPruner:
 
         return plan_pruning(model_or_path, config, dtype=dtype, device=device, throughput=throughput, **kwargs)
 
-    # ----------------------------------------------------------------------------------------- API
     def prune(
         self,
         model: PreTrainedModel | None = None,
@@ -186,22 +151,17 @@ class GradMAPPruner:
 
         Args:
             model (`PreTrainedModel`, *optional*): Defaults to the pruner's model.
-            calibration_data: `None` (use `config.dataset`), a dataset name, a `datasets.Dataset`, a list of strings, a
-                list of token-id lists, or a `LongTensor` of shape `(N, T)` ([`~optimum_gradmap.data.prepare_calibration_data`]).
+            calibration_data (*optional*): Stage 1's text, in any form [`~optimum_gradmap.data.prepare_calibration_data`]
+                takes (a dataset name, a `datasets.Dataset`, strings, token-id lists, a `LongTensor` of shape `(N, T)`);
+                defaults to `config.dataset`.
             tokenizer (`PreTrainedTokenizerBase`, *optional*): For text; defaults to the pruner's tokenizer, else the
                 one saved with the model.
             stage1_checkpoint (`str` or `os.PathLike`, *optional*): Stage 1's progress file ([`~GradMAPPruner.select_layers`]).
-            validation_data (*optional*): Text (any form `calibration_data` takes) whose perplexity decides whether Stage
-                2's compensation is kept ([`~GradMAPPruner.compensate`]).
-            compensation_data (*optional*): Text Stage 2 fits on; defaults to `config.compensation_dataset`, and without
-                it to the calibration sequences.
+            validation_data, compensation_data (*optional*): Stage 2's text ([`~GradMAPPruner.compensate`]).
             heal_data (*optional*): Text the heal stage trains on; defaults to `config.heal_dataset`.
-            heal_checkpoint (`str` or `os.PathLike`, *optional*): The heal's state, saved at every held-out check, from
-                which an interrupted heal resumes ([`optimum_gradmap.heal.heal`]). A file whose heal text, settings,
-                number of processes or model size differ from this run's is refused before Stage 1
-                ([`~optimum_gradmap.heal.check_heal_checkpoint_origin`]; the text where it is known then).
-            heal_text_cache (`str` or `os.PathLike`, *optional*): The file that caches the dense model's own text
-                (`heal_dataset` with `generated`); defaults to one per fingerprint in the user cache.
+            heal_checkpoint, heal_text_cache (`str` or `os.PathLike`, *optional*): The heal's resumable state and the
+                cache of the dense model's own text ([`~GradMAPPruner.heal`]'s `checkpoint` and `text_cache`). A
+                checkpoint from another run is refused before Stage 1 ([`~optimum_gradmap.heal.check_heal_checkpoint_origin`]).
 
         Returns:
             [`PruningResult`]: `result.model` is the pruned model.
@@ -210,83 +170,37 @@ class GradMAPPruner:
             InvalidInputError (a `ValueError`): for a model, settings or data that cannot be pruned as configured
                 (Stage 2's and the heal stage's included), before anything changes. What depends on the layers Stage 1
                 removes is refused where it becomes known, and what Stage 1 and 2 did is undone: with a budget, a
-                `num_compensated_layers` larger than the layers Stage 1 leaves; `heal_trainable="before_removed"` when
-                every removed run starts at layer 0, `"down_projections"` when Stage 2 compensated no layer, and a heal
-                checkpoint that matches this run's heal but not its pruning.
+                `num_compensated_layers` larger than the layers Stage 1 leaves; a `heal_trainable` that finds nothing to
+                train, and a heal checkpoint that matches this run's heal but not its pruning.
             Exception: any other error once Stage 1 started propagates after the model was put back as it came.
-                Ctrl-C during the heal's training steps stops training and keeps its best state
-                (`result.heal.interrupted`).
+                Ctrl-C during the heal's training keeps its best state (`result.heal.interrupted`).
         """
         config = self.config
         model = self._resolve_model(model)
-        heal_text = self._heal_input(model, heal_data, tokenizer, heal_checkpoint)
-        compensation_ids, validation_ids = self._stage2_input(model, compensation_data, validation_data, tokenizer)
+        heal_text = healing.heal_input(model, heal_data, config, self._tokenizer_for(model, tokenizer), heal_checkpoint)
+        compensation_ids, validation_ids = stage2.stage2_ids(
+            config, compensation_data, validation_data, self._reader(model, tokenizer)
+        )
 
         def check_fit_data(calibration_ids: torch.LongTensor) -> None:  # Stage 2 fits on them: checked before Stage 1
             if config.compensation and compensation_ids is None:
-                check_fit_ids(calibration_ids, config)
+                stage2.check_fit_ids(calibration_ids, config)
 
         result = self._select_layers(model, calibration_data, tokenizer, stage1_checkpoint, check_fit_data)
         try:
             if config.compensation:
                 fit_ids = compensation_ids if compensation_ids is not None else result.calibration_ids
-                self._compensate(result, config, fit_ids, validation_ids)
+                stage2.compensate_result(result, self._dense, config, fit_ids, validation_ids, self.progress_bar)
             if config.heal_tokens:
-                self._heal(result, config, heal_text, heal_data, tokenizer, None, heal_checkpoint, heal_text_cache)
+                healing.heal_result(
+                    result, config, heal_text, heal_data, self._tokenizer_for(model, tokenizer), None, self._dense,
+                    self._run_compensations, heal_checkpoint, heal_text_cache, self.progress_bar, self._calibration_data,
+                )  # fmt: skip
         except BaseException:
             self._roll_back(result)
             raise
         self.release()
         return result
-
-    def _heal_input(
-        self,
-        model: PreTrainedModel,
-        heal_data: CalibrationData,
-        tokenizer: PreTrainedTokenizerBase | None,
-        heal_checkpoint: str | os.PathLike | None,
-    ) -> HealText | None:
-        """The heal's text where it is known before Stage 1, after every check of the heal's input: its settings, text
-        and prompts ([`~optimum_gradmap.heal.prepare_heal_text`]) and its checkpoint file's origin."""
-        config = self.config
-        if not config.heal_tokens:
-            if heal_data is not None:
-                raise InvalidInputError(
-                    "`heal_data` was given, but the heal stage is off (`heal_tokens=0`): give it a budget, or leave the text out."
-                )
-            return None
-        heal_text = self._heal_text(model, heal_data, config, tokenizer)
-        ids = (heal_text.train_ids, heal_text.validation_ids) if heal_text is not None else (None, None)
-        check_heal_checkpoint_origin(heal_checkpoint, model, *ids, config)
-        return heal_text
-
-    def _stage2_input(
-        self,
-        model: PreTrainedModel,
-        compensation_data: CalibrationData,
-        validation_data: CalibrationData,
-        tokenizer: PreTrainedTokenizerBase | None,
-    ) -> tuple[torch.LongTensor | None, torch.LongTensor | None]:
-        """The sequences Stage 2 fits on (where they are not the calibration ones) and those that validate it, read and
-        checked before Stage 1; text for a Stage 2 that is off is refused."""
-        config = self.config
-        if config.compensation:
-            compensation_ids = self._compensation_ids(model, compensation_data, config, tokenizer)
-            validation_ids = None
-            if validation_data is not None:
-                validation_ids = self._validation_ids(model, validation_data, config, tokenizer)
-            return compensation_ids, validation_ids
-        if compensation_data is not None or config.compensation_dataset is not None:
-            raise InvalidInputError(
-                "Text for Stage 2 was given (`compensation_data` or `compensation_dataset`), but Stage 2 is off "
-                "(`compensation=False`): turn it on, or leave the text out."
-            )
-        if validation_data is not None:
-            raise InvalidInputError(
-                "`validation_data` was given, but Stage 2 is off (`compensation=False`): it decides whether Stage 2's "
-                "compensation is kept. Turn Stage 2 on, or leave `validation_data` out."
-            )
-        return None, None
 
     def select_layers(
         self,
@@ -303,13 +217,11 @@ class GradMAPPruner:
 
         Args:
             model, calibration_data, tokenizer: As in [`~GradMAPPruner.prune`].
-            stage1_checkpoint (`str` or `os.PathLike`, *optional*): A JSON file where Stage 1 saves each
-                finished round (its scores, the layer it removed, its seconds). When the file exists, the
-                rounds it holds are replayed from their saved scores and scoring goes on from the next
-                one, so a long iterative run (SLEB, or GradMAP on a large model) that was interrupted
-                loses at most the round in progress. The file must come from the same run: same model
-                shape, metric, number of layers to remove and calibration set, else a `ValueError`
-                says what differs. `result.timings["stage1"]` includes the resumed rounds' seconds.
+            stage1_checkpoint (`str` or `os.PathLike`, *optional*): A JSON file where Stage 1 saves each finished
+                round; when it exists, its rounds are replayed and scoring goes on from the next one
+                ([`~optimum_gradmap.importance.Stage1Checkpoint`]). A file from another run (model shape, metric,
+                number of layers to remove, calibration set) is refused. `result.timings["stage1"]` includes the
+                resumed rounds' seconds.
 
         Returns:
             [`PruningResult`]: The model has lost its K layers; Stage 2 has not run.
@@ -325,99 +237,16 @@ class GradMAPPruner:
         check_calibration_ids: Callable[[torch.LongTensor], None] | None = None,
     ) -> PruningResult:
         """[`~GradMAPPruner.select_layers`], calling `check_calibration_ids` with the calibration sequences once they
-        are read, before anything changes."""
-        config = self.config
+        are read, before anything changes ([`optimum_gradmap.importance.stage`])."""
         model = self._resolve_model(model)
-        adapter = get_adapter(model)
-        adapter.check_supported(model, config.compensation or config.compensate_each_round)
-        if config.compensation or config.compensate_each_round:
-            check_stage2_settings(config, adapter)
-        num_layers = adapter.num_layers(model)
-        plan = stage1_plan(config, num_layers)
-        calibration_ids = self._calibration_ids(model, calibration_data, tokenizer)
-        if config.reg_lambda == "auto" and (config.compensation or config.compensate_each_round):
-            check_auto_lambda_data(calibration_ids)  # before Stage 1 changes anything
-        if check_calibration_ids is not None:
-            check_calibration_ids(calibration_ids)
-        checkpoint = None
-        if stage1_checkpoint is not None:
-            if config.layers_to_prune is not None:
-                raise InvalidInputError(
-                    "`stage1_checkpoint` has nothing to save: with `layers_to_prune`, Stage 1 does no scoring."
-                )
-            fingerprint = plan.fingerprint(model, num_layers, calibration_sha256(calibration_ids))
-            checkpoint = Stage1Checkpoint(stage1_checkpoint, fingerprint)
-
+        read = lambda: self._reader(model, tokenizer)(calibration_data, None)  # noqa: E731
+        checked = stage1.check_stage1_input(model, self.config, read, stage1_checkpoint, check_calibration_ids)
         self.release()
-        dense = surgery.snapshot(model, adapter)
-        original_num_parameters = model.num_parameters()
-        start = time.perf_counter()
-        selection, run_compensations = self._remove_layers(dense, plan, calibration_ids, checkpoint)
-        timings = {"stage1": time.perf_counter() - start + selection.resumed_seconds}
-        if selection.resumed_seconds:
-            timings["stage1_resumed"] = selection.resumed_seconds
-        self.result = PruningResult(
-            model=model,
-            original_num_layers=num_layers,
-            num_layers_to_prune=len(selection.removed_layers),
-            removed_layers=selection.removed_layers,
-            kept_layers=selection.kept_layers,
-            scores=selection.scores,
-            verified=selection.verified,
-            original_num_parameters=original_num_parameters,
-            timings=timings,
-            calibration_ids=calibration_ids,
-            calibration_source=describe_calibration_data(calibration_data, config.dataset, config.text_column),
-            config=config,
-            tokenizer=self.tokenizer,
-            compensated_during_stage1=[
-                {"layer": done.layer, "target": done.target, "reg_lambda": done.reg_lambda} for done in run_compensations
-            ],
-            dense_layer_config=copy.deepcopy(dense.config_values),
-            dense_loss=selection.dense_loss,
-            loss_curve=selection.losses,
-            stopped=selection.stopped,
-            rejected=selection.rejected,
+        self.result, self._dense, self._run_compensations = stage1.select_layers(
+            checked, self.config, calibration_data, self.tokenizer, self.progress_bar
         )
-        self._dense, self._run_compensations = dense, run_compensations
         self._calibration_data = calibration_data  # the dense model's own heal text starts from its first tokens
-        logger.info(
-            f"Stage 1 removed layers {selection.removed_layers} of {num_layers} in {timings['stage1']:.1f}s; "
-            f"{len(selection.kept_layers)} remain."
-        )
         return self.result
-
-    def _remove_layers(
-        self,
-        dense: surgery.LayerSnapshot,
-        plan: Stage1Plan,
-        calibration_ids: torch.LongTensor,
-        checkpoint: Stage1Checkpoint | None,
-    ) -> tuple[Selection, list[RunCompensation]]:
-        """Stage 1's removals (with `compensate_each_round`, a fit after each); if anything fails, the dense
-        stack and every fold are put back before the error propagates."""
-        config = self.config
-        run_compensations: list[RunCompensation] = []
-
-        def after_removal(removed: int) -> None:
-            if config.compensation and config.has_budget:  # K is known only as Stage 1 goes: checked at each removal
-                check_layers_left_for_stage2(config, dense, removed, plan)
-            if config.compensate_each_round:  # Prune&Comp's repair between removals
-                done = compensate_run(dense, calibration_ids, config, removed, self.progress_bar)
-                if done is not None:
-                    run_compensations.append(done)
-
-        try:
-            if config.layers_to_prune is not None:
-                return remove_explicit_layers(dense, config.layers_to_prune), run_compensations
-            with streaming.execution_mode(config.execution):
-                selection = remove_by_importance(dense, plan, calibration_ids, checkpoint, self.progress_bar, after_removal)
-            return selection, run_compensations
-        except BaseException:
-            for done in reversed(run_compensations):
-                done.backup.restore()
-            dense.restore()
-            raise
 
     def compensate(
         self,
@@ -427,13 +256,10 @@ class GradMAPPruner:
         tokenizer: PreTrainedTokenizerBase | None = None,
         **config_overrides: Any,
     ) -> PruningResult:
-        """Stage 2 on a model pruned by [`~GradMAPPruner.select_layers`] (see
-        [`optimum_gradmap.compensation.compensate`]): measures the mean drift of every kept layer
-        (Eq. 10), learns W' for the layers `compensation_target` names (Eq. 12-14) and folds it into their
-        down projections (Eq. 15). If it fails, the model is left as Stage 1 left it.
-
-        Called again on the same result, it first undoes the previous fold, so Stage 2 can be compared
-        under other settings on one Stage 1 result:
+        """Stage 2 on a model pruned by [`~GradMAPPruner.select_layers`] ([`optimum_gradmap.compensation.compensate`]):
+        measures the mean drift of every kept layer (Eq. 10), learns W' for the layers `compensation_target` names
+        (Eq. 12-14) and folds it into their down projections (Eq. 15). If it fails, the model is left as Stage 1 left
+        it. Called again on the same result, it first undoes the previous fold:
 
         ```python
         result = pruner.select_layers(model, data)
@@ -443,65 +269,27 @@ class GradMAPPruner:
 
         Args:
             result ([`PruningResult`]): The last result of this pruner's `select_layers`.
-            validation_data (*optional*): Text (any form `calibration_data` takes, tokenized and drawn with
-                the config's `num_samples` and `seq_len` and seed `seed + 1`, so that the calibration dataset
-                itself gives other windows than the calibration ones) whose perplexity decides whether the
-                compensation is kept: it is undone if it does not lower it (`result.compensation.validation`).
-            compensation_data (*optional*): Text the fits use instead of the calibration sequences of `result` (any
-                form `calibration_data` takes, drawn with the config's `num_samples`, `seq_len` and `seed`); defaults
-                to `compensation_dataset`, and without it to the calibration sequences.
-                `result.compensation.calibration_sha256` says which sequences were used.
-            tokenizer (`PreTrainedTokenizerBase`, *optional*): For text in `validation_data` or `compensation_data`;
-                defaults to the pruner's tokenizer, else the one saved with the model.
-            config_overrides: Stage 2 settings of [`GradMAPConfig`] to use instead of the pruner's (those in
-                `optimum_gradmap.compensation.STAGE2_SETTINGS`); `result.config` records them.
+            validation_data (*optional*): Text (any form `calibration_data` takes, drawn with seed `seed + 1`: other
+                windows than the calibration ones) whose perplexity decides whether the compensation is kept
+                (`result.compensation.validation`).
+            compensation_data (*optional*): Text the fits use instead of the calibration sequences; defaults to
+                `compensation_dataset` (`result.compensation.calibration_sha256` says which sequences were used).
+            tokenizer (`PreTrainedTokenizerBase`, *optional*): For text; defaults to the pruner's tokenizer, else the
+                one saved with the model.
+            config_overrides: Stage 2 settings of [`GradMAPConfig`] (`optimum_gradmap.compensation.STAGE2_SETTINGS`)
+                to use instead of the pruner's; `result.config` records them.
 
         Returns:
             [`PruningResult`]: `result`, with `result.compensation` filled in.
         """
-        if result is not self.result or self._dense is None:
-            raise InvalidInputError(
-                "This pruner no longer holds the dense layers of that result (Stage 2 compares against them): "
-                "call `compensate` with the result of this pruner's last `select_layers`, before `prune` or `release` "
-                "drops them."
-            )
-        unknown = sorted(set(config_overrides) - set(STAGE2_SETTINGS))
-        if unknown:
-            raise InvalidInputError(f"{unknown} are not Stage 2 settings; these are: {list(STAGE2_SETTINGS)}.")
-        refuse_after_heal(result, "Stage 2")
-        config = dataclasses.replace(self.config, compensation=True, **config_overrides)  # the pruner's, not the last run's
-        # every check before the previous fit is undone: a refused re-run leaves the result as it was
-        adapter = get_adapter(result.model)
-        adapter.check_supported(result.model, compensation=True)
-        check_stage2_settings(config, adapter)
-        check_num_compensated_layers(config.num_compensated_layers, len(result.kept_layers), config.compensation_target)
-        fit_ids = self._compensation_ids(result.model, compensation_data, config, tokenizer)
-        if fit_ids is None:
-            fit_ids = result.calibration_ids
-            check_fit_ids(fit_ids, config)
-        validation_ids = None
-        if validation_data is not None:
-            validation_ids = self._validation_ids(result.model, validation_data, config, tokenizer)
-        return self._compensate(result, config, fit_ids, validation_ids)
-
-    def _compensate(
-        self,
-        result: PruningResult,
-        config: GradMAPConfig,
-        fit_ids: torch.LongTensor,
-        validation_ids: torch.LongTensor | None,
-    ) -> PruningResult:
-        """Stage 2 on checked inputs: undoes the previous fit of `result`, if any, and fits again."""
-        if result.compensation is not None:  # back to the Stage 1 model, which the result then describes
-            result.compensation.undo()
-            result.compensation = None
-            result.timings.pop("stage2", None)
-        outcome = compensate(self._dense, fit_ids, config, self.progress_bar, validation_ids)
-        result.config = config
-        result.compensation = outcome
-        result.timings["stage2"] = outcome.seconds
-        logger.info(f"Stage 2 compensated layer(s) {outcome.compensated_layers} in {outcome.seconds:.1f}s.")
-        return result
+        self._check_holds_dense(
+            result,
+            " (Stage 2 compares against them): call `compensate` with the result of this pruner's last `select_layers`, "
+            "before `prune` or `release` drops them.",
+        )
+        read = self._reader(result.model, tokenizer)
+        inputs = stage2.compensate_input(result, self.config, config_overrides, compensation_data, validation_data, read)
+        return stage2.compensate_result(result, self._dense, *inputs, self.progress_bar)
 
     def heal(
         self,
@@ -514,8 +302,8 @@ class GradMAPPruner:
         **config_overrides: Any,
     ) -> PruningResult:
         """The heal stage on a pruned result ([`optimum_gradmap.heal`]): distils the dense model's next-token
-        distribution into the pruned model on `config.heal_tokens` tokens of other text than the calibration set, and
-        merges what was trained into plain weights. `prune` runs it after Stage 2 when `config.heal_tokens > 0`.
+        distribution into the pruned model and merges what was trained into plain weights. `prune` runs it after
+        Stage 2 when `config.heal_tokens` is set.
 
         ```python
         result = pruner.select_layers(model, data)
@@ -526,110 +314,43 @@ class GradMAPPruner:
 
         Args:
             result ([`PruningResult`]): A pruned result.
-            heal_data (*optional*): The text to train on (any form `calibration_data` takes); defaults to
-                `heal_dataset`.
+            heal_data (*optional*): The text to train on (any form `calibration_data` takes); defaults to `heal_dataset`.
             tokenizer (`PreTrainedTokenizerBase`, *optional*): For text; defaults to the pruner's tokenizer.
-            teacher (`PreTrainedModel`, *optional*): The dense model. Without it, the dense model is the pruned one with
-                its removed layers put back and Stage 2's folds undone, which this pruner holds for the result of its
-                last `select_layers` until `prune` or `release` drops them (no second copy of the weights).
+            teacher (`PreTrainedModel`, *optional*): The dense model; defaults to the pruned one with its removed layers
+                put back and Stage 2's folds undone, which this pruner holds until `prune` or `release` drops them.
             checkpoint (`str` or `os.PathLike`, *optional*): A file where the state is saved at every held-out check,
                 and from which an interrupted heal resumes.
-            text_cache (`str` or `os.PathLike`, *optional*): The file that caches the dense model's own text
-                (`heal_dataset` with `generated`); defaults to one per fingerprint in the user cache.
-            config_overrides: Heal settings of [`GradMAPConfig`] (those in `optimum_gradmap.heal.HEAL_SETTINGS`) to
-                use instead of the pruner's; `heal_tokens` defaults to the config's, and must be > 0.
+            text_cache (`str` or `os.PathLike`, *optional*): The cache of the dense model's own text (`heal_dataset`
+                with `generated`); defaults to one per fingerprint in the user cache.
+            config_overrides: Heal settings of [`GradMAPConfig`] (`optimum_gradmap.heal.HEAL_SETTINGS`) to use instead
+                of the result's; `heal_tokens` must be set.
 
         Returns:
             [`PruningResult`]: `result`, with `result.heal` filled in and `result.timings["heal"]`.
 
         Raises:
             InvalidInputError: for settings or text that cannot heal, a result healed already, or no teacher; the model
-                is left as it was. Any other error during training leaves the model as it was before the call; Ctrl-C
-                keeps the best state so far.
+                is left as it was. Any other error leaves the model as it was; Ctrl-C keeps the best state so far.
         """
-        unknown = sorted(set(config_overrides) - set(HEAL_SETTINGS))
-        if unknown:
-            raise InvalidInputError(f"{unknown} are not heal settings; these are: {list(HEAL_SETTINGS)}.")
-        config = dataclasses.replace(result.config or self.config, **config_overrides)  # how the result was pruned
-        if not config.heal_tokens:
-            raise InvalidInputError("The heal stage needs a budget: give `heal_tokens` (e.g. heal_tokens=200_000).")
-        refuse_after_heal(result, "a second heal")
-        if teacher is None and (result is not self.result or self._dense is None):
-            raise InvalidInputError(
-                "This pruner no longer holds the dense layers of that result, which the heal stage's teacher is made of: "
-                "call `heal` before `prune` or `release` drops them, or give the dense model as `teacher=`."
+        config = healing.heal_config(result, self.config, config_overrides)
+        if teacher is None:
+            self._check_holds_dense(
+                result,
+                ", which the heal stage's teacher is made of: call `heal` before `prune` or `release` drops them, or "
+                "give the dense model as `teacher=`.",
             )
-        heal_text = self._heal_text(result.model, heal_data, config, tokenizer, result.compensated_layers)
-        return self._heal(result, config, heal_text, heal_data, tokenizer, teacher, checkpoint, text_cache)
-
-    def _heal(
-        self,
-        result: PruningResult,
-        config: GradMAPConfig,
-        heal_text: HealText | None,
-        heal_data: CalibrationData,
-        tokenizer: PreTrainedTokenizerBase | None,
-        teacher: PreTrainedModel | None,
-        checkpoint: str | os.PathLike | None,
-        text_cache: str | os.PathLike | None,
-    ) -> PruningResult:
-        """The heal stage on checked inputs ([`~optimum_gradmap.heal.heal_stage`]): `heal_text` prepared already, or
-        made there (the dense model's own text, `heal_tokens="auto"`)."""
-        if teacher is not None:
-            teacher_context = lambda: contextlib.nullcontext(teacher)  # noqa: E731
-        else:
-            backups = [done.backup for done in self._run_compensations]
-            if result.compensation is not None and result.compensation.backup is not None:
-                backups.append(result.compensation.backup)
-            teacher_context = lambda: self._dense.dense_model(backups)  # noqa: E731
-        data = heal_data if heal_data is not None else config.heal_dataset
-        stage1_seconds, stage1_basis = _stage1_seconds(result, config, teacher)
-        result.heal = heal_stage(
-            result.model,
-            teacher_context,
-            config,
-            self._tokenizer_for(result.model, data, tokenizer) if heal_text is None else None,
-            result.kept_layers,
-            result.original_num_layers,
-            result.compensated_layers,
-            data=heal_data,
-            text=heal_text,
-            stage1_seconds=stage1_seconds,
-            stage1_basis=stage1_basis,
-            checkpoint=checkpoint,
-            text_cache=text_cache,
-            progress_bar=self.progress_bar,
-            check_ids=lambda ids: check_token_ids(ids, result.model),
-            prompt_data=self._calibration_data if result is self.result else None,
-        )
-        result.config = config
-        result.timings["heal"] = result.heal.seconds
-        return result
-
-    def _heal_text(
-        self,
-        model: PreTrainedModel,
-        heal_data: CalibrationData,
-        config: GradMAPConfig,
-        tokenizer: PreTrainedTokenizerBase | None,
-        compensated: list[int] | None = None,
-    ) -> HealText | None:
-        """[`~optimum_gradmap.heal.prepare_heal_text`] with this pruner's tokenizer and token-id check."""
-        return prepare_heal_text(
-            model,
-            heal_data,
-            config,
-            lambda data: self._tokenizer_for(model, data, tokenizer),
-            lambda ids: check_token_ids(ids, model),
-            compensated,
-        )
+        tokenizer_for = self._tokenizer_for(result.model, tokenizer)
+        heal_text = healing.heal_text(result.model, heal_data, config, tokenizer_for, result.compensated_layers)
+        return healing.heal_result(
+            result, config, heal_text, heal_data, tokenizer_for, teacher, self._dense, self._run_compensations,
+            checkpoint, text_cache, self.progress_bar, self._calibration_data if result is self.result else None,
+        )  # fmt: skip
 
     def cut(self, result: PruningResult, num_layers_to_prune: int) -> PruningResult:
-        """Keeps only the first `num_layers_to_prune` removals of a Stage 1 run, without scoring again: removal
-        is nested (each round removes one layer from the model the earlier rounds left), so they are the layers a
-        run with that K removes. One run to the largest K a user might want (with `loss_curve=True`, its curve
-        says what each K costs) then gives any smaller K. Stage 2 is fitted for the K kept: call
-        [`~GradMAPPruner.compensate`] after the cut (a compensation made before it is undone).
+        """Keeps only the first `num_layers_to_prune` removals of a Stage 1 run, without scoring again: removal is
+        nested (each round removes one layer from the model the earlier rounds left), so one run to the largest K (with
+        `loss_curve=True`, its curve says what each K costs) gives any smaller K. Stage 2 is fitted for the K kept:
+        call [`~GradMAPPruner.compensate`] after the cut (a compensation made before it is undone).
 
         ```python
         result = pruner.select_layers(model)  # e.g. GradMAPConfig(num_layers_to_prune=12, loss_curve=True)
@@ -644,39 +365,10 @@ class GradMAPPruner:
         Returns:
             [`PruningResult`]: `result`, describing the model with the first `num_layers_to_prune` layers removed.
         """
-        if result is not self.result or self._dense is None:
-            raise InvalidInputError(
-                "This pruner no longer holds the dense layers of that result: `cut` needs the result of this pruner's last "
-                "`select_layers`, before `prune` or `release` drops them."
-            )
-        refuse_after_heal(result, "a cut")
-        made = len(result.removed_layers)
-        if (
-            isinstance(num_layers_to_prune, bool)
-            or not isinstance(num_layers_to_prune, int)
-            or not 1 <= num_layers_to_prune <= made
-        ):
-            raise InvalidInputError(
-                f"`num_layers_to_prune` must be between 1 and the {made} removals made, got {num_layers_to_prune!r}."
-            )
-        if result.config.compensate_each_round:
-            raise InvalidInputError(
-                "A run with `compensate_each_round` cannot be cut: its later fits depend on the layers removed after."
-            )
-        if result.compensation is not None:
-            result.compensation.undo()
-            result.compensation = None
-            result.timings.pop("stage2", None)
-        removed = result.removed_layers[:num_layers_to_prune]
-        result.kept_layers = [index for index in range(result.original_num_layers) if index not in removed]
-        self._dense.keep(result.kept_layers)
-        rounds = num_layers_to_prune if len(result.scores) == made else len(result.scores)  # one-shot: one round of scores
-        result.removed_layers, result.num_layers_to_prune = removed, num_layers_to_prune
-        result.scores, result.verified = result.scores[:rounds], result.verified[:num_layers_to_prune]
-        result.loss_curve = result.loss_curve[:num_layers_to_prune]
-        result.stopped, result.rejected = f"cut at {num_layers_to_prune} of the {made} layers Stage 1 removed", None
-        logger.info(f"Cut Stage 1 at {num_layers_to_prune} of {made} removals: removed {removed}.")
-        return result
+        self._check_holds_dense(
+            result, ": `cut` needs the result of this pruner's last `select_layers`, before `prune` or `release` drops them."
+        )
+        return stage1.cut(result, self._dense, num_layers_to_prune)
 
     def release(self) -> None:
         """Drops the dense layers kept for Stage 2 (after [`~GradMAPPruner.select_layers`]), freeing their memory."""
@@ -697,19 +389,16 @@ class GradMAPPruner:
         overwrite: bool = False,
         **save_kwargs: Any,
     ) -> str:
-        """Writes a standard checkpoint that plain `AutoModelForCausalLM.from_pretrained` loads. For the
-        model this pruner pruned, this is [`PruningResult.save_pretrained`] (model, tokenizer,
-        `gradmap_config.json`, `pruning_report.json` with pictures, model card); another model is saved
+        """Writes a standard checkpoint that plain `AutoModelForCausalLM.from_pretrained` loads: for the model this
+        pruner pruned, [`PruningResult.save_pretrained`] (with the report and model card); another model is saved
         with the tokenizer and `gradmap_config.json` only.
 
         Args:
             save_directory (`str` or `os.PathLike`): Output folder.
             model (`PreTrainedModel`, *optional*): Defaults to the last pruned model.
             tokenizer (`PreTrainedTokenizerBase`, *optional*): Defaults to the pruner's tokenizer.
-            evaluation, base_model, license, repo_id, base_model_revision: See [`PruningResult.save_pretrained`].
-            overwrite (`bool`, defaults to `False`): Replace the contents of an existing non-empty folder
-                (refused otherwise).
-            save_kwargs: Passed to the model's `save_pretrained`.
+            evaluation, base_model, license, repo_id, base_model_revision, overwrite, save_kwargs: See
+                [`PruningResult.save_pretrained`].
 
         Returns:
             `str`: The folder.
@@ -720,16 +409,9 @@ class GradMAPPruner:
             raise InvalidInputError("No model to save: pass `model=` or call `prune` first.")
         tokenizer = tokenizer or self.tokenizer
         if self.result is not None and self.result.model is model:
+            card = dict(evaluation=evaluation, base_model=base_model, base_model_revision=base_model_revision, license=license)
             return self.result.save_pretrained(
-                save_directory,
-                tokenizer=tokenizer,
-                evaluation=evaluation,
-                base_model=base_model,
-                base_model_revision=base_model_revision,
-                license=license,
-                repo_id=repo_id,
-                overwrite=overwrite,
-                **save_kwargs,
+                save_directory, tokenizer=tokenizer, repo_id=repo_id, overwrite=overwrite, **card, **save_kwargs
             )
         return save_checkpoint(save_directory, model, tokenizer, self.config, repo_id=repo_id, overwrite=overwrite, **save_kwargs)
 
@@ -760,19 +442,14 @@ class GradMAPPruner:
             return self.result.push_to_hub(
                 repo_id, tokenizer=tokenizer, private=private, token=token, commit_message=commit_message, **save_kwargs
             )
-        return save_and_upload(
-            lambda folder: self.save_pretrained(folder, model=model, tokenizer=tokenizer, repo_id=repo_id, **save_kwargs),
-            repo_id,
-            private=private,
-            token=token,
-            commit_message=commit_message or self.commit_message(),
-        )
+        save = lambda folder: self.save_pretrained(folder, model=model, tokenizer=tokenizer, repo_id=repo_id, **save_kwargs)  # noqa: E731
+        message = commit_message or self.commit_message()
+        return save_and_upload(save, repo_id, private=private, token=token, commit_message=message)
 
     def commit_message(self) -> str:
         """The Hub commit message for the last pruning: which layers were removed and compensated."""
         return self.result.commit_message() if self.result is not None else "Upload model pruned with GradMAP"
 
-    # ----------------------------------------------------------------------------------- internals
     def _resolve_model(self, model: PreTrainedModel | None) -> PreTrainedModel:
         model = model if model is not None else self.model
         if model is None:
@@ -783,107 +460,40 @@ class GradMAPPruner:
             self.model = model
         return model
 
-    def _compensation_ids(
-        self,
-        model: PreTrainedModel,
-        compensation_data: CalibrationData,
-        config: GradMAPConfig,
-        tokenizer: PreTrainedTokenizerBase | None = None,
-    ) -> torch.LongTensor | None:
-        """The sequences Stage 2 fits on when they are not the calibration sequences (`compensation_data`, else
-        `config.compensation_dataset`), checked for `reg_lambda="auto"`; `None` when Stage 2 fits on those."""
-        data = compensation_data if compensation_data is not None else config.compensation_dataset
-        if data is None:
-            return None
-        ids = self._calibration_ids(model, data, tokenizer)
-        check_fit_ids(ids, config)
-        return ids
-
-    def _validation_ids(
-        self,
-        model: PreTrainedModel,
-        validation_data: CalibrationData,
-        config: GradMAPConfig,
-        tokenizer: PreTrainedTokenizerBase | None,
-    ) -> torch.LongTensor:
-        """The sequences whose perplexity decides whether Stage 2's compensation is kept, drawn with seed `seed + 1`:
-        given the calibration dataset itself, they are other windows of the same text."""
-        return self._calibration_ids(model, validation_data, tokenizer, seed=config.seed + 1)
+    def _check_holds_dense(self, result: PruningResult, why: str) -> None:
+        """Refuses a result whose dense layers this pruner no longer holds (`why` ends the message)."""
+        if result is not self.result or self._dense is None:
+            raise InvalidInputError(f"This pruner no longer holds the dense layers of that result{why}")
 
     def _roll_back(self, result: PruningResult) -> None:
-        """Puts the model of `result` back as `prune` got it (after an error once Stage 1 started): undoes Stage 2's
-        folds, the fits made between removals, and the removals, then forgets the result."""
-        if result.compensation is not None:
-            result.compensation.undo()
-            result.compensation = None
-        for done in reversed(self._run_compensations):
-            done.backup.restore()
-        if self._dense is not None:
-            self._dense.restore()
+        """Puts the model of `result` back as `prune` got it ([`optimum_gradmap.importance.stage.undo`]) and forgets
+        the result."""
+        stage1.undo(result, self._dense, self._run_compensations)
         self.result = None
         self.release()
 
-    def _calibration_ids(
-        self,
-        model: PreTrainedModel,
-        calibration_data: CalibrationData,
-        tokenizer: PreTrainedTokenizerBase | None,
-        seed: int | None = None,
-    ) -> torch.LongTensor:
-        config = self.config
-        ids = prepare_calibration_data(
-            calibration_data,
-            self._tokenizer_for(model, calibration_data, tokenizer),
-            config.num_samples,
-            config.seq_len,
-            config.seed if seed is None else seed,
-            config.dataset,
-            config.text_column,
-        )
-        check_token_ids(ids, model)
-        return ids
+    def _reader(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> stage2.ReadIds:
+        """Reads text (any form calibration data takes) into token ids for `model`: `num_samples` windows of `seq_len`
+        tokens drawn with a seed (`None`: the config's), checked against the model's vocabulary."""
+        config, tokenizer_for = self.config, self._tokenizer_for(model, tokenizer)
 
-    def _tokenizer_for(
-        self, model: PreTrainedModel, data: CalibrationData, tokenizer: PreTrainedTokenizerBase | None
-    ) -> PreTrainedTokenizerBase | None:
-        """`tokenizer`, else the pruner's, else (for text) the one saved with the model, which the pruner then keeps."""
-        tokenizer = tokenizer or self.tokenizer
-        if tokenizer is None and is_text_data(data):
-            name = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
-            if not name:
-                raise InvalidInputError(
-                    "Calibration text needs a tokenizer: pass `tokenizer=` (the model has no name to load one from)."
-                )
-            location = self._location or {"revision": getattr(model.config, "_commit_hash", None)}
-            tokenizer = AutoTokenizer.from_pretrained(name, **location)
-            self.tokenizer = tokenizer
-        return tokenizer
+        def read(data: CalibrationData, seed: int | None) -> torch.LongTensor:
+            seed = config.seed if seed is None else seed
+            ids = prepare_calibration_data(
+                data, tokenizer_for(data), config.num_samples, config.seq_len, seed, config.dataset, config.text_column
+            )
+            check_token_ids(ids, model)
+            return ids
 
+        return read
 
-def _stage1_seconds(result: PruningResult, config: GradMAPConfig, teacher: PreTrainedModel | None) -> tuple[float | None, str]:
-    """Stage 1's time for `heal_tokens="auto"`, and where it comes from: the time measured, or, where no Stage 1 scored
-    (`layers_to_prune`, a cut replayed from an earlier run), the plan's time for a Stage 1 that removes as many layers
-    ([`~optimum_gradmap.planning.plan_pruning`], on the dense model's config, its throughput measured here)."""
-    measured = result.timings.get("stage1")
-    if config.heal_tokens != "auto" or config.layers_to_prune is None:
-        return measured, "measured"
-    from .planning import plan_pruning
+    def _tokenizer_for(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> healing.TokenizerFor:
+        """The tokenizer for some data: `tokenizer`, else the pruner's, else (for text) the one saved with the model,
+        which the pruner then keeps."""
 
-    if teacher is not None:
-        dense_config = teacher.config
-    else:  # the pruned model's config with the dense model's layer fields
-        dense_config = copy.deepcopy(result.model.config)
-        text_config = dense_config.get_text_config(decoder=True)
-        for name, value in result.dense_layer_config.items():
-            setattr(text_config, name, copy.deepcopy(value))
-    scored = dataclasses.replace(
-        config, layers_to_prune=None, num_layers_to_prune=len(result.removed_layers), heal_tokens=0, compensation=False
-    )
-    parameter = next(result.model.parameters())
-    plan = plan_pruning(dense_config, scored, dtype=parameter.dtype, device=parameter.device, tokenizer_bytes=0)
-    predicted = plan.stage("Stage 1").seconds
-    logger.info(
-        f"Heal: heal_tokens='auto' sizes the heal by Stage 1's predicted time ({predicted.high:.1f} s for scoring "
-        f"{len(result.removed_layers)} removals): layers_to_prune={config.layers_to_prune} ran no Stage 1."
-    )
-    return predicted.high, "predicted"
+        def tokenizer_for(data: CalibrationData) -> PreTrainedTokenizerBase | None:
+            if (tokenizer or self.tokenizer) is None and is_text_data(data):
+                self.tokenizer = saved_tokenizer(model, self._location)
+            return tokenizer or self.tokenizer
+
+        return tokenizer_for

@@ -219,3 +219,12 @@ class PruningResult:
             token=token,
             commit_message=commit_message or self.commit_message(),
         )
+
+
+def refuse_after_heal(result: PruningResult, what: str) -> None:
+    """Refuses to change a healed result's stack or folds: the heal stage trained the model they left."""
+    if result.heal is not None:
+        raise InvalidInputError(
+            f"This result was healed already: {what} would build on weights the heal stage changed (the pruner's dense "
+            "layers no longer make the dense model with them). Heal last and once, or start again from the dense model."
+        )

@@ -382,7 +382,7 @@ def test_a_heal_checkpoint_from_another_run_is_refused_before_stage_1_with_auto_
 ):
     """Their sequences are made when the heal starts: the settings, the processes and the model's layers are compared
     before Stage 1 all the same."""
-    monkeypatch.setattr("optimum_gradmap.pruner.remove_by_importance", _stage1_refused)
+    monkeypatch.setattr("optimum_gradmap.importance.stage.remove_by_importance", _stage1_refused)
     checkpoint = tmp_path / "heal.pt"
     torch.save({"fingerprint": {"trainable": "all", "learning_rate": 1.0}}, checkpoint)
     model = peaked_model()
@@ -398,7 +398,7 @@ def test_a_heal_checkpoint_from_another_run_is_refused_before_stage_1_with_auto_
 def test_prompts_longer_than_the_heal_sequences_are_refused_before_any_work(
     tmp_path, byte_tokenizer, monkeypatch, prompts, seq_len
 ):
-    monkeypatch.setattr("optimum_gradmap.pruner.remove_by_importance", _stage1_refused)
+    monkeypatch.setattr("optimum_gradmap.importance.stage.remove_by_importance", _stage1_refused)
     byte_tokenizer.chat_template = CHAT_TEMPLATE  # "<|user|>\n": 9 tokens
     model = peaked_model()
     state = copy.deepcopy(model.state_dict())

@@ -88,6 +88,6 @@ def test_no_deprecation_layer_is_left():
 
 
 def test_stage_2_imports_nothing_from_the_heal_stage_that_comes_after_it():
-    """The teacher's targets both distil from live in `optimum_gradmap.distillation` (issue 64, 6.12)."""
+    """The teacher's targets both distil from live in `optimum_gradmap.distillation`."""
     stage2 = [path for path, name in MODULES.items() if name.startswith("optimum_gradmap.compensation")]
     assert stage2 and not [path.name for path in stage2 if "optimum_gradmap.heal" in _imports(path)]

@@ -38,7 +38,10 @@ The modules, in the order Stage 2 uses them:
 - [`targets`]: which kept layers to fit, and to which dense hidden state;
 - [`each_round`]: the fit between Stage 1 removals ([`compensate_run`]);
 - [`stage2`]: all the fits in forward order, with rollback ([`compensate`]); [`settings`]: the config fields it reads
-  and the checks made before it runs; [`result`]: what it did ([`CompensationResult`]).
+  and the checks made before it runs; [`result`]: what it did ([`CompensationResult`]);
+- [`stage`]: Stage 2's entry for [`~optimum_gradmap.GradMAPPruner`]: its text read and checked before Stage 1, and the
+  fit on a pruned result (imported as `optimum_gradmap.compensation.stage`: it reads the
+  [`~optimum_gradmap.PruningResult`]).
 """
 
 from .activations import (

@@ -65,7 +65,9 @@ the held-out KL are forward passes, which Accelerate's hooks already run one mod
 corpus windows and the dense model's own text; [`~optimum_gradmap.heal.budget`]: `heal_tokens="auto"`;
 [`~optimum_gradmap.heal.trainable`]: what is trained, its merge and rollback; [`~optimum_gradmap.heal.loss`]: what the
 loss compares; [`~optimum_gradmap.heal.loop`]: the training loop; [`~optimum_gradmap.heal.state`]: the resumable
-checkpoint; [`~optimum_gradmap.heal.stage`]: the stage's entry; [`~optimum_gradmap.heal.result`]: what it did.
+checkpoint; [`~optimum_gradmap.heal.stage`]: the stage's entry; [`~optimum_gradmap.heal.result`]: what it did;
+[`~optimum_gradmap.heal.pruned`]: the heal of a pruned result, as `GradMAPPruner` runs it (imported as
+`optimum_gradmap.heal.pruned`: it reads the [`~optimum_gradmap.PruningResult`]).
 """
 
 from ..distributed import GRADIENT_BUCKET_BYTES

@@ -9,6 +9,8 @@
 - [`selection`]: the removal loop (Algorithm 1), its budget and its parameter target.
 - [`rounds`]: Stage 1's state: its plan, each finished round, what it decided, and the resume checkpoint.
 - [`shortlist`]: the verified shortlist (`verify_top_k`), raced by successive halving with `verify_halving`.
+- [`stage`]: Stage 1's entry for [`~optimum_gradmap.GradMAPPruner`]: its checks, the removals, the cut and the
+  rollback (imported as `optimum_gradmap.importance.stage`: it builds the [`~optimum_gradmap.PruningResult`]).
 """
 
 from .gradient import (
