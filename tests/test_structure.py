@@ -91,3 +91,25 @@ def test_stage_2_imports_nothing_from_the_heal_stage_that_comes_after_it():
     """The teacher's targets both distil from live in `optimum_gradmap.distillation`."""
     stage2 = [path for path, name in MODULES.items() if name.startswith("optimum_gradmap.compensation")]
     assert stage2 and not [path.name for path in stage2 if "optimum_gradmap.heal" in _imports(path)]
+
+
+# A newcomer reads a module top to bottom and a function on one screen: the configuration, a dataclass of documented
+# fields, may be longer than the rest.
+MAX_MODULE_LINES = {"optimum_gradmap.configuration": 800}
+MODULE_LINES = 600
+FUNCTION_LINES = 80
+
+
+def test_no_module_is_longer_than_600_lines_but_the_configuration():
+    lengths = {name: len(path.read_text().splitlines()) for path, name in MODULES.items()}
+    too_long = {name: length for name, length in lengths.items() if length > MAX_MODULE_LINES.get(name, MODULE_LINES)}
+    assert too_long == {}
+
+
+def test_no_function_is_longer_than_80_lines_docstring_included():
+    too_long = []
+    for path, name in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > FUNCTION_LINES:
+                too_long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert too_long == []
