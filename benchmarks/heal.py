@@ -68,12 +68,12 @@ from dataclasses import asdict
 
 import records
 import torch
-from accuracy import CALIBRATION, RESULTS, layers_of
+from common import CALIBRATION, HELD_OUT, RESULTS, calibration, layers_of, parser
 from provenance import finish, provenance
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner, distillation
 from optimum_gradmap.assets import load_model
-from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
+from optimum_gradmap.data import calibration_sha256
 from optimum_gradmap.errors import InvalidInputError
 from optimum_gradmap.evaluation import (
     PAPER_TASKS,
@@ -94,7 +94,6 @@ PROTOCOLS = {"standard": STANDARD_SUBSETS, "screening": SCREENING_SUBSETS}
 HEAL_TEXT = "offline:web_text+offline:wikipedia"
 # `+text=NAME`: the dense model's own text alone, or in equal parts with the corpus text.
 HEAL_TEXTS = {"corpus": HEAL_TEXT, "generated": "generated", "mix": f"generated+{HEAL_TEXT}"}
-PERPLEXITY_DATASETS = ("offline:wikipedia", "offline:web_text")
 # Stage 1's seconds for GradMAP's layers in float32, on this machine type, quiet: the unit of the heal budgets.
 # SmolLM2-135M 25%: the main job (benchmarks/results/main_job-smollm2-135m.json); Qwen2.5-Coder-0.5B 25%: the
 # float32 row of benchmarks/results/dtype-qwen2.5-coder-0.5b-0.25.json; SmolLM2-135M 40%: GradMAP's row of
@@ -285,62 +284,6 @@ def recount(record: dict) -> None:
                 print(f"{row['variant']}: flips not counted again: {error}", flush=True)
 
 
-def markdown(record: dict) -> str:
-    lines = [
-        f"# Heal: {record['model']}, {record['ratio']:g}, layers of {record['selection']} ({record['protocol']} protocol)",
-        "",
-        f"Removed layers {record['removed_layers']} ({record['layers_from']}); calibration {record['calibration']} "
-        f"{record['calibration_sha256'][:12]}; heal text {HEAL_TEXT}. KL: next-token KL divergence from the dense model "
-        "on the held-out segments (nats per token, +/- SE over segments). Flips: share of questions whose right/wrong "
-        "differs from the dense model's (BoolQ left out; in brackets with it), answer changes: whose chosen answer "
-        "differs. Confident flips: the flips on the questions whose dense margin (the dense model's log-likelihood of "
-        "its answer minus the next best) is above the median of their own task's dense margins (margins are on very "
-        "different scales per task; BoolQ left out; in brackets with it); per margin quartile, cut within each task "
-        "and pooled, in the JSON (`flips_by_margin`, edges per task in `margin_edges`). BoolQ yes: the share of BoolQ "
-        'questions answered "yes". Paired: pooled accuracy change against Stage 1 alone and against Stage 1 + default '
-        "Stage 2, points +/- SE.",
-        "",
-        "| row | Wikipedia ppl | web ppl | KL Wikipedia | KL web | flips | confident flips | answer changes | accuracy | "
-        "BoolQ yes | vs Stage 1 | vs Stage 1 + 2 | heal seconds | heal tokens | quiet | commit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in record["rows"]:
-        evaluation = row["evaluation"]
-        ppl = [f"{entry['perplexity']:.2f}" for entry in evaluation["perplexities"]]
-        kl = [
-            f"{entry['kl_to_reference']:.4f} +/- {entry['kl_stderr']:.4f}" if entry.get("kl_to_reference") is not None else "-"
-            for entry in evaluation["perplexities"]
-        ]
-        fidelity = row.get("flips_without_boolq")
-        flips_cell = changes_cell = "-"
-        if fidelity:
-            flips_cell = f"{100 * fidelity['flips']:.1f}% ({100 * row['flips']['flips']:.1f}%)"
-            changes_cell = f"{100 * fidelity['answer_changes']:.1f}%"
-        confident, confident_all = row.get("confident_flips_without_boolq"), row.get("confident_flips")
-        confident_cell = "-"
-        if confident and confident_all:
-            confident_cell = f"{100 * confident['flips']:.1f}% ({100 * confident_all['flips']:.1f}%)"
-        accuracy = f"{row['pooled_acc']:.4f}" if row.get("pooled_acc") is not None else "-"
-        yes = f"{100 * row['boolq_yes']:.1f}%" if row.get("boolq_yes") is not None else "-"
-        paired = [
-            f"{100 * row[key]['difference']:+.2f} +/- {100 * row[key]['stderr']:.2f}" if row.get(key) else "-"
-            for key in ("against_stage1", "against_default")
-        ]
-        heal = row.get("heal") or {}
-        heal_seconds = f"{heal['seconds']:.0f}" if heal else "-"
-        heal_tokens = f"{heal['trained_tokens']:,}" if heal else "-"
-        quiet = "yes" if row["provenance"]["quiet"] else "no"
-        lines.append(
-            f"| {row['variant']} | {ppl[0]} | {ppl[1]} | {kl[0]} | {kl[1]} | {flips_cell} | {confident_cell} | "
-            f"{changes_cell} | {accuracy} | {yes} | {paired[0]} | {paired[1]} | {heal_seconds} | {heal_tokens} | {quiet} | "
-            f"{row['provenance']['commit'][:8]} |"
-        )
-    dense = next((row for row in record["rows"] if row["variant"] == "dense"), None)
-    if dense is not None and answers_of(dense) and not has_margins(dense):
-        lines += ["", MISSING_MARGINS]
-    return "\n".join(lines) + "\n"
-
-
 def write(record: dict, path: str) -> None:
     """Counts the record's flips again ([`recount`]) and writes it to `path`: the rows' answers kept packed, every
     question's margin and log-likelihoods only for the dense row (what the other rows are counted against; their own
@@ -395,37 +338,37 @@ def print_pair(record: dict, variant_a: str, variant_b: str) -> None:
             )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--ratio", type=float, default=0.25)
-    parser.add_argument("--selection", default="gradmap")
-    parser.add_argument("--variants", nargs="+", default=["dense", "stage1", "default"])
-    parser.add_argument("--protocol", choices=list(PROTOCOLS), default="screening")
-    parser.add_argument("--no-tasks", action="store_true", help="perplexities and KL only")
-    parser.add_argument("--max-segments", type=int, default=128)
-    parser.add_argument("--num-samples", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--label", default=None)
-    parser.add_argument(
+def arguments() -> argparse.ArgumentParser:
+    arguments = parser(__doc__)
+    arguments.add_argument("--model", default="smollm2-135m")
+    arguments.add_argument("--ratio", type=float, default=0.25)
+    arguments.add_argument("--selection", default="gradmap")
+    arguments.add_argument("--variants", nargs="+", default=["dense", "stage1", "default"])
+    arguments.add_argument("--protocol", choices=list(PROTOCOLS), default="screening")
+    arguments.add_argument("--no-tasks", action="store_true", help="perplexities and KL only")
+    arguments.add_argument("--max-segments", type=int, default=128)
+    arguments.add_argument("--num-samples", type=int, default=128)
+    arguments.add_argument("--batch-size", type=int, default=8)
+    arguments.add_argument("--label", default=None)
+    arguments.add_argument(
         "--dense-from",
         default=None,
         help="take the `dense` row from this record of benchmarks/results (same model and protocol), marked as a copy, "
         "instead of evaluating the dense model again",
     )
-    parser.add_argument(
+    arguments.add_argument(
         "--device",
         default="cpu",
         help="where the models run (e.g. cuda); a record from another device than cpu goes to its own file, '-<device>'",
     )
-    parser.add_argument(
+    arguments.add_argument(
         "--time-stage1",
         action="store_true",
         help="also time GradMAP's own Stage 1 (the selection, float32) at this ratio on this device, once per record: "
         "the unit of the heal budgets there",
     )
-    parser.add_argument("--resume", action="store_true")
-    parser.add_argument(
+    arguments.add_argument("--resume", action="store_true")
+    arguments.add_argument(
         "--redo",
         nargs="+",
         default=[],
@@ -433,12 +376,12 @@ def main() -> None:
         help="with --resume, measure these variants again (run even if not in --variants), each in its old row's place; "
         "e.g. `--redo dense` for a dense row recorded without its questions' margins",
     )
-    parser.add_argument(
+    arguments.add_argument(
         "--recount-only",
         action="store_true",
         help="measure nothing: load the record, count every row's flips again from the answers it keeps, and rewrite the record",
     )
-    parser.add_argument(
+    arguments.add_argument(
         "--pair",
         nargs=2,
         default=None,
@@ -446,24 +389,11 @@ def main() -> None:
         help="measure nothing: compare two rows of the record question by question (B - A: accuracy, flips against the "
         "dense row, flips on its confident questions; with BoolQ and without), from the answers they keep",
     )
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    torch.manual_seed(0)
+    return arguments
 
-    removed, layers_from = layers_of(args.model, args.ratio, args.selection)
-    suffix = ("-notasks" if args.no_tasks else "") + ("" if args.device == "cpu" else f"-{args.device}")
-    name = f"heal-{args.model}-{args.ratio:g}-{args.selection}-{args.protocol}{suffix}" + (f"-{args.label}" if args.label else "")
-    path = os.path.join(RESULTS, name + ".json")
-    if args.recount_only:
-        record = records.read(path)
-        write(record, path)
-        print(markdown(record))
-        print(f"counted again, nothing measured: {path}", flush=True)
-        return
-    if args.pair:
-        print_pair(records.read(path), *args.pair)
-        return
-    record = {
+
+def new_record(args: argparse.Namespace, removed: list[int], layers_from: str) -> dict:
+    return {
         "model": args.model,
         "ratio": args.ratio,
         "selection": args.selection,
@@ -477,127 +407,120 @@ def main() -> None:
         "device": args.device,
         "rows": [],
     }
-    if args.resume and os.path.exists(path):
-        record = records.read(path)
-    done = {row["variant"] for row in record["rows"]} - set(args.redo)
-    variants = [*args.variants, *(variant for variant in args.redo if variant not in args.variants)]
-    variants.sort(key=lambda variant: variant != "dense")  # the dense row first: the others' flips count against it
-    old_dense = next((row for row in record["rows"] if row["variant"] == "dense"), None)
-    if old_dense is not None and "dense" in done and answers_of(old_dense) and not has_margins(old_dense):
-        print(MISSING_MARGINS, flush=True)
 
-    def save() -> None:
-        write(record, path)
 
-    def load() -> torch.nn.Module:
-        model, _ = load_model(args.model)
-        return model.to(args.device)
+class HealRun:
+    """One invocation's models: the dense model (every row's teacher, loaded once), the calibration set, and the pruned
+    models the rows start from, Stage 1 and the default Stage 2 (or Stage 1 alone), each made once and put back to
+    its weights for every row."""
 
-    dense_model, tokenizer = load_model(args.model)
-    dense_model.to(args.device)
-    calibration = prepare_calibration_data(CALIBRATION, tokenizer, args.num_samples, 128, 0, CALIBRATION)
-    record["calibration_sha256"] = calibration_sha256(calibration)
-    if args.time_stage1 and "stage1_on_device" not in record:
-        started = provenance()
+    def __init__(self, args: argparse.Namespace, removed: list[int]):
+        self.args, self.removed = args, removed
+        self.dense, self.tokenizer = load_model(args.model)
+        self.dense.to(args.device)
+        self.calibration = calibration(self.tokenizer, args.num_samples)
+        self.starts: dict[str, tuple] = {}  # "default" or "stage1" -> (its model, its result, its weights)
+
+    def load(self) -> torch.nn.Module:
+        model, _ = load_model(self.args.model)
+        return model.to(self.args.device)
+
+    def prune(self, layers: list[int], model: torch.nn.Module, compensation: bool = True):
+        """`model` pruned in place: `layers` removed, then the default Stage 2 unless `compensation` is false."""
+        config = GradMAPConfig(layers_to_prune=layers, num_samples=self.args.num_samples, compensation=compensation)
+        return GradMAPPruner(config, model, self.tokenizer).prune(model, self.calibration)
+
+    def time_stage1(self, record: dict) -> None:
+        """GradMAP's own Stage 1 at this ratio on this device (`--time-stage1`), once per record."""
+        args, started = self.args, provenance()
         config = GradMAPConfig(pruning_ratio=args.ratio, num_samples=args.num_samples, seq_len=128, compensation=False)
-        result = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False).select_layers(load(), calibration)
+        result = GradMAPPruner(config, tokenizer=self.tokenizer, progress_bar=False).select_layers(self.load(), self.calibration)
         record["stage1_on_device"] = {
             "seconds": result.timings["stage1"],
             "removed_layers": result.removed_layers,
             "same_layers_as_cpu": sorted(result.removed_layers) == sorted(layers_of(args.model, args.ratio, "gradmap")[0]),
             "provenance": finish(started),
         }
-        save()
         print(f"GradMAP's Stage 1 on {args.device}: {record['stage1_on_device']}", flush=True)
-    rows = {row["variant"]: row for row in record["rows"]}
 
-    def put(row: dict) -> None:
-        """Adds the row to the record, in place of the row of the same variant (`--redo`)."""
-        index = next((i for i, old in enumerate(record["rows"]) if old["variant"] == row["variant"]), None)
-        if index is None:
-            record["rows"].append(row)
-        else:
-            record["rows"][index] = row
-        rows[row["variant"]] = row
+    def start(self, kind: str):
+        """The model and result of Stage 1 + the default Stage 2 (`default`) or of Stage 1 alone (`stage1`), made the
+        first time (Stage 1 + 2 always first) and put back to their weights every time."""
+        if "default" not in self.starts:
+            model = self.load()
+            result = self.prune(self.removed, model)
+            self.starts["default"] = (model, result, {name: tensor.clone() for name, tensor in model.state_dict().items()})
+        if kind not in self.starts:
+            result = GradMAPPruner(
+                GradMAPConfig(layers_to_prune=self.removed, num_samples=self.args.num_samples, compensation=False),
+                tokenizer=self.tokenizer,
+            ).prune(self.load(), self.calibration)
+            self.starts[kind] = (
+                result.model,
+                result,
+                {name: tensor.clone() for name, tensor in result.model.state_dict().items()},
+            )
+        model, result, state = self.starts[kind]
+        model.load_state_dict(state)
+        return model, result
 
-    compensated = stage2 = stage2_state = None
-    stage1_only = stage1_model = stage1_state = None
-    for variant in variants:
-        if variant in done:
-            print(f"{variant}: already measured, kept")
-            continue
-        heal_settings = parse_variant(variant)
-        started = provenance()
-        row: dict = {"variant": variant}
-        if variant == "dense" and args.dense_from:
-            row = copied_dense_row(args.dense_from, record, args.max_segments)
-            put(row)
-            save()
-            print(f"dense: copied from {args.dense_from}", flush=True)
-            continue
+    def model_of(self, variant: str, row: dict) -> torch.nn.Module:
+        """The model a row evaluates, healed where the variant says so; its timings and what it trained in `row`."""
         if variant == "dense":
-            model = dense_model
-        elif variant == "dense@bf16":
-            model = load()
+            return self.dense
+        if variant == "dense@bf16":
+            model = self.load()
             with torch.no_grad():
                 for tensor in model.state_dict().values():
                     tensor.copy_(tensor.to(torch.bfloat16))
-        elif variant == "stage1" or partial_stage1(variant) is not None:
-            model = load()
-            layers = removed if variant == "stage1" else removed[: partial_stage1(variant)]
-            config = GradMAPConfig(layers_to_prune=layers, num_samples=args.num_samples, compensation=False)
-            result = GradMAPPruner(config, model, tokenizer).prune(model, calibration)
-            row["timings"] = result.timings
-        else:
-            if compensated is None:  # Stage 1 and the default Stage 2, once for every row that starts from them
-                compensated = load()
-                config = GradMAPConfig(layers_to_prune=removed, num_samples=args.num_samples)
-                stage2 = GradMAPPruner(config, compensated, tokenizer).prune(compensated, calibration)
-                stage2_state = {name: tensor.clone() for name, tensor in compensated.state_dict().items()}
-            compensated.load_state_dict(stage2_state)
-            model = compensated
-            row["timings"] = dict(stage2.timings)
-            row["compensated_layers"] = stage2.compensated_layers
-            if heal_settings is not None and heal_settings.get("start") == "stage1":  # the heal on Stage 1 alone
-                if stage1_state is None:
-                    config = GradMAPConfig(layers_to_prune=removed, num_samples=args.num_samples, compensation=False)
-                    stage1_only = GradMAPPruner(config, tokenizer=tokenizer).prune(load(), calibration)
-                    stage1_state = {name: tensor.clone() for name, tensor in stage1_only.model.state_dict().items()}
-                    stage1_model = stage1_only.model
-                stage1_model.load_state_dict(stage1_state)
-                model, start = stage1_model, stage1_only
-                row["timings"] = dict(stage1_only.timings)
-                row["compensated_layers"] = []
-            else:
-                start = stage2
-            if heal_settings is not None:  # the heal on Stage 1 + 2 (or Stage 1 alone), the dense model as teacher
-                top_k = heal_settings.pop("top_k", None)
-                heal_settings.pop("start", None)
-                factor = heal_settings.pop("stage1_factor", None)
-                stage1_seconds = factor * STAGE1_SECONDS[(args.model, args.ratio)] if factor else None
-                heal_config = dataclasses.replace(start.config, **heal_settings)
-                with teacher_top_k(top_k), tempfile.TemporaryDirectory() as scratch:  # the text generated afresh, timed
-                    healed = heal_stage(
-                        model,
-                        lambda: contextlib.nullcontext(dense_model),
-                        heal_config,
-                        tokenizer,
-                        start.kept_layers,
-                        start.original_num_layers,
-                        start.compensated_layers,
-                        stage1_seconds=stage1_seconds,
-                        text_cache=os.path.join(scratch, "text.pt"),
-                        prompt_data=CALIBRATION,
-                    )
-                row["heal"] = healed.to_dict()
-                row["heal"]["stage1_factor"] = factor
-                row["heal"]["teacher_top_k"] = top_k or distillation.TOP_K
-                row["timings"]["heal"] = healed.seconds
-        tick = time.perf_counter()
+            return model
+        if variant == "stage1" or partial_stage1(variant) is not None:
+            layers = self.removed if variant == "stage1" else self.removed[: partial_stage1(variant)]
+            model = self.load()
+            row["timings"] = self.prune(layers, model, compensation=False).timings
+            return model
+        settings = parse_variant(variant)
+        model, start = self.start("default")
+        row["timings"], row["compensated_layers"] = dict(start.timings), start.compensated_layers
+        if settings is not None and settings.get("start") == "stage1":  # the heal on Stage 1 alone
+            model, start = self.start("stage1")
+            row["timings"], row["compensated_layers"] = dict(start.timings), []
+        if settings is not None:
+            self.heal(model, start, settings, row)
+        return model
+
+    def heal(self, model: torch.nn.Module, start, settings: dict, row: dict) -> None:
+        """The heal of `model` (Stage 1 + 2, or Stage 1 alone) from `start`'s result, the dense model as teacher."""
+        top_k, factor = settings.pop("top_k", None), settings.pop("stage1_factor", None)
+        settings.pop("start", None)
+        stage1_seconds = factor * STAGE1_SECONDS[(self.args.model, self.args.ratio)] if factor else None
+        config = dataclasses.replace(start.config, **settings)
+        with teacher_top_k(top_k), tempfile.TemporaryDirectory() as scratch:  # the text generated afresh, timed
+            healed = heal_stage(
+                model,
+                lambda: contextlib.nullcontext(self.dense),
+                config,
+                self.tokenizer,
+                start.kept_layers,
+                start.original_num_layers,
+                start.compensated_layers,
+                stage1_seconds=stage1_seconds,
+                text_cache=os.path.join(scratch, "text.pt"),
+                prompt_data=CALIBRATION,
+            )
+        row["heal"] = healed.to_dict()
+        row["heal"]["stage1_factor"] = factor
+        row["heal"]["teacher_top_k"] = top_k or distillation.TOP_K
+        row["timings"]["heal"] = healed.seconds
+
+    def evaluate(self, variant: str, model: torch.nn.Module, row: dict, rows: dict[str, dict]) -> None:
+        """The row's held-out perplexities and KL, its tasks with every answer, and its paired accuracy against the
+        `stage1` and `default` rows."""
+        args, tick = self.args, time.perf_counter()
         evaluation = evaluate(
             model,
-            tokenizer,
-            PERPLEXITY_DATASETS,
+            self.tokenizer,
+            HELD_OUT,
             segment_length=128,
             max_segments=args.max_segments,
             tasks=() if args.no_tasks else PAPER_TASKS,
@@ -606,7 +529,7 @@ def main() -> None:
             batch_size=args.batch_size,
             model_name=variant,
             progress_bar=False,
-            reference_model=None if variant == "dense" else dense_model,
+            reference_model=None if variant == "dense" else self.dense,
             reference_model_name="dense",
         )
         row["evaluation_seconds"] = time.perf_counter() - tick
@@ -617,26 +540,71 @@ def main() -> None:
             row["pooled_acc"] = evaluation.zero_shot.pooled_acc
         row["evaluation"] = summary
         print(evaluation.summary(), flush=True)
-        if evaluation.zero_shot is not None and "dense" in rows and variant != "dense":
-            mine = summary["zero_shot"]["answers"]
-            count_fidelity(row, rows["dense"])
-            for key, other in (("against_stage1", "stage1"), ("against_default", "default")):
-                if other in rows and other != variant:
-                    comparison = compare_zero_shot(
-                        expand(rows[other]["evaluation"]["zero_shot"]["answers"]), expand(mine), names=(other, variant, "dense")
-                    )
-                    row[key] = asdict(comparison.pooled)
-                    row[key + "_without_boolq"] = asdict(
-                        compare_zero_shot(
-                            expand(rows[other]["evaluation"]["zero_shot"]["answers"], ("boolq",)),
-                            expand(mine, ("boolq",)),
-                        ).pooled
-                    )
+        if evaluation.zero_shot is None or "dense" not in rows or variant == "dense":
+            return
+        mine = summary["zero_shot"]["answers"]
+        count_fidelity(row, rows["dense"])
+        for key, other in (("against_stage1", "stage1"), ("against_default", "default")):
+            if other in rows and other != variant:
+                theirs = rows[other]["evaluation"]["zero_shot"]["answers"]
+                row[key] = asdict(compare_zero_shot(expand(theirs), expand(mine), names=(other, variant, "dense")).pooled)
+                row[key + "_without_boolq"] = asdict(
+                    compare_zero_shot(expand(theirs, ("boolq",)), expand(mine, ("boolq",))).pooled
+                )
+
+
+def put(record: dict, row: dict) -> None:
+    """Adds the row to the record, in place of the row of the same variant (`--redo`)."""
+    index = next((i for i, old in enumerate(record["rows"]) if old["variant"] == row["variant"]), None)
+    if index is None:
+        record["rows"].append(row)
+    else:
+        record["rows"][index] = row
+
+
+def main() -> None:
+    args = arguments().parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.manual_seed(0)
+    removed, layers_from = layers_of(args.model, args.ratio, args.selection)
+    suffix = ("-notasks" if args.no_tasks else "") + ("" if args.device == "cpu" else f"-{args.device}")
+    name = f"heal-{args.model}-{args.ratio:g}-{args.selection}-{args.protocol}{suffix}" + (f"-{args.label}" if args.label else "")
+    path = os.path.join(RESULTS, name + ".json")
+    if args.recount_only:
+        write(records.read(path), path)
+        print(f"counted again, nothing measured: {path}", flush=True)
+        return
+    if args.pair:
+        print_pair(records.read(path), *args.pair)
+        return
+    record = records.read(path) if args.resume and os.path.exists(path) else new_record(args, removed, layers_from)
+    done = {row["variant"] for row in record["rows"]} - set(args.redo)
+    variants = [*args.variants, *(variant for variant in args.redo if variant not in args.variants)]
+    variants.sort(key=lambda variant: variant != "dense")  # the dense row first: the others' flips count against it
+    old_dense = next((row for row in record["rows"] if row["variant"] == "dense"), None)
+    if old_dense is not None and "dense" in done and answers_of(old_dense) and not has_margins(old_dense):
+        print(MISSING_MARGINS, flush=True)
+    run = HealRun(args, removed)
+    record["calibration_sha256"] = calibration_sha256(run.calibration)
+    if args.time_stage1 and "stage1_on_device" not in record:
+        run.time_stage1(record)
+        write(record, path)
+    for variant in variants:
+        if variant in done:
+            print(f"{variant}: already measured, kept")
+            continue
+        if variant == "dense" and args.dense_from:
+            put(record, copied_dense_row(args.dense_from, record, args.max_segments))
+            write(record, path)
+            print(f"dense: copied from {args.dense_from}", flush=True)
+            continue
+        started, row = provenance(), {"variant": variant}
+        model = run.model_of(variant, row)
+        run.evaluate(variant, model, row, {row["variant"]: row for row in record["rows"]})
         row["provenance"] = finish(started)
-        put(row)
-        save()
+        put(record, row)
+        write(record, path)
         print(f"{variant}: saved to {path}", flush=True)
-    print(markdown(record))
 
 
 if __name__ == "__main__":
