@@ -82,6 +82,36 @@ def layers_of(model: str, ratio: float, selection: str) -> tuple[list[int], str]
     return row["removed_layers"], f"{os.path.relpath(path, os.path.dirname(RESULTS))}, row {SELECTIONS[selection]!r}"
 
 
+def expand(answers: dict[str, dict], skip: tuple[str, ...] = ()):
+    """A `ZeroShotResult` holding a record's per-question answers (`doc_ids`, `acc`, and where kept `choice` and
+    `margin`), for the library's paired comparison and flips; the tasks of `skip` left out. A question kept with its
+    margin gets stand-in log-likelihoods that give back its choice and margin: 0 for the chosen answer, -margin for
+    the others."""
+    from optimum_gradmap.evaluation import QuestionRecord, TaskResult, ZeroShotResult
+
+    tasks = []
+    for task, kept in answers.items():
+        if task in skip:
+            continue
+        count = len(kept["doc_ids"])
+        questions = [
+            QuestionRecord(
+                doc_id,
+                [] if margin is None else [0.0 if i == choice else -margin for i in range(max(2, choice + 1))],
+                choice,
+                None,
+                0,
+                int(acc),
+            )
+            for doc_id, acc, choice, margin in zip(
+                kept["doc_ids"], kept["acc"], kept.get("choice") or [0] * count, kept.get("margin") or [None] * count
+            )
+        ]
+        accuracy = sum(q.acc for q in questions) / len(questions)
+        tasks.append(TaskResult(task, "validation", "", len(questions), accuracy, questions=questions))
+    return ZeroShotResult(tasks=tasks)
+
+
 def resumed(path: str, resume: bool, new: dict, settings: dict | None = None) -> dict:
     """The record at `path` when resuming (its `settings`, where given, must be these), else `new`."""
     if not (resume and os.path.exists(path)):

@@ -68,7 +68,7 @@ from dataclasses import asdict
 
 import records
 import torch
-from common import CALIBRATION, HELD_OUT, RESULTS, calibration, layers_of, parser
+from common import CALIBRATION, HELD_OUT, RESULTS, calibration, expand, layers_of, parser
 from provenance import finish, provenance
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner, distillation
@@ -79,8 +79,6 @@ from optimum_gradmap.evaluation import (
     PAPER_TASKS,
     SCREENING_SUBSETS,
     STANDARD_SUBSETS,
-    QuestionRecord,
-    TaskResult,
     ZeroShotResult,
     answer_shares,
     compare_zero_shot,
@@ -203,33 +201,6 @@ def answer_drift(answers: dict[str, dict], dense_answers: dict[str, dict], skip:
             squares = [((a - mine) - (b - theirs)) ** 2 for a, b in zip(values, reference)]
             drifts.append(math.sqrt(sum(squares) / len(squares)))
     return sum(drifts) / len(drifts) if drifts else None
-
-
-def stand_in_loglikelihoods(choice: int, margin: float | None) -> list[float]:
-    """Log-likelihoods that give back a kept question's choice and margin (`flips` reads the dense margins from the
-    records): 0 for the chosen answer, -margin for the others; none without a margin."""
-    if margin is None:
-        return []
-    return [0.0 if index == choice else -margin for index in range(max(2, choice + 1))]
-
-
-def expand(answers: dict[str, dict], skip: tuple[str, ...] = ()) -> ZeroShotResult:
-    """The records of `compact`'s answers (rows from before the margins: records without log-likelihoods)."""
-    tasks = []
-    for task, kept in answers.items():
-        if task in skip:
-            continue
-        margins = kept.get("margin") or [None] * len(kept["doc_ids"])
-        questions = [
-            QuestionRecord(i, stand_in_loglikelihoods(choice, margin), choice, None, 0, int(a))
-            for i, a, choice, margin in zip(kept["doc_ids"], kept["acc"], kept["choice"], margins)
-        ]
-        tasks.append(
-            TaskResult(
-                task, "validation", "", len(questions), sum(q.acc for q in questions) / len(questions), questions=questions
-            )
-        )
-    return ZeroShotResult(tasks=tasks)
 
 
 def answers_of(row: dict) -> dict | None:
