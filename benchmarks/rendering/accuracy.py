@@ -186,17 +186,10 @@ def accuracy_headline(context: Context) -> str:
     """The six headline rows with the standard protocol: Stage 1 alone and both Stage 2s, flips against dense."""
     table = Table(
         "headline",
-        [
-            "setting",
-            "layers of",
-            "row",
-            "Wikipedia ppl",
-            "web ppl",
-            "accuracy, mean of 7",
-            "pooled vs Stage 1 (points)",
-            "flips (no BoolQ)",
-            "flips (all)",
-        ],
+        (
+            "setting | layers of | row | Wikipedia ppl | web ppl | accuracy, mean of 7 | "
+            "pooled vs Stage 1 (points) | flips (no BoolQ) | flips (all)"
+        ),
         ["---", "---", "---", "---:", "---:", "---:", "---:", "---:", "---:"],
     )
     for setting, source in HEADLINE_RECORDS:
@@ -240,7 +233,7 @@ def standard_paired(context: Context) -> str:
     """Each Stage 2 against Stage 1 alone on SmolLM2's headline rows, standard protocol: with and without BoolQ."""
     table = Table(
         "standard-paired",
-        ["setting, layers of", "Stage 1", "default Stage 2", "without BoolQ", "the paper's Stage 2", "without BoolQ"],
+        "setting, layers of | Stage 1 | default Stage 2 | without BoolQ | the paper's Stage 2 | without BoolQ",
     )
     for ratio, source in STANDARD_ROWS:
         record = load(source)
@@ -281,7 +274,7 @@ def decision(context: Context) -> str:
     change against Stage 1 alone, the rows within one standard error and the rows where both perplexities fall."""
     table = Table(
         "decision",
-        ["Stage 2", "mean change against Stage 1 (points)", "rows within -1 SE", "lowers both perplexities"],
+        "Stage 2 | mean change against Stage 1 (points) | rows within -1 SE | lowers both perplexities",
     )
     selections = [(source, selection) for source in DECISION_RECORDS for selection in selections_in(load(source))]
     for label, variant in DECISION_ROWS:

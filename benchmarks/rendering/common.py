@@ -95,14 +95,19 @@ def older_than(provenance: dict, kinds: Sequence[str]) -> list[Change]:
 class Table:
     """A markdown table whose rows carry provenance footnotes, numbered `[^PREFIX-N]`. With `cite=False` the rows
     carry none (the README's table, whose rows link to the pages that carry them): the notes are still collected in
-    `notes`, and a row of older code is still marked."""
+    `notes`, and a row of older code is still marked. The `header` may be given as the table's first line reads,
+    `"a | b | c"`."""
 
     prefix: str
-    header: Sequence[str]
+    header: Sequence[str] | str
     align: Sequence[str] | None = None
     rows: list[list[str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     cite: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.header, str):
+            self.header = self.header.split(" | ")
 
     def add(
         self,

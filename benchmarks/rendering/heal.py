@@ -21,17 +21,10 @@ def heal_kl_rows(prefix: str, records: Sequence[str]) -> Callable[[Context], str
 def _kl_table(prefix: str, records: Sequence[str]) -> str:
     table = Table(
         prefix,
-        [
-            "row",
-            "trained parameters",
-            "learning rate",
-            "Wikipedia ppl",
-            "web ppl",
-            "KL Wikipedia",
-            "KL web",
-            "heal seconds (teacher)",
-            "tokens",
-        ],  # fmt: skip
+        (
+            "row | trained parameters | learning rate | Wikipedia ppl | web ppl | KL Wikipedia | KL web | "
+            "heal seconds (teacher) | tokens"
+        ),
         ["---", "---:", "---:", "---:", "---:", "---:", "---:", "---:", "---:"],
     )
     for source in records:
@@ -123,20 +116,10 @@ def heal_rows(source: str, unit_from: str | None = None) -> Callable[[Context], 
         unit, unit_name = stage1_unit(source, unit_from)
         table = Table(
             source.removeprefix("heal-"),
-            [
-                "row",
-                "Wikipedia ppl",
-                "web ppl",
-                "KL Wikipedia",
-                "KL web",
-                "flips, no BoolQ (all)",
-                "answer changes",
-                "accuracy (pooled)",
-                "vs Stage 1",
-                "vs Stage 1 + 2",
-                f"heal seconds (x {unit:.1f} s, {unit_name})",
-                "tokens",
-            ],  # fmt: skip
+            (
+                "row | Wikipedia ppl | web ppl | KL Wikipedia | KL web | flips, no BoolQ (all) | answer changes | "
+                f"accuracy (pooled) | vs Stage 1 | vs Stage 1 + 2 | heal seconds (x {unit:.1f} s, {unit_name}) | tokens"
+            ),
             ["---"] + ["---:"] * 11,
         )
         for row in load(source)["rows"]:
@@ -203,24 +186,12 @@ def heal_text_rows(source: str) -> Callable[[Context], str]:
         default = rows.get("default")
         table = Table(
             source.removeprefix("heal-") + "-text",
-            [
-                "row",
-                "text",
-                "from",
-                "loss",
-                "KL Wikipedia",
-                "KL web",
-                "flips, no BoolQ (all)",
-                "confident flips, no BoolQ (all)",
-                "answer drift, no BoolQ",
-                "BoolQ yes",
-                "vs Stage 1",
-                "vs Stage 1, no BoolQ",
-                "vs Stage 1 + 2",
-                "heal seconds (text)",
-                "tokens chosen",
-                "goals: flips x, KL, vs Stage 1",
-            ],  # fmt: skip
+            (
+                "row | text | from | loss | KL Wikipedia | KL web | flips, no BoolQ (all) | "
+                "confident flips, no BoolQ (all) | answer drift, no BoolQ | BoolQ yes | vs Stage 1 | "
+                "vs Stage 1, no BoolQ | vs Stage 1 + 2 | heal seconds (text) | tokens chosen | "
+                "goals: flips x, KL, vs Stage 1"
+            ),
             ["---", "---", "---", "---"] + ["---:"] * 12,
         )
         for variant in ("dense", "stage1", "default", *(v for v in rows if is_timed_budget(v))):

@@ -183,16 +183,7 @@ def every_shortlist(context: Context) -> str:
     decimals)."""
     table = Table(
         "layers-every-shortlist",
-        [
-            "setting",
-            "score",
-            "shortlist",
-            "removed layers",
-            "wikipedia / web_text ppl",
-            "zero-shot avg",
-            "Stage 1 s",
-            "of SLEB's time",
-        ],
+        ("setting | score | shortlist | removed layers | wikipedia / web_text ppl | zero-shot avg | Stage 1 s | of SLEB's time"),
     )
     for setting, source in SETTINGS:
         records = _rows(source)

@@ -104,17 +104,10 @@ def stage2_variants_smollm2_25(context: Context) -> str:
     record = load(source)
     table = Table(
         "stage2-smollm2-25",
-        [
-            "method",
-            "Stage 2",
-            "removed layers",
-            "compensated (lambda)",
-            "wikipedia ppl",
-            "web_text ppl",
-            "zero-shot avg",
-            "Stage 2 s",
-            "measured here, or copied from",
-        ],
+        (
+            "method | Stage 2 | removed layers | compensated (lambda) | wikipedia ppl | web_text ppl | "
+            "zero-shot avg | Stage 2 s | measured here, or copied from"
+        ),
     )
     methods = list(dict.fromkeys(row["method"] for row in record["rows"]))  # each method's rows together
     for row in sorted(record["rows"], key=lambda row: methods.index(row["method"])):
@@ -205,15 +198,7 @@ def stage2_mixtures(context: Context) -> str:
     record = load(source)
     table = Table(
         "stage2-mixtures",
-        [
-            "Stage 2",
-            "calibration of the fit",
-            "compensated (lambda)",
-            "wikipedia ppl",
-            "web_text ppl",
-            "zero-shot avg",
-            "Stage 2 s",
-        ],  # fmt: skip
+        ("Stage 2 | calibration of the fit | compensated (lambda) | wikipedia ppl | web_text ppl | zero-shot avg | Stage 2 s"),
     )
     for variant, label, calibration in MIXTURE_ROWS:
         row = stage2_row(record, "gradmap", variant)
@@ -247,7 +232,7 @@ def stage2_each_round(context: Context) -> str:
     compare = {(row["method"], row["stage2"]): row for row in compare_record["rows"]}
     table = Table(
         "stage2-each-round",
-        ["selection", "Stage 2", "removed layers", "wikipedia ppl", "web_text ppl", "zero-shot avg", "Stage 1 s"],
+        "selection | Stage 2 | removed layers | wikipedia ppl | web_text ppl | zero-shot avg | Stage 1 s",
     )
     once = stage2_row(stage2_record, "gradmap", "span_end+auto")
     stage1 = compare[("gradmap", False)]
