@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from .common import Context, Table, load, older_record
+from .common import Context, Table, load, older_record, option_values
 
 QWEN = "compare-qwen2.5-coder-0.5b-0.25"
 SMOLLM2_25 = "compare-smollm2-135m-0.25"
@@ -78,25 +78,12 @@ COMMITTED = {
 # --- provenance of rows from records without it ----------------------------------------------------------------------
 
 
-def _listed(command: str, option: str) -> list[str]:
-    """The values after `option` in a command line (up to the next option)."""
-    words = command.split()
-    if option not in words:
-        return []
-    values = []
-    for word in words[words.index(option) + 1 :]:
-        if word.startswith("--"):
-            break
-        values.append(word)
-    return values
-
-
 def _command(record: dict, method: str, option: str) -> str:
     """The record's command that measured `method`: the last that names it (an earlier one was stopped before it or
     during it, and `--resume` ran it again), the first command for the dense model."""
     if method == "dense":
         return record["commands"][0]
-    return [command for command in record["commands"] if method in _listed(command, option)][-1]
+    return [command for command in record["commands"] if method in option_values(command, option)][-1]
 
 
 def _committed(source: str, method: str | None) -> str:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Sequence
 
-from .common import Context, Table, load, machine_text, older_record
+from .common import Context, Table, load, machine_text, older_record, option_values
 
 # --- benchmarks/stage2.py's records ----------------------------------------------------------------------------
 
@@ -23,19 +22,6 @@ def copied_from(row: dict, record: dict) -> str | None:
     return None
 
 
-def _option(command: str, name: str) -> list[str]:
-    """The values given to `--name` in a command line."""
-    words = shlex.split(command)
-    if f"--{name}" not in words:
-        return []
-    values = []
-    for word in words[words.index(f"--{name}") + 1 :]:
-        if word.startswith("--"):
-            break
-        values.append(word)
-    return values
-
-
 def stage2_provenance(record: dict, row: dict) -> dict:
     """A benchmarks/stage2.py row's provenance, from its record (rows carry none): the command that names the row,
     the settings, the machine, and what a copied row copies."""
@@ -48,7 +34,7 @@ def stage2_provenance(record: dict, row: dict) -> dict:
         commands = [
             command
             for command in record["commands"]
-            if row["method"] in _option(command, "methods") and row["variant"] in _option(command, "variants")
+            if row["method"] in option_values(command, "--methods") and row["variant"] in option_values(command, "--variants")
         ]
         if len(commands) == 1:
             parts.append(f"`{commands[0]}`")
@@ -213,7 +199,7 @@ def stage2_mixtures(context: Context) -> str:
 
 def compare_provenance(record: dict, row: dict) -> dict:
     """A benchmarks/compare.py row's provenance, from its record (rows carry none)."""
-    commands = [command for command in record["commands"] if row["method"] in _option(command, "metrics")]
+    commands = [command for command in record["commands"] if row["method"] in option_values(command, "--metrics")]
     settings = record["settings"]
     parts = [f"`{commands[0]}`"] if commands else []
     parts.append(
