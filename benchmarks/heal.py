@@ -7,49 +7,31 @@ model (flips, KL) as well as accuracy and perplexity, on one model, ratio and se
         --no-tasks --label trainables --resume   # the trainable choices on held-out KL and perplexity alone
     python benchmarks/heal.py --ratio 0.4 --variants dense stage1 default lora@196608 \
         --dense-from heal-smollm2-135m-0.25-gradmap-screening --resume   # the dense row copied, marked as a copy
+    python benchmarks/heal.py --pair A B   # two rows of the record compared per question, nothing measured
 
 A variant is `dense`, `stage1` (Stage 1 alone), `default` (Stage 1 and the default Stage 2), or a heal after them:
-`TRAINABLE@TOKENS` (`heal_trainable` and `heal_tokens`), optionally `+lr=VALUE` (`heal_lr`), `+rank=R`
-(`heal_lora_rank`) and `+topk=K` (the teacher's K most likely tokens the loss keeps apart,
-`optimum_gradmap.distillation.TOP_K`, 64 by default; the tail beyond them is one outcome). A budget `FACTORx` in place of
-TOKENS (`lora@1.5x`) is `heal_tokens="auto"` for FACTOR times Stage 1's quiet time on this machine (`STAGE1_SECONDS`):
-as many tokens as fit, the dense model's text included (the heal's goals are at 1.5x). `+text=generated`
-heals on the dense model's own text ([`optimum_gradmap.generation`], generated afresh for the row and timed),
-`+text=mix` on it and the corpus text in equal parts, `+temp=T` sets its temperature (`heal_temperature`),
-`+prompts=chat` starts that text from the chat template's user turn (`heal_prompts`), `+loss=NAME` what the heal
-minimises (`heal_loss`: `kl`, `logit_mse`, `kl_logit_mse`, `kl_hidden_mse`), and `+from=stage1` heals
-Stage 1 alone, without Stage 2 (Stage 2's worth once a heal follows). Two kinds of rows measure
-how flips follow the KL divergence when the damage is small (where the flips come from when a goal on them
-is missed): `dense@bf16` (the dense model with every weight rounded to bfloat16, computing in float32: a model
-almost equal to the dense one) and `stage1@K` (Stage 1 alone with only the first K of the removed layers, in the
-order they were removed). The removed layers are
-those benchmarks/compare.py recorded for `--selection` (as in benchmarks/accuracy.py). Calibration: 128 x 128 tokens
-of offline Wikipedia (the benchmarks' set, its SHA-256 in the record). The heal text is the calibration parts of the
-offline web pages and of offline Wikipedia (`offline:web_text+offline:wikipedia`, about 146k + 409k SmolLM2 tokens;
-the held-out perplexities use the other web pages and other articles), cut into non-overlapping 128-token windows,
-32 of them held out to choose the state kept, none trained on twice. The 128 calibration windows lie in that
-Wikipedia text: at most 16k of its 555k tokens (3%) are also calibration tokens.
+`TRAINABLE@TOKENS` (`heal_trainable`, `heal_tokens`), optionally `+lr=VALUE` (`heal_lr`), `+rank=R`
+(`heal_lora_rank`), `+topk=K` (`optimum_gradmap.distillation.TOP_K`, the teacher's most likely tokens the loss keeps
+apart), `+text=generated` (the dense model's own text, generated afresh for the row and timed) or `+text=mix` (it and
+the corpus in equal parts), `+temp=T` (`heal_temperature`), `+prompts=chat` (`heal_prompts`), `+loss=NAME`
+(`heal_loss`) and `+from=stage1` (the heal on Stage 1 alone). A budget `FACTORx` in place of TOKENS (`lora@1.5x`) is
+`heal_tokens="auto"` for FACTOR times Stage 1's quiet time on this machine (`STAGE1_SECONDS`). The removed layers
+are those benchmarks/compare.py recorded for `--selection`; calibration, 128 x 128 tokens of offline Wikipedia (its
+SHA-256 in the record). The heal text is the calibration parts of the offline web pages and of offline Wikipedia
+(`offline:web_text+offline:wikipedia`; the held-out perplexities use the other pages and articles), in
+non-overlapping 128-token windows, 32 held out to choose the state kept.
 
-Each row: held-out perplexity on the first `--max-segments` 128-token segments of held-out Wikipedia and of the
-other half of the web pages, the next-token KL divergence from the dense model on the same segments (mean per
-token, standard error over segments), the seven zero-shot tasks offline under `--protocol` (`screening`: 400
-questions per task; `standard`: whole validation splits, HellaSwag and BoolQ subsets) with every question's choice,
-the flips against the dense row (right/wrong changed, chosen answer changed; with and without BoolQ), and the paired
-accuracy against `stage1` and `default`; for a heal row, what was trained, its seconds, and its held-out KL curve.
-Stage 1 and the default Stage 2 run once per invocation, and every heal row starts from their weights with the dense
-model, loaded beside them, as its teacher (as `optimum-gradmap heal --teacher` does; the pruner's own teacher, the
-pruned model with its layers put back and its folds undone, gives the same targets: tests/test_heal.py). Every row
-carries its provenance (benchmarks/provenance.py). Writes
-benchmarks/results/heal-<model>-<ratio>-<selection>-<protocol>[-<label>].json; with `--resume`, rows already
-there are kept, except the variants named by `--redo VARIANT ...`, measured again and put in their old rows' place.
-
-Flips are also counted on the confident questions (dense margin, its answer's log-likelihood minus the next best,
-above the median of its own task's dense margins: `confident_flips`) and per quartile of those margins
-(`flips_by_margin`, `margin_edges`), by the library's `flips`; `answer_drift` is the RMS difference of the two models'
-centred answer log-likelihoods per question, averaged; `boolq_yes` the share of BoolQ questions answered "yes". Every
-row keeps its answers (packed, benchmarks/records.py); the dense row, which the others are counted against, also
-keeps every question's margin and log-likelihoods. These figures are counted again at every save;
-`--recount-only` does only that, loading no model. A dense row recorded without margins is measured again with
+Each row: held-out perplexity on the first `--max-segments` 128-token segments of held-out Wikipedia and web text,
+the next-token KL divergence from the dense model there, the seven zero-shot tasks offline under `--protocol`
+(`screening`: 400 questions per task; `standard`: whole validation splits, HellaSwag and BoolQ subsets) with every
+question's answer, the flips against the dense row (with and without BoolQ; on the confident questions, whose dense
+margin is above their task's median: `confident_flips`), the answers' drift, BoolQ's "yes" share, and the paired
+accuracy against `stage1` and `default`; for a heal row, what was trained and its seconds. Stage 1 and the default
+Stage 2 run once per invocation; every heal row starts from their weights with the dense model as its teacher (as
+`optimum-gradmap heal --teacher` does). Every row carries its provenance (benchmarks/provenance.py). Writes
+benchmarks/results/heal-<model>-<ratio>-<selection>-<protocol>[-<label>].json; with `--resume`, rows already there
+are kept, except the variants of `--redo VARIANT ...`, measured again in their old rows' place. The flips are counted
+again at every save (`--recount-only`: only that); a dense row recorded without margins is measured again with
 `--variants dense --redo dense --resume`.
 """
 
@@ -108,9 +90,9 @@ MISSING_MARGINS = (
 
 
 def parse_variant(name: str) -> dict | None:
-    """`None` for `dense`, `stage1`, `default` and the rows without a heal (`dense@bf16`, `stage1@K`); else the heal
-    settings of `TRAINABLE@BUDGET[+OPTION=VALUE...]` (see the module docstring)."""
-    if name in ("dense", "stage1", "default", "dense@bf16") or partial_stage1(name) is not None:
+    """`None` for `dense`, `stage1` and `default`; else the heal settings of `TRAINABLE@BUDGET[+OPTION=VALUE...]`
+    (see the module docstring)."""
+    if name in ("dense", "stage1", "default"):
         return None
     head, *options = name.split("+")
     trainable, _, budget = head.partition("@")
@@ -158,12 +140,6 @@ def teacher_top_k(top_k: int | None):
         yield
     finally:
         distillation.TOP_K = default
-
-
-def partial_stage1(name: str) -> int | None:
-    """K of a `stage1@K` variant, else `None`."""
-    head, _, count = name.partition("@")
-    return int(count) if head == "stage1" and count.isdigit() else None
 
 
 def compact(zero_shot: ZeroShotResult) -> dict[str, dict]:
@@ -321,45 +297,13 @@ def arguments() -> argparse.ArgumentParser:
     arguments.add_argument("--num-samples", type=int, default=128)
     arguments.add_argument("--batch-size", type=int, default=8)
     arguments.add_argument("--label", default=None)
-    arguments.add_argument(
-        "--dense-from",
-        default=None,
-        help="take the `dense` row from this record of benchmarks/results (same model and protocol), marked as a copy, "
-        "instead of evaluating the dense model again",
-    )
-    arguments.add_argument(
-        "--device",
-        default="cpu",
-        help="where the models run (e.g. cuda); a record from another device than cpu goes to its own file, '-<device>'",
-    )
-    arguments.add_argument(
-        "--time-stage1",
-        action="store_true",
-        help="also time GradMAP's own Stage 1 (the selection, float32) at this ratio on this device, once per record: "
-        "the unit of the heal budgets there",
-    )
+    arguments.add_argument("--dense-from", help="copy the `dense` row from this record (same model and protocol)")
+    arguments.add_argument("--device", default="cpu", help="where the models run (a device but cpu: '-<device>' records)")
+    arguments.add_argument("--time-stage1", action="store_true", help="time GradMAP's own Stage 1 on this device, once")
     arguments.add_argument("--resume", action="store_true")
-    arguments.add_argument(
-        "--redo",
-        nargs="+",
-        default=[],
-        metavar="VARIANT",
-        help="with --resume, measure these variants again (run even if not in --variants), each in its old row's place; "
-        "e.g. `--redo dense` for a dense row recorded without its questions' margins",
-    )
-    arguments.add_argument(
-        "--recount-only",
-        action="store_true",
-        help="measure nothing: load the record, count every row's flips again from the answers it keeps, and rewrite the record",
-    )
-    arguments.add_argument(
-        "--pair",
-        nargs=2,
-        default=None,
-        metavar=("A", "B"),
-        help="measure nothing: compare two rows of the record question by question (B - A: accuracy, flips against the "
-        "dense row, flips on its confident questions; with BoolQ and without), from the answers they keep",
-    )
+    arguments.add_argument("--redo", nargs="+", default=[], metavar="VARIANT", help="with --resume, measure these again")
+    arguments.add_argument("--recount-only", action="store_true", help="measure nothing: count the flips again")
+    arguments.add_argument("--pair", nargs=2, metavar=("A", "B"), help="measure nothing: B against A, per question")
     return arguments
 
 
@@ -439,16 +383,9 @@ class HealRun:
         """The model a row evaluates, healed where the variant says so; its timings and what it trained in `row`."""
         if variant == "dense":
             return self.dense
-        if variant == "dense@bf16":
+        if variant == "stage1":
             model = self.load()
-            with torch.no_grad():
-                for tensor in model.state_dict().values():
-                    tensor.copy_(tensor.to(torch.bfloat16))
-            return model
-        if variant == "stage1" or partial_stage1(variant) is not None:
-            layers = self.removed if variant == "stage1" else self.removed[: partial_stage1(variant)]
-            model = self.load()
-            row["timings"] = self.prune(layers, model, compensation=False).timings
+            row["timings"] = self.prune(self.removed, model, compensation=False).timings
             return model
         settings = parse_variant(variant)
         model, start = self.start("default")
