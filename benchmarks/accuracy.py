@@ -1,36 +1,26 @@
-"""Accuracy you can trust: for one model, ratio and selection of removed layers, the Stage 1
-model and each Stage 2 variant, evaluated on the same questions, and compared with the Stage 1 model
-question by question.
+"""Accuracy you can trust: for one model, ratio and selection of removed layers, the Stage 1 model and each Stage 2
+variant, evaluated on the same questions, and compared with the Stage 1 model question by question.
 
     python benchmarks/accuracy.py --model smollm2-135m --ratio 0.25 --selection gradmap --variants stage1 default paper
     python benchmarks/accuracy.py --model smollm2-135m --ratio 0.25 --selection sleb --variants stage1 default --resume
     python benchmarks/accuracy.py --protocol screening --pair previous_default mixed   # two saved variants, paired
     python benchmarks/accuracy.py --model qwen2.5-coder-0.5b --variants --resume   # the dense model's row only
 
-The removed layers of a selection are those benchmarks/compare.py recorded for its method on the same
-model, ratio and calibration set (`--selection gradmap` -> the `gradmap` row; `quality` -> the `quality`
-preset's method, `fast` -> `relative_magnitude`): an input, stated with the file it came from; every figure
-here is measured again. Each row: held-out perplexity on the first `--max-segments` 128-token segments of
-Wikipedia and of web text, the seven zero-shot tasks offline (whole validation splits; HellaSwag and BoolQ:
-the fixed subsets of `STANDARD_SUBSETS`), every question's answer (right or wrong, compactly), and, for a
-Stage 2 variant, its paired difference against the Stage 1 model: per task and pooled, with standard errors
-and McNemar's test; the dense model's row gives retained accuracy. Every row carries its provenance
-(benchmarks/provenance.py).
+The removed layers of a selection are those benchmarks/compare.py recorded for its method (`quality` -> the
+`quality` preset's, `fast` -> `relative_magnitude`), stated with the file they came from; every figure here is
+measured again. Each row: held-out perplexity on the first `--max-segments` 128-token segments of Wikipedia and of
+web text, the seven zero-shot tasks offline (whole validation splits; HellaSwag and BoolQ: `STANDARD_SUBSETS`),
+every question's answer, and, for a Stage 2 variant, its paired difference against the Stage 1 model and the dense
+model (per task and pooled, standard errors, McNemar's test). Every row carries its provenance.
 
-A variant is `stage1`; `default`, the library's default Stage 2 when the row is measured; `paper`
-(`PAPER_STAGE2`); `previous_default`, the earlier default Stage 2 (`PREVIOUS_DEFAULT_STAGE2`: rows
-measured as `default` before the change carry that name now, with `renamed_from`); or changes to the previous default
-joined by `+` (`CHANGES`; `next_token+no_outliers` has the settings the default has had since, on a family without a
-norm after the MLP, so `default` there measures it again under another name); `mixed` fits
-Stage 2 on Wikipedia and web text in equal parts instead of the calibration set (`compensation_dataset`; Stage 1's
-layers stay the same); each Stage 2 row records the SHA-256 of the sequences its fits used.
+A variant is `stage1`; `default`, the library's default Stage 2 when the row is measured; `paper` (`PAPER_STAGE2`);
+`previous_default` (`PREVIOUS_DEFAULT_STAGE2`); or changes to the previous default joined by `+` (`CHANGES`); `mixed`
+fits Stage 2 on Wikipedia and web text in equal parts (`compensation_dataset`).
 
-Writes benchmarks/results/accuracy-<model>-<ratio>.json (`-screening` with `--protocol screening`: 400
-questions per task, for comparing many variants; `-cuda` with `--device cuda`, so that rows of different devices
-are never paired); with `--resume`, rows already there are kept. A row is saved as it goes (its perplexities, then
-each task as it ends, under `in_progress`): a run stopped halfway resumes at the row's next task with `--resume`,
-on the same weights only (their SHA-256, taken after Stage 2; Stage 2 runs again), and the row keeps each part's
-provenance (`parts`; quiet only if every part was).
+Writes benchmarks/results/accuracy-<model>-<ratio>.json (`-screening` with `--protocol screening`: 400 questions per
+task; `-cuda` with `--device cuda`); with `--resume`, rows already there are kept. A row is saved as it goes (each
+task as it ends, under `in_progress`): a run stopped halfway resumes at the row's next task with `--resume`, on the
+same weights only (their SHA-256), and the row keeps each part's provenance (`parts`).
 """
 
 from __future__ import annotations
@@ -63,31 +53,16 @@ from optimum_gradmap.evaluation import (
     zero_shot_accuracy,
 )
 
-# the quality preset's layer selection (the preset heals too)
+# the presets' layer selections, as benchmarks/common.py's SELECTIONS names them
 assert QUALITY_SELECTION == {"importance": "gradmap_bound_token", "verify_top_k": 8, "verify_halving": True}
 assert PRESETS["fast"] == {"importance": "relative_magnitude"}
-# A variant is "stage1" (no Stage 2), "default" (GradMAPConfig's defaults today), "paper" (the paper's Stage 2),
-# "previous_default" (the earlier default), or changes to the previous default joined by "+" (e.g.
-# "rotated_diagonal+no_outliers"), so that a name keeps what it measured when the default changes.
-# `grid`: the default Stage 2 with every strength of the grid scored (the strength search alone)
-NAMED_VARIANTS: dict[str, dict] = {
-    "default": {},
-    "paper": PAPER_STAGE2,
-    "previous_default": PREVIOUS_DEFAULT_STAGE2,
-    "grid": {"lambda_search": "grid"},
-}
+# A variant is "stage1" (no Stage 2), "default" (GradMAPConfig's defaults today), "paper", "previous_default", or
+# changes to the previous default joined by "+", so that a name keeps what it measured when the default changes.
+NAMED_VARIANTS: dict[str, dict] = {"default": {}, "paper": PAPER_STAGE2, "previous_default": PREVIOUS_DEFAULT_STAGE2}
 CHANGES: dict[str, dict] = {
-    "no_outliers": {"outlier_tokens": "exclude"},  # measured as `exclude_outlier_tokens=True` before its rename
-    "clip_outliers": {"outlier_tokens": "clip"},
-    "preserve_outliers": {"outlier_tokens": "preserve"},
-    "diagonal": {"compensation_form": "diagonal"},
-    "rotated_diagonal": {"compensation_form": "rotated_diagonal"},
-    "cosine": {"compensation_objective": "cosine", "adam_lr": 1e-4, "adam_steps": 500},
+    "no_outliers": {"outlier_tokens": "exclude"},
     "next_token": {"compensation_selection": "next_token_loss"},
-    "refined": {"refinement_steps": 100, "refinement_lr": 1e-4},
-    # Stage 2 fitted on Wikipedia and web text in equal parts, the same number of sequences (the web pages' calibration
-    # half; the held-out web text is the other half), as benchmarks/stage2.py's `mixed`; Stage 1's layers stay the same
-    "mixed": {"compensation_dataset": "offline:wikipedia+offline:web_text"},
+    "mixed": {"compensation_dataset": "offline:wikipedia+offline:web_text"},  # the web pages' calibration half
 }
 PROTOCOLS = {"standard": STANDARD_SUBSETS, "screening": SCREENING_SUBSETS}
 

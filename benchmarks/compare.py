@@ -142,9 +142,6 @@ def arguments() -> argparse.ArgumentParser:
     arguments.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default 128, as in the paper)")
     arguments.add_argument("--output-dir", default=RESULTS)
     arguments.add_argument("--resume", action="store_true", help="keep the methods already in the JSON, run the others")
-    arguments.add_argument(
-        "--save-checkpoints", default=None, help="save each method's final checkpoint (with report) under this folder"
-    )
     return arguments
 
 
@@ -178,9 +175,9 @@ def start_record(args: argparse.Namespace, prefix: str, num_layers: int) -> dict
     }
 
 
-def method_rows(args: argparse.Namespace, record: dict, prefix: str, dense, tokenizer, metric: str) -> GradMAPPruner:
+def method_rows(args: argparse.Namespace, record: dict, prefix: str, dense, tokenizer, metric: str) -> None:
     """The two rows of one method: Stage 1 on a fresh copy of the dense model, evaluated, then the paper's Stage 2 on
-    it, evaluated again; returns its pruner (`--save-checkpoints`)."""
+    it, evaluated again."""
     started = provenance()  # both rows of the method: the Stage 2 row reports Stage 1's figures too
     model = copy.deepcopy(dense)
     importance, stage1_settings = parse_method(metric)
@@ -229,7 +226,6 @@ def method_rows(args: argparse.Namespace, record: dict, prefix: str, dense, toke
         }
     )
     os.remove(stage1_checkpoint)
-    return pruner
 
 
 def main() -> None:
@@ -252,17 +248,10 @@ def main() -> None:
         if metric in done:
             print(f"{metric}: already in {prefix}.json, kept", flush=True)
             continue
-        pruner = method_rows(args, record, prefix, dense, tokenizer, metric)
+        method_rows(args, record, prefix, dense, tokenizer, metric)
         records.write(f"{prefix}.json", record)
         for row in record["rows"][-2:]:
             print(f"{metric}, Stage 2 {row['stage2']}: removed {row['removed_layers']}, {row['evaluation']['perplexities']}")
-        if args.save_checkpoints:
-            asset = MODEL_ASSETS[args.model]
-            folder = os.path.join(args.save_checkpoints, f"{args.model}-{metric}-{args.ratio}")
-            pruner.save_pretrained(folder, base_model=asset.hub_id, license=asset.license)
-    times = {row["method"]: row["stage1_seconds"] for row in record["rows"] if row["stage1_seconds"] is not None}
-    if "gradmap" in times and "sleb" in times:
-        record["sleb_over_gradmap_stage1_time"] = times["sleb"] / times["gradmap"]
     record["plots"] = plot(record, prefix)
     records.write(f"{prefix}.json", record)
     print(f"saved {prefix}.json and the plots")

@@ -10,11 +10,9 @@ compare-<model>-<ratio>.json, which must exist with the same
 settings; its calibration SHA-256 is checked against the one rebuilt here. Variants:
 
 - `paper`: the paper's Stage 2 (largest-drift layer, full d x d W', closed form, lambda 1e-3);
-- changes to it, joined by `+` (e.g. `span_end+auto+diagonal`): `auto`, lambda by cross-validation
+- changes to it, joined by `+` (e.g. `span_end+auto+mixed`): `auto`, lambda by cross-validation
   (`reg_lambda="auto"`), identity when nothing beats it; `span_end`, the layer before each removed run,
-  fitted to the run's dense end; `diagonal`, W' a channel-wise scaling; `validated`, kept only if it
-  lowers the perplexity of validation text drawn from the calibration Wikipedia articles with another
-  seed (in-domain text the user could hold out); `mixed`, fitted on Wikipedia and web text in equal parts
+  fitted to the run's dense end; `mixed`, fitted on Wikipedia and web text in equal parts
   (`offline:wikipedia+offline:web_text`; Stage 1's layers stay compare.py's).
 
 Writes benchmarks/results/stage2-<model>-<ratio>.json; with `--resume`, rows already there are kept.
@@ -30,7 +28,7 @@ import platform
 
 import records
 import torch
-from common import CALIBRATION, RESULTS, calibration, held_out, log_rounds, parser
+from common import CALIBRATION, RESULTS, held_out, log_rounds, parser
 from provenance import finish, mark_copy, provenance
 from rendering.stage2 import copied_from
 
@@ -39,29 +37,21 @@ from optimum_gradmap.assets import MODEL_ASSETS, load_model
 from optimum_gradmap.configuration import PAPER_STAGE2
 from optimum_gradmap.data import calibration_sha256
 
-# A variant is "paper" or "+"-joined changes to it (e.g. "span_end+auto+diagonal"); "validated" keeps the fold
-# only if it lowers the perplexity of validation text (the calibration articles, another seed).
-CHANGES = {
-    "auto": {"reg_lambda": "auto"},
-    "span_end": {"compensation_target": "span_end"},
-    "diagonal": {"compensation_form": "diagonal"},
-    "validated": {},
-    "mixed": {},
-}
-# "mixed": Stage 2 fitted on Wikipedia and web text in equal parts (the web pages' calibration half; the held-out
-# web text is the other half), the same number of sequences; Stage 1's layers stay compare.py's.
+# A variant is "paper" or "+"-joined changes to it (e.g. "span_end+auto+mixed"); "mixed": Stage 2 fitted on
+# Wikipedia and web text in equal parts (the web pages' calibration half), the same number of sequences.
+CHANGES = {"auto": {"reg_lambda": "auto"}, "span_end": {"compensation_target": "span_end"}, "mixed": {}}
 MIXED_CALIBRATION = "offline:wikipedia+offline:web_text"
 
 
-def parse_variant(name: str) -> tuple[dict, bool, str]:
+def parse_variant(name: str) -> tuple[dict, str]:
     """The Stage 2 settings of a variant (the paper's, `PAPER_STAGE2`, with the changes applied, whatever the
-    library's defaults are), whether it is validated, and the calibration text Stage 2 fits on."""
+    library's defaults are), and the calibration text Stage 2 fits on."""
     changes = [] if name == "paper" else name.split("+")
     unknown = [change for change in changes if change not in CHANGES]
     if unknown or len(set(changes)) != len(changes):
         raise SystemExit(f"unknown variant {name!r}: 'paper' or '+'-joined changes from {list(CHANGES)}")
     overrides = {**PAPER_STAGE2, **{key: value for change in changes for key, value in CHANGES[change].items()}}
-    return overrides, "validated" in changes, MIXED_CALIBRATION if "mixed" in changes else CALIBRATION
+    return overrides, MIXED_CALIBRATION if "mixed" in changes else CALIBRATION
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -166,11 +156,11 @@ def copy_twins(record: dict, method: str, removed: list[int], todo: list[str]) -
     return left
 
 
-def variant_row(args, method: str, removed: list[int], variant: str, pruner, result, model, tokenizer, validation) -> dict:
+def variant_row(args, method: str, removed: list[int], variant: str, pruner, result, model, tokenizer) -> dict:
     """One Stage 2 variant fitted on the Stage 1 model of `result`, evaluated."""
-    overrides, validated, _ = parse_variant(variant)
+    overrides, _ = parse_variant(variant)
     started = provenance()
-    pruner.compensate(result, validation_data=validation if validated else None, **overrides)
+    pruner.compensate(result, **overrides)
     evaluation = held_out(model, tokenizer, f"{method} + Stage 2 {variant}", args.max_eval_segments, args.task_limit)
     return {
         "method": method,
@@ -202,14 +192,13 @@ def main() -> None:
     done = {(row["method"], row["variant"]) for row in record["rows"]}
     copy_compare_rows(args, record, compare, methods)
     records.write(path, record)
-    validation = None
     for method in methods:
         removed = stage1_rows[method]["removed_layers"]
         todo = copy_twins(record, method, removed, [variant for variant in args.variants if (method, variant) not in done])
         records.write(path, record)
         by_calibration: dict[str, list[str]] = {}  # one Stage 1 replay per calibration text
         for variant in todo:
-            by_calibration.setdefault(parse_variant(variant)[2], []).append(variant)
+            by_calibration.setdefault(parse_variant(variant)[1], []).append(variant)
         for text, variants in by_calibration.items():
             model = copy.deepcopy(dense)
             config = GradMAPConfig(layers_to_prune=removed, num_samples=args.num_samples)
@@ -218,9 +207,7 @@ def main() -> None:
             if text == CALIBRATION and calibration_sha256(result.calibration_ids) != compare["calibration_sha256"]:
                 raise SystemExit("the calibration set differs from the one compare.py used")
             for variant in variants:
-                if parse_variant(variant)[1] and validation is None:  # in-domain held-out text: another seed
-                    validation = calibration(tokenizer, args.num_samples, seed=1)
-                row = variant_row(args, method, removed, variant, pruner, result, model, tokenizer, validation)
+                row = variant_row(args, method, removed, variant, pruner, result, model, tokenizer)
                 record["rows"].append(row)
                 records.write(path, record)
                 print(f"{method} + {variant}: {row['evaluation']['perplexities']}", flush=True)
