@@ -1,29 +1,27 @@
-"""The scale harness: real architectures' published configs with random weights, pruned from disk.
-
+"""The scale harness: real architectures' published configs with random weights, pruned and healed from disk.
 Random weights make the chosen layers and every perplexity meaningless: this harness measures time, memory, disk
 and the machinery's correctness (the pruned checkpoint reloads with plain `AutoModelForCausalLM` and computes the
 logits the pruned model computed in the process), never quality.
 
     # write Llama-3.1-8B's shape with random weights, sharded as `save_pretrained(max_shard_size="5GB")` shards it
     python benchmarks/scale.py build --model llama-3.1-8b --dtype bfloat16 --output ../scale/llama-3.1-8b-bf16
-    # prune it from disk with the command line, layer-streamed, and measure
+    # prune it from disk with the command line, layer-streamed, and measure (`--keep`: keep the checkpoint)
     python benchmarks/scale.py prune --model llama-3.1-8b --weights ../scale/llama-3.1-8b-bf16 \
         --dtype bfloat16 --num-samples 16 --max-memory cpu=2GiB --resume
+    # heal the kept checkpoint from disk, the dense model as teacher, and measure
+    python benchmarks/scale.py heal --model llama-3.1-8b --weights DENSE --pruned PRUNED --dtype bfloat16 \
+        --heal-tokens 2048 --max-memory cpu=2GiB --work DIR -- --heal-validation-sequences 8
 
-`build` draws every weight as the family's `_init_weights` draws it (normal with the config's
-`initializer_range` for linear maps and embeddings, ones for norms, zeros for biases), one module at a time in
-the state dict's order from one seeded generator, so the whole model is never in memory; the tokenizer is
-SmolLM2-135M's from the offline assets (its 49,152 ids lie inside every vocabulary here: random weights do not
-care which tokenizer reads the text).
+`build` draws every weight as the family's `_init_weights` does (normal with `initializer_range` for linear maps
+and embeddings, ones for norms, zeros for biases), one module at a time from one seeded generator, so the whole
+model is never in memory; the tokenizer is SmolLM2-135M's (its ids lie inside the vocabulary).
 
-`prune` runs `optimum-gradmap prune WEIGHTS --pruning-ratio R --output OUT --device-map auto --max-memory ...
---offload-folder ...` in a child process, through the command line's own entry point, with one probe added: once
-the checkpoint is written, the pruned model's logits on a few tokens are saved. A second child reloads the
-checkpoint with plain `AutoModelForCausalLM` (offloaded the same way) and compares its logits with them. The
-parent samples the child's memory every 0.5 s (`/proc/PID/status`: RssAnon, the process's own memory; RssFile,
-the weight files it has mapped) and reads its `VmHWM` (peak resident) and `/proc/PID/io` (bytes read from disk)
-when it ends. Seconds per Stage 1 round come from the Stage 1 checkpoint, Stage 2's from the report.
-Writes benchmarks/results/scale-<model>-<dtype>.json (one row per run; `--resume` skips a finished run).
+`prune` and `heal` run the command line's own `optimum-gradmap prune` / `heal` (`--device-map auto --max-memory ...
+--offload-folder ...`) in a child process whose memory is sampled (`common.run_monitored`); once the checkpoint is
+written, the pruned model's logits on a few tokens are saved, and a second child reloads the checkpoint with plain
+`AutoModelForCausalLM` (offloaded the same way) to compare its logits. Seconds per Stage 1 round come from the
+Stage 1 checkpoint, Stage 2's from the report. Writes benchmarks/results/scale-<model>-<dtype>.json (one row per
+run; `--resume` skips a finished run).
 """
 
 from __future__ import annotations

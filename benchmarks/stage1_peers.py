@@ -1,30 +1,21 @@
-"""Stage 1 against SLEB at the cost of SLEB's own code: same model, ratio and calibration set, one run.
+"""Stage 1 against SLEB at the cost of SLEB's own code: same model, ratio and calibration set, one run. Each
+selection runs on a fresh copy of the dense model, Stage 1 only (the layers alone are compared):
 
-Four selections, each on a fresh copy of the dense model, Stage 1 only (no Stage 2, so the layers alone are
-compared):
+- `sleb_reference`: SLEB's criterion as SLEB's code computes it, one full forward pass over the calibration set per
+  candidate block (`optimum_gradmap.testing.reference_removal_losses`);
+- `sleb`: our SLEB, each candidate started from its recorded input: the same layers, less work;
+- `quality`, `fast`, `paper`: those presets' Stage 1; `quality_from_scoring_pass`: `quality` with its shortlist
+  check started from the scoring pass's layer inputs (`verify_from_scoring_pass=True`).
 
-- `sleb_reference`: SLEB's criterion computed as SLEB's code does it, one full forward pass over the whole
-  calibration set per candidate block (`optimum_gradmap.testing.reference_removal_losses`);
-- `sleb`: our SLEB, the same criterion with each candidate started from its recorded input
-  (`importance.metrics.removal_losses`): the same layers, less work;
-- `quality`: the `quality` preset's Stage 1 (GradMAP's bound per token, a shortlist of 8 checked by SLEB's
-  criterion with successive halving);
-- `fast`: the `fast` preset's Stage 1 (relative magnitude, one pass without gradients, removal in one shot);
-- `quality_from_scoring_pass` (only when asked for with `--methods`): the same with the check starting from the
-  layer inputs the scoring pass computed (`verify_from_scoring_pass=True`) instead of a pass of its own;
-- `paper` (only when asked for with `--methods`): the `paper` preset's Stage 1, GradMAP's Fisher-trace score
-  (Eq. 5), iterative (Algorithm 1).
+Each row: the removed layers, Stage 1 seconds, held-out perplexity on Wikipedia and web text (128-token segments),
+and its provenance (the machine's load and the other busy processes: timings mean something only on a quiet one).
 
-Each row: the removed layers, Stage 1 seconds, held-out perplexity on Wikipedia and web text (128-token
-segments), and its provenance (commit, date, command, machine and its load, `benchmarks/provenance.py`);
-then the time ratios, computed only between rows of this one run. Timings mean something only on a quiet
-machine: the table shows, per row, how many other processes were busy when it started and ended.
+    python benchmarks/stage1_peers.py --model smollm2-135m --ratio 0.25 --num-samples 16 --resume \
+        --methods sleb_reference sleb quality fast paper quality_from_scoring_pass
+    python benchmarks/stage1_peers.py --model qwen2.5-coder-0.5b --ratio 0.25 --num-samples 8 --resume
 
-    python benchmarks/stage1_peers.py --model smollm2-135m --ratio 0.25 --num-samples 32 --resume
-    python benchmarks/stage1_peers.py --model qwen2.5-coder-0.5b --ratio 0.25 --num-samples 32 --resume
-
-Writes benchmarks/results/stage1_peers-<model>-<ratio>-<num samples>.json, after every row; `--resume`
-keeps the rows already there (same settings, same calibration set by its SHA-256) and runs the others.
+Writes benchmarks/results/stage1_peers-<model>-<ratio>-<num samples>.json, after every row; `--resume` keeps the
+rows already there (same settings, same calibration set by its SHA-256) and runs the others.
 """
 
 from __future__ import annotations
