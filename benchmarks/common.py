@@ -122,6 +122,27 @@ def resumed(path: str, resume: bool, new: dict, settings: dict | None = None) ->
     return record
 
 
+def comparison_settings(args: argparse.Namespace) -> dict:
+    """The settings benchmarks/compare.py and benchmarks/stage2.py record, and check on `--resume`."""
+    keys = ("model", "ratio", "task_limit", "max_eval_segments", "num_samples")
+    return {key: getattr(args, key) for key in keys}
+
+
+def commanded_record(path: str, resume: bool, command: str, settings: dict, fields: dict) -> dict:
+    """A record that keeps every command that wrote it: with `resume`, the one at `path` (the same `settings`), this
+    command added; else a new one with the machine and `fields`."""
+    if resume and os.path.exists(path):
+        record = resumed(path, resume, {}, settings)
+        record["commands"].append(command + " --resume")
+        return record
+    import platform
+
+    import torch
+
+    machine = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__}
+    return {"commands": [command], "settings": settings, "machine": machine, **fields, "rows": []}
+
+
 def replaced(rows: list[dict], row: dict, field: str) -> list[dict]:
     """`rows` with `row` in place of the rows of the same `field` (at the end)."""
     return [existing for existing in rows if existing.get(field) != row[field]] + [row]
@@ -151,11 +172,6 @@ def stop_at_exit() -> None:
     import signal
 
     atexit.register(lambda: os.kill(os.getpid(), signal.SIGSTOP))
-
-
-def cli_command(argv: list[str]) -> list[str]:
-    """The command of a child that runs the command line's own entry point with `argv`, stopping itself at exit."""
-    return [sys.executable, os.path.abspath(__file__), *argv]
 
 
 class ProcessMonitor:
@@ -242,10 +258,3 @@ def shown(row: dict) -> dict:
     kept = {key: value for key, value in row.items() if key not in ("provenance", "argv", "printed", "memory")}
     kept["memory"] = {key: value for key, value in row["memory"].items() if key != "timeline"}
     return kept
-
-
-if __name__ == "__main__":  # the child of `cli_command`
-    stop_at_exit()
-    from optimum_gradmap import cli
-
-    sys.exit(cli.main(sys.argv[1:]) or 0)

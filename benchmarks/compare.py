@@ -32,11 +32,9 @@ import argparse
 import copy
 import itertools
 import os
-import platform
 
 import records
-import torch
-from common import CALIBRATION, RESULTS, held_out, log_rounds, parser
+from common import CALIBRATION, RESULTS, commanded_record, comparison_settings, held_out, log_rounds, parser
 from provenance import finish, provenance
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
@@ -151,28 +149,11 @@ def start_record(args: argparse.Namespace, prefix: str, num_layers: int) -> dict
         f"python benchmarks/compare.py --model {args.model} --ratio {args.ratio} --metrics {' '.join(args.metrics)} "
         f"--task-limit {args.task_limit} --max-eval-segments {args.max_eval_segments} --num-samples {args.num_samples}"
     )
-    settings = {
-        "model": args.model,
-        "ratio": args.ratio,
-        "task_limit": args.task_limit,
-        "max_eval_segments": args.max_eval_segments,
-        "num_samples": args.num_samples,
-    }
-    if args.resume and os.path.exists(f"{prefix}.json"):
-        record = records.read(f"{prefix}.json")
-        different = {key: (record["settings"][key], value) for key, value in settings.items() if record["settings"][key] != value}
-        if different:
-            raise SystemExit(f"--resume: settings differ from {prefix}.json (saved, asked): {different}")
-        record["commands"].append(command + " --resume")
-        return record
-    return {
-        "commands": [command],
-        "settings": settings,
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
+    fields = {
         "num_layers": num_layers,
         "calibration": f"{args.num_samples} x 128 tokens of the calibration Wikipedia articles, seed 0, for every method",
-        "rows": [],
     }
+    return commanded_record(f"{prefix}.json", args.resume, command, comparison_settings(args), fields)
 
 
 def method_rows(args: argparse.Namespace, record: dict, prefix: str, dense, tokenizer, metric: str) -> None:

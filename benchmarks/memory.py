@@ -32,11 +32,16 @@ import sys
 import tempfile
 
 import records
-from common import RESULTS, ROOT, cli_command, folder_bytes, parser, printed_tail, replaced, run_monitored, shown
+from common import RESULTS, ROOT, folder_bytes, parser, printed_tail, replaced, run_monitored, shown, stop_at_exit
 from provenance import finish, provenance, wait_until_quiet
 
 PRUNE_RECORD = os.path.join(RESULTS, "cli_prune_memory.json")
 MAIN_JOB_RECORD = os.path.join(RESULTS, "main_job_memory.json")
+
+
+def cli_command(argv: list[str]) -> list[str]:
+    """The command of a child that runs the command line's own entry point with `argv`, stopping itself at exit."""
+    return [sys.executable, os.path.abspath(__file__), "_cli", *argv]
 
 
 def prune_key(model: str, ratio: float, dtype: str, extra: list[str], dataset: str = "offline:wikipedia") -> list[str]:
@@ -97,6 +102,11 @@ def measure_main_job(args, folder: str) -> dict:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["_cli"]:  # the child of `cli_command`
+        stop_at_exit()
+        from optimum_gradmap import cli
+
+        sys.exit(cli.main(sys.argv[2:]) or 0)
     arguments = parser(__doc__)
     arguments.add_argument("run", choices=["prune", "main-job"])
     arguments.add_argument("--model", default="smollm2-135m", help="prune: an offline model asset, e.g. qwen2.5-coder-0.5b")

@@ -36,7 +36,8 @@ import time
 from collections.abc import Callable
 
 import records
-from common import RESULTS, cli_command, folder_bytes, gib, parser, replaced, run_monitored, shown, stop_at_exit
+from common import RESULTS, folder_bytes, gib, parser, replaced, run_monitored, shown, stop_at_exit
+from memory import cli_command
 from provenance import finish, provenance
 
 RANDOM_WEIGHTS = "random weights: time, memory, disk and correctness only, never quality"

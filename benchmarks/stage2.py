@@ -24,11 +24,9 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import platform
 
 import records
-import torch
-from common import CALIBRATION, RESULTS, held_out, log_rounds, parser
+from common import CALIBRATION, RESULTS, commanded_record, comparison_settings, held_out, log_rounds, parser
 from provenance import finish, mark_copy, provenance
 from rendering.stage2 import copied_from
 
@@ -71,13 +69,7 @@ def arguments() -> argparse.ArgumentParser:
 
 def start_record(args: argparse.Namespace, compare: dict, methods: list[str], prefix: str) -> dict:
     """A new record, or with `--resume` the record at `prefix`.json (the same settings), this command added."""
-    settings = {
-        "model": args.model,
-        "ratio": args.ratio,
-        "task_limit": args.task_limit,
-        "max_eval_segments": args.max_eval_segments,
-        "num_samples": args.num_samples,
-    }
+    settings = comparison_settings(args)
     same_text = {key: value for key, value in settings.items() if key != "task_limit"}
     if {key: compare["settings"][key] for key in same_text} != same_text:
         raise SystemExit(f"compare.py ran with other settings: {compare['settings']}, asked {settings}")
@@ -86,20 +78,8 @@ def start_record(args: argparse.Namespace, compare: dict, methods: list[str], pr
         f"--methods {' '.join(methods)} --task-limit {args.task_limit} --max-eval-segments {args.max_eval_segments} "
         f"--num-samples {args.num_samples}"
     )
-    if args.resume and os.path.exists(f"{prefix}.json"):
-        record = records.read(f"{prefix}.json")
-        if record["settings"] != settings:
-            raise SystemExit(f"--resume: settings differ from {prefix}.json: {record['settings']}, asked {settings}")
-        record["commands"].append(command + " --resume")
-        return record
-    return {
-        "commands": [command],
-        "settings": settings,
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
-        "calibration_sha256": compare["calibration_sha256"],
-        "stage1_rows_from": f"compare-{args.model}-{args.ratio}.json",
-        "rows": [],
-    }
+    fields = {"calibration_sha256": compare["calibration_sha256"], "stage1_rows_from": f"compare-{args.model}-{args.ratio}.json"}
+    return commanded_record(f"{prefix}.json", args.resume, command, settings, fields)
 
 
 def copy_compare_rows(args: argparse.Namespace, record: dict, compare: dict, methods: list[str]) -> None:
