@@ -1,36 +1,26 @@
-"""Accuracy you can trust: for one model, ratio and selection of removed layers, the Stage 1
-model and each Stage 2 variant, evaluated on the same questions, and compared with the Stage 1 model
-question by question.
+"""Accuracy you can trust: for one model, ratio and selection of removed layers, the Stage 1 model and each Stage 2
+variant, evaluated on the same questions, and compared with the Stage 1 model question by question.
 
     python benchmarks/accuracy.py --model smollm2-135m --ratio 0.25 --selection gradmap --variants stage1 default paper
     python benchmarks/accuracy.py --model smollm2-135m --ratio 0.25 --selection sleb --variants stage1 default --resume
     python benchmarks/accuracy.py --protocol screening --pair previous_default mixed   # two saved variants, paired
     python benchmarks/accuracy.py --model qwen2.5-coder-0.5b --variants --resume   # the dense model's row only
 
-The removed layers of a selection are those benchmarks/compare.py recorded for its method on the same
-model, ratio and calibration set (`--selection gradmap` -> the `gradmap` row; `quality` -> the `quality`
-preset's method, `fast` -> `relative_magnitude`): an input, stated with the file it came from; every figure
-here is measured again. Each row: held-out perplexity on the first `--max-segments` 128-token segments of
-Wikipedia and of web text, the seven zero-shot tasks offline (whole validation splits; HellaSwag and BoolQ:
-the fixed subsets of `STANDARD_SUBSETS`), every question's answer (right or wrong, compactly), and, for a
-Stage 2 variant, its paired difference against the Stage 1 model: per task and pooled, with standard errors
-and McNemar's test; the dense model's row gives retained accuracy. Every row carries its provenance
-(benchmarks/provenance.py).
+The removed layers of a selection are those benchmarks/compare.py recorded for its method (`quality` -> the
+`quality` preset's, `fast` -> `relative_magnitude`), stated with the file they came from; every figure here is
+measured again. Each row: held-out perplexity on the first `--max-segments` 128-token segments of Wikipedia and of
+web text, the seven zero-shot tasks offline (whole validation splits; HellaSwag and BoolQ: `STANDARD_SUBSETS`),
+every question's answer, and, for a Stage 2 variant, its paired difference against the Stage 1 model and the dense
+model (per task and pooled, standard errors, McNemar's test). Every row carries its provenance.
 
-A variant is `stage1`; `default`, the library's default Stage 2 when the row is measured; `paper`
-(`PAPER_STAGE2`); `previous_default`, the earlier default Stage 2 (`PREVIOUS_DEFAULT_STAGE2`: rows
-measured as `default` before the change carry that name now, with `renamed_from`); or changes to the previous default
-joined by `+` (`CHANGES`; `next_token+no_outliers` has the settings the default has had since, on a family without a
-norm after the MLP, so `default` there measures it again under another name); `mixed` fits
-Stage 2 on Wikipedia and web text in equal parts instead of the calibration set (`compensation_dataset`; Stage 1's
-layers stay the same); each Stage 2 row records the SHA-256 of the sequences its fits used.
+A variant is `stage1`; `default`, the library's default Stage 2 when the row is measured; `paper` (`PAPER_STAGE2`);
+`previous_default` (`PREVIOUS_DEFAULT_STAGE2`); or changes to the previous default joined by `+` (`CHANGES`); `mixed`
+fits Stage 2 on Wikipedia and web text in equal parts (`compensation_dataset`).
 
-Writes benchmarks/results/accuracy-<model>-<ratio>.json (`-screening` with `--protocol screening`: 400
-questions per task, for comparing many variants; `-cuda` with `--device cuda`, so that rows of different devices
-are never paired); with `--resume`, rows already there are kept. A row is saved as it goes (its perplexities, then
-each task as it ends, under `in_progress`): a run stopped halfway resumes at the row's next task with `--resume`,
-on the same weights only (their SHA-256, taken after Stage 2; Stage 2 runs again), and the row keeps each part's
-provenance (`parts`; quiet only if every part was).
+Writes benchmarks/results/accuracy-<model>-<ratio>.json (`-screening` with `--protocol screening`: 400 questions per
+task; `-cuda` with `--device cuda`); with `--resume`, rows already there are kept. A row is saved as it goes (each
+task as it ends, under `in_progress`): a run stopped halfway resumes at the row's next task with `--resume`, on the
+same weights only (their SHA-256), and the row keeps each part's provenance (`parts`).
 """
 
 from __future__ import annotations
@@ -44,61 +34,35 @@ import time
 
 import records
 import torch
+from common import CALIBRATION, RESULTS, SELECTIONS, calibration, expand, layers_of, parser, resumed
 from provenance import finish, provenance
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.assets import MODEL_ASSETS, load_model
 from optimum_gradmap.configuration import PAPER_STAGE2, PRESETS, PREVIOUS_DEFAULT_STAGE2, QUALITY_SELECTION
-from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
+from optimum_gradmap.data import calibration_sha256
 from optimum_gradmap.evaluation import (
     PAPER_TASKS,
     SCREENING_SUBSETS,
     STANDARD_SUBSETS,
     EvaluationResult,
     PerplexityResult,
-    QuestionRecord,
-    TaskResult,
     ZeroShotResult,
     compare_zero_shot,
     evaluate,
     zero_shot_accuracy,
 )
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-CALIBRATION = "offline:wikipedia"
-# selection -> the method of benchmarks/compare.py whose removed layers it takes
-SELECTIONS = {
-    "gradmap": "gradmap",
-    "sleb": "sleb",
-    "block_influence": "block_influence",
-    "quality": "gradmap_bound_token+top8+halving",  # the quality preset
-    "fast": "relative_magnitude",  # the fast preset
-}
-# the quality preset's layer selection (the preset heals too)
+# the presets' layer selections, as benchmarks/common.py's SELECTIONS names them
 assert QUALITY_SELECTION == {"importance": "gradmap_bound_token", "verify_top_k": 8, "verify_halving": True}
 assert PRESETS["fast"] == {"importance": "relative_magnitude"}
-# A variant is "stage1" (no Stage 2), "default" (GradMAPConfig's defaults today), "paper" (the paper's Stage 2),
-# "previous_default" (the earlier default), or changes to the previous default joined by "+" (e.g.
-# "rotated_diagonal+no_outliers"), so that a name keeps what it measured when the default changes.
-# `grid`: the default Stage 2 with every strength of the grid scored (the strength search alone)
-NAMED_VARIANTS: dict[str, dict] = {
-    "default": {},
-    "paper": PAPER_STAGE2,
-    "previous_default": PREVIOUS_DEFAULT_STAGE2,
-    "grid": {"lambda_search": "grid"},
-}
+# A variant is "stage1" (no Stage 2), "default" (GradMAPConfig's defaults today), "paper", "previous_default", or
+# changes to the previous default joined by "+", so that a name keeps what it measured when the default changes.
+NAMED_VARIANTS: dict[str, dict] = {"default": {}, "paper": PAPER_STAGE2, "previous_default": PREVIOUS_DEFAULT_STAGE2}
 CHANGES: dict[str, dict] = {
-    "no_outliers": {"outlier_tokens": "exclude"},  # measured as `exclude_outlier_tokens=True` before its rename
-    "clip_outliers": {"outlier_tokens": "clip"},
-    "preserve_outliers": {"outlier_tokens": "preserve"},
-    "diagonal": {"compensation_form": "diagonal"},
-    "rotated_diagonal": {"compensation_form": "rotated_diagonal"},
-    "cosine": {"compensation_objective": "cosine", "adam_lr": 1e-4, "adam_steps": 500},
+    "no_outliers": {"outlier_tokens": "exclude"},
     "next_token": {"compensation_selection": "next_token_loss"},
-    "refined": {"refinement_steps": 100, "refinement_lr": 1e-4},
-    # Stage 2 fitted on Wikipedia and web text in equal parts, the same number of sequences (the web pages' calibration
-    # half; the held-out web text is the other half), as benchmarks/stage2.py's `mixed`; Stage 1's layers stay the same
-    "mixed": {"compensation_dataset": "offline:wikipedia+offline:web_text"},
+    "mixed": {"compensation_dataset": "offline:wikipedia+offline:web_text"},  # the web pages' calibration half
 }
 PROTOCOLS = {"standard": STANDARD_SUBSETS, "screening": SCREENING_SUBSETS}
 
@@ -115,13 +79,6 @@ def variant_settings(name: str) -> dict | None:
             f"unknown variant {name!r}: stage1, {', '.join(NAMED_VARIANTS)}, or '+'-joined changes from {list(CHANGES)}"
         )
     return {**PREVIOUS_DEFAULT_STAGE2, **{key: value for change in changes for key, value in CHANGES[change].items()}}
-
-
-def layers_of(model: str, ratio: float, selection: str) -> tuple[list[int], str]:
-    path = os.path.join(RESULTS, f"compare-{model}-{ratio:g}.json")
-    record = records.read(path)
-    row = next(row for row in record["rows"] if row["method"] == SELECTIONS[selection] and not row["stage2"])
-    return row["removed_layers"], f"{os.path.relpath(path, os.path.dirname(RESULTS))}, row {SELECTIONS[selection]!r}"
 
 
 def rows_by_key(record: dict) -> dict[tuple[str, str], dict]:
@@ -149,19 +106,6 @@ def compact_answers(zero_shot: ZeroShotResult) -> dict[str, dict]:
         task.task: {"doc_ids": [q.doc_id for q in task.questions], "acc": "".join(str(q.acc) for q in task.questions)}
         for task in zero_shot.tasks
     }
-
-
-def from_compact(answers: dict[str, dict]) -> ZeroShotResult:
-    """A [`ZeroShotResult`] holding only the answers of `compact_answers`, for `compare_zero_shot`."""
-    tasks = []
-    for task, kept in answers.items():
-        questions = [QuestionRecord(i, [], 0, None, 0, int(a)) for i, a in zip(kept["doc_ids"], kept["acc"])]
-        tasks.append(
-            TaskResult(
-                task, "validation", "", len(questions), sum(q.acc for q in questions) / len(questions), questions=questions
-            )
-        )
-    return ZeroShotResult(tasks=tasks)
 
 
 def model_sha256(model) -> str:
@@ -205,7 +149,7 @@ def measure(model, tokenizer, label: str, max_segments: int, batch_size: int, su
     parts = []
     for task in PAPER_TASKS:
         part = ZeroShotResult.from_dict(tasks[task]["summary"])
-        part.tasks[0].questions = from_compact({task: tasks[task]["answers"]}).tasks[0].questions
+        part.tasks[0].questions = expand({task: tasks[task]["answers"]}).tasks[0].questions
         parts.append(part)
     zero_shot = ZeroShotResult.merge(parts)
     result = EvaluationResult(
@@ -258,9 +202,9 @@ def measure_row(
 
 def paired(row: dict, against: dict, dense: dict | None) -> dict:
     comparison = compare_zero_shot(
-        from_compact(against["evaluation"]["zero_shot"]["answers"]),
-        from_compact(row["evaluation"]["zero_shot"]["answers"]),
-        reference=from_compact(dense["evaluation"]["zero_shot"]["answers"]) if dense else None,
+        expand(against["evaluation"]["zero_shot"]["answers"]),
+        expand(row["evaluation"]["zero_shot"]["answers"]),
+        reference=expand(dense["evaluation"]["zero_shot"]["answers"]) if dense else None,
         names=(against["label"], row["label"], "dense"),
     )
     print(comparison.summary(), flush=True)
@@ -277,151 +221,130 @@ def print_pairs(record: dict, a: str, b: str) -> None:
         answers = [rows[(selection, variant)]["evaluation"]["zero_shot"]["answers"] for variant in (a, b)]
         for label, skip in (("all tasks", ()), ("without BoolQ", ("boolq",))):
             kept = [{task: v for task, v in side.items() if task not in skip} for side in answers]
-            pooled = compare_zero_shot(from_compact(kept[0]), from_compact(kept[1])).pooled
+            pooled = compare_zero_shot(expand(kept[0]), expand(kept[1])).pooled
             print(
                 f"{selection}: {b} - {a}, {label} ({pooled.num_questions} questions): "
                 f"{100 * pooled.difference:+.2f} ± {100 * pooled.stderr:.2f} points, p = {pooled.p_value:.3g}"
             )
 
 
-def markdown(record: dict) -> str:
-    lines = [
-        f"# Accuracy: {record['model']} at {record['ratio']:g}",
-        "",
-        "Held-out perplexity (first 128 segments of 128 tokens), the 7-task zero-shot average and pooled accuracy "
-        f"({record.get('questions', 'not yet counted')} questions, protocol {record['protocol']!r}: "
-        f"subsets {record['subsets']}, other splits whole), "
-        "and the "
-        "paired change against Stage 1 only (pooled over every question, +/- its standard error; McNemar p), retained "
-        "% of the dense model's 7-task average. Every row measured (no copy), with its provenance in the JSON.",
-        "",
-        "| selection | Stage 2 | compensated | Wikipedia | web text | 7-task avg | pooled | vs Stage 1 (pooled) | p | retained % "
-        "| eval s | quiet |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for selection, twin in record.get("same_layers", {}).items():
-        lines.insert(2, f"{selection}'s removed layers are {twin}'s (the same set): its rows are {twin}'s, measured once.\n")
-    for key, progress in record.get("in_progress", {}).items():
-        measured = ", ".join(progress.get("tasks", {})) or "none"
-        lines.insert(2, f"In progress (not a row yet): {key}, tasks measured: {measured}.\n")
-    for row in record["rows"]:
-        evaluation = row["evaluation"]
-        wikipedia, web = (entry["perplexity"] for entry in evaluation["perplexities"])
-        zero_shot = evaluation["zero_shot"]
-        against = row.get("against_stage1")
-        change = f"{against['pooled']['difference']:+.4f} ± {against['pooled']['stderr']:.4f}" if against else ""
-        p_value = f"{against['pooled']['p_value']:.3g}" if against else ""
-        retained = row.get("against_dense", {}).get("retained_b") if row.get("against_dense") else None
-        lines.append(
-            f"| {row['selection']} | {row['variant']} | {row.get('compensated_layers', '')} | {wikipedia:.2f} | {web:.2f} | "
-            f"{zero_shot['average_acc']:.4f} | {zero_shot['pooled_acc']:.4f} | {change} | {p_value} | "
-            f"{f'{retained:.1f}' if retained else ''} | {evaluation['seconds']:.0f} | {row['provenance']['quiet']} |"
-        )
-    return "\n".join(lines) + "\n"
+def add_layer_arguments(arguments: argparse.ArgumentParser) -> None:
+    """The arguments that name a pruned model's layers (`--model`, `--ratio`, `--selection`: see `common.layers_of`)
+    and its calibration set (`--num-samples` sequences of 128 tokens of `CALIBRATION`)."""
+    arguments.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_ASSETS))
+    arguments.add_argument("--ratio", type=float, default=0.25)
+    arguments.add_argument("--selection", default="gradmap", choices=sorted(SELECTIONS))
+    arguments.add_argument("--num-samples", type=int, default=128)
 
 
-def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments that name a pruned model's layers (`--model`, `--ratio`, `--selection`: see `layers_of`) and its
-    calibration set (`--num-samples` sequences of 128 tokens of `CALIBRATION`)."""
-    parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_ASSETS))
-    parser.add_argument("--ratio", type=float, default=0.25)
-    parser.add_argument("--selection", default="gradmap", choices=sorted(SELECTIONS))
-    parser.add_argument("--num-samples", type=int, default=128)
-
-
-def layer_record(args: argparse.Namespace, layers: list[int], layers_from: str, calibration: torch.Tensor) -> dict:
-    """The head of a record about one pruned model named by [`add_layer_arguments`]: which model, ratio and selection,
-    the layers removed and where they came from, and the calibration set's SHA-256."""
-    return {
-        "model": args.model,
-        "ratio": args.ratio,
-        "selection": args.selection,
-        "removed_layers": layers,
-        "layers_from": layers_from,
-        "num_samples": args.num_samples,
-        "calibration_sha256": calibration_sha256(calibration),
-    }
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_layer_arguments(parser)
-    parser.add_argument(
+def arguments() -> argparse.ArgumentParser:
+    arguments = parser(__doc__)
+    add_layer_arguments(arguments)
+    arguments.add_argument(
         "--variants",
         nargs="*",
         default=["stage1", "default", "paper"],
         help="stage1, default, paper, or changes; none: the dense model's row only",
     )
-    parser.add_argument("--protocol", default="standard", choices=list(PROTOCOLS), help="which zero-shot questions")
-    parser.add_argument("--max-segments", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument(
+    arguments.add_argument("--protocol", default="standard", choices=list(PROTOCOLS), help="which zero-shot questions")
+    arguments.add_argument("--max-segments", type=int, default=128)
+    arguments.add_argument("--batch-size", type=int, default=8)
+    arguments.add_argument(
         "--device",
         default="cpu",
         help="where the model runs (e.g. cuda); rows from another device than cpu go to their own file, '-<device>'",
     )
-    parser.add_argument("--resume", action="store_true")
-    parser.add_argument(
+    arguments.add_argument("--resume", action="store_true")
+    arguments.add_argument(
         "--pair",
         nargs=2,
         metavar=("A", "B"),
         help="measure nothing: print, for every selection in the record with both variants, B's paired change against A",
     )
-    args = parser.parse_args()
+    return arguments
+
+
+def variant_row(record: dict, args: argparse.Namespace, pruner, result, variant: str, measure_model, save) -> dict:
+    """The row of `variant` on the Stage 1 model of `result`: its Stage 2 fitted first (or undone, for `stage1`),
+    then measured ([`measure_row`]) and paired against the Stage 1 row and the dense row."""
+    started = provenance()
+    layers, layers_from = layers_of(args.model, args.ratio, args.selection)
+    row = {"selection": args.selection, "variant": variant, "label": f"{args.selection} + {variant}"}
+    row.update(removed_layers=layers, layers_from=layers_from)
+    settings = variant_settings(variant)
+    if settings is not None:
+        pruner.compensate(result, **settings)
+        compensation = result.compensation
+        row.update(
+            compensated_layers=compensation.compensated_layers,
+            compensation_lambda={str(k): v for k, v in compensation.reg_lambda.items()},
+            skipped_layers={str(k): v for k, v in compensation.skipped_layers.items()},
+            stage2_seconds=compensation.seconds,
+            stage2_settings=settings,
+            stage2_calibration_sha256=compensation.calibration_sha256,
+        )
+    elif result.compensation is not None:  # back to the Stage 1 model
+        result.compensation.undo()
+        result.compensation = None
+    # the saved part of a row resumes with the same Stage 2 settings
+    row["evaluation"], row_provenance = measure_row(
+        record, args.selection, variant, result.model, settings, measure_model(row["label"]), save, started
+    )
+    rows = rows_by_key(record)
+    dense, stage1 = rows[("dense", "dense")], rows.get((args.selection, "stage1"))
+    if variant != "stage1" and stage1 is not None:
+        row["against_stage1"] = paired(row, stage1, dense)
+    row["against_dense"] = paired(row, dense, dense)
+    row["provenance"] = row_provenance
+    return row
+
+
+def main() -> None:
+    args = arguments().parse_args()
     logging.getLogger("optimum_gradmap").setLevel(logging.WARNING)
     torch.manual_seed(0)
-
     for variant in args.variants:
         variant_settings(variant)  # refuses an unknown one before anything runs
     suffix = ("" if args.protocol == "standard" else f"-{args.protocol}") + ("" if args.device == "cpu" else f"-{args.device}")
-    prefix = os.path.join(RESULTS, f"accuracy-{args.model}-{args.ratio:g}{suffix}")
+    path = os.path.join(RESULTS, f"accuracy-{args.model}-{args.ratio:g}{suffix}.json")
     subsets = PROTOCOLS[args.protocol]
     record = {"model": args.model, "ratio": args.ratio, "protocol": args.protocol, "subsets": subsets, "rows": []}
-    if (args.resume or args.pair) and os.path.isfile(prefix + ".json"):
-        record = records.read(prefix + ".json")
+    record = resumed(path, args.resume or bool(args.pair), record)
+    if args.pair:
+        print_pairs(record, *args.pair)
+        return
 
     def save() -> None:
         if record["rows"]:
             answers = record["rows"][0]["evaluation"]["zero_shot"]["answers"]
             record["questions"] = sum(len(kept["acc"]) for kept in answers.values())
-        records.write(prefix + ".json", record)
+        records.write(path, record)
 
-    def done(selection: str, variant: str) -> dict | None:
-        return rows_by_key(record).get((selection, variant))
-
-    if args.pair:
-        print_pairs(record, *args.pair)
-        return
     model, tokenizer = load_model(args.model)
     model.to(args.device)
-    calibration = prepare_calibration_data(CALIBRATION, tokenizer, args.num_samples, 128, 0, CALIBRATION)
-    record["calibration_sha256"] = calibration_sha256(calibration)
-
-    settings = {
-        "max_segments": args.max_segments,
-        "batch_size": args.batch_size,
-        "lm_eval": importlib.metadata.version("lm_eval"),
-    }
+    ids = calibration(tokenizer, args.num_samples)
+    record["calibration_sha256"] = calibration_sha256(ids)
 
     def measure_model(label: str):
         return lambda progress, save_part: measure(
             model, tokenizer, label, args.max_segments, args.batch_size, subsets, progress, save_part
         )
 
-    if done("dense", "dense") is None:
+    if ("dense", "dense") not in rows_by_key(record):
+        settings = {
+            "max_segments": args.max_segments,
+            "batch_size": args.batch_size,
+            "lm_eval": importlib.metadata.version("lm_eval"),
+        }
         evaluation, row_provenance = measure_row(
             record, "dense", "dense", model, settings, measure_model("dense"), save, provenance()
         )
-        record["rows"].append(
-            {"selection": "dense", "variant": "dense", "label": "dense", "evaluation": evaluation, "provenance": row_provenance}
-        )
+        row = {"selection": "dense", "variant": "dense", "label": "dense", "evaluation": evaluation, "provenance": row_provenance}
+        record["rows"].append(row)
         save()
-    dense = done("dense", "dense")
     if not args.variants:
-        print(markdown(record))
         return
-
-    layers, layers_from = layers_of(args.model, args.ratio, args.selection)
+    layers, _ = layers_of(args.model, args.ratio, args.selection)
     twin = same_layers_as(record, args.model, args.ratio, args.selection, layers)
     if twin is not None:  # the same model: one set of rows, no copy
         record.setdefault("same_layers", {})[args.selection] = twin
@@ -430,39 +353,11 @@ def main() -> None:
         return
     config = GradMAPConfig(layers_to_prune=layers, num_samples=args.num_samples, seq_len=128, dataset=CALIBRATION)
     pruner = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False)
-    result = pruner.select_layers(model, calibration)
+    result = pruner.select_layers(model, ids)
     for variant in args.variants:
-        if done(args.selection, variant) is not None:
-            continue
-        started = provenance()
-        row = {"selection": args.selection, "variant": variant, "label": f"{args.selection} + {variant}"}
-        row.update(removed_layers=layers, layers_from=layers_from)
-        settings = variant_settings(variant)
-        if settings is not None:
-            pruner.compensate(result, **settings)
-            compensation = result.compensation
-            row.update(
-                compensated_layers=compensation.compensated_layers,
-                compensation_lambda={str(k): v for k, v in compensation.reg_lambda.items()},
-                skipped_layers={str(k): v for k, v in compensation.skipped_layers.items()},
-                stage2_seconds=compensation.seconds,
-                stage2_settings=settings,
-                stage2_calibration_sha256=compensation.calibration_sha256,
-            )
-        elif result.compensation is not None:  # back to the Stage 1 model
-            result.compensation.undo()
-            result.compensation = None
-        row["evaluation"], row_provenance = measure_row(
-            record, args.selection, variant, model, settings, measure_model(row["label"]), save, started
-        )
-        stage1 = done(args.selection, "stage1")
-        if variant != "stage1" and stage1 is not None:
-            row["against_stage1"] = paired(row, stage1, dense)
-        row["against_dense"] = paired(row, dense, dense)
-        row["provenance"] = row_provenance
-        record["rows"].append(row)
-        save()
-    print(markdown(record))
+        if (args.selection, variant) not in rows_by_key(record):
+            record["rows"].append(variant_row(record, args, pruner, result, variant, measure_model, save))
+            save()
 
 
 if __name__ == "__main__":

@@ -14,74 +14,42 @@ Writes benchmarks/results/budget-<model>-<importance>-<num samples>.json after e
 
 from __future__ import annotations
 
-import argparse
 import copy
-import logging
 import os
 import shutil
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import RESULTS, log_rounds, parser, perplexities, resumed
+from provenance import finish, provenance
+from records import write
 
-from provenance import finish, provenance  # noqa: E402
-from records import write  # noqa: E402
-from stage1_peers import held_out, load_record  # noqa: E402
-
-from optimum_gradmap import GradMAPConfig, GradMAPPruner  # noqa: E402
-from optimum_gradmap.assets import MODEL_ASSETS, load_model  # noqa: E402
-from optimum_gradmap.data import calibration_sha256  # noqa: E402
-from optimum_gradmap.report import CURVE_PICTURE, build_report, write_pictures  # noqa: E402
-
-
-def markdown(record: dict) -> str:
-    settings = record["settings"]
-    lines = [
-        f"{settings['model']}, importance {settings['importance']}, {settings['num_samples']} x 128 calibration "
-        f"(sha256 {record.get('calibration_sha256', '?')[:12]}), Stage 1 only; dense calibration loss "
-        f"{record.get('dense_loss', float('nan')):.4f}, held-out perplexity {record.get('dense_perplexity')}",
-        "",
-        "| budget | K chosen | removed layers | loss after | refused | Stage 1 s | Wikipedia ppl | web ppl | quiet |",
-        "|---|---:|---|---:|---|---:|---:|---:|---|",
-    ]
-    for row in record["rows"]:
-        dense = row["dense_loss"]
-        last = row["loss_curve"][-1] if row["loss_curve"] else dense
-        refused = f"layer {row['rejected']['layer']} ({row['rejected']['loss'] / dense - 1:+.1%})" if row["rejected"] else "-"
-        ppl = row["perplexity"]
-        lines.append(
-            f"| +{100 * row['budget']:g}% | {len(row['removed_layers'])} | {row['removed_layers']} | {last:.4f} "
-            f"({last / dense - 1:+.1%}) | {refused} | {row['stage1_seconds']:.0f} | {ppl['offline:wikipedia']:.3f} | "
-            f"{ppl['offline:web_text']:.3f} | {row['provenance']['quiet']} |"
-        )
-    return "\n".join(lines)
+from optimum_gradmap import GradMAPConfig, GradMAPPruner
+from optimum_gradmap.assets import MODEL_ASSETS, load_model
+from optimum_gradmap.data import calibration_sha256
+from optimum_gradmap.report import CURVE_PICTURE, build_report, write_pictures
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_ASSETS))
-    parser.add_argument("--importance", default="gradmap")
-    parser.add_argument("--budgets", nargs="+", type=float, default=[0.1, 0.5, 1.0])
-    parser.add_argument("--num-samples", type=int, default=32)
-    parser.add_argument("--max-eval-segments", type=int, default=128)
-    parser.add_argument("--picture", default=None, help="where to copy the largest budget's curve picture")
-    parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    parser.add_argument("--resume", action="store_true")
-    args = parser.parse_args()
-    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("optimum_gradmap").setLevel(logging.INFO)
+    arguments = parser(__doc__)
+    arguments.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_ASSETS))
+    arguments.add_argument("--importance", default="gradmap")
+    arguments.add_argument("--budgets", nargs="+", type=float, default=[0.1, 0.5, 1.0])
+    arguments.add_argument("--num-samples", type=int, default=32)
+    arguments.add_argument("--max-eval-segments", type=int, default=128)
+    arguments.add_argument("--picture", default=None, help="where to copy the largest budget's curve picture")
+    arguments.add_argument("--output-dir", default=RESULTS)
+    arguments.add_argument("--resume", action="store_true")
+    args = arguments.parse_args()
+    log_rounds()
 
     settings = {"model": args.model, "importance": args.importance, "num_samples": args.num_samples}
     os.makedirs(args.output_dir, exist_ok=True)
-    path = os.path.join(args.output_dir, f"budget-{args.model}-{args.importance}-{args.num_samples}")
-    record = load_record(path, settings, args.resume)
-
-    def save() -> None:
-        write(f"{path}.json", record)
+    path = os.path.join(args.output_dir, f"budget-{args.model}-{args.importance}-{args.num_samples}.json")
+    record = resumed(path, args.resume, {"settings": settings, "rows": []}, settings)
 
     dense, tokenizer = load_model(args.model)
     if "dense_perplexity" not in record:
-        record["dense_perplexity"] = held_out(dense, tokenizer, args.max_eval_segments)
+        record["dense_perplexity"] = perplexities(dense, tokenizer, args.max_eval_segments)
     done = {row["budget"] for row in record["rows"]}
     for budget in sorted(args.budgets):
         if budget in done:
@@ -108,19 +76,18 @@ def main() -> None:
                 "rejected": result.rejected,
                 "stopped": result.stopped,
                 "stage1_seconds": result.timings["stage1"],
-                "perplexity": held_out(model, tokenizer, args.max_eval_segments),
+                "perplexity": perplexities(model, tokenizer, args.max_eval_segments),
                 "provenance": origin,
             }
         )
-        save()
-        print(markdown(record).splitlines()[-1], flush=True)
+        write(path, record)
+        print(f"+{budget:.0%}: removed {result.removed_layers}, {record['rows'][-1]['perplexity']}", flush=True)
         if args.picture and budget == max(args.budgets):
             with tempfile.TemporaryDirectory() as folder:
                 if CURVE_PICTURE in write_pictures(report, folder):
                     os.makedirs(os.path.dirname(os.path.abspath(args.picture)), exist_ok=True)
                     shutil.copyfile(os.path.join(folder, CURVE_PICTURE), args.picture)
         del model
-    print(markdown(record))
 
 
 if __name__ == "__main__":

@@ -7,49 +7,31 @@ model (flips, KL) as well as accuracy and perplexity, on one model, ratio and se
         --no-tasks --label trainables --resume   # the trainable choices on held-out KL and perplexity alone
     python benchmarks/heal.py --ratio 0.4 --variants dense stage1 default lora@196608 \
         --dense-from heal-smollm2-135m-0.25-gradmap-screening --resume   # the dense row copied, marked as a copy
+    python benchmarks/heal.py --pair A B   # two rows of the record compared per question, nothing measured
 
 A variant is `dense`, `stage1` (Stage 1 alone), `default` (Stage 1 and the default Stage 2), or a heal after them:
-`TRAINABLE@TOKENS` (`heal_trainable` and `heal_tokens`), optionally `+lr=VALUE` (`heal_lr`), `+rank=R`
-(`heal_lora_rank`) and `+topk=K` (the teacher's K most likely tokens the loss keeps apart,
-`optimum_gradmap.distillation.TOP_K`, 64 by default; the tail beyond them is one outcome). A budget `FACTORx` in place of
-TOKENS (`lora@1.5x`) is `heal_tokens="auto"` for FACTOR times Stage 1's quiet time on this machine (`STAGE1_SECONDS`):
-as many tokens as fit, the dense model's text included (the heal's goals are at 1.5x). `+text=generated`
-heals on the dense model's own text ([`optimum_gradmap.generation`], generated afresh for the row and timed),
-`+text=mix` on it and the corpus text in equal parts, `+temp=T` sets its temperature (`heal_temperature`),
-`+prompts=chat` starts that text from the chat template's user turn (`heal_prompts`), `+loss=NAME` what the heal
-minimises (`heal_loss`: `kl`, `logit_mse`, `kl_logit_mse`, `kl_hidden_mse`), and `+from=stage1` heals
-Stage 1 alone, without Stage 2 (Stage 2's worth once a heal follows). Two kinds of rows measure
-how flips follow the KL divergence when the damage is small (where the flips come from when a goal on them
-is missed): `dense@bf16` (the dense model with every weight rounded to bfloat16, computing in float32: a model
-almost equal to the dense one) and `stage1@K` (Stage 1 alone with only the first K of the removed layers, in the
-order they were removed). The removed layers are
-those benchmarks/compare.py recorded for `--selection` (as in benchmarks/accuracy.py). Calibration: 128 x 128 tokens
-of offline Wikipedia (the benchmarks' set, its SHA-256 in the record). The heal text is the calibration parts of the
-offline web pages and of offline Wikipedia (`offline:web_text+offline:wikipedia`, about 146k + 409k SmolLM2 tokens;
-the held-out perplexities use the other web pages and other articles), cut into non-overlapping 128-token windows,
-32 of them held out to choose the state kept, none trained on twice. The 128 calibration windows lie in that
-Wikipedia text: at most 16k of its 555k tokens (3%) are also calibration tokens.
+`TRAINABLE@TOKENS` (`heal_trainable`, `heal_tokens`), optionally `+lr=VALUE` (`heal_lr`), `+rank=R`
+(`heal_lora_rank`), `+topk=K` (`optimum_gradmap.distillation.TOP_K`, the teacher's most likely tokens the loss keeps
+apart), `+text=generated` (the dense model's own text, generated afresh for the row and timed) or `+text=mix` (it and
+the corpus in equal parts), `+temp=T` (`heal_temperature`), `+prompts=chat` (`heal_prompts`), `+loss=NAME`
+(`heal_loss`) and `+from=stage1` (the heal on Stage 1 alone). A budget `FACTORx` in place of TOKENS (`lora@1.5x`) is
+`heal_tokens="auto"` for FACTOR times Stage 1's quiet time on this machine (`STAGE1_SECONDS`). The removed layers
+are those benchmarks/compare.py recorded for `--selection`; calibration, 128 x 128 tokens of offline Wikipedia (its
+SHA-256 in the record). The heal text is the calibration parts of the offline web pages and of offline Wikipedia
+(`offline:web_text+offline:wikipedia`; the held-out perplexities use the other pages and articles), in
+non-overlapping 128-token windows, 32 held out to choose the state kept.
 
-Each row: held-out perplexity on the first `--max-segments` 128-token segments of held-out Wikipedia and of the
-other half of the web pages, the next-token KL divergence from the dense model on the same segments (mean per
-token, standard error over segments), the seven zero-shot tasks offline under `--protocol` (`screening`: 400
-questions per task; `standard`: whole validation splits, HellaSwag and BoolQ subsets) with every question's choice,
-the flips against the dense row (right/wrong changed, chosen answer changed; with and without BoolQ), and the paired
-accuracy against `stage1` and `default`; for a heal row, what was trained, its seconds, and its held-out KL curve.
-Stage 1 and the default Stage 2 run once per invocation, and every heal row starts from their weights with the dense
-model, loaded beside them, as its teacher (as `optimum-gradmap heal --teacher` does; the pruner's own teacher, the
-pruned model with its layers put back and its folds undone, gives the same targets: tests/test_heal.py). Every row
-carries its provenance (benchmarks/provenance.py). Writes
-benchmarks/results/heal-<model>-<ratio>-<selection>-<protocol>[-<label>].json; with `--resume`, rows already
-there are kept, except the variants named by `--redo VARIANT ...`, measured again and put in their old rows' place.
-
-Flips are also counted on the confident questions (dense margin, its answer's log-likelihood minus the next best,
-above the median of its own task's dense margins: `confident_flips`) and per quartile of those margins
-(`flips_by_margin`, `margin_edges`), by the library's `flips`; `answer_drift` is the RMS difference of the two models'
-centred answer log-likelihoods per question, averaged; `boolq_yes` the share of BoolQ questions answered "yes". Every
-row keeps its answers (packed, benchmarks/records.py); the dense row, which the others are counted against, also
-keeps every question's margin and log-likelihoods. These figures are counted again at every save;
-`--recount-only` does only that, loading no model. A dense row recorded without margins is measured again with
+Each row: held-out perplexity on the first `--max-segments` 128-token segments of held-out Wikipedia and web text,
+the next-token KL divergence from the dense model there, the seven zero-shot tasks offline under `--protocol`
+(`screening`: 400 questions per task; `standard`: whole validation splits, HellaSwag and BoolQ subsets) with every
+question's answer, the flips against the dense row (with and without BoolQ; on the confident questions, whose dense
+margin is above their task's median: `confident_flips`), the answers' drift, BoolQ's "yes" share, and the paired
+accuracy against `stage1` and `default`; for a heal row, what was trained and its seconds. Stage 1 and the default
+Stage 2 run once per invocation; every heal row starts from their weights with the dense model as its teacher (as
+`optimum-gradmap heal --teacher` does). Every row carries its provenance (benchmarks/provenance.py). Writes
+benchmarks/results/heal-<model>-<ratio>-<selection>-<protocol>[-<label>].json; with `--resume`, rows already there
+are kept, except the variants of `--redo VARIANT ...`, measured again in their old rows' place. The flips are counted
+again at every save (`--recount-only`: only that); a dense row recorded without margins is measured again with
 `--variants dense --redo dense --resume`.
 """
 
@@ -68,19 +50,17 @@ from dataclasses import asdict
 
 import records
 import torch
-from accuracy import CALIBRATION, RESULTS, layers_of
+from common import CALIBRATION, HELD_OUT, RESULTS, calibration, expand, layers_of, parser
 from provenance import finish, provenance
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner, distillation
 from optimum_gradmap.assets import load_model
-from optimum_gradmap.data import calibration_sha256, prepare_calibration_data
+from optimum_gradmap.data import calibration_sha256
 from optimum_gradmap.errors import InvalidInputError
 from optimum_gradmap.evaluation import (
     PAPER_TASKS,
     SCREENING_SUBSETS,
     STANDARD_SUBSETS,
-    QuestionRecord,
-    TaskResult,
     ZeroShotResult,
     answer_shares,
     compare_zero_shot,
@@ -94,7 +74,6 @@ PROTOCOLS = {"standard": STANDARD_SUBSETS, "screening": SCREENING_SUBSETS}
 HEAL_TEXT = "offline:web_text+offline:wikipedia"
 # `+text=NAME`: the dense model's own text alone, or in equal parts with the corpus text.
 HEAL_TEXTS = {"corpus": HEAL_TEXT, "generated": "generated", "mix": f"generated+{HEAL_TEXT}"}
-PERPLEXITY_DATASETS = ("offline:wikipedia", "offline:web_text")
 # Stage 1's seconds for GradMAP's layers in float32, on this machine type, quiet: the unit of the heal budgets.
 # SmolLM2-135M 25%: the main job (benchmarks/results/main_job-smollm2-135m.json); Qwen2.5-Coder-0.5B 25%: the
 # float32 row of benchmarks/results/dtype-qwen2.5-coder-0.5b-0.25.json; SmolLM2-135M 40%: GradMAP's row of
@@ -111,9 +90,9 @@ MISSING_MARGINS = (
 
 
 def parse_variant(name: str) -> dict | None:
-    """`None` for `dense`, `stage1`, `default` and the rows without a heal (`dense@bf16`, `stage1@K`); else the heal
-    settings of `TRAINABLE@BUDGET[+OPTION=VALUE...]` (see the module docstring)."""
-    if name in ("dense", "stage1", "default", "dense@bf16") or partial_stage1(name) is not None:
+    """`None` for `dense`, `stage1` and `default`; else the heal settings of `TRAINABLE@BUDGET[+OPTION=VALUE...]`
+    (see the module docstring)."""
+    if name in ("dense", "stage1", "default"):
         return None
     head, *options = name.split("+")
     trainable, _, budget = head.partition("@")
@@ -163,12 +142,6 @@ def teacher_top_k(top_k: int | None):
         distillation.TOP_K = default
 
 
-def partial_stage1(name: str) -> int | None:
-    """K of a `stage1@K` variant, else `None`."""
-    head, _, count = name.partition("@")
-    return int(count) if head == "stage1" and count.isdigit() else None
-
-
 def compact(zero_shot: ZeroShotResult) -> dict[str, dict]:
     """Every question's id, right/wrong, choice, margin (its log-likelihood of the chosen answer minus the next
     best, 4 decimals; `None` without two log-likelihoods) and every answer's log-likelihood (4 decimals), per task:
@@ -204,33 +177,6 @@ def answer_drift(answers: dict[str, dict], dense_answers: dict[str, dict], skip:
             squares = [((a - mine) - (b - theirs)) ** 2 for a, b in zip(values, reference)]
             drifts.append(math.sqrt(sum(squares) / len(squares)))
     return sum(drifts) / len(drifts) if drifts else None
-
-
-def stand_in_loglikelihoods(choice: int, margin: float | None) -> list[float]:
-    """Log-likelihoods that give back a kept question's choice and margin (`flips` reads the dense margins from the
-    records): 0 for the chosen answer, -margin for the others; none without a margin."""
-    if margin is None:
-        return []
-    return [0.0 if index == choice else -margin for index in range(max(2, choice + 1))]
-
-
-def expand(answers: dict[str, dict], skip: tuple[str, ...] = ()) -> ZeroShotResult:
-    """The records of `compact`'s answers (rows from before the margins: records without log-likelihoods)."""
-    tasks = []
-    for task, kept in answers.items():
-        if task in skip:
-            continue
-        margins = kept.get("margin") or [None] * len(kept["doc_ids"])
-        questions = [
-            QuestionRecord(i, stand_in_loglikelihoods(choice, margin), choice, None, 0, int(a))
-            for i, a, choice, margin in zip(kept["doc_ids"], kept["acc"], kept["choice"], margins)
-        ]
-        tasks.append(
-            TaskResult(
-                task, "validation", "", len(questions), sum(q.acc for q in questions) / len(questions), questions=questions
-            )
-        )
-    return ZeroShotResult(tasks=tasks)
 
 
 def answers_of(row: dict) -> dict | None:
@@ -283,62 +229,6 @@ def recount(record: dict) -> None:
                 count_fidelity(row, dense)
             except InvalidInputError as error:  # other questions than the dense row's: its counts are left as they were
                 print(f"{row['variant']}: flips not counted again: {error}", flush=True)
-
-
-def markdown(record: dict) -> str:
-    lines = [
-        f"# Heal: {record['model']}, {record['ratio']:g}, layers of {record['selection']} ({record['protocol']} protocol)",
-        "",
-        f"Removed layers {record['removed_layers']} ({record['layers_from']}); calibration {record['calibration']} "
-        f"{record['calibration_sha256'][:12]}; heal text {HEAL_TEXT}. KL: next-token KL divergence from the dense model "
-        "on the held-out segments (nats per token, +/- SE over segments). Flips: share of questions whose right/wrong "
-        "differs from the dense model's (BoolQ left out; in brackets with it), answer changes: whose chosen answer "
-        "differs. Confident flips: the flips on the questions whose dense margin (the dense model's log-likelihood of "
-        "its answer minus the next best) is above the median of their own task's dense margins (margins are on very "
-        "different scales per task; BoolQ left out; in brackets with it); per margin quartile, cut within each task "
-        "and pooled, in the JSON (`flips_by_margin`, edges per task in `margin_edges`). BoolQ yes: the share of BoolQ "
-        'questions answered "yes". Paired: pooled accuracy change against Stage 1 alone and against Stage 1 + default '
-        "Stage 2, points +/- SE.",
-        "",
-        "| row | Wikipedia ppl | web ppl | KL Wikipedia | KL web | flips | confident flips | answer changes | accuracy | "
-        "BoolQ yes | vs Stage 1 | vs Stage 1 + 2 | heal seconds | heal tokens | quiet | commit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in record["rows"]:
-        evaluation = row["evaluation"]
-        ppl = [f"{entry['perplexity']:.2f}" for entry in evaluation["perplexities"]]
-        kl = [
-            f"{entry['kl_to_reference']:.4f} +/- {entry['kl_stderr']:.4f}" if entry.get("kl_to_reference") is not None else "-"
-            for entry in evaluation["perplexities"]
-        ]
-        fidelity = row.get("flips_without_boolq")
-        flips_cell = changes_cell = "-"
-        if fidelity:
-            flips_cell = f"{100 * fidelity['flips']:.1f}% ({100 * row['flips']['flips']:.1f}%)"
-            changes_cell = f"{100 * fidelity['answer_changes']:.1f}%"
-        confident, confident_all = row.get("confident_flips_without_boolq"), row.get("confident_flips")
-        confident_cell = "-"
-        if confident and confident_all:
-            confident_cell = f"{100 * confident['flips']:.1f}% ({100 * confident_all['flips']:.1f}%)"
-        accuracy = f"{row['pooled_acc']:.4f}" if row.get("pooled_acc") is not None else "-"
-        yes = f"{100 * row['boolq_yes']:.1f}%" if row.get("boolq_yes") is not None else "-"
-        paired = [
-            f"{100 * row[key]['difference']:+.2f} +/- {100 * row[key]['stderr']:.2f}" if row.get(key) else "-"
-            for key in ("against_stage1", "against_default")
-        ]
-        heal = row.get("heal") or {}
-        heal_seconds = f"{heal['seconds']:.0f}" if heal else "-"
-        heal_tokens = f"{heal['trained_tokens']:,}" if heal else "-"
-        quiet = "yes" if row["provenance"]["quiet"] else "no"
-        lines.append(
-            f"| {row['variant']} | {ppl[0]} | {ppl[1]} | {kl[0]} | {kl[1]} | {flips_cell} | {confident_cell} | "
-            f"{changes_cell} | {accuracy} | {yes} | {paired[0]} | {paired[1]} | {heal_seconds} | {heal_tokens} | {quiet} | "
-            f"{row['provenance']['commit'][:8]} |"
-        )
-    dense = next((row for row in record["rows"] if row["variant"] == "dense"), None)
-    if dense is not None and answers_of(dense) and not has_margins(dense):
-        lines += ["", MISSING_MARGINS]
-    return "\n".join(lines) + "\n"
 
 
 def write(record: dict, path: str) -> None:
@@ -395,75 +285,30 @@ def print_pair(record: dict, variant_a: str, variant_b: str) -> None:
             )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--ratio", type=float, default=0.25)
-    parser.add_argument("--selection", default="gradmap")
-    parser.add_argument("--variants", nargs="+", default=["dense", "stage1", "default"])
-    parser.add_argument("--protocol", choices=list(PROTOCOLS), default="screening")
-    parser.add_argument("--no-tasks", action="store_true", help="perplexities and KL only")
-    parser.add_argument("--max-segments", type=int, default=128)
-    parser.add_argument("--num-samples", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--label", default=None)
-    parser.add_argument(
-        "--dense-from",
-        default=None,
-        help="take the `dense` row from this record of benchmarks/results (same model and protocol), marked as a copy, "
-        "instead of evaluating the dense model again",
-    )
-    parser.add_argument(
-        "--device",
-        default="cpu",
-        help="where the models run (e.g. cuda); a record from another device than cpu goes to its own file, '-<device>'",
-    )
-    parser.add_argument(
-        "--time-stage1",
-        action="store_true",
-        help="also time GradMAP's own Stage 1 (the selection, float32) at this ratio on this device, once per record: "
-        "the unit of the heal budgets there",
-    )
-    parser.add_argument("--resume", action="store_true")
-    parser.add_argument(
-        "--redo",
-        nargs="+",
-        default=[],
-        metavar="VARIANT",
-        help="with --resume, measure these variants again (run even if not in --variants), each in its old row's place; "
-        "e.g. `--redo dense` for a dense row recorded without its questions' margins",
-    )
-    parser.add_argument(
-        "--recount-only",
-        action="store_true",
-        help="measure nothing: load the record, count every row's flips again from the answers it keeps, and rewrite the record",
-    )
-    parser.add_argument(
-        "--pair",
-        nargs=2,
-        default=None,
-        metavar=("A", "B"),
-        help="measure nothing: compare two rows of the record question by question (B - A: accuracy, flips against the "
-        "dense row, flips on its confident questions; with BoolQ and without), from the answers they keep",
-    )
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    torch.manual_seed(0)
+def arguments() -> argparse.ArgumentParser:
+    arguments = parser(__doc__)
+    arguments.add_argument("--model", default="smollm2-135m")
+    arguments.add_argument("--ratio", type=float, default=0.25)
+    arguments.add_argument("--selection", default="gradmap")
+    arguments.add_argument("--variants", nargs="+", default=["dense", "stage1", "default"])
+    arguments.add_argument("--protocol", choices=list(PROTOCOLS), default="screening")
+    arguments.add_argument("--no-tasks", action="store_true", help="perplexities and KL only")
+    arguments.add_argument("--max-segments", type=int, default=128)
+    arguments.add_argument("--num-samples", type=int, default=128)
+    arguments.add_argument("--batch-size", type=int, default=8)
+    arguments.add_argument("--label", default=None)
+    arguments.add_argument("--dense-from", help="copy the `dense` row from this record (same model and protocol)")
+    arguments.add_argument("--device", default="cpu", help="where the models run (a device but cpu: '-<device>' records)")
+    arguments.add_argument("--time-stage1", action="store_true", help="time GradMAP's own Stage 1 on this device, once")
+    arguments.add_argument("--resume", action="store_true")
+    arguments.add_argument("--redo", nargs="+", default=[], metavar="VARIANT", help="with --resume, measure these again")
+    arguments.add_argument("--recount-only", action="store_true", help="measure nothing: count the flips again")
+    arguments.add_argument("--pair", nargs=2, metavar=("A", "B"), help="measure nothing: B against A, per question")
+    return arguments
 
-    removed, layers_from = layers_of(args.model, args.ratio, args.selection)
-    suffix = ("-notasks" if args.no_tasks else "") + ("" if args.device == "cpu" else f"-{args.device}")
-    name = f"heal-{args.model}-{args.ratio:g}-{args.selection}-{args.protocol}{suffix}" + (f"-{args.label}" if args.label else "")
-    path = os.path.join(RESULTS, name + ".json")
-    if args.recount_only:
-        record = records.read(path)
-        write(record, path)
-        print(markdown(record))
-        print(f"counted again, nothing measured: {path}", flush=True)
-        return
-    if args.pair:
-        print_pair(records.read(path), *args.pair)
-        return
-    record = {
+
+def new_record(args: argparse.Namespace, removed: list[int], layers_from: str) -> dict:
+    return {
         "model": args.model,
         "ratio": args.ratio,
         "selection": args.selection,
@@ -477,127 +322,113 @@ def main() -> None:
         "device": args.device,
         "rows": [],
     }
-    if args.resume and os.path.exists(path):
-        record = records.read(path)
-    done = {row["variant"] for row in record["rows"]} - set(args.redo)
-    variants = [*args.variants, *(variant for variant in args.redo if variant not in args.variants)]
-    variants.sort(key=lambda variant: variant != "dense")  # the dense row first: the others' flips count against it
-    old_dense = next((row for row in record["rows"] if row["variant"] == "dense"), None)
-    if old_dense is not None and "dense" in done and answers_of(old_dense) and not has_margins(old_dense):
-        print(MISSING_MARGINS, flush=True)
 
-    def save() -> None:
-        write(record, path)
 
-    def load() -> torch.nn.Module:
-        model, _ = load_model(args.model)
-        return model.to(args.device)
+class HealRun:
+    """One invocation's models: the dense model (every row's teacher, loaded once), the calibration set, and the pruned
+    models the rows start from, Stage 1 and the default Stage 2 (or Stage 1 alone), each made once and put back to
+    its weights for every row."""
 
-    dense_model, tokenizer = load_model(args.model)
-    dense_model.to(args.device)
-    calibration = prepare_calibration_data(CALIBRATION, tokenizer, args.num_samples, 128, 0, CALIBRATION)
-    record["calibration_sha256"] = calibration_sha256(calibration)
-    if args.time_stage1 and "stage1_on_device" not in record:
-        started = provenance()
+    def __init__(self, args: argparse.Namespace, removed: list[int]):
+        self.args, self.removed = args, removed
+        self.dense, self.tokenizer = load_model(args.model)
+        self.dense.to(args.device)
+        self.calibration = calibration(self.tokenizer, args.num_samples)
+        self.starts: dict[str, tuple] = {}  # "default" or "stage1" -> (its model, its result, its weights)
+
+    def load(self) -> torch.nn.Module:
+        model, _ = load_model(self.args.model)
+        return model.to(self.args.device)
+
+    def prune(self, layers: list[int], model: torch.nn.Module, compensation: bool = True):
+        """`model` pruned in place: `layers` removed, then the default Stage 2 unless `compensation` is false."""
+        config = GradMAPConfig(layers_to_prune=layers, num_samples=self.args.num_samples, compensation=compensation)
+        return GradMAPPruner(config, model, self.tokenizer).prune(model, self.calibration)
+
+    def time_stage1(self, record: dict) -> None:
+        """GradMAP's own Stage 1 at this ratio on this device (`--time-stage1`), once per record."""
+        args, started = self.args, provenance()
         config = GradMAPConfig(pruning_ratio=args.ratio, num_samples=args.num_samples, seq_len=128, compensation=False)
-        result = GradMAPPruner(config, tokenizer=tokenizer, progress_bar=False).select_layers(load(), calibration)
+        result = GradMAPPruner(config, tokenizer=self.tokenizer, progress_bar=False).select_layers(self.load(), self.calibration)
         record["stage1_on_device"] = {
             "seconds": result.timings["stage1"],
             "removed_layers": result.removed_layers,
             "same_layers_as_cpu": sorted(result.removed_layers) == sorted(layers_of(args.model, args.ratio, "gradmap")[0]),
             "provenance": finish(started),
         }
-        save()
         print(f"GradMAP's Stage 1 on {args.device}: {record['stage1_on_device']}", flush=True)
-    rows = {row["variant"]: row for row in record["rows"]}
 
-    def put(row: dict) -> None:
-        """Adds the row to the record, in place of the row of the same variant (`--redo`)."""
-        index = next((i for i, old in enumerate(record["rows"]) if old["variant"] == row["variant"]), None)
-        if index is None:
-            record["rows"].append(row)
-        else:
-            record["rows"][index] = row
-        rows[row["variant"]] = row
+    def start(self, kind: str):
+        """The model and result of Stage 1 + the default Stage 2 (`default`) or of Stage 1 alone (`stage1`), made the
+        first time (Stage 1 + 2 always first) and put back to their weights every time."""
+        if "default" not in self.starts:
+            model = self.load()
+            result = self.prune(self.removed, model)
+            self.starts["default"] = (model, result, {name: tensor.clone() for name, tensor in model.state_dict().items()})
+        if kind not in self.starts:
+            result = GradMAPPruner(
+                GradMAPConfig(layers_to_prune=self.removed, num_samples=self.args.num_samples, compensation=False),
+                tokenizer=self.tokenizer,
+            ).prune(self.load(), self.calibration)
+            self.starts[kind] = (
+                result.model,
+                result,
+                {name: tensor.clone() for name, tensor in result.model.state_dict().items()},
+            )
+        model, result, state = self.starts[kind]
+        model.load_state_dict(state)
+        return model, result
 
-    compensated = stage2 = stage2_state = None
-    stage1_only = stage1_model = stage1_state = None
-    for variant in variants:
-        if variant in done:
-            print(f"{variant}: already measured, kept")
-            continue
-        heal_settings = parse_variant(variant)
-        started = provenance()
-        row: dict = {"variant": variant}
-        if variant == "dense" and args.dense_from:
-            row = copied_dense_row(args.dense_from, record, args.max_segments)
-            put(row)
-            save()
-            print(f"dense: copied from {args.dense_from}", flush=True)
-            continue
+    def model_of(self, variant: str, row: dict) -> torch.nn.Module:
+        """The model a row evaluates, healed where the variant says so; its timings and what it trained in `row`."""
         if variant == "dense":
-            model = dense_model
-        elif variant == "dense@bf16":
-            model = load()
-            with torch.no_grad():
-                for tensor in model.state_dict().values():
-                    tensor.copy_(tensor.to(torch.bfloat16))
-        elif variant == "stage1" or partial_stage1(variant) is not None:
-            model = load()
-            layers = removed if variant == "stage1" else removed[: partial_stage1(variant)]
-            config = GradMAPConfig(layers_to_prune=layers, num_samples=args.num_samples, compensation=False)
-            result = GradMAPPruner(config, model, tokenizer).prune(model, calibration)
-            row["timings"] = result.timings
-        else:
-            if compensated is None:  # Stage 1 and the default Stage 2, once for every row that starts from them
-                compensated = load()
-                config = GradMAPConfig(layers_to_prune=removed, num_samples=args.num_samples)
-                stage2 = GradMAPPruner(config, compensated, tokenizer).prune(compensated, calibration)
-                stage2_state = {name: tensor.clone() for name, tensor in compensated.state_dict().items()}
-            compensated.load_state_dict(stage2_state)
-            model = compensated
-            row["timings"] = dict(stage2.timings)
-            row["compensated_layers"] = stage2.compensated_layers
-            if heal_settings is not None and heal_settings.get("start") == "stage1":  # the heal on Stage 1 alone
-                if stage1_state is None:
-                    config = GradMAPConfig(layers_to_prune=removed, num_samples=args.num_samples, compensation=False)
-                    stage1_only = GradMAPPruner(config, tokenizer=tokenizer).prune(load(), calibration)
-                    stage1_state = {name: tensor.clone() for name, tensor in stage1_only.model.state_dict().items()}
-                    stage1_model = stage1_only.model
-                stage1_model.load_state_dict(stage1_state)
-                model, start = stage1_model, stage1_only
-                row["timings"] = dict(stage1_only.timings)
-                row["compensated_layers"] = []
-            else:
-                start = stage2
-            if heal_settings is not None:  # the heal on Stage 1 + 2 (or Stage 1 alone), the dense model as teacher
-                top_k = heal_settings.pop("top_k", None)
-                heal_settings.pop("start", None)
-                factor = heal_settings.pop("stage1_factor", None)
-                stage1_seconds = factor * STAGE1_SECONDS[(args.model, args.ratio)] if factor else None
-                heal_config = dataclasses.replace(start.config, **heal_settings)
-                with teacher_top_k(top_k), tempfile.TemporaryDirectory() as scratch:  # the text generated afresh, timed
-                    healed = heal_stage(
-                        model,
-                        lambda: contextlib.nullcontext(dense_model),
-                        heal_config,
-                        tokenizer,
-                        start.kept_layers,
-                        start.original_num_layers,
-                        start.compensated_layers,
-                        stage1_seconds=stage1_seconds,
-                        text_cache=os.path.join(scratch, "text.pt"),
-                        prompt_data=CALIBRATION,
-                    )
-                row["heal"] = healed.to_dict()
-                row["heal"]["stage1_factor"] = factor
-                row["heal"]["teacher_top_k"] = top_k or distillation.TOP_K
-                row["timings"]["heal"] = healed.seconds
-        tick = time.perf_counter()
+            return self.dense
+        if variant == "stage1":
+            model = self.load()
+            row["timings"] = self.prune(self.removed, model, compensation=False).timings
+            return model
+        settings = parse_variant(variant)
+        model, start = self.start("default")
+        row["timings"], row["compensated_layers"] = dict(start.timings), start.compensated_layers
+        if settings is not None and settings.get("start") == "stage1":  # the heal on Stage 1 alone
+            model, start = self.start("stage1")
+            row["timings"], row["compensated_layers"] = dict(start.timings), []
+        if settings is not None:
+            self.heal(model, start, settings, row)
+        return model
+
+    def heal(self, model: torch.nn.Module, start, settings: dict, row: dict) -> None:
+        """The heal of `model` (Stage 1 + 2, or Stage 1 alone) from `start`'s result, the dense model as teacher."""
+        top_k, factor = settings.pop("top_k", None), settings.pop("stage1_factor", None)
+        settings.pop("start", None)
+        stage1_seconds = factor * STAGE1_SECONDS[(self.args.model, self.args.ratio)] if factor else None
+        config = dataclasses.replace(start.config, **settings)
+        with teacher_top_k(top_k), tempfile.TemporaryDirectory() as scratch:  # the text generated afresh, timed
+            healed = heal_stage(
+                model,
+                lambda: contextlib.nullcontext(self.dense),
+                config,
+                self.tokenizer,
+                start.kept_layers,
+                start.original_num_layers,
+                start.compensated_layers,
+                stage1_seconds=stage1_seconds,
+                text_cache=os.path.join(scratch, "text.pt"),
+                prompt_data=CALIBRATION,
+            )
+        row["heal"] = healed.to_dict()
+        row["heal"]["stage1_factor"] = factor
+        row["heal"]["teacher_top_k"] = top_k or distillation.TOP_K
+        row["timings"]["heal"] = healed.seconds
+
+    def evaluate(self, variant: str, model: torch.nn.Module, row: dict, rows: dict[str, dict]) -> None:
+        """The row's held-out perplexities and KL, its tasks with every answer, and its paired accuracy against the
+        `stage1` and `default` rows."""
+        args, tick = self.args, time.perf_counter()
         evaluation = evaluate(
             model,
-            tokenizer,
-            PERPLEXITY_DATASETS,
+            self.tokenizer,
+            HELD_OUT,
             segment_length=128,
             max_segments=args.max_segments,
             tasks=() if args.no_tasks else PAPER_TASKS,
@@ -606,7 +437,7 @@ def main() -> None:
             batch_size=args.batch_size,
             model_name=variant,
             progress_bar=False,
-            reference_model=None if variant == "dense" else dense_model,
+            reference_model=None if variant == "dense" else self.dense,
             reference_model_name="dense",
         )
         row["evaluation_seconds"] = time.perf_counter() - tick
@@ -617,26 +448,71 @@ def main() -> None:
             row["pooled_acc"] = evaluation.zero_shot.pooled_acc
         row["evaluation"] = summary
         print(evaluation.summary(), flush=True)
-        if evaluation.zero_shot is not None and "dense" in rows and variant != "dense":
-            mine = summary["zero_shot"]["answers"]
-            count_fidelity(row, rows["dense"])
-            for key, other in (("against_stage1", "stage1"), ("against_default", "default")):
-                if other in rows and other != variant:
-                    comparison = compare_zero_shot(
-                        expand(rows[other]["evaluation"]["zero_shot"]["answers"]), expand(mine), names=(other, variant, "dense")
-                    )
-                    row[key] = asdict(comparison.pooled)
-                    row[key + "_without_boolq"] = asdict(
-                        compare_zero_shot(
-                            expand(rows[other]["evaluation"]["zero_shot"]["answers"], ("boolq",)),
-                            expand(mine, ("boolq",)),
-                        ).pooled
-                    )
+        if evaluation.zero_shot is None or "dense" not in rows or variant == "dense":
+            return
+        mine = summary["zero_shot"]["answers"]
+        count_fidelity(row, rows["dense"])
+        for key, other in (("against_stage1", "stage1"), ("against_default", "default")):
+            if other in rows and other != variant:
+                theirs = rows[other]["evaluation"]["zero_shot"]["answers"]
+                row[key] = asdict(compare_zero_shot(expand(theirs), expand(mine), names=(other, variant, "dense")).pooled)
+                row[key + "_without_boolq"] = asdict(
+                    compare_zero_shot(expand(theirs, ("boolq",)), expand(mine, ("boolq",))).pooled
+                )
+
+
+def put(record: dict, row: dict) -> None:
+    """Adds the row to the record, in place of the row of the same variant (`--redo`)."""
+    index = next((i for i, old in enumerate(record["rows"]) if old["variant"] == row["variant"]), None)
+    if index is None:
+        record["rows"].append(row)
+    else:
+        record["rows"][index] = row
+
+
+def main() -> None:
+    args = arguments().parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.manual_seed(0)
+    removed, layers_from = layers_of(args.model, args.ratio, args.selection)
+    suffix = ("-notasks" if args.no_tasks else "") + ("" if args.device == "cpu" else f"-{args.device}")
+    name = f"heal-{args.model}-{args.ratio:g}-{args.selection}-{args.protocol}{suffix}" + (f"-{args.label}" if args.label else "")
+    path = os.path.join(RESULTS, name + ".json")
+    if args.recount_only:
+        write(records.read(path), path)
+        print(f"counted again, nothing measured: {path}", flush=True)
+        return
+    if args.pair:
+        print_pair(records.read(path), *args.pair)
+        return
+    record = records.read(path) if args.resume and os.path.exists(path) else new_record(args, removed, layers_from)
+    done = {row["variant"] for row in record["rows"]} - set(args.redo)
+    variants = [*args.variants, *(variant for variant in args.redo if variant not in args.variants)]
+    variants.sort(key=lambda variant: variant != "dense")  # the dense row first: the others' flips count against it
+    old_dense = next((row for row in record["rows"] if row["variant"] == "dense"), None)
+    if old_dense is not None and "dense" in done and answers_of(old_dense) and not has_margins(old_dense):
+        print(MISSING_MARGINS, flush=True)
+    run = HealRun(args, removed)
+    record["calibration_sha256"] = calibration_sha256(run.calibration)
+    if args.time_stage1 and "stage1_on_device" not in record:
+        run.time_stage1(record)
+        write(record, path)
+    for variant in variants:
+        if variant in done:
+            print(f"{variant}: already measured, kept")
+            continue
+        if variant == "dense" and args.dense_from:
+            put(record, copied_dense_row(args.dense_from, record, args.max_segments))
+            write(record, path)
+            print(f"dense: copied from {args.dense_from}", flush=True)
+            continue
+        started, row = provenance(), {"variant": variant}
+        model = run.model_of(variant, row)
+        run.evaluate(variant, model, row, {row["variant"]: row for row in record["rows"]})
         row["provenance"] = finish(started)
-        put(row)
-        save()
+        put(record, row)
+        write(record, path)
         print(f"{variant}: saved to {path}", flush=True)
-    print(markdown(record))
 
 
 if __name__ == "__main__":

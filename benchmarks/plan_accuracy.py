@@ -3,12 +3,12 @@
 other benchmarks measured:
 
 - `smollm2-135m-0.25`: the command line's own `optimum-gradmap prune offline:smollm2-135m --pruning-ratio 0.25
-  --dtype float32` (benchmarks/cli_prune_memory.py --model smollm2-135m): 128 x 128 tokens, float32, in memory,
+  --dtype float32` (benchmarks/memory.py prune --model smollm2-135m): 128 x 128 tokens, float32, in memory,
   no evaluation: the run the plan describes;
 - `qwen2.5-coder-0.5b-0.25`: the same on Qwen2.5-Coder-0.5B with `--num-samples 32`
-  (benchmarks/cli_prune_memory.py --model qwen2.5-coder-0.5b -- --num-samples 32);
+  (benchmarks/memory.py prune --model qwen2.5-coder-0.5b -- --num-samples 32);
 - `smollm2-135m-0.25-main-job`, `qwen2.5-coder-0.5b-0.25-main-job`: the README's main job on the same settings
-  (benchmarks/main_job_memory.py), which does more than the command line's run: its perplexity evaluations (3 x 128
+  (benchmarks/memory.py main-job), which does more than the command line's run: its perplexity evaluations (3 x 128
   segments of 128 tokens, counted in its plan) and the reload of the checkpoint, evaluated again (not counted);
 - `llama-3.1-8b-0.25`: the 8B run of benchmarks/scale.py (random weights, bfloat16 on disk, layer-streamed).
 
@@ -25,52 +25,37 @@ the comparison from it and the measurement records.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-sys.path.insert(0, ROOT)
+import records
+from common import RESULTS, ROOT, parser, replaced
+from memory import prune_key
+from provenance import finish, provenance
 
-import records  # noqa: E402
-from cli_prune_memory import prune_key  # noqa: E402
-from provenance import finish, provenance  # noqa: E402
-
-RECORD = os.path.join(ROOT, "benchmarks", "results", "plan_accuracy.json")
+RECORD = os.path.join(RESULTS, "plan_accuracy.json")
 EVALUATION_TOKENS = 3 * 128 * 128  # the main job's perplexities: dense, after Stage 1, after Stage 2
-
+SMOLLM2 = {"model": "offline:smollm2-135m", "dtype": "float32", "settings": {"pruning_ratio": 0.25}}
+QWEN = {"model": "offline:qwen2.5-coder-0.5b", "dtype": "float32", "settings": {"pruning_ratio": 0.25, "num_samples": 32}}
+QWEN_MAIN_JOB = ["--model", "qwen2.5-coder-0.5b", "--num-samples", "32", "--output", "out/qwen-main"]
 # row -> how the plan is made, and where the measurement lives: (record, the key of its row)
 ROWS = {
     "smollm2-135m-0.25": {
-        "model": "offline:smollm2-135m",
-        "dtype": "float32",
-        "settings": {"pruning_ratio": 0.25},
+        **SMOLLM2,
         "evaluation_tokens": 0,
         "measured": ("cli_prune_memory", prune_key("smollm2-135m", 0.25, "float32", [])),
     },
     "qwen2.5-coder-0.5b-0.25": {
-        "model": "offline:qwen2.5-coder-0.5b",
-        "dtype": "float32",
-        "settings": {"pruning_ratio": 0.25, "num_samples": 32},
+        **QWEN,
         "evaluation_tokens": 0,
         "measured": ("cli_prune_memory", prune_key("qwen2.5-coder-0.5b", 0.25, "float32", ["--num-samples", "32"])),
     },
-    "smollm2-135m-0.25-main-job": {
-        "model": "offline:smollm2-135m",
-        "dtype": "float32",
-        "settings": {"pruning_ratio": 0.25},
-        "evaluation_tokens": EVALUATION_TOKENS,
-        "measured": ("main_job_memory", []),
-    },
+    "smollm2-135m-0.25-main-job": {**SMOLLM2, "evaluation_tokens": EVALUATION_TOKENS, "measured": ("main_job_memory", [])},
     "qwen2.5-coder-0.5b-0.25-main-job": {
-        "model": "offline:qwen2.5-coder-0.5b",
-        "dtype": "float32",
-        "settings": {"pruning_ratio": 0.25, "num_samples": 32},
+        **QWEN,
         "evaluation_tokens": EVALUATION_TOKENS,
-        "measured": ("main_job_memory", ["--model", "qwen2.5-coder-0.5b", "--num-samples", "32", "--output", "out/qwen-main"]),
+        "measured": ("main_job_memory", QWEN_MAIN_JOB),
     },
     "llama-3.1-8b-0.25": {
         "model": os.path.join(os.path.dirname(ROOT), "scale", "llama-3.1-8b-bf16"),  # scale.py build --output ../scale/...
@@ -86,7 +71,7 @@ ROWS = {
 
 def removed_layers(source: str, key) -> list[int] | None:
     """The layers the measured run removed (from its record), for the plan made once Stage 1 is done."""
-    path = os.path.join(ROOT, "benchmarks", "results", source + ".json")
+    path = os.path.join(RESULTS, source + ".json")
     if not os.path.exists(path):
         return None
     for row in records.read(path):
@@ -102,16 +87,16 @@ def removed_layers(source: str, key) -> list[int] | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--row", choices=ROWS, required=True)
-    parser.add_argument("--resume", action="store_true")
-    parser.add_argument(
+    arguments = parser(__doc__)
+    arguments.add_argument("--row", choices=ROWS, required=True)
+    arguments.add_argument("--resume", action="store_true")
+    arguments.add_argument(
         "--replan",
         action="store_true",
         help="plan the row again with the throughput its earlier plan measured (a change of the planner, not of the "
         "machine: nothing is measured, so the row needs no quiet machine); the row records where its throughput came from",
     )
-    args = parser.parse_args()
+    args = arguments.parse_args()
     import torch
 
     from optimum_gradmap import GradMAPConfig, GradMAPPruner
@@ -125,7 +110,7 @@ def main() -> None:
     spec = ROWS[args.row]
     earlier = next((row for row in rows if row["row"] == args.row), None)
     if args.replan and earlier is None:
-        parser.error(f"--replan: {args.row} has no plan in {RECORD} to take the throughput from")
+        arguments.error(f"--replan: {args.row} has no plan in {RECORD} to take the throughput from")
     path = resolve_model(spec["model"]).path if spec["model"].startswith("offline:") else spec["model"]
     config = GradMAPConfig(**spec["settings"])
     record = {"row": args.row, "model": spec["model"], "settings": spec["settings"], "measured": spec["measured"]}
@@ -159,9 +144,7 @@ def main() -> None:
         after = make_plan(throughput=plan.throughput, removed_layers=removed)  # the same throughput measurement
         record["removed_layers"] = removed
         record["plan_after_stage1"] = after.to_dict()
-    rows = [row for row in rows if row["row"] != args.row] + [record]
-    os.makedirs(os.path.dirname(RECORD), exist_ok=True)
-    records.write(RECORD, rows)
+    records.write(RECORD, replaced(rows, record, "row"))
     print(plan)
 
 

@@ -1,29 +1,27 @@
-"""The scale harness: real architectures' published configs with random weights, pruned from disk.
-
+"""The scale harness: real architectures' published configs with random weights, pruned and healed from disk.
 Random weights make the chosen layers and every perplexity meaningless: this harness measures time, memory, disk
 and the machinery's correctness (the pruned checkpoint reloads with plain `AutoModelForCausalLM` and computes the
 logits the pruned model computed in the process), never quality.
 
     # write Llama-3.1-8B's shape with random weights, sharded as `save_pretrained(max_shard_size="5GB")` shards it
     python benchmarks/scale.py build --model llama-3.1-8b --dtype bfloat16 --output ../scale/llama-3.1-8b-bf16
-    # prune it from disk with the command line, layer-streamed, and measure
+    # prune it from disk with the command line, layer-streamed, and measure (`--keep`: keep the checkpoint)
     python benchmarks/scale.py prune --model llama-3.1-8b --weights ../scale/llama-3.1-8b-bf16 \
         --dtype bfloat16 --num-samples 16 --max-memory cpu=2GiB --resume
+    # heal the kept checkpoint from disk, the dense model as teacher, and measure
+    python benchmarks/scale.py heal --model llama-3.1-8b --weights DENSE --pruned PRUNED --dtype bfloat16 \
+        --heal-tokens 2048 --max-memory cpu=2GiB --work DIR -- --heal-validation-sequences 8
 
-`build` draws every weight as the family's `_init_weights` draws it (normal with the config's
-`initializer_range` for linear maps and embeddings, ones for norms, zeros for biases), one module at a time in
-the state dict's order from one seeded generator, so the whole model is never in memory; the tokenizer is
-SmolLM2-135M's from the offline assets (its 49,152 ids lie inside every vocabulary here: random weights do not
-care which tokenizer reads the text).
+`build` draws every weight as the family's `_init_weights` does (normal with `initializer_range` for linear maps
+and embeddings, ones for norms, zeros for biases), one module at a time from one seeded generator, so the whole
+model is never in memory; the tokenizer is SmolLM2-135M's (its ids lie inside the vocabulary).
 
-`prune` runs `optimum-gradmap prune WEIGHTS --pruning-ratio R --output OUT --device-map auto --max-memory ...
---offload-folder ...` in a child process, through the command line's own entry point, with one probe added: once
-the checkpoint is written, the pruned model's logits on a few tokens are saved. A second child reloads the
-checkpoint with plain `AutoModelForCausalLM` (offloaded the same way) and compares its logits with them. The
-parent samples the child's memory every 0.5 s (`/proc/PID/status`: RssAnon, the process's own memory; RssFile,
-the weight files it has mapped) and reads its `VmHWM` (peak resident) and `/proc/PID/io` (bytes read from disk)
-when it ends. Seconds per Stage 1 round come from the Stage 1 checkpoint, Stage 2's from the report.
-Writes benchmarks/results/scale-<model>-<dtype>.json (one row per run; `--resume` skips a finished run).
+`prune` and `heal` run the command line's own `optimum-gradmap prune` / `heal` (`--device-map auto --max-memory ...
+--offload-folder ...`) in a child process whose memory is sampled (`common.run_monitored`); once the checkpoint is
+written, the pruned model's logits on a few tokens are saved, and a second child reloads the checkpoint with plain
+`AutoModelForCausalLM` (offloaded the same way) to compare its logits. Seconds per Stage 1 round come from the
+Stage 1 checkpoint, Stage 2's from the report. Writes benchmarks/results/scale-<model>-<dtype>.json (one row per
+run; `--resume` skips a finished run).
 """
 
 from __future__ import annotations
@@ -32,15 +30,15 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
+from collections.abc import Callable
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-sys.path.insert(0, ROOT)
+import records
+from common import RESULTS, folder_bytes, gib, parser, replaced, run_monitored, shown, stop_at_exit
+from memory import cli_command
+from provenance import finish, provenance
 
 RANDOM_WEIGHTS = "random weights: time, memory, disk and correctness only, never quality"
 
@@ -74,47 +72,6 @@ ARCHITECTURES: dict[str, dict] = {
         "bos_token_id": 128000,
         "eos_token_id": 128001,
     },
-    "qwen2.5-7b": {  # Qwen/Qwen2.5-7B
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "vocab_size": 152064,
-        "hidden_size": 3584,
-        "intermediate_size": 18944,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 28,
-        "num_key_value_heads": 4,
-        "hidden_act": "silu",
-        "max_position_embeddings": 131072,
-        "max_window_layers": 28,
-        "rms_norm_eps": 1e-06,
-        "rope_theta": 1000000.0,
-        "sliding_window": 131072,
-        "use_sliding_window": False,
-        "tie_word_embeddings": False,
-        "initializer_range": 0.02,
-        "bos_token_id": 151643,
-        "eos_token_id": 151643,
-    },
-    "mistral-7b-v0.3": {  # mistralai/Mistral-7B-v0.3
-        "architectures": ["MistralForCausalLM"],
-        "model_type": "mistral",
-        "vocab_size": 32768,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "hidden_act": "silu",
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-05,
-        "rope_theta": 1000000.0,
-        "sliding_window": None,
-        "tie_word_embeddings": False,
-        "initializer_range": 0.02,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    },
 }
 
 
@@ -129,10 +86,6 @@ def architecture_config(name: str, num_layers: int | None = None):
             values["max_window_layers"] = num_layers
     model_type = values.pop("model_type")
     return AutoConfig.for_model(model_type, **values)
-
-
-def gib(value: float) -> float:
-    return round(value / 2**30, 3)
 
 
 # ------------------------------------------------------------------------------------------------------------- build
@@ -194,92 +147,14 @@ def build(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ measurement
-class ProcessMonitor:
-    """Samples a child process's memory every `interval` seconds, and reads its peak and disk reads at the end."""
-
-    def __init__(self, pid: int, interval: float = 0.5):
-        self.pid, self.interval = pid, interval
-        self.peak_anon = self.peak_file = self.peak_rss = 0
-        self.timeline: list[tuple[float, float, float]] = []  # (seconds, anon GiB, file GiB), every 10 s
-        self.last = {}
-        self._running = True
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._started = time.time()
-        self._thread.start()
-
-    def _read(self) -> None:
-        values = {}
-        with open(f"/proc/{self.pid}/status") as file:
-            for line in file:
-                key, _, rest = line.partition(":")
-                if key in ("RssAnon", "RssFile", "VmRSS", "VmHWM"):
-                    values[key] = int(rest.split()[0]) * 1024
-        with open(f"/proc/{self.pid}/io") as file:
-            for line in file:
-                key, _, rest = line.partition(":")
-                values[key] = int(rest)
-        self.last = values
-        self.peak_anon = max(self.peak_anon, values.get("RssAnon", 0))
-        self.peak_file = max(self.peak_file, values.get("RssFile", 0))
-        self.peak_rss = max(self.peak_rss, values.get("VmHWM", 0), values.get("VmRSS", 0))
-
-    def _sample(self) -> None:
-        next_mark = 0.0
-        while self._running:
-            try:
-                self._read()
-            except (FileNotFoundError, ProcessLookupError):
-                return
-            seconds = time.time() - self._started
-            if seconds >= next_mark:
-                self.timeline.append((round(seconds), gib(self.last.get("RssAnon", 0)), gib(self.last.get("RssFile", 0))))
-                next_mark += 10.0
-            time.sleep(self.interval)
-
-    def stop(self) -> dict:
-        self._running = False
-        self._thread.join()
-        return {
-            "peak_resident_gib": gib(self.peak_rss),
-            "peak_anonymous_gib": gib(self.peak_anon),
-            "peak_file_mapped_gib": gib(self.peak_file),
-            "read_bytes_gib": gib(self.last.get("read_bytes", 0)),
-            "read_chars_gib": gib(self.last.get("rchar", 0)),
-            "written_bytes_gib": gib(self.last.get("write_bytes", 0)),
-            "timeline": self.timeline,
-        }
-
-
-def run_monitored(command: list[str], log_path: str, env: dict | None = None) -> tuple[int, float, dict]:
-    """Runs `command`, its output to `log_path`, and what [`ProcessMonitor`] saw. The child holds its exit so that
-    its final peak and disk reads can be read: it stops itself at exit (SIGSTOP), and the parent continues it."""
-    started = time.time()
-    with open(log_path, "w") as log:
-        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        monitor = ProcessMonitor(child.pid)
-        while child.poll() is None:
-            try:
-                with open(f"/proc/{child.pid}/stat") as file:
-                    state = file.read().rsplit(")", 1)[1].split()[0]
-            except FileNotFoundError:
-                break
-            if state == "T":  # stopped itself at exit: read its last figures, then let it go
-                monitor._read()
-                os.kill(child.pid, 18)  # SIGCONT
-                break
-            time.sleep(0.5)
-        code = child.wait()
-    return code, time.time() - started, monitor.stop()
+PROBE_TOKENS = [1, 504, 3458, 282, 1410, 314, 260, 2269, 2484, 30, 378, 314, 8318, 28, 2634, 2]
 
 
 def prune_child(args: argparse.Namespace) -> None:
     """In the child: the command line's own `prune`, plus the logits probe once the checkpoint is written."""
-    import atexit
-    import signal
-
     import torch
 
-    atexit.register(lambda: os.kill(os.getpid(), signal.SIGSTOP))  # the parent reads the final figures, then continues
+    stop_at_exit()
     from optimum_gradmap import cli
     from optimum_gradmap.result import PruningResult
 
@@ -287,30 +162,21 @@ def prune_child(args: argparse.Namespace) -> None:
 
     def save_and_probe(self, *save_args, **save_kwargs):
         folder = original_save(self, *save_args, **save_kwargs)
-        probe = torch.tensor([PROBE_TOKENS])
         with torch.no_grad():
-            logits = self.model(input_ids=probe, use_cache=False).logits.float()
+            logits = self.model(input_ids=torch.tensor([PROBE_TOKENS]), use_cache=False).logits.float()
         torch.save(logits, os.path.join(args.work, "probe_logits.pt"))
         return folder
 
     PruningResult.save_pretrained = save_and_probe
-    argv = json.loads(args.child_argv)
-    code = cli.main(argv)
-    sys.exit(code or 0)
-
-
-PROBE_TOKENS = [1, 504, 3458, 282, 1410, 314, 260, 2269, 2484, 30, 378, 314, 8318, 28, 2634, 2]
+    sys.exit(cli.main(json.loads(args.child_argv)) or 0)
 
 
 def reload_child(args: argparse.Namespace) -> None:
     """In the child: plain `AutoModelForCausalLM`, offloaded as the prune was, and its logits against the probe's."""
-    import atexit
-    import signal
-
     import torch
     from transformers import AutoModelForCausalLM
 
-    atexit.register(lambda: os.kill(os.getpid(), signal.SIGSTOP))
+    stop_at_exit()
     placement = json.loads(args.placement)
     model = AutoModelForCausalLM.from_pretrained(args.output_dir, dtype=getattr(torch, args.dtype), **placement)
     with torch.no_grad():
@@ -326,44 +192,46 @@ def reload_child(args: argparse.Namespace) -> None:
         json.dump(result, file)
 
 
-def heal_child(args: argparse.Namespace) -> None:
-    """In the child: the command line's own `heal`."""
-    import atexit
-    import signal
+def rows_to_run(args: argparse.Namespace, key: dict, done: Callable[[dict], bool]) -> list[dict] | None:
+    """The rows of the model's record; `None` with `--resume` where the row of `key` is `done` already."""
+    path = os.path.join(RESULTS, f"scale-{args.model}-{args.dtype}.json")
+    rows = records.read(path) if os.path.exists(path) else []
+    if args.resume and any(row.get("key") == key and done(row) for row in rows):
+        print(f"{key}: done already ({path})")
+        return None
+    return rows
 
-    atexit.register(lambda: os.kill(os.getpid(), signal.SIGSTOP))  # the parent reads the final figures, then continues
-    from optimum_gradmap import cli
 
-    sys.exit(cli.main(json.loads(args.child_argv)) or 0)
+def run_child(row: dict, command: list[str], log_path: str) -> int:
+    """Runs the measured child of `row`, and puts its provenance, exit code, seconds and memory in the row."""
+    row["provenance"] = provenance()
+    code, seconds, memory = run_monitored(command, log_path)
+    row["provenance"] = finish(row["provenance"])
+    row["exit_code"], row["seconds"], row["memory"] = code, round(seconds, 1), memory
+    return code
+
+
+def save(args: argparse.Namespace, rows: list[dict], row: dict) -> None:
+    records.write(os.path.join(RESULTS, f"scale-{args.model}-{args.dtype}.json"), replaced(rows, row, "key"))
+    print(json.dumps(shown(row), indent=1))
 
 
 def heal(args: argparse.Namespace) -> None:
     """`optimum-gradmap heal PRUNED --teacher WEIGHTS` with both models offloaded as the prune was, measured."""
-    import records
-    from provenance import finish, provenance
-
-    record_path = os.path.join(ROOT, "benchmarks", "results", f"scale-{args.model}-{args.dtype}.json")
-    rows = records.read(record_path) if os.path.exists(record_path) else []
     key = {"heal_tokens": args.heal_tokens, "max_memory": args.max_memory, "pruned": os.path.basename(args.pruned)}
-    if args.resume and any(row.get("key") == key and row.get("exit_code") == 0 for row in rows):
-        print(f"{key}: done already ({record_path})")
+    rows = rows_to_run(args, key, lambda row: row.get("exit_code") == 0)
+    if rows is None:
         return
-    work = args.work
-    os.makedirs(work, exist_ok=True)
-    output = os.path.join(work, "healed")
+    os.makedirs(args.work, exist_ok=True)
+    output = os.path.join(args.work, "healed")
     argv = [
         "heal", args.pruned, "--teacher", args.weights, "--heal-tokens", str(args.heal_tokens),
         "--heal-dataset", "offline:web_text", "--output", output, "--overwrite", "--dtype", args.dtype,
-        "--device-map", "auto", "--max-memory", args.max_memory, "--offload-folder", os.path.join(work, "offload"),
+        "--device-map", "auto", "--max-memory", args.max_memory, "--offload-folder", os.path.join(args.work, "offload"),
         *args.extra,
     ]  # fmt: skip
     row = {"key": key, "model": args.model, "dtype": args.dtype, "weights": RANDOM_WEIGHTS, "argv": argv}
-    row["provenance"] = provenance()
-    command = [sys.executable, __file__, "_heal_child", "--work", work, "--child-argv", json.dumps(argv)]
-    code, seconds, memory = run_monitored(command, os.path.join(work, "heal.log"))
-    row["provenance"] = finish(row["provenance"])
-    row["exit_code"], row["seconds"], row["memory"] = code, round(seconds, 1), memory
-    if code == 0:
+    if run_child(row, cli_command(argv), os.path.join(args.work, "heal.log")) == 0:
         healed = json.load(open(os.path.join(output, "pruning_report.json")))["heal"]
         row["heal"] = {
             name: healed[name] for name in ("trained_tokens", "steps", "seconds", "teacher_seconds", "start_kl", "best_kl")
@@ -371,32 +239,18 @@ def heal(args: argparse.Namespace) -> None:
         training = healed["seconds"] - healed["teacher_seconds"]
         row["heal"]["tokens_per_second"] = healed["trained_tokens"] / training if training > 0 else None
         row["output_bytes"] = folder_bytes(output)
-    rows = [existing for existing in rows if existing.get("key") != key] + [row]
-    records.write(record_path, rows)
-    shown = {k: v for k, v in row.items() if k not in ("provenance", "argv")}
-    shown["memory"] = {k: v for k, v in row["memory"].items() if k != "timeline"}
-    print(json.dumps(shown, indent=1))
-
-
-def folder_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(folder, name)) for folder, _, names in os.walk(path) for name in names)
+    save(args, rows, row)
 
 
 def prune(args: argparse.Namespace) -> None:
-    import records
-    from provenance import finish, provenance
-
-    record_path = os.path.join(ROOT, "benchmarks", "results", f"scale-{args.model}-{args.dtype}.json")
-    rows = records.read(record_path) if os.path.exists(record_path) else []
+    """`optimum-gradmap prune WEIGHTS` offloaded to disk, measured, and its checkpoint reloaded and checked."""
     key = {"num_samples": args.num_samples, "seq_len": args.seq_len, "ratio": args.ratio, "max_memory": args.max_memory}
-    if args.resume and any(row.get("key") == key and row.get("reloaded") for row in rows):
-        print(f"{key}: done already ({record_path})")
+    rows = rows_to_run(args, key, lambda row: bool(row.get("reloaded")))
+    if rows is None:
         return
     work = args.work or tempfile.mkdtemp(prefix="scale-", dir=os.path.dirname(os.path.abspath(args.weights)))
     os.makedirs(work, exist_ok=True)
-    output = os.path.join(work, "pruned")
-    offload = os.path.join(work, "offload")
-    stage1_checkpoint = os.path.join(work, "stage1.json")
+    output, offload, stage1_checkpoint = (os.path.join(work, name) for name in ("pruned", "offload", "stage1.json"))
     if not args.resume and os.path.exists(stage1_checkpoint):
         os.remove(stage1_checkpoint)  # a fresh measurement times every round; `--resume` continues an interrupted one
     argv = [
@@ -407,48 +261,43 @@ def prune(args: argparse.Namespace) -> None:
     ]  # fmt: skip
     row = {"key": key, "model": args.model, "dtype": args.dtype, "weights": RANDOM_WEIGHTS, "argv": argv}
     row["weight_bytes_on_disk"] = folder_bytes(args.weights)
-    row["provenance"] = provenance()
     command = [sys.executable, __file__, "_prune_child", "--work", work, "--child-argv", json.dumps(argv)]
-    code, seconds, memory = run_monitored(command, os.path.join(work, "prune.log"))
-    row["provenance"] = finish(row["provenance"])
-    row["exit_code"], row["seconds"], row["memory"] = code, round(seconds, 1), memory
-    if code == 0:
+    if run_child(row, command, os.path.join(work, "prune.log")) == 0:
         report = json.load(open(os.path.join(output, "pruning_report.json")))
         checkpoint = json.load(open(stage1_checkpoint)) if os.path.exists(stage1_checkpoint) else {}
         row["removed_layers"] = report.get("removed_layers")
         row["round_seconds"] = [round(done["seconds"], 1) for done in checkpoint.get("rounds", [])]
         row["timings"] = report.get("timings")
         row["output_bytes"] = folder_bytes(output)
-        memory_limits = dict(_parse_memory(args.max_memory))
-        placement = {"device_map": "auto", "max_memory": memory_limits, "offload_folder": offload + "-reload"}
-        reload_command = [
-            sys.executable, __file__, "_reload_child", "--work", work, "--output-dir", output,
-            "--dtype", args.dtype, "--placement", json.dumps(placement),
-        ]  # fmt: skip
-        code, seconds, reload_memory = run_monitored(reload_command, os.path.join(work, "reload.log"))
-        row["reload"] = {"exit_code": code, "seconds": round(seconds, 1), "memory": reload_memory}
-        if code == 0:
-            row["reload"].update(json.load(open(os.path.join(work, "reload.json"))))
+        row["reload"] = reload(work, output, offload, args)
+        if row["reload"]["exit_code"] == 0:
             row["reloaded"] = True
-    rows = [existing for existing in rows if existing.get("key") != key] + [row]
-    os.makedirs(os.path.dirname(record_path), exist_ok=True)
-    records.write(record_path, rows)
-    shown = {k: v for k, v in row.items() if k not in ("provenance", "argv")}
-    shown["memory"] = {k: v for k, v in row["memory"].items() if k != "timeline"}
-    print(json.dumps(shown, indent=1))
+    save(args, rows, row)
     if not args.keep:
         shutil.rmtree(output, ignore_errors=True)
 
 
-def _parse_memory(text: str):
-    for item in text.split(","):
+def reload(work: str, output: str, offload: str, args: argparse.Namespace) -> dict:
+    """The pruned checkpoint reloaded in a child with plain `AutoModelForCausalLM`, offloaded as the prune was."""
+    limits = {}
+    for item in args.max_memory.split(","):
         device, _, size = item.partition("=")
-        yield (int(device) if device.isdigit() else device), size
+        limits[int(device) if device.isdigit() else device] = size
+    placement = {"device_map": "auto", "max_memory": limits, "offload_folder": offload + "-reload"}
+    command = [
+        sys.executable, __file__, "_reload_child", "--work", work, "--output-dir", output,
+        "--dtype", args.dtype, "--placement", json.dumps(placement),
+    ]  # fmt: skip
+    code, seconds, memory = run_monitored(command, os.path.join(work, "reload.log"))
+    result = {"exit_code": code, "seconds": round(seconds, 1), "memory": memory}
+    if code == 0:
+        result.update(json.load(open(os.path.join(work, "reload.json"))))
+    return result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
+    arguments = parser(__doc__)
+    commands = arguments.add_subparsers(dest="command", required=True)
     built = commands.add_parser("build", help="write an architecture with random weights")
     built.add_argument("--model", choices=ARCHITECTURES, required=True)
     built.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -479,18 +328,15 @@ def main() -> None:
     healed.add_argument("--work", required=True)
     healed.add_argument("--resume", action="store_true")
     healed.add_argument("extra", nargs="*", help="more options for `heal` (after --)")
-    heal_child_parser = commands.add_parser("_heal_child")
-    heal_child_parser.add_argument("--work", required=True)
-    heal_child_parser.add_argument("--child-argv", required=True)
     child = commands.add_parser("_prune_child")
     child.add_argument("--work", required=True)
     child.add_argument("--child-argv", required=True)
-    reload = commands.add_parser("_reload_child")
+    reloaded = commands.add_parser("_reload_child")
     for name in ("--work", "--output-dir", "--dtype", "--placement"):
-        reload.add_argument(name, required=True)
-    args = parser.parse_args()
-    handlers = {"build": build, "prune": prune, "heal": heal, "_prune_child": prune_child, "_heal_child": heal_child}
-    {**handlers, "_reload_child": reload_child}[args.command](args)
+        reloaded.add_argument(name, required=True)
+    args = arguments.parse_args()
+    handlers = {"build": build, "prune": prune, "heal": heal, "_prune_child": prune_child, "_reload_child": reload_child}
+    handlers[args.command](args)
 
 
 if __name__ == "__main__":

@@ -1,52 +1,38 @@
-"""Stage 1 against SLEB at the cost of SLEB's own code: same model, ratio and calibration set, one run.
+"""Stage 1 against SLEB at the cost of SLEB's own code: same model, ratio and calibration set, one run. Each
+selection runs on a fresh copy of the dense model, Stage 1 only (the layers alone are compared):
 
-Four selections, each on a fresh copy of the dense model, Stage 1 only (no Stage 2, so the layers alone are
-compared):
+- `sleb_reference`: SLEB's criterion as SLEB's code computes it, one full forward pass over the calibration set per
+  candidate block (`optimum_gradmap.testing.reference_removal_losses`);
+- `sleb`: our SLEB, each candidate started from its recorded input: the same layers, less work;
+- `quality`, `fast`, `paper`: those presets' Stage 1; `quality_from_scoring_pass`: `quality` with its shortlist
+  check started from the scoring pass's layer inputs (`verify_from_scoring_pass=True`).
 
-- `sleb_reference`: SLEB's criterion computed as SLEB's code does it, one full forward pass over the whole
-  calibration set per candidate block (`optimum_gradmap.testing.reference_removal_losses`);
-- `sleb`: our SLEB, the same criterion with each candidate started from its recorded input
-  (`importance.metrics.removal_losses`): the same layers, less work;
-- `quality`: the `quality` preset's Stage 1 (GradMAP's bound per token, a shortlist of 8 checked by SLEB's
-  criterion with successive halving);
-- `fast`: the `fast` preset's Stage 1 (relative magnitude, one pass without gradients, removal in one shot);
-- `quality_from_scoring_pass` (only when asked for with `--methods`): the same with the check starting from the
-  layer inputs the scoring pass computed (`verify_from_scoring_pass=True`) instead of a pass of its own;
-- `paper` (only when asked for with `--methods`): the `paper` preset's Stage 1, GradMAP's Fisher-trace score
-  (Eq. 5), iterative (Algorithm 1).
+Each row: the removed layers, Stage 1 seconds, held-out perplexity on Wikipedia and web text (128-token segments),
+and its provenance (the machine's load and the other busy processes: timings mean something only on a quiet one).
 
-Each row: the removed layers, Stage 1 seconds, held-out perplexity on Wikipedia and web text (128-token
-segments), and its provenance (commit, date, command, machine and its load, `benchmarks/provenance.py`);
-then the time ratios, computed only between rows of this one run. Timings mean something only on a quiet
-machine: the table shows, per row, how many other processes were busy when it started and ended.
+    python benchmarks/stage1_peers.py --model smollm2-135m --ratio 0.25 --num-samples 16 --resume \
+        --methods sleb_reference sleb quality fast paper quality_from_scoring_pass
+    python benchmarks/stage1_peers.py --model qwen2.5-coder-0.5b --ratio 0.25 --num-samples 8 --resume
 
-    python benchmarks/stage1_peers.py --model smollm2-135m --ratio 0.25 --num-samples 32 --resume
-    python benchmarks/stage1_peers.py --model qwen2.5-coder-0.5b --ratio 0.25 --num-samples 32 --resume
-
-Writes benchmarks/results/stage1_peers-<model>-<ratio>-<num samples>.json, after every row; `--resume`
-keeps the rows already there (same settings, same calibration set by its SHA-256) and runs the others.
+Writes benchmarks/results/stage1_peers-<model>-<ratio>-<num samples>.json, after every row; `--resume` keeps the
+rows already there (same settings, same calibration set by its SHA-256) and runs the others.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import logging
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import records
+from common import RESULTS, log_rounds, parser, perplexities, resumed
+from provenance import finish, provenance
 
-import records  # noqa: E402
-from provenance import finish, provenance  # noqa: E402
-
-from optimum_gradmap import GradMAPConfig, GradMAPPruner  # noqa: E402
-from optimum_gradmap.assets import MODEL_ASSETS, load_model  # noqa: E402
-from optimum_gradmap.configuration import PRESETS, QUALITY_SELECTION  # noqa: E402
-from optimum_gradmap.data import calibration_sha256  # noqa: E402
-from optimum_gradmap.evaluation import evaluate  # noqa: E402
-from optimum_gradmap.importance.metrics import SLEBImportance  # noqa: E402
-from optimum_gradmap.testing import reference_removal_losses  # noqa: E402
+from optimum_gradmap import GradMAPConfig, GradMAPPruner
+from optimum_gradmap.assets import MODEL_ASSETS, load_model
+from optimum_gradmap.configuration import PRESETS, QUALITY_SELECTION
+from optimum_gradmap.data import calibration_sha256
+from optimum_gradmap.importance.metrics import SLEBImportance
+from optimum_gradmap.testing import reference_removal_losses
 
 
 class ReferenceCostSLEB(SLEBImportance):
@@ -70,69 +56,17 @@ METHODS = {
 }
 
 
-def held_out(model, tokenizer, max_segments: int) -> dict[str, float]:
-    evaluation = evaluate(
-        model,
-        tokenizer,
-        ("offline:wikipedia", "offline:web_text"),
-        segment_length=128,
-        max_segments=max_segments,
-        progress_bar=False,
-    )
-    return {entry.dataset: entry.perplexity for entry in evaluation.perplexities}
-
-
-def load_record(path: str, settings: dict, resume: bool) -> dict:
-    """The record at `path`.json when resuming (its settings must be `settings`), else a new one."""
-    if resume and os.path.exists(f"{path}.json"):
-        record = records.read(f"{path}.json")
-        if record["settings"] != settings:
-            raise SystemExit(f"--resume: {path}.json has settings {record['settings']}, not {settings}")
-        return record
-    return {"settings": settings, "rows": []}
-
-
-def markdown(record: dict) -> str:
-    dense = record.get("dense_perplexity", {})
-    lines = [
-        f"dense: Wikipedia {dense.get('offline:wikipedia', 0):.3f}, web {dense.get('offline:web_text', 0):.3f}",
-        f"{record['settings']['model']}, ratio {record['settings']['ratio']}, {record['settings']['num_samples']} x 128 "
-        f"calibration (sha256 {record.get('calibration_sha256', '?')[:12]}), Stage 1 only",
-        "",
-        "| method | removed layers | same layers as reference SLEB | Stage 1 s | time / reference SLEB's "
-        "| time / our SLEB's | Wikipedia ppl | web ppl | other processes busy at start / end | load before (1 min) |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|---:|",
-    ]
-    reference = next((row for row in record["rows"] if row["method"] == "sleb_reference"), None)
-    ours = next((row for row in record["rows"] if row["method"] == "sleb"), None)
-    for row in record["rows"]:
-        share = f"{row['stage1_seconds'] / reference['stage1_seconds']:.3f}" if reference else "-"
-        share_of_ours = f"{row['stage1_seconds'] / ours['stage1_seconds']:.3f}" if ours else "-"
-        same = sorted(row["removed_layers"]) == sorted(reference["removed_layers"]) if reference else "-"
-        ppl = row["perplexity"]
-        lines.append(
-            f"| {row['method']} | {row['removed_layers']} | {same} | {row['stage1_seconds']:.1f} | {share} | {share_of_ours} | "
-            f"{ppl.get('offline:wikipedia', float('nan')):.3f} | {ppl.get('offline:web_text', float('nan')):.3f} | "
-            f"{len(row['provenance']['others_running_before'])} / {len(row['provenance']['others_running_after'])} | "
-            f"{row['provenance']['load_before'][0]:.2f} |"
-        )
-    notes = [f"- {row['method']}: {row['note']}" for row in record["rows"] if row.get("note")]
-    lines += ["", "The load before a row counts this run's own previous rows (the 1-minute average decays slowly).", *notes]
-    return "\n".join(lines)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_ASSETS))
-    parser.add_argument("--ratio", type=float, default=0.25)
-    parser.add_argument("--num-samples", type=int, default=32, help="calibration sequences of 128 tokens (default 32)")
-    parser.add_argument("--methods", nargs="+", default=["sleb_reference", "sleb", "quality", "fast"], choices=list(METHODS))
-    parser.add_argument("--max-eval-segments", type=int, default=128)
-    parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    parser.add_argument("--resume", action="store_true")
-    args = parser.parse_args()
-    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("optimum_gradmap").setLevel(logging.INFO)
+    arguments = parser(__doc__)
+    arguments.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_ASSETS))
+    arguments.add_argument("--ratio", type=float, default=0.25)
+    arguments.add_argument("--num-samples", type=int, default=32, help="calibration sequences of 128 tokens (default 32)")
+    arguments.add_argument("--methods", nargs="+", default=["sleb_reference", "sleb", "quality", "fast"], choices=list(METHODS))
+    arguments.add_argument("--max-eval-segments", type=int, default=128)
+    arguments.add_argument("--output-dir", default=RESULTS)
+    arguments.add_argument("--resume", action="store_true")
+    args = arguments.parse_args()
+    log_rounds()
 
     settings = {
         "model": args.model,
@@ -141,15 +75,15 @@ def main() -> None:
         "max_eval_segments": args.max_eval_segments,
     }
     os.makedirs(args.output_dir, exist_ok=True)
-    path = os.path.join(args.output_dir, f"stage1_peers-{args.model}-{args.ratio}-{args.num_samples}")
-    record = load_record(path, settings, args.resume)
+    path = os.path.join(args.output_dir, f"stage1_peers-{args.model}-{args.ratio}-{args.num_samples}.json")
+    record = resumed(path, args.resume, {"settings": settings, "rows": []}, settings)
 
     def save() -> None:
-        records.write(f"{path}.json", record)
+        records.write(path, record)
 
     dense, tokenizer = load_model(args.model)
     if "dense_perplexity" not in record:
-        record["dense_perplexity"] = held_out(dense, tokenizer, args.max_eval_segments)
+        record["dense_perplexity"] = perplexities(dense, tokenizer, args.max_eval_segments)
         save()
     done = {row["method"] for row in record["rows"]}
     for method in args.methods:
@@ -176,14 +110,16 @@ def main() -> None:
                 "method": method,
                 "removed_layers": result.removed_layers,
                 "stage1_seconds": result.timings["stage1"],
-                "perplexity": held_out(model, tokenizer, args.max_eval_segments),
+                "perplexity": perplexities(model, tokenizer, args.max_eval_segments),
                 "provenance": origin,
             }
         )
         save()
-        print(next(line for line in markdown(record).splitlines() if line.startswith(f"| {method} |")), flush=True)
+        row = record["rows"][-1]
+        print(
+            f"{method}: removed {row['removed_layers']}, Stage 1 {row['stage1_seconds']:.1f} s, {row['perplexity']}", flush=True
+        )
         del model
-    print(markdown(record))
 
 
 if __name__ == "__main__":

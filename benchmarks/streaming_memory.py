@@ -34,56 +34,39 @@ import tempfile
 import threading
 import time
 
+import records
 import torch
+from common import RESULTS, parser
+from provenance import finish, provenance
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import records  # noqa: E402
-from provenance import finish, provenance  # noqa: E402
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as file:
+        return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class PeakMemory:
-    """Peak memory above the level at entry: CUDA's allocator statistics, or sampled resident memory."""
+    """Peak resident memory above the level at entry, sampled every 5 ms."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.extra = 0
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as file:
-            return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def __enter__(self) -> "PeakMemory":
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            self.base = self._rss()
-            self.peak = self.base
-            self.running = True
-            self.thread = threading.Thread(target=self._sample, daemon=True)
-            self.thread.start()
+    def __enter__(self) -> PeakMemory:
+        self.base = self.peak = resident_bytes()
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
         return self
 
     def _sample(self) -> None:
         while self.running:
-            self.peak = max(self.peak, self._rss())
+            self.peak = max(self.peak, resident_bytes())
             time.sleep(0.005)
 
     def __exit__(self, *exc_info) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            self.extra = torch.cuda.max_memory_allocated() - self.base
-        else:
-            self.running = False
-            self.thread.join()
-            self.extra = max(self.peak, self._rss()) - self.base
+        self.running = False
+        self.thread.join()
+        self.extra = max(self.peak, resident_bytes()) - self.base
 
 
 def worker(args: argparse.Namespace) -> dict:
-    sys.path.insert(0, ROOT)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from optimum_gradmap import streaming
@@ -97,7 +80,7 @@ def worker(args: argparse.Namespace) -> dict:
     ids = prepare_calibration_data(
         "offline:wikipedia", tokenizer, args.num_samples, args.seq_len, seed=0, default_dataset="offline:wikipedia"
     )
-    without_model = PeakMemory._rss()
+    without_model = resident_bytes()
     with tempfile.TemporaryDirectory() as offload_folder:
         if args.worker == "in_memory":
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -108,7 +91,7 @@ def worker(args: argparse.Namespace) -> dict:
         layers = list(get_adapter(model).get_layers(model))
         timings = []
         mode = "in_memory" if args.worker == "in_memory" else "auto"
-        with streaming.execution_mode(mode), PeakMemory(torch.device("cpu")) as memory:
+        with streaming.execution_mode(mode), PeakMemory() as memory:
             for _ in range(2):
                 start = time.perf_counter()
                 scores = gradient_importance(model, layers, ids, args.batch_size, progress_bar=False)
@@ -131,7 +114,6 @@ def worker(args: argparse.Namespace) -> dict:
 
 def module_bytes(model_name: str) -> dict:
     """Weight bytes of the largest decoder layer and of the input embedding (float32)."""
-    sys.path.insert(0, ROOT)
     from transformers import AutoModelForCausalLM
 
     from optimum_gradmap.adapters import get_adapter
@@ -146,15 +128,15 @@ def module_bytes(model_name: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--num-samples", type=int, default=32, help="calibration sequences of the round (default 32)")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--worker", choices=["in_memory", "layer_streamed"], help=argparse.SUPPRESS)
-    parser.add_argument("--output-dir", default=os.path.join(ROOT, "benchmarks", "results"))
-    parser.add_argument("--resume", action="store_true", help="keep a record written already: print it, measure nothing")
-    args = parser.parse_args()
+    arguments = parser(__doc__)
+    arguments.add_argument("--model", default="smollm2-135m")
+    arguments.add_argument("--num-samples", type=int, default=32, help="calibration sequences of the round (default 32)")
+    arguments.add_argument("--seq-len", type=int, default=128)
+    arguments.add_argument("--batch-size", type=int, default=8)
+    arguments.add_argument("--worker", choices=["in_memory", "layer_streamed"], help=argparse.SUPPRESS)
+    arguments.add_argument("--output-dir", default=RESULTS)
+    arguments.add_argument("--resume", action="store_true", help="keep a record written already: print it, measure nothing")
+    args = arguments.parse_args()
     if args.worker:
         print(json.dumps(worker(args)))
         return

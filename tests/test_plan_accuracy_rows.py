@@ -1,5 +1,5 @@
 """The plan-against-run rows (benchmarks/plan_accuracy.py, docs/benchmarks/scale.md): a row measured by the command
-line's own `prune` (benchmarks/cli_prune_memory.py) names the command of its plan's settings, and the rendered table
+line's own `prune` (benchmarks/memory.py prune) names the command of its plan's settings, and the rendered table
 reads that record's stage seconds and peak, says which run it compares with, and shows the command it ran."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks import each other as scripts do
 
 import plan_accuracy  # noqa: E402
-from cli_prune_memory import prune_key, shown_command  # noqa: E402
+from memory import prune_key, shown_command  # noqa: E402
 from rendering import common  # noqa: E402
 from rendering import scale as scale_rendering  # noqa: E402
 

@@ -248,13 +248,15 @@ HELP_COLLECTOR = textwrap.dedent(
 
 
 def scripts_with_options() -> list[str]:
-    """The examples' and the benchmarks' scripts that parse options with argparse."""
+    """The examples' and the benchmarks' scripts that parse options with argparse (the benchmarks' through
+    `common.parser`)."""
     scripts = []
     for name in tracked_files():
         if name.endswith(".py") and (name.startswith("examples/") or name.count("/") == 1 and name.startswith("benchmarks/")):
             with open(os.path.join(ROOT, name), encoding="utf-8") as file:
-                if "ArgumentParser(" in file.read():
-                    scripts.append(name)
+                text = file.read()
+            if '__name__ == "__main__"' in text and ("ArgumentParser(" in text or "parser(__doc__)" in text):
+                scripts.append(name)
     return scripts
 
 

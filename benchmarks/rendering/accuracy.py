@@ -5,11 +5,11 @@ every measured cell: a row of the paired table holds one record row per cell."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
+from common import SELECTIONS  # benchmarks/common.py: the selections of benchmarks/accuracy.py
+
 from .common import (
-    BOOLQ,
     CHANGES,
     Context,
     Table,
@@ -22,6 +22,7 @@ from .common import (
     older_code,
     older_than,
     paired,
+    paired_without_boolq,
     perplexity,
 )
 
@@ -39,14 +40,6 @@ CUDA_25 = "accuracy-smollm2-135m-0.25-cuda"
 CUDA_40 = "accuracy-smollm2-135m-0.4-cuda"
 WIKIPEDIA, WEB = "offline:wikipedia", "offline:web_text"
 
-# benchmarks/accuracy.py's SELECTIONS: the method of benchmarks/compare.py whose removed layers a selection takes
-SELECTION_METHODS = {
-    "gradmap": "gradmap",
-    "sleb": "sleb",
-    "block_influence": "block_influence",
-    "quality": "gradmap_bound_token+top8+halving",
-    "fast": "relative_magnitude",
-}
 PRETTY = {
     "gradmap": "GradMAP",
     "quality": "`quality` preset",
@@ -128,9 +121,9 @@ def twins(record: dict) -> dict[str, list[str]]:
     layers = {row["method"]: sorted(row["removed_layers"]) for row in compare["rows"] if not row["stage2"]}
     measured = set(selections_in(record))
     for selection in measured:
-        for other, method in SELECTION_METHODS.items():
+        for other, method in SELECTIONS.items():
             if other not in measured and other not in found.get(selection, []) and method in layers:
-                if layers[method] == layers.get(SELECTION_METHODS[selection]):
+                if layers[method] == layers.get(SELECTIONS[selection]):
                     found.setdefault(selection, []).append(other)
     return found
 
@@ -160,25 +153,6 @@ def perplexity_pair(row: dict) -> str:
     return " / ".join(f"{entry['perplexity']:,.1f}" for entry in row["evaluation"]["perplexities"])
 
 
-def answers_without(row: dict, skip: Sequence[str]) -> dict[str, dict[int, int]]:
-    return {
-        task: dict(zip(kept["doc_ids"], (int(a) for a in kept["acc"])))
-        for task, kept in row["evaluation"]["zero_shot"]["answers"].items()
-        if task not in skip
-    }
-
-
-def paired_without_boolq(a: dict, b: dict) -> tuple[float, float]:
-    """Row `b` against row `a` on the same questions, BoolQ left out: the pooled paired difference and its standard
-    error (optimum_gradmap.evaluation.comparison's, what `benchmarks/accuracy.py --pair` prints)."""
-    answers_a, answers_b = answers_without(a, (BOOLQ,)), answers_without(b, (BOOLQ,))
-    differences = [answers_b[task][i] - right for task, questions in answers_a.items() for i, right in questions.items()]
-    n = len(differences)
-    mean = sum(differences) / n
-    variance = sum((d - mean) ** 2 for d in differences) / (n - 1)
-    return mean, math.sqrt(variance / n)
-
-
 # --- the headline rows ---------------------------------------------------------------------------------------------
 
 
@@ -186,17 +160,10 @@ def accuracy_headline(context: Context) -> str:
     """The six headline rows with the standard protocol: Stage 1 alone and both Stage 2s, flips against dense."""
     table = Table(
         "headline",
-        [
-            "setting",
-            "layers of",
-            "row",
-            "Wikipedia ppl",
-            "web ppl",
-            "accuracy, mean of 7",
-            "pooled vs Stage 1 (points)",
-            "flips (no BoolQ)",
-            "flips (all)",
-        ],
+        (
+            "setting | layers of | row | Wikipedia ppl | web ppl | accuracy, mean of 7 | "
+            "pooled vs Stage 1 (points) | flips (no BoolQ) | flips (all)"
+        ),
         ["---", "---", "---", "---:", "---:", "---:", "---:", "---:", "---:"],
     )
     for setting, source in HEADLINE_RECORDS:
@@ -240,7 +207,7 @@ def standard_paired(context: Context) -> str:
     """Each Stage 2 against Stage 1 alone on SmolLM2's headline rows, standard protocol: with and without BoolQ."""
     table = Table(
         "standard-paired",
-        ["setting, layers of", "Stage 1", "default Stage 2", "without BoolQ", "the paper's Stage 2", "without BoolQ"],
+        "setting, layers of | Stage 1 | default Stage 2 | without BoolQ | the paper's Stage 2 | without BoolQ",
     )
     for ratio, source in STANDARD_ROWS:
         record = load(source)
@@ -259,8 +226,7 @@ def standard_paired(context: Context) -> str:
                 text = f"{change:+.2f} ± {stderr:.2f} ({change / stderr:+.2f} SE, p = {pooled['p_value']:.2g})"
                 marks.append((len(cells), *mark(row, record, source)))
                 cells.append(f"{f'**{text}**' if meets_goal(row, stage1) else text}; {perplexity_pair(row)}")
-                difference, error = paired_without_boolq(stage1, row)
-                cells.append(f"{100 * difference:+.2f} ± {100 * error:.2f}")
+                cells.append(paired_without_boolq(row, stage1))
             add_row(table, cells, marks)
     return table.markdown()
 
@@ -281,7 +247,7 @@ def decision(context: Context) -> str:
     change against Stage 1 alone, the rows within one standard error and the rows where both perplexities fall."""
     table = Table(
         "decision",
-        ["Stage 2", "mean change against Stage 1 (points)", "rows within -1 SE", "lowers both perplexities"],
+        "Stage 2 | mean change against Stage 1 (points) | rows within -1 SE | lowers both perplexities",
     )
     selections = [(source, selection) for source in DECISION_RECORDS for selection in selections_in(load(source))]
     for label, variant in DECISION_ROWS:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import shlex
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -95,14 +96,19 @@ def older_than(provenance: dict, kinds: Sequence[str]) -> list[Change]:
 class Table:
     """A markdown table whose rows carry provenance footnotes, numbered `[^PREFIX-N]`. With `cite=False` the rows
     carry none (the README's table, whose rows link to the pages that carry them): the notes are still collected in
-    `notes`, and a row of older code is still marked."""
+    `notes`, and a row of older code is still marked. The `header` may be given as the table's first line reads,
+    `"a | b | c"`."""
 
     prefix: str
-    header: Sequence[str]
+    header: Sequence[str] | str
     align: Sequence[str] | None = None
     rows: list[list[str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     cite: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.header, str):
+            self.header = self.header.split(" | ")
 
     def add(
         self,
@@ -224,6 +230,38 @@ def paired(comparison: dict | None, key: str = "pooled") -> str:
     if not comparison:
         return "-"
     return f"{100 * comparison[key]['difference']:+.2f} ± {100 * comparison[key]['stderr']:.2f}"
+
+
+def paired_without_boolq(row: dict, reference: dict | None) -> str:
+    """`row` against `reference` on every question both keep but BoolQ's (whose accuracy at this size follows a yes/no
+    bias): the pooled paired difference of right answers, in points, with its standard error; `-` without answers."""
+    answers = ((row.get("evaluation") or {}).get("zero_shot") or {}).get("answers")
+    others = (((reference or {}).get("evaluation") or {}).get("zero_shot") or {}).get("answers")
+    if not answers or not others:
+        return "-"
+    differences: list[int] = []
+    for task, kept in answers.items():
+        if task == BOOLQ or task not in others or others[task]["doc_ids"] != kept["doc_ids"]:
+            continue
+        differences += [int(mine) - int(theirs) for mine, theirs in zip(kept["acc"], others[task]["acc"])]
+    if len(differences) < 2:
+        return "-"
+    mean = sum(differences) / len(differences)
+    variance = sum((value - mean) ** 2 for value in differences) / (len(differences) - 1)
+    return f"{100 * mean:+.2f} ± {100 * math.sqrt(variance / len(differences)):.2f}"
+
+
+def option_values(command: str, option: str) -> list[str]:
+    """The values given to `option` (`--name`) in a command line, up to the next option."""
+    words = shlex.split(command)
+    if option not in words:
+        return []
+    values = []
+    for word in words[words.index(option) + 1 :]:
+        if word.startswith("--"):
+            break
+        values.append(word)
+    return values
 
 
 def kl_cell(evaluation: dict, dataset: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .common import Context, Table, kl_cell, load, number, paired, perplexity
+from .common import Context, Table, kl_cell, load, number, paired, paired_without_boolq, perplexity
 
 HEAL_RECORDS = (
     "heal-smollm2-135m-0.25-gradmap-screening-notasks-trainables",
@@ -21,17 +21,10 @@ def heal_kl_rows(prefix: str, records: Sequence[str]) -> Callable[[Context], str
 def _kl_table(prefix: str, records: Sequence[str]) -> str:
     table = Table(
         prefix,
-        [
-            "row",
-            "trained parameters",
-            "learning rate",
-            "Wikipedia ppl",
-            "web ppl",
-            "KL Wikipedia",
-            "KL web",
-            "heal seconds (teacher)",
-            "tokens",
-        ],  # fmt: skip
+        (
+            "row | trained parameters | learning rate | Wikipedia ppl | web ppl | KL Wikipedia | KL web | "
+            "heal seconds (teacher) | tokens"
+        ),
         ["---", "---:", "---:", "---:", "---:", "---:", "---:", "---:", "---:"],
     )
     for source in records:
@@ -123,20 +116,10 @@ def heal_rows(source: str, unit_from: str | None = None) -> Callable[[Context], 
         unit, unit_name = stage1_unit(source, unit_from)
         table = Table(
             source.removeprefix("heal-"),
-            [
-                "row",
-                "Wikipedia ppl",
-                "web ppl",
-                "KL Wikipedia",
-                "KL web",
-                "flips, no BoolQ (all)",
-                "answer changes",
-                "accuracy (pooled)",
-                "vs Stage 1",
-                "vs Stage 1 + 2",
-                f"heal seconds (x {unit:.1f} s, {unit_name})",
-                "tokens",
-            ],  # fmt: skip
+            (
+                "row | Wikipedia ppl | web ppl | KL Wikipedia | KL web | flips, no BoolQ (all) | answer changes | "
+                f"accuracy (pooled) | vs Stage 1 | vs Stage 1 + 2 | heal seconds (x {unit:.1f} s, {unit_name}) | tokens"
+            ),
             ["---"] + ["---:"] * 11,
         )
         for row in load(source)["rows"]:
@@ -203,24 +186,12 @@ def heal_text_rows(source: str) -> Callable[[Context], str]:
         default = rows.get("default")
         table = Table(
             source.removeprefix("heal-") + "-text",
-            [
-                "row",
-                "text",
-                "from",
-                "loss",
-                "KL Wikipedia",
-                "KL web",
-                "flips, no BoolQ (all)",
-                "confident flips, no BoolQ (all)",
-                "answer drift, no BoolQ",
-                "BoolQ yes",
-                "vs Stage 1",
-                "vs Stage 1, no BoolQ",
-                "vs Stage 1 + 2",
-                "heal seconds (text)",
-                "tokens chosen",
-                "goals: flips x, KL, vs Stage 1",
-            ],  # fmt: skip
+            (
+                "row | text | from | loss | KL Wikipedia | KL web | flips, no BoolQ (all) | "
+                "confident flips, no BoolQ (all) | answer drift, no BoolQ | BoolQ yes | vs Stage 1 | "
+                "vs Stage 1, no BoolQ | vs Stage 1 + 2 | heal seconds (text) | tokens chosen | "
+                "goals: flips x, KL, vs Stage 1"
+            ),
             ["---", "---", "---", "---"] + ["---:"] * 12,
         )
         for variant in ("dense", "stage1", "default", *(v for v in rows if is_timed_budget(v))):
@@ -272,26 +243,6 @@ def heal_text_rows(source: str) -> Callable[[Context], str]:
 
 
 KL_TEXTS = ("offline:wikipedia", "offline:web_text")
-
-
-def paired_without_boolq(row: dict, reference: dict | None) -> str:
-    """The paired accuracy difference against `reference` on every question but BoolQ's, in points, with its
-    standard error, from the answers both rows keep (BoolQ's accuracy at this size follows a yes/no bias: the heal
-    page's "BoolQ's yes")."""
-    answers = ((row.get("evaluation") or {}).get("zero_shot") or {}).get("answers")
-    others = (((reference or {}).get("evaluation") or {}).get("zero_shot") or {}).get("answers")
-    if not answers or not others:
-        return "-"
-    differences: list[int] = []
-    for task, kept in answers.items():
-        if task == "boolq" or task not in others or others[task]["doc_ids"] != kept["doc_ids"]:
-            continue
-        differences += [int(mine) - int(theirs) for mine, theirs in zip(kept["acc"], others[task]["acc"])]
-    if len(differences) < 2:
-        return "-"
-    mean = sum(differences) / len(differences)
-    variance = sum((value - mean) ** 2 for value in differences) / (len(differences) - 1)
-    return f"{100 * mean:+.2f} ± {100 * (variance / len(differences)) ** 0.5:.2f}"
 
 
 def kl_on(evaluation: dict, dataset: str) -> float:

@@ -10,85 +10,73 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from .common import Context, Table, load, older_record
+from .common import Context, Table, load, older_record, option_values
 
 QWEN = "compare-qwen2.5-coder-0.5b-0.25"
 SMOLLM2_25 = "compare-smollm2-135m-0.25"
 SMOLLM2_40 = "compare-smollm2-135m-0.4"
 METRICS = ("dense", "gradmap", "sleb", "block_influence", "taylor", "relative_magnitude", "random")
 
+
+def _by_method(text: str) -> dict[str, str]:
+    """`{method: "commit date time"}` from lines `commit date time: method method ...`."""
+    found = {}
+    for line in text.strip().splitlines():
+        when, _, methods = line.strip().partition(": ")
+        found.update((method, when) for method in methods.split())
+    return found
+
+
 # The commit (and its UTC time) that first added a method's rows to a record without per-row provenance: the row was
 # measured with the code of that commit or an earlier one. Found with
 # `git log -S '"method": "NAME"' -- benchmarks/results/RECORD.json` (the oldest commit listed).
 COMMITTED = {
-    SMOLLM2_25: {
-        "dense": "a221dd4 2026-11-22 15:03",
-        "gradmap": "a221dd4 2026-11-22 15:03",
-        "sleb": "a221dd4 2026-11-22 15:03",
-        "block_influence": "a221dd4 2026-11-22 15:03",
-        "taylor": "a221dd4 2026-11-22 15:03",
-        "relative_magnitude": "a221dd4 2026-11-22 15:03",
-        "random": "a221dd4 2026-11-22 15:03",
-        "gradmap_bound_token": "5576f92 2026-11-23 12:47",
-        "gradmap_bound_token+top8+halving": "754531d 2026-11-24 17:23",
-        "gradmap_bound_token+top2": "72f21f6 2026-11-24 18:06",
-        "gradmap+top8+halving": "41b3dba 2026-11-24 21:09",
-        "gradmap_bound_token+top4": "41b3dba 2026-11-24 21:09",
-        "gradmap+top4": "1d625c9 2026-11-25 00:45",
-        "gradmap+top2": "a7cf647 2026-11-25 01:45",
-        "gradmap_bound_token+top8": "aaaf665 2026-11-25 03:19",
-        "gradmap+top8": "c3e9cc6 2026-11-25 12:32",
-    },
-    SMOLLM2_40: {
-        "dense": "8719278 2026-11-22 15:29",
-        "block_influence": "8719278 2026-11-22 15:29",
-        "relative_magnitude": "8719278 2026-11-22 15:29",
-        "taylor": "400cb69 2026-11-22 18:15",
-        "random": "400cb69 2026-11-22 18:15",
-        "gradmap": "400cb69 2026-11-22 18:15",
-        "sleb": "400cb69 2026-11-22 18:15",
-        "gradmap_bound_token": "7c08cee 2026-11-23 15:32",
-        "gradmap_bound_token+top8+halving": "c1b8c41 2026-11-24 19:36",
-        "gradmap_bound_token+top4": "60bcda7 2026-11-24 23:54",
-        "gradmap_bound_token+top2": "47fc328 2026-11-25 00:21",
-        "gradmap+top4": "74accac 2026-11-25 02:16",
-        "gradmap+top2": "64d0c87 2026-11-25 02:53",
-        "gradmap+top8+halving": "19b6866 2026-11-25 03:55",
-        "gradmap_bound_token+top8": "e9bc1d3 2026-11-25 08:29",
-    },
-    QWEN: {
-        "dense": "3edb256 2026-11-22 21:00",
-        "gradmap": "3edb256 2026-11-22 21:00",
-        "block_influence": "3edb256 2026-11-22 21:00",
-        "relative_magnitude": "3edb256 2026-11-22 21:00",
-        "taylor": "a707df0 2026-11-22 21:29",
-        "random": "35deccf 2026-11-22 22:26",
-        "sleb": "e3a9add 2026-11-23 02:30",
-        "gradmap_bound_token": "e0fe579 2026-11-23 16:52",
-        "gradmap_bound_token+top4": "4faec6d 2026-11-24 13:45",
-        "gradmap_bound_token+top8+halving": "8ea0e66 2026-11-24 16:57",
-        "gradmap_bound_token+top2": "a48aba7 2026-11-24 23:25",
-        "gradmap+top8+halving": "4689223 2026-11-25 06:20",
-        "gradmap+top4": "6741604 2026-11-25 07:46",
-        "gradmap+top2": "7e7e06c 2026-11-25 11:38",
-    },
+    SMOLLM2_25: _by_method(
+        """
+        a221dd4 2026-11-22 15:03: dense gradmap sleb block_influence taylor relative_magnitude random
+        5576f92 2026-11-23 12:47: gradmap_bound_token
+        754531d 2026-11-24 17:23: gradmap_bound_token+top8+halving
+        72f21f6 2026-11-24 18:06: gradmap_bound_token+top2
+        41b3dba 2026-11-24 21:09: gradmap+top8+halving gradmap_bound_token+top4
+        1d625c9 2026-11-25 00:45: gradmap+top4
+        a7cf647 2026-11-25 01:45: gradmap+top2
+        aaaf665 2026-11-25 03:19: gradmap_bound_token+top8
+        c3e9cc6 2026-11-25 12:32: gradmap+top8
+        """
+    ),
+    SMOLLM2_40: _by_method(
+        """
+        8719278 2026-11-22 15:29: dense block_influence relative_magnitude
+        400cb69 2026-11-22 18:15: taylor random gradmap sleb
+        7c08cee 2026-11-23 15:32: gradmap_bound_token
+        c1b8c41 2026-11-24 19:36: gradmap_bound_token+top8+halving
+        60bcda7 2026-11-24 23:54: gradmap_bound_token+top4
+        47fc328 2026-11-25 00:21: gradmap_bound_token+top2
+        74accac 2026-11-25 02:16: gradmap+top4
+        64d0c87 2026-11-25 02:53: gradmap+top2
+        19b6866 2026-11-25 03:55: gradmap+top8+halving
+        e9bc1d3 2026-11-25 08:29: gradmap_bound_token+top8
+        """
+    ),
+    QWEN: _by_method(
+        """
+        3edb256 2026-11-22 21:00: dense gradmap block_influence relative_magnitude
+        a707df0 2026-11-22 21:29: taylor
+        35deccf 2026-11-22 22:26: random
+        e3a9add 2026-11-23 02:30: sleb
+        e0fe579 2026-11-23 16:52: gradmap_bound_token
+        4faec6d 2026-11-24 13:45: gradmap_bound_token+top4
+        8ea0e66 2026-11-24 16:57: gradmap_bound_token+top8+halving
+        a48aba7 2026-11-24 23:25: gradmap_bound_token+top2
+        4689223 2026-11-25 06:20: gradmap+top8+halving
+        6741604 2026-11-25 07:46: gradmap+top4
+        7e7e06c 2026-11-25 11:38: gradmap+top2
+        """
+    ),
 }
 
 
 # --- provenance of rows from records without it ----------------------------------------------------------------------
-
-
-def _listed(command: str, option: str) -> list[str]:
-    """The values after `option` in a command line (up to the next option)."""
-    words = command.split()
-    if option not in words:
-        return []
-    values = []
-    for word in words[words.index(option) + 1 :]:
-        if word.startswith("--"):
-            break
-        values.append(word)
-    return values
 
 
 def _command(record: dict, method: str, option: str) -> str:
@@ -96,7 +84,7 @@ def _command(record: dict, method: str, option: str) -> str:
     during it, and `--resume` ran it again), the first command for the dense model."""
     if method == "dense":
         return record["commands"][0]
-    return [command for command in record["commands"] if method in _listed(command, option)][-1]
+    return [command for command in record["commands"] if method in option_values(command, option)][-1]
 
 
 def _committed(source: str, method: str | None) -> str:
@@ -183,16 +171,7 @@ def every_shortlist(context: Context) -> str:
     decimals)."""
     table = Table(
         "layers-every-shortlist",
-        [
-            "setting",
-            "score",
-            "shortlist",
-            "removed layers",
-            "wikipedia / web_text ppl",
-            "zero-shot avg",
-            "Stage 1 s",
-            "of SLEB's time",
-        ],
+        ("setting | score | shortlist | removed layers | wikipedia / web_text ppl | zero-shot avg | Stage 1 s | of SLEB's time"),
     )
     for setting, source in SETTINGS:
         records = _rows(source)

@@ -91,16 +91,8 @@ def readme_table(context: Context) -> Table:
     footnotes those pages carry (tests/test_docs.py checks that they do)."""
     table = Table(
         "readme",
-        [
-            "model",
-            "row",
-            "Wikipedia ppl",
-            "web ppl",
-            "KL to dense (Wikipedia)",
-            "accuracy, mean of 7 tasks",
-            "flips vs dense (no BoolQ)",
-            f"[Stage 1 time / SLEB's]({context.link(STAGE1_COST_PAGE)})",
-        ],  # fmt: skip
+        "model | row | Wikipedia ppl | web ppl | KL to dense (Wikipedia) | accuracy, mean of 7 tasks | "
+        f"flips vs dense (no BoolQ) | [Stage 1 time / SLEB's]({context.link(STAGE1_COST_PAGE)})",
         ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:"],
         cite=False,
     )
@@ -152,7 +144,7 @@ def main_job(context: Context) -> str:
         "quiet": run["others_running"].startswith("none"),
         "note": f"load before {run['load_before']}, after {run['load_after']}; other processes: {run['others_running']}",
     }
-    table = Table("main-job", ["what", "figure"])
+    table = Table("main-job", "what | figure")
     rows = [
         ("removed layers, in removal order", str(run["removed_layers"])),
         ("compensated layers (Stage 2)", run["compensated"]),

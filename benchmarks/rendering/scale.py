@@ -39,19 +39,11 @@ def prune_from_disk(context: Context) -> str:
     from disk and written, and whether the checkpoint reloaded to the same logits."""
     table = Table(
         "scale",
-        [
-            "model (random weights)",
-            "weights on disk",
-            "calibration",
-            "s per Stage 1 round (first, last)",
-            "Stage 1 s",
-            "Stage 2 s",
-            "peak resident GiB (/ fp32 weights)",
-            "of which mapped files",
-            "read from disk GiB",
-            "output GiB",
-            "reloaded: logits",
-        ],
+        (
+            "model (random weights) | weights on disk | calibration | s per Stage 1 round (first, last) | "
+            "Stage 1 s | Stage 2 s | peak resident GiB (/ fp32 weights) | of which mapped files | "
+            "read from disk GiB | output GiB | reloaded: logits"
+        ),
     )
     for source, row in scale_records():
         if row.get("exit_code") != 0 or "round_seconds" not in row:
@@ -90,7 +82,7 @@ def main_job_memory(context: Context) -> str:
     """The README's main job run as a child process: its peak resident memory (VmHWM), its own (anonymous) memory at
     its peak, over the model's float32 weight bytes, with what it removed and its perplexities."""
     table = Table(
-        "main-job-memory", ["main job options", "seconds", "peak resident GiB", "peak anonymous GiB", "/ weight bytes", "result"]
+        "main-job-memory", "main job options | seconds | peak resident GiB | peak anonymous GiB | / weight bytes | result"
     )
     for row in load("main_job_memory"):
         if row["exit_code"] != 0:
@@ -194,7 +186,7 @@ def plan_against_run(context: Context) -> str:
     command line's own `prune`, or the main job, which does more."""
     table = Table(
         "plan",
-        ["run", "what", "planned before the run", "planned once Stage 1 is done", "measured", "measured / planned", "goal"],
+        ("run | what | planned before the run | planned once Stage 1 is done | measured | measured / planned | goal"),
     )
     for planned in load("plan_accuracy"):
         measured = _measured(*planned["measured"])
@@ -251,16 +243,10 @@ def heal_from_disk(context: Context) -> str:
     the training steps (after the teacher's pass), peak resident memory."""
     table = Table(
         "scale-heal",
-        [
-            "model (random weights)",
-            "heal tokens",
-            "teacher pass s",
-            "whole heal s",
-            "training tokens/s",
-            "held-out KL, start -> best",
-            "peak resident GiB",
-            "of which mapped files",
-        ],
+        (
+            "model (random weights) | heal tokens | teacher pass s | whole heal s | training tokens/s | "
+            "held-out KL, start -> best | peak resident GiB | of which mapped files"
+        ),
     )
     for source, row in scale_records():
         if "heal" not in row or row.get("exit_code") != 0:

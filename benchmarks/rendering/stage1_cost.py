@@ -17,17 +17,10 @@ def stage1_peers(context: Context) -> str:
     of benchmarks/stage1_peers.py's table; the busy processes and the load in each row's footnote)."""
     table = Table(
         "peers",
-        [
-            "setting, calibration",
-            "method",
-            "removed layers",
-            "SLEB's layers",
-            "Stage 1 s",
-            "share of SLEB's time",
-            "share of our SLEB's time",
-            "Wikipedia ppl",
-            "web ppl",
-        ],  # fmt: skip
+        (
+            "setting, calibration | method | removed layers | SLEB's layers | Stage 1 s | share of SLEB's time | "
+            "share of our SLEB's time | Wikipedia ppl | web ppl"
+        ),
         ["---", "---", "---", "---", "---:", "---:", "---:", "---:", "---:"],
     )
     for setting, source in PEER_RECORDS:
@@ -81,29 +74,19 @@ def dtype(context: Context) -> str:
     against the float32 row (benchmarks/dtype.py's two tables, one row per setting)."""
     rows = Table(
         "dtype",
-        [
-            "setting",
-            "dtype",
-            "removed layers",
-            "fitted layers (lambda)",
-            "Stage 1 s",
-            "Stage 2 s",
-            "Wikipedia ppl (fp32 / own)",
-            "web text ppl (fp32 / own)",
-            "quiet",
-        ],
+        (
+            "setting | dtype | removed layers | fitted layers (lambda) | Stage 1 s | Stage 2 s | "
+            "Wikipedia ppl (fp32 / own) | web text ppl (fp32 / own) | quiet"
+        ),
     )
     against = Table(
         "dtype",
-        [
-            "bfloat16 against float32",
-            "same removed layers",
-            "Wikipedia perplexity after both stages (float32 evaluation)",
-            "web text perplexity after both stages (float32 evaluation)",
-            "Stage 1 time ratio",
-            "Stage 2 time ratio",
-            "both rows quiet (time ratios comparable)",
-        ],
+        (
+            "bfloat16 against float32 | same removed layers | "
+            "Wikipedia perplexity after both stages (float32 evaluation) | "
+            "web text perplexity after both stages (float32 evaluation) | Stage 1 time ratio | "
+            "Stage 2 time ratio | both rows quiet (time ratios comparable)"
+        ),
     )
     against.notes = rows.notes  # the same rows, the same footnotes
     for source in DTYPE_RECORDS:

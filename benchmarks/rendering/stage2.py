@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Sequence
 
-from .common import Context, Table, load, machine_text, older_record
+from .common import Context, Table, load, machine_text, older_record, option_values
 
 # --- benchmarks/stage2.py's records ----------------------------------------------------------------------------
 
@@ -23,19 +22,6 @@ def copied_from(row: dict, record: dict) -> str | None:
     return None
 
 
-def _option(command: str, name: str) -> list[str]:
-    """The values given to `--name` in a command line."""
-    words = shlex.split(command)
-    if f"--{name}" not in words:
-        return []
-    values = []
-    for word in words[words.index(f"--{name}") + 1 :]:
-        if word.startswith("--"):
-            break
-        values.append(word)
-    return values
-
-
 def stage2_provenance(record: dict, row: dict) -> dict:
     """A benchmarks/stage2.py row's provenance, from its record (rows carry none): the command that names the row,
     the settings, the machine, and what a copied row copies."""
@@ -48,7 +34,7 @@ def stage2_provenance(record: dict, row: dict) -> dict:
         commands = [
             command
             for command in record["commands"]
-            if row["method"] in _option(command, "methods") and row["variant"] in _option(command, "variants")
+            if row["method"] in option_values(command, "--methods") and row["variant"] in option_values(command, "--variants")
         ]
         if len(commands) == 1:
             parts.append(f"`{commands[0]}`")
@@ -104,17 +90,10 @@ def stage2_variants_smollm2_25(context: Context) -> str:
     record = load(source)
     table = Table(
         "stage2-smollm2-25",
-        [
-            "method",
-            "Stage 2",
-            "removed layers",
-            "compensated (lambda)",
-            "wikipedia ppl",
-            "web_text ppl",
-            "zero-shot avg",
-            "Stage 2 s",
-            "measured here, or copied from",
-        ],
+        (
+            "method | Stage 2 | removed layers | compensated (lambda) | wikipedia ppl | web_text ppl | "
+            "zero-shot avg | Stage 2 s | measured here, or copied from"
+        ),
     )
     methods = list(dict.fromkeys(row["method"] for row in record["rows"]))  # each method's rows together
     for row in sorted(record["rows"], key=lambda row: methods.index(row["method"])):
@@ -205,15 +184,7 @@ def stage2_mixtures(context: Context) -> str:
     record = load(source)
     table = Table(
         "stage2-mixtures",
-        [
-            "Stage 2",
-            "calibration of the fit",
-            "compensated (lambda)",
-            "wikipedia ppl",
-            "web_text ppl",
-            "zero-shot avg",
-            "Stage 2 s",
-        ],  # fmt: skip
+        ("Stage 2 | calibration of the fit | compensated (lambda) | wikipedia ppl | web_text ppl | zero-shot avg | Stage 2 s"),
     )
     for variant, label, calibration in MIXTURE_ROWS:
         row = stage2_row(record, "gradmap", variant)
@@ -228,7 +199,7 @@ def stage2_mixtures(context: Context) -> str:
 
 def compare_provenance(record: dict, row: dict) -> dict:
     """A benchmarks/compare.py row's provenance, from its record (rows carry none)."""
-    commands = [command for command in record["commands"] if row["method"] in _option(command, "metrics")]
+    commands = [command for command in record["commands"] if row["method"] in option_values(command, "--metrics")]
     settings = record["settings"]
     parts = [f"`{commands[0]}`"] if commands else []
     parts.append(
@@ -247,7 +218,7 @@ def stage2_each_round(context: Context) -> str:
     compare = {(row["method"], row["stage2"]): row for row in compare_record["rows"]}
     table = Table(
         "stage2-each-round",
-        ["selection", "Stage 2", "removed layers", "wikipedia ppl", "web_text ppl", "zero-shot avg", "Stage 1 s"],
+        "selection | Stage 2 | removed layers | wikipedia ppl | web_text ppl | zero-shot avg | Stage 1 s",
     )
     once = stage2_row(stage2_record, "gradmap", "span_end+auto")
     stage1 = compare[("gradmap", False)]

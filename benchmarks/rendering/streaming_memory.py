@@ -26,7 +26,7 @@ def layer_streamed(context: Context) -> str:
     weight bytes, and how far the streamed scores are from the in-memory ones."""
     table = Table(
         "streaming",
-        ["model", "mode", "s per round", "peak memory / weight bytes", "scores vs in memory"],
+        "model | mode | s per round | peak memory / weight bytes | scores vs in memory",
     )
     mib = 2**20
     for model, source in STREAMING_RECORDS:
