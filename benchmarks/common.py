@@ -181,11 +181,9 @@ class ProcessMonitor:
     def __init__(self, pid: int, interval: float = 0.5):
         self.pid, self.interval = pid, interval
         self.peak_anon = self.peak_file = self.peak_rss = 0
-        self.timeline: list[tuple[float, float, float]] = []  # (seconds, anon GiB, file GiB), every 10 s
         self.last = {}
         self._running = True
         self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._started = time.time()
         self._thread.start()
 
     def read(self) -> None:
@@ -205,16 +203,11 @@ class ProcessMonitor:
         self.peak_rss = max(self.peak_rss, values.get("VmHWM", 0), values.get("VmRSS", 0))
 
     def _sample(self) -> None:
-        next_mark = 0.0
         while self._running:
             try:
                 self.read()
             except (FileNotFoundError, ProcessLookupError):
                 return
-            seconds = time.time() - self._started
-            if seconds >= next_mark:
-                self.timeline.append((round(seconds), gib(self.last.get("RssAnon", 0)), gib(self.last.get("RssFile", 0))))
-                next_mark += 10.0
             time.sleep(self.interval)
 
     def stop(self) -> dict:
@@ -227,7 +220,6 @@ class ProcessMonitor:
             "read_bytes_gib": gib(self.last.get("read_bytes", 0)),
             "read_chars_gib": gib(self.last.get("rchar", 0)),
             "written_bytes_gib": gib(self.last.get("write_bytes", 0)),
-            "timeline": self.timeline,
         }
 
 
@@ -254,7 +246,5 @@ def run_monitored(command: list[str], log_path: str, env: dict | None = None) ->
 
 
 def shown(row: dict) -> dict:
-    """A measured child's row as a script prints it: without its provenance, argv, printed lines and memory timeline."""
-    kept = {key: value for key, value in row.items() if key not in ("provenance", "argv", "printed", "memory")}
-    kept["memory"] = {key: value for key, value in row["memory"].items() if key != "timeline"}
-    return kept
+    """A measured child's row as a script prints it: without its provenance, argv and printed lines."""
+    return {key: value for key, value in row.items() if key not in ("provenance", "argv", "printed")}

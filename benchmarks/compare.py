@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import itertools
 import os
 
 import records
@@ -178,17 +177,11 @@ def method_rows(args: argparse.Namespace, record: dict, prefix: str, dense, toke
     stage1_origin = finish(started)
     pruner.compensate(result, **PAPER_STAGE2)  # the paper's Stage 2 for every row, whatever the defaults
     drift = {str(index): value for index, value in result.compensation.drift.items()}
-    summary = result.to_dict()  # every round's scores and, with a shortlist, the loss without each verified layer
-    rounds = [
-        {"scores": scores, "verified": verified}
-        for scores, verified in itertools.zip_longest(summary["scores"], summary["verified"], fillvalue={})
-    ]
     record["rows"].append(
         {
             **stage1,
             "stage2": False,
             "stage2_seconds": None,
-            "stage1_rounds": rounds,
             "drift": drift,
             "evaluation": stage1_evaluation,
             "provenance": stage1_origin,

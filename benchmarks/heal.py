@@ -198,9 +198,8 @@ def boolq_yes(answers: dict) -> float | None:
 
 
 def count_fidelity(row: dict, dense: dict) -> None:
-    """The row's flips against the dense row, with BoolQ and without, from both rows' answers; where the dense row
-    keeps its margins, also the flips on the confident questions (dense margin above its task's median), per quartile
-    of the dense margins cut within each task and pooled, and each task's edges: all counted by the library's `flips`."""
+    """The row's flips against the dense row, with BoolQ and without, from both rows' answers, and where the dense row
+    keeps its margins, the flips on the confident questions (dense margin above its task's median): by `flips`."""
     mine, dense_answers = answers_of(row), answers_of(dense)
     for suffix, skip in (("", ()), ("_without_boolq", ("boolq",))):
         drift = answer_drift(mine, dense_answers, skip)
@@ -210,13 +209,11 @@ def count_fidelity(row: dict, dense: dict) -> None:
         row["flips" + suffix] = asdict(found.pooled)
         if found.confident is not None:
             row["confident_flips" + suffix] = asdict(found.confident)
-            row["flips_by_margin" + suffix] = [asdict(entry) for entry in found.by_margin]
-            row["margin_edges" + suffix] = found.margin_edges
 
 
 def recount(record: dict) -> None:
     """Counts again, from the answers the rows keep, every row's flips against the dense row (with the confident
-    flips and the margin quartiles where the dense row keeps its margins) and its BoolQ "yes" share: rows measured
+    flips where the dense row keeps its margins) and its BoolQ "yes" share: rows measured
     before these columns get them, and every row follows a dense row measured again (`--redo dense`)."""
     dense = next((row for row in record["rows"] if row["variant"] == "dense"), None)
     for row in record["rows"]:
