@@ -31,18 +31,16 @@ def _kl_table(prefix: str, records: Sequence[str]) -> str:
         for row in load(source)["rows"]:
             heal = row.get("heal") or {}
             evaluation = row["evaluation"]
+            name = "Stage 1 + default Stage 2" if row["variant"] == "default" else f"`{row['variant']}`"
+            cells = [
+                name,
+                f"{heal['num_trainable_parameters']:,}" if heal else "-",
+                f"{heal['learning_rate']:g}" if heal else "-",
+            ]
+            cells += [number(perplexity(evaluation, text), 2) for text in KL_TEXTS] + [kl_cell(evaluation, t) for t in KL_TEXTS]
+            cells += [f"{heal['seconds']:.0f} ({heal['teacher_seconds']:.0f})" if heal else "-"]
             table.add(
-                [
-                    "Stage 1 + default Stage 2" if row["variant"] == "default" else f"`{row['variant']}`",
-                    f"{heal['num_trainable_parameters']:,}" if heal else "-",
-                    f"{heal['learning_rate']:g}" if heal else "-",
-                    number(perplexity(evaluation, "offline:wikipedia"), 2),
-                    number(perplexity(evaluation, "offline:web_text"), 2),
-                    kl_cell(evaluation, "offline:wikipedia"),
-                    kl_cell(evaluation, "offline:web_text"),
-                    f"{heal['seconds']:.0f} ({heal['teacher_seconds']:.0f})" if heal else "-",
-                    f"{heal['trained_tokens']:,}" if heal else "-",
-                ],
+                cells + [f"{heal['trained_tokens']:,}" if heal else "-"],
                 row["provenance"],
                 source,
                 ("heal",) if heal else ("stage2",),
@@ -133,21 +131,13 @@ def heal_rows(source: str, unit_from: str | None = None) -> Callable[[Context], 
                 alone = not row["provenance"]["others_running_before"] and not row["provenance"]["others_running_after"]
                 share = f"{heal['seconds'] / unit:.2f}x" if alone else "shared machine"
                 seconds = f"{heal['seconds']:.0f} ({share})"
+            cells = [_row_name(row["variant"]) + (f", lr {heal['learning_rate']:g}" if heal else "")]
+            cells += [number(perplexity(evaluation, text), 2) for text in KL_TEXTS] + [kl_cell(evaluation, t) for t in KL_TEXTS]
+            cells += [flips_cell(row), f"{100 * changes:.1f}%" if changes is not None else "-"]
+            cells += [f"{100 * row['pooled_acc']:.2f}" if row.get("pooled_acc") is not None else "-"]
+            cells += [paired(row, key) if key in row else "-" for key in ("against_stage1", "against_default")]
             table.add(
-                [
-                    _row_name(row["variant"]) + (f", lr {heal['learning_rate']:g}" if heal else ""),
-                    number(perplexity(evaluation, "offline:wikipedia"), 2),
-                    number(perplexity(evaluation, "offline:web_text"), 2),
-                    kl_cell(evaluation, "offline:wikipedia"),
-                    kl_cell(evaluation, "offline:web_text"),
-                    flips_cell(row),
-                    f"{100 * changes:.1f}%" if changes is not None else "-",
-                    f"{100 * row['pooled_acc']:.2f}" if row.get("pooled_acc") is not None else "-",
-                    paired(row, "against_stage1") if "against_stage1" in row else "-",
-                    paired(row, "against_default") if "against_default" in row else "-",
-                    seconds,
-                    f"{heal['trained_tokens']:,}" if heal else "-",
-                ],
+                cells + [seconds, f"{heal['trained_tokens']:,}" if heal else "-"],
                 row["provenance"],
                 source,
                 row_kinds(row),
@@ -214,25 +204,15 @@ def heal_text_rows(source: str) -> Callable[[Context], str]:
             if heal:
                 generation = heal.get("generation_seconds") or 0.0
                 seconds = f"{heal['seconds']:.0f} ({generation:.0f})"
+            start = ("Stage 1 alone" if "from=stage1" in variant else "Stage 1 + 2") if heal else "-"
+            cells = [_row_name(variant), _text_name(heal) if heal else "-", start, loss_cell(heal)]
+            cells += [kl_cell(evaluation, text) for text in KL_TEXTS] + [flips_cell(row), confident_flips_cell(row)]
+            cells += [f"{row['answer_drift_without_boolq']:.3f}" if "answer_drift_without_boolq" in row else "-"]
+            cells += [boolq_yes_cell(row), paired(row, "against_stage1") if "against_stage1" in row else "-"]
+            cells += [paired_without_boolq(row, rows.get("stage1")) if variant not in ("dense", "stage1") else "-"]
+            cells += [paired(row, "against_default") if "against_default" in row else "-", seconds]
             table.add(
-                [
-                    _row_name(variant),
-                    _text_name(heal) if heal else "-",
-                    ("Stage 1 alone" if "from=stage1" in variant else "Stage 1 + 2") if heal else "-",
-                    loss_cell(heal),
-                    kl_cell(evaluation, "offline:wikipedia"),
-                    kl_cell(evaluation, "offline:web_text"),
-                    flips_cell(row),
-                    confident_flips_cell(row),
-                    f"{row['answer_drift_without_boolq']:.3f}" if "answer_drift_without_boolq" in row else "-",
-                    boolq_yes_cell(row),
-                    paired(row, "against_stage1") if "against_stage1" in row else "-",
-                    paired_without_boolq(row, rows.get("stage1")) if variant not in ("dense", "stage1") else "-",
-                    paired(row, "against_default") if "against_default" in row else "-",
-                    seconds,
-                    f"{heal['trained_tokens']:,} of {heal['budget_tokens']:,}" if heal else "-",
-                    goals,
-                ],
+                cells + [f"{heal['trained_tokens']:,} of {heal['budget_tokens']:,}" if heal else "-", goals],
                 row["provenance"],
                 source,
                 row_kinds(row),
