@@ -240,27 +240,16 @@ def add_layer_arguments(arguments: argparse.ArgumentParser) -> None:
 def arguments() -> argparse.ArgumentParser:
     arguments = parser(__doc__)
     add_layer_arguments(arguments)
-    arguments.add_argument(
-        "--variants",
-        nargs="*",
-        default=["stage1", "default", "paper"],
-        help="stage1, default, paper, or changes; none: the dense model's row only",
-    )
+    variants = "stage1, default, paper, or changes; none: the dense model's row only"
+    arguments.add_argument("--variants", nargs="*", default=["stage1", "default", "paper"], help=variants)
     arguments.add_argument("--protocol", default="standard", choices=list(PROTOCOLS), help="which zero-shot questions")
     arguments.add_argument("--max-segments", type=int, default=128)
     arguments.add_argument("--batch-size", type=int, default=8)
-    arguments.add_argument(
-        "--device",
-        default="cpu",
-        help="where the model runs (e.g. cuda); rows from another device than cpu go to their own file, '-<device>'",
-    )
+    device = "where the model runs (e.g. cuda); rows from another device than cpu go to their own file, '-<device>'"
+    arguments.add_argument("--device", default="cpu", help=device)
     arguments.add_argument("--resume", action="store_true")
-    arguments.add_argument(
-        "--pair",
-        nargs=2,
-        metavar=("A", "B"),
-        help="measure nothing: print, for every selection in the record with both variants, B's paired change against A",
-    )
+    pair = "measure nothing: print, for every selection in the record with both variants, B's paired change against A"
+    arguments.add_argument("--pair", nargs=2, metavar=("A", "B"), help=pair)
     return arguments
 
 

@@ -128,12 +128,8 @@ def arguments() -> argparse.ArgumentParser:
     arguments = parser(__doc__)
     arguments.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_ASSETS), help="offline model asset")
     arguments.add_argument("--ratio", type=float, default=0.25, help="pruning ratio (default 0.25)")
-    arguments.add_argument(
-        "--metrics",
-        nargs="+",
-        default=importance_metric_names(),
-        help="methods: metric names, or METRIC+topK for a verified shortlist of K (default: every metric)",
-    )
+    methods = "methods: metric names, or METRIC+topK for a verified shortlist of K (default: every metric)"
+    arguments.add_argument("--metrics", nargs="+", default=importance_metric_names(), help=methods)
     arguments.add_argument("--task-limit", type=int, default=100, help="questions per zero-shot task (default 100; 0: no tasks)")
     arguments.add_argument("--max-eval-segments", type=int, default=128, help="perplexity segments per dataset (default 128)")
     arguments.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default 128, as in the paper)")

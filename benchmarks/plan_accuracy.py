@@ -90,12 +90,11 @@ def main() -> None:
     arguments = parser(__doc__)
     arguments.add_argument("--row", choices=ROWS, required=True)
     arguments.add_argument("--resume", action="store_true")
-    arguments.add_argument(
-        "--replan",
-        action="store_true",
-        help="plan the row again with the throughput its earlier plan measured (a change of the planner, not of the "
-        "machine: nothing is measured, so the row needs no quiet machine); the row records where its throughput came from",
+    replan = (
+        "plan the row again with the throughput its earlier plan measured (a change of the planner, not of the "
+        "machine: nothing is measured, so the row needs no quiet machine); the row records where its throughput came from"
     )
+    arguments.add_argument("--replan", action="store_true", help=replan)
     args = arguments.parse_args()
     import torch
 
