@@ -110,17 +110,11 @@ def readme_table(context: Context) -> Table:
             dense = entry.variant == "dense"
             share = "-" if dense else f"{100 * stage1_share_of_sleb(load(cost_source), entry.cost_method):.0f}%"
             more = [] if dense else [(7, cost[entry.cost_method]["provenance"], cost_source)]
+            cells = [model if first else "", f"[{entry.label}]({context.link(entry.page or page)})"]
+            cells += [number(perplexity(evaluation, text)) for text in ("offline:wikipedia", "offline:web_text")]
+            cells += [kl if not dense else "0", f"{100 * accuracy:.1f} ± {100 * stderr:.1f}", _row_flips(row), share]
             table.add(
-                [
-                    model if first else "",
-                    f"[{entry.label}]({context.link(entry.page or page)})",
-                    number(perplexity(evaluation, "offline:wikipedia")),
-                    number(perplexity(evaluation, "offline:web_text")),
-                    kl if not dense else "0",
-                    f"{100 * accuracy:.1f} ± {100 * stderr:.1f}",
-                    _row_flips(row),
-                    share,
-                ],
+                cells,
                 row["provenance"],
                 entry.source or source,
                 row_kinds(row),

@@ -53,23 +53,14 @@ def prune_from_disk(context: Context) -> str:
         float32_gib = _parameters(row) * FLOAT32_BYTES / 2**30
         reload = row.get("reload", {})
         logits = "equal" if reload.get("equal") else f"max diff {reload.get('max_abs_difference', float('nan')):.2e}"
-        table.add(
-            [
-                f"{row['model']} ({_parameters(row) / 1e9:.2f} B)",
-                f"{gib(row['weight_bytes_on_disk'] / 2**30)} GiB {row['dtype']}, `--max-memory {row['key']['max_memory']}`",
-                f"{row['key']['num_samples']} x {row['key']['seq_len']}, {row['key']['ratio']:.0%}",
-                f"{rounds[0]:,.0f}, {rounds[-1]:,.0f}",
-                f"{row['timings']['stage1']:,.0f}",
-                f"{row['timings'].get('stage2', 0):,.0f}",
-                f"**{gib(memory['peak_resident_gib'])}** ({memory['peak_resident_gib'] / float32_gib:.3f})",
-                gib(memory["peak_file_mapped_gib"]),
-                gib(memory["read_bytes_gib"]),
-                gib(row["output_bytes"] / 2**30),
-                logits,
-            ],
-            row["provenance"],
-            source,
-        )
+        key = row["key"]
+        cells = [f"{row['model']} ({_parameters(row) / 1e9:.2f} B)"]
+        cells += [f"{gib(row['weight_bytes_on_disk'] / 2**30)} GiB {row['dtype']}, `--max-memory {key['max_memory']}`"]
+        cells += [f"{key['num_samples']} x {key['seq_len']}, {key['ratio']:.0%}", f"{rounds[0]:,.0f}, {rounds[-1]:,.0f}"]
+        cells += [f"{row['timings']['stage1']:,.0f}", f"{row['timings'].get('stage2', 0):,.0f}"]
+        cells += [f"**{gib(memory['peak_resident_gib'])}** ({memory['peak_resident_gib'] / float32_gib:.3f})"]
+        cells += [gib(memory["peak_file_mapped_gib"]), gib(memory["read_bytes_gib"]), gib(row["output_bytes"] / 2**30)]
+        table.add(cells + [logits], row["provenance"], source)
     return table.markdown()
 
 
@@ -95,19 +86,12 @@ def main_job_memory(context: Context) -> str:
             (line.split("(the checkpoint reloaded")[0].split()[-1] for line in printed if "(the checkpoint reloaded" in line),
             None,
         )
-        table.add(
-            [
-                (" ".join(row["options"]) or "(as the README runs it)")
-                + (" (again, the reload check holding one copy)" if row.get("rerun_of") else ""),
-                f"{row['seconds']:,.0f}",
-                f"**{gib(memory['peak_resident_gib'])}**",
-                gib(memory["peak_anonymous_gib"]),
-                f"{memory['peak_resident_gib'] / weights_gib:.1f}x",
-                f"removed {removed}" + (f"; final perplexity {final}" if final else ""),
-            ],
-            row["provenance"],
-            "main_job_memory",
-        )
+        options = " ".join(row["options"]) or "(as the README runs it)"
+        cells = [options + (" (again, the reload check holding one copy)" if row.get("rerun_of") else "")]
+        cells += [f"{row['seconds']:,.0f}", f"**{gib(memory['peak_resident_gib'])}**", gib(memory["peak_anonymous_gib"])]
+        cells += [f"{memory['peak_resident_gib'] / weights_gib:.1f}x"]
+        cells += [f"removed {removed}" + (f"; final perplexity {final}" if final else "")]
+        table.add(cells, row["provenance"], "main_job_memory")
     return table.markdown()
 
 
@@ -218,16 +202,11 @@ def plan_against_run(context: Context) -> str:
             goal = "met" if abs(ratio_before - 1) <= tolerance else f"**not met** ({tolerance:.0%})"
             if goal != "met" and abs(reference - 1) <= tolerance:
                 goal += ", met once Stage 1 is done"
+            cells = [f"{planned['row']}: {measured_run(source)}", name, _planned_text(*planned_range, unit)]
+            cells += [_planned_text(*refined_range, unit) if refined_range is not None else "-"]
+            cells += [f"{value / (2**30 if unit == 'GiB' else 1):,.{2 if unit == 'GiB' else 0}f} {unit}", ratios, goal]
             table.add(
-                [
-                    f"{planned['row']}: {measured_run(source)}",
-                    name,
-                    _planned_text(*planned_range, unit),
-                    _planned_text(*refined_range, unit) if refined_range is not None else "-",
-                    f"{value / (2**30 if unit == 'GiB' else 1):,.{2 if unit == 'GiB' else 0}f} {unit}",
-                    ratios,
-                    goal,
-                ],
+                cells,
                 planned["provenance"],
                 "plan_accuracy",
                 more=[(4, provenance, source)],
@@ -253,20 +232,10 @@ def heal_from_disk(context: Context) -> str:
             continue
         heal = row["heal"]
         memory = row["memory"]
-        table.add(
-            [
-                f"{row['model']}, pruned 25%, `--max-memory {row['key']['max_memory']}`",
-                f"{heal['trained_tokens']:,}",
-                f"{heal['teacher_seconds']:,.0f}",
-                f"{heal['seconds']:,.0f}",
-                f"{heal['tokens_per_second']:,.1f}",
-                f"{heal['start_kl']:.4f} -> {heal['best_kl']:.4f}",
-                f"**{gib(memory['peak_resident_gib'])}**",
-                gib(memory["peak_file_mapped_gib"]),
-            ],
-            row["provenance"],
-            source,
-        )
+        cells = [f"{row['model']}, pruned 25%, `--max-memory {row['key']['max_memory']}`", f"{heal['trained_tokens']:,}"]
+        cells += [f"{heal['teacher_seconds']:,.0f}", f"{heal['seconds']:,.0f}", f"{heal['tokens_per_second']:,.1f}"]
+        cells += [f"{heal['start_kl']:.4f} -> {heal['best_kl']:.4f}", f"**{gib(memory['peak_resident_gib'])}**"]
+        table.add(cells + [gib(memory["peak_file_mapped_gib"])], row["provenance"], source)
     return table.markdown()
 
 
