@@ -29,19 +29,10 @@ def budget(context: Context) -> str:
         rejected = row.get("rejected")
         refused = f"layer {rejected['layer']} ({100 * (rejected['loss'] / dense_loss - 1):+.1f}%)" if rejected else "-"
         ppl = row["perplexity"]
-        table.add(
-            [
-                f"+{100 * row['budget']:.0f}%",
-                str(len(row["removed_layers"])),
-                " ".join(str(layer) for layer in row["removed_layers"]),
-                f"{loss:.4f} ({100 * (loss / dense_loss - 1):+.1f}%)",
-                refused,
-                f"{row['stage1_seconds']:.0f}",
-                f"{ppl['offline:wikipedia']:.2f} / {ppl['offline:web_text']:.2f}",
-            ],
-            row["provenance"],
-            source,
-        )
+        layers = row["removed_layers"]
+        cells = [f"+{100 * row['budget']:.0f}%", str(len(layers)), " ".join(str(layer) for layer in layers)]
+        cells += [f"{loss:.4f} ({100 * (loss / dense_loss - 1):+.1f}%)", refused, f"{row['stage1_seconds']:.0f}"]
+        table.add(cells + [f"{ppl['offline:wikipedia']:.2f} / {ppl['offline:web_text']:.2f}"], row["provenance"], source)
     return table.markdown()
 
 

@@ -34,18 +34,12 @@ def stage1_peers(context: Context) -> str:
                 f"{len(provenance['others_running_after'])}, 1-minute load before: {provenance['load_before'][0]:.2f}"
             )
             provenance["note"] = busy + (f"; {row['note']}" if row.get("note") else "")
+            same = sorted(row["removed_layers"]) == sorted(reference["removed_layers"])
+            cells = [setting if index == 0 else "", f"`{row['method']}`", str(row["removed_layers"]), "yes" if same else "no"]
+            cells += [f"{row['stage1_seconds']:.1f}", f"{row['stage1_seconds'] / reference['stage1_seconds']:.3f}"]
+            cells += [f"{row['stage1_seconds'] / ours['stage1_seconds']:.3f}"]
             table.add(
-                [
-                    setting if index == 0 else "",
-                    f"`{row['method']}`",
-                    str(row["removed_layers"]),
-                    "yes" if sorted(row["removed_layers"]) == sorted(reference["removed_layers"]) else "no",
-                    f"{row['stage1_seconds']:.1f}",
-                    f"{row['stage1_seconds'] / reference['stage1_seconds']:.3f}",
-                    f"{row['stage1_seconds'] / ours['stage1_seconds']:.3f}",
-                    number(row["perplexity"]["offline:wikipedia"]),
-                    number(row["perplexity"]["offline:web_text"]),
-                ],
+                cells + [number(row["perplexity"][text]) for text in ("offline:wikipedia", "offline:web_text")],
                 provenance,
                 source,
                 cell=1,
@@ -95,17 +89,10 @@ def dtype(context: Context) -> str:
         for index, row in enumerate(record["rows"]):
             fitted = ", ".join(f"{layer} ({value:.2g})" for layer, value in row["compensation_lambda"].items()) or "none"
             ppl = [f"{row['perplexity_float32'][name]:.3f} / {row['perplexity_own_dtype'][name]:.3f}" for name in EVALUATION]
+            cells = [setting if index == 0 else "", row["dtype"], str(row["removed_layers"]), fitted]
+            cells += [f"{row['stage1_seconds']:.1f}", f"{row['stage2_seconds']:.1f}", *ppl]
             rows.add(
-                [
-                    setting if index == 0 else "",
-                    row["dtype"],
-                    str(row["removed_layers"]),
-                    fitted,
-                    f"{row['stage1_seconds']:.1f}",
-                    f"{row['stage2_seconds']:.1f}",
-                    *ppl,
-                    "yes" if row["provenance"]["quiet"] else "no",
-                ],
+                cells + ["yes" if row["provenance"]["quiet"] else "no"],
                 row["provenance"],
                 source,
                 ("stage2",),
@@ -114,15 +101,10 @@ def dtype(context: Context) -> str:
         by_dtype = {row["dtype"]: row for row in record["rows"]}
         full, half = by_dtype["float32"], by_dtype["bfloat16"]
         changes = [f"{half['perplexity_float32'][name] / full['perplexity_float32'][name] - 1:+.2%}" for name in EVALUATION]
+        cells = [setting, "yes" if full["removed_layers"] == half["removed_layers"] else "no", *changes]
+        cells += [f"{half[key] / full[key]:.2f}" for key in ("stage1_seconds", "stage2_seconds")]
         against.add(
-            [
-                setting,
-                "yes" if full["removed_layers"] == half["removed_layers"] else "no",
-                *changes,
-                f"{half['stage1_seconds'] / full['stage1_seconds']:.2f}",
-                f"{half['stage2_seconds'] / full['stage2_seconds']:.2f}",
-                "yes" if full["provenance"]["quiet"] and half["provenance"]["quiet"] else "no",
-            ],
+            cells + ["yes" if full["provenance"]["quiet"] and half["provenance"]["quiet"] else "no"],
             full["provenance"],
             source,
             ("stage2",),

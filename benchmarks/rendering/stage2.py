@@ -234,16 +234,9 @@ def stage2_each_round(context: Context) -> str:
     for stage2, label in ((False, "the fits made between removals"), (True, "those, then the paper's fit on top")):
         row = compare[("gradmap+each_round", stage2)]
         wikipedia, web_text = (entry["perplexity"] for entry in row["evaluation"]["perplexities"])
+        cells = ["gradmap+each_round", label, " ".join(map(str, row["removed_layers"])), f"{wikipedia:.2f}", f"{web_text:.2f}"]
         table.add(
-            [
-                "gradmap+each_round",
-                label,
-                " ".join(map(str, row["removed_layers"])),
-                f"{wikipedia:.2f}",
-                f"{web_text:.2f}",
-                f"{row['evaluation']['zero_shot']['average_acc']:.4f}",
-                f"{row['stage1_seconds']:.1f}",
-            ],
+            cells + [f"{row['evaluation']['zero_shot']['average_acc']:.4f}", f"{row['stage1_seconds']:.1f}"],
             compare_provenance(compare_record, row),
             compare_source,
             cell=1,
