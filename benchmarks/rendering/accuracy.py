@@ -177,18 +177,13 @@ def accuracy_headline(context: Context) -> str:
             if against_dense:
                 pooled = against_dense["pooled"]
                 flips_all = f"{100 * (pooled['only_a'] + pooled['only_b']) / pooled['num_questions']:.1f}%"
+            selection = SELECTION_NAMES.get(row["selection"], "") if row["variant"] != "dense" else ""
+            cells = [setting if first else "", selection, VARIANT_NAMES.get(row["variant"], row["variant"])]
+            cells += [number(perplexity(evaluation, WIKIPEDIA)), number(perplexity(evaluation, WEB))]
+            cells += [f"{100 * accuracy:.1f} ± {100 * stderr:.1f}", paired(row.get("against_stage1"))]
+            cells += [f"{100 * flips_without_boolq(against_dense):.1f}%" if against_dense else "-"]
             table.add(
-                [
-                    setting if first else "",
-                    SELECTION_NAMES.get(row["selection"], "") if row["variant"] != "dense" else "",
-                    VARIANT_NAMES.get(row["variant"], row["variant"]),
-                    number(perplexity(evaluation, WIKIPEDIA)),
-                    number(perplexity(evaluation, WEB)),
-                    f"{100 * accuracy:.1f} ± {100 * stderr:.1f}",
-                    paired(row.get("against_stage1")),
-                    f"{100 * flips_without_boolq(against_dense):.1f}%" if against_dense else "-",
-                    flips_all,
-                ],
+                cells + [flips_all],
                 row_provenance(row, record),
                 source,
                 row_kinds(row),

@@ -144,15 +144,9 @@ def compare_table(context: Context, source: str, prefix: str, methods: Sequence[
     header = ["method", "Stage 2", "removed layers", *[f"{name} ppl" for name in datasets], "zero-shot avg"]
     table = Table(prefix, header + ["Stage 1 s", "Stage 2 s"])
     for row in rows:
-        cells = [
-            row["method"],
-            "yes" if row["stage2"] else "no",
-            _layers(row["removed_layers"]),
-            *[f"{value:.2f}" for value in _perplexities(row)],
-            _zero_shot(row),
-            _seconds(row["stage1_seconds"]),
-            _seconds(row["stage2_seconds"]),
-        ]
+        cells = [row["method"], "yes" if row["stage2"] else "no", _layers(row["removed_layers"])]
+        cells += [*[f"{value:.2f}" for value in _perplexities(row)], _zero_shot(row)]
+        cells += [_seconds(row["stage1_seconds"]), _seconds(row["stage2_seconds"])]
         table.add(cells, compare_provenance(source, row["method"]), source, ("stage2",) if row["stage2"] else ())
     return table.markdown()
 
@@ -179,17 +173,10 @@ def every_shortlist(context: Context) -> str:
         chosen = [(f"{score}{suffix}", label, shortlist) for score, label in SCORES for suffix, shortlist in SHORTLISTS]
         chosen = [entry for entry in chosen if (entry[0], False) in records]
         best = min(round(_perplexities(records[method, False])[0], 2) for method, _, _ in chosen)
+        cells = [setting, "sleb (all layers)", "-", _layers(sleb["removed_layers"])]
+        cells += [" / ".join(f"{value:.2f}" for value in _perplexities(sleb)[:2]), _zero_shot(sleb)]
         table.add(
-            [
-                setting,
-                "sleb (all layers)",
-                "-",
-                _layers(sleb["removed_layers"]),
-                " / ".join(f"{value:.2f}" for value in _perplexities(sleb)[:2]),
-                _zero_shot(sleb),
-                _seconds(sleb["stage1_seconds"]),
-                "100%",
-            ],
+            cells + [_seconds(sleb["stage1_seconds"]), "100%"],
             compare_provenance(source, "sleb"),
             source,
             cell=1,
@@ -206,17 +193,9 @@ def every_shortlist(context: Context) -> str:
             figures = f"{wikipedia:.2f} / {web:.2f}"
             if round(wikipedia, 2) == best <= round(_perplexities(sleb)[0], 2):  # as shown
                 figures = f"**{figures}**"
+            cells = [setting, label, shortlist, layers, figures, _zero_shot(row), _seconds(row["stage1_seconds"])]
             table.add(
-                [
-                    setting,
-                    label,
-                    shortlist,
-                    layers,
-                    figures,
-                    _zero_shot(row),
-                    _seconds(row["stage1_seconds"]),
-                    f"{row['stage1_seconds'] / sleb['stage1_seconds']:.1%}",
-                ],
+                cells + [f"{row['stage1_seconds'] / sleb['stage1_seconds']:.1%}"],
                 compare_provenance(source, method),
                 source,
                 cell=1,
