@@ -66,7 +66,7 @@ PROMPT_TOKENS = 8
 BOS_EVERY = 8
 # Sequences sampled together (one KV cache): part of the fingerprint, since it decides each sequence's draws. Each
 # step reads every weight once for the whole batch: on SmolLM2-135M (2 CPU cores, bfloat16 autocast as the heal runs,
-# benchmarks/generation_speed.py) 64 rows wrote 498 tokens a second against 444 for 32 (506 for 128, whose last batch
+# measured at commit a75d692) 64 rows wrote 498 tokens a second against 444 for 32 (506 for 128, whose last batch
 # wastes more of a time budget); the KV cache of 64 sequences of 128 tokens is about 1 GB for a Llama-3-8B in bfloat16.
 GENERATION_BATCH_SIZE = 64
 # Changes with any change to how the sequences are drawn: part of the fingerprint.
@@ -169,7 +169,7 @@ def draw_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gener
     uniform draw per row, scaled to the row's total, and the first token whose cumulative probability passes it (a
     token of probability 0 is never drawn). The same distribution as `torch.multinomial`, which is slow on a large
     vocabulary on the CPU (with it, SmolLM2-135M wrote 375 tokens a second, 32 sequences at a time on 2 cores under
-    bfloat16 autocast, against 444 with this: benchmarks/generation_speed.py); its draws differ from
+    bfloat16 autocast, against 444 with this, measured at commit a75d692); its draws differ from
     `multinomial`'s (`GENERATION_VERSION` 3).
 
     Args:

@@ -1164,7 +1164,7 @@ def test_the_next_token_selection_run_from_the_fitted_layer_chooses_as_the_whole
     a pass of the whole model per candidate (`optimum_gradmap.testing.reference_next_token_choice`), with every
     strength scored (`grid`), or those the golden-section search scores on the reference's losses (`golden`: on these
     random models the held-out loss is flat to 1e-5 and may have several minima, where golden may choose another
-    strength than the grid; the real models' choices are compared in benchmarks/next_token_selection.py)."""
+    strength than the grid; the real models' choices are compared on docs/benchmarks/stage1-cost.md)."""
     from optimum_gradmap.compensation import AUTO_RIDGE_GRID, learn_by_next_token_loss
     from optimum_gradmap.compensation.next_token import _choose, searched_losses
     from optimum_gradmap.configuration import GradMAPConfig

