@@ -372,6 +372,31 @@ def test_auto_tokens_after_given_layers_are_sized_by_stage_1s_predicted_time(mon
     assert "Stage 1's predicted time" in result.heal.summary()
 
 
+def test_the_heal_command_sizes_auto_tokens_after_given_layers_by_the_same_prediction(monkeypatch, tmp_path):
+    """`optimum-gradmap heal` on a checkpoint pruned with `layers_to_prune` plans Stage 1 from the teacher's folder,
+    through the prediction the pruner uses; with a measured Stage 1 it keeps the measured time."""
+    from optimum_gradmap import planning
+    from optimum_gradmap.commands import heal as heal_command
+
+    predicted, plan_pruning = [], planning.plan_pruning
+
+    def recorded(*args, **kwargs):
+        plan = plan_pruning(*args, **kwargs)
+        predicted.append((args[0], kwargs["dtype"], plan.stage("Stage 1").seconds.high))
+        return plan
+
+    monkeypatch.setattr(planning, "plan_pruning", recorded)
+    teacher = tiny_model("llama", num_layers=4)
+    teacher.save_pretrained(tmp_path / "teacher")
+    config = small_config(num_layers_to_prune=None, layers_to_prune=[1, 2], heal_tokens="auto")
+    report = {"timings": {"stage1": 0.01}, "removed_layers": [1, 2]}
+    seconds, basis = heal_command._stage1_seconds(report, config, str(tmp_path / "teacher"), teacher)
+    assert basis == "predicted" and predicted == [(str(tmp_path / "teacher"), torch.float32, seconds)] and seconds > 0.01
+    measured = dataclasses.replace(config, layers_to_prune=None, num_layers_to_prune=2)
+    assert heal_command._stage1_seconds(report, measured, str(tmp_path / "teacher"), teacher) == (0.01, "measured")
+    assert len(predicted) == 1
+
+
 def _stage1_refused(*args, **kwargs):
     raise AssertionError("Stage 1 ran")
 

@@ -185,14 +185,9 @@ def _stage1_seconds(report: dict[str, Any], config: Any, teacher_path: str, mode
     measured = (report.get("timings") or {}).get("stage1")
     if config.heal_tokens != "auto" or config.layers_to_prune is None:
         return measured, "measured"
-    from ..planning import plan_pruning
+    from ..heal.pruned import predicted_stage1_seconds
 
-    scored = dataclasses.replace(
-        config, layers_to_prune=None, num_layers_to_prune=len(report["removed_layers"]), heal_tokens=0, compensation=False
-    )
-    parameter = next(model.parameters())
-    plan = plan_pruning(teacher_path, scored, dtype=parameter.dtype, device=parameter.device, tokenizer_bytes=0)
-    return plan.stage("Stage 1").seconds.high, "predicted"
+    return predicted_stage1_seconds(teacher_path, config, len(report["removed_layers"]), next(model.parameters())), "predicted"
 
 
 def _healed_report(

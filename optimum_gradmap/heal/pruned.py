@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
@@ -150,8 +151,6 @@ def stage1_seconds(result: PruningResult, config: GradMAPConfig, teacher: PreTra
     measured = result.timings.get("stage1")
     if config.heal_tokens != "auto" or config.layers_to_prune is None:
         return measured, "measured"
-    from ..planning import plan_pruning
-
     if teacher is not None:
         dense_config = teacher.config
     else:  # the pruned model's config with the dense model's layer fields
@@ -159,14 +158,34 @@ def stage1_seconds(result: PruningResult, config: GradMAPConfig, teacher: PreTra
         text_config = dense_config.get_text_config(decoder=True)
         for name, value in result.dense_layer_config.items():
             setattr(text_config, name, copy.deepcopy(value))
-    scored = dataclasses.replace(
-        config, layers_to_prune=None, num_layers_to_prune=len(result.removed_layers), heal_tokens=0, compensation=False
-    )
     parameter = next(result.model.parameters())
-    plan = plan_pruning(dense_config, scored, dtype=parameter.dtype, device=parameter.device, tokenizer_bytes=0)
-    predicted = plan.stage("Stage 1").seconds
+    return predicted_stage1_seconds(dense_config, config, len(result.removed_layers), parameter), "predicted"
+
+
+def predicted_stage1_seconds(dense_model: Any, config: GradMAPConfig, num_removed: int, parameter: torch.nn.Parameter) -> float:
+    """The plan's time (its upper end) for a Stage 1 that scores `num_removed` removals from the dense model: what
+    `heal_tokens="auto"` is sized by where no Stage 1 ran (`layers_to_prune`, a cut replayed from an earlier run).
+
+    Args:
+        dense_model (`PretrainedConfig` or `str`):
+            The dense model's config, or its Hub id or folder.
+        config ([`GradMAPConfig`]):
+            The run's settings; Stage 1's are planned with `num_layers_to_prune=num_removed`.
+        num_removed (`int`):
+            How many layers the run removed.
+        parameter (`torch.nn.Parameter`):
+            A parameter of the model: its dtype and device are the plan's.
+
+    Returns:
+        `float`: the predicted seconds ([`~optimum_gradmap.planning.plan_pruning`], its throughput measured here).
+    """
+    from ..planning import plan_pruning
+
+    scored = dataclasses.replace(config, layers_to_prune=None, num_layers_to_prune=num_removed, heal_tokens=0, compensation=False)
+    plan = plan_pruning(dense_model, scored, dtype=parameter.dtype, device=parameter.device, tokenizer_bytes=0)
+    seconds = plan.stage("Stage 1").seconds.high
     logger.info(
-        f"Heal: heal_tokens='auto' sizes the heal by Stage 1's predicted time ({predicted.high:.1f} s for scoring "
-        f"{len(result.removed_layers)} removals): layers_to_prune={config.layers_to_prune} ran no Stage 1."
+        f"Heal: heal_tokens='auto' sizes the heal by Stage 1's predicted time ({seconds:.1f} s for scoring "
+        f"{num_removed} removals): layers_to_prune={config.layers_to_prune} ran no Stage 1."
     )
-    return predicted.high, "predicted"
+    return seconds
