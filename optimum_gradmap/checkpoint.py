@@ -55,6 +55,38 @@ def _checkpoint_tensors(path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# The tensors compressed-tensors stores beside (or instead of) a quantized linear map's `weight`.
+COMPRESSED_TENSOR_PARTS = (
+    "weight_packed",
+    "weight_scale",
+    "weight_zero_point",
+    "weight_shape",
+    "weight_g_idx",
+    "weight_global_scale",
+    "input_scale",
+    "input_zero_point",
+    "input_global_scale",
+    "output_scale",
+    "output_zero_point",
+)
+
+
+def _fold_compressed_tensors(stored: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """A compressed-tensors checkpoint's tensors as the full-precision model names them: each quantized linear map's
+    parts (packed weight, scales, zero points) folded into its `weight`. Returns them and the names of those weights,
+    whose stored shapes are the compressed ones (not checked against the config's)."""
+    folded: dict[str, tuple[int, ...]] = {}
+    quantized: set[str] = set()
+    for name, shape in stored.items():
+        prefix, _, part = name.rpartition(".")
+        if part in COMPRESSED_TENSOR_PARTS:
+            quantized.add(f"{prefix}.weight")
+            folded.setdefault(f"{prefix}.weight", shape)
+        else:
+            folded[name] = shape
+    return folded, quantized
+
+
 def _saved_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """The tensors `save_pretrained` writes for `model`: transformers 5 renames and regroups some
     weights on load (fused mixture-of-experts weights, legacy names) and reverts that on save."""
@@ -95,7 +127,8 @@ def validate_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     setting by the layer number in the weight names. So:
 
     - every tensor the config implies is present with the implied shape (tied weights may be
-      stored once), and there is no other tensor;
+      stored once), and there is no other tensor (a compressed-tensors checkpoint's quantized weights are
+      stored in parts, their shapes the compressed ones: each part must belong to a weight the config implies);
     - the weight names number the decoder layers exactly 0 .. n-1, n the config's layer count;
     - per-layer config lists (`layer_types`, ...: the fields the layer surgery slices, see
       [`DecoderAdapter.per_layer_config_fields`]) have length n, and layer-index lists point inside the stack;
@@ -129,7 +162,9 @@ def validate_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     adapter = get_adapter(config)
     num_layers = getattr(text_config, adapter.layer_count_field)
 
-    stored = _checkpoint_tensors(path)
+    stored, quantized = _checkpoint_tensors(path), set()
+    if (raw_config.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
+        stored, quantized = _fold_compressed_tensors(stored)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     expected = {name: tuple(tensor.shape) for name, tensor in _saved_state_dict(skeleton).items()}
@@ -142,7 +177,7 @@ def validate_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     for name, shape in stored.items():
         if name not in expected:
             problems.append(f"unexpected tensor {name} {list(shape)}")
-        elif expected[name] != shape:
+        elif expected[name] != shape and name not in quantized:
             problems.append(f"tensor {name} has shape {list(shape)}, the config implies {list(expected[name])}")
 
     layer_name = re.compile(re.escape(adapter.layers_path) + r"\.(\d+)\.")

@@ -1,9 +1,9 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
 """The `optimum-gradmap` command line (also `optimum-cli gradmap`): the commands of
-[`optimum_gradmap.commands`] (`prune`, `evaluate`, `heal`, `compare`, `inspect`, `verify-serving`), their parser, and what
-their errors become. Every `GradMAPConfig` field is a `prune` option under its own name (`--pruning_ratio`
-or `--pruning-ratio`), with the config's default and help.
+[`optimum_gradmap.commands`] (`prune`, `evaluate`, `heal`, `quantize`, `compare`, `inspect`, `verify-serving`), their
+parser, and what their errors become. Every `GradMAPConfig` field is a `prune` option under its own name
+(`--pruning_ratio` or `--pruning-ratio`), with the config's default and help.
 
     optimum-gradmap prune offline:smollm2-135m --pruning-ratio 0.25 --dataset offline:wikipedia --output out/s
 

@@ -47,6 +47,8 @@ HealTrainable = Literal["lora", "norms", "down_projections", "before_removed", "
 HealLoss = Literal["kl", "logit_mse", "kl_logit_mse", "kl_hidden_mse"]
 # Where the dense model's own heal text starts (see `optimum_gradmap.generation`).
 HealPrompts = Literal["documents", "chat"]
+# The llm-compressor schemes of the quantization step (see `optimum_gradmap.quantize`).
+QuantizationScheme = Literal["w8a8", "w4a16", "fp8"]
 # How Stage 1's gradient passes run (see `optimum_gradmap.streaming`).
 ExecutionMode = Literal["auto", "in_memory", "layer_streamed"]
 # The settings that only choose which layers go: unused where `layers_to_prune` names them (`protected_layers` is
@@ -370,6 +372,19 @@ class GradMAPConfig:
         "Run the heal stage's passes under bfloat16 autocast where the hardware computes bfloat16 natively (CUDA "
         "compute capability 8.0 or more, CPUs with AVX512-BF16 or AMX) and the model is float32.",
     )
+    quantization: QuantizationScheme | None = _setting(
+        None,
+        "Quantize the model last, after Stage 2 and the heal, with llm-compressor (`pip install 'optimum-gradmap[quantize]'`, "
+        "see [`optimum_gradmap.quantize`]): `w8a8` (INT8 weights per channel and INT8 activations per token, SmoothQuant "
+        "then GPTQ), `w4a16` (INT4 weights in groups of 128, GPTQ) or `fp8` (FP8 weights and activations, no calibration; "
+        "needs an NVIDIA GPU of compute capability 8.9 or newer). The checkpoint is compressed-tensors, which vLLM serves "
+        "and transformers loads. None: no quantization (the default).",
+    )
+    quantization_dataset: str | None = _setting(
+        None,
+        "The text llm-compressor calibrates on (any name `dataset` takes), `num_samples` sequences of `seq_len` tokens. "
+        "None: Stage 1's calibration sequences (the same set; the report gives its SHA-256).",
+    )
     adam_lr: float = _setting(1e-3, "Adam learning rate (paper: 1e-3).")
     adam_steps: int = _setting(2000, "Number of full-batch Adam steps.", minimum=1)
     num_samples: int = _setting(128, "Number of calibration sequences (paper: 128).", minimum=1)
@@ -527,6 +542,13 @@ class GradMAPConfig:
                 "`compensation_dataset` must be a dataset name or path such as 'wikipedia+c4', or None (Stage 2 fits "
                 f"on the calibration sequences), got {self.compensation_dataset!r}."
             )
+        if self.quantization_dataset is not None and (
+            not isinstance(self.quantization_dataset, str) or not self.quantization_dataset
+        ):
+            raise InvalidInputError(
+                "`quantization_dataset` must be a dataset name or path such as 'offline:web_text', or None (the "
+                f"calibration sequences), got {self.quantization_dataset!r}."
+            )
         for name in ("dataset", "text_column", "heal_dataset"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise InvalidInputError(
@@ -542,7 +564,7 @@ class GradMAPConfig:
             if value is None and type(None) in kinds:
                 continue
             choices = [choice for kind in kinds if typing.get_origin(kind) is Literal for choice in typing.get_args(kind)]
-            if choices and len(kinds) == 1 and value not in choices:
+            if choices and len([kind for kind in kinds if kind is not type(None)]) == 1 and value not in choices:
                 raise InvalidInputError(f"`{setting.name}` must be one of {tuple(choices)}, got {value!r}.")
             if bool in kinds and not isinstance(value, bool):
                 raise InvalidInputError(f"`{setting.name}` must be True or False, got {value!r}.")

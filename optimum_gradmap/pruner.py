@@ -25,6 +25,7 @@ from .heal import pruned as healing
 from .hub import save_and_upload
 from .importance import stage as stage1
 from .loading import load_model_and_tokenizer, saved_tokenizer
+from .quantize import check_linear_maps, check_quantization, head_names, quantize_model, scheme_named
 from .result import PruningResult
 
 if TYPE_CHECKING:
@@ -147,7 +148,8 @@ class GradMAPPruner:
         heal_text_cache: str | os.PathLike | None = None,
     ) -> PruningResult:
         """Prunes `model` in place: Stage 1, then Stage 2 if `config.compensation`, then the heal stage if
-        `config.heal_tokens` ([`~GradMAPPruner.heal`]). Every text is read and checked before Stage 1 starts.
+        `config.heal_tokens` ([`~GradMAPPruner.heal`]), then quantization if `config.quantization`
+        ([`optimum_gradmap.quantize`]). Every text is read and checked before Stage 1 starts.
 
         Args:
             model (`PreTrainedModel`, *optional*): Defaults to the pruner's model.
@@ -181,6 +183,7 @@ class GradMAPPruner:
         compensation_ids, validation_ids = stage2.stage2_ids(
             config, compensation_data, validation_data, self._reader(model, tokenizer)
         )
+        quantization_ids, quantization_source = self._quantization_input(model, tokenizer)
 
         def check_fit_data(calibration_ids: torch.LongTensor) -> None:  # Stage 2 fits on them: checked before Stage 1
             if config.compensation and compensation_ids is None:
@@ -196,6 +199,8 @@ class GradMAPPruner:
                     result, config, heal_text, heal_data, self._tokenizer_for(model, tokenizer), None, self._dense,
                     self._run_compensations, heal_checkpoint, heal_text_cache, self.progress_bar, self._calibration_data,
                 )  # fmt: skip
+            if config.quantization:
+                self._quantize(result, tokenizer, quantization_ids, quantization_source)
         except BaseException:
             self._roll_back(result)
             raise
@@ -471,6 +476,34 @@ class GradMAPPruner:
         stage1.undo(result, self._dense, self._run_compensations)
         self.result = None
         self.release()
+
+    def _quantization_input(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None
+    ) -> tuple[torch.LongTensor | None, str | None]:
+        """Checks the quantization step before Stage 1 ([`~optimum_gradmap.quantize.check_quantization`]) and reads
+        `quantization_dataset`'s sequences; `(None, None)` when it calibrates on Stage 1's or does not run."""
+        config = self.config
+        if not config.quantization:
+            return None, None
+        check_linear_maps(model, scheme_named(config.quantization), head_names(model))  # Stage 1 removes layers, not widths
+        check_quantization(model.config, config.quantization)
+        if config.quantization_dataset is None:
+            return None, None
+        return self._reader(model, tokenizer)(config.quantization_dataset, None), config.quantization_dataset
+
+    def _quantize(
+        self,
+        result: PruningResult,
+        tokenizer: PreTrainedTokenizerBase | None,
+        ids: torch.LongTensor | None,
+        source: str | None,
+    ) -> None:
+        """The quantization step, last: `result.model` quantized in place on `ids` (`None`: Stage 1's sequences)."""
+        if ids is None:
+            ids, source = result.calibration_ids, f"Stage 1's calibration sequences ({result.calibration_source})"
+        tokenizer = tokenizer or self.tokenizer or result.tokenizer
+        result.quantization = quantize_model(result.model, self.config.quantization, ids, tokenizer, source)
+        result.timings["quantization"] = result.quantization.seconds
 
     def _reader(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> stage2.ReadIds:
         """Reads text (any form calibration data takes) into token ids for `model`: `num_samples` windows of `seq_len`

@@ -18,6 +18,7 @@ from .data import calibration_sha256
 from .errors import InvalidInputError
 from .heal import HealResult
 from .hub import save_and_upload
+from .quantize.stage import QuantizationResult
 from .report import build_report
 
 if TYPE_CHECKING:
@@ -59,6 +60,8 @@ class PruningResult:
         rejected (`dict[str, float]`, *optional*): The removal a budget refused: its layer and the loss it gave.
         heal ([`~optimum_gradmap.heal.HealResult`], *optional*): What the heal stage did (what it trained, on which
             text, the held-out KL curve); `None` without it.
+        quantization ([`~optimum_gradmap.quantize.QuantizationResult`], *optional*): What the quantization step did
+            (its scheme, recipe and calibration); `None` without it.
     """
 
     model: PreTrainedModel
@@ -82,6 +85,7 @@ class PruningResult:
     stopped: str | None = None
     rejected: dict[str, float] | None = None
     heal: HealResult | None = None
+    quantization: QuantizationResult | None = None
 
     @property
     def compensated_layers(self) -> list[int]:
@@ -112,6 +116,7 @@ class PruningResult:
             "stopped": self.stopped,
             "rejected": self.rejected,
             "heal": self.heal.to_dict() if self.heal is not None else None,
+            "quantization": self.quantization.to_dict() if self.quantization is not None else None,
             "timings": self.timings,
             "calibration_source": self.calibration_source,
             "calibration_sha256": self.calibration_sha256,

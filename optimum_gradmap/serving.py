@@ -269,8 +269,10 @@ def run_vllm(
     max_new_tokens: int,
     vllm_python: str | os.PathLike | None = None,
     timeout: float = 1800,
+    dtype: str = "float32",
 ) -> dict:
-    """Runs vllm_worker.py on `checkpoint` with the Python of [`find_vllm_python`] and returns its response.
+    """Runs vllm_worker.py on `checkpoint` with the Python of [`find_vllm_python`] and returns its response; `dtype` is
+    vLLM's activation dtype (`bfloat16` for quantized weights on CPUs, whose kernels take no other).
 
     Raises:
         RuntimeError: if vLLM failed, with the end of its output.
@@ -285,6 +287,7 @@ def run_vllm(
                     "prompts": [list(map(int, prompt)) for prompt in prompt_ids],
                     "max_new_tokens": max_new_tokens,
                     "max_model_len": max(len(prompt) for prompt in prompt_ids) + max_new_tokens + 8,
+                    "dtype": dtype,
                 },
                 file,
             )

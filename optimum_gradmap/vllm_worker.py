@@ -9,10 +9,11 @@ the standard library:
     /path/to/vllm-env/bin/python optimum_gradmap/vllm_worker.py request.json response.json
 
 The request (JSON) holds `model` (the checkpoint folder), `prompts` (lists of token ids: no
-tokenizer is involved, so both engines see the same tokens), `max_new_tokens` and `max_model_len`.
+tokenizer is involved, so both engines see the same tokens), `max_new_tokens`, `max_model_len` and optionally
+`dtype` (default `float32`; vLLM's CPU kernels for quantized weights take `bfloat16` activations only).
 The response holds, per prompt, the greedy tokens (`ignore_eos`, so exactly `max_new_tokens` of
 them), the log-probability of each generated token, and the log-probability of each prompt token
-after the first, all in float32 (`dtype="float32"`, eager mode, the model's generation config
+after the first, in the request's dtype (eager mode, the model's generation config
 ignored), plus the vLLM version and the seconds each part took.
 """
 
@@ -35,7 +36,7 @@ def main(request_path: str, response_path: str) -> None:
 
     llm = LLM(
         model=request["model"],
-        dtype="float32",
+        dtype=request.get("dtype", "float32"),
         enforce_eager=True,
         max_model_len=request["max_model_len"],
         seed=0,

@@ -69,7 +69,8 @@ def reproduction(command: str | None, step: str = "prune", earlier: dict[str, An
     Args:
         command (`str`, *optional*): The exact command line that made it (`optimum-gradmap prune ...`, quoted as
             `shlex.join` quotes it); `None` when it was made through the Python API.
-        step (`str`, defaults to `"prune"`): What this run did: `"prune"` or `"heal"` (a checkpoint pruned earlier).
+        step (`str`, defaults to `"prune"`): What this run did: `"prune"`, or `"heal"` or `"quantize"` (a checkpoint
+            made earlier).
         earlier (`dict`, *optional*): The `reproduce` entry of the checkpoint this run started from (a heal's).
 
     Returns:

@@ -72,6 +72,31 @@ def _heal_sentence(report: dict[str, Any]) -> str:
     return sentence
 
 
+def _quantization_sentence(report: dict[str, Any]) -> str:
+    """What the quantization step did, in words; empty without it."""
+    quantization = report.get("quantization")
+    if not quantization:
+        return ""
+    calibration = (
+        f", calibrated on {quantization['num_samples']} x {quantization['seq_len']} tokens of "
+        f"{quantization['calibration_source']} (SHA-256 {quantization['calibration_sha256'][:12]})"
+        if quantization.get("calibration_sha256")
+        else ""
+    )
+    return (
+        f"Last, llm-compressor {quantization['versions'].get('llmcompressor')} quantized it to `{quantization['scheme']}` "
+        f"({quantization['description']}; {quantization['algorithm']}){calibration}; "
+        f"{', '.join(quantization['ignored']) or 'no linear map'} kept in full precision. The weights are stored in the "
+        "compressed-tensors format: transformers loads them with `compressed-tensors` installed, vLLM serves them."
+    )
+
+
+# What loading a quantized checkpoint needs, in the card's "How to use".
+QUANTIZED_NOTE = " (its quantized weights need `pip install compressed-tensors`)"
+# How the card names each run that made the checkpoint (`reproduce.step`).
+STEP_WORDS = {"prune": "Pruned", "heal": "Healed", "quantize": "Quantized"}
+
+
 def _reproduce_section(report: dict[str, Any], repo_id: str | None) -> str:
     """The model card's "Reproduce" section: each run's command (or, through the Python API, a snippet that rebuilds
     the config from `pruning_report.json` and prunes again) and the versions it ran with."""
@@ -80,7 +105,7 @@ def _reproduce_section(report: dict[str, Any], repo_id: str | None) -> str:
     for step in steps:
         versions = step.get("versions") or {}
         made = (
-            f"{'Healed' if step.get('step') == 'heal' else 'Pruned'} with optimum-gradmap {versions.get('optimum_gradmap')} "
+            f"{STEP_WORDS.get(step.get('step'), 'Pruned')} with optimum-gradmap {versions.get('optimum_gradmap')} "
             f"(transformers {versions.get('transformers')}, torch {versions.get('torch')})"
         )
         if step.get("command"):
@@ -129,12 +154,13 @@ def build_model_card(
         library_name="transformers",
         license=report.get("license"),
         pipeline_tag="text-generation",
-        tags=["gradmap", "layer-pruning", "pruned", "optimum"],
+        tags=["gradmap", "layer-pruning", "pruned", "optimum"]
+        + (["compressed-tensors", report["quantization"]["scheme"]] if report.get("quantization") else []),
     )
     name = repo_id or "path/to/this/checkpoint"
     removed, num_layers = report["removed_layers"], report["original_num_layers"]
     metric = report["gradmap_config"].get("importance", "gradmap")
-    stage2 = " ".join(part for part in (_stage2_sentence(report), _heal_sentence(report)) if part)
+    stage2 = " ".join(part for part in (_stage2_sentence(report), _heal_sentence(report), _quantization_sentence(report)) if part)
     picture_lines = "\n\n".join(f"![{picture}]({picture})" for picture in pictures)
     timings = ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in report["timings"].items())
     content = f"""---
@@ -162,7 +188,7 @@ also holds the importance scores of every round and the drift of every layer.
 
 ## How to use
 
-A plain transformers checkpoint: no custom code.
+A plain transformers checkpoint: no custom code{QUANTIZED_NOTE if report.get("quantization") else ""}.
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,0 +1,87 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""The quantization schemes of the quantization step: each one a llm-compressor recipe, what it needs to calibrate,
+and the hardware that runs its checkpoint.
+
+The recipes are llm-compressor's own for each scheme (its `examples/quantization_w8a8_int8`,
+`quantization_w4a16` and `quantization_w8a8_fp8`): this module chooses them, llm-compressor does the work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class QuantizationScheme:
+    """One scheme of `GradMAPConfig.quantization`.
+
+    Args:
+        name (`str`): The setting's value (`"w8a8"`, `"w4a16"`, `"fp8"`).
+        description (`str`): What it stores, in words (the model card's).
+        preset (`str`): llm-compressor's preset scheme (`"W8A8"`, `"W4A16"`, `"FP8_DYNAMIC"`).
+        algorithm (`str`): How the weights are rounded: `"SmoothQuant + GPTQ"`, `"GPTQ"` or `"round to nearest"`.
+        calibrated (`bool`): Whether the recipe reads calibration text (FP8's dynamic scales need none).
+        cuda_capability (`tuple[int, int]`, *optional*): The least NVIDIA compute capability whose kernels run it
+            (vLLM's), `None` where CPUs run it too.
+        group_size (`int`, *optional*): The input columns that share a weight scale; every quantized linear map's
+            input width must be a multiple of it.
+    """
+
+    name: str
+    description: str
+    preset: str
+    algorithm: str
+    calibrated: bool
+    cuda_capability: tuple[int, int] | None = None
+    group_size: int | None = None
+
+    def recipe(self, ignore: list[str]) -> list[Any]:
+        """The llm-compressor modifiers of this scheme, every linear map quantized except `ignore`.
+
+        Args:
+            ignore (`list[str]`): Module names left in full precision (the output embedding).
+
+        Returns:
+            `list`: llm-compressor modifiers, in the order they run.
+        """
+        from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+
+        if self.algorithm == "round to nearest":
+            return [QuantizationModifier(targets="Linear", scheme=self.preset, ignore=ignore)]
+        modifiers: list[Any] = []
+        if self.algorithm.startswith("SmoothQuant"):
+            from llmcompressor.modifiers.transform import SmoothQuantModifier
+
+            # 0.8: llm-compressor's INT8 example; moves activation outliers into the weights before GPTQ
+            modifiers.append(SmoothQuantModifier(smoothing_strength=0.8))
+        modifiers.append(GPTQModifier(targets="Linear", scheme=self.preset, ignore=ignore))
+        return modifiers
+
+
+SCHEMES: dict[str, QuantizationScheme] = {
+    "w8a8": QuantizationScheme(
+        "w8a8",
+        "INT8 weights (one scale per output channel) and INT8 activations (one dynamic scale per token)",
+        "W8A8",
+        "SmoothQuant + GPTQ",
+        calibrated=True,
+    ),
+    "w4a16": QuantizationScheme(
+        "w4a16",
+        "INT4 weights (one scale per group of 128), activations in the model's dtype",
+        "W4A16",
+        "GPTQ",
+        calibrated=True,
+        group_size=128,
+    ),
+    "fp8": QuantizationScheme(
+        "fp8",
+        "FP8 E4M3 weights (one scale per output channel) and activations (one dynamic scale per token)",
+        "FP8_DYNAMIC",
+        "round to nearest",
+        calibrated=False,
+        cuda_capability=(8, 9),
+    ),
+}

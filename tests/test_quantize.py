@@ -1,0 +1,211 @@
+"""The quantization step (optimum_gradmap.quantize): llm-compressor on tiny pruned models, the compressed-tensors
+checkpoint reloaded by plain transformers, the chain in the report and card, and every refusal before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from optimum_gradmap import GradMAPConfig, GradMAPPruner
+from optimum_gradmap.cli import main
+from optimum_gradmap.errors import InvalidInputError
+from optimum_gradmap.quantize import SCHEMES, checks, hardware_problem, quantize_model
+
+from .conftest import random_ids, small_config, tiny_model
+
+NEEDS_EXTRA = "needs the [quantize] extra: .ci/run installs it after the suite and runs this file"
+# Widths that INT4's groups of 128 input columns divide.
+WIDE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+CALIBRATION_TEXT = " ".join(f"sentence {i} of the calibration text, with some words in it." for i in range(200))
+
+
+def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+
+def assert_untouched(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> None:
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[name], before[name]) for name in before)
+    assert not any(hasattr(module, "quantization_scheme") for module in model.modules())
+
+
+def stored_dtypes(folder: str) -> dict[str, torch.dtype]:
+    with safe_open(os.path.join(folder, "model.safetensors"), framework="pt") as weights:
+        return {name: weights.get_slice(name).get_dtype() for name in weights.keys()}
+
+
+# ------------------------------------------------------------------------------------------ refusals, before any work
+def test_an_unknown_scheme_is_refused_by_the_config():
+    with pytest.raises(InvalidInputError, match="`quantization` must be one of \\('w8a8', 'w4a16', 'fp8'\\)"):
+        GradMAPConfig(pruning_ratio=0.25, quantization="int3")
+
+
+def test_prune_refuses_quantization_without_llmcompressor_before_stage1(monkeypatch, byte_tokenizer):
+    real_find_spec = checks.importlib.util.find_spec
+    monkeypatch.setattr(
+        checks.importlib.util, "find_spec", lambda name: None if name == "llmcompressor" else real_find_spec(name)
+    )
+    model = tiny_model("llama", vocab_size=256)
+    before = state(model)
+    pruner = GradMAPPruner(small_config(quantization="w8a8"), model=model, tokenizer=byte_tokenizer)
+    with pytest.raises(InvalidInputError, match=r"pip install 'optimum-gradmap\[quantize\]'"):
+        pruner.prune(calibration_data=random_ids(8, 16))
+    assert model.config.num_hidden_layers == 6
+    assert_untouched(model, before)
+
+
+@pytest.mark.parametrize(
+    "capabilities, machine, refused",
+    [
+        ([], "x86_64", ["fp8"]),  # a CPU: INT8 and INT4 run, FP8 does not
+        ([(8, 0)], "x86_64", ["fp8"]),  # an A100: no FP8 kernels
+        ([(9, 0)], "x86_64", []),  # an H100 runs all three
+        ([], "aarch64", ["w8a8", "w4a16", "fp8"]),  # an ARM CPU without a GPU: none
+    ],
+)
+def test_the_schemes_this_hardware_cannot_run_are_refused(monkeypatch, capabilities, machine, refused):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capabilities[index])
+    monkeypatch.setattr(checks.platform, "machine", lambda: machine)
+    assert sorted(name for name, scheme in SCHEMES.items() if hardware_problem(scheme)) == sorted(refused)
+    if "fp8" in refused and capabilities:
+        assert "compute capability 8.9 or newer" in hardware_problem(SCHEMES["fp8"])
+
+
+def test_prune_refuses_fp8_on_a_machine_without_a_capable_gpu_before_stage1(monkeypatch, byte_tokenizer):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    model = tiny_model("llama", vocab_size=256)
+    before = state(model)
+    pruner = GradMAPPruner(small_config(quantization="fp8"), model=model, tokenizer=byte_tokenizer)
+    with pytest.raises(InvalidInputError, match="`fp8` needs an NVIDIA GPU of compute capability 8.9 or newer"):
+        pruner.prune(calibration_data=random_ids(8, 16))
+    assert_untouched(model, before)
+
+
+@pytest.mark.parametrize(
+    "quantization_config, message",
+    [
+        ({"quant_method": "gguf"}, "loaded from a GGUF file"),
+        ({"quant_method": "gptq", "bits": 4}, "quantized already \\(gptq\\)"),
+    ],
+)
+def test_a_gguf_loaded_or_quantized_model_is_refused_before_stage1(byte_tokenizer, quantization_config, message):
+    model = tiny_model("llama", vocab_size=256)
+    model.config.quantization_config = quantization_config
+    before = state(model)
+    pruner = GradMAPPruner(small_config(quantization="w8a8"), model=model, tokenizer=byte_tokenizer)
+    with pytest.raises(InvalidInputError, match=message):
+        pruner.prune(calibration_data=random_ids(8, 16))
+    assert model.config.num_hidden_layers == 6
+    assert_untouched(model, before)
+
+
+def test_a_calibrated_scheme_without_sequences_or_tokenizer_is_refused(byte_tokenizer):
+    model = tiny_model("llama", vocab_size=256)
+    before = state(model)
+    with pytest.raises(InvalidInputError, match="give both `calibration_ids` and the model's `tokenizer`"):
+        quantize_model(model, "w4a16", random_ids(4, 16), tokenizer=None)
+    with pytest.raises(InvalidInputError, match=r"shape \(num_samples, seq_len >= 2\)"):
+        quantize_model(model, "w8a8", torch.zeros(4, dtype=torch.long), tokenizer=byte_tokenizer)
+    assert_untouched(model, before)
+
+
+def test_w4a16_refuses_linear_maps_its_groups_do_not_divide_before_stage1(byte_tokenizer):
+    model = tiny_model("llama", vocab_size=256)  # hidden size 32: not a multiple of 128
+    before = state(model)
+    pruner = GradMAPPruner(small_config(quantization="w4a16"), model=model, tokenizer=byte_tokenizer)
+    with pytest.raises(InvalidInputError, match="groups of 128 input columns.*model.layers.0.self_attn.q_proj \\(32\\)"):
+        pruner.prune(calibration_data=random_ids(8, 16))
+    assert_untouched(model, before)
+
+
+@pytest.fixture
+def pruned_checkpoint(tmp_path, byte_tokenizer) -> str:
+    """A tiny Llama pruned (Stage 1 + 2) on a text file, saved with its report, as `optimum-gradmap prune` saves it."""
+    text = tmp_path / "calibration.txt"
+    text.write_text(CALIBRATION_TEXT)
+    model = tiny_model("llama", vocab_size=256, **WIDE)
+    config = small_config(dataset=str(text), num_samples=8, seq_len=32)
+    result = GradMAPPruner(config, model=model, tokenizer=byte_tokenizer).prune()
+    return result.save_pretrained(tmp_path / "pruned")
+
+
+def test_the_quantize_command_refuses_before_loading(tmp_path, pruned_checkpoint, capsys):
+    output = str(tmp_path / "out")
+    with pytest.raises(SystemExit) as exited:  # argparse's choices
+        main(["quantize", pruned_checkpoint, "--scheme", "int3", "--output", output])
+    assert exited.value.code == 2
+    assert main(["quantize", pruned_checkpoint, "--scheme", "w8a8", "--num-samples", "0", "--output", output]) == 2
+    assert "--num-samples must be at least 1" in capsys.readouterr().err
+    with open(os.path.join(pruned_checkpoint, "pruning_report.json"), encoding="utf-8") as file:
+        report = json.load(file)
+    report["quantization"] = {"scheme": "w8a8"}
+    with open(os.path.join(pruned_checkpoint, "pruning_report.json"), "w", encoding="utf-8") as file:
+        json.dump(report, file)
+    assert main(["quantize", pruned_checkpoint, "--scheme", "w4a16", "--output", output]) == 2
+    assert "is quantized already (w8a8)" in capsys.readouterr().err
+    assert not os.path.exists(output)
+
+
+# ------------------------------------------------------------------------------------------ the step, with llm-compressor
+def test_prune_then_w8a8_writes_a_compressed_tensors_checkpoint_that_transformers_reloads(tmp_path, byte_tokenizer):
+    pytest.importorskip("llmcompressor", reason=NEEDS_EXTRA)
+    model = tiny_model("llama", vocab_size=256)
+    ids = random_ids(8, 16)
+    with torch.no_grad():
+        dense_logits = model(ids[:2]).logits
+    result = GradMAPPruner(small_config(quantization="w8a8"), model=model, tokenizer=byte_tokenizer).prune(calibration_data=ids)
+    quantization = result.quantization
+    assert (quantization.scheme, quantization.algorithm, quantization.ignored) == ("w8a8", "SmoothQuant + GPTQ", ["lm_head"])
+    assert quantization.calibration_sha256 == result.calibration_sha256  # Stage 1's sequences by default
+    assert (quantization.num_samples, quantization.seq_len) == (8, 16)
+    assert "quantization" in result.timings
+    with torch.no_grad():
+        quantized_logits = result.model(ids[:2]).logits
+    folder = result.save_pretrained(tmp_path / "w8a8")
+    config = json.load(open(os.path.join(folder, "config.json"), encoding="utf-8"))
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert config["num_hidden_layers"] == 4
+    dtypes = stored_dtypes(folder)
+    assert dtypes["model.layers.0.mlp.down_proj.weight"] == "I8" and "model.layers.0.mlp.down_proj.weight_scale" in dtypes
+    assert dtypes["lm_head.weight"] == "F32"  # the head stays in full precision
+    reloaded = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        reloaded_logits = reloaded(ids[:2]).logits
+    torch.testing.assert_close(reloaded_logits, quantized_logits, rtol=1e-5, atol=1e-5)
+    report = json.load(open(os.path.join(folder, "pruning_report.json"), encoding="utf-8"))
+    assert report["quantization"]["scheme"] == "w8a8" and report["removed_layers"] == result.removed_layers
+    card = open(os.path.join(folder, "README.md"), encoding="utf-8").read()
+    assert "quantized it to `w8a8`" in card and "Stage 2 compensated" in card and "- compressed-tensors" in card
+    assert not torch.equal(quantized_logits, dense_logits)
+
+
+def test_the_quantize_command_calibrates_on_the_checkpoints_own_set_and_records_the_chain(tmp_path, pruned_checkpoint):
+    pytest.importorskip("llmcompressor", reason=NEEDS_EXTRA)
+    output = str(tmp_path / "w4a16")
+    assert main(["quantize", pruned_checkpoint, "--scheme", "w4a16", "--output", output]) == 0
+    before = json.load(open(os.path.join(pruned_checkpoint, "pruning_report.json"), encoding="utf-8"))
+    report = json.load(open(os.path.join(output, "pruning_report.json"), encoding="utf-8"))
+    quantization = report["quantization"]
+    assert quantization["calibration_sha256"] == before["calibration_sha256"]
+    assert "Stage 1's calibration sequences (the same SHA-256)" in quantization["calibration_source"]
+    assert report["reproduce"]["step"] == "quantize" and report["reproduce"]["earlier"]["step"] == "prune"
+    assert report["reproduce"]["command"].startswith("optimum-gradmap quantize ")
+    assert report["kept_layers"] == before["kept_layers"] and report["compensation"] == before["compensation"]
+    dtypes = stored_dtypes(output)
+    assert "model.layers.0.mlp.down_proj.weight_packed" in dtypes and "model.layers.0.mlp.down_proj.weight" not in dtypes
+    unquantized = AutoModelForCausalLM.from_pretrained(pruned_checkpoint)
+    quantized = AutoModelForCausalLM.from_pretrained(output)
+    ids = random_ids(2, 16, seed=1)
+    with torch.no_grad():
+        reference, rounded = unquantized(ids).logits, quantized(ids).logits
+    error = (rounded - reference).norm() / reference.norm()
+    assert 0 < error < 0.5, error  # INT4 weights: close to, not equal to, the unquantized model
+    card = open(os.path.join(output, "README.md"), encoding="utf-8").read()
+    assert "Quantized with optimum-gradmap" in card and "Pruned with optimum-gradmap" in card
