@@ -7,7 +7,10 @@ and compare with the pruned model still in memory (`verify_serving(reference_mod
 greedy tokens and log-probabilities within `DEFAULT_LOGPROB_TOLERANCE`. Then the stale-config cases:
 the checkpoint's config is rewritten as a careless tool would leave it (`layer_types` cut to length
 instead of sliced; `max_window_layers` not recounted); `validate_checkpoint` must refuse it, and vLLM,
-given it anyway, must disagree with the pruned model.
+given it anyway, must disagree with the pruned model. Then the quantized cases: the pruned SmolLM2 quantized by
+llm-compressor (W8A8 and W4A16, the [quantize] extra) serves in vLLM with bfloat16 activations and agrees with
+transformers on the same checkpoint within `optimum_gradmap.quantize.serving`'s bound (quantized kernels cannot
+match bit for bit).
 
     python tests/integration/check_vllm_serving.py --vllm-python /path/to/vllm-env/bin/python
     python tests/integration/check_vllm_serving.py --vllm-python V/bin/python --cases gemma3_text qwen2 --output results.json
@@ -108,6 +111,10 @@ REFUSED_BY_VLLM = {
 # `use_sliding_window`, which vLLM does not serve on some layers only, so there only validation can tell.
 STALE_CASES = {"gemma3_text": True, "qwen2": False}
 REAL_CASES = {"smollm2-135m": 0.25, "qwen2.5-coder-0.5b": 0.25}
+# Quantized with llm-compressor (the [quantize] extra), served with bfloat16 activations, after the exact check of
+# the same pruned checkpoint: the agreement with transformers, within the bound of optimum_gradmap.quantize.serving.
+QUANTIZED_CASES = ("smollm2-135m",)
+QUANTIZED_SCHEMES = ("w8a8", "w4a16")
 
 
 def tiny_model(case: str) -> torch.nn.Module:
@@ -161,11 +168,43 @@ def make_stale(folder: str, dense_layer_config: dict) -> str:
     return changed
 
 
+def check_quantized(case: str, folder: str, result, vllm_python: str | None, records: list) -> list[str]:
+    """Quantizes the pruned checkpoint in `folder` with each of `QUANTIZED_SCHEMES` (calibrated on its Stage 1
+    sequences), serves it and measures the agreement; returns the failures."""
+    from transformers import AutoTokenizer
+
+    from optimum_gradmap.quantize import quantize_model
+    from optimum_gradmap.quantize.serving import verify_quantized_serving
+
+    failures = []
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    for scheme in QUANTIZED_SCHEMES:
+        start = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+        quantize_model(model, scheme, result.calibration_ids, tokenizer, "Stage 1's calibration sequences")
+        quantized = f"{folder}-{scheme}"
+        model.save_pretrained(quantized)
+        tokenizer.save_pretrained(quantized)
+        try:
+            check = verify_quantized_serving(quantized, vllm_python, unquantized=folder)
+        except RuntimeError as error:
+            print(f"[{case} {scheme}] FAIL: {error}")
+            failures.append(f"{case} {scheme}")
+            continue
+        records.append({"case": f"{case} {scheme}", **check.to_dict()})
+        print(f"[{case} {scheme}] {time.perf_counter() - start:.0f} s")
+        print(check.summary(), flush=True)
+        if not check.agrees:
+            failures.append(f"{case} {scheme}")
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", default=None, help="Python of the environment with vLLM")
     parser.add_argument("--cases", nargs="+", default=[*REAL_CASES, *TINY_CASES], help="which models to check")
     parser.add_argument("--stale-cases", nargs="*", default=list(STALE_CASES), help="tiny models to check stale")
+    parser.add_argument("--quantized-cases", nargs="*", default=list(QUANTIZED_CASES), help="cases also quantized")
     parser.add_argument("--output", default=None, help="write every comparison as JSON to this file")
     args = parser.parse_args()
 
@@ -202,6 +241,8 @@ def main() -> int:
             print(check.summary(), flush=True)
             if not check.matched:
                 failures.append(case)
+            if case in args.quantized_cases:
+                failures += check_quantized(case, folder, result, args.vllm_python, records)
             if case not in args.stale_cases:
                 continue
             changed = make_stale(folder, result.dense_layer_config)
@@ -222,7 +263,10 @@ def main() -> int:
     if args.output:
         with open(args.output, "w", encoding="utf-8") as file:
             json.dump(records, file, indent=2)
-    print(f"vLLM serving check: {len(args.cases)} checkpoints, {len(args.stale_cases)} stale; failures: {failures or 'none'}")
+    print(
+        f"vLLM serving check: {len(args.cases)} checkpoints, {len(args.stale_cases)} stale, "
+        f"{len(args.quantized_cases) * len(QUANTIZED_SCHEMES)} quantized; failures: {failures or 'none'}"
+    )
     return 1 if failures else 0
 
 
