@@ -209,3 +209,20 @@ def test_the_quantize_command_calibrates_on_the_checkpoints_own_set_and_records_
     assert 0 < error < 0.5, error  # INT4 weights: close to, not equal to, the unquantized model
     card = open(os.path.join(output, "README.md"), encoding="utf-8").read()
     assert "Quantized with optimum-gradmap" in card and "Pruned with optimum-gradmap" in card
+
+
+def test_prune_from_a_folder_with_quantization_saves_the_pruned_config_not_the_folders(tmp_path, byte_tokenizer):
+    """llm-compressor's save rewrites config.json from the folder the model was loaded from (the dense model's): the
+    saved checkpoint must keep the pruned layer count."""
+    pytest.importorskip("llmcompressor", reason=NEEDS_EXTRA)
+    dense = tmp_path / "dense"
+    tiny_model("llama", vocab_size=256).save_pretrained(dense)
+    byte_tokenizer.save_pretrained(dense)
+    text = tmp_path / "calibration.txt"
+    text.write_text(CALIBRATION_TEXT)
+    output = str(tmp_path / "out")
+    arguments = ["prune", str(dense), "--num-layers-to-prune", "2", "--dataset", str(text), "--num-samples", "8"]
+    assert main([*arguments, "--seq-len", "16", "--quantization", "w8a8", "--output", output, "-q"]) == 0
+    config = json.load(open(os.path.join(output, "config.json"), encoding="utf-8"))
+    assert config["num_hidden_layers"] == 4 and config["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert AutoModelForCausalLM.from_pretrained(output).config.num_hidden_layers == 4

@@ -11,6 +11,7 @@ plain `AutoModelForCausalLM.from_pretrained` loads.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import tempfile
 import time
@@ -98,6 +99,21 @@ def _described(modifier: Any) -> str:
     return f"{type(modifier).__name__}({settings})"
 
 
+def keep_own_config_on_save(model: PreTrainedModel) -> None:
+    """Makes the quantized model's `save_pretrained` write its own config. llm-compressor's `save_pretrained` (which
+    compresses the weights) rewrites `config.json` from the config file at `name_or_path`, the folder or Hub repository
+    the model was loaded from: for a pruned model, the dense model's, with its layer count. Wrapped here, it reads the
+    model's current config instead, whoever calls it."""
+    compressed_save = model.save_pretrained
+
+    @functools.wraps(compressed_save)
+    def save_pretrained(*args: Any, **kwargs: Any) -> Any:
+        with config_on_disk(model):
+            return compressed_save(*args, **kwargs)
+
+    model.save_pretrained = save_pretrained
+
+
 def _versions() -> dict[str, str]:
     return {package: importlib.metadata.version(package) for package in ("llmcompressor", "compressed-tensors")}
 
@@ -154,6 +170,7 @@ def quantize_model(
     started = time.perf_counter()
     with config_on_disk(model):
         oneshot(model=model, recipe=recipe, **data)
+    keep_own_config_on_save(model)
     return QuantizationResult(
         scheme=scheme,
         description=quantization.description,
