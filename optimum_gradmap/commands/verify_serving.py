@@ -35,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """`optimum-gradmap verify-serving`: serves a checkpoint with vLLM and compares it with transformers.
-    Exit code 0 when they match, 1 when they do not, 2 for bad input (a missing folder, no vLLM, an invalid checkpoint)."""
+    Exit code 0 when they match, 1 when they do not, 2 for bad input (a missing folder, no vLLM, an invalid checkpoint).
+    A quantized (compressed-tensors) checkpoint is checked by
+    [`~optimum_gradmap.quantize.serving.verify_quantized_serving`]: exit code 0 when vLLM agrees within its bound."""
     from ..checkpoint import InvalidCheckpointError
     from ..files import write_atomically
     from ..serving import verify_serving
@@ -44,10 +46,26 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.checkpoint):
         raise InputError(f"{args.checkpoint} is not a folder: give a checkpoint folder.")
     try:
-        check = verify_serving(args.checkpoint, args.vllm_python, args.prompt, args.max_new_tokens, args.logprob_tolerance)
+        if _is_quantized(args.checkpoint):  # quantized kernels cannot match bit for bit: their agreement is measured
+            from ..quantize.serving import verify_quantized_serving
+
+            check = verify_quantized_serving(args.checkpoint, args.vllm_python, args.prompt, args.max_new_tokens)
+            passed = check.agrees
+        else:
+            check = verify_serving(args.checkpoint, args.vllm_python, args.prompt, args.max_new_tokens, args.logprob_tolerance)
+            passed = check.matched
     except InvalidCheckpointError as error:
         raise InputError(str(error)) from error
     print(check.summary())
     if args.output:
         write_atomically(args.output, json.dumps(check.to_dict(), indent=2))
-    return 0 if check.matched else 1
+    return 0 if passed else 1
+
+
+def _is_quantized(checkpoint: str) -> bool:
+    """Whether the checkpoint's config says compressed-tensors (a checkpoint `optimum-gradmap quantize` wrote)."""
+    path = os.path.join(checkpoint, "config.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path, encoding="utf-8") as file:
+        return (json.load(file).get("quantization_config") or {}).get("quant_method") == "compressed-tensors"
