@@ -187,10 +187,13 @@ def next_token_loss_sum(
         `tuple[torch.Tensor, int]`: The sum (a float64 scalar on CPU; 0 for no sequence) and the count of predicted
         tokens.
     """
+    from .vocabulary import summed_loss, vocabulary_head
+
     total = None
+    head = vocabulary_head(model, input_ids) if input_ids.shape[0] else None
     with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
-        for batch in batches:
-            batch_total = summed_next_token_loss(model(input_ids=batch, use_cache=False).logits, batch)
+        for batch in batches:  # the logits a few at a time ([`optimum_gradmap.vocabulary`])
+            batch_total = summed_loss(model, batch, head)
             total = batch_total if total is None else total + batch_total
     if total is None:
         return torch.zeros((), dtype=torch.float64), 0

@@ -30,7 +30,8 @@ from .. import distributed, surgery
 from ..adapters import DecoderAdapter
 from ..configuration import GradMAPConfig
 from ..errors import InvalidInputError
-from ..passes import calibration_batches, next_token_loss_sum, summed_next_token_loss
+from ..passes import calibration_batches, next_token_loss_sum
+from ..vocabulary import summed_loss, vocabulary_head
 from .activations import CompensationBatch
 from .folding import apply_compensation, down_projection_backup
 from .lambda_search import GOLDEN_SECTION as GOLDEN_SECTION  # planning estimates the search's passes from it
@@ -139,15 +140,16 @@ class HeldOutLoss:
         total, count = torch.zeros((), dtype=torch.float64), 0
         num_sequences = self.input_ids.shape[0]
         description = "Held-out next-token loss"
+        head = vocabulary_head(self.model, self.input_ids) if num_sequences else None  # before the replaying hooks
         with calibration_batches(self.model, self.input_ids, self.batch_size, description, self.progress_bar) as batches:
             for start, batch in zip(range(0, num_sequences, self.batch_size), batches):
                 if self.position == 0:  # no layer before it to skip
-                    logits = self.model(input_ids=batch, use_cache=False).logits
+                    loss = summed_loss(self.model, batch, head)
                 else:
                     inputs = self.layer_inputs[start : start + batch.shape[0]]
                     with self.stack.replaying(self.position - 1, inputs, self.returns_tuple):
-                        logits = self.model(input_ids=batch, use_cache=False).logits
-                total = total.to(logits.device) + summed_next_token_loss(logits, batch)
+                        loss = summed_loss(self.model, batch, head)
+                total = total.to(loss.device) + loss
                 count += batch.shape[0] * (batch.shape[1] - 1)
         return distributed.mean_from_sums(total, count)
 

@@ -514,12 +514,19 @@ def _held_out_kl(
     stays on the device and is read once, not once per batch."""
     device = input_device(model)
     total = None
+    head = vocabulary_head(model, input_ids) if input_ids.shape[0] else None
     with torch.no_grad():
         for start in range(0, input_ids.shape[0], batch_size):
             batch = input_ids[start : start + batch_size].to(device)
-            with passes():
-                logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
-            part = top_k_kl(logits, targets.rows(slice(start, start + batch_size))).double().sum()
+            batch_targets = targets.rows(slice(start, start + batch_size))
+            if head.final_hidden_states is None:
+                with passes():
+                    logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
+                part = top_k_kl(logits, batch_targets).double().sum()
+            else:  # the logits a few at a time
+                with passes():
+                    hidden = head.final_hidden_states(batch)
+                part = chunked_top_k_kl(hidden, batch_targets, head)
             total = part if total is None else total + part.to(total.device)
     if total is None:  # a process with no held-out sequence of its own (torchrun)
         total = torch.zeros((), dtype=torch.float64, device=device)

@@ -1,0 +1,252 @@
+# Copyright 2026 The optimum-gradmap authors.
+# Licensed under the Apache License, Version 2.0.
+"""Forward-only quantities over the vocabulary, formed a few tokens at a time: the next-token loss of a batch and the
+teacher's top-K targets, without a batch's `(batch, seq_len, vocab)` logits or their log-softmax.
+
+A model's forward pass returns the logits of every position at once: for a 128k vocabulary, 8 x 128 tokens make
+0.5 GB of float32 logits, as much again for their log-softmax, whatever the model's size. Here the model is split
+at its head ([`~optimum_gradmap.importance.gradient.split_at_lm_head`], checked once per model on a few tokens): the
+decoder gives the final hidden states, and the head maps them to logits at most `passes.MAX_LOGIT_ELEMENTS` at a
+time, which are reduced (to a summed cross-entropy, or to the top-K log-probabilities and the rest's) and dropped.
+Where Accelerate keeps the head offloaded, its weight is read a slice of the vocabulary at a time
+([`~optimum_gradmap.weights.rows_only`]) and the reductions run over the slices (running log-sum-exps), as
+Stage 1's loss gradient does ([`~optimum_gradmap.streaming.vocab_sliced_loss_gradient`]). Where the adapter's split
+does not reproduce the model's logits, the whole model's logits are used, as before.
+
+The results equal those of the whole logits up to float rounding (the sums are taken in another order).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import passes
+from .weights import is_offloaded_module, rows_only
+
+
+@dataclass
+class VocabularyHead:
+    """How a model's logits are formed a few at a time: its decoder's final hidden states, then `compute_logits`.
+
+    Attributes:
+        final_hidden_states (`Callable`, *optional*): Maps a batch of token ids to the final hidden states; `None`
+            where the adapter's split does not reproduce the model (the whole logits are used then).
+        compute_logits (`Callable`, *optional*): Maps final hidden states to logits.
+        vocab_size (`int`): The width of the logits.
+        sliced (`nn.Module`, *optional*): The offloaded output embedding, read a slice of the vocabulary at a time.
+    """
+
+    final_hidden_states: Callable[[torch.LongTensor], torch.Tensor] | None
+    compute_logits: Callable[[torch.Tensor], torch.Tensor] | None
+    vocab_size: int
+    sliced: nn.Module | None = None
+
+
+# Whether a model's adapter splits it exactly at its head (checked once per model; weak keys: no model is kept alive).
+_SPLITS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def vocabulary_head(model: nn.Module, input_ids: torch.LongTensor) -> VocabularyHead:
+    """The [`VocabularyHead`] of `model`, its split checked on a few tokens of `input_ids` the first time (a forward
+    pass of the whole model on them: call it before hooks that would see that pass), the verdict then kept.
+
+    Args:
+        model (`nn.Module`): A causal LM.
+        input_ids (`torch.LongTensor` of shape `(num_sequences, seq_len)`): Sequences; a few of their tokens check
+            the split.
+    """
+    from .adapters import UnsupportedArchitectureError, get_adapter
+    from .importance.gradient import split_at_lm_head
+
+    output_embeddings = model.get_output_embeddings()
+    try:
+        adapter = get_adapter(model)
+    except UnsupportedArchitectureError:
+        return VocabularyHead(None, None, output_embeddings.weight.shape[0])
+    if model not in _SPLITS:
+        _, compute_logits, _ = split_at_lm_head(model, adapter, input_ids)
+        _SPLITS[model] = not isinstance(compute_logits, nn.Identity)
+    if not _SPLITS[model]:
+        return VocabularyHead(None, None, output_embeddings.weight.shape[0])
+    return VocabularyHead(
+        lambda batch: adapter.final_hidden_states(model, input_ids=batch, use_cache=False),
+        lambda hidden_states: adapter.compute_logits(model, hidden_states),
+        output_embeddings.weight.shape[0],
+        output_embeddings if is_offloaded_module(output_embeddings) else None,
+    )
+
+
+def summed_loss(model: nn.Module, batch: torch.LongTensor, head: VocabularyHead) -> torch.Tensor:
+    """`passes.summed_next_token_loss(model(input_ids=batch).logits, batch)`, the logits formed a few at a time.
+
+    Args:
+        model (`nn.Module`): The causal LM (inside its passes' context: gradients off, hooks as they are).
+        batch (`torch.LongTensor` of shape `(batch, seq_len)`): The sequences, on the model's input device.
+        head ([`VocabularyHead`]): The model's ([`vocabulary_head`]).
+
+    Returns:
+        `torch.Tensor`: a float64 scalar on the logits' device.
+    """
+    if head.final_hidden_states is None:
+        return passes.summed_next_token_loss(model(input_ids=batch, use_cache=False).logits, batch)
+    return chunked_next_token_loss(head.final_hidden_states(batch), batch, head)
+
+
+def _vocabulary_slices(num_rows: int, vocab_size: int) -> list[tuple[int, int]]:
+    step = max(1, passes.MAX_LOGIT_ELEMENTS // max(1, num_rows))
+    return [(start, min(start + step, vocab_size)) for start in range(0, vocab_size, step)]
+
+
+@torch.no_grad()
+def chunked_next_token_loss(hidden_states: torch.Tensor, input_ids: torch.LongTensor, head: VocabularyHead) -> torch.Tensor:
+    """The next-token cross-entropy summed over every predicted token, from the final hidden states, the logits
+    formed at most `passes.MAX_LOGIT_ELEMENTS` at a time (rows of tokens, or slices of the vocabulary for an
+    offloaded head).
+
+    Args:
+        hidden_states (`torch.Tensor` of shape `(batch, seq_len, hidden)`): The head's input.
+        input_ids (`torch.LongTensor` of shape `(batch, seq_len)`): The sequences (their labels).
+        head ([`VocabularyHead`]): The head.
+
+    Returns:
+        `torch.Tensor`: a float64 scalar on the hidden states' device.
+    """
+    rows = hidden_states[:, :-1].reshape(-1, hidden_states.shape[-1])
+    labels = input_ids[:, 1:].reshape(-1).to(rows.device)
+    if head.sliced is None:
+        total = torch.zeros((), dtype=torch.float64, device=rows.device)
+        chunk = max(1, passes.MAX_LOGIT_ELEMENTS // head.vocab_size)
+        for start in range(0, rows.shape[0], chunk):
+            logits = head.compute_logits(rows[start : start + chunk]).float()
+            total += F.cross_entropy(logits, labels[start : start + chunk].to(logits.device), reduction="sum").double()
+        return total
+    log_normaliser = torch.full((rows.shape[0],), float("-inf"), dtype=torch.float32, device=rows.device)
+    label_logits = torch.zeros(rows.shape[0], dtype=torch.float32, device=rows.device)
+    for start, stop in _vocabulary_slices(rows.shape[0], head.vocab_size):
+        with rows_only(head.sliced, start, stop):
+            logits = head.compute_logits(rows).float().to(rows.device)
+        log_normaliser = torch.logaddexp(log_normaliser, torch.logsumexp(logits, dim=-1))
+        in_slice = (labels >= start) & (labels < stop)
+        label_logits[in_slice] = logits[in_slice, labels[in_slice] - start]
+    return (log_normaliser - label_logits).double().sum()
+
+
+@torch.no_grad()
+def chunked_top_k(
+    hidden_states: torch.Tensor, head: VocabularyHead, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `top_k` most likely next tokens at every position but the last, their log-probabilities (the log-softmax
+    in float32) and the log of the rest's probability (a log-sum-exp over the other tokens), from the final hidden
+    states, the logits formed at most `passes.MAX_LOGIT_ELEMENTS` at a time: what
+    [`~optimum_gradmap.distillation.targets_from_logits`] computes from the whole logits.
+
+    Args:
+        hidden_states (`torch.Tensor` of shape `(batch, seq_len, hidden)`): The head's input.
+        head ([`VocabularyHead`]): The head.
+        top_k (`int`): Tokens kept per position.
+
+    Returns:
+        `(indices, log_probs, rest_log_prob)`: shapes `(batch, seq_len - 1, K)` (int64), `(batch, seq_len - 1, K)` and
+        `(batch, seq_len - 1)`, on the hidden states' device.
+    """
+    batch, seq_len, width = hidden_states.shape
+    rows = hidden_states[:, :-1].reshape(-1, width)
+    k = min(top_k, head.vocab_size)
+    if head.sliced is None:
+        parts = []
+        chunk = max(1, passes.MAX_LOGIT_ELEMENTS // head.vocab_size)
+        for start in range(0, rows.shape[0], chunk):
+            log_probs = torch.log_softmax(head.compute_logits(rows[start : start + chunk]).float(), dim=-1)
+            top = log_probs.topk(k, dim=-1)
+            rest = log_probs.scatter(-1, top.indices, float("-inf")).logsumexp(-1)
+            parts.append((top.indices.to(rows.device), top.values.to(rows.device), rest.to(rows.device)))
+        indices, values, rest = (torch.cat(part) for part in zip(*parts))
+    else:
+        indices, values, rest = _sliced_top_k(rows, head, k)
+    shape = (batch, seq_len - 1)
+    return indices.view(*shape, k), values.view(*shape, k), rest.view(shape)
+
+
+def _sliced_top_k(rows: torch.Tensor, head: VocabularyHead, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[`chunked_top_k`] with the head's weight read a slice of the vocabulary at a time: a first pass keeps a running
+    top-K of the logits and their log-normaliser, a second the log-sum-exp of the logits outside the top-K."""
+    num_rows = rows.shape[0]
+    slices = _vocabulary_slices(num_rows, head.vocab_size)
+    log_normaliser = torch.full((num_rows,), float("-inf"), dtype=torch.float32, device=rows.device)
+    top_values = torch.empty(num_rows, 0, dtype=torch.float32, device=rows.device)
+    top_indices = torch.empty(num_rows, 0, dtype=torch.long, device=rows.device)
+    for start, stop in slices:
+        with rows_only(head.sliced, start, stop):
+            logits = head.compute_logits(rows).float().to(rows.device)
+        log_normaliser = torch.logaddexp(log_normaliser, torch.logsumexp(logits, dim=-1))
+        columns = torch.arange(start, stop, device=rows.device).expand(num_rows, -1)
+        merged = torch.cat([top_values, logits], dim=1).topk(min(k, top_values.shape[1] + stop - start), dim=-1)
+        top_indices = torch.cat([top_indices, columns], dim=1).gather(1, merged.indices)
+        top_values = merged.values
+    rest = torch.full((num_rows,), float("-inf"), dtype=torch.float32, device=rows.device)
+    for start, stop in slices:
+        with rows_only(head.sliced, start, stop):
+            logits = head.compute_logits(rows).float().to(rows.device)
+        in_slice = (top_indices >= start) & (top_indices < stop)
+        columns = torch.where(in_slice, top_indices - start, stop - start)
+        extended = torch.cat([logits, logits.new_zeros(num_rows, 1)], dim=1)
+        outside = extended.scatter_(1, columns, float("-inf"))[:, :-1]
+        rest = torch.logaddexp(rest, torch.logsumexp(outside, dim=-1))
+    return top_indices, top_values - log_normaliser[:, None], rest - log_normaliser
+
+
+@torch.no_grad()
+def chunked_top_k_kl(hidden_states: torch.Tensor, targets: object, head: VocabularyHead) -> torch.Tensor:
+    """[`~optimum_gradmap.distillation.top_k_kl`] summed over every predicted position, from the student's final
+    hidden states, the logits formed at most `passes.MAX_LOGIT_ELEMENTS` at a time.
+
+    Args:
+        hidden_states (`torch.Tensor` of shape `(batch, seq_len, hidden)`): The student's head input.
+        targets ([`~optimum_gradmap.distillation.TeacherTargets`]): The teacher's, at the `seq_len - 1` predicting
+            positions of each sequence.
+        head ([`VocabularyHead`]): The student's head.
+
+    Returns:
+        `torch.Tensor`: a float64 scalar on the hidden states' device.
+    """
+    from .distillation import _flat_targets, top_k_kl
+
+    rows = hidden_states[:, :-1].reshape(-1, hidden_states.shape[-1])
+    flat = _flat_targets(targets)
+    if head.sliced is None:
+        total = torch.zeros((), dtype=torch.float64, device=rows.device)
+        chunk = max(1, passes.MAX_LOGIT_ELEMENTS // head.vocab_size)
+        for start in range(0, rows.shape[0], chunk):
+            part = slice(start, start + chunk)
+            total += top_k_kl(head.compute_logits(rows[part]), flat.rows(part)).double().sum().to(rows.device)
+        return total
+    indices = flat.indices.to(rows.device).long()
+    num_rows = rows.shape[0]
+    # the running log-sum-exps in float64: the KL is a small difference of logs, which float32 sums over many
+    # slices would blur
+    log_normaliser = torch.full((num_rows,), float("-inf"), dtype=torch.float64, device=rows.device)
+    rest_log_normaliser = log_normaliser.clone()
+    top_logits = torch.zeros(indices.shape, dtype=torch.float64, device=rows.device)
+    for start, stop in _vocabulary_slices(num_rows, head.vocab_size):
+        with rows_only(head.sliced, start, stop):
+            logits = head.compute_logits(rows).float().to(rows.device).double()
+        log_normaliser = torch.logaddexp(log_normaliser, torch.logsumexp(logits, dim=-1))
+        in_slice = (indices >= start) & (indices < stop)
+        columns = torch.where(in_slice, indices - start, stop - start)
+        extended = torch.cat([logits, logits.new_zeros(num_rows, 1)], dim=1)
+        top_logits = torch.where(in_slice, extended.gather(1, columns), top_logits)
+        outside = extended.scatter_(1, columns, float("-inf"))[:, :-1]
+        rest_log_normaliser = torch.logaddexp(rest_log_normaliser, torch.logsumexp(outside, dim=-1))
+    log_p = flat.log_probs.to(rows.device).double()
+    log_p_rest = flat.rest_log_prob.to(rows.device).double()
+    log_q_top = top_logits - log_normaliser[:, None]
+    log_q_rest = rest_log_normaliser - log_normaliser
+    top = (log_p.exp() * (log_p - log_q_top)).sum(-1)
+    rest = torch.where(log_p_rest > float("-inf"), log_p_rest.exp() * (log_p_rest - log_q_rest), torch.zeros_like(log_p_rest))
+    return (top + rest).sum()
