@@ -277,6 +277,8 @@ def heal(args: argparse.Namespace) -> None:
 def prune(args: argparse.Namespace) -> None:
     """`optimum-gradmap prune WEIGHTS` offloaded to disk, measured, and its checkpoint reloaded and checked."""
     key = {"num_samples": args.num_samples, "seq_len": args.seq_len, "ratio": args.ratio, "max_memory": args.max_memory}
+    if args.label:  # a second row of the same settings (the same run at another commit)
+        key["label"] = args.label
     rows = rows_to_run(args, key, lambda row: bool(row.get("reloaded")))
     if rows is None:
         return
@@ -349,6 +351,7 @@ def main() -> None:
     pruned.add_argument("--work", default=None, help="folder for the output, offload and logs")
     pruned.add_argument("--keep", action="store_true", help="keep the pruned checkpoint")
     pruned.add_argument("--resume", action="store_true")
+    pruned.add_argument("--label", default=None, help="a name for this row, kept beside the rows of the same settings")
     pruned.add_argument("extra", nargs="*", help="more options for `prune` (after --)")
     healed = commands.add_parser("heal", help="heal a pruned checkpoint from disk with the command line, and measure")
     healed.add_argument("--model", choices=ARCHITECTURES, required=True)
