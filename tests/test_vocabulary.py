@@ -64,10 +64,11 @@ def test_chunked_loss_targets_and_kl_equal_those_of_the_whole_logits(tmp_path, s
 
 
 def test_chunked_pruning_selects_and_scores_as_the_whole_logits(monkeypatch):
-    """SLEB's removal losses, the verified shortlist and Stage 2's held-out next-token loss read the loss a few logits
-    at a time: the same layers, scores and compensation as with every logit of a batch at once."""
-    ids = random_ids(8, 16)
-    config = small_config(importance="gradmap", verify_top_k=3, reg_lambda="auto", compensation_target="span_end")
+    """SLEB's removal losses and Stage 2's held-out next-token loss (its passes starting from recorded hidden states)
+    read the loss a few logits at a time: the same layers, scores and compensation as with every logit of a batch at
+    once."""
+    ids = random_ids(8, 24)  # longer than the 16 tokens that check the head's split: not a recorded sequence
+    config = small_config(importance="gradmap", seq_len=24, reg_lambda="auto", compensation_target="span_end")
     results = {}
     for name, size in (("whole", 2**40), ("chunked", 5 * 64)):
         monkeypatch.setattr(passes, "MAX_LOGIT_ELEMENTS", size)
@@ -78,7 +79,7 @@ def test_chunked_pruning_selects_and_scores_as_the_whole_logits(monkeypatch):
     for chunked_round, whole_round in zip(chunked.scores, whole.scores):
         assert chunked_round == pytest.approx(whole_round, rel=1e-5)
     torch.testing.assert_close(_whole(chunked.model, ids), _whole(whole.model, ids))  # Stage 2 chose the same fits
-    sleb = small_config(importance="sleb")
+    sleb = small_config(importance="sleb", seq_len=24)
     for name, size in (("whole", 2**40), ("chunked", 5 * 64)):
         monkeypatch.setattr(passes, "MAX_LOGIT_ELEMENTS", size)
         results[name] = GradMAPPruner(sleb, progress_bar=False).prune(tiny_model("llama"), ids)
