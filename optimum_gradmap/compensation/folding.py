@@ -5,20 +5,28 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
 from ..adapters import DecoderAdapter
-from ..weights import WeightBackup, fold_into, linear_map_tensors, materialized
+from ..weights import WeightBackup, fold_into, is_offloaded_module, linear_map_tensors, materialized
 
 
 def apply_compensation(adapter: DecoderAdapter, layer: nn.Module, matrix: torch.Tensor) -> None:
     """Folds W' into every down projection of `layer` (Eq. 15), where its weights live (offloaded
-    weights are written back to CPU or the offload folder, see [`~optimum_gradmap.weights.materialized`])."""
-    with materialized(layer):
-        for target in adapter.get_down_projections(layer):
-            fold_into(target, matrix)
+    weights are written back to CPU or the offload folder, see [`~optimum_gradmap.weights.materialized`]).
+    Where each down projection's own hook offloads it, only the one being folded is brought into memory."""
+    targets = adapter.get_down_projections(layer)
+    own = all(
+        isinstance(target, nn.Module) and (is_offloaded_module(target) or target.weight.device.type != "meta")
+        for target in targets
+    )
+    with nullcontext() if own else materialized(layer):  # 3-D expert weights, or a hook on the layer: all of it
+        for target in targets:
+            with materialized(target) if own else nullcontext():
+                fold_into(target, matrix)
 
 
 def down_projection_backup(adapter: DecoderAdapter, layers: Sequence[nn.Module]) -> WeightBackup:

@@ -36,7 +36,7 @@ from .activations import CompensationBatch
 from .folding import apply_compensation, down_projection_backup
 from .lambda_search import GOLDEN_SECTION as GOLDEN_SECTION  # planning estimates the search's passes from it
 from .lambda_search import _choose, searched_losses
-from .solvers import AUTO_NUM_FOLDS, AUTO_RIDGE_GRID, CompensationFit, closed_form_at_strength, relative_ridge, ridge_solutions
+from .solvers import AUTO_NUM_FOLDS, AUTO_RIDGE_GRID, CompensationFit, closed_form_at_strength, relative_ridge, ridge_solver
 from .statistics import CompensationStatistics, compensation_statistics, summed_over_processes
 
 
@@ -193,7 +193,7 @@ def learn_by_next_token_loss(
         model, adapter, layer, original_outputs, input_ids, config, progress_bar, first_sample
     )
     train = sum(folds[1:-1], folds[0])
-    candidates = ridge_solutions(train, [relative_ridge(train, alpha) for alpha in AUTO_RIDGE_GRID], config.compensation_form)
+    solve = ridge_solver(train, config.compensation_form)  # one candidate W' at a time, formed when scored
     backup = down_projection_backup(adapter, [layer])
 
     def loss_with(matrix: torch.Tensor) -> float:
@@ -204,8 +204,7 @@ def learn_by_next_token_loss(
             backup.restore()
 
     identity_loss = loss()
-    matrices = dict(zip(AUTO_RIDGE_GRID, candidates))
-    losses = searched_losses(lambda alpha: loss_with(matrices[alpha]), AUTO_RIDGE_GRID, config.lambda_search)
+    losses = searched_losses(lambda alpha: loss_with(solve(relative_ridge(train, alpha))), AUTO_RIDGE_GRID, config.lambda_search)
     choice = _choose(losses, identity_loss)
     size = original_outputs.shape[-1]
     if choice.alpha is None:
