@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -23,10 +22,14 @@ def apply_compensation(adapter: DecoderAdapter, layer: nn.Module, matrix: torch.
         isinstance(target, nn.Module) and (is_offloaded_module(target) or target.weight.device.type != "meta")
         for target in targets
     )
-    with nullcontext() if own else materialized(layer):  # 3-D expert weights, or a hook on the layer: all of it
+    if own:
         for target in targets:
-            with materialized(target) if own else nullcontext():
+            with materialized(target):
                 fold_into(target, matrix)
+        return
+    with materialized(layer):  # 3-D expert weights, or a hook on the layer: all of it, the tensors read once loaded
+        for target in adapter.get_down_projections(layer):
+            fold_into(target, matrix)
 
 
 def down_projection_backup(adapter: DecoderAdapter, layers: Sequence[nn.Module]) -> WeightBackup:
