@@ -1,7 +1,8 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""Forward-only quantities over the vocabulary, formed a few tokens at a time: the next-token loss of a batch and the
-teacher's top-K targets, without a batch's `(batch, seq_len, vocab)` logits or their log-softmax.
+"""Forward-only quantities over the vocabulary, formed a few tokens at a time: the next-token loss (of a batch, and its
+mean over sequences: SLEB's criterion, Stage 2's held-out loss, perplexity), the teacher's top-K targets and the KL to
+them, without a batch's `(batch, seq_len, vocab)` logits or their log-softmax.
 
 A model's forward pass returns the logits of every position at once: for a 128k vocabulary, 8 x 128 tokens make
 0.5 GB of float32 logits, as much again for their log-softmax, whatever the model's size. Here the model is split
@@ -215,18 +216,20 @@ def chunked_top_k_kl(hidden_states: torch.Tensor, targets: object, head: Vocabul
     Returns:
         `torch.Tensor`: a float64 scalar on the hidden states' device.
     """
-    from .distillation import _flat_targets, top_k_kl
-
     rows = hidden_states[:, :-1].reshape(-1, hidden_states.shape[-1])
-    flat = _flat_targets(targets)
-    if head.sliced is None:
+    indices = targets.indices.reshape(-1, targets.indices.shape[-1]).to(rows.device).long()
+    log_p = targets.log_probs.reshape(indices.shape).to(rows.device).double()
+    log_p_rest = targets.rest_log_prob.reshape(-1).to(rows.device).double()
+    if head.sliced is None:  # the KL of `distillation.top_k_kl`, a few rows at a time
         total = torch.zeros((), dtype=torch.float64, device=rows.device)
         chunk = max(1, passes.MAX_LOGIT_ELEMENTS // head.vocab_size)
         for start in range(0, rows.shape[0], chunk):
             part = slice(start, start + chunk)
-            total += top_k_kl(head.compute_logits(rows[part]), flat.rows(part)).double().sum().to(rows.device)
+            log_q = torch.log_softmax(head.compute_logits(rows[part]).float(), dim=-1).to(rows.device)
+            log_q_top = log_q.gather(-1, indices[part])
+            log_q_rest = log_q.scatter(-1, indices[part], float("-inf")).logsumexp(-1)
+            total += _top_k_kl_sum(log_p[part], log_p_rest[part], log_q_top, log_q_rest)
         return total
-    indices = flat.indices.to(rows.device).long()
     num_rows = rows.shape[0]
     # the running log-sum-exps in float64: the KL is a small difference of logs, which float32 sums over many
     # slices would blur
@@ -243,10 +246,91 @@ def chunked_top_k_kl(hidden_states: torch.Tensor, targets: object, head: Vocabul
         top_logits = torch.where(in_slice, extended.gather(1, columns), top_logits)
         outside = extended.scatter_(1, columns, float("-inf"))[:, :-1]
         rest_log_normaliser = torch.logaddexp(rest_log_normaliser, torch.logsumexp(outside, dim=-1))
-    log_p = flat.log_probs.to(rows.device).double()
-    log_p_rest = flat.rest_log_prob.to(rows.device).double()
-    log_q_top = top_logits - log_normaliser[:, None]
-    log_q_rest = rest_log_normaliser - log_normaliser
+    return _top_k_kl_sum(log_p, log_p_rest, top_logits - log_normaliser[:, None], rest_log_normaliser - log_normaliser)
+
+
+def _top_k_kl_sum(
+    log_p: torch.Tensor, log_p_rest: torch.Tensor, log_q_top: torch.Tensor, log_q_rest: torch.Tensor
+) -> torch.Tensor:
+    """The forward KL over the teacher's top-K tokens and "any other token", summed over the rows, in float64 (a
+    teacher with no mass outside its top-K adds nothing for the rest)."""
+    log_q_top, log_q_rest = log_q_top.double(), log_q_rest.double()
     top = (log_p.exp() * (log_p - log_q_top)).sum(-1)
     rest = torch.where(log_p_rest > float("-inf"), log_p_rest.exp() * (log_p_rest - log_q_rest), torch.zeros_like(log_p_rest))
     return (top + rest).sum()
+
+
+def next_token_loss_sum(
+    model: nn.Module,
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    progress_bar: bool = True,
+    description: str = "Next-token loss",
+) -> tuple[torch.Tensor, int]:
+    """The next-token cross-entropy of `model` summed over every predicted token of `input_ids`, and the number of
+    those tokens: what a mean over several processes' shares adds up (a share may hold no sequence at all).
+
+    Returns:
+        `tuple[torch.Tensor, int]`: The sum (a float64 scalar on CPU; 0 for no sequence) and the count of predicted
+        tokens.
+    """
+    total = None
+    head = vocabulary_head(model, input_ids) if input_ids.shape[0] else None
+    with passes.calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
+        for batch in batches:  # the logits a few at a time ([`optimum_gradmap.vocabulary`])
+            batch_total = summed_loss(model, batch, head)
+            total = batch_total if total is None else total + batch_total
+    if total is None:
+        return torch.zeros((), dtype=torch.float64), 0
+    return total.cpu(), input_ids.shape[0] * (input_ids.shape[1] - 1)
+
+
+def mean_next_token_loss(
+    model: nn.Module,
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    progress_bar: bool = True,
+    description: str = "Next-token loss",
+) -> float:
+    """The mean next-token cross-entropy of `model` over every predicted token of `input_ids`: the calibration
+    loss of SLEB's criterion on calibration sequences, the log of the perplexity on evaluation segments.
+
+    Args:
+        model (`nn.Module`): A causal LM, run as it is.
+        input_ids (`torch.LongTensor` of shape `(num_sequences, sequence_length)`): Each row is predicted
+            from its first token on (`sequence_length - 1` predictions per row).
+        batch_size (`int`): Sequences per forward pass.
+        progress_bar (`bool`, defaults to `True`): Show a progress bar.
+        description (`str`, defaults to `"Next-token loss"`): The progress bar's label.
+
+    Returns:
+        `float`: The mean loss in nats per predicted token.
+
+    Raises:
+        ValueError: for no sequence, or sequences of one token (nothing to predict).
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] < 2:
+        raise ValueError(
+            f"The next-token loss needs at least one sequence of two tokens or more; got input ids of shape "
+            f"{tuple(input_ids.shape)}."
+        )
+    total, count = next_token_loss_sum(model, input_ids, batch_size, progress_bar, description)
+    return float(total) / count
+
+
+def shared_mean_next_token_loss(
+    model: nn.Module,
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    progress_bar: bool = True,
+    description: str = "Next-token loss",
+) -> float:
+    """[`mean_next_token_loss`] with the sequences shared among processes ([`optimum_gradmap.distributed`]): every
+    process calls it with the same `input_ids`, scores its contiguous share of them (possibly none) and the summed
+    losses and token counts are all-reduced, so that every process gets the mean over all of them, that of one
+    process on every sequence. Without a process group it is [`mean_next_token_loss`]."""
+    from . import distributed
+
+    share, _ = distributed.shard_any(input_ids)
+    total, count = next_token_loss_sum(model, share, batch_size, progress_bar, description)
+    return distributed.mean_from_sums(total, count)

@@ -30,8 +30,8 @@ from .. import distributed, surgery
 from ..adapters import DecoderAdapter
 from ..configuration import GradMAPConfig
 from ..errors import InvalidInputError
-from ..passes import calibration_batches, next_token_loss_sum
-from ..vocabulary import summed_loss, vocabulary_head
+from ..passes import calibration_batches
+from ..vocabulary import next_token_loss_sum, summed_loss, vocabulary_head
 from .activations import CompensationBatch
 from .folding import apply_compensation, down_projection_backup
 from .lambda_search import GOLDEN_SECTION as GOLDEN_SECTION  # planning estimates the search's passes from it
