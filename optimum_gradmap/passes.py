@@ -21,6 +21,9 @@ with calibration_batches(model, input_ids, batch_size=8, description="Perplexity
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -87,11 +90,35 @@ def calibration_batches(
     """
     device = input_device(model)
     starts = range(0, input_ids.shape[0], batch_size)
+
+    def batches() -> Iterator[torch.LongTensor]:
+        for start in logging.tqdm(starts, desc=description, leave=False, disable=not progress_bar):
+            yield input_ids[start : start + batch_size].to(device)
+            if device.type == "cpu":  # what the batch freed, back to the system before the next one
+                release_freed_memory()
+
     with calibration_mode(model, grad=grad, freeze_parameters=freeze_parameters):
-        yield (
-            input_ids[start : start + batch_size].to(device)
-            for start in logging.tqdm(starts, desc=description, leave=False, disable=not progress_bar)
-        )
+        yield batches()
+
+
+def release_freed_memory() -> None:
+    """Hands the pages of the memory freed so far back to the system (glibc's `malloc_trim(0)`; nothing elsewhere).
+    glibc keeps the heap blocks a pass frees for its next allocations, and the next pass's tensors, of other sizes,
+    fit them badly: without it a process's own memory grew from pass to pass by more than its live tensors. A pass
+    on the CPU calls it after each batch (milliseconds)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # another C library (musl)
+        return None
 
 
 class StopForward(Exception):
