@@ -155,7 +155,7 @@ def teacher_targets(
             torch.zeros(*shape, top_k, dtype=torch.int32), torch.zeros(*shape, top_k), torch.zeros(*shape), hidden, states
         )
     device = input_device(teacher)
-    vocabulary = vocabulary_head(teacher, input_ids)  # the logits a few at a time, where the split is exact
+    vocabulary = vocabulary_head(teacher)  # the logits a few at a time, where the split is known exact
     chunked = vocabulary.final_hidden_states is not None
     with (
         calibration_mode(teacher),

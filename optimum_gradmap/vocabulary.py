@@ -19,7 +19,6 @@ The results equal those of the whole logits up to float rounding (the sums are t
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,36 +48,27 @@ class VocabularyHead:
     sliced: nn.Module | None = None
 
 
-# Whether a model's adapter splits it exactly at its head (checked once per model; weak keys: no model is kept alive).
-_SPLITS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
-
-
-def vocabulary_head(model: nn.Module, input_ids: torch.LongTensor) -> VocabularyHead:
-    """The [`VocabularyHead`] of `model`, its split checked on a few tokens of `input_ids` the first time (a forward
-    pass of the whole model on them: call it before hooks that would see that pass), the verdict then kept.
+def vocabulary_head(model: nn.Module) -> VocabularyHead:
+    """The [`VocabularyHead`] of `model`: its split at the head where a gradient pass found it exact
+    ([`~optimum_gradmap.importance.gradient.split_at_lm_head`] checks it on a few tokens), else the whole logits (no
+    check is run here: it would be a pass of the whole model, which hooks on the layers may not expect).
 
     Args:
         model (`nn.Module`): A causal LM.
-        input_ids (`torch.LongTensor` of shape `(num_sequences, seq_len)`): Sequences; a few of their tokens check
-            the split.
     """
-    from .adapters import UnsupportedArchitectureError, get_adapter
-    from .importance.gradient import split_at_lm_head
+    from .importance.gradient import split_is_known_exact
 
     output_embeddings = model.get_output_embeddings()
-    try:
-        adapter = get_adapter(model)
-    except UnsupportedArchitectureError:
-        return VocabularyHead(None, None, output_embeddings.weight.shape[0])
-    if model not in _SPLITS:
-        _, compute_logits, _ = split_at_lm_head(model, adapter, input_ids)
-        _SPLITS[model] = not isinstance(compute_logits, nn.Identity)
-    if not _SPLITS[model]:
-        return VocabularyHead(None, None, output_embeddings.weight.shape[0])
+    vocab_size = output_embeddings.weight.shape[0]
+    if not split_is_known_exact(model):
+        return VocabularyHead(None, None, vocab_size)
+    from .adapters import get_adapter
+
+    adapter = get_adapter(model)
     return VocabularyHead(
         lambda batch: adapter.final_hidden_states(model, input_ids=batch, use_cache=False),
         lambda hidden_states: adapter.compute_logits(model, hidden_states),
-        output_embeddings.weight.shape[0],
+        vocab_size,
         output_embeddings if is_offloaded_module(output_embeddings) else None,
     )
 
@@ -118,14 +108,16 @@ def chunked_next_token_loss(hidden_states: torch.Tensor, input_ids: torch.LongTe
     Returns:
         `torch.Tensor`: a float64 scalar on the hidden states' device.
     """
-    rows = hidden_states[:, :-1].reshape(-1, hidden_states.shape[-1])
-    labels = input_ids[:, 1:].reshape(-1).to(rows.device)
+    rows = hidden_states.reshape(-1, hidden_states.shape[-1])  # every position, as the model's logits: the last ignored
+    labels = F.pad(input_ids[:, 1:], (0, 1)).reshape(-1).to(rows.device)
+    predicting = _predicting(*input_ids.shape, rows.device)
     if head.sliced is None:
         total = torch.zeros((), dtype=torch.float64, device=rows.device)
         chunk = max(1, passes.MAX_LOGIT_ELEMENTS // head.vocab_size)
         for start in range(0, rows.shape[0], chunk):
             logits = head.compute_logits(rows[start : start + chunk]).float()
-            total += F.cross_entropy(logits, labels[start : start + chunk].to(logits.device), reduction="sum").double()
+            losses = F.cross_entropy(logits, labels[start : start + chunk].to(logits.device), reduction="none")
+            total += losses[predicting[start : start + chunk].to(losses.device)].sum().double().to(total.device)
         return total
     log_normaliser = torch.full((rows.shape[0],), float("-inf"), dtype=torch.float32, device=rows.device)
     label_logits = torch.zeros(rows.shape[0], dtype=torch.float32, device=rows.device)
@@ -135,7 +127,12 @@ def chunked_next_token_loss(hidden_states: torch.Tensor, input_ids: torch.LongTe
         log_normaliser = torch.logaddexp(log_normaliser, torch.logsumexp(logits, dim=-1))
         in_slice = (labels >= start) & (labels < stop)
         label_logits[in_slice] = logits[in_slice, labels[in_slice] - start]
-    return (log_normaliser - label_logits).double().sum()
+    return (log_normaliser - label_logits)[predicting].double().sum()
+
+
+def _predicting(batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """Which of a batch's flattened positions predict a next token (all but each sequence's last)."""
+    return (torch.arange(seq_len, device=device) < seq_len - 1).repeat(batch)
 
 
 @torch.no_grad()
@@ -157,7 +154,7 @@ def chunked_top_k(
         `(batch, seq_len - 1)`, on the hidden states' device.
     """
     batch, seq_len, width = hidden_states.shape
-    rows = hidden_states[:, :-1].reshape(-1, width)
+    rows = hidden_states.reshape(-1, width)  # every position, as the model's logits: the last dropped at the end
     k = min(top_k, head.vocab_size)
     if head.sliced is None:
         parts = []
@@ -170,8 +167,8 @@ def chunked_top_k(
         indices, values, rest = (torch.cat(part) for part in zip(*parts))
     else:
         indices, values, rest = _sliced_top_k(rows, head, k)
-    shape = (batch, seq_len - 1)
-    return indices.view(*shape, k), values.view(*shape, k), rest.view(shape)
+    indices, values, rest = indices.view(batch, seq_len, k), values.view(batch, seq_len, k), rest.view(batch, seq_len)
+    return indices[:, :-1], values[:, :-1], rest[:, :-1]
 
 
 def _sliced_top_k(rows: torch.Tensor, head: VocabularyHead, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -216,10 +213,18 @@ def chunked_top_k_kl(hidden_states: torch.Tensor, targets: object, head: Vocabul
     Returns:
         `torch.Tensor`: a float64 scalar on the hidden states' device.
     """
-    rows = hidden_states[:, :-1].reshape(-1, hidden_states.shape[-1])
-    indices = targets.indices.reshape(-1, targets.indices.shape[-1]).to(rows.device).long()
-    log_p = targets.log_probs.reshape(indices.shape).to(rows.device).double()
-    log_p_rest = targets.rest_log_prob.reshape(-1).to(rows.device).double()
+    batch, seq_len, width = hidden_states.shape
+    rows = hidden_states.reshape(-1, width)  # every position, as the model's logits: the last one's KL ignored
+
+    def every_position(values: torch.Tensor, fill: float) -> torch.Tensor:  # the targets, a row added for the last
+        padded = torch.full((batch, seq_len, *values.shape[2:]), fill, dtype=values.dtype, device=rows.device)
+        padded[:, :-1] = values.to(rows.device)
+        return padded.reshape(batch * seq_len, *values.shape[2:])
+
+    predicting = _predicting(batch, seq_len, rows.device)
+    indices = every_position(targets.indices, 0).long()
+    log_p = every_position(targets.log_probs, 0.0).double()
+    log_p_rest = every_position(targets.rest_log_prob, float("-inf")).double()
     if head.sliced is None:  # the KL of `distillation.top_k_kl`, a few rows at a time
         total = torch.zeros((), dtype=torch.float64, device=rows.device)
         chunk = max(1, passes.MAX_LOGIT_ELEMENTS // head.vocab_size)
@@ -228,7 +233,8 @@ def chunked_top_k_kl(hidden_states: torch.Tensor, targets: object, head: Vocabul
             log_q = torch.log_softmax(head.compute_logits(rows[part]).float(), dim=-1).to(rows.device)
             log_q_top = log_q.gather(-1, indices[part])
             log_q_rest = log_q.scatter(-1, indices[part], float("-inf")).logsumexp(-1)
-            total += _top_k_kl_sum(log_p[part], log_p_rest[part], log_q_top, log_q_rest)
+            kl = _top_k_kl_rows(log_p[part], log_p_rest[part], log_q_top, log_q_rest)
+            total += kl[predicting[part]].sum()
         return total
     num_rows = rows.shape[0]
     # the running log-sum-exps in float64: the KL is a small difference of logs, which float32 sums over many
@@ -246,18 +252,19 @@ def chunked_top_k_kl(hidden_states: torch.Tensor, targets: object, head: Vocabul
         top_logits = torch.where(in_slice, extended.gather(1, columns), top_logits)
         outside = extended.scatter_(1, columns, float("-inf"))[:, :-1]
         rest_log_normaliser = torch.logaddexp(rest_log_normaliser, torch.logsumexp(outside, dim=-1))
-    return _top_k_kl_sum(log_p, log_p_rest, top_logits - log_normaliser[:, None], rest_log_normaliser - log_normaliser)
+    kl = _top_k_kl_rows(log_p, log_p_rest, top_logits - log_normaliser[:, None], rest_log_normaliser - log_normaliser)
+    return kl[predicting].sum()
 
 
-def _top_k_kl_sum(
+def _top_k_kl_rows(
     log_p: torch.Tensor, log_p_rest: torch.Tensor, log_q_top: torch.Tensor, log_q_rest: torch.Tensor
 ) -> torch.Tensor:
-    """The forward KL over the teacher's top-K tokens and "any other token", summed over the rows, in float64 (a
-    teacher with no mass outside its top-K adds nothing for the rest)."""
+    """The forward KL over the teacher's top-K tokens and "any other token", per row, in float64 (a teacher with no
+    mass outside its top-K adds nothing for the rest)."""
     log_q_top, log_q_rest = log_q_top.double(), log_q_rest.double()
     top = (log_p.exp() * (log_p - log_q_top)).sum(-1)
     rest = torch.where(log_p_rest > float("-inf"), log_p_rest.exp() * (log_p_rest - log_q_rest), torch.zeros_like(log_p_rest))
-    return (top + rest).sum()
+    return top + rest
 
 
 def next_token_loss_sum(
@@ -275,7 +282,7 @@ def next_token_loss_sum(
         tokens.
     """
     total = None
-    head = vocabulary_head(model, input_ids) if input_ids.shape[0] else None
+    head = vocabulary_head(model)
     with passes.calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
         for batch in batches:  # the logits a few at a time ([`optimum_gradmap.vocabulary`])
             batch_total = summed_loss(model, batch, head)

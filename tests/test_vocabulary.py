@@ -11,7 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from optimum_gradmap import GradMAPPruner, passes, vocabulary
+from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.distillation import TOP_K, targets_from_logits, teacher_targets, top_k_kl
+from optimum_gradmap.importance.gradient import split_at_lm_head
 from optimum_gradmap.passes import summed_next_token_loss
 from tests.conftest import random_ids, small_config, tiny_model
 
@@ -40,7 +42,9 @@ def test_chunked_loss_targets_and_kl_equal_those_of_the_whole_logits(tmp_path, s
     dense = tiny_model("llama")
     model = _offloaded_copy(dense, str(tmp_path / "model")) if offloaded else dense
     ids = random_ids(3, 12)
-    head = vocabulary.vocabulary_head(model, ids)
+    assert vocabulary.vocabulary_head(model).final_hidden_states is None  # no gradient pass has checked the split yet
+    split_at_lm_head(model, get_adapter(model), ids)
+    head = vocabulary.vocabulary_head(model)
     assert head.final_hidden_states is not None and (head.sliced is not None) == offloaded
     logits = _whole(dense, ids)
     with torch.no_grad():
@@ -64,9 +68,9 @@ def test_chunked_loss_targets_and_kl_equal_those_of_the_whole_logits(tmp_path, s
 
 
 def test_chunked_pruning_selects_and_scores_as_the_whole_logits(monkeypatch):
-    """SLEB's removal losses and Stage 2's held-out next-token loss (its passes starting from recorded hidden states)
-    read the loss a few logits at a time: the same layers, scores and compensation as with every logit of a batch at
-    once."""
+    """After Stage 1's gradient passes have checked the split at the head, Stage 2's held-out next-token loss (its
+    passes starting from recorded hidden states) reads the loss a few logits at a time: the same layers, scores and
+    compensation as with every logit of a batch at once. SLEB (no gradient pass) keeps the whole logits: the same."""
     ids = random_ids(8, 24)  # longer than the 16 tokens that check the head's split: not a recorded sequence
     config = small_config(importance="gradmap", seq_len=24, reg_lambda="auto", compensation_target="span_end")
     results = {}

@@ -140,7 +140,7 @@ class HeldOutLoss:
         total, count = torch.zeros((), dtype=torch.float64), 0
         num_sequences = self.input_ids.shape[0]
         description = "Held-out next-token loss"
-        head = vocabulary_head(self.model, self.input_ids) if num_sequences else None  # before the replaying hooks
+        head = vocabulary_head(self.model)
         with calibration_batches(self.model, self.input_ids, self.batch_size, description, self.progress_bar) as batches:
             for start, batch in zip(range(0, num_sequences, self.batch_size), batches):
                 if self.position == 0:  # no layer before it to skip

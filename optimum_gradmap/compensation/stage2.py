@@ -21,7 +21,6 @@ from ..data import calibration_sha256
 from ..evaluation.perplexity import perplexity
 from ..passes import RecordedLayerInputs
 from ..surgery import LayerSnapshot
-from ..vocabulary import vocabulary_head
 from .activations import hidden_state_means, hidden_state_means_and_outputs, record_layer_outputs
 from .fit import fit_and_fold
 from .folding import down_projection_backup
@@ -76,8 +75,6 @@ def compensate(
     started = time.perf_counter()
     config, kept = _checked(dense, config)
     shared_ids, first_sample = distributed.shard(calibration_ids)  # all of them with one process
-    if shared_ids.shape[0]:  # the split at the head, checked by a whole pass before any pass starts from recorded states
-        vocabulary_head(dense.model, shared_ids)
     passes = _drift_passes(dense, kept, shared_ids, config, progress_bar)
     result = CompensationResult(drift=passes.drift(passes.pruned_means), calibration_sha256=calibration_sha256(calibration_ids))
     warn_if_few_tokens(calibration_ids, passes.dense_means.shape[-1], config)

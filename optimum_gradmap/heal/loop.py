@@ -514,7 +514,7 @@ def _held_out_kl(
     stays on the device and is read once, not once per batch."""
     device = input_device(model)
     total = None
-    head = vocabulary_head(model, input_ids) if input_ids.shape[0] else None
+    head = vocabulary_head(model)
     with torch.no_grad():
         for start in range(0, input_ids.shape[0], batch_size):
             batch = input_ids[start : start + batch_size].to(device)

@@ -202,7 +202,7 @@ def removal_losses(
         returns_tuple.append(isinstance(output, (tuple, list)))  # the stand-in returns what a layer returns
 
     pre_hooks = [(stack.layers[p], lambda m, a, k, p=p: remember_input(p, m, a, k)) for p in positions]
-    head = vocabulary_head(model, input_ids)  # before the replaying hooks: its check runs the whole model
+    head = vocabulary_head(model)
     with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
         for start, batch in zip(range(0, input_ids.shape[0], batch_size), batches):
             if recorded:
