@@ -6,13 +6,14 @@ them, without a batch's `(batch, seq_len, vocab)` logits or their log-softmax.
 
 A model's forward pass returns the logits of every position at once: for a 128k vocabulary, 8 x 128 tokens make
 0.5 GB of float32 logits, as much again for their log-softmax, whatever the model's size. Here the model is split
-at its head ([`~optimum_gradmap.importance.gradient.split_at_lm_head`], checked once per model on a few tokens): the
-decoder gives the final hidden states, and the head maps them to logits at most `passes.MAX_LOGIT_ELEMENTS` at a
-time, which are reduced (to a summed cross-entropy, or to the top-K log-probabilities and the rest's) and dropped.
-Where Accelerate keeps the head offloaded, its weight is read a slice of the vocabulary at a time
-([`~optimum_gradmap.weights.rows_only`]) and the reductions run over the slices (running log-sum-exps), as
-Stage 1's loss gradient does ([`~optimum_gradmap.streaming.vocab_sliced_loss_gradient`]). Where the adapter's split
-does not reproduce the model's logits, the whole model's logits are used, as before.
+at its head where a gradient pass found that split exact ([`~optimum_gradmap.importance.gradient.split_at_lm_head`]
+checks it on a few tokens; elsewhere, SLEB's scores or a teacher loaded apart, the whole logits are used, as before):
+the decoder gives the final hidden states, and the head maps them to logits at most `passes.MAX_LOGIT_ELEMENTS` at a
+time (every position's, as the model's forward does, the last one's ignored), which are reduced (to a summed
+cross-entropy, or to the top-K log-probabilities and the rest's) and dropped. Where Accelerate keeps the head
+offloaded, its weight is read a slice of the vocabulary at a time ([`~optimum_gradmap.weights.rows_only`]) and the
+reductions run over the slices (running log-sum-exps), as Stage 1's loss gradient does
+([`~optimum_gradmap.streaming.vocab_sliced_loss_gradient`]).
 
 The results equal those of the whole logits up to float rounding (the sums are taken in another order).
 """
@@ -230,7 +231,8 @@ def chunked_top_k_kl(hidden_states: torch.Tensor, targets: object, head: Vocabul
         chunk = max(1, passes.MAX_LOGIT_ELEMENTS // head.vocab_size)
         for start in range(0, rows.shape[0], chunk):
             part = slice(start, start + chunk)
-            log_q = torch.log_softmax(head.compute_logits(rows[part]).float(), dim=-1).to(rows.device)
+            # float64, as the sliced reduction below: the KL is a small difference of logs
+            log_q = torch.log_softmax(head.compute_logits(rows[part]).float().double(), dim=-1).to(rows.device)
             log_q_top = log_q.gather(-1, indices[part])
             log_q_rest = log_q.scatter(-1, indices[part], float("-inf")).logsumexp(-1)
             kl = _top_k_kl_rows(log_p[part], log_p_rest[part], log_q_top, log_q_rest)

@@ -34,6 +34,7 @@ from ..errors import InvalidInputError
 from ..importance.gradient import DecoderGradient
 from ..passes import calibration_mode, input_device
 from ..precision import uses_bfloat16_autocast
+from ..vocabulary import chunked_top_k_kl, vocabulary_head
 from ..weights import weights_digest
 from .checks import check_heal_arguments, check_heal_checkpoint
 from .loss import _no_seam_refusal, _seam_indices, _seam_layers, _seams, _streamed_loss_gradient
