@@ -82,7 +82,7 @@ ROWS = {
                 "seq_len": 128,
                 "ratio": 0.25,
                 "max_memory": "cpu=1GiB",
-                "label": "vocabulary in chunks, Stage 2's folds in blocks, freed memory released",
+                "label": "all of the above, the chunks after a gradient pass's check",
             },
         ),
     },
