@@ -10,7 +10,9 @@ other benchmarks measured:
 - `smollm2-135m-0.25-main-job`, `qwen2.5-coder-0.5b-0.25-main-job`: the README's main job on the same settings
   (benchmarks/memory.py main-job), which does more than the command line's run: its perplexity evaluations (3 x 128
   segments of 128 tokens, counted in its plan) and the reload of the checkpoint, evaluated again (not counted);
-- `llama-3.1-8b-0.25`: the 8B run of benchmarks/scale.py (random weights, bfloat16 on disk, layer-streamed).
+- `llama-3.1-8b-0.25`: the 8B run of benchmarks/scale.py (random weights, bfloat16 on disk, layer-streamed);
+- `llama-3.2-1b-0.25`: the 1B run of benchmarks/scale.py (random weights, float32 on disk, 8 x 128 tokens, a 128k
+  vocabulary).
 
     python benchmarks/plan_accuracy.py --row smollm2-135m-0.25 --resume
     python benchmarks/plan_accuracy.py --row smollm2-135m-0.25 --replan   # a planner change: the throughput kept
@@ -65,6 +67,24 @@ ROWS = {
         "max_memory": {"cpu": "2GiB"},
         "evaluation_tokens": 0,
         "measured": ("scale-llama-3.1-8b-bfloat16", {"num_samples": 16, "seq_len": 128, "ratio": 0.25, "max_memory": "cpu=2GiB"}),
+    },
+    "llama-3.2-1b-0.25": {
+        "model": os.path.join(os.path.dirname(ROOT), "scale", "llama-3.2-1b-fp32"),  # scale.py build --output ../scale/...
+        "dtype": "float32",
+        "settings": {"pruning_ratio": 0.25, "num_samples": 8},
+        "device_map": "auto",
+        "max_memory": {"cpu": "1GiB"},
+        "evaluation_tokens": 0,
+        "measured": (
+            "scale-llama-3.2-1b-float32",
+            {
+                "num_samples": 8,
+                "seq_len": 128,
+                "ratio": 0.25,
+                "max_memory": "cpu=1GiB",
+                "label": "all of the above, the chunks after a gradient pass's check",
+            },
+        ),
     },
 }
 

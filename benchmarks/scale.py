@@ -72,6 +72,34 @@ ARCHITECTURES: dict[str, dict] = {
         "bos_token_id": 128000,
         "eos_token_id": 128001,
     },
+    "llama-3.2-1b": {  # meta-llama/Llama-3.2-1B
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": True,
+        "initializer_range": 0.02,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
 }
 
 
@@ -102,7 +130,11 @@ def build(args: argparse.Namespace) -> None:
     config = architecture_config(args.model, args.num_layers)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    meta_state = model.state_dict()
+    meta_state, seen = {}, set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:  # a tied head is its embedding: written once, as the Hub checkpoints write it
+            seen.add(id(tensor))
+            meta_state[name] = tensor.detach()
     split = split_torch_state_dict_into_shards(meta_state, max_shard_size=args.max_shard_size)
     modules = dict(model.named_modules())
     owner = {}  # parameter name -> (module name, attribute)
@@ -245,6 +277,8 @@ def heal(args: argparse.Namespace) -> None:
 def prune(args: argparse.Namespace) -> None:
     """`optimum-gradmap prune WEIGHTS` offloaded to disk, measured, and its checkpoint reloaded and checked."""
     key = {"num_samples": args.num_samples, "seq_len": args.seq_len, "ratio": args.ratio, "max_memory": args.max_memory}
+    if args.label:  # a second row of the same settings (the same run at another commit)
+        key["label"] = args.label
     rows = rows_to_run(args, key, lambda row: bool(row.get("reloaded")))
     if rows is None:
         return
@@ -317,6 +351,7 @@ def main() -> None:
     pruned.add_argument("--work", default=None, help="folder for the output, offload and logs")
     pruned.add_argument("--keep", action="store_true", help="keep the pruned checkpoint")
     pruned.add_argument("--resume", action="store_true")
+    pruned.add_argument("--label", default=None, help="a name for this row, kept beside the rows of the same settings")
     pruned.add_argument("extra", nargs="*", help="more options for `prune` (after --)")
     healed = commands.add_parser("heal", help="heal a pruned checkpoint from disk with the command line, and measure")
     healed.add_argument("--model", choices=ARCHITECTURES, required=True)

@@ -60,6 +60,7 @@ from transformers.utils import logging
 
 from .errors import InvalidInputError
 from .passes import MAX_LOGIT_ELEMENTS, calibration_mode, input_device, rows_loss_gradient
+from .vocabulary import chunked_top_k, vocabulary_head
 from .weights import rows_only
 
 # The teacher's most likely next tokens kept at each position (LinearPatch keeps 64 as well).
@@ -154,9 +155,11 @@ def teacher_targets(
             torch.zeros(*shape, top_k, dtype=torch.int32), torch.zeros(*shape, top_k), torch.zeros(*shape), hidden, states
         )
     device = input_device(teacher)
+    vocabulary = vocabulary_head(teacher)  # the logits a few at a time, where the split is known exact
+    chunked = vocabulary.final_hidden_states is not None
     with (
         calibration_mode(teacher),
-        head_inputs(head if keep_hidden else None) as inputs,
+        head_inputs(head if keep_hidden and not chunked else None) as inputs,
         layer_outputs(layers) as outputs,
     ):
         for start in logging.tqdm(
@@ -167,10 +170,15 @@ def teacher_targets(
         ):
             batch = input_ids[start : start + batch_size].to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext():
-                logits = teacher(input_ids=batch, use_cache=False).logits[:, :-1]
-            targets = targets_from_logits(logits)
+                if chunked:
+                    hidden = vocabulary.final_hidden_states(batch)
+                    indices, log_probs, rest = chunked_top_k(hidden, vocabulary, TOP_K)
+                    targets = TeacherTargets(indices.int().cpu(), log_probs.cpu(), rest.cpu())
+                else:
+                    targets = targets_from_logits(teacher(input_ids=batch, use_cache=False).logits[:, :-1])
             if keep_hidden:
-                targets.hidden = the_head_input(inputs)[:, :-1].to(torch.bfloat16).cpu()
+                head_input = hidden if chunked else the_head_input(inputs)
+                targets.hidden = head_input[:, :-1].to(torch.bfloat16).cpu()
             if layers:
                 targets.layer_states = the_layer_outputs(outputs, len(layers))[:, :-1].to(torch.bfloat16).cpu()
             parts.append(targets)

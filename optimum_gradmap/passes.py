@@ -21,6 +21,9 @@ with calibration_batches(model, input_ids, batch_size=8, description="Perplexity
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -87,11 +90,35 @@ def calibration_batches(
     """
     device = input_device(model)
     starts = range(0, input_ids.shape[0], batch_size)
+
+    def batches() -> Iterator[torch.LongTensor]:
+        for start in logging.tqdm(starts, desc=description, leave=False, disable=not progress_bar):
+            yield input_ids[start : start + batch_size].to(device)
+            if device.type == "cpu":  # what the batch freed, back to the system before the next one
+                release_freed_memory()
+
     with calibration_mode(model, grad=grad, freeze_parameters=freeze_parameters):
-        yield (
-            input_ids[start : start + batch_size].to(device)
-            for start in logging.tqdm(starts, desc=description, leave=False, disable=not progress_bar)
-        )
+        yield batches()
+
+
+def release_freed_memory() -> None:
+    """Hands the pages of the memory freed so far back to the system (glibc's `malloc_trim(0)`; nothing elsewhere).
+    glibc keeps the heap blocks a pass frees for its next allocations, and the next pass's tensors, of other sizes,
+    fit them badly: without it a process's own memory grew from pass to pass by more than its live tensors. A pass
+    on the CPU calls it after each batch (milliseconds)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # another C library (musl)
+        return None
 
 
 class StopForward(Exception):
@@ -171,81 +198,6 @@ def summed_next_token_loss(logits: torch.Tensor, input_ids: torch.LongTensor) ->
     predicted = logits[:, :-1].float()
     labels = input_ids[:, 1:].to(predicted.device)
     return F.cross_entropy(predicted.reshape(-1, predicted.shape[-1]), labels.reshape(-1), reduction="sum").double()
-
-
-def next_token_loss_sum(
-    model: nn.Module,
-    input_ids: torch.LongTensor,
-    batch_size: int,
-    progress_bar: bool = True,
-    description: str = "Next-token loss",
-) -> tuple[torch.Tensor, int]:
-    """The next-token cross-entropy of `model` summed over every predicted token of `input_ids`, and the number of
-    those tokens: what a mean over several processes' shares adds up (a share may hold no sequence at all).
-
-    Returns:
-        `tuple[torch.Tensor, int]`: The sum (a float64 scalar on CPU; 0 for no sequence) and the count of predicted
-        tokens.
-    """
-    total = None
-    with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
-        for batch in batches:
-            batch_total = summed_next_token_loss(model(input_ids=batch, use_cache=False).logits, batch)
-            total = batch_total if total is None else total + batch_total
-    if total is None:
-        return torch.zeros((), dtype=torch.float64), 0
-    return total.cpu(), input_ids.shape[0] * (input_ids.shape[1] - 1)
-
-
-def mean_next_token_loss(
-    model: nn.Module,
-    input_ids: torch.LongTensor,
-    batch_size: int,
-    progress_bar: bool = True,
-    description: str = "Next-token loss",
-) -> float:
-    """The mean next-token cross-entropy of `model` over every predicted token of `input_ids`: the calibration
-    loss of SLEB's criterion on calibration sequences, the log of the perplexity on evaluation segments.
-
-    Args:
-        model (`nn.Module`): A causal LM, run as it is.
-        input_ids (`torch.LongTensor` of shape `(num_sequences, sequence_length)`): Each row is predicted
-            from its first token on (`sequence_length - 1` predictions per row).
-        batch_size (`int`): Sequences per forward pass.
-        progress_bar (`bool`, defaults to `True`): Show a progress bar.
-        description (`str`, defaults to `"Next-token loss"`): The progress bar's label.
-
-    Returns:
-        `float`: The mean loss in nats per predicted token.
-
-    Raises:
-        ValueError: for no sequence, or sequences of one token (nothing to predict).
-    """
-    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] < 2:
-        raise ValueError(
-            f"The next-token loss needs at least one sequence of two tokens or more; got input ids of shape "
-            f"{tuple(input_ids.shape)}."
-        )
-    total, count = next_token_loss_sum(model, input_ids, batch_size, progress_bar, description)
-    return float(total) / count
-
-
-def shared_mean_next_token_loss(
-    model: nn.Module,
-    input_ids: torch.LongTensor,
-    batch_size: int,
-    progress_bar: bool = True,
-    description: str = "Next-token loss",
-) -> float:
-    """[`mean_next_token_loss`] with the sequences shared among processes ([`optimum_gradmap.distributed`]): every
-    process calls it with the same `input_ids`, scores its contiguous share of them (possibly none) and the summed
-    losses and token counts are all-reduced, so that every process gets the mean over all of them, that of one
-    process on every sequence. Without a process group it is [`mean_next_token_loss`]."""
-    from . import distributed
-
-    share, _ = distributed.shard_any(input_ids)
-    total, count = next_token_loss_sum(model, share, batch_size, progress_bar, description)
-    return distributed.mean_from_sums(total, count)
 
 
 def for_each_layer_output(

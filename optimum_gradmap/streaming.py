@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .passes import layer_input, layer_output
+from .passes import layer_input, layer_output, release_freed_memory
 from .weights import is_offloaded_module, materialized, rows_only
 
 _EXECUTION = contextvars.ContextVar("optimum_gradmap_execution", default="auto")
@@ -268,6 +268,8 @@ def streamed_backward(
         for position in range(len(layers)):
             inputs.append(hidden)
             hidden = calls.run_layer(position, hidden)
+            if hidden.device.type == "cpu":
+                release_freed_memory()
     with torch.enable_grad():
         last = hidden.detach().requires_grad_(True)
         final = calls.finish(last)
@@ -282,4 +284,6 @@ def streamed_backward(
             torch.autograd.backward(hidden_out, gradient, inputs=[hidden_in, *layer_parameters])
         gradient = hidden_in.grad
         del hidden_in, hidden_out
+        if gradient.device.type == "cpu":  # the layer's activations and weights, freed, back to the system
+            release_freed_memory()
     return gradient

@@ -44,7 +44,7 @@ def reference_removal_losses(
     Returns:
         `dict[int, float]`: Position -> the mean next-token cross-entropy over all calibration tokens without it.
     """
-    from .passes import mean_next_token_loss
+    from .vocabulary import mean_next_token_loss
     from .surgery import snapshot
 
     stack = snapshot(model)

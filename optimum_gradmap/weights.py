@@ -42,6 +42,11 @@ def linear_map_tensors(target: nn.Module | torch.Tensor) -> list[torch.Tensor]:
     raise TypeError(f"{type(target).__name__} is not a linear map this library knows (nn.Linear, Conv1D, 3-D expert weight).")
 
 
+# `fold_into` computes this many float64 elements of the new weight at a time (a block of its rows or columns), not
+# a float64 copy of the whole weight.
+FOLD_BLOCK_ELEMENTS = 2**22
+
+
 @torch.no_grad()
 def fold_into(target: nn.Module | nn.Parameter, matrix: torch.Tensor) -> None:
     """Replaces the linear map y = W x + b by y = M (W x + b) in place, on its device and in its
@@ -57,16 +62,21 @@ def fold_into(target: nn.Module | nn.Parameter, matrix: torch.Tensor) -> None:
     """
     if isinstance(target, Conv1D):
         weight, bias = target.weight, target.bias
-        new_weight = weight.double() @ matrix.to(weight.device, torch.float64).T
+        blocks = [weight]  # (k, d): W M^T, a block of rows at a time
     elif isinstance(target, nn.Linear):
         weight, bias = target.weight, target.bias
-        new_weight = matrix.to(weight.device, torch.float64) @ weight.double()
+        blocks = [weight.T]  # (d, k): M W, a block of columns (rows of W^T) at a time
     elif isinstance(target, torch.Tensor) and target.dim() == 3:
         weight, bias = target, None
-        new_weight = matrix.to(weight.device, torch.float64) @ weight.double()
+        blocks = [expert.T for expert in weight]
     else:
         raise TypeError(f"Cannot fold a compensation matrix into {type(target).__name__}.")
-    weight.copy_(new_weight.to(weight.dtype))
+    transposed = matrix.to(weight.device, torch.float64).T
+    step = max(1, FOLD_BLOCK_ELEMENTS // matrix.shape[0])
+    for rows in blocks:  # each block of rows of (W^T or W): rows <- rows M^T, in float64, written back in place
+        for start in range(0, rows.shape[0], step):
+            block = rows[start : start + step]
+            block.copy_((block.double() @ transposed).to(weight.dtype))
     if bias is not None:
         bias.copy_((matrix.to(bias.device, torch.float64) @ bias.double()).to(bias.dtype))
 
@@ -220,6 +230,21 @@ def materialized(module: nn.Module, device: str | torch.device | None = None, wr
             hook.offload = True
 
 
+@contextmanager
+def _parameter_in_memory(layer: nn.Module, name: str) -> Iterator[torch.Tensor]:
+    """The parameter `name` of `layer`, [`materialized`] for the block: its own module alone where Accelerate's hooks
+    sit on that module (one weight in memory, not the layer's), else the whole layer."""
+    module_name, _, attribute = name.rpartition(".")
+    owner = layer.get_submodule(module_name)
+    with materialized(owner):
+        parameter = owner.get_parameter(attribute)
+        if parameter.device.type != "meta":
+            yield parameter
+            return
+    with materialized(layer):
+        yield layer.get_parameter(name)
+
+
 class WeightBackup:
     """Copies of some parameters of some layers, to put them back exactly (Stage 2's rollback and
     re-runs), offloaded or not.
@@ -240,20 +265,22 @@ class WeightBackup:
 
     @torch.no_grad()
     def restore(self) -> None:
-        """Writes the saved values back into the parameters."""
+        """Writes the saved values back into the parameters (offloaded, each one's module is brought into memory
+        alone, not the whole layer)."""
         for layer, saved in self._copies:
-            with materialized(layer):
-                for name, value in saved:
-                    layer.get_parameter(name).copy_(value)
+            for name, value in saved:
+                with _parameter_in_memory(layer, name) as parameter:
+                    parameter.copy_(value)
 
     def current(self) -> WeightBackup:
         """A backup of the same parameters with the values they hold now."""
         backup = WeightBackup([], lambda layer: [])
         for layer, saved in self._copies:
-            with materialized(layer):
-                backup._copies.append(
-                    (layer, [(name, layer.get_parameter(name).detach().to("cpu", copy=True)) for name, _ in saved])
-                )
+            values = []
+            for name, _ in saved:
+                with _parameter_in_memory(layer, name) as parameter:
+                    values.append((name, parameter.detach().to("cpu", copy=True)))
+            backup._copies.append((layer, values))
         return backup
 
 

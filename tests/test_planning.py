@@ -463,3 +463,19 @@ def test_a_narrowed_measurement_gives_rates_for_the_full_layers_flops(monkeypatc
         plan.stage("Stage 1").seconds.low > 0
         and plan.stage("Stage 1").flops == plan_pruning(model_config, config, throughput=full).stage("Stage 1").flops
     )  # the plan's FLOPs are the full layers'; the narrowed layer gives only the rates
+
+
+def test_a_whole_model_on_disk_is_planned_layer_streamed():
+    """`device_map="auto"` with a small `max_memory` may put the whole model on disk, `{"": "disk"}`: every layer is
+    offloaded there, and the plan streams the gradient passes as the run does."""
+    from optimum_gradmap.planning.placement import offloaded_shares
+    from optimum_gradmap.planning.shape import describe_model
+
+    model_config = tiny_model("llama").config
+    shape = describe_model(model_config, torch.float32, 4, 16, None, None, "tiny")
+    assert offloaded_shares(shape, model_config, {"": "disk"}, None) == {"disk": 1.0}
+    assert offloaded_shares(shape, model_config, {"model": "cpu", "lm_head": "cpu"}, None) == {"cpu": 1.0}
+    assert offloaded_shares(shape, model_config, {"": 0}, None) == {}
+    config = GradMAPConfig(num_layers_to_prune=2, num_samples=8, seq_len=16, batch_size=4)
+    plan = GradMAPPruner.plan(model_config, config, throughput=ASSUMED, device_map={"": "disk"})
+    assert plan.execution == "layer_streamed"

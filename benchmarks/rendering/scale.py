@@ -35,14 +35,14 @@ def _parameters(row: dict) -> int:
 
 def prune_from_disk(context: Context) -> str:
     """`optimum-gradmap prune` on a model larger than this machine's memory, its weights on disk: seconds per Stage 1
-    round and for Stage 2, peak resident memory (over the float32 weight bytes), what was read
-    from disk and written, and whether the checkpoint reloaded to the same logits."""
+    round and for Stage 2, peak resident memory and the process's own (anonymous) part of it at its peak (each over
+    the float32 weight bytes), what was read from disk and written, and whether the checkpoint reloaded to the same logits."""
     table = Table(
         "scale",
         (
             "model (random weights) | weights on disk | calibration | s per Stage 1 round (first, last) | "
             "Stage 1 s | Stage 2 s | peak resident GiB (/ fp32 weights) | of which mapped files | "
-            "read from disk GiB | output GiB | reloaded: logits"
+            "peak anonymous GiB (/ fp32 weights) | read from disk GiB | output GiB | reloaded: logits"
         ),
     )
     for source, row in scale_records():
@@ -54,12 +54,14 @@ def prune_from_disk(context: Context) -> str:
         reload = row.get("reload", {})
         logits = "equal" if reload.get("equal") else f"max diff {reload.get('max_abs_difference', float('nan')):.2e}"
         key = row["key"]
-        cells = [f"{row['model']} ({_parameters(row) / 1e9:.2f} B)"]
+        cells = [f"{row['model']} ({_parameters(row) / 1e9:.2f} B)" + (f", {key['label']}" if key.get("label") else "")]
         cells += [f"{gib(row['weight_bytes_on_disk'] / 2**30)} GiB {row['dtype']}, `--max-memory {key['max_memory']}`"]
         cells += [f"{key['num_samples']} x {key['seq_len']}, {key['ratio']:.0%}", f"{rounds[0]:,.0f}, {rounds[-1]:,.0f}"]
         cells += [f"{row['timings']['stage1']:,.0f}", f"{row['timings'].get('stage2', 0):,.0f}"]
         cells += [f"**{gib(memory['peak_resident_gib'])}** ({memory['peak_resident_gib'] / float32_gib:.3f})"]
-        cells += [gib(memory["peak_file_mapped_gib"]), gib(memory["read_bytes_gib"]), gib(row["output_bytes"] / 2**30)]
+        cells += [gib(memory["peak_file_mapped_gib"])]
+        cells += [f"{gib(memory['peak_anonymous_gib'])} ({memory['peak_anonymous_gib'] / float32_gib:.3f})"]
+        cells += [gib(memory["read_bytes_gib"]), gib(row["output_bytes"] / 2**30)]
         table.add(cells + [logits], row["provenance"], source)
     return table.markdown()
 

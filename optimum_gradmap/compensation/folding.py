@@ -10,13 +10,24 @@ import torch
 from torch import nn
 
 from ..adapters import DecoderAdapter
-from ..weights import WeightBackup, fold_into, linear_map_tensors, materialized
+from ..weights import WeightBackup, fold_into, is_offloaded_module, linear_map_tensors, materialized
 
 
 def apply_compensation(adapter: DecoderAdapter, layer: nn.Module, matrix: torch.Tensor) -> None:
     """Folds W' into every down projection of `layer` (Eq. 15), where its weights live (offloaded
-    weights are written back to CPU or the offload folder, see [`~optimum_gradmap.weights.materialized`])."""
-    with materialized(layer):
+    weights are written back to CPU or the offload folder, see [`~optimum_gradmap.weights.materialized`]).
+    Where each down projection's own hook offloads it, only the one being folded is brought into memory."""
+    targets = adapter.get_down_projections(layer)
+    own = all(
+        isinstance(target, nn.Module) and (is_offloaded_module(target) or target.weight.device.type != "meta")
+        for target in targets
+    )
+    if own:
+        for target in targets:
+            with materialized(target):
+                fold_into(target, matrix)
+        return
+    with materialized(layer):  # 3-D expert weights, or a hook on the layer: all of it, the tensors read once loaded
         for target in adapter.get_down_projections(layer):
             fold_into(target, matrix)
 

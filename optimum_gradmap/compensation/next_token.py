@@ -30,12 +30,13 @@ from .. import distributed, surgery
 from ..adapters import DecoderAdapter
 from ..configuration import GradMAPConfig
 from ..errors import InvalidInputError
-from ..passes import calibration_batches, next_token_loss_sum, summed_next_token_loss
+from ..passes import calibration_batches
+from ..vocabulary import next_token_loss_sum, summed_loss, vocabulary_head
 from .activations import CompensationBatch
 from .folding import apply_compensation, down_projection_backup
 from .lambda_search import GOLDEN_SECTION as GOLDEN_SECTION  # planning estimates the search's passes from it
 from .lambda_search import _choose, searched_losses
-from .solvers import AUTO_NUM_FOLDS, AUTO_RIDGE_GRID, CompensationFit, closed_form_at_strength, relative_ridge, ridge_solutions
+from .solvers import AUTO_NUM_FOLDS, AUTO_RIDGE_GRID, CompensationFit, closed_form_at_strength, relative_ridge, ridge_solver
 from .statistics import CompensationStatistics, compensation_statistics, summed_over_processes
 
 
@@ -139,15 +140,16 @@ class HeldOutLoss:
         total, count = torch.zeros((), dtype=torch.float64), 0
         num_sequences = self.input_ids.shape[0]
         description = "Held-out next-token loss"
+        head = vocabulary_head(self.model)
         with calibration_batches(self.model, self.input_ids, self.batch_size, description, self.progress_bar) as batches:
             for start, batch in zip(range(0, num_sequences, self.batch_size), batches):
                 if self.position == 0:  # no layer before it to skip
-                    logits = self.model(input_ids=batch, use_cache=False).logits
+                    loss = summed_loss(self.model, batch, head)
                 else:
                     inputs = self.layer_inputs[start : start + batch.shape[0]]
                     with self.stack.replaying(self.position - 1, inputs, self.returns_tuple):
-                        logits = self.model(input_ids=batch, use_cache=False).logits
-                total = total.to(logits.device) + summed_next_token_loss(logits, batch)
+                        loss = summed_loss(self.model, batch, head)
+                total = total.to(loss.device) + loss
                 count += batch.shape[0] * (batch.shape[1] - 1)
         return distributed.mean_from_sums(total, count)
 
@@ -191,7 +193,7 @@ def learn_by_next_token_loss(
         model, adapter, layer, original_outputs, input_ids, config, progress_bar, first_sample
     )
     train = sum(folds[1:-1], folds[0])
-    candidates = ridge_solutions(train, [relative_ridge(train, alpha) for alpha in AUTO_RIDGE_GRID], config.compensation_form)
+    solve = ridge_solver(train, config.compensation_form)  # one candidate W' at a time, formed when scored
     backup = down_projection_backup(adapter, [layer])
 
     def loss_with(matrix: torch.Tensor) -> float:
@@ -202,8 +204,7 @@ def learn_by_next_token_loss(
             backup.restore()
 
     identity_loss = loss()
-    matrices = dict(zip(AUTO_RIDGE_GRID, candidates))
-    losses = searched_losses(lambda alpha: loss_with(matrices[alpha]), AUTO_RIDGE_GRID, config.lambda_search)
+    losses = searched_losses(lambda alpha: loss_with(solve(relative_ridge(train, alpha))), AUTO_RIDGE_GRID, config.lambda_search)
     choice = _choose(losses, identity_loss)
     size = original_outputs.shape[-1]
     if choice.alpha is None:

@@ -112,13 +112,31 @@ def ridge_solutions(statistics: CompensationStatistics, ridges: Sequence[float],
     `form="diagonal"` or `"rotated_diagonal"`, the channel-wise scalings (C_kk + rho) / (A_kk + rho)."""
     if form != "full":
         return _diagonal_solutions(statistics, ridges, form)
+    solve = ridge_solver(statistics)
+    return [solve(ridge) for ridge in ridges]
+
+
+def ridge_solver(statistics: CompensationStatistics, form: str = "full") -> Callable[[float], torch.Tensor]:
+    """[`ridge_solutions`] one ridge at a time: A's eigendecomposition once, each W' formed when asked for, so that a
+    search over a grid of strengths holds one `d x d` solution at a time, not one per strength (the same numbers).
+
+    Args:
+        statistics ([`CompensationStatistics`]): The fit's statistics.
+        form (`str`, defaults to `"full"`): `compensation_form`.
+
+    Returns:
+        `Callable`: a ridge rho -> its W'.
+    """
+    if form != "full":
+        return lambda ridge: _diagonal_solutions(statistics, [ridge], form)[0]
     eigenvalues, eigenvectors = torch.linalg.eigh(statistics.gram)
-    identity = torch.eye(statistics.gram.shape[0], dtype=torch.float64)
-    solutions = []
-    for ridge in ridges:
+
+    def solve(ridge: float) -> torch.Tensor:
+        identity = torch.eye(statistics.gram.shape[0], dtype=torch.float64)
         inverse = (eigenvectors / (eigenvalues + ridge).clamp_min(1e-300)) @ eigenvectors.T
-        solutions.append((statistics.cross + ridge * identity) @ inverse)
-    return solutions
+        return (statistics.cross + ridge * identity) @ inverse
+
+    return solve
 
 
 def choose_ridge(

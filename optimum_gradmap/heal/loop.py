@@ -34,6 +34,7 @@ from ..errors import InvalidInputError
 from ..importance.gradient import DecoderGradient
 from ..passes import calibration_mode, input_device
 from ..precision import uses_bfloat16_autocast
+from ..vocabulary import chunked_top_k_kl, vocabulary_head
 from ..weights import weights_digest
 from .checks import check_heal_arguments, check_heal_checkpoint
 from .loss import _no_seam_refusal, _seam_indices, _seam_layers, _seams, _streamed_loss_gradient
@@ -514,12 +515,19 @@ def _held_out_kl(
     stays on the device and is read once, not once per batch."""
     device = input_device(model)
     total = None
+    head = vocabulary_head(model)
     with torch.no_grad():
         for start in range(0, input_ids.shape[0], batch_size):
             batch = input_ids[start : start + batch_size].to(device)
-            with passes():
-                logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
-            part = top_k_kl(logits, targets.rows(slice(start, start + batch_size))).double().sum()
+            batch_targets = targets.rows(slice(start, start + batch_size))
+            if head.final_hidden_states is None:
+                with passes():
+                    logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
+                part = top_k_kl(logits, batch_targets).double().sum()
+            else:  # the logits a few at a time
+                with passes():
+                    hidden = head.final_hidden_states(batch)
+                part = chunked_top_k_kl(hidden, batch_targets, head)
             total = part if total is None else total + part.to(total.device)
     if total is None:  # a process with no held-out sequence of its own (torchrun)
         total = torch.zeros((), dtype=torch.float64, device=device)

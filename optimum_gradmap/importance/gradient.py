@@ -34,6 +34,7 @@ change which layers are removed.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -387,6 +388,7 @@ def split_at_lm_head(
             raise
         except (RuntimeError, TypeError, AttributeError, ValueError, NotImplementedError, KeyError, IndexError) as error:
             logger.warning(f"Scoring with the whole model's logits: splitting off its head failed ({error}).")
+            _EXACT_SPLITS[model] = False
             return whole_model, nn.Identity(), expected.shape[-1]
     tolerance = 1e-4 if expected.dtype == torch.float32 else 1e-2
     if logits.shape != expected.shape or (logits - expected).abs().max() > tolerance * expected.abs().max():
@@ -394,8 +396,19 @@ def split_at_lm_head(
             f"Scoring with the whole model's logits: `{type(adapter).__name__}.compute_logits` does not reproduce "
             f"{type(model).__name__}'s logits. Override it to score with less memory."
         )
+        _EXACT_SPLITS[model] = False
         return whole_model, nn.Identity(), expected.shape[-1]
+    _EXACT_SPLITS[model] = True
     return decoder, head, expected.shape[-1]
+
+
+# The verdict of each model's last [`split_at_lm_head`] check (weak keys: no model is kept alive by it).
+_EXACT_SPLITS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def split_is_known_exact(model: nn.Module) -> bool:
+    """Whether the last [`split_at_lm_head`] check of `model` (a gradient pass makes one) found its split exact."""
+    return _EXACT_SPLITS.get(model, False)
 
 
 class DecoderGradient:

@@ -51,8 +51,8 @@ from ..passes import (
     layer_output,
     run_model,
     stop_after,
-    summed_next_token_loss,
 )
+from ..vocabulary import summed_loss, vocabulary_head
 from . import residual
 from .gradient import gradient_importance, loss_gradient_passes
 from .registry import IMPORTANCE_METRICS, ImportanceMetric, register_importance_metric
@@ -202,6 +202,7 @@ def removal_losses(
         returns_tuple.append(isinstance(output, (tuple, list)))  # the stand-in returns what a layer returns
 
     pre_hooks = [(stack.layers[p], lambda m, a, k, p=p: remember_input(p, m, a, k)) for p in positions]
+    head = vocabulary_head(model)
     with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
         for start, batch in zip(range(0, input_ids.shape[0], batch_size), batches):
             if recorded:
@@ -213,7 +214,7 @@ def removal_losses(
             for position in positions:
                 # run layers position+1.. from the recorded input of the layer at `position`
                 with stack.replaying(position, inputs[position], returns_tuple[0]):
-                    loss = summed_next_token_loss(model(input_ids=batch, use_cache=False).logits, batch)
+                    loss = summed_loss(model, batch, head)  # the logits a few at a time
                 totals[position] = loss if position not in totals else totals[position] + loss
             inputs.clear()
     num_predicted = input_ids.shape[0] * (input_ids.shape[1] - 1)

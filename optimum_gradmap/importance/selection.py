@@ -32,7 +32,8 @@ from transformers.utils import logging
 from .. import distributed, streaming
 from ..adapters import DecoderAdapter
 from ..errors import InvalidInputError
-from ..passes import RecordedLayerInputs, mean_next_token_loss
+from ..passes import RecordedLayerInputs
+from ..vocabulary import mean_next_token_loss
 from ..surgery import LayerSnapshot
 from .registry import ImportanceMetric
 from .rounds import Round, Selection, Stage1Checkpoint, Stage1Plan

@@ -37,9 +37,11 @@ are its FLOPs of each kind divided by that kind's rate.
 the same tensors, not copies), plus what each stage holds at its peak: the activations autograd keeps for one batch
 (measured on the meta device with `saved_tensors_hooks`, so an attention kernel that keeps less than the T^2
 scores of the math path, as flash attention does, makes this an over-estimate), the per-sample norms' Gram
-matrices, the logits formed at once, Stage 2's recorded hidden states and float64 statistics, the heal's teacher
-targets, adapters and optimizer state. Layer-streamed, the device holds one layer's weights at a time and the layer
-inputs of a batch (layers x batch x tokens x hidden).
+matrices, the logits formed at once (a chunk of at most `MAX_LOGIT_ELEMENTS`: the losses over the vocabulary are
+computed a few tokens at a time, [`optimum_gradmap.vocabulary`], but in the in-memory heal's training step),
+Stage 2's recorded hidden states and float64 statistics, the heal's teacher targets, adapters and optimizer state.
+Layer-streamed, the device holds one layer's weights at a time and the layer inputs of a batch (layers x batch x
+tokens x hidden).
 """
 
 from .counts import ZERO, Count, Work, flops

@@ -71,9 +71,10 @@ def offloaded_shares(shape: ModelShape, config: PretrainedConfig, device_map: An
         return {}
     placed = placements(shape, config, device_map, max_memory)
     prefix = get_adapter(config).layers_path + "."
-    layers = {name: place for name, place in placed.items() if name.startswith(prefix) or name == prefix[:-1]}
-    if prefix[:-1] in layers:  # the whole layer list in one place
-        return {layers[prefix[:-1]]: 1.0} if layers[prefix[:-1]] in ("cpu", "disk") else {}
+    whole = next((placed[name] for name in _prefixes(prefix[:-1]) if name in placed), None)
+    if whole is not None:  # the whole layer list in one place (or the whole model: `{"": "disk"}`)
+        return {whole: 1.0} if whole in ("cpu", "disk") else {}
+    layers = {name: place for name, place in placed.items() if name.startswith(prefix)}
     count = shape.num_layers
     return {
         place: sum(1 for value in layers.values() if value == place) / count

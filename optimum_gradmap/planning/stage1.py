@@ -263,5 +263,8 @@ def stage1_memory(config: GradMAPConfig, shape: ModelShape, outline: Stage1Outli
 
 
 def logits_bytes(shape: ModelShape, batch: int, seq_len: int) -> float:
-    """A model forward's logits (its dtype) and the float32 cross-entropy's copies of them."""
-    return batch * seq_len * shape.vocab_size * (shape.dtype_bytes + 8)
+    """What a forward-only pass over the vocabulary holds at once ([`optimum_gradmap.vocabulary`]): the batch's final
+    hidden states, and one chunk of at most `MAX_LOGIT_ELEMENTS` logits (their dtype) with the float32 reduction's
+    copies of them (the log-softmax, or a slice's log-sum-exp)."""
+    hidden = batch * seq_len * shape.hidden_size * shape.dtype_bytes
+    return hidden + min(MAX_LOGIT_ELEMENTS, batch * seq_len * shape.vocab_size) * (shape.dtype_bytes + 8)
