@@ -1,0 +1,192 @@
+"""Prune, heal, quantize, serve: the table a user who ships a model needs. For one model: the dense model, GradMAP at
+25% (Stage 1 + 2) and GradMAP 25% healed, each stored in bfloat16, W8A8 and W4A16 (llm-compressor through
+`optimum_gradmap.quantize`, calibrated on the first `--quantization-samples` of the benchmarks' 128 x 128 Wikipedia
+sequences, Stage 1's set: its SHA-256 in the record).
+
+    # the pruned and healed checkpoints, made once with the command line (float32):
+    optimum-gradmap prune offline:smollm2-135m --layers-to-prune 26 25 21 18 14 13 17 10 --dtype float32 \\
+        --dataset offline:wikipedia --output ../deploy/pruned
+    optimum-gradmap heal ../deploy/pruned --teacher offline:smollm2-135m --dtype float32 --heal-trainable lora \\
+        --heal-tokens 65536 --heal-dataset offline:web_text+offline:wikipedia --no-evaluate --output ../deploy/healed
+    # the table (in an environment with the [quantize] extra; vLLM in its own):
+    python benchmarks/deploy.py --model smollm2-135m --pruned ../deploy/pruned --healed ../deploy/healed \\
+        --work ../deploy/work --vllm-python .venv-vllm/bin/python --resume
+
+The layers are those GradMAP's Stage 1 removes from SmolLM2-135M at 25% (the main job's, on the same calibration set).
+Each row: the checkpoint's bytes on disk; vLLM on this CPU (benchmarks/vllm_speed.py: bfloat16 activations, time to
+first token for a 128-token prompt, decode tokens per second at batch 1 and 16); held-out perplexity on the first
+`--max-segments` 128-token segments of held-out Wikipedia and web text with the next-token KL divergence from the dense
+model (float32), and the seven zero-shot tasks with `--task-limit` questions each, every answer kept. Quality is
+measured in transformers with float32 arithmetic on the weights as stored (bfloat16-rounded, or dequantized; W8A8's
+activations rounded to INT8 per token as its kernels do). The paired accuracy difference against the dense float32
+model (with its standard error) and the flips are counted from the kept answers at every save.
+Writes benchmarks/results/deploy-<model>.json; `--resume` keeps the rows there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+
+import records
+import torch
+from common import HELD_OUT, RESULTS, calibration, expand, folder_bytes, parser
+from provenance import finish, provenance
+
+from optimum_gradmap.assets import get_model_path, load_model
+from optimum_gradmap.data import calibration_sha256
+from optimum_gradmap.evaluation import PAPER_TASKS, compare_zero_shot, evaluate, flips
+
+VARIANTS = ("dense", "gradmap-25", "gradmap-25-healed")
+PRECISIONS = ("bfloat16", "w8a8", "w4a16")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def compact(zero_shot) -> dict[str, dict]:
+    """Every question's id, right/wrong and choice, per task: enough to pair two rows and count flips."""
+    return {
+        task.task: {"doc_ids": [q.doc_id for q in task.questions], "acc": "".join(str(q.acc) for q in task.questions),
+                    "choice": [q.choice for q in task.questions]}
+        for task in zero_shot.tasks
+    }  # fmt: skip
+
+
+def build(source: str, precision: str, folder: str, tokenizer, ids) -> dict:
+    """Writes `source` stored in `precision` to `folder` (bfloat16 as it is; W8A8 and W4A16 quantized from bfloat16,
+    the rest of the model kept in bfloat16, as llm-compressor's examples do); returns what the quantization did."""
+    from transformers import AutoModelForCausalLM
+
+    from optimum_gradmap.quantize import quantize_model
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    done = {}
+    if precision != "bfloat16":
+        source = f"offline:wikipedia, the first {len(ids)} of Stage 1's 128 x 128 sequences"
+        done = quantize_model(model, precision, ids, tokenizer, source).to_dict()
+    shutil.rmtree(folder, ignore_errors=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return done
+
+
+def speed(folder: str, vllm_python: str) -> dict:
+    """benchmarks/vllm_speed.py on `folder`, in the vLLM environment."""
+    output = folder.rstrip("/") + "-speed.json"
+    command = [vllm_python, os.path.join(HERE, "vllm_speed.py"), folder, "--dtype", "bfloat16", "--output", output]
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    completed = subprocess.run(command, capture_output=True, text=True, env=environment)
+    if completed.returncode != 0:
+        raise RuntimeError(f"vLLM failed on {folder}:\n" + "\n".join((completed.stdout + completed.stderr).splitlines()[-20:]))
+    with open(output, encoding="utf-8") as file:
+        return json.load(file)
+
+
+def quality(folder: str, tokenizer, dense, args) -> dict:
+    """Perplexities with the KL from the dense model, and the zero-shot answers, float32 arithmetic."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    started = time.perf_counter()
+    result = evaluate(
+        model, tokenizer, HELD_OUT, segment_length=128, max_segments=args.max_segments, tasks=PAPER_TASKS,
+        task_limit=args.task_limit, task_data="offline", model_name=os.path.basename(folder), progress_bar=False,
+        reference_model=dense, reference_model_name="dense float32",
+    )  # fmt: skip
+    measured = {
+        "perplexities": {entry.dataset: entry.perplexity for entry in result.perplexities},
+        "kl_to_dense": {entry.dataset: entry.kl_to_reference for entry in result.perplexities},
+        "accuracy": result.zero_shot.pooled_acc,
+        "accuracy_by_task": {task.task: task.acc for task in result.zero_shot.tasks},
+        "answers": compact(result.zero_shot),
+        "seconds": time.perf_counter() - started,
+    }
+    return measured
+
+
+def count(record: dict) -> None:
+    """Every row's paired accuracy difference and flips against the dense float32 answers."""
+    dense = expand(record["dense_answers"])
+    for row in record["rows"]:
+        mine = expand(row["answers"])
+        pooled = compare_zero_shot(dense, mine, names=("dense", row["label"])).to_dict()
+        row["against_dense"] = pooled.get("pooled", pooled)
+        row["flips"] = asdict(flips(mine, dense).pooled)
+
+
+def speed_again(record: dict, path: str, args) -> None:
+    """vLLM's speed measured again for every row, one after the other (the rows' first measurements ran beside their
+    own quantization and evaluation); each row keeps the new figures under `vllm` with their provenance."""
+    for row in record["rows"]:
+        folder = os.path.join(args.work, row["label"].replace("/", "-"))
+        if not os.path.isdir(folder):
+            continue
+        started = provenance()
+        row["vllm"] = speed(folder, args.vllm_python)
+        row["vllm_provenance"] = finish(started)
+        records.write(path, record)
+        print(row["label"], json.dumps(row["vllm"]), flush=True)
+
+
+def main() -> None:
+    arguments = parser(__doc__)
+    arguments.add_argument("--model", default="smollm2-135m")
+    arguments.add_argument("--pruned", required=True)
+    arguments.add_argument("--healed", required=True)
+    arguments.add_argument("--work", required=True, help="where the stored checkpoints are written (outside the repository)")
+    arguments.add_argument("--vllm-python", required=True)
+    arguments.add_argument("--max-segments", type=int, default=32)
+    arguments.add_argument("--task-limit", type=int, default=200)
+    arguments.add_argument(
+        "--quantization-samples", type=int, default=128, help="the first N of the 128 calibration sequences llm-compressor reads"
+    )
+    arguments.add_argument("--rows", nargs="+", default=[f"{v}/{p}" for v in VARIANTS for p in PRECISIONS])
+    arguments.add_argument("--resume", action="store_true")
+    arguments.add_argument(
+        "--speed-again",
+        action="store_true",
+        help="measure vLLM's speed again for every row whose checkpoint is in --work, back to back (its own provenance)",
+    )
+    args = arguments.parse_args()
+    path = os.path.join(RESULTS, f"deploy-{args.model}.json")
+    settings = {"model": args.model, "max_segments": args.max_segments, "task_limit": args.task_limit}
+    settings["quantization_samples"] = args.quantization_samples
+    record = records.read(path) if args.resume and os.path.exists(path) else {"settings": settings, "rows": []}
+    assert record["settings"] == settings, f"--resume: {path} has settings {record['settings']}"
+    dense, tokenizer = load_model(args.model, dtype=torch.float32)
+    ids = calibration(tokenizer, 128)
+    record["calibration_sha256"] = calibration_sha256(ids)
+    if "dense_answers" not in record:  # the reference: the dense model in float32
+        record["dense_float32"] = quality(get_model_path(args.model), tokenizer, dense, args)
+        record["dense_answers"] = record["dense_float32"].pop("answers")
+        records.write(path, record)
+    if args.speed_again:
+        return speed_again(record, path, args)
+    sources = {"dense": get_model_path(args.model), "gradmap-25": args.pruned, "gradmap-25-healed": args.healed}
+    done = {row["label"] for row in record["rows"]}
+    for label in args.rows:
+        if label in done:
+            continue
+        variant, precision = label.split("/")
+        folder = os.path.join(args.work, label.replace("/", "-"))
+        started = provenance()
+        row = {"label": label, "variant": variant, "precision": precision}
+        row["quantization"] = build(sources[variant], precision, folder, tokenizer, ids[: args.quantization_samples])
+        row["bytes_on_disk"] = folder_bytes(folder)
+        row["vllm"] = speed(folder, args.vllm_python)
+        row.update(quality(folder, tokenizer, dense, args))
+        row["provenance"] = finish(started)
+        record["rows"].append(row)
+        count(record)
+        records.write(path, record)
+        print(json.dumps({key: row[key] for key in ("label", "bytes_on_disk", "perplexities", "kl_to_dense")}), flush=True)
+    count(record)
+    records.write(path, record)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

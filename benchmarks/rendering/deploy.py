@@ -1,0 +1,88 @@
+"""Prune, heal, quantize, serve (docs/benchmarks/deploy.md): benchmarks/deploy.py's rows, and what the composition
+of pruning and quantization costs against the sum of each alone."""
+
+from __future__ import annotations
+
+import os
+
+from .common import RESULTS, Context, Table, load
+
+MODELS = ("smollm2-135m",)
+HELD_OUT = ("offline:wikipedia", "offline:web_text")
+
+
+def _records() -> list[tuple[str, dict]]:
+    return [
+        (f"deploy-{model}", load(f"deploy-{model}"))
+        for model in MODELS
+        if os.path.exists(os.path.join(RESULTS, f"deploy-{model}.json"))
+    ]
+
+
+def deploy_table(context: Context) -> str:
+    """One row per stored model: bytes on disk, vLLM's speed on this CPU, held-out perplexity with its KL from the dense
+    model, zero-shot accuracy with the paired difference from the dense float32 model (+/- its standard error), flips."""
+    table = Table(
+        "deploy",
+        "model | stored as | MB on disk | vLLM TTFT ms | decode tok/s, batch 1 | batch 16 | Wikipedia ppl (KL) | "
+        "web text ppl (KL) | zero-shot acc | vs dense (+/- SE) | flips",
+    )
+    for source, record in _records():
+        dense = record["dense_float32"]
+        table.add(
+            ["dense, float32 (the reference)", "float32", "", "", "", ""]
+            + [f"{dense['perplexities'][name]:.2f}" for name in HELD_OUT]
+            + [f"{100 * dense['accuracy']:.1f}", "", ""],
+            None,
+            source,
+        )
+        for row in record["rows"]:
+            speed = row["vllm"]
+            against = row["against_dense"]
+            cells = [row["variant"], row["precision"], f"{row['bytes_on_disk'] / 1e6:,.0f}"]
+            cells += [f"{speed['batch1']['ttft_ms']:,.0f}", f"{speed['batch1']['decode_tokens_per_second']:,.1f}"]
+            cells += [f"{speed['batch16']['decode_tokens_per_second']:,.1f}"]
+            cells += [f"{row['perplexities'][name]:.2f} ({row['kl_to_dense'][name]:.3f})" for name in HELD_OUT]
+            cells += [f"{100 * row['accuracy']:.1f}", f"{100 * against['difference']:+.1f} (+/- {100 * against['stderr']:.1f})"]
+            cells += [f"{row['flips']['flips']:.1%}"]
+            more = [(3, row["vllm_provenance"], source)] if "vllm_provenance" in row else []
+            table.add(cells, row["provenance"], source, more=more)
+    return table.markdown()
+
+
+def composition(context: Context) -> str:
+    """Does pruning compose with quantization? For each scheme and pruned variant: the loss of both together against
+    the sum of the loss of each alone (pruned in bfloat16, dense quantized), in web-text KL from the dense model and in
+    zero-shot accuracy."""
+    table = Table(
+        "deploy-composition",
+        "pruned model | scheme | web-text KL: both | pruning + quantization alone | accuracy change: both | "
+        "pruning + quantization alone",
+    )
+    for source, record in _records():
+        rows = {row["label"]: row for row in record["rows"]}
+
+        kl = {label: row["kl_to_dense"]["offline:web_text"] for label, row in rows.items()}
+        drop = {label: 100 * row["against_dense"]["difference"] for label, row in rows.items()}
+
+        for variant in ("gradmap-25", "gradmap-25-healed"):
+            for scheme in ("w8a8", "w4a16"):
+                labels = (f"{variant}/{scheme}", f"{variant}/bfloat16", f"dense/{scheme}")
+                if not all(label in rows for label in labels):
+                    continue
+                both, pruned, quantized = labels
+                cells = [
+                    variant,
+                    scheme,
+                    f"{kl[both]:.3f}",
+                    f"{kl[pruned]:.3f} + {kl[quantized]:.3f} = {kl[pruned] + kl[quantized]:.3f}",
+                ]
+                cells += [
+                    f"{drop[both]:+.1f}",
+                    f"{drop[pruned]:+.1f} {drop[quantized]:+.1f} = {drop[pruned] + drop[quantized]:+.1f}",
+                ]
+                table.add(cells, rows[both]["provenance"], source)
+    return table.markdown()
+
+
+TABLES = {"deploy": deploy_table, "deploy-composition": composition}
