@@ -40,6 +40,7 @@ from provenance import finish, provenance
 
 from optimum_gradmap.assets import get_model_path, load_model
 from optimum_gradmap.data import calibration_sha256
+from optimum_gradmap.errors import InvalidInputError
 from optimum_gradmap.evaluation import PAPER_TASKS, compare_zero_shot, evaluate, flips
 
 VARIANTS = ("dense", "gradmap-25", "gradmap-25-healed")
@@ -112,6 +113,8 @@ def count(record: dict) -> None:
     """Every row's paired accuracy difference and flips against the dense float32 answers."""
     dense = expand(record["dense_answers"])
     for row in record["rows"]:
+        if "refused" in row:
+            continue
         mine = expand(row["answers"])
         pooled = compare_zero_shot(dense, mine, names=("dense", row["label"])).to_dict()
         row["against_dense"] = pooled.get("pooled", pooled)
@@ -123,7 +126,7 @@ def speed_again(record: dict, path: str, args) -> None:
     own quantization and evaluation); each row keeps the new figures under `vllm` with their provenance."""
     for row in record["rows"]:
         folder = os.path.join(args.work, row["label"].replace("/", "-"))
-        if not os.path.isdir(folder):
+        if "refused" in row or not os.path.isdir(folder):
             continue
         started = provenance()
         row["vllm"] = speed(folder, args.vllm_python)
@@ -175,7 +178,12 @@ def main() -> None:
         folder = os.path.join(args.work, label.replace("/", "-"))
         started = provenance()
         row = {"label": label, "variant": variant, "precision": precision}
-        row["quantization"] = build(sources[variant], precision, folder, tokenizer, ids[: args.quantization_samples])
+        try:
+            row["quantization"] = build(sources[variant], precision, folder, tokenizer, ids[: args.quantization_samples])
+        except InvalidInputError as error:  # the library refuses it before any work: the row says why
+            record["rows"].append({**row, "refused": str(error), "provenance": finish(started)})
+            records.write(path, record)
+            continue
         row["bytes_on_disk"] = folder_bytes(folder)
         row["vllm"] = speed(folder, args.vllm_python)
         row.update(quality(folder, tokenizer, dense, args))

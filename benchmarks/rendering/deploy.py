@@ -37,6 +37,11 @@ def deploy_table(context: Context) -> str:
             source,
         )
         for row in record["rows"]:
+            if "refused" in row:
+                reason = row["refused"].split(":")[0]
+                cells = [row["variant"], row["precision"], f"refused by the library: {reason}"] + [""] * 8
+                table.add(cells, row["provenance"], source)
+                continue
             speed = row["vllm"]
             against = row["against_dense"]
             cells = [row["variant"], row["precision"], f"{row['bytes_on_disk'] / 1e6:,.0f}"]
@@ -60,7 +65,7 @@ def composition(context: Context) -> str:
         "pruning + quantization alone",
     )
     for source, record in _records():
-        rows = {row["label"]: row for row in record["rows"]}
+        rows = {row["label"]: row for row in record["rows"] if "refused" not in row}
 
         kl = {label: row["kl_to_dense"]["offline:web_text"] for label, row in rows.items()}
         drop = {label: 100 * row["against_dense"]["difference"] for label, row in rows.items()}

@@ -276,7 +276,8 @@ def main() -> int:
             json.dump(records, file, indent=2)
     print(
         f"vLLM serving check: {len(args.cases)} checkpoints, {len(args.stale_cases)} stale, "
-        f"{sum(len(QUANTIZED_CASES[case]) for case in args.quantized_cases)} quantized; failures: {failures or 'none'}"
+        f"{sum(len(QUANTIZED_CASES[case]) for case in args.quantized_cases if case in args.cases)} quantized; "
+        f"failures: {failures or 'none'}"
     )
     return 1 if failures else 0
 
