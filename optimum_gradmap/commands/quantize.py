@@ -79,11 +79,9 @@ def _checked_input(args: argparse.Namespace) -> tuple[ModelLoading, str, dict[st
 
     loading = config_from_arguments(args, ModelLoading)
     path = loading.resolve().path
-    for name in ("num_samples", "seq_len"):
-        if getattr(args, name) is not None and getattr(args, name) < (1 if name == "num_samples" else 2):
-            raise InputError(
-                f"--{name.replace('_', '-')} must be at least {1 if name == 'num_samples' else 2}, got {getattr(args, name)}."
-            )
+    for option, value, least in (("--num-samples", args.num_samples, 1), ("--seq-len", args.seq_len, 2)):
+        if value is not None and value < least:
+            raise InputError(f"{option} must be at least {least}, got {value}.")
     report = load_report(path)
     if report.get("quantization"):
         raise InputError(

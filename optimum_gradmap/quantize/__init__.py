@@ -19,7 +19,7 @@ or `optimum-gradmap quantize CHECKPOINT --scheme w8a8 --output OUT` for a checkp
 
 from .checks import INSTALL_HINT, check_linear_maps, check_quantization, hardware_problem, require_llmcompressor, scheme_named
 from .schemes import SCHEMES, QuantizationScheme
-from .stage import QuantizationResult, head_names, is_quantized, quantize_model
+from .stage import QuantizationResult, head_names, quantize_model
 
 __all__ = [
     "INSTALL_HINT",
@@ -30,7 +30,6 @@ __all__ = [
     "check_quantization",
     "hardware_problem",
     "head_names",
-    "is_quantized",
     "quantize_model",
     "require_llmcompressor",
     "scheme_named",

@@ -184,10 +184,3 @@ def quantize_model(
         seconds=time.perf_counter() - started,
         versions=_versions(),
     )
-
-
-def is_quantized(model: PreTrainedModel) -> bool:
-    """Whether `model` carries a quantization (llm-compressor's, or one it was loaded with)."""
-    return getattr(model.config, "quantization_config", None) is not None or any(
-        hasattr(module, "quantization_scheme") for module in model.modules()
-    )
