@@ -376,7 +376,8 @@ class GradMAPConfig:
         None,
         "Quantize the model last, after Stage 2 and the heal, with llm-compressor (`pip install 'optimum-gradmap[quantize]'`, "
         "see [`optimum_gradmap.quantize`]): `w8a8` (INT8 weights per channel and INT8 activations per token, SmoothQuant "
-        "then GPTQ), `w4a16` (INT4 weights in groups of 128, GPTQ) or `fp8` (FP8 weights and activations, no calibration; "
+        "then GPTQ), `w4a16` (INT4 weights in groups of 128 input columns, or 64 or 32 where 128 does not divide the "
+        "widths; GPTQ) or `fp8` (FP8 weights and activations, no calibration; "
         "needs an NVIDIA GPU of compute capability 8.9 or newer). The checkpoint is compressed-tensors, which vLLM serves "
         "and transformers loads. None: no quantization (the default).",
     )

@@ -14,13 +14,15 @@ from transformers import AutoModelForCausalLM
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.cli import main
 from optimum_gradmap.errors import InvalidInputError
-from optimum_gradmap.quantize import SCHEMES, checks, hardware_problem, quantize_model
+from optimum_gradmap.quantize import SCHEMES, check_linear_maps, checks, hardware_problem, quantize_model
 
 from .conftest import random_ids, small_config, tiny_model
 
 NEEDS_EXTRA = "needs the [quantize] extra: .ci/run installs it after the suite and runs this file"
-# Widths that INT4's groups of 128 input columns divide.
+# Widths that INT4's groups of 128 input columns divide; of 64; of none of 128, 64 and 32 (the tiny default: 32 and 64).
 WIDE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+MIDDLE = dict(hidden_size=64, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+ODD = dict(hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=12)
 CALIBRATION_TEXT = " ".join(f"sentence {i} of the calibration text, with some words in it." for i in range(200))
 
 
@@ -116,11 +118,20 @@ def test_a_calibrated_scheme_without_sequences_or_tokenizer_is_refused(byte_toke
     assert_untouched(model, before)
 
 
-def test_w4a16_refuses_linear_maps_its_groups_do_not_divide_before_stage1(byte_tokenizer):
-    model = tiny_model("llama", vocab_size=256)  # hidden size 32: not a multiple of 128
+def test_w4a16_takes_the_largest_group_of_128_64_32_that_divides_every_quantized_width():
+    head = ["lm_head"]
+    assert check_linear_maps(tiny_model("llama", vocab_size=256, **WIDE), SCHEMES["w4a16"], head) == 128
+    assert check_linear_maps(tiny_model("llama", vocab_size=256, **MIDDLE), SCHEMES["w4a16"], head) == 64
+    assert check_linear_maps(tiny_model("llama", vocab_size=256), SCHEMES["w4a16"], head) == 32
+    assert check_linear_maps(tiny_model("llama", vocab_size=256), SCHEMES["w8a8"], head) is None  # per channel
+    assert SCHEMES["w4a16"].describe(64).startswith("INT4 weights (one scale per group of 64 input columns)")
+
+
+def test_w4a16_refuses_linear_maps_no_group_divides_before_stage1(byte_tokenizer):
+    model = tiny_model("llama", vocab_size=256, **ODD)
     before = state(model)
     pruner = GradMAPPruner(small_config(quantization="w4a16"), model=model, tokenizer=byte_tokenizer)
-    with pytest.raises(InvalidInputError, match="groups of 128 input columns.*model.layers.0.self_attn.q_proj \\(32\\)"):
+    with pytest.raises(InvalidInputError, match=r"groups of 128, 64, 32 input columns.*self_attn.q_proj \(48\)"):
         pruner.prune(calibration_data=random_ids(8, 16))
     assert_untouched(model, before)
 
@@ -209,6 +220,26 @@ def test_the_quantize_command_calibrates_on_the_checkpoints_own_set_and_records_
     assert 0 < error < 0.5, error  # INT4 weights: close to, not equal to, the unquantized model
     card = open(os.path.join(output, "README.md"), encoding="utf-8").read()
     assert "Quantized with optimum-gradmap" in card and "Pruned with optimum-gradmap" in card
+
+
+def test_w4a16_with_groups_of_64_writes_them_and_reloads(tmp_path, byte_tokenizer):
+    pytest.importorskip("llmcompressor", reason=NEEDS_EXTRA)
+    model = tiny_model("llama", vocab_size=256, **MIDDLE)
+    ids = random_ids(8, 16)
+    result = quantize_model(model, "w4a16", ids, byte_tokenizer, "random tokens")
+    assert result.group_size == 64 and "group of 64 input columns" in result.description
+    assert "group 64" in result.recipe[0]
+    with torch.no_grad():
+        quantized_logits = model(ids[:2]).logits
+    model.save_pretrained(tmp_path / "w4a16")
+    config = json.load(open(tmp_path / "w4a16" / "config.json", encoding="utf-8"))
+    (group,) = config["quantization_config"]["config_groups"].values()
+    assert (group["weights"]["num_bits"], group["weights"]["group_size"]) == (4, 64)
+    dtypes = stored_dtypes(str(tmp_path / "w4a16"))
+    assert "model.layers.0.mlp.down_proj.weight_packed" in dtypes
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "w4a16")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids[:2]).logits, quantized_logits, rtol=1e-5, atol=1e-5)
 
 
 def test_prune_from_a_folder_with_quantization_saves_the_pruned_config_not_the_folders(tmp_path, byte_tokenizer):

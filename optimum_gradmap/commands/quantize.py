@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         choices=list(SCHEMES),
         help="w8a8: INT8 weights and per-token INT8 activations (SmoothQuant + GPTQ; CPUs and GPUs); w4a16: INT4 weights "
-        "in groups of 128 (GPTQ; CPUs and GPUs); fp8: FP8 weights and activations (no calibration; NVIDIA GPUs of "
+        "in groups of 128 input columns, or 64 or 32 where 128 does not divide the model's widths (GPTQ; CPUs and "
+        "GPUs); fp8: FP8 weights and activations (no calibration; NVIDIA GPUs of "
         "compute capability 8.9 or newer)",
     )
     parser.add_argument(

@@ -115,28 +115,36 @@ def check_quantization(
     return scheme
 
 
-def check_linear_maps(model: PreTrainedModel, scheme: QuantizationScheme, ignored: list[str]) -> None:
-    """Refuses a model whose linear maps the scheme cannot quantize: with weight groups (`w4a16`: 128 input columns
-    a scale), every quantized map's input width must be a multiple of the group.
+def check_linear_maps(model: PreTrainedModel, scheme: QuantizationScheme, ignored: list[str]) -> int | None:
+    """Chooses the weight group of a scheme that has them (`w4a16`: 128 input columns a scale, else 64, else 32) and
+    refuses a model whose linear maps none of them divides.
 
     Args:
         model (`PreTrainedModel`): The model to quantize.
         scheme ([`QuantizationScheme`]): The scheme.
         ignored (`list[str]`): The maps left in full precision.
 
+    Returns:
+        `int` or `None`: The group size, `None` for a scheme without weight groups.
+
     Raises:
-        InvalidInputError: naming the maps that do not divide.
+        InvalidInputError: naming the maps that no group size divides.
     """
-    if scheme.group_size is None:
-        return
-    misfits = [
-        f"{name} ({module.in_features})"
+    if not scheme.group_sizes:
+        return None
+    maps = {
+        name: module.in_features
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and name not in ignored and module.in_features % scheme.group_size
-    ]
-    if misfits:
-        shown = ", ".join(misfits[:4]) + (f" and {len(misfits) - 4} more" if len(misfits) > 4 else "")
-        raise InvalidInputError(
-            f"`{scheme.name}` quantizes weights in groups of {scheme.group_size} input columns, and these linear maps' "
-            f"input widths are not multiples of it: {shown}. Choose `w8a8` (one scale per output channel)."
-        )
+        if isinstance(module, nn.Linear) and name not in ignored
+    }
+    group_size = scheme.group_size_for(list(maps.values()))
+    if group_size is not None:
+        return group_size
+    smallest = scheme.group_sizes[-1]
+    misfits = [f"{name} ({width})" for name, width in maps.items() if width % smallest]
+    shown = ", ".join(misfits[:4]) + (f" and {len(misfits) - 4} more" if len(misfits) > 4 else "")
+    sizes = ", ".join(map(str, scheme.group_sizes))
+    raise InvalidInputError(
+        f"`{scheme.name}` quantizes weights in groups of {sizes} input columns, and none of these divides the input "
+        f"widths of these linear maps: {shown}. Choose `w8a8` (one scale per output channel)."
+    )

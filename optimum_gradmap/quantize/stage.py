@@ -40,6 +40,7 @@ class QuantizationResult:
         algorithm (`str`): How the weights were rounded (`"SmoothQuant + GPTQ"`, `"GPTQ"`, `"round to nearest"`).
         recipe (`list[str]`): The llm-compressor modifiers that ran, as they print.
         ignored (`list[str]`): Linear maps left in full precision (the output embedding).
+        group_size (`int`, *optional*): The input columns that share a weight scale (`w4a16`); `None` otherwise.
         calibration_source (`str`, *optional*): Where the calibration sequences came from; `None` for a scheme
             that reads none.
         calibration_sha256 (`str`, *optional*): Their SHA-256 (equal to Stage 1's when they are Stage 1's).
@@ -53,6 +54,7 @@ class QuantizationResult:
     algorithm: str
     recipe: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
+    group_size: int | None = None
     calibration_source: str | None = None
     calibration_sha256: str | None = None
     num_samples: int = 0
@@ -88,13 +90,24 @@ def config_on_disk(model: PreTrainedModel) -> Iterator[None]:
 
 
 # The settings of a modifier the report shows (the others are llm-compressor's defaults and its state).
-_RECIPE_SETTINGS = ("smoothing_strength", "scheme", "targets", "ignore", "block_size", "dampening_frac", "actorder")
+_RECIPE_SETTINGS = (
+    "smoothing_strength", "scheme", "config_groups", "targets", "ignore", "block_size", "dampening_frac", "actorder"
+)  # fmt: skip
+
+
+def _setting(value: Any) -> str:
+    if isinstance(value, dict):  # config_groups: each group's weights, in brief
+        return str({name: f"{group.weights.num_bits}-bit {group.weights.type}, group {group.weights.group_size}"
+                    for name, group in value.items()})  # fmt: skip
+    return str(value)
 
 
 def _described(modifier: Any) -> str:
     """A llm-compressor modifier as the report shows it: its class and the settings that define it."""
     settings = ", ".join(
-        f"{name}={getattr(modifier, name)!s}" for name in _RECIPE_SETTINGS if getattr(modifier, name, None) not in (None, [])
+        f"{name}={_setting(getattr(modifier, name))}"
+        for name in _RECIPE_SETTINGS
+        if getattr(modifier, name, None) not in (None, [], {})
     )
     return f"{type(modifier).__name__}({settings})"
 
@@ -149,11 +162,11 @@ def quantize_model(
             f"`{scheme}` calibrates on token sequences: give both `calibration_ids` and the model's `tokenizer`."
         )
     ignored = head_names(model)
-    check_linear_maps(model, quantization, ignored)
+    group_size = check_linear_maps(model, quantization, ignored)
     check_quantization(model.config, scheme, calibration_ids)
     from llmcompressor import oneshot
 
-    recipe = quantization.recipe(ignored)
+    recipe = quantization.recipe(ignored, group_size)
     data: dict[str, Any] = {}
     if quantization.calibrated:
         from datasets import Dataset
@@ -173,10 +186,11 @@ def quantize_model(
     keep_own_config_on_save(model)
     return QuantizationResult(
         scheme=scheme,
-        description=quantization.description,
+        description=quantization.describe(group_size),
         algorithm=quantization.algorithm,
         recipe=[_described(modifier) for modifier in recipe],
         ignored=ignored,
+        group_size=group_size,
         calibration_source=calibration_source if quantization.calibrated else None,
         calibration_sha256=calibration_sha256(calibration_ids) if quantization.calibrated else None,
         num_samples=int(calibration_ids.shape[0]) if quantization.calibrated else 0,
