@@ -39,7 +39,8 @@ def relative_paths(text: str, root: str = ROOT) -> str:
     places = {os.path.expanduser("~"): "~", os.path.dirname(root): "..", tempfile.gettempdir(): "$TMPDIR", root: "."}
     for folder in sorted(places, key=len, reverse=True):
         if folder.rstrip("/"):
-            pattern = re.escape(folder.rstrip("/")) + r"(/|(?=[\s'\"]|$))"
+            # only where a path starts (not inside another one, as /work inside /data/qb/work)
+            pattern = r"(?<![^\s'\"=:])" + re.escape(folder.rstrip("/")) + r"(/|(?=[\s'\"]|$))"
             name = places[folder]
             text = re.sub(pattern, lambda match, name=name: "" if name == "." and match.group(1) else name + match.group(1), text)
     return text

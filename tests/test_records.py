@@ -61,11 +61,12 @@ def test_paths_of_this_machine_are_written_relative():
     home = os.path.expanduser("~")
     text = (
         f"--weights {os.path.dirname(root)}/models/llama --output {root}/out/x --cache {home}/.cache/hub "
-        f"saved to {temporary}/cli-prune-1/pruned; cd {root} && /usr/bin/time -v python"
+        f"saved to {temporary}/cli-prune-1/pruned; cd {root} && /usr/bin/time -v python "
+        f"--work={os.path.dirname(root)}/runs/srv/checkouts"
     )
     assert records.relative_paths(text, root) == (
         "--weights ../models/llama --output out/x --cache ~/.cache/hub saved to $TMPDIR/cli-prune-1/pruned; "
-        "cd . && /usr/bin/time -v python"
+        "cd . && /usr/bin/time -v python --work=../runs/srv/checkouts"
     )
 
 
