@@ -11,8 +11,11 @@ sequences, Stage 1's set: its SHA-256 in the record).
     # the table (in an environment with the [quantize] extra; vLLM in its own):
     python benchmarks/deploy.py --model smollm2-135m --pruned ../deploy/pruned --healed ../deploy/healed \\
         --work ../deploy/work --vllm-python .venv-vllm/bin/python --resume
+    # Qwen2.5-Coder-0.5B: the same, with `offline:qwen2.5-coder-0.5b`, `--layers-to-prune 12 10 8 19 18 9` and
+    # `--model qwen2.5-coder-0.5b`
 
-The layers are those GradMAP's Stage 1 removes from SmolLM2-135M at 25% (the main job's, on the same calibration set).
+The layers are those GradMAP's Stage 1 removes at 25% on the same calibration set (SmolLM2-135M: the main job's;
+Qwen2.5-Coder-0.5B: benchmarks/compare.py's record).
 Each row: the checkpoint's bytes on disk; vLLM on this CPU (benchmarks/vllm_speed.py: bfloat16 activations, time to
 first token for a 128-token prompt, decode tokens per second at batch 1 and 16); held-out perplexity on the first
 `--max-segments` 128-token segments of held-out Wikipedia and web text with the next-token KL divergence from the dense
@@ -121,6 +124,15 @@ def count(record: dict) -> None:
         row["flips"] = asdict(flips(mine, dense).pooled)
 
 
+def place(record: dict, row: dict) -> None:
+    """Adds `row` to the record, in the place of an earlier row of the same label (a refusal tried again)."""
+    labels = [earlier["label"] for earlier in record["rows"]]
+    if row["label"] in labels:
+        record["rows"][labels.index(row["label"])] = row
+    else:
+        record["rows"].append(row)
+
+
 def speed_again(record: dict, path: str, args) -> None:
     """vLLM's speed measured again for every row, one after the other (the rows' first measurements ran beside their
     own quantization and evaluation); each row keeps the new figures under `vllm` with their provenance."""
@@ -170,7 +182,7 @@ def main() -> None:
     if args.speed_again:
         return speed_again(record, path, args)
     sources = {"dense": get_model_path(args.model), "gradmap-25": args.pruned, "gradmap-25-healed": args.healed}
-    done = {row["label"] for row in record["rows"]}
+    done = {row["label"] for row in record["rows"] if "refused" not in row}  # a refusal is tried again
     for label in args.rows:
         if label in done:
             continue
@@ -181,14 +193,14 @@ def main() -> None:
         try:
             row["quantization"] = build(sources[variant], precision, folder, tokenizer, ids[: args.quantization_samples])
         except InvalidInputError as error:  # the library refuses it before any work: the row says why
-            record["rows"].append({**row, "refused": str(error), "provenance": finish(started)})
+            place(record, {**row, "refused": str(error), "provenance": finish(started)})
             records.write(path, record)
             continue
         row["bytes_on_disk"] = folder_bytes(folder)
         row["vllm"] = speed(folder, args.vllm_python)
         row.update(quality(folder, tokenizer, dense, args))
         row["provenance"] = finish(started)
-        record["rows"].append(row)
+        place(record, row)
         count(record)
         records.write(path, record)
         print(json.dumps({key: row[key] for key in ("label", "bytes_on_disk", "perplexities", "kl_to_dense")}), flush=True)

@@ -7,14 +7,21 @@ import os
 
 from .common import RESULTS, Context, Table, load
 
-MODELS = ("smollm2-135m",)
+MODELS = {"smollm2-135m": "SmolLM2-135M", "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B"}
 HELD_OUT = ("offline:wikipedia", "offline:web_text")
+VARIANTS = ("dense", "gradmap-25", "gradmap-25-healed")
+PRECISIONS = ("bfloat16", "w8a8", "w4a16")
 
 
-def _records() -> list[tuple[str, dict]]:
+def _in_order(rows: list[dict]) -> list[dict]:
+    """The rows by variant, then by how they are stored."""
+    return sorted(rows, key=lambda row: (VARIANTS.index(row["variant"]), PRECISIONS.index(row["precision"])))
+
+
+def _records() -> list[tuple[str, str, dict]]:
     return [
-        (f"deploy-{model}", load(f"deploy-{model}"))
-        for model in MODELS
+        (name, f"deploy-{model}", load(f"deploy-{model}"))
+        for model, name in MODELS.items()
         if os.path.exists(os.path.join(RESULTS, f"deploy-{model}.json"))
     ]
 
@@ -27,24 +34,24 @@ def deploy_table(context: Context) -> str:
         "model | stored as | MB on disk | vLLM TTFT ms | decode tok/s, batch 1 | batch 16 | Wikipedia ppl (KL) | "
         "web text ppl (KL) | zero-shot acc | vs dense (+/- SE) | flips",
     )
-    for source, record in _records():
+    for model, source, record in _records():
         dense = record["dense_float32"]
         table.add(
-            ["dense, float32 (the reference)", "float32", "", "", "", ""]
+            [f"{model} dense, float32 (the reference)", "float32", "", "", "", ""]
             + [f"{dense['perplexities'][name]:.2f}" for name in HELD_OUT]
             + [f"{100 * dense['accuracy']:.1f}", "", ""],
             None,
             source,
         )
-        for row in record["rows"]:
+        for row in _in_order(record["rows"]):
             if "refused" in row:
                 reason = row["refused"].split(":")[0]
-                cells = [row["variant"], row["precision"], f"refused by the library: {reason}"] + [""] * 8
+                cells = [f"{model} {row['variant']}", row["precision"], f"refused by the library: {reason}"] + [""] * 8
                 table.add(cells, row["provenance"], source)
                 continue
             speed = row["vllm"]
             against = row["against_dense"]
-            cells = [row["variant"], row["precision"], f"{row['bytes_on_disk'] / 1e6:,.0f}"]
+            cells = [f"{model} {row['variant']}", row["precision"], f"{row['bytes_on_disk'] / 1e6:,.0f}"]
             cells += [f"{speed['batch1']['ttft_ms']:,.0f}", f"{speed['batch1']['decode_tokens_per_second']:,.1f}"]
             cells += [f"{speed['batch16']['decode_tokens_per_second']:,.1f}"]
             cells += [f"{row['perplexities'][name]:.2f} ({row['kl_to_dense'][name]:.3f})" for name in HELD_OUT]
@@ -64,7 +71,7 @@ def composition(context: Context) -> str:
         "pruned model | scheme | web-text KL: both | pruning + quantization alone | accuracy change: both | "
         "pruning + quantization alone",
     )
-    for source, record in _records():
+    for model, source, record in _records():
         rows = {row["label"]: row for row in record["rows"] if "refused" not in row}
 
         kl = {label: row["kl_to_dense"]["offline:web_text"] for label, row in rows.items()}
@@ -77,7 +84,7 @@ def composition(context: Context) -> str:
                     continue
                 both, pruned, quantized = labels
                 cells = [
-                    variant,
+                    f"{model} {variant}",
                     scheme,
                     f"{kl[both]:.3f}",
                     f"{kl[pruned]:.3f} + {kl[quantized]:.3f} = {kl[pruned] + kl[quantized]:.3f}",
