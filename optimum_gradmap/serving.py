@@ -270,9 +270,11 @@ def run_vllm(
     vllm_python: str | os.PathLike | None = None,
     timeout: float = 1800,
     dtype: str = "float32",
+    environment: dict[str, str] | None = None,
 ) -> dict:
     """Runs vllm_worker.py on `checkpoint` with the Python of [`find_vllm_python`] and returns its response; `dtype` is
-    vLLM's activation dtype (`bfloat16` for quantized weights on CPUs, whose kernels take no other).
+    vLLM's activation dtype (`bfloat16` for quantized weights on CPUs, whose kernels take no other); `environment`
+    holds variables set for vLLM's process.
 
     Raises:
         RuntimeError: if vLLM failed, with the end of its output.
@@ -291,13 +293,13 @@ def run_vllm(
                 },
                 file,
             )
-        environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+        variables = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"} | (environment or {})
         completed = subprocess.run(
             [python, WORKER_PATH, request_path, response_path],
             capture_output=True,
             text=True,
             timeout=timeout,
-            env=environment,
+            env=variables,
             cwd=folder,
         )
         if completed.returncode != 0 or not os.path.isfile(response_path):

@@ -19,6 +19,7 @@ from optimum_gradmap.serving import (
     compare_outputs,
     find_vllm_python,
     reference_outputs,
+    run_vllm,
     verify_serving,
 )
 
@@ -153,6 +154,15 @@ def test_verify_serving_reports_a_served_model_that_differs(tmp_path, fake_vllm_
     assert not check.matched and check.max_logprob_difference > 1e-3
     with pytest.raises(ServingMismatchError, match="MISMATCH"):
         check.raise_for_mismatch()
+
+
+def test_run_vllm_sets_the_variables_it_is_given_for_vllms_process_only(tmp_path, fake_vllm_python):
+    _pruned_checkpoint(tmp_path / "ckpt")
+    prompts = [[5, 6, 7, 8]]
+    plain = run_vllm(tmp_path / "ckpt", prompts, 2, fake_vllm_python)["results"][0]["prompt_logprobs"]
+    shifted = run_vllm(tmp_path / "ckpt", prompts, 2, fake_vllm_python, environment={"FAKE_VLLM_LOGIT_SHIFT": "0.5"})
+    assert "FAKE_VLLM_LOGIT_SHIFT" not in os.environ
+    assert max(abs(a - b) for a, b in zip(plain, shifted["results"][0]["prompt_logprobs"])) > 1e-3
 
 
 def test_verify_serving_catches_a_stale_config_against_the_model_in_memory(tmp_path, fake_vllm_python):
