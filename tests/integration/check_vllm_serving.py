@@ -8,9 +8,9 @@ greedy tokens and log-probabilities within `DEFAULT_LOGPROB_TOLERANCE`. Then the
 the checkpoint's config is rewritten as a careless tool would leave it (`layer_types` cut to length
 instead of sliced; `max_window_layers` not recounted); `validate_checkpoint` must refuse it, and vLLM,
 given it anyway, must disagree with the pruned model. Then the quantized cases (the [quantize] extra): the pruned
-SmolLM2 quantized by llm-compressor to W8A8, and the tiny Llama to W8A8 and W4A16 (INT4's groups of 128 input columns
-do not divide SmolLM2's width, 576), serve in vLLM with bfloat16 activations and agree with transformers on the same checkpoint
-within `optimum_gradmap.quantize.serving`'s bound (quantized kernels cannot match bit for bit).
+SmolLM2 and the tiny Llama quantized by llm-compressor to W8A8 and W4A16 (SmolLM2's INT4 weights in groups of 64: 128
+does not divide its width, 576) serve in vLLM with bfloat16 activations and agree with transformers on the same
+checkpoint within `optimum_gradmap.quantize.serving`'s bound (quantized kernels cannot match bit for bit).
 
     python tests/integration/check_vllm_serving.py --vllm-python /path/to/vllm-env/bin/python
     python tests/integration/check_vllm_serving.py --vllm-python V/bin/python --cases gemma3_text qwen2 --output results.json
@@ -113,8 +113,7 @@ STALE_CASES = {"gemma3_text": True, "qwen2": False}
 REAL_CASES = {"smollm2-135m": 0.25, "qwen2.5-coder-0.5b": 0.25}
 # Quantized with llm-compressor (the [quantize] extra), served with bfloat16 activations, after the exact check of
 # the same pruned checkpoint: the agreement with transformers, within the bound of optimum_gradmap.quantize.serving.
-# W4A16's groups of 128 input columns do not divide SmolLM2's width (576): the tiny Llama (128) takes it.
-QUANTIZED_CASES = {"smollm2-135m": ("w8a8",), "llama": ("w8a8", "w4a16")}
+QUANTIZED_CASES = {"smollm2-135m": ("w8a8", "w4a16"), "llama": ("w8a8", "w4a16")}
 
 
 def tiny_model(case: str) -> torch.nn.Module:
