@@ -118,15 +118,20 @@ def quality(folder: str, tokenizer, dense, args) -> dict:
 
 
 def count(record: dict) -> None:
-    """Every row's paired accuracy difference and flips against the dense float32 answers."""
+    """Every row's paired accuracy difference and flips against the dense float32 answers, and a quantized row's paired
+    difference against the same model in bfloat16 (what quantizing that model cost)."""
     dense = expand(record["dense_answers"])
-    for row in record["rows"]:
-        if "refused" in row:
-            continue
+    rows = [row for row in record["rows"] if "refused" not in row]
+    unquantized = {row["variant"]: row for row in rows if row["precision"] == "bfloat16"}
+    for row in rows:
         mine = expand(row["answers"])
         pooled = compare_zero_shot(dense, mine, names=("dense", row["label"])).to_dict()
         row["against_dense"] = pooled.get("pooled", pooled)
         row["flips"] = asdict(flips(mine, dense).pooled)
+        before = unquantized.get(row["variant"])
+        if before is not None and before is not row:
+            pooled = compare_zero_shot(expand(before["answers"]), mine, names=(before["label"], row["label"])).to_dict()
+            row["against_unquantized"] = pooled.get("pooled", pooled)
 
 
 def place(record: dict, row: dict) -> None:

@@ -65,11 +65,11 @@ def deploy_table(context: Context) -> str:
 def composition(context: Context) -> str:
     """Does pruning compose with quantization? For each scheme and pruned variant: the loss of both together against
     the sum of the loss of each alone (pruned in bfloat16, dense quantized), in web-text KL from the dense model and in
-    zero-shot accuracy."""
+    zero-shot accuracy; and what quantizing cost that pruned model, paired per question."""
     table = Table(
         "deploy-composition",
         "pruned model | scheme | web-text KL: both | pruning + quantization alone | accuracy change: both | "
-        "pruning + quantization alone",
+        "pruning + quantization alone | quantizing this model (paired, +/- SE)",
     )
     for model, source, record in _records():
         rows = {row["label"]: row for row in record["rows"] if "refused" not in row}
@@ -93,6 +93,8 @@ def composition(context: Context) -> str:
                     f"{drop[both]:+.1f}",
                     f"{drop[pruned]:+.1f} {drop[quantized]:+.1f} = {drop[pruned] + drop[quantized]:+.1f}",
                 ]
+                own = rows[both].get("against_unquantized")
+                cells += [f"{100 * own['difference']:+.1f} (+/- {100 * own['stderr']:.1f})" if own else ""]
                 table.add(cells, rows[both]["provenance"], source)
     return table.markdown()
 
