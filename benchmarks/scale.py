@@ -287,13 +287,14 @@ def prune(args: argparse.Namespace) -> None:
     output, offload, stage1_checkpoint = (os.path.join(work, name) for name in ("pruned", "offload", "stage1.json"))
     if not args.resume and os.path.exists(stage1_checkpoint):
         os.remove(stage1_checkpoint)  # a fresh measurement times every round; `--resume` continues an interrupted one
-    # the layers given after `--` (`--layers-to-prune`) replace Stage 1's choice by ratio
-    removal = [] if "--layers-to-prune" in args.extra else ["--pruning-ratio", str(args.ratio)]
+    # the layers given after `--` (`--layers-to-prune`) replace Stage 1's choice by ratio, and its checkpoint
+    removal = ["--pruning-ratio", str(args.ratio), "--stage1-checkpoint", stage1_checkpoint]
+    removal = [] if "--layers-to-prune" in args.extra else removal
     argv = [
         "prune", args.weights, *removal, "--output", output, "--overwrite",
         "--dtype", args.dtype, "--device-map", "auto", "--max-memory", args.max_memory, "--offload-folder", offload,
         "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
-        "--stage1-checkpoint", stage1_checkpoint, "--dataset", "offline:wikipedia", *args.extra,
+        "--dataset", "offline:wikipedia", *args.extra,
     ]  # fmt: skip
     row = {"key": key, "model": args.model, "dtype": args.dtype, "weights": RANDOM_WEIGHTS, "argv": argv}
     row["weight_bytes_on_disk"] = folder_bytes(args.weights)
