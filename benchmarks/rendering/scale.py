@@ -56,8 +56,13 @@ def prune_from_disk(context: Context) -> str:
         key = row["key"]
         cells = [f"{row['model']} ({_parameters(row) / 1e9:.2f} B)" + (f", {key['label']}" if key.get("label") else "")]
         cells += [f"{gib(row['weight_bytes_on_disk'] / 2**30)} GiB {row['dtype']}, `--max-memory {key['max_memory']}`"]
-        cells += [f"{key['num_samples']} x {key['seq_len']}, {key['ratio']:.0%}", f"{rounds[0]:,.0f}, {rounds[-1]:,.0f}"]
-        cells += [f"{row['timings']['stage1']:,.0f}", f"{row['timings'].get('stage2', 0):,.0f}"]
+        if rounds:
+            cells += [f"{key['num_samples']} x {key['seq_len']}, {key['ratio']:.0%}", f"{rounds[0]:,.0f}, {rounds[-1]:,.0f}"]
+            cells += [f"{row['timings']['stage1']:,.0f}"]
+        else:  # the removed layers given (`--layers-to-prune`): no Stage 1 scoring
+            given = len(row["removed_layers"])
+            cells += [f"{key['num_samples']} x {key['seq_len']}, {given} layers given", "none: given", "0"]
+        cells += [f"{row['timings'].get('stage2', 0):,.0f}"]
         cells += [f"**{gib(memory['peak_resident_gib'])}** ({memory['peak_resident_gib'] / float32_gib:.3f})"]
         cells += [gib(memory["peak_file_mapped_gib"])]
         cells += [f"{gib(memory['peak_anonymous_gib'])} ({memory['peak_anonymous_gib'] / float32_gib:.3f})"]
