@@ -46,13 +46,11 @@ from optimum_gradmap.assets import get_model_path, load_model
 from optimum_gradmap.data import calibration_sha256
 from optimum_gradmap.errors import InvalidInputError
 from optimum_gradmap.evaluation import PAPER_TASKS, compare_zero_shot, evaluate, flips
+from optimum_gradmap.quantize.serving import AS_STORED
 
 VARIANTS = ("dense", "gradmap-25", "gradmap-25-healed")
 PRECISIONS = ("bfloat16", "w8a8", "w4a16")
 HERE = os.path.dirname(os.path.abspath(__file__))
-# vLLM's CPU build serves INT4 weights with INT8 activations on CPUs with AMX unless told not to: the W4A16 rows are
-# served as stored, as their quality is measured.
-VLLM_ENVIRONMENT = {"VLLM_CPU_INT4_W4A8": "0"}
 
 
 def compact(zero_shot) -> dict[str, dict]:
@@ -83,11 +81,12 @@ def build(source: str, precision: str, folder: str, tokenizer, ids) -> dict:
 
 
 def speed(folder: str, vllm_python: str) -> dict:
-    """benchmarks/vllm_speed.py on `folder`, in the vLLM environment (with `VLLM_ENVIRONMENT`)."""
+    """benchmarks/vllm_speed.py on `folder`, in the vLLM environment, served as stored (`AS_STORED`: on CPUs with AMX
+    vLLM would otherwise round the W4A16 rows' activations to INT8, which their quality columns do not measure)."""
     output = folder.rstrip("/") + "-speed.json"
     command = [vllm_python, os.path.join(HERE, "vllm_speed.py"), folder, "--dtype", "bfloat16", "--output", output]
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    environment.update(VLLM_ENVIRONMENT)
+    environment.update(AS_STORED)
     completed = subprocess.run(command, capture_output=True, text=True, env=environment)
     if completed.returncode != 0:
         raise RuntimeError(f"vLLM failed on {folder}:\n" + "\n".join((completed.stdout + completed.stderr).splitlines()[-20:]))

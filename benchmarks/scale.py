@@ -288,8 +288,8 @@ def prune(args: argparse.Namespace) -> None:
     if not args.resume and os.path.exists(stage1_checkpoint):
         os.remove(stage1_checkpoint)  # a fresh measurement times every round; `--resume` continues an interrupted one
     # the layers given after `--` (`--layers-to-prune`) replace Stage 1's choice by ratio, and its checkpoint
-    removal = ["--pruning-ratio", str(args.ratio), "--stage1-checkpoint", stage1_checkpoint]
-    removal = [] if "--layers-to-prune" in args.extra else removal
+    given = "--layers-to-prune" in args.extra
+    removal = [] if given else ["--pruning-ratio", str(args.ratio), "--stage1-checkpoint", stage1_checkpoint]
     argv = [
         "prune", args.weights, *removal, "--output", output, "--overwrite",
         "--dtype", args.dtype, "--device-map", "auto", "--max-memory", args.max_memory, "--offload-folder", offload,
