@@ -1,5 +1,6 @@
 """vLLM's speed on one checkpoint, for benchmarks/deploy.py: time to first token and decode throughput at batch 1 and
-16. Run with the Python of a vLLM environment (it imports nothing from this repository):
+16. Run with the Python of a vLLM environment (it imports nothing from this repository but the standalone
+optimum_gradmap/vllm_worker.py, for its AMX request):
 
     .venv-vllm/bin/python benchmarks/vllm_speed.py CHECKPOINT --dtype bfloat16 --output speed.json
 
@@ -15,6 +16,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 
 
@@ -31,6 +33,10 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "optimum_gradmap"))
+    from vllm_worker import request_amx
+
+    request_amx()
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

@@ -3,8 +3,8 @@
 """Runs a checkpoint in vLLM and writes what it computed, for [`optimum_gradmap.serving.verify_serving`].
 
 This file is executed by path with the Python of an environment that has vLLM (vLLM pins its own
-transformers, often not ours), so it imports nothing from optimum_gradmap and nothing but vLLM and
-the standard library:
+transformers, often not ours), so it imports nothing from optimum_gradmap and nothing but vLLM (with its torch)
+and the standard library:
 
     /path/to/vllm-env/bin/python optimum_gradmap/vllm_worker.py request.json response.json
 
@@ -23,6 +23,18 @@ import sys
 import time
 
 
+def request_amx() -> None:
+    """Asks Linux for the AMX tile registers, which a process must request before it uses them. vLLM's CPU kernel for
+    INT4 weights with bfloat16 activations (`cpu_gemm_wna16` on AMX) uses them without asking, so it dies of an illegal
+    instruction unless another library in the process asked first: seen with vLLM 0.32 on a tiny Llama quantized to
+    W4A16 (SIGILL at its first `tilezero`), while larger models, whose bfloat16 layers run oneDNN's AMX kernels first,
+    were served."""
+    import torch
+
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        torch.cpu._init_amx()
+
+
 def main(request_path: str, response_path: str) -> None:
     with open(request_path, encoding="utf-8") as file:
         request = json.load(file)
@@ -30,6 +42,7 @@ def main(request_path: str, response_path: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     start = time.perf_counter()
+    request_amx()
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
