@@ -11,6 +11,14 @@ sequences, Stage 1's set: its SHA-256 in the record).
     # the table (in an environment with the [quantize] extra; vLLM in its own):
     python benchmarks/deploy.py --model smollm2-135m --pruned ../deploy/pruned --healed ../deploy/healed \\
         --work ../deploy/work --vllm-python .venv-vllm/bin/python --resume
+    # which order of heal and INT4: the pruned checkpoint healed on its norms, and its W4A16 healed on its norms
+    optimum-gradmap heal ../deploy/pruned --teacher offline:smollm2-135m --dtype float32 --heal-trainable norms \
+        --heal-tokens 65536 --heal-dataset offline:web_text+offline:wikipedia --no-evaluate --output ../deploy/healed-norms
+    optimum-gradmap quantize ../deploy/pruned --scheme w4a16 --num-samples 32 --dtype bfloat16 --output ../deploy/w4a16
+    optimum-gradmap heal ../deploy/w4a16 --teacher offline:smollm2-135m --dtype float32 --heal-trainable norms \
+        --heal-tokens 65536 --heal-dataset offline:web_text+offline:wikipedia --no-evaluate --output ../deploy/w4a16-healed
+    python benchmarks/deploy.py ... --healed-norms ../deploy/healed-norms --w4a16-healed-norms ../deploy/w4a16-healed \
+        --rows gradmap-25-healed-norms/bfloat16 gradmap-25-healed-norms/w4a16 gradmap-25-w4a16-healed-norms/w4a16
     # Qwen2.5-Coder-0.5B: the same, with `offline:qwen2.5-coder-0.5b`, `--layers-to-prune 12 10 8 19 18 9` and
     # `--model qwen2.5-coder-0.5b`
 
@@ -49,7 +57,14 @@ from optimum_gradmap.evaluation import PAPER_TASKS, compare_zero_shot, evaluate,
 from optimum_gradmap.quantize.serving import AS_STORED
 
 VARIANTS = ("dense", "gradmap-25", "gradmap-25-healed")
+ORDER_VARIANTS = ("gradmap-25-healed-norms", "gradmap-25-w4a16-healed-norms")
+"""Which order of heal and quantization: the pruned model healed on its norms, then quantized; and quantized to W4A16,
+then healed on its norms (its W4A16 row is the checkpoint as `--w4a16-healed-norms` gives it: no second quantization)."""
 PRECISIONS = ("bfloat16", "w8a8", "w4a16")
+UNQUANTIZED = {"gradmap-25-w4a16-healed-norms": "gradmap-25-healed-norms"}
+"""The variant whose bfloat16 row a quantized row is paired with, where it is not its own: the same heal, unquantized."""
+OTHER_ORDER = {"gradmap-25-w4a16-healed-norms/w4a16": "gradmap-25-healed-norms/w4a16"}
+"""Quantize, then heal: paired with heal, then quantize (`against_other_order`)."""
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -64,11 +79,16 @@ def compact(zero_shot) -> dict[str, dict]:
 
 def build(source: str, precision: str, folder: str, tokenizer, ids) -> dict:
     """Writes `source` stored in `precision` to `folder` (bfloat16 as it is; W8A8 and W4A16 quantized from bfloat16,
-    the rest of the model kept in bfloat16, as llm-compressor's examples do); returns what the quantization did."""
-    from transformers import AutoModelForCausalLM
+    the rest of the model kept in bfloat16, as llm-compressor's examples do; a quantized `source` copied as it is);
+    returns what the quantization did."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from optimum_gradmap.quantize import quantize_model
 
+    if "quantization_config" in AutoConfig.from_pretrained(source):  # quantized (and healed) already: as it is
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(source, folder)
+        return {"as_given": source}
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
     done = {}
     if precision != "bfloat16":
@@ -117,8 +137,9 @@ def quality(folder: str, tokenizer, dense, args) -> dict:
 
 
 def count(record: dict) -> None:
-    """Every row's paired accuracy difference and flips against the dense float32 answers, and a quantized row's paired
-    difference against the same model in bfloat16 (what quantizing that model cost)."""
+    """Every row's paired accuracy difference and flips against the dense float32 answers, a quantized row's paired
+    difference against the same model in bfloat16 (what quantizing that model cost), and the quantize-then-heal row's
+    against heal-then-quantize."""
     dense = expand(record["dense_answers"])
     rows = [row for row in record["rows"] if "refused" not in row]
     unquantized = {row["variant"]: row for row in rows if row["precision"] == "bfloat16"}
@@ -127,10 +148,14 @@ def count(record: dict) -> None:
         pooled = compare_zero_shot(dense, mine, names=("dense", row["label"])).to_dict()
         row["against_dense"] = pooled.get("pooled", pooled)
         row["flips"] = asdict(flips(mine, dense).pooled)
-        before = unquantized.get(row["variant"])
+        before = unquantized.get(UNQUANTIZED.get(row["variant"], row["variant"]))
         if before is not None and before is not row:
             pooled = compare_zero_shot(expand(before["answers"]), mine, names=(before["label"], row["label"])).to_dict()
             row["against_unquantized"] = pooled.get("pooled", pooled)
+        other = next((earlier for earlier in rows if earlier["label"] == OTHER_ORDER.get(row["label"])), None)
+        if other is not None:
+            pooled = compare_zero_shot(expand(other["answers"]), mine, names=(other["label"], row["label"])).to_dict()
+            row["against_other_order"] = pooled.get("pooled", pooled)
 
 
 def place(record: dict, row: dict) -> None:
@@ -161,6 +186,8 @@ def main() -> None:
     arguments.add_argument("--model", default="smollm2-135m")
     arguments.add_argument("--pruned", required=True)
     arguments.add_argument("--healed", required=True)
+    arguments.add_argument("--healed-norms", help="the pruned checkpoint healed on its norms (the order's rows)")
+    arguments.add_argument("--w4a16-healed-norms", help="its W4A16 form healed on its norms (the order's rows)")
     arguments.add_argument("--work", required=True, help="where the stored checkpoints are written (outside the repository)")
     arguments.add_argument("--vllm-python", required=True)
     arguments.add_argument("--max-segments", type=int, default=32)
@@ -191,6 +218,7 @@ def main() -> None:
     if args.speed_again:
         return speed_again(record, path, args)
     sources = {"dense": get_model_path(args.model), "gradmap-25": args.pruned, "gradmap-25-healed": args.healed}
+    sources |= {"gradmap-25-healed-norms": args.healed_norms, "gradmap-25-w4a16-healed-norms": args.w4a16_healed_norms}
     done = {row["label"] for row in record["rows"] if "refused" not in row}  # a refusal is tried again
     for label in args.rows:
         if label in done:

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -286,6 +287,7 @@ def save_checkpoint(
     report: dict[str, Any] | None = None,
     repo_id: str | None = None,
     overwrite: bool = False,
+    write_weights: Callable[[str], None] | None = None,
     **save_kwargs: Any,
 ) -> str:
     """Writes model, tokenizer, `gradmap_config.json` and, if a report is given, `pruning_report.json`,
@@ -304,6 +306,9 @@ def save_checkpoint(
             [`optimum_gradmap.report.write_report`].
         repo_id (`str`, *optional*): The Hub repository the model card should name in its examples.
         overwrite (`bool`): Replace the contents of an existing non-empty folder (refused otherwise).
+        write_weights (`Callable[[str], None]`, *optional*): Writes the model's config and weights into the folder it
+            is given, in place of the model's `save_pretrained` (a healed quantized checkpoint:
+            [`optimum_gradmap.heal.quantized.stored_weights_writer`]).
         save_kwargs: Passed to the model's `save_pretrained`; `max_shard_size` defaults to
             `DEFAULT_MAX_SHARD_SIZE` (5GB, as the Hub's large checkpoints are sharded): an offloaded model is
             written a shard at a time, so saving holds at most one shard's weights in memory.
@@ -318,7 +323,9 @@ def save_checkpoint(
         FileExistsError, PermissionError: from [`check_output_location`], before anything is written.
     """
     return distributed.on_main_process(
-        lambda: _write_checkpoint(save_directory, model, tokenizer, config, report, repo_id, overwrite, save_kwargs)
+        lambda: _write_checkpoint(
+            save_directory, model, tokenizer, config, report, repo_id, overwrite, save_kwargs, write_weights
+        )
     )
 
 
@@ -331,6 +338,7 @@ def _write_checkpoint(
     repo_id: str | None,
     overwrite: bool,
     save_kwargs: dict[str, Any],
+    write_weights: Callable[[str], None] | None = None,
 ) -> str:
     """[`save_checkpoint`]'s work, on one process."""
     quantization = getattr(model.config, "quantization_config", None)
@@ -346,7 +354,10 @@ def _write_checkpoint(
     os.makedirs(os.path.dirname(target), exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.saving-", dir=os.path.dirname(target))
     try:
-        model.save_pretrained(staging, **{"max_shard_size": DEFAULT_MAX_SHARD_SIZE, **save_kwargs})
+        if write_weights is not None:
+            write_weights(staging)
+        else:
+            model.save_pretrained(staging, **{"max_shard_size": DEFAULT_MAX_SHARD_SIZE, **save_kwargs})
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         config.save_pretrained(staging)

@@ -144,12 +144,13 @@ class ModelLoading:
             limits[int(device) if device.isdigit() else device] = size
         return limits
 
-    def load(self, path: str, with_tokenizer: bool = True) -> tuple[Any, Any]:
+    def load(self, path: str, with_tokenizer: bool = True, **model_kwargs: Any) -> tuple[Any, Any]:
         """Loads the model and tokenizer at `path` (from [`resolve`]) with these options.
 
         Args:
             path (`str`): Where to load from.
             with_tokenizer (`bool`, defaults to `True`): Also load the tokenizer (`None` in its place otherwise).
+            model_kwargs: More arguments for `AutoModelForCausalLM.from_pretrained`.
 
         Returns:
             `tuple[PreTrainedModel, PreTrainedTokenizerBase]`
@@ -164,7 +165,7 @@ class ModelLoading:
         if self.offload_folder:
             placement["offload_folder"] = self.offload_folder
         dtype = resolve_dtype(self.dtype, compute_device(self.device, self.device_map))
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **location, **placement)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **location, **placement, **model_kwargs)
         if self.device and not self.device_map:
             model.to(self.device)
         return model, AutoTokenizer.from_pretrained(path, **location) if with_tokenizer else None

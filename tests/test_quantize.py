@@ -257,3 +257,70 @@ def test_prune_from_a_folder_with_quantization_saves_the_pruned_config_not_the_f
     config = json.load(open(os.path.join(output, "config.json"), encoding="utf-8"))
     assert config["num_hidden_layers"] == 4 and config["quantization_config"]["quant_method"] == "compressed-tensors"
     assert AutoModelForCausalLM.from_pretrained(output).config.num_hidden_layers == 4
+
+
+# ------------------------------------------------------------------------------------------ quantize, then heal
+HEAL = ["--heal-tokens", "512", "--heal-dataset", "offline:web_text", "--heal-seq-len", "16", "--heal-validation-sequences",
+        "8", "--heal-batch-size", "4", "--heal-check-every", "2", "--no-heal-autocast", "--no-evaluate", "-q"]  # fmt: skip
+W4A16_CONFIG = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {"num_bits": 4}}}}
+W8A8_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "config_groups": {"group_0": {"weights": {"num_bits": 8}, "input_activations": {"num_bits": 8, "dynamic": True}}},
+}
+
+
+@pytest.mark.parametrize(
+    "quantization_config, trainable, message",
+    [
+        (W4A16_CONFIG, "lora", "Use --heal-trainable norms (not lora)"),
+        (W8A8_CONFIG, "norms", "rounds its activations too (group_0)"),
+        ({"quant_method": "gptq", "bits": 4}, "norms", "is quantized with gptq: only compressed-tensors"),
+    ],
+)
+def test_the_heal_command_refuses_a_quantized_checkpoint_it_cannot_heal_before_loading(
+    tmp_path, pruned_checkpoint, capsys, quantization_config, trainable, message
+):
+    config_path = os.path.join(pruned_checkpoint, "config.json")
+    config = json.load(open(config_path, encoding="utf-8"))
+    with open(config_path, "w", encoding="utf-8") as file:
+        json.dump({**config, "quantization_config": quantization_config}, file)
+    output = str(tmp_path / "healed")
+    arguments = ["heal", pruned_checkpoint, "--teacher", pruned_checkpoint, "--heal-trainable", trainable, *HEAL]
+    assert main([*arguments, "--output", output]) == 2
+    assert message in capsys.readouterr().err
+    assert not os.path.exists(output)
+
+
+def test_a_w4a16_checkpoint_heals_its_norms_and_keeps_its_rounded_weights(tmp_path, byte_tokenizer):
+    pytest.importorskip("llmcompressor", reason=NEEDS_EXTRA)
+    from safetensors.torch import load_file
+
+    dense = tmp_path / "dense"
+    tiny_model("llama", vocab_size=256, num_layers=6, **WIDE).save_pretrained(dense)
+    byte_tokenizer.save_pretrained(dense)
+    text = tmp_path / "calibration.txt"
+    text.write_text(CALIBRATION_TEXT)
+    pruned, quantized, healed = (str(tmp_path / name) for name in ("pruned", "w4a16", "healed"))
+    arguments = ["prune", str(dense), "--num-layers-to-prune", "2", "--dataset", str(text), "--num-samples", "8"]
+    assert main([*arguments, "--seq-len", "16", "--output", pruned, "-q"]) == 0
+    assert main(["quantize", pruned, "--scheme", "w4a16", "--output", quantized, "-q"]) == 0
+    assert main(["heal", quantized, "--teacher", str(dense), "--heal-trainable", "norms", *HEAL, "--output", healed]) == 0
+
+    before = load_file(os.path.join(quantized, "model.safetensors"))
+    after = load_file(os.path.join(healed, "model.safetensors"))
+    assert after.keys() == before.keys()
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed and all(name.endswith("norm.weight") for name in changed)  # the norms, and nothing rounded
+    assert all(torch.equal(before[name], after[name]) for name in before if "weight_packed" in name or "scale" in name)
+    assert json.load(open(os.path.join(healed, "config.json"))) == json.load(open(os.path.join(quantized, "config.json")))
+    report = json.load(open(os.path.join(healed, "pruning_report.json"), encoding="utf-8"))
+    heal = report["heal"]
+    assert heal["after_quantization"] and heal["trainable"] == "norms" and heal["best_kl"] < heal["start_kl"]
+    assert report["quantization"]["scheme"] == "w4a16" and report["reproduce"]["earlier"]["step"] == "quantize"
+    card = open(os.path.join(healed, "README.md"), encoding="utf-8").read()
+    assert card.index("quantized it to `w4a16`") < card.index("into the quantized model, its rounded weights as stored")
+
+    ids = random_ids(2, 16, seed=1)  # what transformers computes from the healed checkpoint: the healed norms in use
+    with torch.no_grad():
+        rounded, mended = (AutoModelForCausalLM.from_pretrained(folder)(ids).logits for folder in (quantized, healed))
+    assert not torch.allclose(rounded, mended)

@@ -9,7 +9,12 @@ from .common import RESULTS, Context, Table, load
 
 MODELS = {"smollm2-135m": "SmolLM2-135M", "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B"}
 HELD_OUT = ("offline:wikipedia", "offline:web_text")
-VARIANTS = ("dense", "gradmap-25", "gradmap-25-healed")
+VARIANTS = ("dense", "gradmap-25", "gradmap-25-healed", "gradmap-25-healed-norms", "gradmap-25-w4a16-healed-norms")
+ORDERS = {
+    "gradmap-25-healed/w4a16": "heal (LoRA), then W4A16",
+    "gradmap-25-healed-norms/w4a16": "heal (norms), then W4A16",
+    "gradmap-25-w4a16-healed-norms/w4a16": "W4A16, then heal (norms)",
+}
 PRECISIONS = ("bfloat16", "w8a8", "w4a16")
 
 
@@ -99,4 +104,29 @@ def composition(context: Context) -> str:
     return table.markdown()
 
 
-TABLES = {"deploy": deploy_table, "deploy-composition": composition}
+def _paired(measured: dict | None) -> str:
+    return f"{100 * measured['difference']:+.1f} (+/- {100 * measured['stderr']:.1f})" if measured else ""
+
+
+def order(context: Context) -> str:
+    """Which order of heal and INT4 quantization: each W4A16 row made from a healed model, or healed after W4A16, with
+    its web-text KL and accuracy, paired against the same heal unquantized and against the other order."""
+    table = Table(
+        "deploy-order",
+        "model | order | web-text KL | zero-shot acc | vs dense (+/- SE) | vs the same heal, unquantized (+/- SE) | "
+        "vs heal, then W4A16 (+/- SE)",
+    )
+    for model, source, record in _records():
+        rows = {row["label"]: row for row in record["rows"] if "refused" not in row}
+        for label, name in ORDERS.items():
+            if label not in rows or "gradmap-25-w4a16-healed-norms/w4a16" not in rows:
+                continue
+            row = rows[label]
+            cells = [model, name, f"{row['kl_to_dense']['offline:web_text']:.3f}", f"{100 * row['accuracy']:.1f}"]
+            cells += [_paired(row["against_dense"]), _paired(row.get("against_unquantized"))]
+            cells += [_paired(row.get("against_other_order"))]
+            table.add(cells, row["provenance"], source)
+    return table.markdown()
+
+
+TABLES = {"deploy": deploy_table, "deploy-composition": composition, "deploy-order": order}

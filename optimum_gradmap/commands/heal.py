@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from .. import distributed
     from ..checkpoint import save_checkpoint
     from ..heal import check_generation_prompts, check_heal_settings, heal_stage
+    from ..heal.quantized import dequantized_loading, stored_quantization, stored_weights_writer
 
     progress = set_verbosity(args)
     loading, path, report, config, teacher_loading, teacher_path = _checked_heal_input(args)
@@ -88,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:  # the plan from the two configs alone: no weight is loaded
         return _dry_run(loading, path, teacher_path, config, args.model)
     distributed.init_from_environment()
-    model, tokenizer = loading.load(path)
+    quantized = stored_quantization(path) is not None  # healed on its dequantized weights, saved as stored
+    model, tokenizer = loading.load(path, **(dequantized_loading() if quantized else {}))
     compensated = (report.get("compensation") or {}).get("compensated_layers", [])
     check_heal_settings(model, config, compensated)
     check_generation_prompts(config, tokenizer)  # before the teacher loads
@@ -115,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         evaluation = healed_evaluation(report, model, tokenizer, teacher, args.teacher, name, shown)
     before = {key: report.get(key) for key in ("evaluation", "zero_shot_against_dense", "flips_against_dense")}
     report = _healed_report(report, config, healed, evaluation, before, model, args)
-    save_checkpoint(args.output, model, tokenizer, config, report, overwrite=args.overwrite)
+    writer = stored_weights_writer(path, model) if quantized else None
+    save_checkpoint(args.output, model, tokenizer, config, report, overwrite=args.overwrite, write_weights=writer)
     if not distributed.is_main_process():
         return 0
     _print_outcome(healed, evaluation, before, args)
@@ -133,6 +136,7 @@ def _checked_heal_input(args: argparse.Namespace) -> tuple[ModelLoading, str, di
     from ..checkpoint import check_output_location
     from ..configuration import GradMAPConfig
     from ..heal import HEAL_SETTINGS, check_heal_checkpoint, check_heal_dataset_name
+    from ..heal.quantized import check_quantized_heal, stored_quantization
     from ..report import load_report
 
     loading = config_from_arguments(args, ModelLoading)
@@ -148,6 +152,9 @@ def _checked_heal_input(args: argparse.Namespace) -> tuple[ModelLoading, str, di
             "again, rather than on top of an earlier heal."
         )
     check_heal_dataset_name(config.heal_dataset)
+    quantization = stored_quantization(path)
+    if quantization is not None:
+        check_quantized_heal(quantization, config.heal_trainable, loading.model)
     teacher_loading = dataclasses.replace(loading, model=args.teacher, revision=None)
     teacher_path = teacher_loading.resolve().path
     keep_safe = tuple(folder for folder in (path, teacher_path) if os.path.isdir(folder))
@@ -205,6 +212,8 @@ def _healed_report(
 
     made = reproduction(command_line(args), step="heal", earlier=report.get("reproduce"))  # after the pruning's run
     report = {**report, "gradmap_config": config.to_dict(), "reproduce": made, "heal": healed.to_dict()}
+    if report.get("quantization"):  # quantized first: the heal trained what the quantized checkpoint stores as it is
+        report["heal"]["after_quantization"] = True
     report["evaluation_before_heal"] = {"measured_after": stage_before_heal(report), **before}
     report["evaluation"] = evaluation.to_dict() if evaluation is not None else None
     report["zero_shot_against_dense"] = report["flips_against_dense"] = None  # zero-shot is not run again

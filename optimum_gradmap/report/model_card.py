@@ -46,8 +46,9 @@ def _heal_sentence(report: dict[str, Any]) -> str:
         return ""
     stopped = " (stopped early by the user)" if heal.get("interrupted") else ""
     merged = ", merged into the weights" if heal["trainable"] == "lora" else ""
+    into = "the quantized model, its rounded weights as stored" if heal.get("after_quantization") else "it"
     sentence = (
-        f"Then the heal stage distilled the dense model into it{stopped}: {heal['trainable']} "
+        f"Then the heal stage distilled the dense model into {into}{stopped}: {heal['trainable']} "
         f"({heal['num_trainable_parameters']:,} parameters{merged}) trained on {heal['trained_tokens']:,} tokens of "
         f"{heal['dataset']} (SHA-256 {heal['train_sha256'][:12]}); held-out KL from the dense model "
         f"{heal['start_kl']:.4f} -> {heal['best_kl']:.4f} nats/token."
@@ -83,8 +84,9 @@ def _quantization_sentence(report: dict[str, Any]) -> str:
         if quantization.get("calibration_sha256")
         else ""
     )
+    when = "Then" if (report.get("heal") or {}).get("after_quantization") else "Last"
     return (
-        f"Last, llm-compressor {quantization['versions'].get('llmcompressor')} quantized it to `{quantization['scheme']}` "
+        f"{when}, llm-compressor {quantization['versions'].get('llmcompressor')} quantized it to `{quantization['scheme']}` "
         f"({quantization['description']}; {quantization['algorithm']}){calibration}; "
         f"{', '.join(quantization['ignored']) or 'no linear map'} kept in full precision. The weights are stored in the "
         "compressed-tensors format: transformers loads them with `compressed-tensors` installed, vLLM serves them."
@@ -160,7 +162,10 @@ def build_model_card(
     name = repo_id or "path/to/this/checkpoint"
     removed, num_layers = report["removed_layers"], report["original_num_layers"]
     metric = report["gradmap_config"].get("importance", "gradmap")
-    stage2 = " ".join(part for part in (_stage2_sentence(report), _heal_sentence(report), _quantization_sentence(report)) if part)
+    steps = (_heal_sentence(report), _quantization_sentence(report))
+    if (report.get("heal") or {}).get("after_quantization"):
+        steps = steps[::-1]  # the order the runs came in
+    stage2 = " ".join(part for part in (_stage2_sentence(report), *steps) if part)
     picture_lines = "\n\n".join(f"![{picture}]({picture})" for picture in pictures)
     timings = ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in report["timings"].items())
     content = f"""---
