@@ -3,6 +3,7 @@ checkpoint reloaded by plain transformers, the chain in the report and card, and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -319,6 +320,13 @@ def test_a_w4a16_checkpoint_heals_its_norms_and_keeps_its_rounded_weights(tmp_pa
     assert report["quantization"]["scheme"] == "w4a16" and report["reproduce"]["earlier"]["step"] == "quantize"
     card = open(os.path.join(healed, "README.md"), encoding="utf-8").read()
     assert card.index("quantized it to `w4a16`") < card.index("into the quantized model, its rounded weights as stored")
+
+    from optimum_gradmap.planning import plan_heal  # the dry run's disk: the quantized weights, as stored
+
+    config = GradMAPConfig.from_pretrained(quantized)
+    planned = plan_heal(quantized, str(dense), dataclasses.replace(config, heal_tokens=512, heal_trainable="norms"), measure=False)
+    stored = os.path.getsize(os.path.join(healed, "model.safetensors"))
+    assert stored <= planned.output_bytes.high < stored + 2**20
 
     ids = random_ids(2, 16, seed=1)  # what transformers computes from the healed checkpoint: the healed norms in use
     with torch.no_grad():

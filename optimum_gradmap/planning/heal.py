@@ -145,6 +145,16 @@ def layers_before_removed_runs(kept: list[int], num_layers: int) -> int:
     return sum(1 for index in kept if index + 1 < num_layers and index + 1 not in kept_set)
 
 
+def _stored_weight_bytes(pruned: Any, student: ModelShape) -> int:
+    """The healed checkpoint's weights on disk: a quantized checkpoint's are written back as stored (its files' size,
+    [`optimum_gradmap.heal.quantized`]), others in the student's dtype."""
+    from ..heal.quantized import stored_quantization
+
+    if isinstance(pruned, (str, os.PathLike)) and stored_quantization(str(pruned)) is not None:
+        return sum(entry.stat().st_size for entry in os.scandir(pruned) if entry.name.endswith(".safetensors"))
+    return student.weight_bytes
+
+
 def plan_heal(
     pruned: PreTrainedModel | PretrainedConfig | str | os.PathLike,
     teacher: PreTrainedModel | PretrainedConfig | str | os.PathLike,
@@ -217,7 +227,7 @@ def plan_heal(
         stage2=f"none; heal trains {trained} on {config.heal_tokens:,} tokens of {config.heal_dataset}",
         execution="layer_streamed" if streamed is not None else "in_memory",
         stages=[stage],
-        output_bytes=Count.of(student.weight_bytes + (tokenizer_bytes(pruned) or 0) + REPORT_BYTES),
+        output_bytes=Count.of(_stored_weight_bytes(pruned, student) + (tokenizer_bytes(pruned) or 0) + REPORT_BYTES),
         throughput=throughput,
         notes=["The teacher is loaded for its pass beside the student: in memory, the peak holds both models' weights."],
     )
