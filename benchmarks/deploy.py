@@ -167,13 +167,27 @@ def place(record: dict, row: dict) -> None:
         record["rows"].append(row)
 
 
-def speed_again(record: dict, path: str, args) -> None:
+def rebuild(row: dict, folder: str, sources: dict, tokenizer, ids) -> None:
+    """Writes a row's checkpoint again where --work lacks it (a new machine), and checks that it has the recorded
+    bytes on disk: the speed measured is that of the row's checkpoint."""
+    source = sources.get(row["variant"])
+    if source is None:
+        raise SystemExit(f"--speed-again: {folder} is missing and no source for {row['variant']} was given")
+    build(source, row["precision"], folder, tokenizer, ids)
+    if folder_bytes(folder) != row["bytes_on_disk"]:
+        raise SystemExit(f"--speed-again: {folder} rebuilt has {folder_bytes(folder)} bytes, the record {row['bytes_on_disk']}")
+
+
+def speed_again(record: dict, path: str, args, sources: dict, tokenizer, ids) -> None:
     """vLLM's speed measured again for every row, one after the other (the rows' first measurements ran beside their
-    own quantization and evaluation); each row keeps the new figures under `vllm` with their provenance."""
-    for row in record["rows"]:
-        folder = os.path.join(args.work, row["label"].replace("/", "-"))
-        if "refused" in row or not os.path.isdir(folder):
-            continue
+    own quantization and evaluation); each row keeps the new figures under `vllm` with their provenance. Every missing
+    checkpoint is written first (the same bytes on disk), so that the measurements run back to back."""
+    rows = [row for row in record["rows"] if "refused" not in row]
+    folders = [os.path.join(args.work, row["label"].replace("/", "-")) for row in rows]
+    for row, folder in zip(rows, folders):
+        if not os.path.isdir(folder):
+            rebuild(row, folder, sources, tokenizer, ids)
+    for row, folder in zip(rows, folders):
         started = provenance()
         row["vllm"] = speed(folder, args.vllm_python)
         row["vllm_provenance"] = finish(started)
@@ -200,7 +214,7 @@ def main() -> None:
     arguments.add_argument(
         "--speed-again",
         action="store_true",
-        help="measure vLLM's speed again for every row whose checkpoint is in --work, back to back (its own provenance)",
+        help="measure vLLM's speed again for every row, back to back (its own provenance); missing checkpoints are written first",
     )
     args = arguments.parse_args()
     path = os.path.join(RESULTS, f"deploy-{args.model}.json")
@@ -215,10 +229,10 @@ def main() -> None:
         record["dense_float32"] = quality(get_model_path(args.model), tokenizer, dense, args)
         record["dense_answers"] = record["dense_float32"].pop("answers")
         records.write(path, record)
-    if args.speed_again:
-        return speed_again(record, path, args)
     sources = {"dense": get_model_path(args.model), "gradmap-25": args.pruned, "gradmap-25-healed": args.healed}
     sources |= {"gradmap-25-healed-norms": args.healed_norms, "gradmap-25-w4a16-healed-norms": args.w4a16_healed_norms}
+    if args.speed_again:
+        return speed_again(record, path, args, sources, tokenizer, ids[: args.quantization_samples])
     done = {row["label"] for row in record["rows"] if "refused" not in row}  # a refusal is tried again
     for label in args.rows:
         if label in done:
