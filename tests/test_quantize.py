@@ -10,11 +10,13 @@ import os
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.cli import main
 from optimum_gradmap.errors import InvalidInputError
+from optimum_gradmap.planning import describe_model, plan_pruning, plan_quantization
+from optimum_gradmap.planning.quantization import stored_bytes
 from optimum_gradmap.quantize import SCHEMES, check_linear_maps, checks, hardware_problem, quantize_model
 
 from .conftest import random_ids, small_config, tiny_model
@@ -324,7 +326,8 @@ def test_a_w4a16_checkpoint_heals_its_norms_and_keeps_its_rounded_weights(tmp_pa
     from optimum_gradmap.planning import plan_heal  # the dry run's disk: the quantized weights, as stored
 
     config = GradMAPConfig.from_pretrained(quantized)
-    planned = plan_heal(quantized, str(dense), dataclasses.replace(config, heal_tokens=512, heal_trainable="norms"), measure=False)
+    norms = dataclasses.replace(config, heal_tokens=512, heal_trainable="norms")
+    planned = plan_heal(quantized, str(dense), norms, measure=False)
     stored = os.path.getsize(os.path.join(healed, "model.safetensors"))
     assert stored <= planned.output_bytes.high < stored + 2**20
 
@@ -332,3 +335,44 @@ def test_a_w4a16_checkpoint_heals_its_norms_and_keeps_its_rounded_weights(tmp_pa
     with torch.no_grad():
         rounded, mended = (AutoModelForCausalLM.from_pretrained(folder)(ids).logits for folder in (quantized, healed))
     assert not torch.allclose(rounded, mended)
+
+
+# ------------------------------------------------------------------------------------------ the plan of the step
+def test_the_prune_plan_counts_the_quantization_step_and_the_compressed_checkpoints_bytes():
+    model = tiny_model("llama", vocab_size=256, **WIDE)
+    plain, quantized = (
+        plan_pruning(model, small_config(quantization=scheme), removed_layers=[2, 3], measure=False) for scheme in (None, "w4a16")
+    )
+    kept = model.config.num_hidden_layers - 2
+    names = [stage.name for stage in quantized.stages]
+    assert names == [stage.name for stage in plain.stages][:-1] + ["Quantize", "Save"]
+    quantize = quantized.stage("Quantize")
+    config = small_config()
+    assert quantize.work.layer_forward.high == kept * 2 * config.num_samples * config.seq_len  # GPTQ's 2 passes a layer
+    assert "w4a16 (GPTQ): each layer run 2 times" in str(quantized)
+    # INT4 weights with a float32 scale per 128 input columns, in place of float32 weights: the layers' linear maps
+    maps = sum(width * outputs for width, outputs in describe_model(model.config, torch.float32, 1, 8).layer_linear_maps[0])
+    assert plain.output_bytes.high - quantized.output_bytes.high == pytest.approx(kept * maps * (4 - 0.5), rel=0.02)
+
+
+def test_the_quantize_dry_run_plans_llm_compressors_layer_passes_and_the_bytes_it_writes(tmp_path, pruned_checkpoint, capsys):
+    pytest.importorskip("llmcompressor", reason=NEEDS_EXTRA)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pruned_checkpoint)
+    ids = random_ids(4, 32)
+    for scheme in ("w8a8", "w4a16"):
+        output = str(tmp_path / scheme)
+        assert main(["quantize", pruned_checkpoint, "--scheme", scheme, "--output", output, "--dry-run"]) == 0
+        assert "Quantize" in capsys.readouterr().out and not os.path.exists(output)
+        plan = plan_quantization(pruned_checkpoint, scheme, 4, 32, measure=False)
+        model = AutoModelForCausalLM.from_pretrained(pruned_checkpoint)
+        calls = []
+        for layer in model.model.layers:
+            layer.register_forward_hook(lambda module, args, out, calls=calls: calls.append(args[0].shape[:2].numel()))
+        quantize_model(model, scheme, ids, tokenizer, "random tokens")
+        assert sum(calls) == plan.stages[0].work.layer_forward.high  # layer-tokens: W8A8's SmoothQuant runs its own
+        model.save_pretrained(output)
+        with safe_open(os.path.join(output, "model.safetensors"), framework="pt") as weights:
+            stored = sum(weights.get_tensor(name).numel() * weights.get_tensor(name).element_size() for name in weights.keys())
+        assert stored == stored_bytes(describe_model(AutoConfig.from_pretrained(pruned_checkpoint), torch.float32, 1, 32), scheme)

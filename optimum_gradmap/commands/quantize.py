@@ -45,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per calibration sequence (default: the checkpoint's)")
     parser.add_argument("--output", "-o", required=True, help="folder for the quantized checkpoint, report and model card")
     parser.add_argument("--overwrite", action="store_true", help="replace the contents of an existing non-empty --output")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (time, peak memory, the quantized checkpoint's size on disk) from the config alone and exit",
+    )
     add_logging_arguments(parser)
 
 
@@ -55,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
 
     set_verbosity(args)
     loading, path, report, config = _checked_input(args)
+    if args.dry_run:
+        return _dry_run(loading, path, config, args)
     model, tokenizer = loading.load(path)
     ids, source = _calibration(args, config, report, model, tokenizer)
     quantized = quantize_model(model, args.scheme, ids, tokenizer, source)
@@ -91,6 +98,19 @@ def _checked_input(args: argparse.Namespace) -> tuple[ModelLoading, str, dict[st
     check_quantization(AutoConfig.from_pretrained(path), args.scheme)
     check_output_location(args.output, args.overwrite, keep_safe=(path,) if os.path.isdir(path) else ())
     return loading, path, report, GradMAPConfig.from_pretrained(path)
+
+
+def _dry_run(loading: ModelLoading, path: str, config: Any, args: argparse.Namespace) -> int:
+    """`quantize --dry-run`: prints the quantization's plan ([`optimum_gradmap.planning.plan_quantization`])."""
+    from ..planning import plan_quantization
+    from ..precision import compute_device, resolve_dtype
+
+    device = compute_device(loading.device, loading.device_map)
+    num_samples, seq_len = args.num_samples or config.num_samples, args.seq_len or config.seq_len
+    plan = plan_quantization(path, args.scheme, num_samples, seq_len, resolve_dtype(loading.dtype, device), device)
+    plan.model = loading.model
+    print(plan)
+    return 0
 
 
 def _calibration(args: argparse.Namespace, config: Any, report: dict[str, Any], model: Any, tokenizer: Any) -> tuple[Any, str]:

@@ -121,4 +121,3 @@ def stored_weights_writer(source: str, model: PreTrainedModel) -> Callable[[str]
             save_file(stored, shard, metadata={"format": "pt"})
 
     return write
-

@@ -1,7 +1,7 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
 """The cost of a run, told before the run: [`PruningPlan`], what [`GradMAPPruner.plan`] and `optimum-gradmap prune
---dry-run` (`heal --dry-run`) print.
+--dry-run` (`heal --dry-run`, `quantize --dry-run`) print.
 
 Like Accelerate's `accelerate estimate-memory`, the plan builds the model from its config alone on the meta device
 (no weight is read, none is allocated) and counts the parameters of every module. It then goes past the memory of the
@@ -50,6 +50,7 @@ from .layers import LayerCost
 from .placement import HOST_ALLOCATOR_OVERHEAD
 from .plan import PruningPlan, StagePlan
 from .pruning import plan_pruning
+from .quantization import plan_quantization
 from .shape import ModelShape, describe_model, empty_model, load_model_config
 from .stage1 import Stage1Outline
 from .stage2 import Stage2Outline, golden_search_evaluations
@@ -74,4 +75,5 @@ __all__ = [
     "load_model_config",
     "plan_heal",
     "plan_pruning",
+    "plan_quantization",
 ]

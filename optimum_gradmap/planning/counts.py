@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .shape import ModelShape
 
+# The time of one step of a loop over columns (GPTQ's: a few small kernel calls), measured with llm-compressor 0.14's
+# GPTQ on SmolLM2-135M's linear maps on a 2-core CPU (about 50 to 100 microseconds a column beside its FLOPs).
+SECONDS_PER_SEQUENTIAL_STEP = 75e-6
 # The float64 work of a symmetric eigendecomposition with its vectors, in units of d^3 (LAPACK's syevd, about 9 d^3).
 EIGH_FLOPS_PER_CUBE = 9.0
 
@@ -85,6 +88,13 @@ class Work:
         device_float64_flops (`Count`): float64 products on the device (Stage 2's statistics and Adam fits on rows).
         host_float64_flops (`Count`): float64 products on the host (Stage 2's solves).
         host_eigh (`Count`): d x d float64 eigendecompositions on the host.
+        device_float32_flops (`Count`): float32 matrix products on the device outside the layers' passes (GPTQ's
+            Hessians), counted at the device's float64 rate: with the inputs' conversion to float32, they ran at
+            about that rate on a CPU (llm-compressor 0.14 on SmolLM2-135M).
+        factorization_flops (`Count`): Small factorisations and their sweeps on the device (GPTQ's Cholesky factors
+            and column updates), counted at the eigendecompositions' rate on a CPU.
+        sequential_steps (`Count`): Steps a loop takes one after the other, each a few small kernel calls (GPTQ's
+            columns), counted at `SECONDS_PER_SEQUENTIAL_STEP` each.
         generated_tokens (`Count`): Tokens the dense model writes itself (`heal_dataset="generated"`), a position at a
             time with its KV cache: each runs every decoder layer of the dense model and its head.
         per_sample_norms (`bool`): The gradient passes compute per-sample gradient norms (GradMAP's score).
@@ -98,6 +108,9 @@ class Work:
     device_float64_flops: Count = ZERO
     host_float64_flops: Count = ZERO
     host_eigh: Count = ZERO
+    device_float32_flops: Count = ZERO
+    factorization_flops: Count = ZERO
+    sequential_steps: Count = ZERO
     generated_tokens: Count = ZERO
     per_sample_norms: bool = False
     weight_gradients: bool = False
@@ -156,5 +169,7 @@ def flops(work: Work, shape: ModelShape, heal: bool = False) -> Count:
         + work.device_float64_flops
         + work.host_float64_flops
         + work.host_eigh * (EIGH_FLOPS_PER_CUBE * shape.hidden_size**3)
+        + work.device_float32_flops
+        + work.factorization_flops
         + work.generated_tokens * (shape.num_layers * forward + head)
     )

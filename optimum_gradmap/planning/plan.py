@@ -167,8 +167,9 @@ class PruningPlan:
             f"GradMAP plan for {self.model} ({self.model_type}, {self.num_layers} layers, "
             f"{count_text(self.num_parameters)} parameters, {self.dtype}: {bytes_text(self.weight_bytes)})",
         ]
-        removal = f"Remove {self.num_layers_to_remove} of {self.num_layers} layers"
-        lines.append(f"{removal} ({self.budget})" if self.budget else removal)
+        if self.num_layers_to_remove:  # a quantization plan removes none
+            removal = f"Remove {self.num_layers_to_remove} of {self.num_layers} layers"
+            lines.append(f"{removal} ({self.budget})" if self.budget else removal)
         lines.append(f"Stage 1: {self.stage1}")
         if self.stage2:
             lines.append(f"Stage 2: {self.stage2}")
@@ -201,6 +202,7 @@ class PruningPlan:
                 ]
             )
         total_seconds = self.seconds
+        streamed = [stage.peak_bytes_streamed for stage in self.stages if stage.peak_bytes_streamed]
         rows.append(
             [
                 "Total",
@@ -209,7 +211,7 @@ class PruningPlan:
                 range_text(sum((stage.flops for stage in self.stages), ZERO) / 1e12, flop_text),
                 range_text(total_seconds, seconds_text) if total_seconds is not None else "-",
                 range_text(max_over(stage.peak_bytes_in_memory for stage in self.stages), bytes_text),
-                range_text(max_over(stage.peak_bytes_streamed for stage in self.stages if stage.peak_bytes_streamed), bytes_text),
+                range_text(max_over(streamed), bytes_text) if streamed else "n/a",
             ]
         )
         return rows

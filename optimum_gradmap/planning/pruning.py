@@ -28,6 +28,7 @@ from .placement import (
     weights_kept_on_device,
 )
 from .plan import REPORT_BYTES, PruningPlan, StagePlan, shard_bytes, stage_plan, tokenizer_bytes
+from .quantization import passes_text, quantization_memory, quantization_work, stored_layer_bytes
 from .shape import ModelShape, describe_model, load_model_config, resolve_dtype
 from .stage1 import Stage1Outline, logits_bytes, stage1, stage1_memory
 from .stage2 import stage2, stage2_memory
@@ -186,13 +187,15 @@ class _Planner:
             stage2_line, compensated = self.plan_stage2(removed_layers, outline1, removable, validation)
         if self.heal:
             self.plan_heal(int(num_kept.high), self.trained_layers(removed_layers, removable, compensated))
+        if config.quantization:
+            self.plan_quantization(num_kept)
         if evaluation_tokens:
             self.plan_evaluation(num_kept, evaluation_tokens)
         if tokenizer_size is None:
             tokenizer_size = tokenizer_bytes(model_or_path)
             if tokenizer_size is None:
                 self.notes.append("Disk: the tokenizer's files are not counted (no local folder to read their size from).")
-        output_bytes = _kept_parameters(shape, removable, outline1.protected) * shape.dtype_bytes
+        output_bytes = _kept_bytes(shape, removable, outline1.protected, config.quantization)
         output_bytes = output_bytes + (tokenizer_size or 0) + REPORT_BYTES
         self.plan_save(output_bytes)
         self.closing_notes()
@@ -295,6 +298,17 @@ class _Planner:
             )
         return config
 
+    def plan_quantization(self, num_kept: Count) -> None:
+        """The quantization step, after the heal: llm-compressor over the kept layers, on as many calibration sequences
+        as Stage 1 reads ([`optimum_gradmap.planning.quantization`])."""
+        config, shape = self.config, self.shape
+        scheme, tokens = config.quantization, config.num_samples * config.seq_len
+        work = quantization_work(shape, scheme, num_kept, tokens)
+        beside = quantization_memory(shape, scheme, config.num_samples, config.seq_len)
+        passes = passes_text(scheme, config.num_samples, config.seq_len)
+        used = tokens if work.layer_forward.high else 0
+        self.stages.append(self.stage("Quantize", passes, used, work, beside, self.resident + beside, 0.0))
+
     def plan_evaluation(self, num_kept: Count, tokens: int) -> None:
         """Perplexity of the dense and of the pruned model over `tokens` evaluation tokens (`prune --evaluate`)."""
         shape = self.shape
@@ -338,9 +352,14 @@ class _Planner:
         )
 
 
-def _kept_parameters(shape: ModelShape, removable: Count, protected: list[int]) -> Count:
-    """The parameters left after removing `removable` of the non-protected layers (the largest ones, or the smallest)."""
-    sizes = sorted(size for index, size in enumerate(shape.layer_parameters) if index not in protected)
-    low = shape.num_parameters - sum(sizes[len(sizes) - int(removable.high) :])
-    high = shape.num_parameters - sum(sizes[: int(removable.low)])
+def _kept_bytes(shape: ModelShape, removable: Count, protected: list[int], quantization: str | None) -> Count:
+    """The output's weight bytes after removing `removable` of the non-protected layers (the largest ones, or the
+    smallest): in the model's dtype, or with the layers' linear maps stored as `quantization` stores them."""
+    layer_bytes = [parameters * shape.dtype_bytes for parameters in shape.layer_parameters]
+    if quantization:
+        layer_bytes = stored_layer_bytes(shape, quantization)
+    sizes = sorted(size for index, size in enumerate(layer_bytes) if index not in protected)
+    total = (shape.num_parameters - sum(shape.layer_parameters)) * shape.dtype_bytes + sum(layer_bytes)
+    low = total - sum(sizes[len(sizes) - int(removable.high) :])
+    high = total - sum(sizes[: int(removable.low)])
     return Count(low, high)

@@ -49,6 +49,8 @@ class ModelShape:
         down_projection_parameters (`int`): The weights of one layer's down projections (every expert's), where
             Stage 2 folds W' (what `heal_trainable="down_projections"` trains per compensated layer).
         kv_width (`int`): The width of one token's keys (as of its values) in one layer's KV cache.
+        layer_linear_maps (`list[list[tuple[int, int]]]`): Each decoder layer's `nn.Linear` maps as (input width,
+            output width): what the quantization step quantizes.
     """
 
     name: str
@@ -66,6 +68,7 @@ class ModelShape:
     lora_parameters_per_rank: int = 0
     down_projection_parameters: int = 0
     kv_width: int = 0
+    layer_linear_maps: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @property
     def dtype_bytes(self) -> int:
@@ -186,6 +189,10 @@ def describe_model(
         lora_parameters_per_rank=lora_per_rank,
         down_projection_parameters=_down_projection_parameters(adapter, layers[0], text),
         kv_width=_kv_width(text),
+        layer_linear_maps=[
+            [(module.in_features, module.out_features) for module in layer.modules() if isinstance(module, nn.Linear)]
+            for layer in layers
+        ],
     )
     shape.layers = layer_costs(model, adapter, text, batch_size, seq_len)
     if heal_batch_size is not None and (heal_batch_size, heal_seq_len) != (batch_size, seq_len):

@@ -24,7 +24,7 @@ from ..errors import InvalidInputError
 from ..generation import GENERATION_BATCH_SIZE
 from ..importance.gradient import PerSampleGradientNorms, causal_lm_loss_gradient
 from ..passes import summed_next_token_loss
-from .counts import EIGH_FLOPS_PER_CUBE, Count, Work
+from .counts import EIGH_FLOPS_PER_CUBE, SECONDS_PER_SEQUENTIAL_STEP, Count, Work
 from .layers import LayerCost
 from .shape import ModelShape, describe_model, layer_dependent_config, load_model_config, narrowed_config
 
@@ -178,6 +178,11 @@ class DeviceThroughput:
         rates = bench.rates(shape.layers[representative], seconds)
         return cls(f"{name} ({device})", dtype_name, **rates, source=source, measured=True, measurement_seconds=elapsed)
 
+    @property
+    def factorization_flops_per_second(self) -> float:
+        """Small factorisations on the device: the eigendecompositions' rate on a CPU, the float64 rate elsewhere."""
+        return self.host_eigh_flops_per_second if self.device.startswith("cpu") else self.float64_flops_per_second
+
     def seconds(self, work: Work, shape: ModelShape, heal: bool = False) -> Count:
         """The seconds `work` takes on this device, for a model of `shape`."""
         forward = shape.mean("forward_flops", heal)
@@ -194,6 +199,9 @@ class DeviceThroughput:
             + work.head_forward * (head / self.head_flops_per_second)
             + work.head_gradient * (2 * head / self.head_gradient_flops_per_second)
             + work.device_float64_flops / self.float64_flops_per_second
+            + work.device_float32_flops / self.float64_flops_per_second
+            + work.factorization_flops / self.factorization_flops_per_second
+            + work.sequential_steps * SECONDS_PER_SEQUENTIAL_STEP
             + work.host_float64_flops / self.host_float64_flops_per_second
             + work.host_eigh * (EIGH_FLOPS_PER_CUBE * shape.hidden_size**3 / self.host_eigh_flops_per_second)
             + work.generated_tokens * ((shape.num_layers * forward + head) / generation_rate)
