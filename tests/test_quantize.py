@@ -374,5 +374,31 @@ def test_the_quantize_dry_run_plans_llm_compressors_layer_passes_and_the_bytes_i
         assert sum(calls) == plan.stages[0].work.layer_forward.high  # layer-tokens: W8A8's SmoothQuant runs its own
         model.save_pretrained(output)
         with safe_open(os.path.join(output, "model.safetensors"), framework="pt") as weights:
-            stored = sum(weights.get_tensor(name).numel() * weights.get_tensor(name).element_size() for name in weights.keys())
+            stored = sum(weights.get_tensor(name).nbytes for name in weights.keys())
         assert stored == stored_bytes(describe_model(AutoConfig.from_pretrained(pruned_checkpoint), torch.float32, 1, 32), scheme)
+
+
+def test_fp8_writes_a_float_quantized_checkpoint_that_transformers_reloads(tmp_path, monkeypatch):
+    """FP8 runs in vLLM on recent NVIDIA GPUs only, and is refused here: with that check lifted, the recipe itself runs
+    on the CPU (round to nearest, no calibration), and what it writes reloads and has the bytes the plan gives."""
+    pytest.importorskip("llmcompressor", reason=NEEDS_EXTRA)
+    monkeypatch.setattr(checks, "hardware_problem", lambda scheme: None)
+    model = tiny_model("llama", vocab_size=256, **WIDE)
+    ids = random_ids(2, 16)
+    with torch.no_grad():
+        dense_logits = model(ids).logits
+    result = quantize_model(model, "fp8")
+    assert (result.algorithm, result.num_samples, result.calibration_sha256) == ("round to nearest", 0, None)
+    with torch.no_grad():
+        quantized_logits = model(ids).logits
+    model.save_pretrained(tmp_path / "fp8")
+    config = json.load(open(tmp_path / "fp8" / "config.json", encoding="utf-8"))
+    assert config["quantization_config"]["format"] == "float-quantized"
+    assert stored_dtypes(str(tmp_path / "fp8"))["model.layers.0.mlp.down_proj.weight"] == "F8_E4M3"
+    with torch.no_grad():
+        reloaded_logits = AutoModelForCausalLM.from_pretrained(tmp_path / "fp8")(ids).logits
+    torch.testing.assert_close(reloaded_logits, quantized_logits, rtol=1e-5, atol=1e-5)
+    assert 0 < ((quantized_logits - dense_logits).norm() / dense_logits.norm()) < 0.2
+    with safe_open(os.path.join(tmp_path / "fp8", "model.safetensors"), framework="pt") as weights:
+        stored = sum(weights.get_tensor(name).nbytes for name in weights.keys())
+    assert stored == stored_bytes(describe_model(model.config, torch.float32, 1, 16), "fp8")
