@@ -19,7 +19,7 @@ from ..generation import GENERATION_BATCH_SIZE, corpus_part, is_generated
 from ..passes import MAX_LOGIT_ELEMENTS
 from .counts import ZERO, Count, Work
 from .placement import allocator_overhead, offloaded_shares, process_bytes, transfer_seconds, weights_kept_on_device
-from .plan import REPORT_BYTES, PruningPlan, stage_plan, tokenizer_bytes
+from .plan import REPORT_BYTES, PruningPlan, described, stage_plan, tokenizer_bytes
 from .shape import ModelShape, describe_model, load_model_config, resolve_dtype
 from .stage1 import SPLIT_CHECK_TOKENS, logits_bytes
 from .text import count_text
@@ -214,12 +214,7 @@ def plan_heal(
     trained = f"{config.heal_trainable} ({count_text(memory['trained'])} parameters)"
     return PruningPlan(
         model=name,
-        model_type=student.model_type,
-        dtype=str(dtype).replace("torch.", ""),
-        num_layers=student.num_layers,
-        num_parameters=student.num_parameters,
-        weight_bytes=student.weight_bytes,
-        largest_layer_bytes=max(student.layer_parameters) * student.dtype_bytes,
+        **described(student, dtype),
         num_layers_to_remove=teacher_shape.num_layers - student.num_layers,
         rounds=ZERO,
         budget=None,

@@ -217,6 +217,18 @@ class PruningPlan:
         return rows
 
 
+def described(shape: Any, dtype: Any) -> dict[str, Any]:
+    """The [`PruningPlan`] fields a plan of one stage on a saved checkpoint takes from its shape (`ModelShape`)."""
+    return dict(
+        model_type=shape.model_type,
+        dtype=str(dtype).replace("torch.", ""),
+        num_layers=shape.num_layers,
+        num_parameters=shape.num_parameters,
+        weight_bytes=shape.weight_bytes,
+        largest_layer_bytes=max(shape.layer_parameters) * shape.dtype_bytes,
+    )
+
+
 def tokenizer_bytes(model_or_path: Any) -> int | None:
     """The size of the tokenizer's files in a local model folder; `None` elsewhere."""
     if not isinstance(model_or_path, (str, os.PathLike)) or not os.path.isdir(model_or_path):

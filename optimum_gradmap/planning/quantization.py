@@ -23,7 +23,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ..quantize.schemes import SCHEMES, QuantizationScheme
 from .counts import ZERO, Count, Work
 from .placement import allocator_overhead, process_bytes
-from .plan import REPORT_BYTES, PruningPlan, stage_plan, tokenizer_bytes
+from .plan import REPORT_BYTES, PruningPlan, described, stage_plan, tokenizer_bytes
 from .shape import ModelShape, describe_model, load_model_config, resolve_dtype
 from .throughput import DeviceThroughput
 
@@ -184,12 +184,7 @@ def plan_quantization(
     output = stored_bytes(shape, scheme) + (tokenizer_bytes(model_or_path) or 0) + REPORT_BYTES
     return PruningPlan(
         model=name,
-        model_type=shape.model_type,
-        dtype=str(dtype).replace("torch.", ""),
-        num_layers=shape.num_layers,
-        num_parameters=shape.num_parameters,
-        weight_bytes=shape.weight_bytes,
-        largest_layer_bytes=max(shape.layer_parameters) * shape.dtype_bytes,
+        **described(shape, dtype),
         num_layers_to_remove=0,
         rounds=ZERO,
         budget=None,
