@@ -4,8 +4,8 @@
 type, default and help. The command line's `prune` options are generated from its fields
 ([`optimum_gradmap.arguments`]), and its docstring from the same help texts.
 
-From the package this module imports the errors and the metric registry (to check a metric's name), which
-loads the `importance` package with it; nothing there imports this module back. It touches no file: names that
+From the package this module imports the errors and the metric registry (a leaf, to check a metric's name without
+loading Stage 1). It touches no file: names that
 depend on the file system (a calibration folder) are checked when they are used.
 """
 
@@ -21,7 +21,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from .errors import InvalidInputError
-from .importance.registry import IMPORTANCE_METRICS, ImportanceMetric
+from .metric_registry import ImportanceMetric, importance_metric_names
+from .settings import LayerAmount
 
 CONFIG_NAME = "gradmap_config.json"
 # The choices of the settings that have a fixed set of values (checked by `GradMAPConfig`, offered by the CLI).
@@ -103,8 +104,8 @@ def _setting(default: Any, help: str, minimum: int | None = None, **metadata: An
     return field(**default_kind, metadata={"help": help, "minimum": minimum, **metadata})
 
 
-@dataclass
-class GradMAPConfig:
+@dataclass(frozen=True)
+class GradMAPConfig(LayerAmount):
     pruning_ratio: float | None = _setting(
         None,
         "Fraction of decoder layers to remove, in (0, 1). The number of layers is `ratio x layer count` rounded to "
@@ -465,20 +466,20 @@ class GradMAPConfig:
                 raise InvalidInputError(
                     f"`layers_to_prune` must be a non-empty list of distinct layer indices >= 0, got {self.layers_to_prune!r}."
                 )
-            self.layers_to_prune = layers
+            object.__setattr__(self, "layers_to_prune", layers)
         if self.pruning_ratio is not None:
             if isinstance(self.pruning_ratio, bool) or not isinstance(self.pruning_ratio, (int, float)):
                 raise InvalidInputError(f"`pruning_ratio` must be a number in (0, 1), got {self.pruning_ratio!r}.")
             if not 0.0 < float(self.pruning_ratio) < 1.0:
                 raise InvalidInputError(f"`pruning_ratio` must lie strictly between 0 and 1, got {self.pruning_ratio}.")
-            self.pruning_ratio = float(self.pruning_ratio)
+            object.__setattr__(self, "pruning_ratio", float(self.pruning_ratio))
 
     def _check_selection(self) -> None:
         """The settings of Stage 1's selection: a registered metric (or an instance), protected layers as a list
         of indices, and the verified shortlist's options only with a shortlist."""
-        if isinstance(self.importance, str) and self.importance not in IMPORTANCE_METRICS:
+        if isinstance(self.importance, str) and self.importance not in importance_metric_names():
             raise InvalidInputError(
-                f"`importance` must be the name of a registered metric ({', '.join(IMPORTANCE_METRICS)}) or an "
+                f"`importance` must be the name of a registered metric ({', '.join(importance_metric_names())}) or an "
                 f"`ImportanceMetric` instance, got {self.importance!r}."
             )
         if not isinstance(self.importance, (str, ImportanceMetric)):
@@ -486,7 +487,7 @@ class GradMAPConfig:
         if self.protected_layers is not None:
             if any(isinstance(i, bool) or not isinstance(i, int) for i in self.protected_layers):
                 raise InvalidInputError(f"`protected_layers` must be a list of layer indices, got {self.protected_layers!r}.")
-            self.protected_layers = list(self.protected_layers)
+            object.__setattr__(self, "protected_layers", list(self.protected_layers))
         if self.verify_halving and self.verify_top_k is None:
             raise InvalidInputError(
                 "`verify_halving=True` changes how a verified shortlist is checked, and there is none: "
@@ -550,6 +551,11 @@ class GradMAPConfig:
                 "`quantization_dataset` must be a dataset name or path such as 'offline:web_text', or None (the "
                 f"calibration sequences), got {self.quantization_dataset!r}."
             )
+        if self.quantization_dataset is not None and self.quantization is None:
+            raise InvalidInputError(
+                f"`quantization_dataset={self.quantization_dataset!r}` calibrates the quantization step, and there is "
+                "none: set `quantization` too (e.g. quantization='w8a8'), or leave `quantization_dataset` out."
+            )
         for name in ("dataset", "text_column", "heal_dataset"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise InvalidInputError(
@@ -575,29 +581,6 @@ class GradMAPConfig:
             if minimum is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
                 raise InvalidInputError(f"`{setting.name}` must be an integer >= {minimum}, got {value!r}.")
 
-    def resolved_protected_layers(self, num_layers: int) -> set[int] | None:
-        """`protected_layers` as dense-model indices for a model with `num_layers` layers (negative
-        ones counted from the end), or `None` for the metric's own default.
-
-        Args:
-            num_layers (`int`): The dense model's number of decoder layers.
-
-        Returns:
-            `set[int]` or `None`.
-
-        Raises:
-            ValueError: for an index outside the model's layers.
-        """
-        if self.protected_layers is None:
-            return None
-        outside = [index for index in self.protected_layers if not -num_layers <= index < num_layers]
-        if outside:
-            raise InvalidInputError(
-                f"protected_layers={self.protected_layers} names layers the model does not have: it has {num_layers} "
-                f"decoder layers, indexed 0 to {num_layers - 1} (or -{num_layers} to -1)."
-            )
-        return {index % num_layers for index in self.protected_layers}
-
     def unused_stage1_settings(self) -> list[str]:
         """The settings that choose layers (`importance`, `iterative`, `verify_top_k`, ...) given values other than
         their defaults although `layers_to_prune` names the layers: Stage 1 does not score, so they are not used.
@@ -609,35 +592,6 @@ class GradMAPConfig:
             return []
         defaults = {item.name: item.default for item in fields(self)}
         return [name for name in STAGE1_SELECTION_SETTINGS if getattr(self, name) != defaults[name]]
-
-    @property
-    def has_budget(self) -> bool:
-        """Whether Stage 1 stops at a budget or a size target (`max_loss_increase`, `target_num_parameters`), K
-        being only the most it may remove."""
-        return self.max_loss_increase is not None or self.target_num_parameters is not None
-
-    def num_layers_to_remove(self, num_layers: int) -> int:
-        """Returns K for a model with `num_layers` decoder layers (ratio rounded half up); with a budget, the
-        most that may be removed (all but one layer when no K is given).
-
-        Args:
-            num_layers (`int`): The dense model's number of decoder layers.
-
-        Returns:
-            `int`: K.
-        """
-        if self.num_layers_to_prune is not None:
-            return self.num_layers_to_prune
-        if self.layers_to_prune is not None:
-            return len(self.layers_to_prune)
-        if self.pruning_ratio is None:
-            return num_layers - 1
-        return int(math.floor(self.pruning_ratio * num_layers + 0.5))
-
-    @property
-    def importance_name(self) -> str:
-        """The name of the importance metric, whether `importance` is a name or an instance."""
-        return self.importance.name if isinstance(self.importance, ImportanceMetric) else self.importance
 
     # ------------------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:

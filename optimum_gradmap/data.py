@@ -407,6 +407,12 @@ def describe_calibration_data(calibration_data: CalibrationData, default_dataset
     return f"{len(calibration_data)} {kind} given directly"
 
 
+def given_directly(description: str | None) -> bool:
+    """Whether a description of [`describe_calibration_data`] (a pruning report's `calibration_source`) says the data
+    was given directly (token ids, strings, a `datasets.Dataset`): no dataset name reads it again."""
+    return bool(description) and ("given directly" in description or description.startswith("a datasets.Dataset"))
+
+
 def _calibration_documents(name: str) -> list[str]:
     """The calibration documents of a named dataset, joined into one stream where it is drawn that way."""
     documents = DATASETS[name].load("calibration")

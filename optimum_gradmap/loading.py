@@ -198,9 +198,16 @@ def load_model_and_tokenizer(
     return model, tokenizer, location
 
 
-def saved_tokenizer(model: PreTrainedModel, location: dict[str, Any]) -> PreTrainedTokenizerBase:
+def saved_tokenizer(
+    model: PreTrainedModel, location: dict[str, Any], why: str = "Calibration text needs a tokenizer"
+) -> PreTrainedTokenizerBase:
     """The tokenizer saved with `model`, loaded from its name with `location` (where it was loaded from; defaults to
     its commit).
+
+    Args:
+        model (`PreTrainedModel`): The model.
+        location (`dict`): `from_pretrained` arguments that say where it was loaded from.
+        why (`str`): What needs the tokenizer, the start of the refusal where there is none.
 
     Raises:
         InvalidInputError: for a model without a name to load one from.
@@ -209,6 +216,6 @@ def saved_tokenizer(model: PreTrainedModel, location: dict[str, Any]) -> PreTrai
 
     name = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
     if not name:
-        raise InvalidInputError("Calibration text needs a tokenizer: pass `tokenizer=` (the model has no name to load one from).")
+        raise InvalidInputError(f"{why}: pass `tokenizer=` (the model has no name to load one from).")
     location = location or {"revision": getattr(model.config, "_commit_hash", None)}
     return AutoTokenizer.from_pretrained(name, **location)

@@ -1,32 +1,42 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""The GradMAP pruner: runs Stage 1 (layer selection, [`optimum_gradmap.importance.stage`]), Stage 2 (projection
-compensation, [`optimum_gradmap.compensation.stage`]) and the heal ([`optimum_gradmap.heal.pruned`]) in order on any
-model that has an architecture adapter, and hands back a [`PruningResult`]."""
+"""The GradMAP pruner: runs the steps a configuration asks for ([`optimum_gradmap.pipeline`]: Stage 1, Stage 2, the
+heal, quantization) on any model that has an architecture adapter, and hands back a [`PruningResult`]."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from . import surgery
 from .checkpoint import save_checkpoint
-from .compensation import RunCompensation
-from .compensation import stage as stage2
+from .compensation import STAGE2_SETTINGS, Stage2Settings
 from .configuration import GradMAPConfig
-from .data import CalibrationData, check_token_ids, is_text_data, prepare_calibration_data
+from .data import CalibrationData
 from .errors import InvalidInputError
-from .heal import pruned as healing
+from .heal import HEAL_SETTINGS
 from .hub import save_and_upload
-from .importance import stage as stage1
-from .loading import load_model_and_tokenizer, saved_tokenizer
-from .quantize import check_linear_maps, check_quantization, head_names, quantize_model, scheme_named
-from .result import PruningResult
+from .loading import load_model_and_tokenizer
+from .pipeline import (
+    Compensate,
+    Heal,
+    Run,
+    RunInputs,
+    SelectLayers,
+    Step,
+    check_inputs_have_steps,
+    check_steps,
+    cut,
+    plan_pruning,
+    pruning_steps,
+    run_checked_steps,
+)
+from .result import PruningResult, refuse_after_heal
 
 if TYPE_CHECKING:
     from .evaluation import EvaluationResult
@@ -69,11 +79,9 @@ class GradMAPPruner:
         self.tokenizer = tokenizer
         self.progress_bar = progress_bar
         self.result: PruningResult | None = None
-        # Between Stage 1 and the end of Stage 2: the dense stack of `self.result`, and the fits made between Stage 1's
-        # removals (`compensate_each_round`), with their backups.
-        self._dense: surgery.LayerSnapshot | None = None
-        self._run_compensations: list[RunCompensation] = []
-        self._calibration_data: CalibrationData = None  # what the last `select_layers` read
+        # The last run, until `prune` or `release` drops it: the dense stack of `self.result` (which Stage 2 compares
+        # against and the heal's teacher is made of), the fits made between Stage 1's removals, and what it read.
+        self._run: Run | None = None
         # Where `from_pretrained` loaded the model from (`revision`, `token`, ...): a tokenizer loaded later comes from there too.
         self._location: dict[str, Any] = {}
 
@@ -113,7 +121,7 @@ class GradMAPPruner:
     ) -> PruningPlan:
         """What a run of `config` on the model will do and cost, told before the run from the model's config alone (no
         weight is read): the layers to remove, the work, peak memory, disk and expected time of each stage
-        ([`~optimum_gradmap.planning.plan_pruning`]). `optimum-gradmap prune --dry-run` prints it.
+        ([`~optimum_gradmap.pipeline.plan_pruning`]). `optimum-gradmap prune --dry-run` prints it.
 
         ```python
         >>> plan = GradMAPPruner.plan("HuggingFaceTB/SmolLM2-135M", GradMAPConfig(pruning_ratio=0.25))
@@ -124,15 +132,13 @@ class GradMAPPruner:
             model_or_path (`PreTrainedModel`, `PretrainedConfig`, `str` or `os.PathLike`): The model (its config is
                 used), its config, a local folder or a Hub id (`config.json` alone is read).
             config (`GradMAPConfig`): The run.
-            dtype, device, throughput, kwargs: As in [`~optimum_gradmap.planning.plan_pruning`]: the dtype the model
+            dtype, device, throughput, kwargs: As in [`~optimum_gradmap.pipeline.plan_pruning`]: the dtype the model
                 computes in (defaults to float32), where (defaults to the CPU), the device's speed (measured on `device`
                 when not given), and `device_map`, `max_memory`, `execution`, `removed_layers`, ....
 
         Returns:
             [`~optimum_gradmap.planning.PruningPlan`].
         """
-        from .planning import plan_pruning
-
         return plan_pruning(model_or_path, config, dtype=dtype, device=device, throughput=throughput, **kwargs)
 
     def prune(
@@ -177,33 +183,18 @@ class GradMAPPruner:
             Exception: any other error once Stage 1 started propagates after the model was put back as it came.
                 Ctrl-C during the heal's training keeps its best state (`result.heal.interrupted`).
         """
-        config = self.config
-        model = self._resolve_model(model)
-        heal_text = healing.heal_input(model, heal_data, config, self._tokenizer_for(model, tokenizer), heal_checkpoint)
-        compensation_ids, validation_ids = stage2.stage2_ids(
-            config, compensation_data, validation_data, self._reader(model, tokenizer)
+        inputs = RunInputs(
+            calibration_data=calibration_data,
+            validation_data=validation_data,
+            compensation_data=compensation_data,
+            heal_data=heal_data,
+            stage1_checkpoint=stage1_checkpoint,
+            heal_checkpoint=heal_checkpoint,
+            heal_text_cache=heal_text_cache,
         )
-        quantization_ids, quantization_source = self._quantization_input(model, tokenizer)
-
-        def check_fit_data(calibration_ids: torch.LongTensor) -> None:  # Stage 2 fits on them: checked before Stage 1
-            if config.compensation and compensation_ids is None:
-                stage2.check_fit_ids(calibration_ids, config)
-
-        result = self._select_layers(model, calibration_data, tokenizer, stage1_checkpoint, check_fit_data)
-        try:
-            if config.compensation:
-                fit_ids = compensation_ids if compensation_ids is not None else result.calibration_ids
-                stage2.compensate_result(result, self._dense, config, fit_ids, validation_ids, self.progress_bar)
-            if config.heal_tokens:
-                healing.heal_result(
-                    result, config, heal_text, heal_data, self._tokenizer_for(model, tokenizer), None, self._dense,
-                    self._run_compensations, heal_checkpoint, heal_text_cache, self.progress_bar, self._calibration_data,
-                )  # fmt: skip
-            if config.quantization:
-                self._quantize(result, tokenizer, quantization_ids, quantization_source)
-        except BaseException:
-            self._roll_back(result)
-            raise
+        check_inputs_have_steps(self.config, inputs)
+        steps = pruning_steps(self.config)  # Stage 1, Stage 2, the heal, quantization: those the config asks for
+        result = self._run_steps(steps, steps, model, tokenizer, inputs)
         self.release()
         return result
 
@@ -231,27 +222,9 @@ class GradMAPPruner:
         Returns:
             [`PruningResult`]: The model has lost its K layers; Stage 2 has not run.
         """
-        return self._select_layers(model, calibration_data, tokenizer, stage1_checkpoint)
-
-    def _select_layers(
-        self,
-        model: PreTrainedModel | None,
-        calibration_data: CalibrationData,
-        tokenizer: PreTrainedTokenizerBase | None,
-        stage1_checkpoint: str | os.PathLike | None,
-        check_calibration_ids: Callable[[torch.LongTensor], None] | None = None,
-    ) -> PruningResult:
-        """[`~GradMAPPruner.select_layers`], calling `check_calibration_ids` with the calibration sequences once they
-        are read, before anything changes ([`optimum_gradmap.importance.stage`])."""
-        model = self._resolve_model(model)
-        read = lambda: self._reader(model, tokenizer)(calibration_data, None)  # noqa: E731
-        checked = stage1.check_stage1_input(model, self.config, read, stage1_checkpoint, check_calibration_ids)
-        self.release()
-        self.result, self._dense, self._run_compensations = stage1.select_layers(
-            checked, self.config, calibration_data, self.tokenizer, self.progress_bar
-        )
-        self._calibration_data = calibration_data  # the dense model's own heal text starts from its first tokens
-        return self.result
+        inputs = RunInputs(calibration_data=calibration_data, stage1_checkpoint=stage1_checkpoint)
+        checked = [step for step in pruning_steps(self.config) if isinstance(step, (SelectLayers, Compensate))]
+        return self._run_steps(checked, checked[:1], model, tokenizer, inputs)  # Stage 2's input checked too
 
     def compensate(
         self,
@@ -292,9 +265,16 @@ class GradMAPPruner:
             " (Stage 2 compares against them): call `compensate` with the result of this pruner's last `select_layers`, "
             "before `prune` or `release` drops them.",
         )
-        read = self._reader(result.model, tokenizer)
-        inputs = stage2.compensate_input(result, self.config, config_overrides, compensation_data, validation_data, read)
-        return stage2.compensate_result(result, self._dense, *inputs, self.progress_bar)
+        unknown = sorted(set(config_overrides) - set(STAGE2_SETTINGS))
+        if unknown:
+            raise InvalidInputError(f"{unknown} are not Stage 2 settings; these are: {list(STAGE2_SETTINGS)}.")
+        config = dataclasses.replace(self.config, compensation=True, **config_overrides)  # the pruner's, not the last run's
+        run = self._run
+        run.inputs = dataclasses.replace(run.inputs, compensation_data=compensation_data, validation_data=validation_data)
+        run.tokenizer = tokenizer or run.tokenizer
+        run.fit_ids = run.validation_ids = None
+        self._run_checked([Compensate(Stage2Settings.from_config(config))], run)
+        return result
 
     def heal(
         self,
@@ -337,19 +317,30 @@ class GradMAPPruner:
             InvalidInputError: for settings or text that cannot heal, a result healed already, or no teacher; the model
                 is left as it was. Any other error leaves the model as it was; Ctrl-C keeps the best state so far.
         """
-        config = healing.heal_config(result, self.config, config_overrides)
+        unknown = sorted(set(config_overrides) - set(HEAL_SETTINGS))
+        if unknown:
+            raise InvalidInputError(f"{unknown} are not heal settings; these are: {list(HEAL_SETTINGS)}.")
+        config = dataclasses.replace(result.config or self.config, **config_overrides)  # how the result was pruned
+        if not config.heal_tokens:
+            raise InvalidInputError("The heal stage needs a budget: give `heal_tokens` (e.g. heal_tokens=200_000).")
+        refuse_after_heal(result, "a second heal")
         if teacher is None:
             self._check_holds_dense(
                 result,
                 ", which the heal stage's teacher is made of: call `heal` before `prune` or `release` drops them, or "
                 "give the dense model as `teacher=`.",
             )
-        tokenizer_for = self._tokenizer_for(result.model, tokenizer)
-        heal_text = healing.heal_text(result.model, heal_data, config, tokenizer_for, result.compensated_layers)
-        return healing.heal_result(
-            result, config, heal_text, heal_data, tokenizer_for, teacher, self._dense, self._run_compensations,
-            checkpoint, text_cache, self.progress_bar, self._calibration_data if result is self.result else None,
-        )  # fmt: skip
+        inputs = RunInputs(heal_data=heal_data, heal_checkpoint=checkpoint, heal_text_cache=text_cache, teacher=teacher)
+        if result is self.result and self._run is not None:  # the run that made it: its dense stack and calibration text
+            run = self._run
+            run.inputs = dataclasses.replace(inputs, calibration_data=run.inputs.calibration_data)
+            run.tokenizer = tokenizer or run.tokenizer
+        else:
+            run = Run(result.model, config, inputs, tokenizer or self.tokenizer, self._location, self.progress_bar)
+            run.result = result
+        run.heal_text = None
+        self._run_checked([Heal(config)], run)
+        return result
 
     def cut(self, result: PruningResult, num_layers_to_prune: int) -> PruningResult:
         """Keeps only the first `num_layers_to_prune` removals of a Stage 1 run, without scoring again: removal is
@@ -373,13 +364,11 @@ class GradMAPPruner:
         self._check_holds_dense(
             result, ": `cut` needs the result of this pruner's last `select_layers`, before `prune` or `release` drops them."
         )
-        return stage1.cut(result, self._dense, num_layers_to_prune)
+        return cut(result, self._run.dense, num_layers_to_prune)
 
     def release(self) -> None:
         """Drops the dense layers kept for Stage 2 (after [`~GradMAPPruner.select_layers`]), freeing their memory."""
-        self._dense = None
-        self._run_compensations = []
-        self._calibration_data = None
+        self._run = None
 
     def save_pretrained(
         self,
@@ -467,66 +456,32 @@ class GradMAPPruner:
 
     def _check_holds_dense(self, result: PruningResult, why: str) -> None:
         """Refuses a result whose dense layers this pruner no longer holds (`why` ends the message)."""
-        if result is not self.result or self._dense is None:
+        if result is not self.result or self._run is None or self._run.dense is None:
             raise InvalidInputError(f"This pruner no longer holds the dense layers of that result{why}")
 
-    def _roll_back(self, result: PruningResult) -> None:
-        """Puts the model of `result` back as `prune` got it ([`optimum_gradmap.importance.stage.undo`]) and forgets
-        the result."""
-        stage1.undo(result, self._dense, self._run_compensations)
-        self.result = None
-        self.release()
-
-    def _quantization_input(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None
-    ) -> tuple[torch.LongTensor | None, str | None]:
-        """Checks the quantization step before Stage 1 ([`~optimum_gradmap.quantize.check_quantization`]) and reads
-        `quantization_dataset`'s sequences; `(None, None)` when it calibrates on Stage 1's or does not run."""
-        config = self.config
-        if not config.quantization:
-            return None, None
-        check_linear_maps(model, scheme_named(config.quantization), head_names(model))  # Stage 1 removes layers, not widths
-        check_quantization(model.config, config.quantization)
-        if config.quantization_dataset is None:
-            return None, None
-        return self._reader(model, tokenizer)(config.quantization_dataset, None), config.quantization_dataset
-
-    def _quantize(
+    def _run_steps(
         self,
-        result: PruningResult,
+        checked: Sequence[Step],
+        steps: Sequence[Step],
+        model: PreTrainedModel | None,
         tokenizer: PreTrainedTokenizerBase | None,
-        ids: torch.LongTensor | None,
-        source: str | None,
-    ) -> None:
-        """The quantization step, last: `result.model` quantized in place on `ids` (`None`: Stage 1's sequences)."""
-        if ids is None:
-            ids, source = result.calibration_ids, f"Stage 1's calibration sequences ({result.calibration_source})"
-        tokenizer = tokenizer or self.tokenizer or result.tokenizer
-        result.quantization = quantize_model(result.model, self.config.quantization, ids, tokenizer, source)
-        result.timings["quantization"] = result.quantization.seconds
+        inputs: RunInputs,
+    ) -> PruningResult:
+        """A new run of `steps` on `model`, after every check of `checked` (the steps, or more): the last run is
+        released once the checks pass, and this one is kept for `compensate`, `heal` and `cut` (forgotten where a step
+        failed: every step that started is undone)."""
+        model = self._resolve_model(model)
+        run = Run(model, self.config, inputs, tokenizer or self.tokenizer, self._location, self.progress_bar)
+        check_steps(checked, run)
+        self.release()
+        self.result = None
+        run_checked_steps(steps, run)
+        self.result, self._run = run.result, run
+        if tokenizer is None and self.tokenizer is None:
+            self.tokenizer = run.tokenizer  # the one saved with the model, loaded for text: kept
+        return run.result
 
-    def _reader(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> stage2.ReadIds:
-        """Reads text (any form calibration data takes) into token ids for `model`: `num_samples` windows of `seq_len`
-        tokens drawn with a seed (`None`: the config's), checked against the model's vocabulary."""
-        config, tokenizer_for = self.config, self._tokenizer_for(model, tokenizer)
-
-        def read(data: CalibrationData, seed: int | None) -> torch.LongTensor:
-            seed = config.seed if seed is None else seed
-            ids = prepare_calibration_data(
-                data, tokenizer_for(data), config.num_samples, config.seq_len, seed, config.dataset, config.text_column
-            )
-            check_token_ids(ids, model)
-            return ids
-
-        return read
-
-    def _tokenizer_for(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> healing.TokenizerFor:
-        """The tokenizer for some data: `tokenizer`, else the pruner's, else (for text) the one saved with the model,
-        which the pruner then keeps."""
-
-        def tokenizer_for(data: CalibrationData) -> PreTrainedTokenizerBase | None:
-            if (tokenizer or self.tokenizer) is None and is_text_data(data):
-                self.tokenizer = saved_tokenizer(model, self._location)
-            return tokenizer or self.tokenizer
-
-        return tokenizer_for
+    def _run_checked(self, steps: Sequence[Step], run: Run) -> None:
+        """Checks `steps`, then runs them on an existing `run` (a step that fails is undone: the model is as it was)."""
+        check_steps(steps, run)
+        run_checked_steps(steps, run)

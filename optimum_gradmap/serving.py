@@ -191,7 +191,9 @@ def find_vllm_python(vllm_python: str | os.PathLike | None = None) -> str:
     )
 
 
-def _prompt_ids(checkpoint: str, prompts: Sequence[str] | Sequence[Sequence[int]] | None, vocab_size: int) -> list[list[int]]:
+def prompt_ids_for(checkpoint: str, prompts: Sequence[str] | Sequence[Sequence[int]] | None, vocab_size: int) -> list[list[int]]:
+    """The serving checks' prompts as token ids: the ids given, the texts tokenized with the checkpoint's tokenizer, or
+    by default four short texts (fixed random ids for a checkpoint without a tokenizer)."""
     if prompts is not None and all(not isinstance(prompt, str) for prompt in prompts):
         ids = [[int(token) for token in prompt] for prompt in prompts]
     elif not any(os.path.isfile(os.path.join(checkpoint, name)) for name in TOKENIZER_FILES):
@@ -345,7 +347,7 @@ def verify_serving(
         validate_checkpoint(checkpoint)
     start = time.perf_counter()
     model = reference_model or AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    prompt_ids = _prompt_ids(checkpoint, prompts, model.config.get_text_config(decoder=True).vocab_size)
+    prompt_ids = prompt_ids_for(checkpoint, prompts, model.config.get_text_config(decoder=True).vocab_size)
     was_training = model.training
     model.eval()
     reference = reference_outputs(model, prompt_ids, max_new_tokens)

@@ -304,6 +304,65 @@ def restored(backups: Sequence[WeightBackup]) -> Iterator[None]:
             backup.restore()
 
 
+class ModelBackup:
+    """Everything an in-place change of a whole model may touch, to put the model back exactly after a change that
+    failed part-way (llm-compressor's quantization adds parameters, buffers, hooks and attributes to the modules it
+    quantizes, may replace modules, and rounds their weights): every module's children, parameters, buffers, hooks and
+    attributes as they are now, and a copy on the CPU of the values of every parameter and buffer in memory. It costs
+    as many host bytes as those values ([`ModelBackup.bytes_needed`]); a weight offloaded by Accelerate (on the "meta"
+    device) is not copied.
+
+    Args:
+        model (`nn.Module`): The model.
+    """
+
+    def __init__(self, model: nn.Module):
+        self._modules = [(module, _module_state(module)) for module in model.modules()]
+        self._values = [
+            (tensor, tensor.detach().to("cpu", copy=True))
+            for module, _ in self._modules
+            for tensor in [*module._parameters.values(), *module._buffers.values()]
+            if tensor is not None and tensor.device.type != "meta"
+        ]
+
+    @staticmethod
+    def bytes_needed(model: nn.Module) -> int:
+        """The host bytes a backup of `model` takes: its parameters and buffers in memory."""
+        tensors = [*model.parameters(), *model.buffers()]
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors if tensor.device.type != "meta")
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Puts every module's children, parameters, buffers, hooks and attributes back, then their values."""
+        for module, state in self._modules:
+            module.__dict__.clear()
+            module.__dict__.update(_module_state(state))
+        for tensor, value in self._values:
+            if tensor.shape == value.shape and tensor.dtype == value.dtype:
+                tensor.copy_(value)
+            else:  # replaced in place by another shape or dtype
+                tensor.data = value.to(tensor.device)
+
+
+def _module_state(module_or_state: nn.Module | dict[str, Any]) -> dict[str, Any]:
+    """A copy of a module's attributes (or of such a copy), each dictionary among them (children, parameters, buffers,
+    hooks) copied too, so that what is added to the module later does not reach the copy."""
+    state = vars(module_or_state) if isinstance(module_or_state, nn.Module) else module_or_state
+    return {name: (value.copy() if isinstance(value, dict) else value) for name, value in state.items()}
+
+
+def available_host_bytes() -> int | None:
+    """The host memory available now (Linux's `MemAvailable`), or `None` where `/proc/meminfo` cannot tell."""
+    try:
+        with open("/proc/meminfo") as file:
+            for line in file:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 # The elements of a weight summed at a time by `weights_digest` (32 MB in float64).
 DIGEST_CHUNK = 1 << 22
 

@@ -389,12 +389,12 @@ def test_an_error_while_running_exits_with_1_and_verbose_prints_its_traceback(
     tiny_checkpoint, tmp_path, capsys, monkeypatch, error, code
 ):
     """Only bad input is exit code 2; anything that fails while running is 1, with the traceback under -v."""
-    from optimum_gradmap.pruner import GradMAPPruner
+    from optimum_gradmap import pipeline
 
     def failing(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(GradMAPPruner, "prune", failing)
+    monkeypatch.setattr(pipeline, "run_steps", failing)
     assert main(_prune_args(tiny_checkpoint, str(tmp_path / "out"))) == code
     quiet = capsys.readouterr().err
     assert "simulated" in quiet and "Traceback" not in quiet

@@ -296,8 +296,8 @@ def no_stage1(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("Stage 1 started before the input was checked")
 
-    monkeypatch.setattr("optimum_gradmap.importance.stage.remove_by_importance", refuse)
-    monkeypatch.setattr("optimum_gradmap.importance.stage.remove_explicit_layers", refuse)
+    monkeypatch.setattr("optimum_gradmap.pipeline.stage1.remove_by_importance", refuse)
+    monkeypatch.setattr("optimum_gradmap.pipeline.stage1.remove_explicit_layers", refuse)
 
 
 @pytest.mark.parametrize(
@@ -347,7 +347,7 @@ def test_a_budget_that_leaves_fewer_layers_than_num_compensated_layers_stops_sta
     def refuse(*args, **kwargs):
         raise AssertionError("Stage 2 started")
 
-    monkeypatch.setattr("optimum_gradmap.compensation.stage.compensate", refuse)
+    monkeypatch.setattr("optimum_gradmap.pipeline.stage2.compensate", refuse)
     model = tiny_model("llama", num_layers=6)
     before = _as_it_came(model)
     settings = dict(num_layers_to_prune=3, max_loss_increase=100.0, compensation_target="max_drift", num_compensated_layers=5)

@@ -351,16 +351,15 @@ def test_an_interrupted_auto_heal_resumes_with_the_tokens_it_chose(monkeypatch, 
 def test_auto_tokens_after_given_layers_are_sized_by_stage_1s_predicted_time(monkeypatch):
     """`layers_to_prune` (or `--cut-from`) runs no Stage 1 round: its removal takes milliseconds, which sized the heal
     to one batch. The heal is sized by the plan's time for a Stage 1 that removes as many layers, and says so."""
-    from optimum_gradmap import planning
+    from optimum_gradmap.pipeline import heal as heal_step
 
-    predicted, plan_pruning = [], planning.plan_pruning
+    predicted, predict = [], heal_step.predicted_stage1_seconds
 
     def recorded(*args, **kwargs):
-        plan = plan_pruning(*args, **kwargs)
-        predicted.append(plan.stage("Stage 1").seconds.high)
-        return plan
+        predicted.append(predict(*args, **kwargs))
+        return predicted[-1]
 
-    monkeypatch.setattr(planning, "plan_pruning", recorded)
+    monkeypatch.setattr(heal_step, "predicted_stage1_seconds", recorded)
     model = peaked_model(num_layers=4)
     config = small_config(
         num_layers_to_prune=None, layers_to_prune=[1, 2], heal_tokens="auto", heal_lr=1e-3, **HEAL
@@ -375,17 +374,16 @@ def test_auto_tokens_after_given_layers_are_sized_by_stage_1s_predicted_time(mon
 def test_the_heal_command_sizes_auto_tokens_after_given_layers_by_the_same_prediction(monkeypatch, tmp_path):
     """`optimum-gradmap heal` on a checkpoint pruned with `layers_to_prune` plans Stage 1 from the teacher's folder,
     through the prediction the pruner uses; with a measured Stage 1 it keeps the measured time."""
-    from optimum_gradmap import planning
     from optimum_gradmap.commands import heal as heal_command
+    from optimum_gradmap.pipeline import heal as heal_step
 
-    predicted, plan_pruning = [], planning.plan_pruning
+    predicted, predict = [], heal_step.predicted_stage1_seconds
 
-    def recorded(*args, **kwargs):
-        plan = plan_pruning(*args, **kwargs)
-        predicted.append((args[0], kwargs["dtype"], plan.stage("Stage 1").seconds.high))
-        return plan
+    def recorded(dense_model, config, num_removed, parameter):
+        predicted.append((dense_model, parameter.dtype, predict(dense_model, config, num_removed, parameter)))
+        return predicted[-1][-1]
 
-    monkeypatch.setattr(planning, "plan_pruning", recorded)
+    monkeypatch.setattr(heal_step, "predicted_stage1_seconds", recorded)
     teacher = tiny_model("llama", num_layers=4)
     teacher.save_pretrained(tmp_path / "teacher")
     config = small_config(num_layers_to_prune=None, layers_to_prune=[1, 2], heal_tokens="auto")
@@ -407,7 +405,7 @@ def test_a_heal_checkpoint_from_another_run_is_refused_before_stage_1_with_auto_
 ):
     """Their sequences are made when the heal starts: the settings, the processes and the model's layers are compared
     before Stage 1 all the same."""
-    monkeypatch.setattr("optimum_gradmap.importance.stage.remove_by_importance", _stage1_refused)
+    monkeypatch.setattr("optimum_gradmap.pipeline.stage1.remove_by_importance", _stage1_refused)
     checkpoint = tmp_path / "heal.pt"
     torch.save({"fingerprint": {"trainable": "all", "learning_rate": 1.0}}, checkpoint)
     model = peaked_model()
@@ -423,7 +421,7 @@ def test_a_heal_checkpoint_from_another_run_is_refused_before_stage_1_with_auto_
 def test_prompts_longer_than_the_heal_sequences_are_refused_before_any_work(
     tmp_path, byte_tokenizer, monkeypatch, prompts, seq_len
 ):
-    monkeypatch.setattr("optimum_gradmap.importance.stage.remove_by_importance", _stage1_refused)
+    monkeypatch.setattr("optimum_gradmap.pipeline.stage1.remove_by_importance", _stage1_refused)
     byte_tokenizer.chat_template = CHAT_TEMPLATE  # "<|user|>\n": 9 tokens
     model = peaked_model()
     state = copy.deepcopy(model.state_dict())

@@ -618,7 +618,7 @@ def no_stage_1(monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("Stage 1 started: the refusal came after it")
 
-    monkeypatch.setattr(GradMAPPruner, "_select_layers", started)
+    monkeypatch.setattr("optimum_gradmap.pipeline.SelectLayers.run", started)
 
 
 def without_norms(model: nn.Module) -> nn.Module:

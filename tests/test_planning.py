@@ -22,8 +22,8 @@ from optimum_gradmap.planning import (
     describe_model,
     golden_search_evaluations,
     plan_heal,
-    plan_pruning,
 )
+from optimum_gradmap.pipeline import plan_pruning
 
 from .conftest import random_ids, tiny_model
 

@@ -15,7 +15,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.cli import main
 from optimum_gradmap.errors import InvalidInputError
-from optimum_gradmap.planning import describe_model, plan_pruning, plan_quantization
+from optimum_gradmap.pipeline import plan_pruning
+from optimum_gradmap.planning import describe_model, plan_quantization
 from optimum_gradmap.planning.quantization import stored_bytes
 from optimum_gradmap.quantize import SCHEMES, check_linear_maps, checks, hardware_problem, quantize_model
 

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     """`optimum-gradmap heal`: heals a pruned checkpoint and saves it with its report."""
     from .. import distributed
     from ..checkpoint import save_checkpoint
-    from ..heal import check_generation_prompts, check_heal_settings, heal_stage
+    from ..heal import changed_parameters, check_generation_prompts, check_heal_settings, heal_stage
     from ..heal.quantized import dequantized_loading, stored_quantization, stored_weights_writer
 
     progress = set_verbosity(args)
@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = loading.load(path, **(dequantized_loading() if quantized else {}))
     compensated = (report.get("compensation") or {}).get("compensated_layers", [])
     check_heal_settings(model, config, compensated)
+    layout = (report["kept_layers"], report["original_num_layers"], compensated)
+    trained = list(changed_parameters(model, config.heal_trainable, *layout)) if quantized else []
     check_generation_prompts(config, tokenizer)  # before the teacher loads
     teacher = _teacher(teacher_loading, teacher_path)
     stage1_seconds, stage1_basis = _stage1_seconds(report, config, teacher_path, model)
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         evaluation = healed_evaluation(report, model, tokenizer, teacher, args.teacher, name, shown)
     before = {key: report.get(key) for key in ("evaluation", "zero_shot_against_dense", "flips_against_dense")}
     report = _healed_report(report, config, healed, evaluation, before, model, args)
-    writer = stored_weights_writer(path, model) if quantized else None
+    writer = stored_weights_writer(path, model, trained) if quantized else None
     save_checkpoint(args.output, model, tokenizer, config, report, overwrite=args.overwrite, write_weights=writer)
     if not distributed.is_main_process():
         return 0
@@ -188,11 +190,11 @@ def _teacher(loading: ModelLoading, path: str) -> Callable[[], AbstractContextMa
 def _stage1_seconds(report: dict[str, Any], config: Any, teacher_path: str, model: Any) -> tuple[float | None, str]:
     """Stage 1's time for `--heal-tokens auto`: the one the pruning run measured, or, where it scored nothing (its
     `layers_to_prune`, a cut), the plan's time for a Stage 1 that removes as many layers from the teacher
-    ([`~optimum_gradmap.planning.plan_pruning`], the throughput measured on this device)."""
+    ([`~optimum_gradmap.pipeline.heal.predicted_stage1_seconds`], the throughput measured on this device)."""
     measured = (report.get("timings") or {}).get("stage1")
     if config.heal_tokens != "auto" or config.layers_to_prune is None:
         return measured, "measured"
-    from ..heal.pruned import predicted_stage1_seconds
+    from ..pipeline.heal import predicted_stage1_seconds
 
     return predicted_stage1_seconds(teacher_path, config, len(report["removed_layers"]), next(model.parameters())), "predicted"
 

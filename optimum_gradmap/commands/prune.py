@@ -7,9 +7,10 @@ config ([`optimum_gradmap.arguments`])."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers.utils import logging
 
@@ -18,6 +19,9 @@ from ..configuration import PRESETS, GradMAPConfig
 from ..loading import ModelLoading
 from .common import InputError, add_logging_arguments, command_line, set_verbosity
 from .heal import default_heal_checkpoint, default_heal_text_cache, finish_heal_checkpoint
+
+if TYPE_CHECKING:
+    from ..pipeline import Step
 
 logger = logging.get_logger(__name__)
 
@@ -105,12 +109,13 @@ def default_stage1_checkpoint(output: str) -> str:
     return os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.stage1.json")
 
 
-def _checked_prune_input(args: argparse.Namespace) -> tuple[GradMAPConfig, ModelLoading]:
+def _checked_prune_input(args: argparse.Namespace) -> tuple[GradMAPConfig, ModelLoading, list[Step]]:
     """Everything `prune` can check before any compute (options, datasets, calibration files, device, output
-    folder), so that bad input costs seconds, exits with code 2 and writes nothing."""
-    from ..checkpoint import check_output_location
+    folder, and what each step's settings alone decide: the quantization's extra and hardware, ...), so that bad input
+    costs seconds, exits with code 2 and writes nothing. Returns the config, the loading and the run's steps."""
     from ..data import check_dataset_name
     from ..heal import check_heal_dataset_name
+    from ..pipeline import Evaluate, Save, pruning_steps
 
     config = config_from_arguments(args, GradMAPConfig)
     if args.cut_from is not None:
@@ -122,16 +127,18 @@ def _checked_prune_input(args: argparse.Namespace) -> tuple[GradMAPConfig, Model
         check_dataset_name(config.compensation_dataset, "calibration")
     if config.heal_tokens:
         check_heal_dataset_name(config.heal_dataset)
-    for dataset in args.evaluate or ():
-        check_dataset_name(dataset, "evaluation")
-    if args.max_segments is not None and args.max_segments < 1:
-        raise InputError(f"--max-segments must be at least 1, got {args.max_segments}.")
     if args.validation_dataset is not None:
         check_dataset_name(args.validation_dataset, "calibration")
     loading = config_from_arguments(args, ModelLoading)
     loading.check_device()
-    check_output_location(args.output, args.overwrite, keep_safe=(args.model,) if os.path.isdir(args.model) else ())
-    return config, loading
+    steps = pruning_steps(config)  # Stage 1, Stage 2, the heal, quantization: those the config asks for
+    if args.evaluate is not None:
+        steps.append(Evaluate(tuple(args.evaluate), args.max_segments, announce=True))
+    keep_safe = (args.model,) if os.path.isdir(args.model) else ()
+    steps.append(Save(args.output, args.overwrite, keep_safe))
+    for step in steps:
+        step.check_settings()
+    return config, loading, steps
 
 
 def _cut(config: GradMAPConfig, checkpoint: str) -> GradMAPConfig:
@@ -139,7 +146,6 @@ def _cut(config: GradMAPConfig, checkpoint: str) -> GradMAPConfig:
 
     The cut runs no Stage 1 round: a budget, a parameter target or a loss curve would have nothing to decide or
     measure, so they are refused rather than ignored."""
-    import dataclasses
 
     from ..report import load_report
 
@@ -178,51 +184,48 @@ def _cut(config: GradMAPConfig, checkpoint: str) -> GradMAPConfig:
 def run(args: argparse.Namespace) -> int:
     """`optimum-gradmap prune`: prunes, saves checkpoint + report + model card, optionally uploads."""
     from .. import distributed
-    from ..pruner import GradMAPPruner
+    from ..pipeline import Run, RunInputs, check_inputs_have_steps, run_steps
 
     progress = set_verbosity(args)
-    config, loading = _checked_prune_input(args)
+    config, loading, steps = _checked_prune_input(args)
     stage1_checkpoint = args.stage1_checkpoint
     if stage1_checkpoint is None and config.layers_to_prune is None:
         stage1_checkpoint = default_stage1_checkpoint(args.output)
     heal_checkpoint = default_heal_checkpoint(args.output) if config.heal_tokens else None
+    inputs = RunInputs(
+        validation_data=args.validation_dataset,
+        stage1_checkpoint=stage1_checkpoint,
+        heal_checkpoint=heal_checkpoint,
+        heal_text_cache=default_heal_text_cache(args.output) if config.heal_tokens else None,
+    )
+    check_inputs_have_steps(config, inputs)
     resolved = loading.resolve()  # a model name that is no folder, no asset and not on the Hub: refused here
     if args.dry_run:
-        return _dry_run(args, config, loading, resolved.path)
+        return _dry_run(args, config, loading, resolved.path, steps)
 
     several = distributed.init_from_environment()  # under torchrun / accelerate launch: data parallel
     main_process = distributed.is_main_process()
     progress = progress and main_process
     if several and loading.device == "cuda":
         loading.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"  # one GPU per process
+    card = {
+        "base_model": resolved.base_model or args.model,
+        "base_model_revision": args.revision,
+        "license": resolved.license,
+        "repo_id": args.push_to_hub,
+        "command": command_line(args),
+    }
+    steps[-1] = dataclasses.replace(steps[-1], card=card)  # the save, with what the model card says of the run
     model, tokenizer = loading.load(resolved.path)
-    dense_evaluation = _measure_perplexity(model, tokenizer, args, progress, label="dense model")
-    pruner = GradMAPPruner(config, model=model, tokenizer=tokenizer, progress_bar=progress)
+    run = Run(model, config, inputs, tokenizer, progress_bar=progress)
     try:
-        result = pruner.prune(
-            stage1_checkpoint=stage1_checkpoint,
-            validation_data=args.validation_dataset,
-            heal_checkpoint=heal_checkpoint,
-            heal_text_cache=default_heal_text_cache(args.output) if config.heal_tokens else None,
-        )
+        run_steps(steps, run)  # the last one saves, by the main process; the others wait for it
     except KeyboardInterrupt:
         _print_interrupted(args, stage1_checkpoint)
         return 130
-    evaluation = _measure_perplexity(model, tokenizer, args, progress)
-    result.save_pretrained(
-        args.output,
-        evaluation=evaluation,
-        dense_evaluation=dense_evaluation,
-        base_model=resolved.base_model or args.model,
-        base_model_revision=args.revision,
-        license=resolved.license,
-        repo_id=args.push_to_hub,
-        overwrite=args.overwrite,
-        command=command_line(args),
-    )  # by the main process; the others wait for it
     if not main_process:
         return 0
-    _finish(args, result, stage1_checkpoint, heal_checkpoint, dense_evaluation, evaluation)
+    _finish(args, run.result, stage1_checkpoint, heal_checkpoint, run.dense_evaluation, run.evaluation)
     return 0
 
 
@@ -280,36 +283,11 @@ def _finish(
         print(f"Uploaded to {url}")
 
 
-def _measure_perplexity(model: Any, tokenizer: Any, args: argparse.Namespace, progress: bool, label: str | None = None) -> Any:
-    """With `--evaluate`, the model's perplexity on those datasets (printed with `label` by the main process);
-    `None` without it. With several processes ([`optimum_gradmap.distributed`]) each scores its share of the segments
-    (`evaluate(..., shared_by_processes=True)`): every process gets the perplexity of all of them, and none waits idle
-    in a collective (and runs into the process group's timeout) while another evaluates."""
-    from .. import distributed
-    from ..evaluation import evaluate
-
-    if args.evaluate is None:
-        return None
-    datasets = {"perplexity_datasets": args.evaluate} if args.evaluate else {}
-    result = evaluate(
-        model,
-        tokenizer,
-        **datasets,
-        segment_length=128,
-        max_segments=args.max_segments,
-        progress_bar=progress,
-        shared_by_processes=True,
-    )
-    for entry in result.perplexities if label and distributed.is_main_process() else ():
-        print(f"{label}: {entry.dataset} perplexity {entry.perplexity:.3f} ({entry.protocol})", flush=True)
-    return result
-
-
-def _dry_run(args: argparse.Namespace, config: GradMAPConfig, loading: ModelLoading, path: str) -> int:
+def _dry_run(args: argparse.Namespace, config: GradMAPConfig, loading: ModelLoading, path: str, steps: list[Step]) -> int:
     """`prune --dry-run`: reads the calibration text as the run would (a dataset that cannot be reached fails here,
-    with the run's own error), prints the plan of the run ([`optimum_gradmap.planning.plan_pruning`]) from the model's
+    with the run's own error), prints the plan of the run's steps ([`optimum_gradmap.pipeline.plan_pruning`]) from the model's
     config alone, and returns 0 without loading a weight."""
-    from ..planning import plan_pruning
+    from ..pipeline import plan_pruning
     from ..precision import compute_device, resolve_dtype
 
     _read_calibration_text(args, config)
@@ -328,6 +306,7 @@ def _dry_run(args: argparse.Namespace, config: GradMAPConfig, loading: ModelLoad
         evaluation_tokens=evaluation_tokens,
         name=args.model,
         host_allocator_overhead=args.host_allocator_overhead,
+        steps=steps,
     )
     if args.evaluate is not None and args.max_segments is None:
         plan.notes.append("--evaluate without --max-segments: the evaluation is not counted (its size is known once read).")

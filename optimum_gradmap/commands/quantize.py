@@ -55,17 +55,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """`optimum-gradmap quantize`: quantizes a saved checkpoint and saves it with its report."""
+    import dataclasses
+
     from ..checkpoint import save_checkpoint
-    from ..quantize import quantize_model
+    from ..quantize import quantize_model, scheme_named
 
     set_verbosity(args)
     loading, path, report, config = _checked_input(args)
     if args.dry_run:
         return _dry_run(loading, path, config, args)
     model, tokenizer = loading.load(path)
-    ids, source = _calibration(args, config, report, model, tokenizer)
+    ids, source = _calibration(args, config, report, model, tokenizer) if scheme_named(args.scheme).calibrated else (None, None)
     quantized = quantize_model(model, args.scheme, ids, tokenizer, source)
-    report = _quantized_report(report, quantized, model, args)
+    config = dataclasses.replace(config, quantization=args.scheme, quantization_dataset=args.dataset)
+    report = _quantized_report(report, quantized, model, args, config)
     save_checkpoint(args.output, model, tokenizer, config, report, overwrite=args.overwrite)
     print(
         f"Quantized to {args.scheme} ({quantized.algorithm}) in {quantized.seconds:.1f} s"
@@ -77,12 +80,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _checked_input(args: argparse.Namespace) -> tuple[ModelLoading, str, dict[str, Any], Any]:
     """Everything `quantize` checks before a weight loads: the checkpoint, its report and config, the scheme against
-    this machine and llm-compressor, the calibration counts, the output folder."""
+    this machine and llm-compressor (the pipeline's quantization step's own check), the model's linear maps against the
+    scheme's weight groups (from its config), the calibration text's name and counts, the output folder."""
+    import torch
     from transformers import AutoConfig
 
     from ..checkpoint import check_output_location
     from ..configuration import GradMAPConfig
-    from ..quantize import check_quantization
+    from ..data import check_dataset_name, given_directly
+    from ..pipeline import Quantize
+    from ..planning import empty_model
+    from ..quantize import QuantizationSettings, check_linear_maps, check_quantization, head_names, scheme_named
     from ..report import load_report
 
     loading = config_from_arguments(args, ModelLoading)
@@ -95,7 +103,19 @@ def _checked_input(args: argparse.Namespace) -> tuple[ModelLoading, str, dict[st
         raise InputError(
             f"{loading.model} is quantized already ({report['quantization']['scheme']}): quantize the checkpoint it came from."
         )
-    check_quantization(AutoConfig.from_pretrained(path), args.scheme)
+    Quantize(QuantizationSettings(args.scheme, args.dataset)).check_settings()
+    model_config = AutoConfig.from_pretrained(path)
+    check_quantization(model_config, args.scheme)
+    scheme = scheme_named(args.scheme)
+    if scheme.calibrated and args.dataset is not None:
+        check_dataset_name(args.dataset, "calibration")
+    if scheme.calibrated and args.dataset is None and given_directly(report.get("calibration_source")):
+        raise InputError(
+            f"{loading.model} was calibrated on data given directly ({report['calibration_source']}), which no name reads "
+            f"again: `{args.scheme}` calibrates on text, so give it with --dataset (e.g. --dataset offline:wikipedia)."
+        )
+    meta = empty_model(model_config, torch.float32)  # the linear maps' widths, from the config alone
+    check_linear_maps(meta, scheme, head_names(meta))
     check_output_location(args.output, args.overwrite, keep_safe=(path,) if os.path.isdir(path) else ())
     return loading, path, report, GradMAPConfig.from_pretrained(path)
 
@@ -136,14 +156,18 @@ def _calibration(args: argparse.Namespace, config: Any, report: dict[str, Any], 
     return ids, dataset
 
 
-def _quantized_report(report: dict[str, Any], quantized: Any, model: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """The quantized checkpoint's report: what the quantization did and how to make it again; the evaluation measured
-    on the unquantized weights kept, labelled, under `evaluation_before_quantization`."""
+def _quantized_report(
+    report: dict[str, Any], quantized: Any, model: Any, args: argparse.Namespace, config: Any
+) -> dict[str, Any]:
+    """The quantized checkpoint's report: what the quantization did, its config (with the quantization's settings) and
+    how to make it again; the evaluation measured on the unquantized weights kept, labelled, under
+    `evaluation_before_quantization` (the model card shows it so)."""
     from ..report import environment, reproduction
 
     made = reproduction(command_line(args), step="quantize", earlier=report.get("reproduce"))
     before = {key: report.get(key) for key in ("evaluation", "zero_shot_against_dense", "flips_against_dense")}
     report = {**report, "reproduce": made, "quantization": quantized.to_dict(), "environment": environment(model)}
+    report["gradmap_config"] = config.to_dict()
     report["evaluation_before_quantization"] = before
     report["evaluation"] = report["zero_shot_against_dense"] = report["flips_against_dense"] = None
     report["timings"] = {**report.get("timings", {}), "quantization": quantized.seconds}

@@ -27,7 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for several; None: four)")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens per prompt")
     parser.add_argument(
-        "--logprob-tolerance", type=float, default=DEFAULT_LOGPROB_TOLERANCE, help="accepted log-probability difference in nats"
+        "--logprob-tolerance",
+        type=float,
+        default=None,
+        help=f"accepted log-probability difference in nats, for an unquantized checkpoint (default "
+        f"{DEFAULT_LOGPROB_TOLERANCE:g}; a quantized one is held to a bound measured from bfloat16's own difference)",
     )
     parser.add_argument("--output", "-o", default=None, help="write the comparison as JSON to this file")
     add_logging_arguments(parser)
@@ -40,19 +44,26 @@ def run(args: argparse.Namespace) -> int:
     [`~optimum_gradmap.quantize.serving.verify_quantized_serving`]: exit code 0 when vLLM agrees within its bound."""
     from ..checkpoint import InvalidCheckpointError
     from ..files import write_atomically
-    from ..serving import verify_serving
+    from ..serving import DEFAULT_LOGPROB_TOLERANCE, verify_serving
 
     set_verbosity(args)
     if not os.path.isdir(args.checkpoint):
         raise InputError(f"{args.checkpoint} is not a folder: give a checkpoint folder.")
+    quantized = _is_quantized(args.checkpoint)
+    if quantized and args.logprob_tolerance is not None:
+        raise InputError(
+            f"{args.checkpoint} is quantized: it is checked against a bound measured from bfloat16's own difference, "
+            "not a fixed tolerance. Leave --logprob-tolerance out (it applies to unquantized checkpoints)."
+        )
+    tolerance = args.logprob_tolerance if args.logprob_tolerance is not None else DEFAULT_LOGPROB_TOLERANCE
     try:
-        if _is_quantized(args.checkpoint):  # quantized kernels cannot match bit for bit: their agreement is measured
+        if quantized:  # quantized kernels cannot match bit for bit: their agreement is measured
             from ..quantize.serving import verify_quantized_serving
 
             check = verify_quantized_serving(args.checkpoint, args.vllm_python, args.prompt, args.max_new_tokens)
             passed = check.agrees
         else:
-            check = verify_serving(args.checkpoint, args.vllm_python, args.prompt, args.max_new_tokens, args.logprob_tolerance)
+            check = verify_serving(args.checkpoint, args.vllm_python, args.prompt, args.max_new_tokens, tolerance)
             passed = check.matched
     except InvalidCheckpointError as error:
         raise InputError(str(error)) from error

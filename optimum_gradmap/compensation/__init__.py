@@ -37,11 +37,11 @@ The modules, in the order Stage 2 uses them:
 - [`refinement`]: the matrices refined together by distillation from the dense model's next-token distribution;
 - [`targets`]: which kept layers to fit, and to which dense hidden state;
 - [`each_round`]: the fit between Stage 1 removals ([`compensate_run`]);
-- [`stage2`]: all the fits in forward order, with rollback ([`compensate`]); [`settings`]: the config fields it reads
-  and the checks made before it runs; [`result`]: what it did ([`CompensationResult`]);
-- [`stage`]: Stage 2's entry for [`~optimum_gradmap.GradMAPPruner`]: its text read and checked before Stage 1, and the
-  fit on a pruned result (imported as `optimum_gradmap.compensation.stage`: it reads the
-  [`~optimum_gradmap.PruningResult`]).
+- [`stage2`]: all the fits in forward order, with rollback ([`compensate`]), and the refusals of settings a family
+  cannot run; [`settings`]: its frozen settings ([`Stage2Settings`]); [`result`]: what it did ([`CompensationResult`]).
+
+The pipeline's Stage 2 step ([`optimum_gradmap.pipeline.stage2`]) reads its text and checks it before Stage 1, and
+runs [`compensate`] on the pruned result.
 """
 
 from .activations import (
@@ -68,10 +68,10 @@ from .next_token import (
     next_token_selection_runs,
     resolve_selection,
 )
-from .refinement import TOP_K, dense_top_k, refine
+from .refinement import TOP_K, check_refinement_data, dense_top_k, refine
 from .result import CompensationResult
 from .rotation import hadamard_matrix, rotation
-from .settings import MIN_TOKENS_PER_HIDDEN_UNIT, STAGE2_SETTINGS, check_stage2_settings
+from .settings import MIN_TOKENS_PER_HIDDEN_UNIT, STAGE2_SETTINGS, Stage2Settings
 from .solvers import (
     AUTO_NUM_FOLDS,
     AUTO_RIDGE_GRID,
@@ -87,7 +87,7 @@ from .solvers import (
     solve_adam,
     solve_closed_form,
 )
-from .stage2 import compensate
+from .stage2 import check_stage2_settings, compensate
 from .statistics import (
     CompensationRows,
     CompensationStatistics,
@@ -118,12 +118,14 @@ __all__ = [
     "check_stage2_settings",
     "rotation",
     "TOP_K",
+    "check_refinement_data",
     "dense_top_k",
     "refine",
     "AUTO_NUM_FOLDS",
     "AUTO_RIDGE_GRID",
     "MIN_TOKENS_PER_HIDDEN_UNIT",
     "STAGE2_SETTINGS",
+    "Stage2Settings",
     "CompensationFit",
     "CompensationResult",
     "CompensationStatistics",

@@ -14,7 +14,6 @@ from torch import nn
 
 from .. import distributed
 from ..adapters import DecoderAdapter
-from ..configuration import GradMAPConfig
 from ..errors import InvalidInputError
 from ..passes import (
     calibration_batches,
@@ -25,6 +24,7 @@ from ..passes import (
     run_model,
     stop_after,
 )
+from .settings import Stage2Settings
 
 
 def hidden_state_means(
@@ -138,7 +138,7 @@ def outlier_tokens(original: torch.Tensor, median_norm: float | None = None, fac
 def outlier_token_weights(
     original: torch.Tensor, handling: str, median_norm: float | None = None, factor: float = OUTLIER_NORM_FACTOR
 ) -> torch.Tensor | None:
-    """Each token's weight in Stage 2's fit under `GradMAPConfig.outlier_tokens`.
+    """Each token's weight in Stage 2's fit under `Stage2Settings.outlier_tokens`.
 
     Args:
         original (`torch.Tensor` of shape `(samples, tokens, d)`): The dense hidden states.
@@ -167,7 +167,7 @@ def outlier_token_weights(
     return (factor * median_norm / norms.clamp_min(torch.finfo(torch.float64).tiny)).pow(2).clamp(max=1.0)
 
 
-def check_outlier_tokens(config: GradMAPConfig, adapter: DecoderAdapter) -> None:
+def check_outlier_tokens(config: Stage2Settings, adapter: DecoderAdapter) -> None:
     """Refuses, before anything changes, `outlier_tokens="clip"` for a family whose MLP is followed by a norm
     (its fit runs through the norm on every token's rows, which weighs tokens alike).
 
@@ -225,7 +225,7 @@ def for_each_compensation_batch(
     outliers: str = "keep",
 ) -> None:
     """Runs the pruned model and calls `consume` with each batch's [`CompensationBatch`], its tokens weighed by
-    [`outlier_token_weights`] under `outliers` (`GradMAPConfig.outlier_tokens`), against the median norm of the whole
+    [`outlier_token_weights`] under `outliers` (`Stage2Settings.outlier_tokens`), against the median norm of the whole
     calibration set ([`median_token_norm`]: neither the batch size nor the number of processes changes a weight).
     With `outliers="preserve"`, the [`outlier_tokens`]' dense hidden states are replaced by the pruned layer's outputs
     for them: their target is to stay as they are (W' = I fits them exactly). Each forward pass ends after `layer`:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..configuration import GradMAPConfig
+from .settings import Stage2Settings
 from .solvers import (
     AUTO_NUM_FOLDS,
     CompensationFit,
@@ -44,13 +44,13 @@ def cosine_distance(rows: CompensationRows, matrix: torch.Tensor, norm: nn.Modul
 
 
 def learn_cosine(
-    rows: CompensationRows, config: GradMAPConfig, progress_bar: bool = True, norm: nn.Module | None = None
+    rows: CompensationRows, config: Stage2Settings, progress_bar: bool = True, norm: nn.Module | None = None
 ) -> CompensationFit:
     """W' by the cosine objective (see the module docstring).
 
     Args:
         rows ([`CompensationRows`]): Every calibration token's Y, X_F and X_O.
-        config ([`GradMAPConfig`]): `reg_lambda` (for the starting point), `compensation_form`, `adam_lr` and
+        config ([`Stage2Settings`]): `reg_lambda` (for the starting point), `compensation_form`, `adam_lr` and
             `adam_steps` are read.
         progress_bar (`bool`, defaults to `True`): Show a progress bar.
         norm (`nn.Module`, *optional*): The norm that follows the MLP, if the family has one.
@@ -84,7 +84,7 @@ def learn_cosine(
     return CompensationFit(matrix.cpu(), at_identity, fitted, reg_lambda=reg_lambda, cross_validation=choice)
 
 
-def _mean_squared_error_start(rows: CompensationRows, folds: torch.Tensor, train: CompensationRows, config: GradMAPConfig):
+def _mean_squared_error_start(rows: CompensationRows, folds: torch.Tensor, train: CompensationRows, config: Stage2Settings):
     """The mean-squared-error W' fitted on the training rows: the starting point (the identity where
     cross-validation finds that nothing beats it), with the cross-validation choice and the lambda used."""
     size = rows.mlp_output.shape[-1]

@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import distributed
-from ..configuration import GradMAPConfig
 from ..surgery import LayerSnapshot
 from ..weights import WeightBackup
 from .activations import record_layer_outputs
 from .fit import fit_and_fold
 from .folding import down_projection_backup
 from .next_token import resolve_selection
+from .settings import Stage2Settings
 from .targets import compensation_targets
 
 
@@ -40,7 +40,7 @@ class RunCompensation:
 def compensate_run(
     dense: LayerSnapshot,
     calibration_ids: torch.LongTensor,
-    config: GradMAPConfig,
+    config: Stage2Settings,
     removed_layer: int,
     progress_bar: bool = True,
 ) -> RunCompensation | None:

@@ -12,12 +12,12 @@ from torch import nn
 
 from .. import distributed
 from ..adapters import DecoderAdapter
-from ..configuration import GradMAPConfig
 from ..errors import InvalidInputError
 from ..weights import materialized
 from .cosine import learn_cosine
 from .folding import apply_compensation
 from .next_token import chooses_by_next_token_loss, learn_by_next_token_loss, resolve_selection
+from .settings import Stage2Settings
 from .solvers import (
     AUTO_NUM_FOLDS,
     CompensationFit,
@@ -56,7 +56,7 @@ def learn_compensation(
     layer: nn.Module,
     original_outputs: torch.Tensor,
     input_ids: torch.LongTensor,
-    config: GradMAPConfig,
+    config: Stage2Settings,
     progress_bar: bool = True,
     first_sample: int = 0,
 ) -> CompensationFit:
@@ -83,7 +83,7 @@ def learn_compensation(
         original_outputs (`torch.Tensor` of shape `(num_samples, seq_len, d)`): The dense hidden states it
             is fitted to.
         input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
-        config ([`GradMAPConfig`]): `solver`, `reg_lambda`, `compensation_form`, `compensation_objective`,
+        config ([`Stage2Settings`]): `solver`, `reg_lambda`, `compensation_form`, `compensation_objective`,
             `outlier_tokens` (`"auto"` is `"keep"` here: this fit chooses lambda by the hidden state's error, see
             [`resolve_selection`]), `adam_lr`, `adam_steps` and `batch_size` are read.
         progress_bar (`bool`, defaults to `True`): Show progress bars.
@@ -130,7 +130,7 @@ def _statistics_and_lambda(
     layer: nn.Module,
     original_outputs: torch.Tensor,
     input_ids: torch.LongTensor,
-    config: GradMAPConfig,
+    config: Stage2Settings,
     progress_bar: bool,
     first_sample: int,
 ) -> tuple[CompensationStatistics | None, float | None, RidgeChoice | None]:
@@ -177,7 +177,7 @@ def fit_and_fold(
     layer: nn.Module,
     original_outputs: torch.Tensor,
     input_ids: torch.LongTensor,
-    config: GradMAPConfig,
+    config: Stage2Settings,
     progress_bar: bool = True,
     first_sample: int = 0,
 ) -> CompensationFit:
@@ -200,7 +200,7 @@ def fit_and_fold(
     return fit
 
 
-def _learn_through_norm(rows: CompensationRows, norm: nn.Module, config: GradMAPConfig, progress_bar: bool) -> CompensationFit:
+def _learn_through_norm(rows: CompensationRows, norm: nn.Module, config: Stage2Settings, progress_bar: bool) -> CompensationFit:
     """[`learn_compensation`] where a norm follows the MLP: the fit through the norm on every token's rows."""
     y, r = rows.mlp_output, rows.target
     with materialized(norm):  # the fit calls the norm many times: offloaded weights stay put meanwhile

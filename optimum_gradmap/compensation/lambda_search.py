@@ -1,7 +1,7 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
 """The search over the grid of ridge strengths that the next-token selection scores
-([`~optimum_gradmap.compensation.next_token.learn_by_next_token_loss`], `GradMAPConfig.lambda_search`): every
+([`~optimum_gradmap.compensation.next_token.learn_by_next_token_loss`], `Stage2Settings.lambda_search`): every
 strength, or a golden-section search; and the choice among the losses, ties up to float rounding going to the
 stronger lambda."""
 
@@ -20,7 +20,7 @@ GOLDEN_SECTION = (3 - 5**0.5) / 2
 
 
 def searched_losses(loss_of: Callable[[float], float], grid: Sequence[float], search: str = "grid") -> dict[float, float]:
-    """The held-out losses of the strengths of `grid` (increasing) that `search` scores (`GradMAPConfig.lambda_search`):
+    """The held-out losses of the strengths of `grid` (increasing) that `search` scores (`Stage2Settings.lambda_search`):
 
     - `"grid"`: every strength;
     - `"golden"`: a golden-section search over the grid's indices (the grid is log-spaced: a search over log lambda),

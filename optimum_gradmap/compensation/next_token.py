@@ -28,7 +28,6 @@ from torch import nn
 
 from .. import distributed, surgery
 from ..adapters import DecoderAdapter
-from ..configuration import GradMAPConfig
 from ..errors import InvalidInputError
 from ..passes import calibration_batches
 from ..vocabulary import next_token_loss_sum, summed_loss, vocabulary_head
@@ -36,18 +35,19 @@ from .activations import CompensationBatch
 from .folding import apply_compensation, down_projection_backup
 from .lambda_search import GOLDEN_SECTION as GOLDEN_SECTION  # planning estimates the search's passes from it
 from .lambda_search import _choose, searched_losses
+from .settings import Stage2Settings
 from .solvers import AUTO_NUM_FOLDS, AUTO_RIDGE_GRID, CompensationFit, closed_form_at_strength, relative_ridge, ridge_solver
 from .statistics import CompensationStatistics, compensation_statistics, summed_over_processes
 
 
-def next_token_selection_runs(config: GradMAPConfig, adapter: DecoderAdapter) -> bool:
+def next_token_selection_runs(config: Stage2Settings, adapter: DecoderAdapter) -> bool:
     """Whether the next-token selection can choose among `config`'s fits for `adapter`'s family: they are closed-form
     fits (`solver="closed_form"`) of the `mse` objective, folded where the MLP's output reaches the residual stream
     directly."""
     return adapter.mlp_output_norm_path is None and config.compensation_objective == "mse" and config.solver == "closed_form"
 
 
-def resolve_selection(config: GradMAPConfig, adapter: DecoderAdapter) -> GradMAPConfig:
+def resolve_selection(config: Stage2Settings, adapter: DecoderAdapter) -> Stage2Settings:
     """`config` with its `"auto"` Stage 2 choices made for `adapter`'s family: `compensation_selection="auto"` is
     `"next_token_loss"` where [`next_token_selection_runs`], else `"hidden_state"`; `outlier_tokens="auto"` is
     `"exclude"` where lambda is chosen by the next-token loss, else `"keep"`."""
@@ -60,13 +60,13 @@ def resolve_selection(config: GradMAPConfig, adapter: DecoderAdapter) -> GradMAP
     return replace(config, compensation_selection=selection, outlier_tokens=outliers)
 
 
-def chooses_by_next_token_loss(config: GradMAPConfig) -> bool:
+def chooses_by_next_token_loss(config: Stage2Settings) -> bool:
     """Whether `config` (its `"auto"` choices resolved by [`resolve_selection`]) chooses lambda by the held-out
     next-token loss ([`learn_by_next_token_loss`])."""
     return config.reg_lambda == "auto" and config.compensation_selection == "next_token_loss"
 
 
-def check_next_token_selection(config: GradMAPConfig, adapter: DecoderAdapter) -> None:
+def check_next_token_selection(config: Stage2Settings, adapter: DecoderAdapter) -> None:
     """Refuses, before anything changes, a next-token selection asked for by name that cannot be made (`"auto"`
     falls back to the hidden-state selection instead).
 
@@ -160,7 +160,7 @@ def learn_by_next_token_loss(
     layer: nn.Module,
     original_outputs: torch.Tensor,
     input_ids: torch.LongTensor,
-    config: GradMAPConfig,
+    config: Stage2Settings,
     progress_bar: bool = True,
     first_sample: int = 0,
 ) -> CompensationFit:
@@ -179,7 +179,7 @@ def learn_by_next_token_loss(
         layer (`nn.Module`): The kept layer to fit.
         original_outputs (`torch.Tensor` of shape `(num_samples, seq_len, d)`): The dense hidden states it is fitted to.
         input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): This process's calibration sequences.
-        config ([`GradMAPConfig`]): `compensation_form`, `outlier_tokens`, `lambda_search` and `batch_size` are read.
+        config ([`Stage2Settings`]): `compensation_form`, `outlier_tokens`, `lambda_search` and `batch_size` are read.
         progress_bar (`bool`, defaults to `True`): Show progress bars.
         first_sample (`int`, defaults to 0): The index of `input_ids[0]` in the whole calibration set.
 
@@ -220,7 +220,7 @@ def _statistics_and_held_out_loss(
     layer: nn.Module,
     original_outputs: torch.Tensor,
     input_ids: torch.LongTensor,
-    config: GradMAPConfig,
+    config: Stage2Settings,
     progress_bar: bool,
     first_sample: int,
 ) -> tuple[list[CompensationStatistics], HeldOutLoss]:

@@ -1,56 +1,62 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""The Stage 2 settings: the `GradMAPConfig` fields Stage 2 reads, the refusal of those a family cannot run (made
-before anything changes), and the warning for a calibration set too small for W'."""
+"""The Stage 2 settings ([`Stage2Settings`]): the `GradMAPConfig` fields Stage 2 reads, and the warning for a
+calibration set too small for W'. A leaf of the package: every Stage 2 module reads its settings from here."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
 
 import torch
 from transformers.utils import logging
 
-from ..adapters import DecoderAdapter
-from ..configuration import GradMAPConfig
-from .activations import check_outlier_tokens
-from .next_token import check_next_token_selection
+from ..configuration import (
+    CompensationForm,
+    CompensationObjective,
+    CompensationSelection,
+    CompensationTarget,
+    LambdaSearch,
+    OutlierTokens,
+    Solver,
+)
+from ..settings import StepSettings
 
 logger = logging.get_logger(__name__)
 
 # Below this many calibration tokens per hidden unit, W' (hidden x hidden parameters) overfitted on
 # SmolLM2-135M: 1.8 tokens per unit raised held-out perplexity by 60%, 7 by 2%, 28 lowered it.
 MIN_TOKENS_PER_HIDDEN_UNIT = 16
-# The GradMAPConfig fields Stage 2 reads: the ones a re-run of Stage 2 may change.
-STAGE2_SETTINGS = (
-    "compensation_target",
-    "compensation_form",
-    "compensation_objective",
-    "compensation_selection",
-    "lambda_search",
-    "outlier_tokens",
-    "compensation_dataset",
-    "refinement_steps",
-    "refinement_lr",
-    "num_compensated_layers",
-    "solver",
-    "reg_lambda",
-    "adam_lr",
-    "adam_steps",
-    "batch_size",
-)
 
 
-def check_stage2_settings(config: GradMAPConfig, adapter: DecoderAdapter) -> None:
-    """Refuses, before anything changes, Stage 2 settings that `adapter`'s family cannot run: a next-token
-    selection ([`check_next_token_selection`]) or clipped outlier weights ([`check_outlier_tokens`]) with a
-    norm after the MLP.
+@dataclass(frozen=True)
+class Stage2Settings(StepSettings):
+    """Stage 2's settings: the fields of [`~optimum_gradmap.GradMAPConfig`] it reads, under the same names (their
+    meaning is told there), frozen; `Stage2Settings.from_config(config)` takes them from a config. A re-run of Stage 2
+    ([`~optimum_gradmap.GradMAPPruner.compensate`]) may change any of them."""
 
-    Raises:
-        InvalidInputError: saying which setting and what to use instead.
-    """
-    check_next_token_selection(config, adapter)
-    check_outlier_tokens(config, adapter)
+    compensation_target: CompensationTarget
+    compensation_form: CompensationForm
+    compensation_objective: CompensationObjective
+    compensation_selection: CompensationSelection
+    lambda_search: LambdaSearch
+    outlier_tokens: OutlierTokens
+    compensation_dataset: str | None
+    refinement_steps: int
+    refinement_lr: float
+    num_compensated_layers: int
+    solver: Solver
+    reg_lambda: float | Literal["auto"]
+    adam_lr: float
+    adam_steps: int
+    batch_size: int
 
 
-def warn_if_few_tokens(calibration_ids: torch.LongTensor, hidden_size: int, config: GradMAPConfig) -> None:
+# The names of Stage 2's settings: the ones a re-run of Stage 2 may change.
+STAGE2_SETTINGS: tuple[str, ...] = tuple(item.name for item in fields(Stage2Settings))
+
+
+def warn_if_few_tokens(calibration_ids: torch.LongTensor, hidden_size: int, config: Stage2Settings) -> None:
     """Warns when a fixed `reg_lambda` fits the hidden x hidden W' on fewer than `MIN_TOKENS_PER_HIDDEN_UNIT` calibration
     tokens per hidden unit, below which it was measured to overfit."""
     if calibration_ids.numel() < MIN_TOKENS_PER_HIDDEN_UNIT * hidden_size and config.reg_lambda != "auto":

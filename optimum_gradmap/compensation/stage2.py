@@ -1,7 +1,7 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
 """Stage 2 as one call ([`compensate`]): which kept layers to fit, the fits in forward order, the
-rollback if anything fails, and the optional check on validation text. Its settings and their checks are in [`settings`], what it
+rollback if anything fails, and the optional check on validation text. Its settings are in [`settings`], what it
 did in [`result`]."""
 
 from __future__ import annotations
@@ -16,27 +16,39 @@ from torch import nn
 from transformers.utils import logging
 
 from .. import distributed
-from ..configuration import GradMAPConfig
+from ..adapters import DecoderAdapter
 from ..data import calibration_sha256
 from ..evaluation.perplexity import perplexity
 from ..passes import RecordedLayerInputs
 from ..surgery import LayerSnapshot
-from .activations import hidden_state_means, hidden_state_means_and_outputs, record_layer_outputs
+from .activations import check_outlier_tokens, hidden_state_means, hidden_state_means_and_outputs, record_layer_outputs
 from .fit import fit_and_fold
 from .folding import down_projection_backup
-from .next_token import resolve_selection
+from .next_token import check_next_token_selection, resolve_selection
 from .refinement import refine
 from .result import CompensationResult
-from .settings import check_stage2_settings, warn_if_few_tokens
+from .settings import Stage2Settings, warn_if_few_tokens
 from .targets import check_num_compensated_layers, compensation_targets, targets_need_drift
 
 logger = logging.get_logger(__name__)
 
 
+def check_stage2_settings(config: Stage2Settings, adapter: DecoderAdapter) -> None:
+    """Refuses, before anything changes, Stage 2 settings that `adapter`'s family cannot run: a next-token
+    selection ([`check_next_token_selection`]) or clipped outlier weights ([`check_outlier_tokens`]) with a
+    norm after the MLP.
+
+    Raises:
+        InvalidInputError: saying which setting and what to use instead.
+    """
+    check_next_token_selection(config, adapter)
+    check_outlier_tokens(config, adapter)
+
+
 def compensate(
     dense: LayerSnapshot,
     calibration_ids: torch.LongTensor,
-    config: GradMAPConfig,
+    config: Stage2Settings,
     progress_bar: bool = True,
     validation_ids: torch.LongTensor | None = None,
 ) -> CompensationResult:
@@ -65,7 +77,7 @@ def compensate(
     Args:
         dense ([`LayerSnapshot`]): The dense stack of the pruned model (its `model`, changed in place).
         calibration_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
-        config ([`GradMAPConfig`]): The settings in `STAGE2_SETTINGS` are read.
+        config ([`Stage2Settings`]): The settings in `STAGE2_SETTINGS` are read.
         progress_bar (`bool`, defaults to `True`): Show progress bars.
         validation_ids (`torch.LongTensor`, *optional*): Sequences that decide whether to keep the result.
 
@@ -96,7 +108,7 @@ def compensate(
     return result
 
 
-def _checked(dense: LayerSnapshot, config: GradMAPConfig) -> tuple[GradMAPConfig, list[int]]:
+def _checked(dense: LayerSnapshot, config: Stage2Settings) -> tuple[Stage2Settings, list[int]]:
     """Refuses, before anything runs, what the adapter cannot compensate exactly and settings its family cannot run;
     returns `config` with its `"auto"` choices made ([`resolve_selection`]) and the kept layers."""
     dense.adapter.check_supported(dense.model, compensation=True)
@@ -141,7 +153,7 @@ class _DriftPasses:
 
 
 def _drift_passes(
-    dense: LayerSnapshot, kept: list[int], shared_ids: torch.LongTensor, config: GradMAPConfig, progress_bar: bool
+    dense: LayerSnapshot, kept: list[int], shared_ids: torch.LongTensor, config: Stage2Settings, progress_bar: bool
 ) -> _DriftPasses:
     """The dense pass (the dense stack run from `dense`, then the pruned one put back) and the pruned pass. Where the
     targets do not depend on the drift, the dense outputs they are fitted to are recorded in the dense pass, and what
@@ -173,7 +185,7 @@ def _fold(
     passes: _DriftPasses,
     shared_ids: torch.LongTensor,
     first_sample: int,
-    config: GradMAPConfig,
+    config: Stage2Settings,
     progress_bar: bool,
     validation_ids: torch.LongTensor | None,
     result: CompensationResult,
@@ -195,7 +207,7 @@ def _compensated_means(
     pruned_means: torch.Tensor,
     start: _Start | None,
     shared_ids: torch.LongTensor,
-    config: GradMAPConfig,
+    config: Stage2Settings,
     progress_bar: bool,
 ) -> torch.Tensor:
     """The mean output of every kept layer after the folds (for the drift after compensation). Stage 2 changes no
@@ -222,7 +234,7 @@ def _fit_targets(
     start: _Start | None,
     shared_ids: torch.LongTensor,
     first_sample: int,
-    config: GradMAPConfig,
+    config: Stage2Settings,
     progress_bar: bool,
     result: CompensationResult,
 ) -> list[tuple[nn.Module, torch.Tensor]]:

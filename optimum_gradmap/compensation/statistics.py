@@ -107,7 +107,7 @@ def compensation_statistics(
             calibration sequences (sequence j in fold j mod `num_folds`), for cross-validation.
         first_sample (`int`, defaults to 0): The index of `input_ids[0]` in the whole calibration set
             (a process's share of it, see [`optimum_gradmap.distributed`]), which sets the folds.
-        outliers (`str`, defaults to `"keep"`): `GradMAPConfig.outlier_tokens`: each token's weight in the sums
+        outliers (`str`, defaults to `"keep"`): `Stage2Settings.outlier_tokens`: each token's weight in the sums
             ([`outlier_token_weights`]).
         on_batch (`Callable`, *optional*): Called with every [`CompensationBatch`] too, to keep what else a caller
             needs from the same pass.

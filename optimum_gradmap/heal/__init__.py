@@ -66,8 +66,7 @@ corpus windows and the dense model's own text; [`~optimum_gradmap.heal.budget`]:
 [`~optimum_gradmap.heal.trainable`]: what is trained, its merge and rollback; [`~optimum_gradmap.heal.loss`]: what the
 loss compares; [`~optimum_gradmap.heal.loop`]: the training loop; [`~optimum_gradmap.heal.state`]: the resumable
 checkpoint; [`~optimum_gradmap.heal.stage`]: the stage's entry; [`~optimum_gradmap.heal.result`]: what it did;
-[`~optimum_gradmap.heal.pruned`]: the heal of a pruned result, as `GradMAPPruner` runs it (imported as
-`optimum_gradmap.heal.pruned`: it reads the [`~optimum_gradmap.PruningResult`]).
+The pipeline's heal step ([`optimum_gradmap.pipeline.heal`]) runs it on a pruned result.
 """
 
 from ..distributed import GRADIENT_BUCKET_BYTES
@@ -86,7 +85,7 @@ from .loss import HEAL_LOSS_CHOICES
 from .result import HealResult
 from .stage import heal_as_configured, heal_stage, prepare_heal_text
 from .text import HealText, generation_seconds_per_sequence, heal_sequences
-from .trainable import DEFAULT_LEARNING_RATES, HEAL_TRAINABLE_CHOICES, LORA_ADAPTER
+from .trainable import DEFAULT_LEARNING_RATES, HEAL_TRAINABLE_CHOICES, LORA_ADAPTER, changed_parameters, heal_backup
 
 __all__ = [
     "AUTO_TIME_SHARE",
@@ -108,11 +107,13 @@ __all__ = [
     "check_heal_checkpoint",
     "check_heal_checkpoint_origin",
     "check_heal_dataset_name",
+    "changed_parameters",
     "check_heal_settings",
     "choose_heal_tokens",
     "generation_seconds_per_sequence",
     "heal",
     "heal_as_configured",
+    "heal_backup",
     "heal_sequences",
     "heal_stage",
     "measure_heal_costs",

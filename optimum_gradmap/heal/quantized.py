@@ -25,7 +25,7 @@ import glob
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from safetensors.torch import load_file, save_file
@@ -94,21 +94,25 @@ def dequantized_loading() -> dict[str, Any]:
     return {"quantization_config": CompressedTensorsConfig(run_compressed=False)}
 
 
-def stored_weights_writer(source: str, model: PreTrainedModel) -> Callable[[str], None]:
+def stored_weights_writer(source: str, model: PreTrainedModel, trained: Iterable[str]) -> Callable[[str], None]:
     """A writer for [`~optimum_gradmap.checkpoint.save_checkpoint`]: copies the quantized checkpoint at `source` (its
-    config, weights and other files, not its report and card) and replaces every tensor it stores as it is with the
-    model's value of that name, in the stored dtype. The rounded weights and their scales are copied unchanged.
+    config, weights and other files, not its report and card) and replaces every tensor named in `trained` with the
+    model's value, in the stored dtype. Every other tensor (the rounded weights and their scales, and the embeddings
+    and head the heal did not train, whatever dtype the model was loaded in) is copied as stored, bit for bit.
 
     Args:
         source (`str`): The quantized checkpoint folder the model was loaded from.
         model (`PreTrainedModel`): The healed model, loaded with [`dequantized_loading`].
+        trained (`Iterable[str]`): The names of the parameters the heal trained
+            ([`~optimum_gradmap.heal.changed_parameters`]).
 
     Returns:
         `Callable[[str], None]`: writes into the folder it is given.
     """
+    names = set(trained)
 
     def write(folder: str) -> None:
-        values = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+        values = {name: tensor.detach() for name, tensor in model.state_dict().items() if name in names}
         for name in os.listdir(source):
             if name in DESCRIPTIONS or not os.path.isfile(os.path.join(source, name)):
                 continue

@@ -16,10 +16,10 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
-from ..adapters import DecoderAdapter, get_submodule
+from ..adapters import DecoderAdapter, get_adapter, get_submodule
 from ..configuration import HealTrainable
 from ..errors import InvalidInputError
-from ..weights import execution_device, is_offloaded_module, materialized
+from ..weights import WeightBackup, execution_device, is_offloaded_module, materialized
 
 HEAL_TRAINABLE_CHOICES: tuple[str, ...] = get_args(HealTrainable)
 # The learning rate of each choice of `heal_trainable` when `heal_lr` is None. LoRA and the norms: the better of two
@@ -268,3 +268,34 @@ class _Trainable:
                     layer.unmerge()
         self.load(start_state)
         self.finish(merge=False)
+
+
+def changed_parameters(
+    model: PreTrainedModel, trainable: str, kept: Sequence[int], num_layers: int, compensated: Sequence[int]
+) -> dict[str, nn.Parameter]:
+    """Every parameter a heal of `trainable` changes, by its name in `model`: the trained parameters, or for LoRA the
+    weights of the maps its adapters merge into.
+
+    Args:
+        model (`PreTrainedModel`): The pruned model, before the heal.
+        trainable (`str`): `heal_trainable`.
+        kept (`Sequence[int]`), num_layers (`int`), compensated (`Sequence[int]`): The kept layers (dense indices), the
+            dense model's layer count and the layers Stage 2 compensated.
+
+    Returns:
+        `dict[str, nn.Parameter]`.
+    """
+    choice = _choose(model, get_adapter(model), trainable, kept, num_layers, compensated)
+    changed = [model.get_submodule(name).weight for name in choice.lora_targets] + list(choice.parameters)
+    wanted = {id(parameter) for parameter in changed}
+    return {name: parameter for name, parameter in model.named_parameters() if id(parameter) in wanted}
+
+
+def heal_backup(
+    model: PreTrainedModel, trainable: str, kept: Sequence[int], num_layers: int, compensated: Sequence[int]
+) -> WeightBackup:
+    """A copy, on the CPU, of every parameter a heal of `trainable` changes ([`changed_parameters`]): what puts the
+    model back as the heal found it when a later step fails. It costs as many bytes as those parameters."""
+    wanted = {id(parameter) for parameter in changed_parameters(model, trainable, kept, num_layers, compensated).values()}
+    owners = [module for module in model.modules() if any(id(p) in wanted for p in module.parameters(recurse=False))]
+    return WeightBackup(owners, lambda module: [p for p in module.parameters(recurse=False) if id(p) in wanted])

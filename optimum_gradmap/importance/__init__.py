@@ -2,17 +2,24 @@
 # Licensed under the Apache License, Version 2.0.
 """Layer importance and selection: which decoder layers Stage 1 removes.
 
-- [`registry`]: the interface ([`ImportanceMetric`]) and its registry ([`register_importance_metric`]).
+- the interface ([`ImportanceMetric`]) and its registry ([`register_importance_metric`]) live in the leaf
+  [`optimum_gradmap.metric_registry`], which the configuration reads without loading this package.
 - [`metrics`]: every metric (GradMAP and its bound, ShortGPT's Block Influence, SLEB, Taylor+, the
   Taylor gate, relative magnitude, random), selected by `GradMAPConfig(importance=...)`.
 - [`gradient`]: GradMAP's exact per-sample gradient norms in batched passes (Eq. 5).
 - [`selection`]: the removal loop (Algorithm 1), its budget and its parameter target.
 - [`rounds`]: Stage 1's state: its plan, each finished round, what it decided, and the resume checkpoint.
 - [`shortlist`]: the verified shortlist (`verify_top_k`), raced by successive halving with `verify_halving`.
-- [`stage`]: Stage 1's entry for [`~optimum_gradmap.GradMAPPruner`]: its checks, the removals, the cut and the
-  rollback (imported as `optimum_gradmap.importance.stage`: it builds the [`~optimum_gradmap.PruningResult`]).
+
+The pipeline's Stage 1 step ([`optimum_gradmap.pipeline.stage1`]) checks its input, runs the removals and undoes them.
 """
 
+from ..metric_registry import (
+    IMPORTANCE_METRICS,
+    ImportanceMetric,
+    importance_metric_names,
+    register_importance_metric,
+)
 from .gradient import (
     PerSampleGradientNorms,
     broadcast_per_sample_sq_norms,
@@ -31,13 +38,8 @@ from .metrics import (
     TaylorImportance,
     get_importance_metric,
 )
-from .registry import (
-    IMPORTANCE_METRICS,
-    ImportanceMetric,
-    importance_metric_names,
-    register_importance_metric,
-)
-from .selection import Round, Selection, Stage1Checkpoint, Stage1Plan, remove_by_importance, remove_explicit_layers
+from .rounds import Round, Selection, Stage1Checkpoint, Stage1Plan, Stage1Settings
+from .selection import remove_by_importance, remove_explicit_layers
 
 __all__ = [
     "IMPORTANCE_METRICS",
@@ -52,6 +54,7 @@ __all__ = [
     "Selection",
     "Stage1Checkpoint",
     "Stage1Plan",
+    "Stage1Settings",
     "TaylorImportance",
     "broadcast_per_sample_sq_norms",
     "causal_lm_loss_gradient",

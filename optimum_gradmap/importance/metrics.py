@@ -43,6 +43,7 @@ from transformers.utils import logging
 from .. import surgery
 from ..adapters import DecoderAdapter
 from ..errors import InvalidInputError
+from ..metric_registry import IMPORTANCE_METRICS, ImportanceMetric, register_importance_metric
 from ..passes import (
     calibration_batches,
     forward_hooks,
@@ -55,7 +56,6 @@ from ..passes import (
 from ..vocabulary import summed_loss, vocabulary_head
 from . import residual
 from .gradient import gradient_importance, loss_gradient_passes
-from .registry import IMPORTANCE_METRICS, ImportanceMetric, register_importance_metric
 from .residual import residual_branch_scores
 
 logger = logging.get_logger(__name__)

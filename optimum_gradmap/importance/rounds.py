@@ -1,6 +1,7 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""Stage 1's state: what it is asked to do ([`Stage1Plan`]), each finished round ([`Round`]), what it decided
+"""Stage 1's state: its settings ([`Stage1Settings`]), what it is asked to do on one model ([`Stage1Plan`]), each
+finished round ([`Round`]), what it decided
 ([`Selection`]), and the resume checkpoint that keeps the finished rounds ([`Stage1Checkpoint`])."""
 
 from __future__ import annotations
@@ -12,12 +13,38 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
+from ..configuration import ExecutionMode
 from ..errors import InvalidInputError
 from ..files import write_atomically
-from .registry import ImportanceMetric
+from ..metric_registry import ImportanceMetric
+from ..settings import LayerAmount, StepSettings
 
 
-@dataclass
+@dataclass(frozen=True)
+class Stage1Settings(StepSettings, LayerAmount):
+    """Stage 1's settings: the fields of [`~optimum_gradmap.GradMAPConfig`] that say how many layers go and how they
+    are chosen, under the same names (their meaning is told there), frozen; `Stage1Settings.from_config(config)`
+    takes them from a config. [`Stage1Plan`] is what they resolve to on one model."""
+
+    pruning_ratio: float | None
+    num_layers_to_prune: int | None
+    layers_to_prune: list[int] | None
+    max_loss_increase: float | None
+    target_num_parameters: int | None
+    loss_curve: bool
+    importance: str | ImportanceMetric
+    iterative: bool | None
+    protected_layers: list[int] | None
+    verify_top_k: int | None
+    verify_halving: bool
+    verify_from_scoring_pass: bool
+    compensate_each_round: bool
+    execution: ExecutionMode
+    batch_size: int
+    seed: int
+
+
+@dataclass(frozen=True)
 class Stage1Plan:
     """What Stage 1 does, resolved for one model (the pruner builds it from `GradMAPConfig`).
 

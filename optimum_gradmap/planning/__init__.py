@@ -1,7 +1,8 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
 """The cost of a run, told before the run: [`PruningPlan`], what [`GradMAPPruner.plan`] and `optimum-gradmap prune
---dry-run` (`heal --dry-run`, `quantize --dry-run`) print.
+--dry-run` (`heal --dry-run`, `quantize --dry-run`) print. The [`Planner`] holds one plan's model shape, placement and
+device rates; each step of the pipeline adds its stage to it ([`~optimum_gradmap.pipeline.plan_pruning`]).
 
 Like Accelerate's `accelerate estimate-memory`, the plan builds the model from its config alone on the meta device
 (no weight is read, none is allocated) and counts the parameters of every module. It then goes past the memory of the
@@ -49,7 +50,7 @@ from .heal import plan_heal
 from .layers import LayerCost
 from .placement import HOST_ALLOCATOR_OVERHEAD
 from .plan import PruningPlan, StagePlan
-from .pruning import plan_pruning
+from .pruning import Planner
 from .quantization import plan_quantization
 from .shape import ModelShape, describe_model, empty_model, load_model_config
 from .stage1 import Stage1Outline
@@ -63,6 +64,7 @@ __all__ = [
     "DeviceThroughput",
     "LayerCost",
     "ModelShape",
+    "Planner",
     "PruningPlan",
     "Stage1Outline",
     "Stage2Outline",
@@ -74,6 +76,5 @@ __all__ = [
     "golden_search_evaluations",
     "load_model_config",
     "plan_heal",
-    "plan_pruning",
     "plan_quantization",
 ]

@@ -175,7 +175,8 @@ def plan_heal(
         pruned (`PreTrainedModel`, `PretrainedConfig`, `str` or `os.PathLike`): The pruned checkpoint.
         teacher (`PreTrainedModel`, `PretrainedConfig`, `str` or `os.PathLike`): The dense model it was pruned from.
         config ([`GradMAPConfig`]): Its `heal_*` settings are read (`heal_tokens` > 0).
-        dtype, device, throughput, measure, device_map, max_memory, host_allocator_overhead: As in [`plan_pruning`];
+        dtype, device, throughput, measure, device_map, max_memory, host_allocator_overhead: As in
+            [`~optimum_gradmap.pipeline.plan_pruning`];
             with a device map that offloads layers, both models are offloaded and the training steps run
             layer-streamed.
 

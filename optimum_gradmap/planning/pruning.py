@@ -1,6 +1,7 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""[`plan_pruning`]: the plan of a pruning run, stage by stage ([`GradMAPPruner.plan`], `prune --dry-run`)."""
+"""[`Planner`]: the plan of a pruning run, stage by stage, each step of the pipeline adding its own
+([`~optimum_gradmap.pipeline.plan_pruning`], [`GradMAPPruner.plan`], `prune --dry-run`)."""
 
 from __future__ import annotations
 
@@ -36,63 +37,6 @@ from .text import budget_text, bytes_text, stage1_passes, stage1_text, stage2_pa
 from .throughput import DeviceThroughput
 
 
-def plan_pruning(
-    model_or_path: PreTrainedModel | PretrainedConfig | str | os.PathLike,
-    config: GradMAPConfig,
-    dtype: torch.dtype | str = torch.float32,
-    device: str | torch.device | None = None,
-    throughput: DeviceThroughput | None = None,
-    execution: str | None = None,
-    device_map: str | dict[str, Any] | None = None,
-    max_memory: dict[int | str, str] | None = None,
-    removed_layers: Sequence[int] | None = None,
-    validation: bool = False,
-    evaluation_tokens: int = 0,
-    tokenizer_bytes: int | None = None,
-    measure: bool = True,
-    name: str | None = None,
-    host_allocator_overhead: float | None = None,
-) -> PruningPlan:
-    """The plan of a pruning run ([`GradMAPPruner.plan`]): see [`PruningPlan`] and the package docstring.
-
-    Args:
-        model_or_path (`PreTrainedModel`, `PretrainedConfig`, `str` or `os.PathLike`): The model, its config, a local
-            folder or a Hub id (only `config.json` is read).
-        config ([`GradMAPConfig`]): The run.
-        dtype (`torch.dtype` or `str`, defaults to `torch.float32`): The dtype the model computes in (`"checkpoint"`:
-            the one its config names).
-        device (`str` or `torch.device`, *optional*): Where it computes (defaults to the CPU).
-        throughput ([`DeviceThroughput`], *optional*): The device's rates; measured on `device` when not given and
-            `measure` is on.
-        execution (`str`, *optional*): `"in_memory"` or `"layer_streamed"`; defaults to what `config.execution` chooses
-            (`"auto"`: layer-streamed where `device_map` offloads layers).
-        device_map (`str` or `dict`, *optional*), max_memory (`dict`, *optional*): As `from_pretrained` takes them:
-            where Accelerate would offload layers, inferred on the meta model.
-        removed_layers (`Sequence[int]`, *optional*): The layers Stage 1 will remove, when known (a Stage 1
-            checkpoint, an earlier run): Stage 2's counts then are exact.
-        validation (`bool`, defaults to `False`): Stage 2 checks its compensation on validation text.
-        evaluation_tokens (`int`, defaults to 0): Tokens of `prune --evaluate`'s perplexity (dense and pruned).
-        tokenizer_bytes (`int`, *optional*): The tokenizer's files; read from a local folder when not given.
-        measure (`bool`, defaults to `True`): Measure the throughput when none is given (else no time is told).
-        name (`str`, *optional*): The model's name in the plan; defaults to `model_or_path`.
-        host_allocator_overhead (`float`, *optional*): On a CPU device, the resident bytes one byte of a pass's tensors
-            takes: an assumption about the C allocator, which keeps freed blocks. `None`: [`HOST_ALLOCATOR_OVERHEAD`]
-            (1.48, measured with glibc's malloc on one machine); 1.0 for an allocator that returns freed memory.
-
-    Returns:
-        [`PruningPlan`].
-    """
-    model_config = load_model_config(model_or_path)
-    if name is None:
-        name = os.fspath(model_or_path) if isinstance(model_or_path, (str, os.PathLike)) else model_config._name_or_path
-    _check_removal(config, model_config)
-    if config.layers_to_prune is not None:
-        removed_layers = list(config.layers_to_prune)
-    planner = _Planner(model_config, config, resolve_dtype(dtype, model_config), device, name, execution, device_map, max_memory)
-    planner.measure(throughput, measure, host_allocator_overhead)
-    return planner.plan(model_or_path, removed_layers, validation, evaluation_tokens, tokenizer_bytes)
-
-
 def _check_removal(config: GradMAPConfig, model_config: PretrainedConfig) -> None:
     """Refuses a config that removes no layer, or all of them."""
     adapter = get_adapter(model_config)
@@ -105,8 +49,11 @@ def _check_removal(config: GradMAPConfig, model_config: PretrainedConfig) -> Non
         )
 
 
-class _Planner:
-    """The stages of one plan, in the order the run makes them, over one model's shape and placement."""
+class Planner:
+    """The plan of one run, stage by stage: each step of the pipeline adds its stage in the order the run makes them
+    ([`plan_stage1`], [`plan_stage2`], [`plan_heal`], [`plan_quantization`], [`plan_evaluation`], [`plan_save`]), over
+    one model's shape and placement, and [`finish`] gives the [`PruningPlan`]. [`Planner.for_model`] builds one as
+    [`~optimum_gradmap.pipeline.plan_pruning`] takes its arguments."""
 
     def __init__(
         self,
@@ -135,6 +82,13 @@ class _Planner:
         self.notes: list[str] = []
         self.stages: list[StagePlan] = []
         self.throughput: DeviceThroughput | None = None
+        # what the run is told (`for_model`), and what the stages planned so far leave for the next ones
+        self.model_or_path: Any = model_config
+        self.removed_layers: Sequence[int] | None = None
+        self.validation, self.evaluation_tokens, self.tokenizer_size = False, 0, None
+        self.outline1: Stage1Outline | None = None
+        self.removable = self.num_kept = Count.of(0)
+        self.stage2_line, self.compensated = "", 0
 
     def measure(self, throughput: DeviceThroughput | None, measure: bool, host_allocator_overhead: float | None) -> None:
         """The device's rates: `throughput`, else measured where `measure` is on; what stays on the device; and what
@@ -170,34 +124,42 @@ class _Planner:
             plan.seconds = plan.seconds + transfer_seconds(work, self.shape, batch_tokens, self.shares)
         return plan
 
-    def plan(
-        self,
-        model_or_path: Any,
-        removed_layers: Sequence[int] | None,
-        validation: bool,
-        evaluation_tokens: int,
-        tokenizer_size: int | None,
-    ) -> PruningPlan:
-        """The stages (Stage 1, Stage 2, the heal, the evaluation, the save), then the plan."""
-        config, shape = self.config, self.shape
-        outline1, removable = self.plan_stage1(removed_layers)
-        num_kept = Count(shape.num_layers - removable.high, shape.num_layers - removable.low)
-        stage2_line, compensated = "", 0
-        if config.compensation:
-            stage2_line, compensated = self.plan_stage2(removed_layers, outline1, removable, validation)
-        if self.heal:
-            self.plan_heal(int(num_kept.high), self.trained_layers(removed_layers, removable, compensated))
-        if config.quantization:
-            self.plan_quantization(num_kept)
-        if evaluation_tokens:
-            self.plan_evaluation(num_kept, evaluation_tokens)
-        if tokenizer_size is None:
-            tokenizer_size = tokenizer_bytes(model_or_path)
-            if tokenizer_size is None:
-                self.notes.append("Disk: the tokenizer's files are not counted (no local folder to read their size from).")
-        output_bytes = _kept_bytes(shape, removable, outline1.protected, config.quantization)
-        output_bytes = output_bytes + (tokenizer_size or 0) + REPORT_BYTES
-        self.plan_save(output_bytes)
+    @classmethod
+    def for_model(
+        cls,
+        model_or_path: PreTrainedModel | PretrainedConfig | str | os.PathLike,
+        config: GradMAPConfig,
+        dtype: torch.dtype | str = torch.float32,
+        device: str | torch.device | None = None,
+        throughput: DeviceThroughput | None = None,
+        execution: str | None = None,
+        device_map: str | dict[str, Any] | None = None,
+        max_memory: dict[int | str, str] | None = None,
+        removed_layers: Sequence[int] | None = None,
+        validation: bool = False,
+        evaluation_tokens: int = 0,
+        tokenizer_bytes: int | None = None,
+        measure: bool = True,
+        name: str | None = None,
+        host_allocator_overhead: float | None = None,
+    ) -> Planner:
+        """A planner for a run of `config` on a model, its throughput measured: the arguments are those of
+        [`~optimum_gradmap.pipeline.plan_pruning`], which documents them."""
+        model_config = load_model_config(model_or_path)
+        if name is None:
+            name = os.fspath(model_or_path) if isinstance(model_or_path, (str, os.PathLike)) else model_config._name_or_path
+        _check_removal(config, model_config)
+        if config.layers_to_prune is not None:
+            removed_layers = list(config.layers_to_prune)
+        planner = cls(model_config, config, resolve_dtype(dtype, model_config), device, name, execution, device_map, max_memory)
+        planner.measure(throughput, measure, host_allocator_overhead)
+        planner.model_or_path, planner.removed_layers, planner.validation = model_or_path, removed_layers, validation
+        planner.evaluation_tokens, planner.tokenizer_size = evaluation_tokens, tokenizer_bytes
+        return planner
+
+    def finish(self) -> PruningPlan:
+        """The plan of the stages added so far (Stage 1's first), with what it assumes in its notes."""
+        config, shape, outline1 = self.config, self.shape, self.outline1
         self.closing_notes()
         return PruningPlan(
             model=shape.name,
@@ -211,57 +173,60 @@ class _Planner:
             rounds=outline1.rounds,
             budget=budget_text(config, outline1),
             stage1=stage1_text(outline1, config),
-            stage2=stage2_line,
+            stage2=self.stage2_line,
             execution="layer_streamed" if self.streamed else "in_memory",
             stages=self.stages,
-            output_bytes=output_bytes,
+            output_bytes=self.output_bytes,
             throughput=self.throughput,
             notes=self.notes,
         )
 
-    def plan_stage1(self, removed_layers: Sequence[int] | None) -> tuple[Stage1Outline, Count]:
+    def plan_stage1(self) -> None:
         """Stage 1's stage (none with `layers_to_prune`), its outline and how many layers it may remove."""
-        config = self.config
-        work, outline, notes = stage1(config, self.shape, self.streamed)
+        config, shape, removed_layers = self.config, self.shape, self.removed_layers
+        work, outline, notes = stage1(config, shape, self.streamed)
         self.notes += notes
         if config.layers_to_prune is None:
-            memory = stage1_memory(config, self.shape, outline)
+            memory = stage1_memory(config, shape, outline)
             tokens = config.num_samples * config.seq_len
             passes = stage1_passes(outline)
             self.stages.append(
                 self.stage("Stage 1", passes, tokens, work, memory["in_memory"], self.resident + memory["streamed"], 0.0)
             )
         if removed_layers is not None:
-            return outline, Count.of(len(removed_layers))
-        return outline, Count(1 if config.has_budget else outline.num_to_remove, outline.num_to_remove)
+            removable = Count.of(len(removed_layers))
+        else:
+            removable = Count(1 if config.has_budget else outline.num_to_remove, outline.num_to_remove)
+        self.outline1, self.removable = outline, removable
+        self.num_kept = Count(shape.num_layers - removable.high, shape.num_layers - removable.low)
 
-    def plan_stage2(
-        self, removed_layers: Sequence[int] | None, outline1: Stage1Outline, removable: Count, validation: bool
-    ) -> tuple[str, int]:
-        """Stage 2's stage; returns its outline in words and the most layers it may compensate."""
+    def plan_stage2(self) -> None:
+        """Stage 2's stage, its outline in words and the most layers it may compensate."""
         config = self.config
-        removed = list(removed_layers) if removed_layers is not None else None
-        work, outline = stage2(config, self.shape, self.adapter, removed, outline1.protected, removable, validation)
+        removed = list(self.removed_layers) if self.removed_layers is not None else None
+        protected = self.outline1.protected
+        work, outline = stage2(config, self.shape, self.adapter, removed, protected, self.removable, self.validation)
         memory = stage2_memory(config, self.shape, outline)
         beside = memory["device"] + (memory["host"] if self.on_cpu else 0.0)
         tokens = config.num_samples * config.seq_len
         passes = stage2_passes(outline)
         self.stages.append(self.stage("Stage 2", passes, tokens, work, beside, self.resident + beside, memory["host"]))
-        return stage2_text(outline, config), int(outline.fits.high)
+        self.stage2_line, self.compensated = stage2_text(outline, config), int(outline.fits.high)
 
-    def trained_layers(self, removed_layers: Sequence[int] | None, removable: Count, compensated: int) -> tuple[int, int]:
-        """The kept layers before a removed run (for a layout not known yet, the most `removable` layers can leave:
+    def trained_layers(self) -> tuple[int, int]:
+        """The kept layers before a removed run (for a layout not known yet, the most the removable layers can leave:
         one before each) and the most layers Stage 2 compensates: what `heal_trainable` may train."""
-        num_layers = self.shape.num_layers
+        num_layers, removed_layers = self.shape.num_layers, self.removed_layers
         if removed_layers is not None:
             kept = [index for index in range(num_layers) if index not in set(removed_layers)]
-            return layers_before_removed_runs(kept, num_layers), compensated
-        most = int(removable.high)
-        return min(most, num_layers - most), compensated
+            return layers_before_removed_runs(kept, num_layers), self.compensated
+        most = int(self.removable.high)
+        return min(most, num_layers - most), self.compensated
 
-    def plan_heal(self, num_kept: int, trained_layers: tuple[int, int]) -> None:
+    def plan_heal(self) -> None:
         """The heal's stage (an `auto` budget sized to Stage 1's planned time first)."""
         config, shape = self.config, self.shape
+        num_kept, trained_layers = int(self.num_kept.high), self.trained_layers()
         if config.heal_tokens == "auto":
             config = self.auto_heal_config(num_kept)
         work, counts = heal_work(config, shape, num_kept, shape.num_layers, self.streamed)
@@ -298,10 +263,10 @@ class _Planner:
             )
         return config
 
-    def plan_quantization(self, num_kept: Count) -> None:
+    def plan_quantization(self) -> None:
         """The quantization step, after the heal: llm-compressor over the kept layers, on as many calibration sequences
         as Stage 1 reads ([`optimum_gradmap.planning.quantization`])."""
-        config, shape = self.config, self.shape
+        config, shape, num_kept = self.config, self.shape, self.num_kept
         scheme, tokens = config.quantization, config.num_samples * config.seq_len
         work = quantization_work(shape, scheme, num_kept, tokens)
         beside = quantization_memory(shape, scheme, config.num_samples, config.seq_len)
@@ -309,17 +274,29 @@ class _Planner:
         used = tokens if work.layer_forward.high else 0
         self.stages.append(self.stage("Quantize", passes, used, work, beside, self.resident + beside, 0.0))
 
-    def plan_evaluation(self, num_kept: Count, tokens: int) -> None:
-        """Perplexity of the dense and of the pruned model over `tokens` evaluation tokens (`prune --evaluate`)."""
-        shape = self.shape
+    def plan_evaluation(self) -> None:
+        """Perplexity of the dense and of the pruned model over the evaluation tokens (`prune --evaluate`), if any."""
+        shape, num_kept, tokens = self.shape, self.num_kept, self.evaluation_tokens
+        if not tokens:
+            return
         logits = logits_bytes(shape, self.config.batch_size, self.config.seq_len)
         work = Work(layer_forward=(num_kept + shape.num_layers) * tokens, head_forward=Count.of(2 * tokens))
         self.stages.append(
             self.stage("Evaluation", "dense and pruned perplexity", tokens, work, logits, self.resident + logits, 0.0)
         )
 
-    def plan_save(self, output_bytes: Count) -> None:
-        """Saving: an offloaded model is written a shard at a time, each shard's weights read into memory first."""
+    def plan_save(self) -> None:
+        """Saving: the output's bytes on disk (the kept layers' weights, as the quantization stores them where it runs,
+        the tokenizer and the report); an offloaded model is written a shard at a time, each shard's weights read
+        into memory first."""
+        config, shape = self.config, self.shape
+        tokenizer_size = self.tokenizer_size
+        if tokenizer_size is None:
+            tokenizer_size = tokenizer_bytes(self.model_or_path)
+            if tokenizer_size is None:
+                self.notes.append("Disk: the tokenizer's files are not counted (no local folder to read their size from).")
+        output_bytes = _kept_bytes(shape, self.removable, self.outline1.protected, config.quantization)
+        self.output_bytes = output_bytes = output_bytes + (tokenizer_size or 0) + REPORT_BYTES
         shard = min(shard_bytes(), output_bytes.high)
         save = self.stage("Save", "the checkpoint, shard by shard", 0, Work(), 0.0, self.resident + shard, 0.0)
         disk = ASSUMED_OFFLOAD_BYTES_PER_SECOND["disk"]

@@ -20,7 +20,7 @@ import os
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..quantize.schemes import SCHEMES, QuantizationScheme
+from ..quantize import QuantizationScheme, scheme_named
 from .counts import ZERO, Count, Work
 from .placement import allocator_overhead, process_bytes
 from .plan import REPORT_BYTES, PruningPlan, described, stage_plan, tokenizer_bytes
@@ -58,7 +58,7 @@ def stored_layer_bytes(shape: ModelShape, scheme_name: str) -> list[int]:
     Returns:
         `list[int]`: per layer.
     """
-    scheme = SCHEMES[scheme_name]
+    scheme = scheme_named(scheme_name)
     group = group_size(shape, scheme)
     sizes = []
     for index, parameters in enumerate(shape.layer_parameters):
@@ -87,7 +87,7 @@ def quantization_work(shape: ModelShape, scheme_name: str, kept: Count, tokens: 
     Returns:
         [`Work`].
     """
-    if not SCHEMES[scheme_name].calibrated:
+    if not scheme_named(scheme_name).calibrated:
         return Work()
     maps = _linear_maps(shape, 0)
     hessians = sum(2 * tokens * width**2 for width, _ in maps)
@@ -103,15 +103,17 @@ def quantization_work(shape: ModelShape, scheme_name: str, kept: Count, tokens: 
 
 def calibrated_modifiers(scheme_name: str) -> int:
     """The calibrated modifiers of the scheme's recipe (`"SmoothQuant + GPTQ"`: 2), each with its own pipeline."""
-    return len(SCHEMES[scheme_name].algorithm.split(" + ")) if SCHEMES[scheme_name].calibrated else 0
+    scheme = scheme_named(scheme_name)
+    return len(scheme.algorithm.split(" + ")) if scheme.calibrated else 0
 
 
 def passes_text(scheme_name: str, num_samples: int, seq_len: int) -> str:
     """The stage's passes, in words."""
-    if not SCHEMES[scheme_name].calibrated:
+    scheme = scheme_named(scheme_name)
+    if not scheme.calibrated:
         return f"{scheme_name}: weights rounded to nearest, no calibration"
     times = LAYER_PASSES * calibrated_modifiers(scheme_name)
-    return f"{scheme_name} ({SCHEMES[scheme_name].algorithm}): each layer run {times} times over {num_samples} x {seq_len} tokens"
+    return f"{scheme_name} ({scheme.algorithm}): each layer run {times} times over {num_samples} x {seq_len} tokens"
 
 
 def quantization_memory(shape: ModelShape, scheme_name: str, num_samples: int, seq_len: int) -> float:
@@ -128,7 +130,7 @@ def quantization_memory(shape: ModelShape, scheme_name: str, num_samples: int, s
     Returns:
         `float`.
     """
-    if not SCHEMES[scheme_name].calibrated:
+    if not scheme_named(scheme_name).calibrated:
         return float(stored_bytes(shape, scheme_name))
     maps = max(shape.layer_linear_maps, key=lambda layer: sum(width**2 for width, _ in layer), default=[])
     hessians = sum(4 * width**2 for width, _ in maps)
@@ -162,11 +164,12 @@ def plan_quantization(
         model_or_path (`PreTrainedModel`, `PretrainedConfig`, `str` or `os.PathLike`): The checkpoint to quantize.
         scheme (`str`): `"w8a8"`, `"w4a16"` or `"fp8"`.
         num_samples (`int`), seq_len (`int`): The calibration sequences.
-        dtype, device, throughput, measure, host_allocator_overhead: As in [`plan_pruning`].
+        dtype, device, throughput, measure, host_allocator_overhead: As in [`~optimum_gradmap.pipeline.plan_pruning`].
 
     Returns:
         [`PruningPlan`] with the quantization stage alone.
     """
+    scheme_named(scheme)  # an unknown scheme: refused, with the schemes
     model_config = load_model_config(model_or_path)
     dtype = resolve_dtype(dtype, model_config)
     device = torch.device(device if device is not None else "cpu")
@@ -177,7 +180,7 @@ def plan_quantization(
     process = process_bytes() if device.type == "cpu" else 0
     work = quantization_work(shape, scheme, Count.of(shape.num_layers), num_samples * seq_len)
     beside = allocator_overhead(device, host_allocator_overhead) * quantization_memory(shape, scheme, num_samples, seq_len)
-    calibrated = SCHEMES[scheme].calibrated
+    calibrated = scheme_named(scheme).calibrated
     passes = passes_text(scheme, num_samples, seq_len)
     tokens = num_samples * seq_len if calibrated else 0
     stage = stage_plan("Quantize", passes, tokens, work, shape, throughput, shape.weight_bytes + beside + process, None, 0.0)
@@ -189,7 +192,7 @@ def plan_quantization(
         rounds=ZERO,
         budget=None,
         stage1="none (a saved checkpoint, quantized)",
-        stage2=f"none; {scheme} ({SCHEMES[scheme].algorithm}) by llm-compressor",
+        stage2=f"none; {scheme} ({scheme_named(scheme).algorithm}) by llm-compressor",
         execution="in_memory",
         stages=[stage],
         output_bytes=Count.of(output),

@@ -4,7 +4,7 @@
 to a compressed-tensors checkpoint that vLLM serves and transformers loads. Optional: `pip install
 'optimum-gradmap[quantize]'`.
 
-- [`schemes`]: the schemes (`w8a8`, `w4a16`, `fp8`) and their llm-compressor recipes;
+- [`schemes`]: the schemes (`w8a8`, `w4a16`, `fp8`), their llm-compressor recipes, and the step's settings;
 - [`checks`]: what is refused before any work;
 - [`stage`]: [`quantize_model`] and its [`QuantizationResult`].
 
@@ -18,7 +18,7 @@ or `optimum-gradmap quantize CHECKPOINT --scheme w8a8 --output OUT` for a checkp
 """
 
 from .checks import INSTALL_HINT, check_linear_maps, check_quantization, hardware_problem, require_llmcompressor, scheme_named
-from .schemes import SCHEMES, QuantizationScheme
+from .schemes import SCHEMES, QuantizationScheme, QuantizationSettings
 from .stage import QuantizationResult, head_names, quantize_model
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "SCHEMES",
     "QuantizationResult",
     "QuantizationScheme",
+    "QuantizationSettings",
     "check_linear_maps",
     "check_quantization",
     "hardware_problem",

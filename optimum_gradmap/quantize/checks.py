@@ -32,16 +32,25 @@ def scheme_named(name: str) -> QuantizationScheme:
 
 
 def require_llmcompressor() -> None:
-    """Refuses when llm-compressor (the vLLM project's quantization library) is not installed.
+    """Refuses when llm-compressor (the vLLM project's quantization library) is not installed, or is installed but
+    cannot be imported (a broken install, a version that does not fit this transformers): checked by importing it,
+    so that a run that cannot quantize fails before any work.
 
     Raises:
-        InvalidInputError: it is missing; the message says how to install it.
+        InvalidInputError: it is missing or broken; the message says how to install it.
     """
     if importlib.util.find_spec("llmcompressor") is None:
         raise InvalidInputError(
             f"Quantization needs llm-compressor, which is not installed: `{INSTALL_HINT}` installs the version this "
             "library is tested with (it brings compressed-tensors, which transformers and vLLM load the checkpoint with)."
         )
+    try:
+        from llmcompressor import oneshot  # noqa: F401
+    except Exception as error:  # an import error, or whatever a mismatched dependency raises on import
+        raise InvalidInputError(
+            f"llm-compressor is installed but cannot be imported ({type(error).__name__}: {error}): `{INSTALL_HINT}` "
+            "installs the version this library is tested with, with the dependencies it needs."
+        ) from error
 
 
 def hardware_problem(scheme: QuantizationScheme) -> str | None:

@@ -12,6 +12,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..settings import StepSettings
+
+
+@dataclass(frozen=True)
+class QuantizationSettings(StepSettings):
+    """The quantization step's settings: the fields of [`~optimum_gradmap.GradMAPConfig`] it reads, under the same
+    names, frozen; `QuantizationSettings.from_config(config)` takes them from a config.
+
+    Args:
+        quantization (`str`): The scheme (`"w8a8"`, `"w4a16"`, `"fp8"`).
+        quantization_dataset (`str`, *optional*): Its calibration text; `None`: Stage 1's calibration sequences.
+    """
+
+    quantization: str
+    quantization_dataset: str | None = None
+
 
 @dataclass(frozen=True)
 class QuantizationScheme:

@@ -30,7 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ..checkpoint import validate_checkpoint
-from ..serving import _prompt_ids, find_vllm_python, reference_outputs, run_vllm
+from ..serving import find_vllm_python, prompt_ids_for, reference_outputs, run_vllm
 
 AGREEMENT_FACTOR = 3.0
 """How many times bfloat16's own mean log-probability difference the served one may reach. vLLM adds its kernels'
@@ -59,10 +59,17 @@ class Agreement:
 
 
 def agreement(reference: Sequence[dict], other: Sequence[dict]) -> Agreement:
-    """[`Agreement`] of `other` with `reference` (both as [`~optimum_gradmap.serving.reference_outputs`] returns)."""
+    """[`Agreement`] of `other` with `reference` (both as [`~optimum_gradmap.serving.reference_outputs`] returns). Where
+    `other` lacks a prompt or a prompt token's log-probability that `reference` has (or has more), or where there is
+    nothing to compare, its log-probability differences are infinite: missing data never reads as agreement."""
+    complete = len(reference) == len(other) and all(
+        len(ours["prompt_logprobs"]) == len(theirs["prompt_logprobs"]) for ours, theirs in zip(reference, other)
+    )
     differences = [
         abs(a - b) for ours, theirs in zip(reference, other) for a, b in zip(ours["prompt_logprobs"], theirs["prompt_logprobs"])
     ]
+    if not complete or not differences:
+        differences = [float("inf")]
     equal = 0
     for ours, theirs in zip(reference, other):
         for a, b in zip(ours["tokens"], theirs["tokens"]):
@@ -70,8 +77,8 @@ def agreement(reference: Sequence[dict], other: Sequence[dict]) -> Agreement:
                 break
             equal += 1
     return Agreement(
-        mean_logprob_difference=sum(differences) / max(len(differences), 1),
-        max_logprob_difference=max(differences, default=0.0),
+        mean_logprob_difference=sum(differences) / len(differences),
+        max_logprob_difference=max(differences),
         greedy_tokens_equal=equal,
         greedy_tokens=sum(len(ours["tokens"]) for ours in reference),
     )
@@ -152,7 +159,7 @@ def verify_quantized_serving(
     ):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
         if name == "float32":
-            prompt_ids = _prompt_ids(checkpoint, prompts, model.config.get_text_config(decoder=True).vocab_size)
+            prompt_ids = prompt_ids_for(checkpoint, prompts, model.config.get_text_config(decoder=True).vocab_size)
         runs[name] = reference_outputs(model.eval(), prompt_ids, max_new_tokens)
         del model
     served = run_vllm(checkpoint, prompt_ids, max_new_tokens, python, dtype="bfloat16", environment=AS_STORED)

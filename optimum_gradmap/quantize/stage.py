@@ -91,14 +91,25 @@ def config_on_disk(model: PreTrainedModel) -> Iterator[None]:
 
 # The settings of a modifier the report shows (the others are llm-compressor's defaults and its state).
 _RECIPE_SETTINGS = (
-    "smoothing_strength", "scheme", "config_groups", "targets", "ignore", "block_size", "dampening_frac", "actorder"
-)  # fmt: skip
+    "smoothing_strength",
+    "scheme",
+    "config_groups",
+    "targets",
+    "ignore",
+    "block_size",
+    "dampening_frac",
+    "actorder",
+)
 
 
 def _setting(value: Any) -> str:
     if isinstance(value, dict):  # config_groups: each group's weights, in brief
-        return str({name: f"{group.weights.num_bits}-bit {group.weights.type}, group {group.weights.group_size}"
-                    for name, group in value.items()})  # fmt: skip
+        return str(
+            {
+                name: f"{group.weights.num_bits}-bit {group.weights.type}, group {group.weights.group_size}"
+                for name, group in value.items()
+            }
+        )
     return str(value)
 
 

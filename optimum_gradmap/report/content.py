@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from ..configuration import GradMAPConfig
+from ..data import given_directly
 from ..errors import InvalidInputError
 from ..passes import input_device
 
@@ -63,7 +64,9 @@ tokenizer = AutoTokenizer.from_pretrained(report["base_model"], revision=report[
 result = GradMAPPruner(config, model=model, tokenizer=tokenizer).prune()"""
 
 
-def reproduction(command: str | None, step: str = "prune", earlier: dict[str, Any] | None = None) -> dict[str, Any]:
+def reproduction(
+    command: str | None, step: str = "prune", earlier: dict[str, Any] | None = None, calibration: str | None = None
+) -> dict[str, Any]:
     """The report's `reproduce` entry: how the checkpoint was made, for whoever wants to make it again.
 
     Args:
@@ -72,17 +75,24 @@ def reproduction(command: str | None, step: str = "prune", earlier: dict[str, An
         step (`str`, defaults to `"prune"`): What this run did: `"prune"`, or `"heal"` or `"quantize"` (a checkpoint
             made earlier).
         earlier (`dict`, *optional*): The `reproduce` entry of the checkpoint this run started from (a heal's).
+        calibration (`str`, *optional*): Where the calibration sequences came from (the report's `calibration_source`):
+            where they were given directly, the snippet passes them and says that they must be given again.
 
     Returns:
         `dict`: `step`, `produced_by` (`"command line"` or `"Python API"`), `command`, `python` (through the API:
         a snippet that rebuilds the config from the report and prunes the base model again), `versions`
         (optimum-gradmap, transformers, torch) and `earlier`.
     """
+    python = API_SNIPPET.format(folder='"path/to/this/checkpoint"')
+    if given_directly(calibration):  # no dataset name reads them again: the config's would be another calibration set
+        python = python.replace(
+            ".prune()", f".prune(calibration_data=calibration_data)  # the same data: {calibration}, not the config's dataset"
+        )
     return {
         "step": step,
         "produced_by": "command line" if command else "Python API",
         "command": command or None,
-        "python": None if command else API_SNIPPET.format(folder='"path/to/this/checkpoint"'),
+        "python": None if command else python,
         "versions": versions(),
         "earlier": earlier,
     }
@@ -135,7 +145,7 @@ def build_report(
         "model_type": model.config.model_type,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gradmap_config": config.to_dict(),
-        "reproduce": reproduction(command),
+        "reproduce": reproduction(command, calibration=summary.get("calibration_source")),
         **summary,
         "evaluation": evaluation.to_dict() if evaluation is not None else None,
         "dense_evaluation": dense_evaluation.to_dict() if dense_evaluation is not None else None,

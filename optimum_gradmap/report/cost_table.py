@@ -16,8 +16,13 @@ def _evaluation_columns(report: dict[str, Any]) -> list[tuple[str, Any, Any, Any
     with the stage their figures were measured after: "after heal" for the healed weights (`prune` with a heal budget
     evaluates after the heal, `optimum-gradmap heal` evaluates again), "after Stage 1 + 2" for what the pruning run
     measured before the heal (`evaluation_before_heal`), with "(before heal)" when nothing was measured after it
-    (`heal --no-evaluate`, an interrupted heal, or a report written before `heal` evaluated)."""
+    (`heal --no-evaluate`, an interrupted heal, or a report written before `heal` evaluated). A checkpoint quantized
+    later has one, "before quantization": what was measured on its unquantized weights."""
     now = (report.get("evaluation"), report.get("zero_shot_against_dense"), report.get("flips_against_dense"))
+    unquantized = report.get("evaluation_before_quantization") or {}
+    if not now[0] and unquantized.get("evaluation"):  # `optimum-gradmap quantize` measures nothing again
+        keys = ("evaluation", "zero_shot_against_dense", "flips_against_dense")
+        return [("before quantization", *(unquantized.get(key) for key in keys))]
     if not report.get("heal"):
         return [("pruned", *now)]
     before = report.get("evaluation_before_heal")
@@ -100,6 +105,11 @@ def _stage_note(columns: list[tuple[str, Any, Any, Any]]) -> str:
     headers = [header for header, *_ in columns]
     if headers == ["pruned"] or not any(evaluation for _, evaluation, *_ in columns):
         return ""
+    if headers == ["before quantization"]:
+        return (
+            "Every figure in this column was measured before the quantization, on the unquantized weights this "
+            "checkpoint was quantized from, and not again on its quantized ones."
+        )
     if len(headers) > 1:
         return (
             f"*{headers[0]}*: measured by the pruning run, on the weights the heal started from. *after heal*: measured "

@@ -100,8 +100,15 @@ def _draw_heal(axis: Any, report: dict[str, Any]) -> None:
     heal = report["heal"]
     tokens, kl = zip(*heal["kl_curve"])
     axis.plot(tokens, kl, marker="o", markersize=3, label="held-out KL from the dense model")
-    axis.plot([heal["best_tokens"]], [heal["best_kl"]], marker="*", color="tab:green", markersize=14, linestyle="none",
-              label=f"kept: {heal['best_kl']:.4f} after {heal['best_tokens']:,} tokens")  # fmt: skip
+    axis.plot(
+        [heal["best_tokens"]],
+        [heal["best_kl"]],
+        marker="*",
+        color="tab:green",
+        markersize=14,
+        linestyle="none",
+        label=f"kept: {heal['best_kl']:.4f} after {heal['best_tokens']:,} tokens",
+    )
     axis.set_xlabel(f"tokens trained ({heal['dataset']})")
     axis.set_ylabel("next-token KL (top-64 and the rest), nats/token")
     axis.set_title(f"Heal: distillation from the dense model ({heal['trainable']})")
@@ -119,10 +126,24 @@ def _draw_curve(axis: Any, report: dict[str, Any]) -> None:
         )
     if report.get("rejected"):
         rejected = report["rejected"]
-        axis.plot([len(curve) + 1], [rejected["loss"]], marker="x", color="tab:red", markersize=9, linestyle="none",
-                  label=f"refused: removing layer {rejected['layer']}")  # fmt: skip
-    axis.plot([len(curve)], [[dense, *curve][-1]], marker="*", color="tab:green", markersize=14, linestyle="none",
-              label=f"chosen: {len(curve)} layers removed")  # fmt: skip
+        axis.plot(
+            [len(curve) + 1],
+            [rejected["loss"]],
+            marker="x",
+            color="tab:red",
+            markersize=9,
+            linestyle="none",
+            label=f"refused: removing layer {rejected['layer']}",
+        )
+    axis.plot(
+        [len(curve)],
+        [[dense, *curve][-1]],
+        marker="*",
+        color="tab:green",
+        markersize=14,
+        linestyle="none",
+        label=f"chosen: {len(curve)} layers removed",
+    )
     axis.set_xlabel("layers removed (in removal order)")
     axis.set_ylabel("calibration loss (mean next-token cross-entropy)")
     axis.set_title(f"What each number of removed layers costs ({report['gradmap_config'].get('importance', 'gradmap')})")

@@ -3,8 +3,11 @@
 """The layer-importance interface ([`ImportanceMetric`]) and its registry: metric name -> class, fed by
 [`register_importance_metric`] and read by `GradMAPConfig`, the command line and
 [`~optimum_gradmap.importance.metrics.get_importance_metric`]. The metrics themselves are in
-[`optimum_gradmap.importance.metrics`]. This module imports nothing from the package, so that the
-configuration can check a metric's name."""
+[`optimum_gradmap.importance.metrics`].
+
+A leaf: it imports nothing from the package, and the configuration checks a metric's name here without loading
+Stage 1. The built-in metrics' names are listed ([`BUILTIN_METRIC_NAMES`]) so that the check needs no metric class;
+`optimum_gradmap.importance.metrics` registers exactly these (a test holds the two together)."""
 
 from __future__ import annotations
 
@@ -97,6 +100,22 @@ class ImportanceMetric:
         return set()
 
 
+# The names of the metrics `optimum_gradmap.importance.metrics` registers, in its order: known before it is loaded.
+BUILTIN_METRIC_NAMES: tuple[str, ...] = (
+    "gradmap",
+    "block_influence",
+    "sleb",
+    "taylor",
+    "relative_magnitude",
+    "random",
+    "gradmap_bound",
+    "gradmap_bound_token",
+    "gradmap_bound_squared",
+    "taylor_gate",
+    "taylor_gate_abs",
+    "taylor_gate_squared",
+)
+
 # The registry: metric name -> class. Fed by `register_importance_metric`, read by `GradMAPConfig`,
 # the command line and `get_importance_metric`.
 IMPORTANCE_METRICS: dict[str, type[ImportanceMetric]] = {}
@@ -124,5 +143,6 @@ def register_importance_metric(cls: MetricClass) -> MetricClass:
 
 
 def importance_metric_names() -> list[str]:
-    """The names registered with [`register_importance_metric`], in registration order."""
-    return list(IMPORTANCE_METRICS)
+    """The metrics' names: the built-in ones ([`BUILTIN_METRIC_NAMES`]), then those registered with
+    [`register_importance_metric`], in registration order."""
+    return list(dict.fromkeys([*BUILTIN_METRIC_NAMES, *IMPORTANCE_METRICS]))
