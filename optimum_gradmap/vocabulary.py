@@ -6,7 +6,7 @@ them, without a batch's `(batch, seq_len, vocab)` logits or their log-softmax.
 
 A model's forward pass returns the logits of every position at once: for a 128k vocabulary, 8 x 128 tokens make
 0.5 GB of float32 logits, as much again for their log-softmax, whatever the model's size. Here the model is split
-at its head where a gradient pass found that split exact ([`~optimum_gradmap.importance.gradient.split_at_lm_head`]
+at its head where a gradient pass found that split exact ([`~optimum_gradmap.streaming.split_at_lm_head`]
 checks it on a few tokens; elsewhere, SLEB's scores or a teacher loaded apart, the whole logits are used, as before):
 the decoder gives the final hidden states, and the head maps them to logits at most `passes.MAX_LOGIT_ELEMENTS` at a
 time (every position's, as the model's forward does, the last one's ignored), which are reduced (to a summed
@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import passes
+from .adapters import get_adapter
+from .streaming import split_is_known_exact
 from .weights import is_offloaded_module, rows_only
 
 
@@ -51,20 +53,16 @@ class VocabularyHead:
 
 def vocabulary_head(model: nn.Module) -> VocabularyHead:
     """The [`VocabularyHead`] of `model`: its split at the head where a gradient pass found it exact
-    ([`~optimum_gradmap.importance.gradient.split_at_lm_head`] checks it on a few tokens), else the whole logits (no
+    ([`~optimum_gradmap.streaming.split_at_lm_head`] checks it on a few tokens), else the whole logits (no
     check is run here: it would be a pass of the whole model, which hooks on the layers may not expect).
 
     Args:
         model (`nn.Module`): A causal LM.
     """
-    from .importance.gradient import split_is_known_exact
-
     output_embeddings = model.get_output_embeddings()
     vocab_size = output_embeddings.weight.shape[0]
     if not split_is_known_exact(model):
         return VocabularyHead(None, None, vocab_size)
-    from .adapters import get_adapter
-
     adapter = get_adapter(model)
     return VocabularyHead(
         lambda batch: adapter.final_hidden_states(model, input_ids=batch, use_cache=False),

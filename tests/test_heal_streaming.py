@@ -26,9 +26,7 @@ from optimum_gradmap.distillation import (
 )
 from optimum_gradmap.errors import InvalidInputError
 from optimum_gradmap.heal import check_heal_settings, heal
-from optimum_gradmap.heal.loss import _streamed_loss_gradient
 from optimum_gradmap.heal.trainable import _choose, _Trainable
-from optimum_gradmap.importance.gradient import DecoderGradient
 from optimum_gradmap.passes import calibration_mode
 from optimum_gradmap.weights import stored_state_dict, weights_digest
 
@@ -86,8 +84,9 @@ def _gradients(model: nn.Module, ids: torch.LongTensor, targets: TeacherTargets,
             (top_k_kl(model(input_ids=ids).logits[:, :-1], targets).mean() * ids.shape[0]).backward()
         else:
             with streaming.execution_mode("layer_streamed"):
-                streamed = DecoderGradient(model, adapter, ids)
-                streamed.backward(ids, _streamed_loss_gradient(streamed, targets), chosen.parameters)
+                streamed = streaming.DecoderGradient(model, adapter, ids)
+                gradient = streamed.loss_gradient(top_k_kl_gradient, vocab_sliced_top_k_kl_gradient, targets=targets)
+                streamed.backward(ids, gradient, chosen.parameters)
         gradients = [parameter.grad.clone() for parameter in chosen.parameters]
         chosen.finish(merge=False)
     return gradients

@@ -108,7 +108,7 @@ def test_loss_gradient_in_chunks_equals_autograd_of_the_per_sample_mean_loss(mon
 def test_a_head_the_adapter_does_not_reproduce_falls_back_to_the_whole_model(caplog):
     """Gemma2 caps its logits; an adapter that forgets it must not change the scores, only the memory."""
     from optimum_gradmap.adapters import DecoderAdapter
-    from optimum_gradmap.importance import split_at_lm_head
+    from optimum_gradmap.streaming import split_at_lm_head
 
     class UncappedHead(DecoderAdapter):
         def compute_logits(self, model, hidden_states):
@@ -130,7 +130,7 @@ def test_running_out_of_memory_while_splitting_off_the_head_is_raised_not_taken_
     """Falling back to the whole model's logits would form every logit of a batch at once: never after an
     out-of-memory error."""
     from optimum_gradmap.adapters import DecoderAdapter
-    from optimum_gradmap.importance import split_at_lm_head
+    from optimum_gradmap.streaming import split_at_lm_head
 
     class HeadOutOfMemory(DecoderAdapter):
         def compute_logits(self, model, hidden_states):

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from optimum_gradmap import GradMAPPruner, passes, vocabulary
 from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.distillation import TOP_K, targets_from_logits, teacher_targets, top_k_kl
-from optimum_gradmap.importance.gradient import split_at_lm_head
+from optimum_gradmap.streaming import split_at_lm_head
 from optimum_gradmap.passes import summed_next_token_loss
 from tests.conftest import random_ids, small_config, tiny_model
 

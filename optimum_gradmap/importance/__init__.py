@@ -20,7 +20,6 @@ from .gradient import (
     gradient_importance,
     linear_per_sample_sq_norms,
     module_per_sample_sq_norms,
-    split_at_lm_head,
 )
 from .metrics import (
     BlockInfluence,
@@ -63,5 +62,4 @@ __all__ = [
     "register_importance_metric",
     "remove_by_importance",
     "remove_explicit_layers",
-    "split_at_lm_head",
 ]
