@@ -199,54 +199,6 @@ def vocab_sliced_embeddings(
     return output
 
 
-def vocab_sliced_loss_gradient(
-    hidden_states: torch.Tensor,
-    input_ids: torch.LongTensor,
-    compute_logits: Callable[[torch.Tensor], torch.Tensor],
-    head: nn.Module,
-    vocab_size: int,
-    max_logits: int = 2**22,
-) -> torch.Tensor:
-    """What [`~optimum_gradmap.importance.gradient.causal_lm_loss_gradient`] computes (the gradient at the
-    final hidden states of the sum of the per-sample mean next-token cross-entropies), with the head's
-    weight read a slice of the vocabulary at a time ([`~optimum_gradmap.weights.rows_only`]), for a head
-    offloaded by Accelerate: the whole weight (the largest module of most models) never is in memory.
-
-    Two passes over the slices: the log-normaliser of every token (a running log-sum-exp), then each
-    slice's softmax minus the label, differentiated through `compute_logits` (so a soft-cap is exact).
-
-    Args:
-        hidden_states (`torch.Tensor` of shape `(batch, seq_len, hidden)`): Input of the head.
-        input_ids (`torch.LongTensor` of shape `(batch, seq_len)`): The tokens, also the labels.
-        compute_logits (`Callable`): Maps hidden states to logits with the head as it is (the adapter's).
-        head (`nn.Module`): The output embedding that `compute_logits` calls.
-        vocab_size (`int`): Rows of its weight.
-        max_logits (`int`): Logits formed at once; sets the slice size.
-    """
-    batch, seq_len, width = hidden_states.shape
-    rows = hidden_states[:, :-1].detach().reshape(-1, width)
-    labels = input_ids[:, 1:].reshape(-1).to(rows.device)
-    step = max(1, max_logits // rows.shape[0])
-    slices = [(start, min(start + step, vocab_size)) for start in range(0, vocab_size, step)]
-    log_normaliser = torch.full((rows.shape[0],), -torch.inf, dtype=torch.float32, device=rows.device)
-    with torch.no_grad():
-        for start, stop in slices:
-            with rows_only(head, start, stop):
-                logits = compute_logits(rows).float()
-            log_normaliser = torch.logaddexp(log_normaliser, torch.logsumexp(logits, dim=-1))
-    gradient = torch.zeros_like(rows, dtype=torch.float32)
-    for start, stop in slices:
-        with rows_only(head, start, stop), torch.enable_grad():
-            leaf = rows.detach().requires_grad_(True)
-            logits = compute_logits(leaf).float()
-            logits_grad = torch.exp(logits.detach() - log_normaliser[:, None])
-            in_slice = (labels >= start) & (labels < stop)
-            logits_grad[in_slice, labels[in_slice] - start] -= 1.0
-            (part,) = torch.autograd.grad(logits, leaf, logits_grad / (seq_len - 1))
-        gradient += part.float()
-    return torch.nn.functional.pad(gradient.to(rows.dtype).view(batch, seq_len - 1, width), (0, 0, 0, 1))
-
-
 def streamed_backward(
     calls: LayerCalls,
     layers: Sequence[nn.Module],
@@ -299,11 +251,10 @@ def streamed_backward(
 def split_at_lm_head(
     model: nn.Module, adapter: DecoderAdapter, input_ids: torch.LongTensor
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor], int]:
-    """Splits a causal LM into the decoder (input embeddings to final hidden states) and the head
-    (hidden states to logits), as the adapter describes them, and checks on a few tokens of
-    `input_ids` that the two together give the model's own logits. Where they do not (a head the
-    adapter does not know), the decoder is the whole model and the head is the identity: exact
-    still, only the whole batch's logits are then formed at once.
+    """Splits a causal LM into the decoder (input embeddings to final hidden states) and the head (hidden states to
+    logits), as the adapter describes them, and checks on a few tokens of `input_ids` that the two together give the
+    model's own logits. Where they do not (a head the adapter does not know), the decoder is the whole model and the
+    head is the identity: exact still, only the whole batch's logits are then formed at once.
 
     Returns:
         `(decoder, head, width)`: the two maps and the width of the head's output.
@@ -376,11 +327,8 @@ class DecoderGradient:
         self._decoder, self.compute_logits, self.vocab_size = split_at_lm_head(model, adapter, input_ids)
         self.layer_streamed = streams(model)
         output_embeddings = model.get_output_embeddings()
-        self.sliced_head = (
-            output_embeddings
-            if self.layer_streamed and not isinstance(self.compute_logits, nn.Identity) and is_offloaded_module(output_embeddings)
-            else None
-        )
+        split = self.layer_streamed and not isinstance(self.compute_logits, nn.Identity)
+        self.sliced_head = output_embeddings if split and is_offloaded_module(output_embeddings) else None
 
     def backward(
         self,
@@ -412,10 +360,9 @@ class DecoderGradient:
         """A loss's gradient at the final hidden states, for [`~DecoderGradient.backward`].
 
         Args:
-            plain (`Callable`): The gradient through the head as it is
-                ([`~optimum_gradmap.importance.gradient.causal_lm_loss_gradient`], say).
-            sliced (`Callable`): The same with the head read a slice of the vocabulary at a time, used where
-                `sliced_head` is set ([`vocab_sliced_loss_gradient`], say).
+            plain (`Callable`): The gradient through the head ([`~optimum_gradmap.objectives.causal_lm_loss_gradient`]).
+            sliced (`Callable`): Its form with the head read a slice of the vocabulary at a time, used where
+                `sliced_head` is set ([`~optimum_gradmap.objectives.vocab_sliced_loss_gradient`]).
             inputs: What the loss compares with (`input_ids=` the labels, or `targets=` the teacher's).
         """
         if self.sliced_head is None:

@@ -21,22 +21,13 @@ from transformers.utils import logging
 from .. import distributed, streaming
 from ..adapters import DecoderAdapter
 from ..data import calibration_sha256
-from ..distillation import (
-    TeacherTargets,
-    centred_logit_gram,
-    distillation_loss,
-    teacher_targets,
-    top_k_kl,
-    top_k_kl_gradient,
-    uses_head_inputs,
-    uses_layer_states,
-    vocab_sliced_top_k_kl_gradient,
-)
+from ..distillation import centred_logit_gram, distillation_loss, teacher_targets, uses_head_inputs, uses_layer_states
 from ..errors import InvalidInputError
+from ..objectives import TeacherTargets, chunked_top_k_kl, top_k_kl, top_k_kl_gradient, vocab_sliced_top_k_kl_gradient
 from ..passes import calibration_mode, input_device
 from ..precision import uses_bfloat16_autocast
 from ..streaming import DecoderGradient
-from ..vocabulary import chunked_top_k_kl, vocabulary_head
+from ..vocabulary import vocabulary_head
 from ..weights import weights_digest
 from .checks import check_heal_arguments, check_heal_checkpoint
 from .loss import _no_seam_refusal, _seam_indices, _seam_layers, _seams

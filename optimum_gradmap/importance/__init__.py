@@ -16,7 +16,6 @@
 from .gradient import (
     PerSampleGradientNorms,
     broadcast_per_sample_sq_norms,
-    causal_lm_loss_gradient,
     gradient_importance,
     linear_per_sample_sq_norms,
     module_per_sample_sq_norms,
@@ -53,7 +52,6 @@ __all__ = [
     "Stage1Plan",
     "TaylorImportance",
     "broadcast_per_sample_sq_norms",
-    "causal_lm_loss_gradient",
     "get_importance_metric",
     "gradient_importance",
     "importance_metric_names",

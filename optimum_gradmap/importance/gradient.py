@@ -39,48 +39,17 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import streaming
 from ..adapters import DecoderAdapter, get_adapter
 from ..errors import InvalidInputError
-from ..passes import calibration_batches, rows_loss_gradient
+from ..objectives import causal_lm_loss_gradient, vocab_sliced_loss_gradient
+from ..passes import calibration_batches
 from ..weights import is_linear_map
 
 # Forming per-sample weight gradients of a linear map is done in chunks of at most this many elements.
 _MAX_MATERIALISED_ELEMENTS = 2**26
-
-
-def causal_lm_loss_gradient(
-    hidden_states: torch.Tensor,
-    input_ids: torch.LongTensor,
-    compute_logits: Callable[[torch.Tensor], torch.Tensor],
-    vocab_size: int,
-) -> torch.Tensor:
-    """Gradient, with respect to the final hidden states, of the sum over samples of each sample's
-    mean next-token cross-entropy (computed in float32).
-
-    The logits are formed a few rows at a time (at most `2**22` logits at once) and dropped as soon as
-    their rows' gradient is known, so a batch's `(batch, seq_len, vocab)` logits, their log-softmax
-    and their gradient never exist at once.
-
-    Args:
-        hidden_states (`torch.Tensor` of shape `(batch, seq_len, hidden)`): Input of the language-model head.
-        input_ids (`torch.LongTensor` of shape `(batch, seq_len)`): The tokens, also the labels.
-        compute_logits (`Callable`): Maps hidden states to logits.
-        vocab_size (`int`): Width of the logits, to size the chunks.
-
-    Returns:
-        `torch.Tensor` shaped like `hidden_states` (zero at the last position, which predicts nothing).
-    """
-    seq_len = hidden_states.shape[1]
-    labels = input_ids[:, 1:].reshape(-1).to(hidden_states.device)
-
-    def rows_loss(logits: torch.Tensor, rows: slice) -> torch.Tensor:
-        return F.cross_entropy(logits, labels[rows], reduction="sum") / (seq_len - 1)
-
-    return rows_loss_gradient(hidden_states, compute_logits, vocab_size, rows_loss)
 
 
 def _uses_gram_form(tokens: int, d_in: int, d_out: int) -> bool:
@@ -366,7 +335,7 @@ def loss_gradient_passes(
 ) -> None:
     """The passes every gradient score makes, batch by batch: a forward pass from the input
     embeddings to the final hidden states, the gradient of the sum of the per-sample losses there
-    ([`causal_lm_loss_gradient`], a few logits at a time), and a backward pass.
+    ([`~optimum_gradmap.objectives.causal_lm_loss_gradient`], a few logits at a time), and a backward pass.
 
     The model's parameters are frozen (the backward pass computes activation gradients only, which
     hooks read), except `parameters`, whose `.grad` accumulates; every flag is restored on exit.
@@ -399,9 +368,7 @@ def loss_gradient_passes(
         for batch in batches:
             if on_batch_start is not None:
                 on_batch_start(batch)
-            loss_gradient = gradient_pass.loss_gradient(
-                causal_lm_loss_gradient, streaming.vocab_sliced_loss_gradient, input_ids=batch
-            )
+            loss_gradient = gradient_pass.loss_gradient(causal_lm_loss_gradient, vocab_sliced_loss_gradient, input_ids=batch)
             gradient_pass.backward(batch, loss_gradient, parameters)
             if on_batch_end is not None:
                 on_batch_end(batch)
@@ -422,7 +389,7 @@ def gradient_importance(
     One batched forward pass and one backward pass that computes only input gradients per batch:
     hooks turn each module's captured inputs and output gradients into per-sample squared gradient
     norms (see [`PerSampleGradientNorms`]), and the loss gradient is formed a few logits at a time
-    ([`causal_lm_loss_gradient`]).
+    ([`~optimum_gradmap.objectives.causal_lm_loss_gradient`]).
 
     Args:
         model (`nn.Module`): A causal LM whose decoder stack contains `layers`.

@@ -43,6 +43,7 @@ from transformers.utils import logging
 from .. import surgery
 from ..adapters import DecoderAdapter
 from ..errors import InvalidInputError
+from ..objectives import summed_loss
 from ..passes import (
     calibration_batches,
     forward_hooks,
@@ -52,7 +53,7 @@ from ..passes import (
     run_model,
     stop_after,
 )
-from ..vocabulary import summed_loss, vocabulary_head
+from ..vocabulary import vocabulary_head
 from . import residual
 from .gradient import gradient_importance, loss_gradient_passes
 from .registry import IMPORTANCE_METRICS, ImportanceMetric, register_importance_metric

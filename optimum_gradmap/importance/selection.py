@@ -32,9 +32,9 @@ from transformers.utils import logging
 from .. import distributed, streaming
 from ..adapters import DecoderAdapter
 from ..errors import InvalidInputError
+from ..objectives import mean_next_token_loss
 from ..passes import RecordedLayerInputs
 from ..surgery import LayerSnapshot
-from ..vocabulary import mean_next_token_loss
 from .registry import ImportanceMetric
 from .rounds import Round, Selection, Stage1Checkpoint, Stage1Plan
 from .shortlist import halving_rungs, verify_shortlist
