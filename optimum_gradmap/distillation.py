@@ -1,6 +1,6 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""The dense model's next-token distribution kept as a distillation target, and the KL divergence to it: what Stage 2's
+"""The dense model's next-token distribution kept as a distillation target, and the heal's losses to it: what Stage 2's
 refinement (`refinement_steps`, [`~optimum_gradmap.compensation.refinement`]) and the heal stage
 ([`optimum_gradmap.heal`]) distil from.
 
@@ -9,14 +9,7 @@ likely next tokens' log-probabilities and the log of the probability left to all
 LinearPatch's "offline" teacher, Chen et al., NeurIPS 2025, Sec. 3.3): the student's training then needs neither the
 teacher's weights nor its full-vocabulary distribution.
 
-**KL.** [`top_k_kl`] is the forward KL divergence KL(p_teacher || p_student) over `TOP_K + 1` outcomes, the teacher's
-top-K tokens and "any other token", whose probabilities are the sums of the rest:
-
-    sum_{k in top-K} p_k (log p_k - log q_k) + p_rest (log p_rest - log q_rest)
-
-It is the full-vocabulary KL of the two distributions with the tail merged into one outcome: exact where the teacher
-puts its mass on its top-K, never larger than the full KL, and it penalises a student that moves mass out of the
-top-K.
+**KL.** [`~optimum_gradmap.objectives.top_k_kl`]: the forward KL over the teacher's top-K tokens and "any other token".
 
 **Logit MSE** (`heal_loss="logit_mse"` or `"kl_logit_mse"`). The forward KL weighs each token by the teacher's
 probability: the student's log-probabilities of the tokens the teacher finds unlikely (a multiple-choice question's
@@ -52,69 +45,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.utils import logging
 
 from .errors import InvalidInputError
-from .passes import MAX_LOGIT_ELEMENTS, calibration_mode, input_device, rows_loss_gradient
-from .vocabulary import chunked_top_k, vocabulary_head
-from .weights import rows_only
+from .objectives import TeacherTargets, chunked_top_k, top_k_kl, top_k_log_probs
+from .passes import calibration_mode, input_device
+from .vocabulary import vocabulary_head
 
 # The teacher's most likely next tokens kept at each position (LinearPatch keeps 64 as well).
 TOP_K = 64
-# The loss gradients at the final hidden states form at most this many logits at once (as Stage 1's do).
-
-
-@dataclass
-class TeacherTargets:
-    """The teacher's next-token distribution at every position but the last of some sequences, as [`top_k_kl`]
-    reads it.
-
-    Attributes:
-        indices (`torch.Tensor` of shape `(N, T - 1, TOP_K)`): Its most likely tokens (int32).
-        log_probs (`torch.Tensor` of shape `(N, T - 1, TOP_K)`): Their log-probabilities (float32).
-        rest_log_prob (`torch.Tensor` of shape `(N, T - 1)`): The log of the probability of every other token.
-        hidden (`torch.Tensor` of shape `(N, T - 1, hidden_size)`, *optional*): The input of its head (bfloat16), kept
-            for [`logit_mse`].
-        layer_states (`torch.Tensor` of shape `(N, T - 1, S, hidden_size)`, *optional*): The outputs of `S` of its
-            decoder layers (bfloat16), kept for [`hidden_state_mse`].
-    """
-
-    indices: torch.Tensor
-    log_probs: torch.Tensor
-    rest_log_prob: torch.Tensor
-    hidden: torch.Tensor | None = None
-    layer_states: torch.Tensor | None = None
-
-    def rows(self, rows: Sequence[int] | slice) -> TeacherTargets:
-        """The targets of some of the sequences."""
-        hidden = None if self.hidden is None else self.hidden[rows]
-        layer_states = None if self.layer_states is None else self.layer_states[rows]
-        return TeacherTargets(self.indices[rows], self.log_probs[rows], self.rest_log_prob[rows], hidden, layer_states)
-
-    @staticmethod
-    def concatenate(parts: Sequence[TeacherTargets], dim: int = 0) -> TeacherTargets:
-        """The targets of `parts` together: their sequences (`dim=0`), or their positions (`dim=1`). The head inputs
-        and the layers' outputs are kept where every part has them."""
-
-        def joined(values: list[torch.Tensor | None]) -> torch.Tensor | None:
-            return torch.cat(values, dim) if values and all(value is not None for value in values) else None
-
-        return TeacherTargets(
-            torch.cat([part.indices for part in parts], dim),
-            torch.cat([part.log_probs for part in parts], dim),
-            torch.cat([part.rest_log_prob for part in parts], dim),
-            joined([part.hidden for part in parts]),
-            joined([part.layer_states for part in parts]),
-        )
-
-
-def _rest_log_prob(log_probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """log of the total probability of the tokens not in `indices` (exact: a logsumexp over them, not 1 - sum)."""
-    return log_probs.scatter(-1, indices.long(), float("-inf")).logsumexp(-1)
 
 
 @torch.no_grad()
@@ -412,152 +354,5 @@ def distillation_loss(
 def targets_from_logits(logits: torch.Tensor) -> TeacherTargets:
     """The teacher's targets at positions whose next-token logits are `logits` (`(..., vocabulary)`): its `TOP_K`
     most likely tokens' log-probabilities (the log-softmax in float32) and the rest's, on the CPU."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    top = log_probs.topk(min(TOP_K, log_probs.shape[-1]), dim=-1)
-    return TeacherTargets(top.indices.int().cpu(), top.values.cpu(), _rest_log_prob(log_probs, top.indices).cpu())
-
-
-def top_k_kl(logits: torch.Tensor, targets: TeacherTargets) -> torch.Tensor:
-    """The forward KL divergence from the teacher's distribution to the student's over the teacher's top-K tokens and
-    "any other token" (see the module docstring), per position.
-
-    Args:
-        logits (`torch.Tensor` of shape `(N, T - 1, V)`): The student's logits at the positions of `targets`.
-        targets ([`TeacherTargets`]): The teacher's.
-
-    Returns:
-        `torch.Tensor` of shape `(N, T - 1)`: float32, >= 0 up to rounding.
-    """
-    log_q = torch.log_softmax(logits.float(), dim=-1)
-    indices = targets.indices.to(log_q.device).long()
-    log_p = targets.log_probs.to(log_q.device)
-    log_p_rest = targets.rest_log_prob.to(log_q.device)
-    log_q_top = log_q.gather(-1, indices)
-    log_q_rest = _rest_log_prob(log_q, indices)
-    top = (log_p.exp() * (log_p - log_q_top)).sum(-1)
-    # a teacher with no mass outside its top-K (a vocabulary of at most K tokens) adds nothing for "any other token"
-    rest = torch.where(log_p_rest > float("-inf"), log_p_rest.exp() * (log_p_rest - log_q_rest), torch.zeros_like(log_p_rest))
-    return top + rest
-
-
-def _flat_targets(targets: TeacherTargets) -> TeacherTargets:
-    """`targets` with one row per position: `(N * (T - 1), K)` and `(N * (T - 1),)` (without `hidden` and
-    `layer_states`: the layer-streamed gradients, the only readers, are those of the KL; the losses that read hidden
-    states are refused there)."""
-    return TeacherTargets(
-        targets.indices.reshape(-1, targets.indices.shape[-1]),
-        targets.log_probs.reshape(-1, targets.log_probs.shape[-1]),
-        targets.rest_log_prob.reshape(-1),
-    )
-
-
-def top_k_kl_gradient(
-    hidden_states: torch.Tensor,
-    targets: TeacherTargets,
-    compute_logits: Callable[[torch.Tensor], torch.Tensor],
-    vocab_size: int,
-) -> torch.Tensor:
-    """Gradient, with respect to the final hidden states, of the sum over sequences of each one's mean [`top_k_kl`]
-    over its predicted positions (the heal's loss times the batch's sequences), through `compute_logits` by autograd.
-    The logits are formed a few rows at a time (at most `MAX_LOGIT_ELEMENTS` at once).
-
-    Args:
-        hidden_states (`torch.Tensor` of shape `(batch, seq_len, hidden)`): Input of the language-model head.
-        targets ([`TeacherTargets`]): The teacher's, at the `seq_len - 1` predicting positions of each sequence.
-        compute_logits (`Callable`): Maps hidden states to logits (the head as it is).
-        vocab_size (`int`): Width of the logits, to size the chunks.
-
-    Returns:
-        `torch.Tensor` shaped like `hidden_states` (zero at the last position, which predicts nothing).
-    """
-    seq_len = hidden_states.shape[1]
-    flat = _flat_targets(targets)
-
-    def rows_loss(logits: torch.Tensor, rows: slice) -> torch.Tensor:
-        return top_k_kl(logits, flat.rows(rows)).sum() / (seq_len - 1)
-
-    return rows_loss_gradient(hidden_states, compute_logits, vocab_size, rows_loss)
-
-
-def _in_slice(indices: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Where each row's top-K tokens fall among the tokens `start:stop`: their columns there, `stop - start` (one past
-    the slice) for those outside it."""
-    return torch.where((indices >= start) & (indices < stop), indices - start, stop - start)
-
-
-def vocab_sliced_top_k_kl_gradient(
-    hidden_states: torch.Tensor,
-    targets: TeacherTargets,
-    compute_logits: Callable[[torch.Tensor], torch.Tensor],
-    head: nn.Module,
-    vocab_size: int,
-    max_logits: int = MAX_LOGIT_ELEMENTS,
-) -> torch.Tensor:
-    """What [`top_k_kl_gradient`] computes, with the head's weight read a slice of the vocabulary at a time
-    ([`~optimum_gradmap.weights.rows_only`]), for a head offloaded by Accelerate (as
-    [`~optimum_gradmap.streaming.vocab_sliced_loss_gradient`] does for the cross-entropy).
-
-    With the student's logits z, q = softmax(z), the teacher's top-K set K with probabilities p_k, the rest's p_rest
-    (0 where the teacher has no mass outside K) and q_rest = sum_{j not in K} q_j, the derivative of [`top_k_kl`] in
-    z_j is
-
-        (sum_k p_k + p_rest) q_j - p_j [j in K] - p_rest q_j / q_rest [j not in K].
-
-    Two passes over the slices: the log-normaliser of every row and that of the tokens outside its top-K (running
-    log-sum-exps), then each slice's gradient of the logits, differentiated through `compute_logits` (so a soft-cap
-    is exact).
-
-    Args:
-        hidden_states (`torch.Tensor` of shape `(batch, seq_len, hidden)`): Input of the head.
-        targets ([`TeacherTargets`]): The teacher's, at the `seq_len - 1` predicting positions of each sequence.
-        compute_logits (`Callable`): Maps hidden states to logits with the head as it is (the adapter's).
-        head (`nn.Module`): The output embedding that `compute_logits` calls.
-        vocab_size (`int`): Rows of its weight.
-        max_logits (`int`): Logits formed at once; sets the slice size.
-
-    Returns:
-        `torch.Tensor` shaped like `hidden_states` (zero at the last position).
-    """
-    batch, seq_len, width = hidden_states.shape
-    rows = hidden_states[:, :-1].detach().reshape(-1, width)
-    flat = _flat_targets(targets)
-    indices = flat.indices.to(rows.device).long()
-    teacher_top_k = flat.log_probs.to(rows.device).exp()
-    log_p_rest = flat.rest_log_prob.to(rows.device)
-    teacher_rest = torch.where(log_p_rest > float("-inf"), log_p_rest.exp(), torch.zeros_like(log_p_rest))
-    teacher_mass = teacher_top_k.sum(-1) + teacher_rest
-    num_rows = rows.shape[0]
-    step = max(1, max_logits // num_rows)
-    slices = [(start, min(start + step, vocab_size)) for start in range(0, vocab_size, step)]
-    log_normaliser = torch.full((num_rows,), float("-inf"), dtype=torch.float32, device=rows.device)
-    rest_log_normaliser = log_normaliser.clone()
-    with torch.no_grad():
-        for start, stop in slices:
-            with rows_only(head, start, stop):
-                logits = compute_logits(rows).float()
-            in_top_k = torch.zeros(num_rows, stop - start + 1, dtype=torch.bool, device=rows.device)
-            in_top_k = in_top_k.scatter_(1, _in_slice(indices, start, stop), True)[:, :-1]
-            log_normaliser = torch.logaddexp(log_normaliser, torch.logsumexp(logits, dim=-1))
-            rest = torch.logsumexp(logits.masked_fill(in_top_k, float("-inf")), dim=-1)
-            rest_log_normaliser = torch.logaddexp(rest_log_normaliser, rest)
-    has_rest = (teacher_rest > 0)[:, None]
-    gradient = torch.zeros_like(rows, dtype=torch.float32)
-    for start, stop in slices:
-        with rows_only(head, start, stop), torch.enable_grad():
-            leaf = rows.detach().requires_grad_(True)
-            logits = compute_logits(leaf).float()
-            with torch.no_grad():
-                columns = _in_slice(indices, start, stop)
-                extended = (rows.shape[0], stop - start + 1)
-                in_top_k = torch.zeros(extended, dtype=torch.bool, device=rows.device).scatter_(1, columns, True)[:, :-1]
-                top_k_mass = torch.zeros(extended, device=rows.device).scatter_(1, columns, teacher_top_k)[:, :-1]
-                z = logits.detach()
-                rest_share = torch.where(
-                    has_rest & ~in_top_k,
-                    teacher_rest[:, None] * torch.exp(z - rest_log_normaliser[:, None]),
-                    torch.zeros_like(z),
-                )
-                logits_grad = teacher_mass[:, None] * torch.exp(z - log_normaliser[:, None]) - top_k_mass - rest_share
-            (part,) = torch.autograd.grad(logits, leaf, logits_grad / (seq_len - 1))
-        gradient += part.float()
-    return torch.nn.functional.pad(gradient.to(rows.dtype).view(batch, seq_len - 1, width), (0, 0, 0, 1))
+    indices, log_probs, rest = top_k_log_probs(logits, min(TOP_K, logits.shape[-1]))
+    return TeacherTargets(indices.int().cpu(), log_probs.cpu(), rest.cpu())

@@ -50,8 +50,9 @@ from transformers.utils import logging
 
 from . import distillation, distributed
 from .adapters import get_adapter
-from .distillation import TeacherTargets, head_inputs, layer_outputs, targets_from_logits, the_head_input, the_layer_outputs
+from .distillation import head_inputs, layer_outputs, targets_from_logits, the_head_input, the_layer_outputs
 from .errors import InvalidInputError
+from .objectives import TeacherTargets
 from .passes import calibration_mode, input_device
 from .precision import uses_bfloat16_autocast
 from .weights import weights_digest
@@ -279,7 +280,7 @@ class GeneratedText:
         seconds_per_sequence (`float`): The generation's seconds per sequence where it ran (this call's, else the
             cache's record of it): what more sequences would cost.
         from_cache (`int`): Sequences read from the cache.
-        targets ([`~optimum_gradmap.distillation.TeacherTargets`], *optional*): The dense model's heal targets on the
+        targets ([`~optimum_gradmap.objectives.TeacherTargets`], *optional*): The dense model's heal targets on the
             sequences, kept while it wrote them.
     """
 

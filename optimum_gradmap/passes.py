@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.utils import logging
 
@@ -148,56 +147,6 @@ def stop_after(module: nn.Module) -> Iterator[None]:
 
     with forward_hooks([(module, stop)]):
         yield
-
-
-# A loss's gradient at the head's input forms at most this many logits at once (Stage 1's loss, the heal's).
-MAX_LOGIT_ELEMENTS = 2**22
-
-
-def rows_loss_gradient(
-    hidden_states: torch.Tensor,
-    compute_logits: Callable[[torch.Tensor], torch.Tensor],
-    vocab_size: int,
-    rows_loss: Callable[[torch.Tensor, slice], torch.Tensor],
-) -> torch.Tensor:
-    """Gradient, with respect to the final hidden states, of a loss summed over the predicting positions, with the
-    logits formed a few rows at a time (at most `MAX_LOGIT_ELEMENTS` at once) and dropped as soon as their rows'
-    gradient is known: a batch's `(batch, seq_len, vocab)` logits and their gradient never exist at once.
-
-    Args:
-        hidden_states (`torch.Tensor` of shape `(batch, seq_len, hidden)`): Input of the language-model head.
-        compute_logits (`Callable`): Maps hidden states to logits.
-        vocab_size (`int`): Width of the logits, to size the chunks.
-        rows_loss (`Callable`): Maps the float32 logits of some predicting positions and their slice of the flattened
-            `(batch * (seq_len - 1))` positions to their summed loss.
-
-    Returns:
-        `torch.Tensor` shaped like `hidden_states` (zero at the last position, which predicts nothing).
-    """
-    batch, seq_len, width = hidden_states.shape
-    rows = hidden_states[:, :-1].detach().reshape(-1, width)
-    row_grads = torch.empty_like(rows)
-    chunk = max(1, MAX_LOGIT_ELEMENTS // vocab_size)
-    for start in range(0, rows.shape[0], chunk):
-        with torch.enable_grad():
-            chunk_rows = rows[start : start + chunk].requires_grad_(True)
-            loss = rows_loss(compute_logits(chunk_rows).float(), slice(start, start + chunk))
-            (row_grads[start : start + chunk],) = torch.autograd.grad(loss, chunk_rows)
-    return F.pad(row_grads.view(batch, seq_len - 1, width), (0, 0, 0, 1))
-
-
-def summed_next_token_loss(logits: torch.Tensor, input_ids: torch.LongTensor) -> torch.Tensor:
-    """The next-token cross-entropy of `logits` for `input_ids`, summed over every predicted token (each row predicted
-    from its first token on), computed in float32 and returned as a float64 scalar on the logits' device: summed over
-    batches without a host synchronisation.
-
-    Args:
-        logits (`torch.Tensor` of shape `(batch, seq_len, vocab)`): The model's logits on `input_ids`.
-        input_ids (`torch.LongTensor` of shape `(batch, seq_len)`): The sequences.
-    """
-    predicted = logits[:, :-1].float()
-    labels = input_ids[:, 1:].to(predicted.device)
-    return F.cross_entropy(predicted.reshape(-1, predicted.shape[-1]), labels.reshape(-1), reduction="sum").double()
 
 
 def for_each_layer_output(

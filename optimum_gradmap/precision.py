@@ -16,7 +16,7 @@ because rounding there would change a decision or a figure rather than the model
   the down projection in float64 before the result is rounded once to the weights' dtype
   (`optimum_gradmap.compensation`); the dense hidden states recorded for the fits are kept in float32.
 - **Losses, perplexity and KL**: the cross-entropy (and any divergence) is computed from logits cast to float32 and
-  summed in float64 (`optimum_gradmap.passes.summed_next_token_loss`).
+  summed in float64 (`optimum_gradmap.objectives.summed_next_token_loss`).
 
 The logits themselves come out of a bfloat16 head in bfloat16: a bfloat16 model's perplexity is that model's, not
 the float32 model's (docs/benchmarks/stage1-cost.md measures both on the same checkpoints).

@@ -26,20 +26,27 @@ Accelerate's hooks they already hold one layer's weights at a time.
 
 The decoder's own forward is used for everything around the layers (embedding scale, attention masks,
 position embeddings, the final norm), with stand-ins in its layer list, so no family needs code here.
+[`DecoderGradient`] runs a model's gradient passes either way, split at its head ([`split_at_lm_head`]).
 """
 
 from __future__ import annotations
 
 import contextvars
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from transformers.utils import logging
 
-from .passes import layer_input, layer_output, release_freed_memory
+from .adapters import DecoderAdapter
+from .passes import input_device, layer_input, layer_output, release_freed_memory
 from .weights import is_offloaded_module, materialized, rows_only
+
+logger = logging.get_logger(__name__)
 
 _EXECUTION = contextvars.ContextVar("optimum_gradmap_execution", default="auto")
 
@@ -192,54 +199,6 @@ def vocab_sliced_embeddings(
     return output
 
 
-def vocab_sliced_loss_gradient(
-    hidden_states: torch.Tensor,
-    input_ids: torch.LongTensor,
-    compute_logits: Callable[[torch.Tensor], torch.Tensor],
-    head: nn.Module,
-    vocab_size: int,
-    max_logits: int = 2**22,
-) -> torch.Tensor:
-    """What [`~optimum_gradmap.importance.gradient.causal_lm_loss_gradient`] computes (the gradient at the
-    final hidden states of the sum of the per-sample mean next-token cross-entropies), with the head's
-    weight read a slice of the vocabulary at a time ([`~optimum_gradmap.weights.rows_only`]), for a head
-    offloaded by Accelerate: the whole weight (the largest module of most models) never is in memory.
-
-    Two passes over the slices: the log-normaliser of every token (a running log-sum-exp), then each
-    slice's softmax minus the label, differentiated through `compute_logits` (so a soft-cap is exact).
-
-    Args:
-        hidden_states (`torch.Tensor` of shape `(batch, seq_len, hidden)`): Input of the head.
-        input_ids (`torch.LongTensor` of shape `(batch, seq_len)`): The tokens, also the labels.
-        compute_logits (`Callable`): Maps hidden states to logits with the head as it is (the adapter's).
-        head (`nn.Module`): The output embedding that `compute_logits` calls.
-        vocab_size (`int`): Rows of its weight.
-        max_logits (`int`): Logits formed at once; sets the slice size.
-    """
-    batch, seq_len, width = hidden_states.shape
-    rows = hidden_states[:, :-1].detach().reshape(-1, width)
-    labels = input_ids[:, 1:].reshape(-1).to(rows.device)
-    step = max(1, max_logits // rows.shape[0])
-    slices = [(start, min(start + step, vocab_size)) for start in range(0, vocab_size, step)]
-    log_normaliser = torch.full((rows.shape[0],), -torch.inf, dtype=torch.float32, device=rows.device)
-    with torch.no_grad():
-        for start, stop in slices:
-            with rows_only(head, start, stop):
-                logits = compute_logits(rows).float()
-            log_normaliser = torch.logaddexp(log_normaliser, torch.logsumexp(logits, dim=-1))
-    gradient = torch.zeros_like(rows, dtype=torch.float32)
-    for start, stop in slices:
-        with rows_only(head, start, stop), torch.enable_grad():
-            leaf = rows.detach().requires_grad_(True)
-            logits = compute_logits(leaf).float()
-            logits_grad = torch.exp(logits.detach() - log_normaliser[:, None])
-            in_slice = (labels >= start) & (labels < stop)
-            logits_grad[in_slice, labels[in_slice] - start] -= 1.0
-            (part,) = torch.autograd.grad(logits, leaf, logits_grad / (seq_len - 1))
-        gradient += part.float()
-    return torch.nn.functional.pad(gradient.to(rows.dtype).view(batch, seq_len - 1, width), (0, 0, 0, 1))
-
-
 def streamed_backward(
     calls: LayerCalls,
     layers: Sequence[nn.Module],
@@ -287,3 +246,125 @@ def streamed_backward(
         if gradient.device.type == "cpu":  # the layer's activations and weights, freed, back to the system
             release_freed_memory()
     return gradient
+
+
+def split_at_lm_head(
+    model: nn.Module, adapter: DecoderAdapter, input_ids: torch.LongTensor
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor], int]:
+    """Splits a causal LM into the decoder (input embeddings to final hidden states) and the head (hidden states to
+    logits), as the adapter describes them, and checks on a few tokens of `input_ids` that the two together give the
+    model's own logits. Where they do not (a head the adapter does not know), the decoder is the whole model and the
+    head is the identity: exact still, only the whole batch's logits are then formed at once.
+
+    Returns:
+        `(decoder, head, width)`: the two maps and the width of the head's output.
+    """
+
+    def decoder(inputs_embeds: torch.Tensor) -> torch.Tensor:
+        return adapter.final_hidden_states(model, inputs_embeds=inputs_embeds, use_cache=False)
+
+    def head(hidden_states: torch.Tensor) -> torch.Tensor:
+        return adapter.compute_logits(model, hidden_states)
+
+    def whole_model(inputs_embeds: torch.Tensor) -> torch.Tensor:
+        return model(inputs_embeds=inputs_embeds, use_cache=False).logits
+
+    with torch.no_grad():
+        inputs_embeds = model.get_input_embeddings()(input_ids[:1, :16].to(input_device(model)))
+        expected = whole_model(inputs_embeds)
+        try:
+            logits = head(decoder(inputs_embeds))
+        except (torch.OutOfMemoryError, MemoryError):  # not a sign of a head we do not know: the whole batch would fail too
+            raise
+        except (RuntimeError, TypeError, AttributeError, ValueError, NotImplementedError, KeyError, IndexError) as error:
+            logger.warning(f"Scoring with the whole model's logits: splitting off its head failed ({error}).")
+            _EXACT_SPLITS[model] = False
+            return whole_model, nn.Identity(), expected.shape[-1]
+    tolerance = 1e-4 if expected.dtype == torch.float32 else 1e-2
+    if logits.shape != expected.shape or (logits - expected).abs().max() > tolerance * expected.abs().max():
+        logger.warning(
+            f"Scoring with the whole model's logits: `{type(adapter).__name__}.compute_logits` does not reproduce "
+            f"{type(model).__name__}'s logits. Override it to score with less memory."
+        )
+        _EXACT_SPLITS[model] = False
+        return whole_model, nn.Identity(), expected.shape[-1]
+    _EXACT_SPLITS[model] = True
+    return decoder, head, expected.shape[-1]
+
+
+# The verdict of each model's last [`split_at_lm_head`] check (weak keys: no model is kept alive by it).
+_EXACT_SPLITS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def split_is_known_exact(model: nn.Module) -> bool:
+    """Whether the last [`split_at_lm_head`] check of `model` (a gradient pass makes one) found its split exact."""
+    return _EXACT_SPLITS.get(model, False)
+
+
+class DecoderGradient:
+    """A causal LM split at its head for gradient passes: runs a batch from its input embeddings to the final hidden
+    states and back from a loss gradient given there ([`~DecoderGradient.loss_gradient`]), through autograd in memory,
+    or layer-streamed under [`execution_mode`] ([`streamed_backward`]: one layer's weights at a time, an offloaded
+    embedding or head read a slice of the vocabulary at a time). What Stage 1's passes
+    ([`~optimum_gradmap.importance.gradient.loss_gradient_passes`]) and the heal's training steps share.
+
+    Args:
+        model (`nn.Module`): A causal LM.
+        adapter (`DecoderAdapter`): Its adapter (how to split off the head, where the layers are).
+        input_ids (`torch.LongTensor`): Sequences of the passes: a few of their tokens check the split
+            ([`split_at_lm_head`]).
+
+    Attributes:
+        compute_logits (`Callable`): The head: maps final hidden states to logits.
+        vocab_size (`int`): The width of its output.
+        layer_streamed (`bool`): Whether the passes run layer-streamed ([`streams`]).
+        sliced_head (`nn.Module`, *optional*): The output embedding a loss gradient reads a slice of the vocabulary
+            at a time (layer-streamed passes with the head offloaded), else `None`.
+    """
+
+    def __init__(self, model: nn.Module, adapter: DecoderAdapter, input_ids: torch.LongTensor):
+        self._model, self._adapter = model, adapter
+        self._decoder, self.compute_logits, self.vocab_size = split_at_lm_head(model, adapter, input_ids)
+        self.layer_streamed = streams(model)
+        output_embeddings = model.get_output_embeddings()
+        split = self.layer_streamed and not isinstance(self.compute_logits, nn.Identity)
+        self.sliced_head = output_embeddings if split and is_offloaded_module(output_embeddings) else None
+
+    def backward(
+        self,
+        batch: torch.LongTensor,
+        loss_gradient: Callable[[torch.Tensor], torch.Tensor],
+        parameters: Sequence[nn.Parameter] = (),
+    ) -> None:
+        """One batch's forward and backward passes.
+
+        Args:
+            batch (`torch.LongTensor` of shape `(batch, seq_len)`): The tokens, on the model's input device.
+            loss_gradient (`Callable`): Maps the final hidden states to the loss gradient there.
+            parameters (`Sequence[nn.Parameter]`, *optional*): Parameters whose `.grad` accumulates.
+        """
+        embeddings = self._model.get_input_embeddings()
+        if self.sliced_head is not None and is_offloaded_module(embeddings):
+            inputs_embeds = vocab_sliced_embeddings(embeddings, batch, embeddings.weight.shape[0])
+        else:
+            inputs_embeds = embeddings(batch).detach().requires_grad_(True)
+        if self.layer_streamed:
+            layers = self._adapter.get_layers(self._model)
+            calls = LayerCalls(self._decoder, layers, inputs_embeds.detach())
+            streamed_backward(calls, layers, loss_gradient, parameters)
+        else:
+            hidden_states = self._decoder(inputs_embeds)
+            torch.autograd.backward(hidden_states, loss_gradient(hidden_states), inputs=[inputs_embeds, *parameters])
+
+    def loss_gradient(self, plain: Callable, sliced: Callable, **inputs: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A loss's gradient at the final hidden states, for [`~DecoderGradient.backward`].
+
+        Args:
+            plain (`Callable`): The gradient through the head ([`~optimum_gradmap.objectives.causal_lm_loss_gradient`]).
+            sliced (`Callable`): Its form with the head read a slice of the vocabulary at a time, used where
+                `sliced_head` is set ([`~optimum_gradmap.objectives.vocab_sliced_loss_gradient`]).
+            inputs: What the loss compares with (`input_ids=` the labels, or `targets=` the teacher's).
+        """
+        if self.sliced_head is None:
+            return partial(plain, compute_logits=self.compute_logits, vocab_size=self.vocab_size, **inputs)
+        return partial(sliced, compute_logits=self.compute_logits, head=self.sliced_head, vocab_size=self.vocab_size, **inputs)

@@ -44,8 +44,8 @@ def reference_removal_losses(
     Returns:
         `dict[int, float]`: Position -> the mean next-token cross-entropy over all calibration tokens without it.
     """
+    from .objectives import mean_next_token_loss
     from .surgery import snapshot
-    from .vocabulary import mean_next_token_loss
 
     stack = snapshot(model)
     kept = list(range(stack.num_layers))

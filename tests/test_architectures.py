@@ -136,7 +136,7 @@ def test_tied_embeddings_stay_tied(model_type, tmp_path):
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_stage1_splits_every_family_at_its_head(model_type):
     """Stage 1 forms logits a few rows at a time only where decoder + head reproduce the model's logits."""
-    from optimum_gradmap.importance import split_at_lm_head
+    from optimum_gradmap.streaming import split_at_lm_head
 
     model = tiny_model(model_type).eval()
     ids = random_ids(num_samples=2, seq_len=10)

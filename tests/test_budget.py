@@ -13,8 +13,8 @@ import torch
 from optimum_gradmap import GradMAPPruner, remove_layers
 from optimum_gradmap.cli import main
 from optimum_gradmap.errors import InvalidInputError
+from optimum_gradmap.objectives import mean_next_token_loss
 from optimum_gradmap.report import CURVE_PICTURE, REPORT_NAME, format_report, load_report
-from optimum_gradmap.vocabulary import mean_next_token_loss
 
 from .conftest import random_ids, small_config, tiny_model
 

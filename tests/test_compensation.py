@@ -1210,13 +1210,13 @@ def test_the_outlier_threshold_is_a_property_of_the_calibration_set_not_of_the_b
 
 
 def test_a_held_out_loss_over_no_sequence_adds_nothing_instead_of_dividing_by_zero():
-    from optimum_gradmap.vocabulary import next_token_loss_sum
+    from optimum_gradmap.objectives import next_token_loss_sum
 
     model = tiny_model("llama", num_layers=2)
     total, count = next_token_loss_sum(model, random_ids(0, 16), 4, progress_bar=False)
     assert float(total) == 0.0 and count == 0
     with pytest.raises(ValueError, match="at least one sequence"):
-        from optimum_gradmap.vocabulary import mean_next_token_loss
+        from optimum_gradmap.objectives import mean_next_token_loss
 
         mean_next_token_loss(model, random_ids(0, 16), 4, progress_bar=False)
 

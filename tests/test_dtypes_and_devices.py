@@ -149,8 +149,8 @@ def test_the_dtype_option_auto_loads_the_model_in_the_dtype_the_hardware_compute
 
 def test_stage2_statistics_and_losses_of_a_bfloat16_model_are_computed_in_float64_and_float32():
     from optimum_gradmap.compensation import compensation_statistics, record_layer_outputs
+    from optimum_gradmap.objectives import next_token_loss_sum
     from optimum_gradmap.surgery import remove_layers
-    from optimum_gradmap.vocabulary import next_token_loss_sum
 
     model = tiny_model("llama", num_layers=4).to(torch.bfloat16)
     ids = random_ids(8, 16)

@@ -11,9 +11,10 @@ from transformers import AutoModelForCausalLM
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.data import prepare_heal_data
-from optimum_gradmap.distillation import TOP_K, TeacherTargets, _rest_log_prob, teacher_targets, top_k_kl
+from optimum_gradmap.distillation import TOP_K, teacher_targets
 from optimum_gradmap.errors import InvalidInputError
 from optimum_gradmap.heal import heal
+from optimum_gradmap.objectives import TeacherTargets, rest_log_prob, top_k_kl
 
 from .conftest import random_ids, small_config, tiny_model
 
@@ -65,7 +66,7 @@ def test_top_k_kl_is_the_kl_of_the_top_k_and_the_rest_and_at_most_the_full_kl():
     p_rest, q_rest = log_p.exp().masked_fill(mask, 0).sum(-1), log_q.exp().masked_fill(mask, 0).sum(-1)
     p_top, q_top = log_p.exp().gather(-1, top.indices), log_q.exp().gather(-1, top.indices)
     expected = (p_top * (p_top / q_top).log()).sum(-1) + p_rest * (p_rest / q_rest).log()
-    targets = TeacherTargets(top.indices.int(), top.values, _rest_log_prob(log_p, top.indices))
+    targets = TeacherTargets(top.indices.int(), top.values, rest_log_prob(log_p, top.indices))
     kl = top_k_kl(student_logits, targets)
     torch.testing.assert_close(kl, expected, rtol=1e-4, atol=1e-6)
     full = (log_p.exp() * (log_p - log_q)).sum(-1)

@@ -11,7 +11,6 @@ import torch
 from optimum_gradmap import GradMAPPruner, distillation, streaming
 from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.distillation import (
-    TeacherTargets,
     centred_logit_gram,
     head_inputs,
     heal_loss,
@@ -22,12 +21,12 @@ from optimum_gradmap.distillation import (
     teacher_targets,
     the_head_input,
     the_layer_outputs,
-    top_k_kl,
 )
 from optimum_gradmap.errors import InvalidInputError
 from optimum_gradmap.generation import GenerationSettings, generate_sequences
 from optimum_gradmap.heal import heal, measure_heal_costs
 from optimum_gradmap.heal.loss import _seams
+from optimum_gradmap.objectives import TeacherTargets, top_k_kl
 from optimum_gradmap.surgery import remove_layers
 
 from .conftest import random_ids, small_config

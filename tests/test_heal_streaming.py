@@ -15,20 +15,17 @@ from torch import nn
 
 from optimum_gradmap import GradMAPPruner, streaming
 from optimum_gradmap.adapters import get_adapter
-from optimum_gradmap.distillation import (
-    TOP_K,
+from optimum_gradmap.distillation import TOP_K, teacher_targets
+from optimum_gradmap.errors import InvalidInputError
+from optimum_gradmap.heal import check_heal_settings, heal
+from optimum_gradmap.heal.trainable import _choose, _Trainable
+from optimum_gradmap.objectives import (
     TeacherTargets,
-    _rest_log_prob,
-    teacher_targets,
+    rest_log_prob,
     top_k_kl,
     top_k_kl_gradient,
     vocab_sliced_top_k_kl_gradient,
 )
-from optimum_gradmap.errors import InvalidInputError
-from optimum_gradmap.heal import check_heal_settings, heal
-from optimum_gradmap.heal.loss import _streamed_loss_gradient
-from optimum_gradmap.heal.trainable import _choose, _Trainable
-from optimum_gradmap.importance.gradient import DecoderGradient
 from optimum_gradmap.passes import calibration_mode
 from optimum_gradmap.weights import stored_state_dict, weights_digest
 
@@ -54,7 +51,7 @@ def _targets(vocab_size: int, shape: tuple[int, int], seed: int = 0) -> TeacherT
     generator = torch.Generator().manual_seed(seed)
     log_p = torch.log_softmax(torch.randn(*shape, vocab_size, generator=generator) * 3, -1)
     top = log_p.topk(min(TOP_K, vocab_size), -1)
-    return TeacherTargets(top.indices.int(), top.values, _rest_log_prob(log_p, top.indices))
+    return TeacherTargets(top.indices.int(), top.values, rest_log_prob(log_p, top.indices))
 
 
 @pytest.mark.parametrize("vocab_size", [256, 48])  # 48 < TOP_K: the teacher has no mass outside its top-K
@@ -86,8 +83,9 @@ def _gradients(model: nn.Module, ids: torch.LongTensor, targets: TeacherTargets,
             (top_k_kl(model(input_ids=ids).logits[:, :-1], targets).mean() * ids.shape[0]).backward()
         else:
             with streaming.execution_mode("layer_streamed"):
-                streamed = DecoderGradient(model, adapter, ids)
-                streamed.backward(ids, _streamed_loss_gradient(streamed, targets), chosen.parameters)
+                streamed = streaming.DecoderGradient(model, adapter, ids)
+                gradient = streamed.loss_gradient(top_k_kl_gradient, vocab_sliced_top_k_kl_gradient, targets=targets)
+                streamed.backward(ids, gradient, chosen.parameters)
         gradients = [parameter.grad.clone() for parameter in chosen.parameters]
         chosen.finish(merge=False)
     return gradients

@@ -89,7 +89,7 @@ def test_broadcast_path_is_exact_for_rms_norms_and_checked_before_use():
 
 
 def test_loss_gradient_in_chunks_equals_autograd_of_the_per_sample_mean_loss(monkeypatch):
-    import optimum_gradmap.importance.gradient as importance
+    from optimum_gradmap import objectives, vocabulary
 
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 9, 8, generator=generator, dtype=torch.float64, requires_grad=True)
@@ -97,10 +97,8 @@ def test_loss_gradient_in_chunks_equals_autograd_of_the_per_sample_mean_loss(mon
     ids = torch.randint(0, 11, (3, 9), generator=generator)
     per_sample = torch.nn.functional.cross_entropy(head(hidden[:, :-1]).transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
     (expected,) = torch.autograd.grad(per_sample.sum(), hidden)
-    from optimum_gradmap import passes
-
-    monkeypatch.setattr(passes, "MAX_LOGIT_ELEMENTS", 5 * 11)  # chunks of 5 rows, across sample boundaries
-    chunked = importance.causal_lm_loss_gradient(hidden.detach(), ids, head, vocab_size=11)
+    monkeypatch.setattr(vocabulary, "MAX_LOGIT_ELEMENTS", 5 * 11)  # chunks of 5 rows, across sample boundaries
+    chunked = objectives.causal_lm_loss_gradient(hidden.detach(), ids, head, vocab_size=11)
     torch.testing.assert_close(chunked.double(), expected)
     assert torch.all(chunked[:, -1] == 0)
 
@@ -108,7 +106,7 @@ def test_loss_gradient_in_chunks_equals_autograd_of_the_per_sample_mean_loss(mon
 def test_a_head_the_adapter_does_not_reproduce_falls_back_to_the_whole_model(caplog):
     """Gemma2 caps its logits; an adapter that forgets it must not change the scores, only the memory."""
     from optimum_gradmap.adapters import DecoderAdapter
-    from optimum_gradmap.importance import split_at_lm_head
+    from optimum_gradmap.streaming import split_at_lm_head
 
     class UncappedHead(DecoderAdapter):
         def compute_logits(self, model, hidden_states):
@@ -130,7 +128,7 @@ def test_running_out_of_memory_while_splitting_off_the_head_is_raised_not_taken_
     """Falling back to the whole model's logits would form every logit of a batch at once: never after an
     out-of-memory error."""
     from optimum_gradmap.adapters import DecoderAdapter
-    from optimum_gradmap.importance import split_at_lm_head
+    from optimum_gradmap.streaming import split_at_lm_head
 
     class HeadOutOfMemory(DecoderAdapter):
         def compute_logits(self, model, hidden_states):

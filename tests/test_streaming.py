@@ -17,7 +17,7 @@ from optimum_gradmap import GradMAPConfig, GradMAPPruner, streaming
 from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.configuration import PAPER_STAGE2
 from optimum_gradmap.importance import get_importance_metric
-from optimum_gradmap.importance.gradient import causal_lm_loss_gradient
+from optimum_gradmap.objectives import causal_lm_loss_gradient, vocab_sliced_loss_gradient
 from tests.conftest import FAMILIES, random_ids, small_config, tiny_model
 
 # every gradient pass: per-parameter hooks (gradmap), residual-branch hooks (the bound), parameter .grad (taylor)
@@ -182,7 +182,7 @@ def test_vocab_sliced_loss_gradient_equals_the_whole_head():
     ids = random_ids(2, 16)
     head = lambda states: adapter.compute_logits(model, states)  # noqa: E731
     expected = causal_lm_loss_gradient(hidden, ids, head, model.config.vocab_size)
-    sliced = streaming.vocab_sliced_loss_gradient(
+    sliced = vocab_sliced_loss_gradient(
         hidden, ids, head, model.get_output_embeddings(), model.config.vocab_size, max_logits=30 * 40
     )  # 30 rows: slices of 40 of the 256 tokens, the last one shorter
     torch.testing.assert_close(sliced, expected, rtol=1e-5, atol=1e-7)
@@ -202,7 +202,7 @@ def test_offloaded_head_read_by_slices_stays_whole(tmp_path):
     with torch.no_grad():
         expected = causal_lm_loss_gradient(hidden, ids, lambda states: adapter.compute_logits(dense, states), 256)
     for _ in range(2):  # the head must be whole again after each use
-        sliced = streaming.vocab_sliced_loss_gradient(hidden, ids, compute_logits, head, 256, max_logits=30 * 100)
+        sliced = vocab_sliced_loss_gradient(hidden, ids, compute_logits, head, 256, max_logits=30 * 100)
         torch.testing.assert_close(sliced, expected, rtol=1e-5, atol=1e-7)
         assert head.weight.shape == (256, model.config.hidden_size) and head.weight.device.type == "meta"
     with torch.no_grad():

@@ -29,8 +29,9 @@ from torch import nn
 from .. import distributed, surgery
 from ..adapters import DecoderAdapter
 from ..errors import InvalidInputError
+from ..objectives import next_token_loss_sum, summed_loss
 from ..passes import calibration_batches
-from ..vocabulary import next_token_loss_sum, summed_loss, vocabulary_head
+from ..vocabulary import vocabulary_head
 from .activations import CompensationBatch
 from .folding import apply_compensation, down_projection_backup
 from .lambda_search import GOLDEN_SECTION as GOLDEN_SECTION  # planning estimates the search's passes from it

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from ..errors import InvalidInputError
-from ..passes import calibration_batches, calibration_mode, input_device, summed_next_token_loss
+from ..objectives import summed_next_token_loss
+from ..passes import calibration_batches, calibration_mode, input_device
 
 
 @dataclass
@@ -83,7 +84,7 @@ def _kl_and_loss_per_segment(
     model: nn.Module, reference_model: nn.Module, segments: torch.LongTensor, batch_size: int, progress_bar: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[`next_token_kl_per_segment`], and from the same logits the model's next-token loss summed over every predicted
-    token, batch by batch as [`~optimum_gradmap.vocabulary.next_token_loss_sum`] sums it (the same float64 scalar).
+    token, batch by batch as [`~optimum_gradmap.objectives.next_token_loss_sum`] sums it (the same float64 scalar).
     Both are summed on the logits' device and brought to the CPU once, after the last batch (no per-batch sync)."""
     reference_device = input_device(reference_model)
     means, total = [], None

@@ -20,7 +20,7 @@ from transformers.utils import logging
 
 from ..data import load_text, tokenize_text
 from ..errors import InvalidInputError
-from ..vocabulary import mean_next_token_loss, shared_mean_next_token_loss
+from ..objectives import mean_next_token_loss, shared_mean_next_token_loss
 
 logger = logging.get_logger(__name__)
 
@@ -67,7 +67,7 @@ def perplexity(
         progress_bar (`bool`, defaults to `True`): Show a progress bar.
         shared_by_processes (`bool`, defaults to `False`): Under `torch.distributed`, every process calls this with
             the same segments, scores its share of them and gets the perplexity of all
-            ([`~optimum_gradmap.vocabulary.shared_mean_next_token_loss`]). Without it, each process scores every segment
+            ([`~optimum_gradmap.objectives.shared_mean_next_token_loss`]). Without it, each process scores every segment
             (as a call on the main process alone needs).
     """
     if shared_by_processes:

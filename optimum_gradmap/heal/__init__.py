@@ -19,7 +19,7 @@ LinearPatch's "offline" teacher). No reference to the teacher outlives its pass,
 part of the student may be trained, the layers the teacher shares included.
 
 **Loss.** The forward KL divergence KL(p_dense || p_pruned) over `TOP_K + 1` outcomes
-([`~optimum_gradmap.distillation.top_k_kl`]): the teacher's top-K tokens and "any other token", whose probabilities
+([`~optimum_gradmap.objectives.top_k_kl`]): the teacher's top-K tokens and "any other token", whose probabilities
 are the sums of the rest:
 
     sum_{k in top-K} p_k (log p_k - log q_k) + p_rest (log p_rest - log q_rest)
@@ -55,7 +55,7 @@ on an AVX512-BF16 CPU (measured at commit 5634094).
 `"auto"`), or always under `"layer_streamed"`, each training step runs layer-streamed
 ([`~optimum_gradmap.streaming.streamed_backward`]): one decoder layer's weights in memory at a time, the loss gradient
 at the final hidden states formed through an offloaded head a slice of the vocabulary at a time
-([`~optimum_gradmap.distillation.vocab_sliced_top_k_kl_gradient`]). The gradients are those of the in-memory step. LoRA's
+([`~optimum_gradmap.objectives.vocab_sliced_top_k_kl_gradient`]). The gradients are those of the in-memory step. LoRA's
 adapters live in memory, on the device each map computes on, and the merge writes each merged weight where it lives
 ([`~optimum_gradmap.weights.materialized`]: the CPU copy, or the offload folder, never the model's own files). The
 other choices would train offloaded weights, which accumulate no gradient: they are refused. The teacher's pass and

@@ -21,23 +21,16 @@ from transformers.utils import logging
 from .. import distributed, streaming
 from ..adapters import DecoderAdapter
 from ..data import calibration_sha256
-from ..distillation import (
-    TeacherTargets,
-    centred_logit_gram,
-    distillation_loss,
-    teacher_targets,
-    top_k_kl,
-    uses_head_inputs,
-    uses_layer_states,
-)
+from ..distillation import centred_logit_gram, distillation_loss, teacher_targets, uses_head_inputs, uses_layer_states
 from ..errors import InvalidInputError
-from ..importance.gradient import DecoderGradient
+from ..objectives import TeacherTargets, chunked_top_k_kl, top_k_kl, top_k_kl_gradient, vocab_sliced_top_k_kl_gradient
 from ..passes import calibration_mode, input_device
 from ..precision import uses_bfloat16_autocast
-from ..vocabulary import chunked_top_k_kl, vocabulary_head
+from ..streaming import DecoderGradient
+from ..vocabulary import vocabulary_head
 from ..weights import weights_digest
 from .checks import check_heal_arguments, check_heal_checkpoint
-from .loss import _no_seam_refusal, _seam_indices, _seam_layers, _seams, _streamed_loss_gradient
+from .loss import _no_seam_refusal, _seam_indices, _seam_layers, _seams
 from .result import HealResult
 from .state import _fingerprint_before_pruning, _load_checkpoint, _save_checkpoint
 from .trainable import DEFAULT_LEARNING_RATES, _Choice, _choose, _Trainable
@@ -386,7 +379,8 @@ class _Training:
         batch_targets = self.targets.rows([self.position[row] for row in rows])
         if self.streamed is not None:  # the same gradients: the rows' summed per-sequence means
             with self._passes():
-                self.streamed.backward(batch, _streamed_loss_gradient(self.streamed, batch_targets), self.chosen.parameters)
+                gradient = self.streamed.loss_gradient(top_k_kl_gradient, vocab_sliced_top_k_kl_gradient, targets=batch_targets)
+                self.streamed.backward(batch, gradient, self.chosen.parameters)
         else:
             step_loss = distillation_loss(self.model, batch, self.loss, batch_targets, self.gram, self.seam_layers, self._passes)
             (step_loss * len(rows)).backward()

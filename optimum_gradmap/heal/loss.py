@@ -1,21 +1,18 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""What the heal's loss compares (`heal_loss`): the seams whose hidden states `kl_hidden_mse` matches, the refusals of
-a loss the run cannot compute, and the loss's gradient at the final hidden states of a layer-streamed step."""
+"""What the heal's loss compares (`heal_loss`): the seams whose hidden states `kl_hidden_mse` matches, and the refusals
+of a loss the run cannot compute."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Sequence
 from typing import get_args
 
-import torch
 from torch import nn
 
 from ..adapters import DecoderAdapter
 from ..configuration import HealLoss
-from ..distillation import TeacherTargets, top_k_kl_gradient, uses_layer_states, vocab_sliced_top_k_kl_gradient
-from ..importance.gradient import DecoderGradient
+from ..distillation import uses_layer_states
 
 HEAL_LOSS_CHOICES: tuple[str, ...] = get_args(HealLoss)
 
@@ -56,17 +53,3 @@ def _streamed_loss_refusal(loss: str) -> str:
         "execution='layer_streamed') does not keep: heal with heal_loss='kl', or load the model on devices that hold it "
         "with execution='in_memory'."
     )
-
-
-def _streamed_loss_gradient(streamed: DecoderGradient, targets: TeacherTargets) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The heal loss's gradient at the final hidden states of a layer-streamed step: the summed per-sequence mean top-K
-    KL, through the head in memory by autograd, or through an offloaded head a slice of the vocabulary at a time."""
-    if streamed.sliced_head is not None:
-        return partial(
-            vocab_sliced_top_k_kl_gradient,
-            targets=targets,
-            compute_logits=streamed.compute_logits,
-            head=streamed.sliced_head,
-            vocab_size=streamed.vocab_size,
-        )
-    return partial(top_k_kl_gradient, targets=targets, compute_logits=streamed.compute_logits, vocab_size=streamed.vocab_size)

@@ -27,7 +27,7 @@ from ..data import (
     text_documents,
     tokenize_documents,
 )
-from ..distillation import TeacherTargets, teacher_targets, uses_head_inputs
+from ..distillation import teacher_targets, uses_head_inputs
 from ..errors import InvalidInputError
 from ..generation import (
     GENERATED,
@@ -40,6 +40,7 @@ from ..generation import (
     is_generated,
     start_token_of,
 )
+from ..objectives import TeacherTargets
 from ..precision import uses_bfloat16_autocast
 from .loss import _seam_indices
 

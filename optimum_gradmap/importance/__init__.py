@@ -23,11 +23,9 @@ from ..metric_registry import (
 from .gradient import (
     PerSampleGradientNorms,
     broadcast_per_sample_sq_norms,
-    causal_lm_loss_gradient,
     gradient_importance,
     linear_per_sample_sq_norms,
     module_per_sample_sq_norms,
-    split_at_lm_head,
 )
 from .metrics import (
     BlockInfluence,
@@ -57,7 +55,6 @@ __all__ = [
     "Stage1Settings",
     "TaylorImportance",
     "broadcast_per_sample_sq_norms",
-    "causal_lm_loss_gradient",
     "get_importance_metric",
     "gradient_importance",
     "importance_metric_names",
@@ -66,5 +63,4 @@ __all__ = [
     "register_importance_metric",
     "remove_by_importance",
     "remove_explicit_layers",
-    "split_at_lm_head",
 ]

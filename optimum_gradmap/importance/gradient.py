@@ -34,57 +34,22 @@ change which layers are removed.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers.utils import logging
 
 from .. import streaming
 from ..adapters import DecoderAdapter, get_adapter
 from ..errors import InvalidInputError
-from ..passes import calibration_batches, input_device, rows_loss_gradient
-from ..weights import is_linear_map, is_offloaded_module
-
-logger = logging.get_logger(__name__)
+from ..objectives import causal_lm_loss_gradient, vocab_sliced_loss_gradient
+from ..passes import calibration_batches
+from ..weights import is_linear_map
 
 # Forming per-sample weight gradients of a linear map is done in chunks of at most this many elements.
 _MAX_MATERIALISED_ELEMENTS = 2**26
-
-
-def causal_lm_loss_gradient(
-    hidden_states: torch.Tensor,
-    input_ids: torch.LongTensor,
-    compute_logits: Callable[[torch.Tensor], torch.Tensor],
-    vocab_size: int,
-) -> torch.Tensor:
-    """Gradient, with respect to the final hidden states, of the sum over samples of each sample's
-    mean next-token cross-entropy (computed in float32).
-
-    The logits are formed a few rows at a time (at most `2**22` logits at once) and dropped as soon as
-    their rows' gradient is known, so a batch's `(batch, seq_len, vocab)` logits, their log-softmax
-    and their gradient never exist at once.
-
-    Args:
-        hidden_states (`torch.Tensor` of shape `(batch, seq_len, hidden)`): Input of the language-model head.
-        input_ids (`torch.LongTensor` of shape `(batch, seq_len)`): The tokens, also the labels.
-        compute_logits (`Callable`): Maps hidden states to logits.
-        vocab_size (`int`): Width of the logits, to size the chunks.
-
-    Returns:
-        `torch.Tensor` shaped like `hidden_states` (zero at the last position, which predicts nothing).
-    """
-    seq_len = hidden_states.shape[1]
-    labels = input_ids[:, 1:].reshape(-1).to(hidden_states.device)
-
-    def rows_loss(logits: torch.Tensor, rows: slice) -> torch.Tensor:
-        return F.cross_entropy(logits, labels[rows], reduction="sum") / (seq_len - 1)
-
-    return rows_loss_gradient(hidden_states, compute_logits, vocab_size, rows_loss)
 
 
 def _uses_gram_form(tokens: int, d_in: int, d_out: int) -> bool:
@@ -357,120 +322,6 @@ class PerSampleGradientNorms:
         self._accumulate(layer_position, sq_norms)
 
 
-def split_at_lm_head(
-    model: nn.Module, adapter: DecoderAdapter, input_ids: torch.LongTensor
-) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor], int]:
-    """Splits a causal LM into the decoder (input embeddings to final hidden states) and the head
-    (hidden states to logits), as the adapter describes them, and checks on a few tokens of
-    `input_ids` that the two together give the model's own logits. Where they do not (a head the
-    adapter does not know), the decoder is the whole model and the head is the identity: exact
-    still, only the whole batch's logits are then formed at once.
-
-    Returns:
-        `(decoder, head, width)`: the two maps and the width of the head's output.
-    """
-
-    def decoder(inputs_embeds: torch.Tensor) -> torch.Tensor:
-        return adapter.final_hidden_states(model, inputs_embeds=inputs_embeds, use_cache=False)
-
-    def head(hidden_states: torch.Tensor) -> torch.Tensor:
-        return adapter.compute_logits(model, hidden_states)
-
-    def whole_model(inputs_embeds: torch.Tensor) -> torch.Tensor:
-        return model(inputs_embeds=inputs_embeds, use_cache=False).logits
-
-    with torch.no_grad():
-        inputs_embeds = model.get_input_embeddings()(input_ids[:1, :16].to(input_device(model)))
-        expected = whole_model(inputs_embeds)
-        try:
-            logits = head(decoder(inputs_embeds))
-        except (torch.OutOfMemoryError, MemoryError):  # not a sign of a head we do not know: the whole batch would fail too
-            raise
-        except (RuntimeError, TypeError, AttributeError, ValueError, NotImplementedError, KeyError, IndexError) as error:
-            logger.warning(f"Scoring with the whole model's logits: splitting off its head failed ({error}).")
-            _EXACT_SPLITS[model] = False
-            return whole_model, nn.Identity(), expected.shape[-1]
-    tolerance = 1e-4 if expected.dtype == torch.float32 else 1e-2
-    if logits.shape != expected.shape or (logits - expected).abs().max() > tolerance * expected.abs().max():
-        logger.warning(
-            f"Scoring with the whole model's logits: `{type(adapter).__name__}.compute_logits` does not reproduce "
-            f"{type(model).__name__}'s logits. Override it to score with less memory."
-        )
-        _EXACT_SPLITS[model] = False
-        return whole_model, nn.Identity(), expected.shape[-1]
-    _EXACT_SPLITS[model] = True
-    return decoder, head, expected.shape[-1]
-
-
-# The verdict of each model's last [`split_at_lm_head`] check (weak keys: no model is kept alive by it).
-_EXACT_SPLITS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
-
-
-def split_is_known_exact(model: nn.Module) -> bool:
-    """Whether the last [`split_at_lm_head`] check of `model` (a gradient pass makes one) found its split exact."""
-    return _EXACT_SPLITS.get(model, False)
-
-
-class DecoderGradient:
-    """A causal LM split at its head for gradient passes: runs a batch from its input embeddings to the final hidden
-    states and back from a loss gradient given there, through autograd in memory, or layer-streamed under
-    [`~optimum_gradmap.streaming.execution_mode`] ([`~optimum_gradmap.streaming.streamed_backward`]: one layer's
-    weights at a time, an offloaded embedding read a slice of the vocabulary at a time). What Stage 1's passes
-    ([`loss_gradient_passes`]) and the heal's training steps share; each brings its own loss gradient, which reads
-    an offloaded head a slice of the vocabulary at a time where `sliced_head` is set.
-
-    Args:
-        model (`nn.Module`): A causal LM.
-        adapter (`DecoderAdapter`): Its adapter (how to split off the head, where the layers are).
-        input_ids (`torch.LongTensor`): Sequences of the passes: a few of their tokens check the split
-            ([`split_at_lm_head`]).
-
-    Attributes:
-        compute_logits (`Callable`): The head: maps final hidden states to logits.
-        vocab_size (`int`): The width of its output.
-        layer_streamed (`bool`): Whether the passes run layer-streamed ([`~optimum_gradmap.streaming.streams`]).
-        sliced_head (`nn.Module`, *optional*): The output embedding a loss gradient reads a slice of the vocabulary
-            at a time (layer-streamed passes with the head offloaded), else `None`.
-    """
-
-    def __init__(self, model: nn.Module, adapter: DecoderAdapter, input_ids: torch.LongTensor):
-        self._model, self._adapter = model, adapter
-        self._decoder, self.compute_logits, self.vocab_size = split_at_lm_head(model, adapter, input_ids)
-        self.layer_streamed = streaming.streams(model)
-        output_embeddings = model.get_output_embeddings()
-        self.sliced_head = (
-            output_embeddings
-            if self.layer_streamed and not isinstance(self.compute_logits, nn.Identity) and is_offloaded_module(output_embeddings)
-            else None
-        )
-
-    def backward(
-        self,
-        batch: torch.LongTensor,
-        loss_gradient: Callable[[torch.Tensor], torch.Tensor],
-        parameters: Sequence[nn.Parameter] = (),
-    ) -> None:
-        """One batch's forward and backward passes.
-
-        Args:
-            batch (`torch.LongTensor` of shape `(batch, seq_len)`): The tokens, on the model's input device.
-            loss_gradient (`Callable`): Maps the final hidden states to the loss gradient there.
-            parameters (`Sequence[nn.Parameter]`, *optional*): Parameters whose `.grad` accumulates.
-        """
-        embeddings = self._model.get_input_embeddings()
-        if self.sliced_head is not None and is_offloaded_module(embeddings):
-            inputs_embeds = streaming.vocab_sliced_embeddings(embeddings, batch, embeddings.weight.shape[0])
-        else:
-            inputs_embeds = embeddings(batch).detach().requires_grad_(True)
-        if self.layer_streamed:
-            layers = self._adapter.get_layers(self._model)
-            calls = streaming.LayerCalls(self._decoder, layers, inputs_embeds.detach())
-            streaming.streamed_backward(calls, layers, loss_gradient, parameters)
-        else:
-            hidden_states = self._decoder(inputs_embeds)
-            torch.autograd.backward(hidden_states, loss_gradient(hidden_states), inputs=[inputs_embeds, *parameters])
-
-
 def loss_gradient_passes(
     model: nn.Module,
     adapter: DecoderAdapter,
@@ -484,7 +335,7 @@ def loss_gradient_passes(
 ) -> None:
     """The passes every gradient score makes, batch by batch: a forward pass from the input
     embeddings to the final hidden states, the gradient of the sum of the per-sample losses there
-    ([`causal_lm_loss_gradient`], a few logits at a time), and a backward pass.
+    ([`~optimum_gradmap.objectives.causal_lm_loss_gradient`], a few logits at a time), and a backward pass.
 
     The model's parameters are frozen (the backward pass computes activation gradients only, which
     hooks read), except `parameters`, whose `.grad` accumulates; every flag is restored on exit.
@@ -507,26 +358,17 @@ def loss_gradient_passes(
     ) as batches:
         for parameter in parameters:
             parameter.requires_grad_(True)
-        gradient_pass = DecoderGradient(model, adapter, input_ids)
+        gradient_pass = streaming.DecoderGradient(model, adapter, input_ids)
         if gradient_pass.layer_streamed and parameters and streaming.is_offloaded(model):
             raise NotImplementedError(
                 "This score needs parameter gradients, which offloaded weights cannot accumulate (Accelerate "
                 "brings a new copy of them for every forward pass). Load the model without CPU/disk offload, "
                 "or use a score that needs no parameter gradient (gradmap, gradmap_bound, taylor_gate, ...)."
             )
-        head, width = gradient_pass.compute_logits, gradient_pass.vocab_size
         for batch in batches:
             if on_batch_start is not None:
                 on_batch_start(batch)
-            loss_gradient = partial(causal_lm_loss_gradient, input_ids=batch, compute_logits=head, vocab_size=width)
-            if gradient_pass.sliced_head is not None:  # an offloaded head: a slice of the vocabulary at a time
-                loss_gradient = partial(
-                    streaming.vocab_sliced_loss_gradient,
-                    input_ids=batch,
-                    compute_logits=head,
-                    head=gradient_pass.sliced_head,
-                    vocab_size=width,
-                )
+            loss_gradient = gradient_pass.loss_gradient(causal_lm_loss_gradient, vocab_sliced_loss_gradient, input_ids=batch)
             gradient_pass.backward(batch, loss_gradient, parameters)
             if on_batch_end is not None:
                 on_batch_end(batch)
@@ -547,7 +389,7 @@ def gradient_importance(
     One batched forward pass and one backward pass that computes only input gradients per batch:
     hooks turn each module's captured inputs and output gradients into per-sample squared gradient
     norms (see [`PerSampleGradientNorms`]), and the loss gradient is formed a few logits at a time
-    ([`causal_lm_loss_gradient`]).
+    ([`~optimum_gradmap.objectives.causal_lm_loss_gradient`]).
 
     Args:
         model (`nn.Module`): A causal LM whose decoder stack contains `layers`.

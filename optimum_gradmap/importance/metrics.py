@@ -44,6 +44,7 @@ from .. import surgery
 from ..adapters import DecoderAdapter
 from ..errors import InvalidInputError
 from ..metric_registry import IMPORTANCE_METRICS, ImportanceMetric, register_importance_metric
+from ..objectives import summed_loss
 from ..passes import (
     calibration_batches,
     forward_hooks,
@@ -53,7 +54,7 @@ from ..passes import (
     run_model,
     stop_after,
 )
-from ..vocabulary import summed_loss, vocabulary_head
+from ..vocabulary import vocabulary_head
 from . import residual
 from .gradient import gradient_importance, loss_gradient_passes
 from .residual import residual_branch_scores

@@ -33,9 +33,9 @@ from .. import distributed, streaming
 from ..adapters import DecoderAdapter
 from ..errors import InvalidInputError
 from ..metric_registry import ImportanceMetric
+from ..objectives import mean_next_token_loss
 from ..passes import RecordedLayerInputs
 from ..surgery import LayerSnapshot
-from ..vocabulary import mean_next_token_loss
 from .rounds import Round, Selection, Stage1Checkpoint, Stage1Plan
 from .shortlist import halving_rungs, verify_shortlist
 

@@ -16,7 +16,7 @@ from ..configuration import GradMAPConfig
 from ..distillation import TOP_K, uses_head_inputs, uses_layer_states
 from ..errors import InvalidInputError
 from ..generation import GENERATION_BATCH_SIZE, corpus_part, is_generated
-from ..passes import MAX_LOGIT_ELEMENTS
+from ..vocabulary import MAX_LOGIT_ELEMENTS
 from .counts import ZERO, Count, Work
 from .placement import allocator_overhead, offloaded_shares, process_bytes, transfer_seconds, weights_kept_on_device
 from .plan import REPORT_BYTES, PruningPlan, described, stage_plan, tokenizer_bytes

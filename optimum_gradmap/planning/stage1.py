@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from ..configuration import GradMAPConfig
 from ..importance import ImportanceMetric, get_importance_metric
 from ..importance.selection import halving_rungs
-from ..passes import MAX_LOGIT_ELEMENTS
+from ..vocabulary import MAX_LOGIT_ELEMENTS
 from .counts import ZERO, Count, Work, is_count
 from .shape import ModelShape
 

@@ -22,8 +22,8 @@ from .. import streaming
 from ..adapters import DecoderAdapter, get_adapter
 from ..errors import InvalidInputError
 from ..generation import GENERATION_BATCH_SIZE
-from ..importance.gradient import PerSampleGradientNorms, causal_lm_loss_gradient
-from ..passes import summed_next_token_loss
+from ..importance.gradient import PerSampleGradientNorms
+from ..objectives import causal_lm_loss_gradient, summed_next_token_loss
 from .counts import EIGH_FLOPS_PER_CUBE, SECONDS_PER_SEQUENTIAL_STEP, Count, Work
 from .layers import LayerCost
 from .shape import ModelShape, describe_model, layer_dependent_config, load_model_config, narrowed_config
