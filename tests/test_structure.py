@@ -65,6 +65,86 @@ def test_no_import_circle_between_the_packages_modules_counting_imports_inside_f
     assert cycles == []
 
 
+def _unit(module: str) -> str:
+    """The package a module belongs to: a top-level module, or a subpackage (`optimum_gradmap.heal.loop` -> `heal`)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """Which packages import which, every import counted (inside functions and for type checkers too)."""
+    graph: dict[str, set[str]] = {}
+    for path, module in MODULES.items():
+        if module == "optimum_gradmap":
+            continue
+        targets = {_unit(target) for target in _imports(path) if target != "optimum_gradmap"}
+        graph.setdefault(_unit(module), set()).update(targets - {_unit(module)})
+    return graph
+
+
+def test_no_loop_among_the_packages_counting_every_import():
+    """A package (a top-level module or a subpackage) never imports one that imports it back, however far round."""
+    graph = _package_graph()
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            unit = todo.pop()
+            if unit == goal:
+                return True
+            if unit not in seen:
+                seen.add(unit)
+                todo += graph.get(unit, ())
+        return False
+
+    assert sorted((unit, target) for unit, targets in graph.items() for target in targets if reaches(target, unit)) == []
+
+
+# The algorithm code (what scores, fits, trains, quantizes, evaluates) and the orchestration that runs it in order.
+ALGORITHMS = ("importance", "compensation", "heal", "quantize", "evaluation", "distillation", "objectives", "vocabulary")
+ORCHESTRATION = ("pipeline", "pruner", "result", "planning", "commands", "cli")
+
+
+def test_the_algorithm_packages_never_import_the_orchestration():
+    graph = _package_graph()
+    assert {unit: sorted(graph.get(unit, set()) & set(ORCHESTRATION)) for unit in ALGORITHMS} == {unit: [] for unit in ALGORITHMS}
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A helper two modules need is public in one of them."""
+    found = []
+    for path, module in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("optimum_gradmap")):
+                found += [
+                    f"{module}: {alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_") and alias.name != "__version__"
+                ]
+    assert found == []
+
+
+def _required_parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The parameters a call must give (no default; `self` and `cls` not counted)."""
+    arguments = node.args
+    positional = arguments.posonlyargs + arguments.args
+    required = len(positional) - len(arguments.defaults) + sum(default is None for default in arguments.kw_defaults)
+    return required - (1 if positional and positional[0].arg in ("self", "cls") else 0)
+
+
+def test_settings_travel_as_one_object_not_as_a_dozen_arguments():
+    """At most 10 functions take more than 6 required parameters, none more than 10: a group of settings is passed as
+    one frozen object (a step's settings, the config), not spread into arguments."""
+    wide = sorted(
+        (_required_parameters(node), f"{module}.{node.name}")
+        for path, module in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _required_parameters(node) > 6
+    )
+    assert len(wide) <= 10 and all(count <= 10 for count, _ in wide), wide
+    assert not [module for path, module in MODULES.items() if "# fmt: skip" in path.read_text()]
+
+
 def _path(name: str) -> pathlib.Path:
     return next(path for path, module in MODULES.items() if module == name)
 
