@@ -15,6 +15,7 @@ import torch
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.errors import InvalidInputError
+from optimum_gradmap.pipeline import plan_pruning
 from optimum_gradmap.planning import (
     Count,
     DeviceThroughput,
@@ -23,7 +24,6 @@ from optimum_gradmap.planning import (
     golden_search_evaluations,
     plan_heal,
 )
-from optimum_gradmap.pipeline import plan_pruning
 
 from .conftest import random_ids, tiny_model
 
