@@ -84,15 +84,15 @@ def test_the_teacher_is_the_dense_model_with_the_removed_layers_back_and_the_fol
     result = pruner.select_layers(model, ids)
     pruner.compensate(result)
     assert result.compensated_layers or result.compensated_during_stage1  # folds to undo
-    backups = [done.backup for done in pruner._run_compensations] + [result.compensation.backup]
+    backups = [done.backup for done in pruner._run.run_compensations] + [result.compensation.backup]
     probe = random_ids(4, 16, seed=3)
     before = model(input_ids=probe).logits
     student = {id(parameter) for parameter in model.parameters()}
-    with pruner._dense.dense_model(backups) as teacher:
+    with pruner._run.dense.dense_model(backups) as teacher:
         torch.testing.assert_close(teacher(input_ids=probe).logits, dense(input_ids=probe).logits, rtol=0, atol=0)
         # no second copy: the teacher is the student's own modules, the removed layers put back among them
         assert teacher is model and student <= {id(parameter) for parameter in teacher.parameters()}
-        removed = {id(p) for index in result.removed_layers for p in pruner._dense.layers[index].parameters()}
+        removed = {id(p) for index in result.removed_layers for p in pruner._run.dense.layers[index].parameters()}
         assert {id(p) for p in teacher.parameters()} == student | removed
     torch.testing.assert_close(model(input_ids=probe).logits, before, rtol=0, atol=0)  # the pruned model is back
 

@@ -46,6 +46,15 @@ def stored_dtypes(folder: str) -> dict[str, torch.dtype]:
         return {name: weights.get_slice(name).get_dtype() for name in weights.keys()}
 
 
+@pytest.fixture
+def llmcompressor_importable(monkeypatch):
+    """The extra's check passes without the extra: what the model alone decides is refused after it."""
+    from optimum_gradmap.pipeline import quantize as quantize_step
+
+    monkeypatch.setattr(checks, "require_llmcompressor", lambda: None)
+    monkeypatch.setattr(quantize_step, "require_llmcompressor", lambda: None)
+
+
 # ------------------------------------------------------------------------------------------ refusals, before any work
 def test_an_unknown_scheme_is_refused_by_the_config():
     with pytest.raises(InvalidInputError, match="`quantization` must be one of \\('w8a8', 'w4a16', 'fp8'\\)"):
@@ -101,7 +110,9 @@ def test_prune_refuses_fp8_on_a_machine_without_a_capable_gpu_before_stage1(monk
         ({"quant_method": "gptq", "bits": 4}, "quantized already \\(gptq\\)"),
     ],
 )
-def test_a_gguf_loaded_or_quantized_model_is_refused_before_stage1(byte_tokenizer, quantization_config, message):
+def test_a_gguf_loaded_or_quantized_model_is_refused_before_stage1(
+    llmcompressor_importable, byte_tokenizer, quantization_config, message
+):
     model = tiny_model("llama", vocab_size=256)
     model.config.quantization_config = quantization_config
     before = state(model)
@@ -131,7 +142,7 @@ def test_w4a16_takes_the_largest_group_of_128_64_32_that_divides_every_quantized
     assert SCHEMES["w4a16"].describe(64).startswith("INT4 weights (one scale per group of 64 input columns)")
 
 
-def test_w4a16_refuses_linear_maps_no_group_divides_before_stage1(byte_tokenizer):
+def test_w4a16_refuses_linear_maps_no_group_divides_before_stage1(llmcompressor_importable, byte_tokenizer):
     model = tiny_model("llama", vocab_size=256, **ODD)
     before = state(model)
     pruner = GradMAPPruner(small_config(quantization="w4a16"), model=model, tokenizer=byte_tokenizer)

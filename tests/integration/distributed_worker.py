@@ -20,7 +20,6 @@ OUTPUT/stage1-checkpoint/rank-R.json: a Stage 1 checkpoint that rank 0 cannot wr
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from optimum_gradmap import GradMAPPruner, distributed  # noqa: E402
+from optimum_gradmap import GradMAPConfig, GradMAPPruner, distributed  # noqa: E402
 from tests.distributed_cases import CASES, EVALUATION, case_heal_data, case_inputs, evaluation_inputs  # noqa: E402
 
 
@@ -77,13 +76,13 @@ def _write(folder: str, found: dict) -> None:
 
 def shared_evaluation(folder: str) -> None:
     """`prune --evaluate`'s perplexity on each rank, with the rows of segments this rank's model ran."""
-    from optimum_gradmap.commands.prune import _measure_perplexity
+    from optimum_gradmap.pipeline import Evaluate, Run
 
     model, tokenizer = evaluation_inputs()
     rows = []
     model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
-    arguments = argparse.Namespace(evaluate=[EVALUATION["dataset"]], max_segments=EVALUATION["max_segments"])
-    result = _measure_perplexity(model, tokenizer, arguments, progress=False)
+    run = Run(model, GradMAPConfig(pruning_ratio=0.25), tokenizer=tokenizer, progress_bar=False)
+    result = Evaluate((EVALUATION["dataset"],), EVALUATION["max_segments"]).measure(run)
     _write(folder, {"evaluation": result.to_dict() if result is not None else None, "rows": sum(rows)})
 
 
