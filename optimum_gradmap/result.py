@@ -62,6 +62,8 @@ class PruningResult:
             text, the held-out KL curve); `None` without it.
         quantization ([`~optimum_gradmap.quantize.QuantizationResult`], *optional*): What the quantization step did
             (its scheme, recipe and calibration); `None` without it.
+        steps (`list[str]`): The steps of the pipeline that made the model, in the order they ran (`"Stage 1"`,
+            `"Stage 2"`, `"Heal"`, `"Quantize"`).
     """
 
     model: PreTrainedModel
@@ -86,6 +88,7 @@ class PruningResult:
     rejected: dict[str, float] | None = None
     heal: HealResult | None = None
     quantization: QuantizationResult | None = None
+    steps: list[str] = field(default_factory=list)
 
     @property
     def compensated_layers(self) -> list[int]:
@@ -117,6 +120,7 @@ class PruningResult:
             "rejected": self.rejected,
             "heal": self.heal.to_dict() if self.heal is not None else None,
             "quantization": self.quantization.to_dict() if self.quantization is not None else None,
+            "steps": self.steps,
             "timings": self.timings,
             "calibration_source": self.calibration_source,
             "calibration_sha256": self.calibration_sha256,

@@ -223,6 +223,7 @@ def test_quantize_checks_its_dataset_name_and_the_weight_groups_before_loading_t
 def test_the_reproduce_snippet_of_a_model_calibrated_on_data_given_directly_passes_that_data(tmp_path, byte_tokenizer):
     pruned = _pruned_on_token_ids(str(tmp_path / "pruned"), byte_tokenizer)
     report = json.load(open(os.path.join(pruned, "pruning_report.json"), encoding="utf-8"))
+    assert report["steps"] == ["Stage 1", "Stage 2"]  # the pipeline's, in the order they ran
     snippet = report["reproduce"]["python"]
     assert ".prune(calibration_data=calibration_data)" in snippet and "token ids given directly (8 x 16)" in snippet
 

@@ -123,6 +123,37 @@ def test_a_gguf_loaded_or_quantized_model_is_refused_before_stage1(
     assert_untouched(model, before)
 
 
+def test_a_failure_inside_llmcompressor_undoes_every_step_and_the_model_runs_the_pipeline_again(monkeypatch, byte_tokenizer):
+    """GPTQ fails on its third weight, after SmoothQuant and two GPTQ fits changed the model in place: the quantization,
+    the heal, Stage 2 and Stage 1 are undone, the last first, and the model is as it came (no hook, parameter or
+    attribute of llm-compressor's left); the same model then goes through the whole pipeline."""
+    pytest.importorskip("llmcompressor", reason=NEEDS_EXTRA)
+    from llmcompressor.modifiers.gptq import base as gptq
+
+    real, calls = gptq.quantize_weight, []
+
+    def fails_on_the_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("GPTQ failed part-way (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gptq, "quantize_weight", fails_on_the_third)
+    model = tiny_model("llama", vocab_size=256, **WIDE)
+    before = state(model)
+    heal = dict(heal_tokens=256, heal_trainable="norms", heal_seq_len=16, heal_batch_size=4, heal_validation_sequences=4)
+    config = small_config(quantization="w8a8", **heal)
+    inputs = dict(calibration_data=random_ids(8, 16), heal_data=random_ids(64, 16, seed=1))
+    with pytest.raises(RuntimeError, match="part-way"):
+        GradMAPPruner(config, model=model, tokenizer=byte_tokenizer).prune(**inputs)
+    assert len(calls) == 3 and model.config.num_hidden_layers == 6
+    assert_untouched(model, before)
+    assert not any(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module) for module in model.modules())
+    monkeypatch.undo()
+    result = GradMAPPruner(config, model=model, tokenizer=byte_tokenizer).prune(**inputs)
+    assert result.steps == ["Stage 1", "Stage 2", "Heal", "Quantize"] and result.quantization.scheme == "w8a8"
+
+
 def test_a_calibrated_scheme_without_sequences_or_tokenizer_is_refused(byte_tokenizer):
     model = tiny_model("llama", vocab_size=256)
     before = state(model)
@@ -235,6 +266,22 @@ def test_the_quantize_command_calibrates_on_the_checkpoints_own_set_and_records_
     assert 0 < error < 0.5, error  # INT4 weights: close to, not equal to, the unquantized model
     card = open(os.path.join(output, "README.md"), encoding="utf-8").read()
     assert "Quantized with optimum-gradmap" in card and "Pruned with optimum-gradmap" in card
+    saved = GradMAPConfig.from_pretrained(output)  # it said `quantization: null`
+    assert (saved.quantization, saved.quantization_dataset) == ("w4a16", None) and report["steps"][-1] == "Quantize"
+
+
+def test_the_quantize_command_reads_no_calibration_text_for_fp8(tmp_path, pruned_checkpoint, monkeypatch):
+    """FP8's dynamic scales need no calibration: the command read and tokenized the checkpoint's text all the same."""
+    pytest.importorskip("llmcompressor", reason=NEEDS_EXTRA)
+    from optimum_gradmap import data
+    from optimum_gradmap.pipeline import quantize as quantize_step
+
+    monkeypatch.setattr(checks, "hardware_problem", lambda scheme: None)
+    monkeypatch.setattr(quantize_step, "hardware_problem", lambda scheme: None)
+    monkeypatch.setattr(data, "prepare_calibration_data", lambda *args, **kwargs: pytest.fail("calibration text was read"))
+    assert main(["quantize", pruned_checkpoint, "--scheme", "fp8", "--output", str(tmp_path / "fp8"), "-q"]) == 0
+    report = json.load(open(tmp_path / "fp8" / "pruning_report.json", encoding="utf-8"))
+    assert report["quantization"]["num_samples"] == 0 and report["quantization"]["calibration_source"] is None
 
 
 def test_w4a16_with_groups_of_64_writes_them_and_reloads(tmp_path, byte_tokenizer):

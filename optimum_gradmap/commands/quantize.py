@@ -168,6 +168,7 @@ def _quantized_report(
     before = {key: report.get(key) for key in ("evaluation", "zero_shot_against_dense", "flips_against_dense")}
     report = {**report, "reproduce": made, "quantization": quantized.to_dict(), "environment": environment(model)}
     report["gradmap_config"] = config.to_dict()
+    report["steps"] = [*(report.get("steps") or []), "Quantize"]
     report["evaluation_before_quantization"] = before
     report["evaluation"] = report["zero_shot_against_dense"] = report["flips_against_dense"] = None
     report["timings"] = {**report.get("timings", {}), "quantization": quantized.seconds}

@@ -36,6 +36,7 @@ class Evaluate(Step):
     """
 
     name = "Evaluation"
+    changes_weights = False
     datasets: tuple[str, ...] = ()
     max_segments: int | None = None
     announce: bool = False
@@ -86,6 +87,7 @@ class Save(Step):
     """
 
     name = "Save"
+    changes_weights = False
     directory: str | None = None
     overwrite: bool = False
     keep_safe: tuple[str, ...] = ()

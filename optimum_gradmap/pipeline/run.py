@@ -137,6 +137,8 @@ class Step:
     """
 
     name: ClassVar[str]
+    # Whether the step makes the model (recorded in `PruningResult.steps`): not the evaluation or the save.
+    changes_weights: ClassVar[bool] = True
 
     def check_settings(self) -> None:
         """Refuses, before any weight is read, what this step's settings alone cannot do."""
@@ -181,6 +183,8 @@ def run_checked_steps(steps: Sequence[Step], run: Run) -> None:
         for step in steps:
             started.append(step)
             step.run(run)
+            if step.changes_weights and run.result is not None and step.name not in run.result.steps:
+                run.result.steps.append(step.name)
     except BaseException:
         for step in reversed(started):
             step.undo(run)

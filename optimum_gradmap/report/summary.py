@@ -31,6 +31,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"base model:          {report.get('base_model')} (revision {report.get('base_model_revision') or 'unknown'})",
         f"importance metric:   {config.get('importance', 'gradmap')}",
+        f"steps:               {' -> '.join(report.get('steps') or ['Stage 1', *(['Stage 2'] if compensation else [])])}",
         f"layers:              {report['original_num_layers']} -> {len(report['kept_layers'])}",
         f"removed (in order):  {report['removed_layers']}",
         f"kept:                {report['kept_layers']}",
