@@ -318,12 +318,8 @@ class ModelBackup:
 
     def __init__(self, model: nn.Module):
         self._modules = [(module, _module_state(module)) for module in model.modules()]
-        self._values = [
-            (tensor, tensor.detach().to("cpu", copy=True))
-            for module, _ in self._modules
-            for tensor in [*module._parameters.values(), *module._buffers.values()]
-            if tensor is not None and tensor.device.type != "meta"
-        ]
+        tensors = {id(tensor): tensor for module, _ in self._modules for tensor in _tensors(module)}  # tied ones once
+        self._values = [(tensor, tensor.detach().to("cpu", copy=True)) for tensor in tensors.values()]
 
     @staticmethod
     def bytes_needed(model: nn.Module) -> int:
@@ -342,6 +338,12 @@ class ModelBackup:
                 tensor.copy_(value)
             else:  # replaced in place by another shape or dtype
                 tensor.data = value.to(tensor.device)
+
+
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    """A module's own parameters and buffers in memory (not its children's, not on the "meta" device)."""
+    tensors = [*module._parameters.values(), *module._buffers.values()]
+    return [tensor for tensor in tensors if tensor is not None and tensor.device.type != "meta"]
 
 
 def _module_state(module_or_state: nn.Module | dict[str, Any]) -> dict[str, Any]:

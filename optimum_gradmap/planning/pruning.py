@@ -265,14 +265,19 @@ class Planner:
 
     def plan_quantization(self) -> None:
         """The quantization step, after the heal: llm-compressor over the kept layers, on as many calibration sequences
-        as Stage 1 reads ([`optimum_gradmap.planning.quantization`])."""
+        as Stage 1 reads ([`optimum_gradmap.planning.quantization`]), with the copy of the pruned model on the host that
+        undoes it if it fails ([`~optimum_gradmap.pipeline.Quantize`])."""
         config, shape, num_kept = self.config, self.shape, self.num_kept
         scheme, tokens = config.quantization, config.num_samples * config.seq_len
         work = quantization_work(shape, scheme, num_kept, tokens)
         beside = quantization_memory(shape, scheme, config.num_samples, config.seq_len)
         passes = passes_text(scheme, config.num_samples, config.seq_len)
         used = tokens if work.layer_forward.high else 0
-        self.stages.append(self.stage("Quantize", passes, used, work, beside, self.resident + beside, 0.0))
+        plan = self.stage("Quantize", passes, used, work, beside, self.resident + beside, 0.0)
+        plan.host_bytes = copy = _kept_bytes(shape, self.removable, self.outline1.protected, None).high  # in a few large blocks
+        if self.on_cpu:
+            plan.peak_bytes_in_memory, plan.peak_bytes_streamed = plan.peak_bytes_in_memory + copy, plan.peak_bytes_streamed + copy
+        self.stages.append(plan)
 
     def plan_evaluation(self) -> None:
         """Perplexity of the dense and of the pruned model over the evaluation tokens (`prune --evaluate`), if any."""
