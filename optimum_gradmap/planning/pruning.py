@@ -274,9 +274,11 @@ class Planner:
         passes = passes_text(scheme, config.num_samples, config.seq_len)
         used = tokens if work.layer_forward.high else 0
         plan = self.stage("Quantize", passes, used, work, beside, self.resident + beside, 0.0)
-        plan.host_bytes = copy = _kept_bytes(shape, self.removable, self.outline1.protected, None).high  # in a few large blocks
+        # the copy that undoes it: the pruned weights, a few large blocks (no allocator overhead measured)
+        plan.host_bytes = copy = _kept_bytes(shape, self.removable, self.outline1.protected, None).high
         if self.on_cpu:
-            plan.peak_bytes_in_memory, plan.peak_bytes_streamed = plan.peak_bytes_in_memory + copy, plan.peak_bytes_streamed + copy
+            plan.peak_bytes_in_memory = plan.peak_bytes_in_memory + copy
+            plan.peak_bytes_streamed = plan.peak_bytes_streamed + copy
         self.stages.append(plan)
 
     def plan_evaluation(self) -> None:
