@@ -9,12 +9,11 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ..configuration import GradMAPConfig
 from ..errors import InvalidInputError
-from ..planning import DeviceThroughput, Planner, PruningPlan
+from ..planning import Planner, PruningPlan
 from .heal import Heal
 from .output import Evaluate, Save
 from .quantize import Quantize
@@ -58,74 +57,33 @@ def check_inputs_have_steps(config: GradMAPConfig, inputs: RunInputs) -> None:
 def plan_pruning(
     model_or_path: PreTrainedModel | PretrainedConfig | str | os.PathLike,
     config: GradMAPConfig,
-    dtype: torch.dtype | str = torch.float32,
-    device: str | torch.device | None = None,
-    throughput: DeviceThroughput | None = None,
-    execution: str | None = None,
-    device_map: str | dict[str, Any] | None = None,
-    max_memory: dict[int | str, str] | None = None,
-    removed_layers: Sequence[int] | None = None,
-    validation: bool = False,
-    evaluation_tokens: int = 0,
-    tokenizer_bytes: int | None = None,
-    measure: bool = True,
-    name: str | None = None,
-    host_allocator_overhead: float | None = None,
     steps: Sequence[Step] | None = None,
+    **kwargs: Any,
 ) -> PruningPlan:
     """The plan of a pruning run ([`GradMAPPruner.plan`], `prune --dry-run`): each step of the run adds its stage to a
     [`~optimum_gradmap.planning.Planner`], in the order the run makes them: the steps `config` asks for
     ([`pruning_steps`]), then the evaluation and the save. See [`~optimum_gradmap.planning.PruningPlan`] and
     [`optimum_gradmap.planning`].
 
+    ```python
+    >>> plan = plan_pruning("HuggingFaceTB/SmolLM2-135M", GradMAPConfig(pruning_ratio=0.25), dtype=torch.bfloat16)
+    >>> print(plan)  # a table; plan.to_dict() for JSON
+    ```
+
     Args:
         model_or_path (`PreTrainedModel`, `PretrainedConfig`, `str` or `os.PathLike`): The model, its config, a local
             folder or a Hub id (only `config.json` is read).
         config ([`GradMAPConfig`]): The run.
-        dtype (`torch.dtype` or `str`, defaults to `torch.float32`): The dtype the model computes in (`"checkpoint"`:
-            the one its config names).
-        device (`str` or `torch.device`, *optional*): Where it computes (defaults to the CPU).
-        throughput ([`~optimum_gradmap.planning.DeviceThroughput`], *optional*): The device's rates; measured on
-            `device` when not given and `measure` is on.
-        execution (`str`, *optional*): `"in_memory"` or `"layer_streamed"`; defaults to what `config.execution` chooses
-            (`"auto"`: layer-streamed where `device_map` offloads layers).
-        device_map (`str` or `dict`, *optional*), max_memory (`dict`, *optional*): As `from_pretrained` takes them:
-            where Accelerate would offload layers, inferred on the meta model.
-        removed_layers (`Sequence[int]`, *optional*): The layers Stage 1 will remove, when known (a Stage 1
-            checkpoint, an earlier run): Stage 2's counts then are exact.
-        validation (`bool`, defaults to `False`): Stage 2 checks its compensation on validation text.
-        evaluation_tokens (`int`, defaults to 0): Tokens of `prune --evaluate`'s perplexity (dense and pruned).
-        tokenizer_bytes (`int`, *optional*): The tokenizer's files; read from a local folder when not given.
-        measure (`bool`, defaults to `True`): Measure the throughput when none is given (else no time is told).
-        name (`str`, *optional*): The model's name in the plan; defaults to `model_or_path`.
-        host_allocator_overhead (`float`, *optional*): On a CPU device, the resident bytes one byte of a pass's tensors
-            takes: an assumption about the C allocator, which keeps freed blocks. `None`:
-            [`~optimum_gradmap.planning.HOST_ALLOCATOR_OVERHEAD`]
-            (1.48, measured with glibc's malloc on one machine); 1.0 for an allocator that returns freed memory.
-
         steps (`Sequence[Step]`, *optional*): The steps to plan; defaults to `config`'s, the evaluation and the save
             (the `prune` command passes its own).
+        kwargs: Where and how the run computes, and what is known of it ([`~optimum_gradmap.planning.Planner.for_model`]:
+            `dtype`, `device`, `throughput`, `execution`, `device_map`, `max_memory`, `removed_layers`, `validation`,
+            `evaluation_tokens`, `tokenizer_bytes`, `measure`, `name`, `host_allocator_overhead`).
 
     Returns:
         [`~optimum_gradmap.planning.PruningPlan`].
     """
-    planner = Planner.for_model(
-        model_or_path,
-        config,
-        dtype=dtype,
-        device=device,
-        throughput=throughput,
-        execution=execution,
-        device_map=device_map,
-        max_memory=max_memory,
-        removed_layers=removed_layers,
-        validation=validation,
-        evaluation_tokens=evaluation_tokens,
-        tokenizer_bytes=tokenizer_bytes,
-        measure=measure,
-        name=name,
-        host_allocator_overhead=host_allocator_overhead,
-    )
+    planner = Planner.for_model(model_or_path, config, **kwargs)
     for step in steps if steps is not None else [*pruning_steps(config), Evaluate(), Save()]:
         step.plan(planner)
     return planner.finish()

@@ -143,8 +143,36 @@ class Planner:
         name: str | None = None,
         host_allocator_overhead: float | None = None,
     ) -> Planner:
-        """A planner for a run of `config` on a model, its throughput measured: the arguments are those of
-        [`~optimum_gradmap.pipeline.plan_pruning`], which documents them."""
+        """A planner for a run of `config` on a model, its throughput measured where none is given.
+
+        Args:
+            model_or_path (`PreTrainedModel`, `PretrainedConfig`, `str` or `os.PathLike`): The model, its config, a
+                local folder or a Hub id (only `config.json` is read).
+            config ([`GradMAPConfig`]): The run.
+            dtype (`torch.dtype` or `str`, defaults to `torch.float32`): The dtype the model computes in
+                (`"checkpoint"`: the one its config names).
+            device (`str` or `torch.device`, *optional*): Where it computes (defaults to the CPU).
+            throughput ([`DeviceThroughput`], *optional*): The device's rates; measured on `device` when not given
+                and `measure` is on.
+            execution (`str`, *optional*): `"in_memory"` or `"layer_streamed"`; defaults to what `config.execution`
+                chooses (`"auto"`: layer-streamed where `device_map` offloads layers).
+            device_map (`str` or `dict`, *optional*), max_memory (`dict`, *optional*): As `from_pretrained` takes them:
+                where Accelerate would offload layers, inferred on the meta model.
+            removed_layers (`Sequence[int]`, *optional*): The layers Stage 1 will remove, when known (a Stage 1
+                checkpoint, an earlier run): Stage 2's counts then are exact.
+            validation (`bool`, defaults to `False`): Stage 2 checks its compensation on validation text.
+            evaluation_tokens (`int`, defaults to 0): Tokens of `prune --evaluate`'s perplexity (dense and pruned).
+            tokenizer_bytes (`int`, *optional*): The tokenizer's files; read from a local folder when not given.
+            measure (`bool`, defaults to `True`): Measure the throughput when none is given (else no time is told).
+            name (`str`, *optional*): The model's name in the plan; defaults to `model_or_path`.
+            host_allocator_overhead (`float`, *optional*): On a CPU device, the resident bytes one byte of a pass's
+                tensors takes: an assumption about the C allocator, which keeps freed blocks. `None`:
+                [`HOST_ALLOCATOR_OVERHEAD`] (1.48, measured with glibc's malloc on one machine); 1.0 for an allocator
+                that returns freed memory.
+
+        Returns:
+            [`Planner`].
+        """
         model_config = load_model_config(model_or_path)
         if name is None:
             name = os.fspath(model_or_path) if isinstance(model_or_path, (str, os.PathLike)) else model_config._name_or_path
