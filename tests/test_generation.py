@@ -1,4 +1,4 @@
-"""The dense model's own heal text (optimum_gradmap.generation, `heal_dataset="generated"`)."""
+"""The dense model's own heal text (optimum_gradmap.heal.generation, `heal_dataset="generated"`)."""
 
 import contextlib
 import copy
@@ -10,8 +10,14 @@ import torch
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.data import calibration_sha256
 from optimum_gradmap.errors import InvalidInputError
-from optimum_gradmap.generation import GenerationSettings, draw_tokens, generate_sequences, sample_batch, sequence_prompt
 from optimum_gradmap.heal import heal_sequences
+from optimum_gradmap.heal.generation import (
+    GenerationSettings,
+    draw_tokens,
+    generate_sequences,
+    sample_batch,
+    sequence_prompt,
+)
 
 from .conftest import VOCAB_SIZE, random_ids, small_config, tiny_model
 from .test_heal import HEAL, peaked_model
@@ -305,7 +311,7 @@ CHAT_TEMPLATE = (
 
 
 def test_chat_prompts_start_every_sequence_from_the_template_s_user_turn(tmp_path, byte_tokenizer):
-    from optimum_gradmap.generation import chat_prompt
+    from optimum_gradmap.heal.generation import chat_prompt
 
     with pytest.raises(InvalidInputError, match="heal_prompts='documents'"):
         chat_prompt(byte_tokenizer)  # no chat template

@@ -10,10 +10,10 @@ from transformers import AutoModelForCausalLM
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.adapters import get_adapter
-from optimum_gradmap.data import prepare_heal_data
 from optimum_gradmap.distillation import TOP_K, teacher_targets
 from optimum_gradmap.errors import InvalidInputError
 from optimum_gradmap.heal import heal
+from optimum_gradmap.heal.text import prepare_heal_data
 from optimum_gradmap.objectives import TeacherTargets, rest_log_prob, top_k_kl
 
 from .conftest import random_ids, small_config, tiny_model

@@ -1,5 +1,5 @@
 """What the heal stage minimises (`heal_loss`): the top-K KL, the centred-logit MSE over the whole vocabulary, both, or
-the KL with the hidden states at the seams (optimum_gradmap.distillation, optimum_gradmap.heal)."""
+the KL with the hidden states at the seams (optimum_gradmap.heal.loss, optimum_gradmap.heal)."""
 
 import contextlib
 import copy
@@ -8,24 +8,21 @@ import dataclasses
 import pytest
 import torch
 
-from optimum_gradmap import GradMAPPruner, distillation, streaming
+from optimum_gradmap import GradMAPPruner, streaming
 from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.distillation import (
-    centred_logit_gram,
     head_inputs,
-    heal_loss,
-    hidden_state_mse,
     layer_outputs,
-    logit_mse,
     targets_from_logits,
     teacher_targets,
     the_head_input,
     the_layer_outputs,
 )
 from optimum_gradmap.errors import InvalidInputError
-from optimum_gradmap.generation import GenerationSettings, generate_sequences
 from optimum_gradmap.heal import heal, measure_heal_costs
-from optimum_gradmap.heal.loss import _seams
+from optimum_gradmap.heal import loss as heal_losses
+from optimum_gradmap.heal.generation import GenerationSettings, generate_sequences
+from optimum_gradmap.heal.loss import _seams, centred_logit_gram, heal_loss, hidden_state_mse, logit_mse
 from optimum_gradmap.objectives import TeacherTargets, top_k_kl
 from optimum_gradmap.surgery import remove_layers
 
@@ -303,7 +300,7 @@ def test_the_seams_loss_is_refused_where_it_has_no_seam_or_no_weights_in_memory_
         seams_measured.append(states.shape[-2])
         return hidden_state_mse(states, teacher_states)
 
-    monkeypatch.setattr(distillation, "hidden_state_mse", counted)
+    monkeypatch.setattr(heal_losses, "hidden_state_mse", counted)
     costs = measure_heal_costs(model, small_config(heal_loss="kl_hidden_mse", **HEAL), kept=[0, 1, 4, 5], num_layers=6)
     assert costs.step_seconds > 0 and seams_measured == [1, 1]  # the step (warm-up, timed) with the one seam, layer 4
 

@@ -71,7 +71,7 @@ def default_heal_checkpoint(output: str) -> str:
 def default_heal_text_cache(output: str) -> str:
     """Where `heal` and `prune` keep the dense model's own text (`--heal-dataset generated`): a hidden file beside the
     output folder, kept after the run, so that a rerun or a resume reads it instead of generating again (its
-    fingerprint says when it no longer applies: [`~optimum_gradmap.generation`])."""
+    fingerprint says when it no longer applies: [`~optimum_gradmap.heal.generation`])."""
     target = os.path.abspath(output)
     return os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.heal-text.pt")
 

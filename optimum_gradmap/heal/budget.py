@@ -17,12 +17,12 @@ from transformers import PreTrainedModel
 from .. import distributed, streaming
 from ..adapters import get_adapter
 from ..configuration import GradMAPConfig
-from ..distillation import centred_logit_gram, distillation_loss, teacher_targets, uses_head_inputs
-from ..generation import corpus_part, is_generated
+from ..distillation import teacher_targets
 from ..passes import calibration_mode, input_device
 from ..precision import uses_bfloat16_autocast
+from .generation import corpus_part, is_generated
 from .loop import MAX_GRAD_NORM
-from .loss import _seam_layers
+from .loss import _seam_layers, centred_logit_gram, distillation_loss, uses_head_inputs
 from .trainable import _choose, _Trainable
 
 # `heal_tokens="auto"`: the heal's time (the dense model's text included) as a share of Stage 1's measured time.

@@ -18,10 +18,9 @@ from .. import distributed, streaming
 from ..adapters import get_adapter
 from ..configuration import GradMAPConfig
 from ..data import calibration_sha256, check_dataset_name
-from ..distillation import reads_hidden_states, uses_layer_states
 from ..errors import InvalidInputError
-from ..generation import PROMPT_TOKENS, chat_prompt, corpus_part, is_generated
-from .loss import HEAL_LOSS_CHOICES, _no_seam_refusal, _seams, _streamed_loss_refusal
+from .generation import PROMPT_TOKENS, chat_prompt, corpus_part, is_generated
+from .loss import HEAL_LOSS_CHOICES, _no_seam_refusal, _seams, _streamed_loss_refusal, reads_hidden_states, uses_layer_states
 from .state import _fingerprint_before_pruning, _read_saved
 from .trainable import (
     DEFAULT_LEARNING_RATES,
@@ -200,7 +199,7 @@ def check_heal_dataset_name(name: str) -> None:
 def check_generation_prompts(config: GradMAPConfig, tokenizer: PreTrainedTokenizerBase | None) -> None:
     """Refuses, before any work, the dense model's own text (`generated` in `heal_dataset`) with prompts longer than
     `heal_seq_len`: the first `PROMPT_TOKENS` tokens of the calibration documents, or with `heal_prompts="chat"` the
-    chat template's opening of a user's turn ([`~optimum_gradmap.generation.chat_prompt`], which refuses a tokenizer
+    chat template's opening of a user's turn ([`~optimum_gradmap.heal.generation.chat_prompt`], which refuses a tokenizer
     without a template).
 
     Args:

@@ -21,7 +21,7 @@ from transformers.utils import logging
 from .. import distributed, streaming
 from ..adapters import DecoderAdapter
 from ..data import calibration_sha256
-from ..distillation import centred_logit_gram, distillation_loss, teacher_targets, uses_head_inputs, uses_layer_states
+from ..distillation import teacher_targets
 from ..errors import InvalidInputError
 from ..objectives import TeacherTargets, chunked_top_k_kl, top_k_kl, top_k_kl_gradient, vocab_sliced_top_k_kl_gradient
 from ..passes import calibration_mode, input_device
@@ -30,7 +30,16 @@ from ..streaming import DecoderGradient
 from ..vocabulary import vocabulary_head
 from ..weights import weights_digest
 from .checks import check_heal_arguments, check_heal_checkpoint
-from .loss import _no_seam_refusal, _seam_indices, _seam_layers, _seams
+from .loss import (
+    _no_seam_refusal,
+    _seam_indices,
+    _seam_layers,
+    _seams,
+    centred_logit_gram,
+    distillation_loss,
+    uses_head_inputs,
+    uses_layer_states,
+)
 from .result import HealResult
 from .state import _fingerprint_before_pruning, _load_checkpoint, _save_checkpoint
 from .trainable import DEFAULT_LEARNING_RATES, _Choice, _choose, _Trainable

@@ -22,10 +22,10 @@ from ..adapters import get_adapter
 from ..configuration import GradMAPConfig
 from ..data import CalibrationData
 from ..errors import InvalidInputError
-from ..generation import is_generated
 from ..objectives import TeacherTargets
 from .budget import AUTO_TIME_SHARE, choose_heal_tokens
 from .checks import check_generation_prompts, check_heal_dataset_name, check_heal_settings
+from .generation import is_generated
 from .loop import heal
 from .result import HealResult
 from .state import _read_saved

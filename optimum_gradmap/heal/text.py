@@ -1,6 +1,6 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""The heal's text: windows of a corpus, the dense model's own text ([`~optimum_gradmap.generation`]), or equal parts
+"""The heal's text: windows of a corpus, the dense model's own text ([`~optimum_gradmap.heal.generation`]), or equal parts
 of both ([`heal_sequences`]), with the dense model's targets where they come with its text."""
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ from ..data import (
     describe_calibration_data,
     is_text_data,
     prepare_calibration_data,
-    prepare_heal_data,
     text_documents,
     tokenize_documents,
 )
-from ..distillation import teacher_targets, uses_head_inputs
+from ..distillation import teacher_targets
 from ..errors import InvalidInputError
-from ..generation import (
+from ..objectives import TeacherTargets
+from ..precision import uses_bfloat16_autocast
+from .generation import (
     GENERATED,
     GENERATION_BATCH_SIZE,
     GeneratedText,
@@ -40,9 +41,7 @@ from ..generation import (
     is_generated,
     start_token_of,
 )
-from ..objectives import TeacherTargets
-from ..precision import uses_bfloat16_autocast
-from .loss import _seam_indices
+from .loss import _seam_indices, uses_head_inputs
 
 
 @dataclass
@@ -69,6 +68,68 @@ class HealText:
     validation_targets: TeacherTargets | None = None
 
 
+def prepare_heal_data(
+    data: CalibrationData,
+    tokenizer: PreTrainedTokenizerBase | None,
+    num_train: int,
+    num_validation: int,
+    seq_len: int,
+    seed: int,
+    text_column: str = "text",
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """The training and held-out sequences of the heal stage ([`optimum_gradmap.heal`]), which never overlap.
+
+    Text (a dataset name, names joined by `+`, a local path, a `datasets.Dataset`, a list of strings) is tokenized
+    document by document and cut into non-overlapping windows of `seq_len` tokens (each inside one document; the tails
+    are dropped); the windows are shuffled with `seed`, the first `num_validation` are held out and the next
+    `num_train` are trained on. Token ids (a list of lists, or a `LongTensor` of shape `(N, T)`) are used as given: the
+    last `num_validation` rows are held out and the first `num_train` of the others trained on. No window is trained on
+    twice: text too short for the budget is refused.
+
+    Args:
+        data: The heal text, in any form `prepare_calibration_data` takes (`None` is not accepted: resolve the default
+            dataset first).
+        tokenizer (`PreTrainedTokenizerBase`, *optional*): Needed for text.
+        num_train (`int`): Training sequences wanted.
+        num_validation (`int`): Held-out sequences wanted.
+        seq_len (`int`): Tokens per sequence (for text).
+        seed (`int`): The shuffle's seed.
+        text_column (`str`, defaults to `"text"`): The text column of a `datasets.Dataset`.
+
+    Returns:
+        `tuple[torch.LongTensor, torch.LongTensor]`: the training `(num_train, T)` and held-out `(num_validation, T)`
+        sequences.
+
+    Raises:
+        InvalidInputError: for data that gives fewer than `num_validation + num_train` sequences.
+    """
+    if is_text_data(data):
+        generator = torch.Generator().manual_seed(seed)
+        if tokenizer is None:
+            raise InvalidInputError("Heal text needs a tokenizer: pass `tokenizer=` or a model whose name points to one.")
+        windows = [
+            window
+            for document in tokenize_documents(text_documents(data, text_column), tokenizer)
+            for window in document[: document.numel() // seq_len * seq_len].view(-1, seq_len)
+        ]
+        if len(windows) < num_validation + num_train:
+            raise InvalidInputError(
+                f"The heal text gives {len(windows)} windows of {seq_len} tokens, and the budget needs "
+                f"{num_validation + num_train} ({num_train} to train on, {num_validation} held out): give more text "
+                f"(`heal_dataset`, e.g. names joined by '+'), or a budget of at most "
+                f"{max(0, len(windows) - num_validation) * seq_len} tokens (`heal_tokens`)."
+            )
+        ids = torch.stack(windows)[torch.randperm(len(windows), generator=generator)]
+        return ids[num_validation : num_validation + num_train], ids[:num_validation]
+    ids = prepare_calibration_data(data, tokenizer, 0, seq_len, seed, "", text_column)
+    if ids.shape[0] < num_validation + num_train:
+        raise InvalidInputError(
+            f"The heal token ids have {ids.shape[0]} sequences, and the budget needs {num_validation + num_train} "
+            f"({num_train} to train on, {num_validation} held out: the last rows): give more, or a smaller `heal_tokens`."
+        )
+    return ids[:num_train], ids[ids.shape[0] - num_validation :]
+
+
 def _generate(
     teacher: Callable[[], AbstractContextManager[nn.Module]],
     tokenizer: PreTrainedTokenizerBase,
@@ -81,7 +142,7 @@ def _generate(
 ) -> GeneratedText:
     """`num_sequences` of the dense model's own text as `config` says: prompts from the first tokens of `prompt_data`'s
     documents (text; `config.dataset` by default) or sequences (token ids), or with `heal_prompts="chat"` from the
-    chat template's user turn ([`~optimum_gradmap.generation.chat_prompt`]); `heal_temperature`, seed `seed + 2`.
+    chat template's user turn ([`~optimum_gradmap.heal.generation.chat_prompt`]); `heal_temperature`, seed `seed + 2`.
     The targets kept while it writes hold what `heal_loss` reads (the seams' outputs where `kept` is given)."""
     settings = GenerationSettings(
         config.heal_seq_len,
@@ -140,10 +201,10 @@ def heal_sequences(
 ) -> HealText:
     """The training and held-out sequences of a heal run as `config` says: `heal_tokens` worth of `heal_seq_len`-token
     windows of `data` (or `config.heal_dataset`) and `heal_validation_sequences` held out, shuffled with seed
-    `seed + 2` ([`~optimum_gradmap.data.prepare_heal_data`]).
+    `seed + 2` ([`prepare_heal_data`]).
 
     With `generated` in `config.heal_dataset` (and no `data`), the dense model writes the text itself
-    ([`~optimum_gradmap.generation`]): from the first tokens of the calibration documents (`prompt_data`, the
+    ([`~optimum_gradmap.heal.generation`]): from the first tokens of the calibration documents (`prompt_data`, the
     calibration text or token ids Stage 1 read; `config.dataset` by default), at
     `config.heal_temperature`, seed `seed + 2`. Joined to corpus names (`generated+offline:web_text`), half the
     training and half the held-out sequences (rounded up) are generated and the rest are corpus windows, shuffled
@@ -156,7 +217,7 @@ def heal_sequences(
         teacher (`Callable`, *optional*): Returns a context manager that gives the dense model for its block; needed
             for the dense model's own text.
         cache (`str` or `os.PathLike`, *optional*): The file that caches the dense model's own text
-            ([`~optimum_gradmap.generation.generate_sequences`]).
+            ([`~optimum_gradmap.heal.generation.generate_sequences`]).
         progress_bar (`bool`, defaults to `True`): Show a progress bar while the dense model writes.
         prompt_data (*optional*): The calibration data whose documents' (or sequences') first tokens prompt the dense
             model; defaults to `config.dataset`.

@@ -13,9 +13,10 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ..configuration import GradMAPConfig
-from ..distillation import TOP_K, uses_head_inputs, uses_layer_states
+from ..distillation import TOP_K
 from ..errors import InvalidInputError
-from ..generation import GENERATION_BATCH_SIZE, corpus_part, is_generated
+from ..heal.generation import GENERATION_BATCH_SIZE, corpus_part, is_generated
+from ..heal.loss import uses_head_inputs, uses_layer_states
 from ..vocabulary import MAX_LOGIT_ELEMENTS
 from .counts import ZERO, Count, Work
 from .placement import allocator_overhead, offloaded_shares, process_bytes, transfer_seconds, weights_kept_on_device

@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from optimum_gradmap import GradMAPConfig, distributed, generation  # noqa: E402
-from optimum_gradmap.heal import heal_stage  # noqa: E402
+from optimum_gradmap import GradMAPConfig, distributed  # noqa: E402
+from optimum_gradmap.heal import generation, heal_stage  # noqa: E402
 from optimum_gradmap.surgery import remove_layers  # noqa: E402
 from tests.conftest import random_ids, tiny_model  # noqa: E402
 

@@ -48,14 +48,14 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from . import distillation, distributed
-from .adapters import get_adapter
-from .distillation import head_inputs, layer_outputs, targets_from_logits, the_head_input, the_layer_outputs
-from .errors import InvalidInputError
-from .objectives import TeacherTargets
-from .passes import calibration_mode, input_device
-from .precision import uses_bfloat16_autocast
-from .weights import weights_digest
+from .. import distillation, distributed
+from ..adapters import get_adapter
+from ..distillation import head_inputs, layer_outputs, targets_from_logits, the_head_input, the_layer_outputs
+from ..errors import InvalidInputError
+from ..objectives import TeacherTargets
+from ..passes import calibration_mode, input_device
+from ..precision import uses_bfloat16_autocast
+from ..weights import weights_digest
 
 logger = logging.get_logger(__name__)
 
@@ -407,7 +407,7 @@ def _generate_or_read(
     with teacher() as model:
         expected = fingerprint(model, prompts, start_token, settings)
         if cache is None:
-            from .assets import cache_dir  # the assets module loads only where a cache folder is needed
+            from ..assets import cache_dir  # the assets module loads only where a cache folder is needed
 
             name = hashlib.sha256(json.dumps(expected, sort_keys=True).encode()).hexdigest()[:16]
             cache = os.path.join(cache_dir(), "heal_text", f"{name}.pt")
