@@ -10,7 +10,7 @@ import torch
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.data import calibration_sha256
 from optimum_gradmap.errors import InvalidInputError
-from optimum_gradmap.heal import heal_sequences
+from optimum_gradmap.heal import HealSettings, PrunedLayout, heal_sequences
 from optimum_gradmap.heal.generation import (
     GenerationSettings,
     draw_tokens,
@@ -150,9 +150,10 @@ def test_generated_and_corpus_text_come_in_equal_parts(tmp_path, byte_tokenizer)
         heal_autocast=False,
     )
     teacher = lambda: contextlib.nullcontext(model)  # noqa: E731
-    text = heal_sequences(None, byte_tokenizer, config, teacher, tmp_path / "cache.pt", progress_bar=False)
+    settings = HealSettings.from_config(config)
+    text = heal_sequences(None, byte_tokenizer, settings, teacher, tmp_path / "cache.pt", progress_bar=False)
     generated_only = heal_sequences(
-        None, byte_tokenizer, dataclasses.replace(config, heal_dataset="generated"), teacher, tmp_path / "cache.pt"
+        None, byte_tokenizer, dataclasses.replace(settings, heal_dataset="generated"), teacher, tmp_path / "cache.pt"
     )
     assert text.train_ids.shape == (10, 16) and text.validation_ids.shape == (4, 16)
     assert text.generation_seconds > 0 and "generated" in text.source and str(corpus) in text.source
@@ -168,7 +169,7 @@ def test_generated_and_corpus_text_come_in_equal_parts(tmp_path, byte_tokenizer)
         again = teacher_targets(model, ids, 4, progress_bar=False)  # each row's targets, in the rows' order
         torch.testing.assert_close(targets.log_probs, again.log_probs, rtol=1e-4, atol=1e-4)
     with pytest.raises(InvalidInputError, match="dense model"):
-        heal_sequences(None, byte_tokenizer, config)
+        heal_sequences(None, byte_tokenizer, settings)
 
 
 def test_prune_heals_on_the_dense_model_s_own_text_and_counts_its_time(tmp_path, byte_tokenizer):
@@ -246,9 +247,15 @@ def _auto_heal(monkeypatch, budget: float, slow_down: float = 1.0, warm_up: floa
     )  # fmt: skip
     start = clock()
     result = heal_stage(
-        student, lambda: contextlib.nullcontext(teacher_model), config, None, [0, 1], 4, [], data=random_ids(400, 16, seed=1),
-        stage1_seconds=budget, checkpoint=checkpoint,
-    )  # fmt: skip
+        student,
+        lambda: contextlib.nullcontext(teacher_model),
+        HealSettings.from_config(config),
+        None,
+        PrunedLayout((0, 1), 4),
+        data=random_ids(400, 16, seed=1),
+        stage1_seconds=budget,
+        checkpoint=checkpoint,
+    )
     return result, clock() - start
 
 
@@ -285,8 +292,9 @@ def test_auto_tokens_need_a_stage1_time(monkeypatch):
 
     model = tiny_model("llama", num_layers=2)
     config = small_config(heal_tokens="auto", heal_seq_len=16, heal_validation_sequences=4, heal_autocast=False)
+    settings, teacher = HealSettings.from_config(config), lambda: contextlib.nullcontext(model)
     with pytest.raises(InvalidInputError, match="Stage 1"):
-        heal_stage(model, lambda: contextlib.nullcontext(model), config, None, [0, 1], 2, [], data=random_ids(40, 16))
+        heal_stage(model, teacher, settings, None, PrunedLayout.unpruned(2), data=random_ids(40, 16))
     assert GradMAPConfig(pruning_ratio=0.25, heal_tokens="auto").heal_tokens == "auto"
     with pytest.raises(InvalidInputError, match="heal_tokens"):
         GradMAPConfig(pruning_ratio=0.25, heal_tokens="many")

@@ -61,18 +61,19 @@ adapters live in memory, on the device each map computes on, and the merge write
 other choices would train offloaded weights, which accumulate no gradient: they are refused. The teacher's pass and
 the held-out KL are forward passes, which Accelerate's hooks already run one module at a time.
 
-**Modules.** [`~optimum_gradmap.heal.checks`]: the refusals made before any work; [`~optimum_gradmap.heal.text`]: the
-corpus windows and the dense model's own text; [`~optimum_gradmap.heal.budget`]: `heal_tokens="auto"`;
-[`~optimum_gradmap.heal.trainable`]: what is trained, its merge and rollback; [`~optimum_gradmap.heal.loss`]: what the
-loss compares; [`~optimum_gradmap.heal.loop`]: the training loop; [`~optimum_gradmap.heal.state`]: the resumable
-checkpoint; [`~optimum_gradmap.heal.stage`]: the stage's entry; [`~optimum_gradmap.heal.result`]: what it did;
-The pipeline's heal step ([`optimum_gradmap.pipeline.heal`]) runs it on a pruned result.
+**Modules.** [`~optimum_gradmap.heal.settings`]: what the heal is given (its settings, the pruned model's layers);
+[`~optimum_gradmap.heal.checks`]: the refusals made before any work; [`~optimum_gradmap.heal.text`]: the corpus
+windows and the dense model's own text ([`~optimum_gradmap.heal.generation`]); [`~optimum_gradmap.heal.budget`]:
+`heal_tokens="auto"`; [`~optimum_gradmap.heal.trainable`]: what is trained, its merge and rollback;
+[`~optimum_gradmap.heal.loss`]: what the loss compares; [`~optimum_gradmap.heal.loop`]: the training loop;
+[`~optimum_gradmap.heal.state`]: the resumable checkpoint; [`~optimum_gradmap.heal.stage`]: the stage's entry;
+[`~optimum_gradmap.heal.result`]: what it did. The pipeline's heal step ([`optimum_gradmap.pipeline.heal`]) runs it on
+a pruned result.
 """
 
 from ..distributed import GRADIENT_BUCKET_BYTES
 from .budget import AUTO_TIME_SHARE, HealCosts, choose_heal_tokens, measure_heal_costs
 from .checks import (
-    HEAL_SETTINGS,
     check_generation_prompts,
     check_heal_arguments,
     check_heal_checkpoint,
@@ -81,11 +82,19 @@ from .checks import (
     check_heal_settings,
 )
 from .loop import FINAL_LR_FRACTION, MAX_GRAD_NORM, REFIT_AFTER_STEPS, WARMUP_FRACTION, heal
-from .loss import HEAL_LOSS_CHOICES
 from .result import HealResult
-from .stage import heal_as_configured, heal_stage, prepare_heal_text
+from .settings import (
+    DEFAULT_LEARNING_RATES,
+    HEAL_LOSS_CHOICES,
+    HEAL_SETTINGS,
+    HEAL_TRAINABLE_CHOICES,
+    HealSettings,
+    PlannedPruning,
+    PrunedLayout,
+)
+from .stage import heal_stage, prepare_heal_text
 from .text import HealText, generation_seconds_per_sequence, heal_sequences
-from .trainable import DEFAULT_LEARNING_RATES, HEAL_TRAINABLE_CHOICES, LORA_ADAPTER, changed_parameters, heal_backup
+from .trainable import LORA_ADAPTER, changed_parameters, heal_backup
 
 __all__ = [
     "AUTO_TIME_SHARE",
@@ -101,7 +110,10 @@ __all__ = [
     "WARMUP_FRACTION",
     "HealCosts",
     "HealResult",
+    "HealSettings",
     "HealText",
+    "PlannedPruning",
+    "PrunedLayout",
     "check_generation_prompts",
     "check_heal_arguments",
     "check_heal_checkpoint",
@@ -112,7 +124,6 @@ __all__ = [
     "choose_heal_tokens",
     "generation_seconds_per_sequence",
     "heal",
-    "heal_as_configured",
     "heal_backup",
     "heal_sequences",
     "heal_stage",

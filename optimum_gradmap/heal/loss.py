@@ -39,17 +39,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import get_args
 
 import torch
 from torch import nn
 
 from ..adapters import DecoderAdapter
-from ..configuration import HealLoss
 from ..distillation import head_inputs, layer_outputs, the_head_input, the_layer_outputs
 from ..objectives import TeacherTargets, top_k_kl
-
-HEAL_LOSS_CHOICES: tuple[str, ...] = get_args(HealLoss)
+from .settings import PrunedLayout
 
 
 def uses_kl(loss: str) -> bool:
@@ -199,29 +196,23 @@ def distillation_loss(
     return heal_loss(loss, logits, head_input, targets, gram, states)
 
 
-def _seam_layers(model: nn.Module, adapter: DecoderAdapter, loss: str, kept: Sequence[int]) -> list[nn.Module]:
-    """The pruned model's seam layers ([`_seams`]) where `loss` matches their outputs, none otherwise."""
+def seam_layers(model: nn.Module, adapter: DecoderAdapter, loss: str, layout: PrunedLayout) -> list[nn.Module]:
+    """The pruned model's seam layers ([`PrunedLayout.seams`]) where `loss` matches their outputs, none otherwise."""
     if not uses_layer_states(loss):
         return []
-    return adapter.layers_at(model, _seams(kept))
+    return adapter.layers_at(model, layout.seams())
 
 
-def _seam_indices(loss: str, kept: Sequence[int] | None) -> list[int]:
-    """The original indices of the seam layers ([`_seams`]), whose outputs the dense model keeps where `loss` matches
-    them; none otherwise, or without `kept`."""
-    if not uses_layer_states(loss) or kept is None:
+def seam_indices(loss: str, layout: PrunedLayout | None) -> list[int]:
+    """The original indices of the seam layers ([`PrunedLayout.seams`]), whose outputs the dense model keeps where
+    `loss` matches them; none otherwise, or without a layout."""
+    if not uses_layer_states(loss) or layout is None:
         return []
-    return [kept[position] for position in _seams(kept)]
+    return [layout.kept[position] for position in layout.seams()]
 
 
-def _seams(kept: Sequence[int]) -> list[int]:
-    """The positions, among the kept layers, of those directly after a run of removed ones (whose outputs
-    `heal_loss="kl_hidden_mse"` matches to the dense model's outputs of the same original layers)."""
-    kept_set = set(kept)
-    return [position for position, index in enumerate(kept) if index > 0 and index - 1 not in kept_set]
-
-
-def _no_seam_refusal(kept: Sequence[int]) -> str:
+def no_seam_refusal(kept: Sequence[int]) -> str:
+    """The refusal of `heal_loss="kl_hidden_mse"` where the kept layers leave no seam."""
     return (
         f"heal_loss='kl_hidden_mse' matches the hidden states after each kept layer that directly follows a removed "
         f"run, and the kept layers {list(kept)} leave none (only the last layers are removed): heal with "
@@ -229,7 +220,8 @@ def _no_seam_refusal(kept: Sequence[int]) -> str:
     )
 
 
-def _streamed_loss_refusal(loss: str) -> str:
+def streamed_loss_refusal(loss: str) -> str:
+    """The refusal of a loss that reads hidden states where the heal runs layer-streamed."""
     return (
         f"heal_loss={loss!r} compares the two models' hidden states, which the layer-streamed heal (offloaded weights, or "
         "execution='layer_streamed') does not keep: heal with heal_loss='kl', or load the model on devices that hold it "

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from optimum_gradmap import GradMAPConfig, distributed  # noqa: E402
-from optimum_gradmap.heal import generation, heal_stage  # noqa: E402
+from optimum_gradmap.heal import HealSettings, PrunedLayout, generation, heal_stage  # noqa: E402
 from optimum_gradmap.surgery import remove_layers  # noqa: E402
 from tests.conftest import random_ids, tiny_model  # noqa: E402
 
@@ -53,9 +53,15 @@ def auto_tokens(folder: str) -> None:
     )  # fmt: skip
     stage1_seconds = 2.0 if distributed.rank() == 0 else 20.0
     result = heal_stage(
-        student, lambda: contextlib.nullcontext(teacher), config, None, [0, 1], 4, [], data=random_ids(20_000, 8, seed=1),
-        stage1_seconds=stage1_seconds, progress_bar=False,
-    )  # fmt: skip
+        student,
+        lambda: contextlib.nullcontext(teacher),
+        HealSettings.from_config(config),
+        None,
+        PrunedLayout((0, 1), 4),
+        data=random_ids(20_000, 8, seed=1),
+        stage1_seconds=stage1_seconds,
+        progress_bar=False,
+    )
     found = {"budget_tokens": result.budget_tokens, "steps": result.steps, "kl_curve": result.kl_curve}
     write(folder, found)
 
