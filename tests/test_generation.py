@@ -22,7 +22,7 @@ from optimum_gradmap.heal.generation import (
 from .conftest import VOCAB_SIZE, random_ids, small_config, tiny_model
 from .test_heal import HEAL, peaked_model
 
-SETTINGS = GenerationSettings(seq_len=12, temperature=1.0, seed=3, prompt_tokens=4, bos_every=4, batch_size=4)
+SETTINGS = GenerationSettings(seq_len=12, temperature=1.0, seed=3, prompt_tokens=4, bos_every=4, batch_size=4, start_token=1)
 
 
 def documents(count: int = 5) -> list[torch.LongTensor]:
@@ -38,7 +38,7 @@ def counting(model: torch.nn.Module) -> list[int]:
 
 def generate(model, num_sequences, settings=SETTINGS, cache=None, docs=None):
     teacher = lambda: contextlib.nullcontext(model)  # noqa: E731
-    return generate_sequences(teacher, docs or documents(), 1, num_sequences, settings, cache, progress_bar=False)
+    return generate_sequences(teacher, docs or documents(), num_sequences, settings, cache, progress_bar=False)
 
 
 def test_generation_is_deterministic_under_a_seed_and_starts_from_the_prompts(tmp_path):
@@ -59,7 +59,7 @@ def test_generation_is_deterministic_under_a_seed_and_starts_from_the_prompts(tm
 
 def test_the_kv_cache_samples_what_full_forward_passes_would():
     model = tiny_model("llama", num_layers=2)
-    prompts = [sequence_prompt(index, [d[:4] for d in documents()], 1, SETTINGS) for index in range(4)]
+    prompts = [sequence_prompt(index, [d[:4] for d in documents()], SETTINGS) for index in range(4)]
     sampled, _ = sample_batch(model, prompts, 12, 0.7, torch.Generator().manual_seed(0))
     generator = torch.Generator().manual_seed(0)
     expected = torch.zeros(4, 12, dtype=torch.long)
@@ -125,7 +125,8 @@ def test_bad_generation_settings_are_refused_before_the_model_runs(tmp_path):
             generate(model, 4, settings, cache=tmp_path / "x.pt")
     with pytest.raises(InvalidInputError, match="prompts"):
         teacher = lambda: contextlib.nullcontext(model)  # noqa: E731
-        generate_sequences(teacher, [torch.tensor([1, 2])], None, 4, SETTINGS, tmp_path / "y.pt", progress_bar=False)
+        unprompted = dataclasses.replace(SETTINGS, start_token=None)
+        generate_sequences(teacher, [torch.tensor([1, 2])], 4, unprompted, tmp_path / "y.pt", progress_bar=False)
     assert calls == []
     with pytest.raises(InvalidInputError, match="heal_temperature"):
         GradMAPConfig(pruning_ratio=0.25, heal_temperature=-1.0)
@@ -453,4 +454,4 @@ def test_prompts_longer_than_the_heal_sequences_are_refused_before_any_work(
 
     short = dataclasses.replace(SETTINGS, seq_len=3)  # 4-token prompts
     with pytest.raises(InvalidInputError, match="more than the 3"):
-        generate_sequences(teacher, documents(), 1, 4, short, tmp_path / "cache.pt", progress_bar=False)
+        generate_sequences(teacher, documents(), 4, short, tmp_path / "cache.pt", progress_bar=False)

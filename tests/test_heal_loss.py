@@ -95,9 +95,9 @@ def test_the_head_inputs_kept_are_the_teacher_s_and_follow_rows_and_concatenatio
 
 def test_the_generated_text_keeps_the_head_inputs_a_teacher_pass_would():
     teacher = peaked_model(num_layers=2)
-    settings = GenerationSettings(seq_len=10, seed=3, prompt_tokens=3, bos_every=4, batch_size=4, keep_hidden=True)
+    settings = GenerationSettings(seq_len=10, seed=3, prompt_tokens=3, bos_every=4, batch_size=4, keep_hidden=True, start_token=1)
     documents = [random_ids(1, 8 + index, seed=index)[0] for index in range(4)]
-    generated = generate_sequences(lambda: contextlib.nullcontext(teacher), documents, 1, 6, settings, progress_bar=False)
+    generated = generate_sequences(lambda: contextlib.nullcontext(teacher), documents, 6, settings, progress_bar=False)
     again = teacher_targets(teacher, generated.input_ids, 4, progress_bar=False, keep_hidden=True)
     assert generated.targets.hidden.shape == again.hidden.shape == (6, 9, teacher.config.hidden_size)
     torch.testing.assert_close(generated.targets.hidden.float(), again.hidden.float(), rtol=0.02, atol=0.02)
@@ -308,12 +308,12 @@ def test_the_seams_loss_is_refused_where_it_has_no_seam_or_no_weights_in_memory_
 def test_the_generated_text_keeps_the_seams_outputs_a_teacher_pass_would_and_its_cache_is_told_apart(tmp_path):
     teacher = peaked_model(num_layers=4)
     documents = [random_ids(1, 8 + index, seed=index)[0] for index in range(4)]
-    plain = GenerationSettings(seq_len=10, seed=3, prompt_tokens=3, bos_every=4, batch_size=4)
+    plain = GenerationSettings(seq_len=10, seed=3, prompt_tokens=3, bos_every=4, batch_size=4, start_token=1)
     settings = dataclasses.replace(plain, keep_layers=(1, 3))
     cache = tmp_path / "text.pt"
 
     def generated(settings):
-        return generate_sequences(lambda: contextlib.nullcontext(teacher), documents, 1, 8, settings, cache, progress_bar=False)
+        return generate_sequences(lambda: contextlib.nullcontext(teacher), documents, 8, settings, cache, progress_bar=False)
 
     without = generated(plain)
     assert without.targets.layer_states is None

@@ -63,16 +63,17 @@ the held-out KL are forward passes, which Accelerate's hooks already run one mod
 
 **Modules.** [`~optimum_gradmap.heal.settings`]: what the heal is given (its settings, the pruned model's layers);
 [`~optimum_gradmap.heal.checks`]: the refusals made before any work; [`~optimum_gradmap.heal.text`]: the corpus
-windows and the dense model's own text ([`~optimum_gradmap.heal.generation`]); [`~optimum_gradmap.heal.budget`]:
-`heal_tokens="auto"`; [`~optimum_gradmap.heal.trainable`]: what is trained, its merge and rollback;
-[`~optimum_gradmap.heal.loss`]: what the loss compares; [`~optimum_gradmap.heal.loop`]: the training loop;
-[`~optimum_gradmap.heal.state`]: the resumable checkpoint; [`~optimum_gradmap.heal.stage`]: the stage's entry;
-[`~optimum_gradmap.heal.result`]: what it did. The pipeline's heal step ([`optimum_gradmap.pipeline.heal`]) runs it on
-a pruned result.
+windows and the dense model's own text ([`~optimum_gradmap.heal.generation`]); [`~optimum_gradmap.heal.cost`]: the
+counts, memory and measured seconds of a heal, which the plan and `heal_tokens="auto"` share;
+[`~optimum_gradmap.heal.budget`]: `heal_tokens="auto"`; [`~optimum_gradmap.heal.trainable`]: what is trained, its
+merge and rollback; [`~optimum_gradmap.heal.loss`]: what the loss compares; [`~optimum_gradmap.heal.loop`]: the
+training loop; [`~optimum_gradmap.heal.state`]: the resumable checkpoint; [`~optimum_gradmap.heal.stage`]: the
+stage's entry; [`~optimum_gradmap.heal.result`]: what it did. The pipeline's heal step
+([`optimum_gradmap.pipeline.heal`]) runs it on a pruned result.
 """
 
 from ..distributed import GRADIENT_BUCKET_BYTES
-from .budget import AUTO_TIME_SHARE, HealCosts, choose_heal_tokens, measure_heal_costs
+from .budget import choose_heal_tokens, measure_heal_costs
 from .checks import (
     check_generation_prompts,
     check_heal_arguments,
@@ -81,6 +82,7 @@ from .checks import (
     check_heal_dataset_name,
     check_heal_settings,
 )
+from .cost import AUTO_TIME_SHARE, HealCosts, HealCounts
 from .loop import FINAL_LR_FRACTION, MAX_GRAD_NORM, REFIT_AFTER_STEPS, WARMUP_FRACTION, heal
 from .result import HealResult
 from .settings import (
@@ -109,6 +111,7 @@ __all__ = [
     "REFIT_AFTER_STEPS",
     "WARMUP_FRACTION",
     "HealCosts",
+    "HealCounts",
     "HealResult",
     "HealSettings",
     "HealText",

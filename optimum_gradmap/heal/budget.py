@@ -1,15 +1,14 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
 """`heal_tokens="auto"`: the heal's time is a share `AUTO_TIME_SHARE` of Stage 1's, and the number of tokens is the
-one whose heal fits in it, from the costs of the heal's parts measured on the pruned model ([`choose_heal_tokens`])."""
+one whose heal fits in it ([`choose_heal_tokens`]), from the costs of the heal's parts measured on the pruned model
+([`measure_heal_costs`]) and the cost model of [`~optimum_gradmap.heal.cost`]."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -19,54 +18,11 @@ from ..adapters import get_adapter
 from ..distillation import teacher_targets
 from ..passes import calibration_mode, input_device
 from ..precision import uses_bfloat16_autocast
-from .generation import corpus_part, is_generated
+from .cost import HealCosts, num_batches
 from .loop import MAX_GRAD_NORM
 from .loss import centred_logit_gram, distillation_loss, seam_layers, uses_head_inputs
 from .settings import HealSettings, PrunedLayout
 from .trainable import Trainable, choose_trainable
-
-# `heal_tokens="auto"`: the heal's time (the dense model's text included) as a share of Stage 1's measured time.
-AUTO_TIME_SHARE = 1.0
-
-
-@dataclass
-class HealCosts:
-    """The seconds of the heal's parts, measured on the pruned model before an `auto` budget is chosen
-    ([`choose_heal_tokens`]).
-
-    Attributes:
-        forward_seconds (`float`): The pruned model's forward pass over one batch.
-        step_seconds (`float`): One training step over one batch (forward and backward).
-        teacher_seconds (`float`): The dense model's forward pass over one batch: `forward_seconds` times its number
-            of layers over the pruned model's.
-        check_seconds (`float`): One held-out check.
-        generation_seconds (`float`): One sequence of the dense model's own text (0 for corpus text).
-    """
-
-    forward_seconds: float
-    step_seconds: float
-    teacher_seconds: float
-    check_seconds: float
-    generation_seconds: float = 0.0
-
-    def sequences_within(self, seconds: float, settings: HealSettings, generated_share: float) -> int:
-        """The training sequences whose heal fits in `seconds`: per sequence its share of a step, of the held-out
-        checks, and of the teacher's pass (corpus text) or its generation (the dense model's own text, a
-        `generated_share` of them, whose targets come with it); once, the held-out sequences' and the first check.
-        Whole batches, at least one."""
-        batch = settings.heal_batch_size
-        corpus_share = 1.0 - generated_share  # the dense model's own text comes with its targets: no teacher pass
-        fixed = (
-            self.check_seconds
-            + self.teacher_seconds * corpus_share * -(-settings.heal_validation_sequences // batch)
-            + self.generation_seconds * math.ceil(generated_share * settings.heal_validation_sequences)
-        )
-        per_sequence = (
-            (self.step_seconds + self.teacher_seconds * corpus_share) / batch
-            + self.check_seconds / (batch * settings.heal_check_every)
-            + self.generation_seconds * generated_share
-        )
-        return max(1, math.floor((seconds - fixed) / per_sequence) // batch) * batch
 
 
 def measure_heal_costs(model: PreTrainedModel, settings: HealSettings, layout: PrunedLayout) -> HealCosts:
@@ -135,7 +91,7 @@ def measure_heal_costs(model: PreTrainedModel, settings: HealSettings, layout: P
         forward_seconds=forward_seconds,
         step_seconds=step_seconds,
         teacher_seconds=teacher_forward * layout.num_layers / max(1, len(layout.kept)),
-        check_seconds=forward_seconds * -(-settings.heal_validation_sequences // settings.heal_batch_size),
+        check_seconds=forward_seconds * num_batches(settings.heal_validation_sequences, settings.heal_batch_size),
     )
 
 
@@ -166,8 +122,7 @@ def choose_heal_tokens(
         started = time.perf_counter()
         costs = measure_heal_costs(model, settings, layout)
         costs.generation_seconds = generation_seconds_per_sequence
-        share = (1.0 if corpus_part(settings.heal_dataset) is None else 0.5) if is_generated(settings.heal_dataset) else 0.0
         remaining = budget_seconds - (time.perf_counter() - started)
-        return costs.sequences_within(remaining, settings, share) * settings.heal_seq_len, costs
+        return costs.sequences_within(remaining, settings) * settings.heal_seq_len, costs
 
     return distributed.on_main_process(choose)

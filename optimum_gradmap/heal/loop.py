@@ -30,6 +30,7 @@ from ..streaming import DecoderGradient
 from ..vocabulary import vocabulary_head
 from ..weights import weights_digest
 from .checks import check_heal_arguments, check_heal_checkpoint
+from .cost import num_batches
 from .loss import (
     centred_logit_gram,
     distillation_loss,
@@ -137,7 +138,7 @@ def _new_result(
         train_sha256=calibration_sha256(train_ids),
         validation_sha256=calibration_sha256(validation_ids),
         budget_tokens=num_train * train_ids.shape[1],
-        num_steps=-(-num_train // settings.heal_batch_size),
+        num_steps=num_batches(num_train, settings.heal_batch_size),
         learning_rate=settings.learning_rate,
         batch_size=settings.heal_batch_size,
         seq_len=train_ids.shape[1],

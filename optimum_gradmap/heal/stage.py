@@ -20,8 +20,9 @@ from transformers.utils import logging
 from .. import distributed, streaming
 from ..data import CalibrationData
 from ..errors import InvalidInputError
-from .budget import AUTO_TIME_SHARE, HealCosts, choose_heal_tokens
+from .budget import choose_heal_tokens
 from .checks import check_generation_prompts, check_heal_dataset_name, check_heal_settings
+from .cost import AUTO_TIME_SHARE, HealCosts
 from .generation import is_generated
 from .loop import heal
 from .result import HealResult

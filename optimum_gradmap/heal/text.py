@@ -29,6 +29,7 @@ from ..distillation import teacher_targets
 from ..errors import InvalidInputError
 from ..objectives import TeacherTargets
 from ..precision import uses_bfloat16_autocast
+from .cost import HealCounts
 from .generation import (
     GENERATED,
     GENERATION_BATCH_SIZE,
@@ -150,12 +151,13 @@ def _generate(
         settings.seed + 2,
         keep_hidden=uses_head_inputs(settings.heal_loss),
         keep_layers=tuple(seam_indices(settings.heal_loss, layout)),
+        start_token=start_token_of(tokenizer),
+        autocast=settings.heal_autocast,
     )
-    start_token = start_token_of(tokenizer)
     if settings.heal_prompts == "chat":  # every sequence from the chat template's user turn
         prompt = chat_prompt(tokenizer)
-        drawing = dataclasses.replace(drawing, prompt_tokens=prompt.numel())
-        documents, start_token = [prompt], None
+        drawing = dataclasses.replace(drawing, prompt_tokens=prompt.numel(), start_token=None)
+        documents = [prompt]
     else:
         data = settings.dataset if prompt_data is None else prompt_data
         if is_text_data(data):
@@ -164,16 +166,7 @@ def _generate(
             documents = list(
                 prepare_calibration_data(data, tokenizer, 0, settings.seq_len, settings.seed, "", settings.text_column)
             )
-    return generate_sequences(
-        teacher,
-        documents,
-        start_token,
-        num_sequences,
-        drawing,
-        cache,
-        autocast=settings.heal_autocast,
-        progress_bar=progress_bar,
-    )
+    return generate_sequences(teacher, documents, num_sequences, drawing, cache, progress_bar)
 
 
 def generation_seconds_per_sequence(
@@ -233,14 +226,13 @@ def heal_sequences(
     Raises:
         InvalidInputError: for too little text, or the dense model's own text without a teacher or a tokenizer.
     """
-    num_train = -(-settings.heal_tokens // settings.heal_seq_len)
-    num_validation = settings.heal_validation_sequences
+    counts = HealCounts.of(settings)
     if data is not None or not is_generated(settings.heal_dataset):
         train_ids, validation_ids = prepare_heal_data(
             settings.heal_dataset if data is None else data,
             tokenizer,
-            num_train,
-            num_validation,
+            counts.train_sequences,
+            counts.validation_sequences,
             settings.heal_seq_len,
             settings.seed + 2,
             settings.text_column,
@@ -252,17 +244,9 @@ def heal_sequences(
             f"heal_dataset={settings.heal_dataset!r}: the dense model writes the heal text, and it needs the dense model "
             "and its tokenizer here."
         )
-    corpus = corpus_part(settings.heal_dataset)
-    generated_train = num_train if corpus is None else -(-num_train // 2)
-    generated_validation = num_validation if corpus is None else -(-num_validation // 2)
-    text = _generated_text(
-        teacher, tokenizer, settings, generated_train, generated_validation, cache, progress_bar, prompt_data, layout
-    )
-    if corpus is not None:
-        text = _with_corpus_part(
-            text, corpus, teacher, tokenizer, settings, num_train - generated_train, num_validation - generated_validation,
-            progress_bar, layout,
-        )  # fmt: skip
+    text = _generated_text(teacher, tokenizer, settings, counts, cache, progress_bar, prompt_data, layout)
+    if corpus_part(settings.heal_dataset) is not None:
+        text = _with_corpus_part(text, teacher, tokenizer, settings, counts, progress_bar, layout)
     return text
 
 
@@ -270,15 +254,15 @@ def _generated_text(
     teacher: Callable[[], AbstractContextManager[nn.Module]],
     tokenizer: PreTrainedTokenizerBase,
     settings: HealSettings,
-    num_train: int,
-    num_validation: int,
+    counts: HealCounts,
     cache: str | os.PathLike | None,
     progress_bar: bool,
-    prompt_data: CalibrationData,
-    layout: PrunedLayout | None,
+    prompt_data: CalibrationData = None,
+    layout: PrunedLayout | None = None,
 ) -> HealText:
-    """`num_train` training and `num_validation` held-out sequences of the dense model's own text (the held-out ones
-    first: their targets keep only what the held-out KL reads), with the targets kept while it wrote them."""
+    """The training and held-out sequences of the dense model's own text that `counts` say (the held-out ones first:
+    their targets keep only what the held-out KL reads), with the targets kept while it wrote them."""
+    num_train, num_validation = counts.generated_train, counts.generated_validation
     generated = _generate(teacher, tokenizer, settings, num_validation + num_train, cache, progress_bar, prompt_data, layout)
     train_ids, validation_ids = generated.input_ids[num_validation:], generated.input_ids[:num_validation]
     train_targets = generated.targets.rows(slice(num_validation, None))
@@ -293,18 +277,19 @@ def _generated_text(
 
 def _with_corpus_part(
     text: HealText,
-    corpus: str,
     teacher: Callable[[], AbstractContextManager[nn.Module]],
     tokenizer: PreTrainedTokenizerBase,
     settings: HealSettings,
-    num_train: int,
-    num_validation: int,
+    counts: HealCounts,
     progress_bar: bool,
-    layout: PrunedLayout | None,
+    layout: PrunedLayout | None = None,
 ) -> HealText:
-    """`text` (the dense model's own) joined by `num_train` training and `num_validation` held-out windows of `corpus`
-    with the teacher's targets on them (keeping what the generated text's keep), the training sequences shuffled
-    together with seed `seed + 2`."""
+    """`text` (the dense model's own) joined by the training and held-out windows of the corpus names in
+    `heal_dataset` that `counts` leave to them, with the teacher's targets on them (keeping what the generated text's
+    keep), the training sequences shuffled together with seed `seed + 2`."""
+    corpus = corpus_part(settings.heal_dataset)
+    num_train = counts.train_sequences - counts.generated_train
+    num_validation = counts.validation_sequences - counts.generated_validation
     corpus_train, corpus_validation = prepare_heal_data(
         corpus, tokenizer, num_train, num_validation, settings.heal_seq_len, settings.seed + 2, settings.text_column
     )

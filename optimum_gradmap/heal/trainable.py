@@ -52,9 +52,7 @@ class TrainableChoice:
     parameters: list[nn.Parameter]
 
 
-def choose_trainable(
-    model: PreTrainedModel, adapter: DecoderAdapter, trainable: str, layout: PrunedLayout
-) -> TrainableChoice:
+def choose_trainable(model: PreTrainedModel, adapter: DecoderAdapter, trainable: str, layout: PrunedLayout) -> TrainableChoice:
     """What to train (`heal_trainable`) in `model`, whose layers `layout` describes, refused (before anything runs)
     where the model has nothing of that kind.
 

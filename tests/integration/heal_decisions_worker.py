@@ -74,11 +74,10 @@ def generated_text(folder: str, output: str) -> None:
     try:
         model = tiny_model("llama", num_layers=2)
         documents = [random_ids(1, 10 + index, seed=index)[0] for index in range(5)]
-        settings = generation.GenerationSettings(seq_len=12, prompt_tokens=4, bos_every=4, batch_size=4, seed=3)
-        text = generation.generate_sequences(
-            lambda: contextlib.nullcontext(model), documents, 1, 8, settings, os.path.join(output, "text-cache.pt"),
-            progress_bar=False,
-        )  # fmt: skip
+        settings = generation.GenerationSettings(seq_len=12, prompt_tokens=4, bos_every=4, batch_size=4, seed=3, start_token=1)
+        cache = os.path.join(output, "text-cache.pt")
+        teacher = lambda: contextlib.nullcontext(model)  # noqa: E731
+        text = generation.generate_sequences(teacher, documents, 8, settings, cache, progress_bar=False)
     finally:
         generation.sample_batch, generation._write_cache = sample_batch, write_cache
     digest = hashlib.sha256(text.input_ids.numpy().tobytes() + text.targets.log_probs.numpy().tobytes()).hexdigest()
