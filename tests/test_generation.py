@@ -11,13 +11,7 @@ from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.data import calibration_sha256
 from optimum_gradmap.errors import InvalidInputError
 from optimum_gradmap.heal import HealSettings, PrunedLayout, heal_sequences
-from optimum_gradmap.heal.generation import (
-    GenerationSettings,
-    draw_tokens,
-    generate_sequences,
-    sample_batch,
-    sequence_prompt,
-)
+from optimum_gradmap.heal.generation import GenerationSettings, draw_tokens, generate_sequences, sample_batch, sequence_prompt
 
 from .conftest import VOCAB_SIZE, random_ids, small_config, tiny_model
 from .test_heal import HEAL, peaked_model

@@ -333,8 +333,10 @@ def test_a_heal_on_the_dense_model_s_own_text_keeps_the_seams_outputs_as_it_writ
     from .test_generation import _text_file
 
     passes = []
-    teacher_pass = heal_loop._teacher_pass
-    monkeypatch.setattr(heal_loop, "_teacher_pass", lambda *args, **kwargs: passes.append(1) or teacher_pass(*args, **kwargs))
+    teacher_pass = heal_loop._Training._teacher_pass
+    monkeypatch.setattr(
+        heal_loop._Training, "_teacher_pass", lambda *args, **kwargs: passes.append(1) or teacher_pass(*args, **kwargs)
+    )
     model = peaked_model()
     config = small_config(
         num_samples=16, dataset=_text_file(tmp_path, byte_tokenizer), heal_dataset="generated", heal_tokens=16 * 16,

@@ -80,14 +80,7 @@ def run(args: argparse.Namespace) -> int:
     """`optimum-gradmap heal`: heals a pruned checkpoint and saves it with its report."""
     from .. import distributed
     from ..checkpoint import save_checkpoint
-    from ..heal import (
-        HealSettings,
-        PrunedLayout,
-        changed_parameters,
-        check_generation_prompts,
-        check_heal_settings,
-        heal_stage,
-    )
+    from ..heal import HealSettings, PrunedLayout, changed_parameters, check_generation_prompts, check_heal_settings, heal_stage
     from ..heal.quantized import dequantized_loading, stored_quantization, stored_weights_writer
 
     progress = set_verbosity(args)

@@ -89,15 +89,14 @@ def check_heal_settings(model: nn.Module, settings: HealSettings, pruning: Prune
 
 
 def _check_planned_layers(model: nn.Module, settings: HealSettings, pruning: PlannedPruning) -> None:
-    """Before pruning: what the dense model and the layers given to remove already show there will be nothing to
-    train, or no seam for `kl_hidden_mse`."""
+    """Before pruning: nothing to train, or no seam, where the dense model and the layers given show it already."""
     adapter = get_adapter(model)
     num_layers = adapter.num_layers(model)
     if settings.heal_trainable in ("lora", "norms", "all"):  # the kept layers are of the dense model's kinds
         choose_trainable(model, adapter, settings.heal_trainable, PrunedLayout.unpruned(num_layers))
-    layout = pruning.layout(num_layers)
-    if layout is None:
+    if pruning.layers_to_prune is None:
         return
+    layout = PrunedLayout.without(pruning.layers_to_prune, num_layers)
     if settings.heal_trainable == "before_removed" and not layout.before_removed_runs():
         raise InvalidInputError(
             f"heal_trainable='before_removed' trains the kept layer before each removed run, and "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from .. import distributed, streaming
-from ..adapters import DecoderAdapter, get_adapter
+from ..adapters import get_adapter
 from ..data import calibration_sha256
 from ..distillation import teacher_targets
 from ..errors import InvalidInputError
@@ -216,18 +216,29 @@ class _Training:
             self.targets, self.validation_targets = targets[0].rows(self.my_rows), targets[1].rows(validation_rows)
             self.validation_targets.hidden = self.validation_targets.layer_states = None  # the held-out check is the KL
         else:
-            self.targets, self.validation_targets = _teacher_pass(
-                teacher,
-                self.train_ids[self.my_rows],
-                self.my_validation,
-                self.batch_size,
-                progress_bar,
-                result.autocast,
-                keep_hidden,
-                seam_indices(loss, layout),
-                self.adapter,
-            )
+            self.targets, self.validation_targets = self._teacher_pass(teacher, keep_hidden, layout, progress_bar)
         self.gram = centred_logit_gram(model.get_output_embeddings().weight) if keep_hidden else None
+
+    def _teacher_pass(
+        self,
+        teacher: Callable[[], AbstractContextManager[nn.Module]],
+        keep_hidden: bool,
+        layout: PrunedLayout,
+        progress_bar: bool,
+    ) -> tuple[TeacherTargets, TeacherTargets]:
+        """The teacher's targets on this process's training and held-out rows (with, on the training ones, its head
+        inputs where `keep_hidden`, and its seam layers' outputs where the loss reads them). The teacher is bound here
+        only, so that no reference to it outlives its block: a teacher loaded for the pass is freed before training
+        starts."""
+        batch_size, autocast = self.batch_size, self.result.autocast
+        with teacher() as dense_model:
+            layers = self.adapter.layers_at(dense_model, seam_indices(self.loss, layout))
+            train_ids = self.train_ids[self.my_rows]
+            train_targets = teacher_targets(dense_model, train_ids, batch_size, progress_bar, autocast, keep_hidden, layers)
+            del layers
+            validation_targets = teacher_targets(dense_model, self.my_validation, batch_size, progress_bar, autocast)
+            del dense_model  # before the context's cleanup runs: a teacher it loaded is freed there, not at a later collection
+        return train_targets, validation_targets
 
     def train(self, choice: TrainableChoice, resumed: dict[str, Any] | None, progress_bar: bool) -> None:
         """Trains what `choice` names and leaves the best state as plain weights; any error once it is set up (the
@@ -479,30 +490,6 @@ def _past(deadline: float, seconds_needed: float) -> bool:
     """Whether work of `seconds_needed` started now would end after `deadline` (the main process's clock decides, so
     that every process stops after the same step)."""
     return distributed.on_main_process(lambda: time.perf_counter() + seconds_needed > deadline)
-
-
-def _teacher_pass(
-    teacher: Callable[[], AbstractContextManager[nn.Module]],
-    train_ids: torch.LongTensor,
-    validation_ids: torch.LongTensor,
-    batch_size: int,
-    progress_bar: bool,
-    autocast: bool,
-    keep_hidden: bool = False,
-    layer_indices: Sequence[int] = (),
-    adapter: DecoderAdapter | None = None,
-) -> tuple[TeacherTargets, TeacherTargets]:
-    """The teacher's targets on the training and the held-out sequences (with, on the training ones, its head inputs
-    where `keep_hidden`, and the outputs of its layers `layer_indices`, found by `adapter`). The teacher is bound here
-    only, so that no reference to it outlives its block: a teacher loaded for the pass is freed before training
-    starts."""
-    with teacher() as dense_model:
-        layers = adapter.layers_at(dense_model, layer_indices)
-        train_targets = teacher_targets(dense_model, train_ids, batch_size, progress_bar, autocast, keep_hidden, layers)
-        del layers
-        validation_targets = teacher_targets(dense_model, validation_ids, batch_size, progress_bar, autocast)
-        del dense_model  # before the context's cleanup runs: a teacher it loaded is freed there, not at a later collection
-    return train_targets, validation_targets
 
 
 def _held_out_kl(

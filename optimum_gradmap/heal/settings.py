@@ -82,6 +82,12 @@ class PrunedLayout:
         """Every layer of a model of `num_layers` kept, none compensated."""
         return cls(tuple(range(num_layers)), num_layers)
 
+    @classmethod
+    def without(cls, removed: Sequence[int], num_layers: int) -> PrunedLayout:
+        """The layers a model of `num_layers` keeps once `removed` are removed, none compensated."""
+        removed = set(removed)
+        return cls(tuple(index for index in range(num_layers) if index not in removed), num_layers)
+
     def before_removed_runs(self) -> list[int]:
         """The kept layers directly before a run of removed ones (what `heal_trainable="before_removed"` trains)."""
         kept = set(self.kept)
@@ -106,11 +112,3 @@ class PlannedPruning:
 
     compensation: bool
     layers_to_prune: Sequence[int] | None = None
-
-    def layout(self, num_layers: int) -> PrunedLayout | None:
-        """The layers `layers_to_prune` leaves of a model of `num_layers` (no compensated layer known yet), or `None`
-        where Stage 1 chooses them."""
-        if self.layers_to_prune is None:
-            return None
-        removed = set(self.layers_to_prune)
-        return PrunedLayout(tuple(index for index in range(num_layers) if index not in removed), num_layers)

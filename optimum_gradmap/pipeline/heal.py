@@ -167,14 +167,10 @@ def predicted_stage1_seconds(dense_model: Any, config: GradMAPConfig, num_remove
     `heal_tokens="auto"` is sized by where no Stage 1 ran (`layers_to_prune`, a cut replayed from an earlier run).
 
     Args:
-        dense_model (`PretrainedConfig` or `str`):
-            The dense model's config, or its Hub id or folder.
-        config ([`GradMAPConfig`]):
-            The run's settings; Stage 1's are planned with `num_layers_to_prune=num_removed`.
-        num_removed (`int`):
-            How many layers the run removed.
-        parameter (`torch.nn.Parameter`):
-            A parameter of the model: its dtype and device are the plan's.
+        dense_model (`PretrainedConfig` or `str`): The dense model's config, or its Hub id or folder.
+        config ([`GradMAPConfig`]): The run's settings; Stage 1's are planned with `num_layers_to_prune=num_removed`.
+        num_removed (`int`): How many layers the run removed.
+        parameter (`torch.nn.Parameter`): A parameter of the model: its dtype and device are the plan's.
 
     Returns:
         `float`: the predicted seconds (Stage 1's stage of a [`~optimum_gradmap.planning.Planner`], its throughput

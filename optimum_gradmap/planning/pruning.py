@@ -219,8 +219,7 @@ class Planner:
         one before each) and the most layers Stage 2 compensates: what `heal_trainable` may train."""
         num_layers, removed_layers = self.shape.num_layers, self.removed_layers
         if removed_layers is not None:
-            kept = [index for index in range(num_layers) if index not in set(removed_layers)]
-            return len(PrunedLayout(kept, num_layers).before_removed_runs()), self.compensated
+            return len(PrunedLayout.without(removed_layers, num_layers).before_removed_runs()), self.compensated
         most = int(self.removable.high)
         return min(most, num_layers - most), self.compensated
 
