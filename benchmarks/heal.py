@@ -68,7 +68,7 @@ from optimum_gradmap.evaluation import (
     flips,
     question_margin,
 )
-from optimum_gradmap.heal import HEAL_LOSS_CHOICES, heal_stage
+from optimum_gradmap.heal import HEAL_LOSS_CHOICES, HealSettings, PrunedLayout, heal_stage
 
 PROTOCOLS = {"standard": STANDARD_SUBSETS, "screening": SCREENING_SUBSETS}
 HEAL_TEXT = "offline:web_text+offline:wikipedia"
@@ -404,11 +404,9 @@ class HealRun:
             healed = heal_stage(
                 model,
                 lambda: contextlib.nullcontext(self.dense),
-                config,
+                HealSettings.from_config(config),
                 self.tokenizer,
-                start.kept_layers,
-                start.original_num_layers,
-                start.compensated_layers,
+                PrunedLayout(start.kept_layers, start.original_num_layers, start.compensated_layers),
                 stage1_seconds=stage1_seconds,
                 text_cache=os.path.join(scratch, "text.pt"),
                 prompt_data=CALIBRATION,

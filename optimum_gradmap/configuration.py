@@ -44,9 +44,9 @@ OutlierTokens = Literal["auto", "keep", "exclude", "clip", "preserve"]
 LambdaSearch = Literal["grid", "golden"]
 # What the heal stage trains (see `optimum_gradmap.heal`).
 HealTrainable = Literal["lora", "norms", "down_projections", "before_removed", "all"]
-# What the heal stage minimises (see `optimum_gradmap.distillation`).
+# What the heal stage minimises (see `optimum_gradmap.heal.loss`).
 HealLoss = Literal["kl", "logit_mse", "kl_logit_mse", "kl_hidden_mse"]
-# Where the dense model's own heal text starts (see `optimum_gradmap.generation`).
+# Where the dense model's own heal text starts (see `optimum_gradmap.heal.generation`).
 HealPrompts = Literal["documents", "chat"]
 # The llm-compressor schemes of the quantization step (see `optimum_gradmap.quantize`).
 QuantizationScheme = Literal["w8a8", "w4a16", "fp8"]
@@ -324,7 +324,7 @@ class GradMAPConfig(LayerAmount):
         "non-overlapping windows of `heal_seq_len` tokens: `heal_validation_sequences` of them held out, the others "
         "trained on. Web text by default, other text than the calibration set's Wikipedia. `generated`: the dense "
         "model's own text, sampled at `heal_temperature` from the first tokens of calibration documents (see "
-        "[`optimum_gradmap.generation`]); joined to corpus names by '+' (`generated+offline:web_text`), equal parts.",
+        "[`optimum_gradmap.heal.generation`]); joined to corpus names by '+' (`generated+offline:web_text`), equal parts.",
     )
     heal_prompts: HealPrompts = _setting(
         "documents",

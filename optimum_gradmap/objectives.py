@@ -250,9 +250,9 @@ class TeacherTargets:
         log_probs (`torch.Tensor` of shape `(N, T - 1, TOP_K)`): Their log-probabilities (float32).
         rest_log_prob (`torch.Tensor` of shape `(N, T - 1)`): The log of the probability of every other token.
         hidden (`torch.Tensor` of shape `(N, T - 1, hidden_size)`, *optional*): The input of its head (bfloat16), kept
-            for [`~optimum_gradmap.distillation.logit_mse`].
+            for [`~optimum_gradmap.heal.loss.logit_mse`].
         layer_states (`torch.Tensor` of shape `(N, T - 1, S, hidden_size)`, *optional*): The outputs of `S` of its
-            decoder layers (bfloat16), kept for [`~optimum_gradmap.distillation.hidden_state_mse`].
+            decoder layers (bfloat16), kept for [`~optimum_gradmap.heal.loss.hidden_state_mse`].
     """
 
     indices: torch.Tensor

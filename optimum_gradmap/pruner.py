@@ -19,7 +19,7 @@ from .compensation import STAGE2_SETTINGS, Stage2Settings
 from .configuration import GradMAPConfig
 from .data import CalibrationData
 from .errors import InvalidInputError
-from .heal import HEAL_SETTINGS
+from .heal import HEAL_SETTINGS, HealSettings
 from .hub import save_and_upload
 from .loading import load_model_and_tokenizer
 from .pipeline import (
@@ -339,7 +339,7 @@ class GradMAPPruner:
             run = Run(result.model, config, inputs, tokenizer or self.tokenizer, self._location, self.progress_bar)
             run.result = result
         run.heal_text = None
-        self._run_checked([Heal(config)], run)
+        self._run_checked([Heal(HealSettings.from_config(config))], run)
         return result
 
     def cut(self, result: PruningResult, num_layers_to_prune: int) -> PruningResult:

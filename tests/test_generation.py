@@ -1,4 +1,4 @@
-"""The dense model's own heal text (optimum_gradmap.generation, `heal_dataset="generated"`)."""
+"""The dense model's own heal text (optimum_gradmap.heal.generation, `heal_dataset="generated"`)."""
 
 import contextlib
 import copy
@@ -10,13 +10,13 @@ import torch
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.data import calibration_sha256
 from optimum_gradmap.errors import InvalidInputError
-from optimum_gradmap.generation import GenerationSettings, draw_tokens, generate_sequences, sample_batch, sequence_prompt
-from optimum_gradmap.heal import heal_sequences
+from optimum_gradmap.heal import HealSettings, PrunedLayout, heal_sequences
+from optimum_gradmap.heal.generation import GenerationSettings, draw_tokens, generate_sequences, sample_batch, sequence_prompt
 
 from .conftest import VOCAB_SIZE, random_ids, small_config, tiny_model
 from .test_heal import HEAL, peaked_model
 
-SETTINGS = GenerationSettings(seq_len=12, temperature=1.0, seed=3, prompt_tokens=4, bos_every=4, batch_size=4)
+SETTINGS = GenerationSettings(seq_len=12, temperature=1.0, seed=3, prompt_tokens=4, bos_every=4, batch_size=4, start_token=1)
 
 
 def documents(count: int = 5) -> list[torch.LongTensor]:
@@ -32,7 +32,7 @@ def counting(model: torch.nn.Module) -> list[int]:
 
 def generate(model, num_sequences, settings=SETTINGS, cache=None, docs=None):
     teacher = lambda: contextlib.nullcontext(model)  # noqa: E731
-    return generate_sequences(teacher, docs or documents(), 1, num_sequences, settings, cache, progress_bar=False)
+    return generate_sequences(teacher, docs or documents(), num_sequences, settings, cache, progress_bar=False)
 
 
 def test_generation_is_deterministic_under_a_seed_and_starts_from_the_prompts(tmp_path):
@@ -53,7 +53,7 @@ def test_generation_is_deterministic_under_a_seed_and_starts_from_the_prompts(tm
 
 def test_the_kv_cache_samples_what_full_forward_passes_would():
     model = tiny_model("llama", num_layers=2)
-    prompts = [sequence_prompt(index, [d[:4] for d in documents()], 1, SETTINGS) for index in range(4)]
+    prompts = [sequence_prompt(index, [d[:4] for d in documents()], SETTINGS) for index in range(4)]
     sampled, _ = sample_batch(model, prompts, 12, 0.7, torch.Generator().manual_seed(0))
     generator = torch.Generator().manual_seed(0)
     expected = torch.zeros(4, 12, dtype=torch.long)
@@ -119,7 +119,8 @@ def test_bad_generation_settings_are_refused_before_the_model_runs(tmp_path):
             generate(model, 4, settings, cache=tmp_path / "x.pt")
     with pytest.raises(InvalidInputError, match="prompts"):
         teacher = lambda: contextlib.nullcontext(model)  # noqa: E731
-        generate_sequences(teacher, [torch.tensor([1, 2])], None, 4, SETTINGS, tmp_path / "y.pt", progress_bar=False)
+        unprompted = dataclasses.replace(SETTINGS, start_token=None)
+        generate_sequences(teacher, [torch.tensor([1, 2])], 4, unprompted, tmp_path / "y.pt", progress_bar=False)
     assert calls == []
     with pytest.raises(InvalidInputError, match="heal_temperature"):
         GradMAPConfig(pruning_ratio=0.25, heal_temperature=-1.0)
@@ -144,9 +145,10 @@ def test_generated_and_corpus_text_come_in_equal_parts(tmp_path, byte_tokenizer)
         heal_autocast=False,
     )
     teacher = lambda: contextlib.nullcontext(model)  # noqa: E731
-    text = heal_sequences(None, byte_tokenizer, config, teacher, tmp_path / "cache.pt", progress_bar=False)
+    settings = HealSettings.from_config(config)
+    text = heal_sequences(None, byte_tokenizer, settings, teacher, tmp_path / "cache.pt", progress_bar=False)
     generated_only = heal_sequences(
-        None, byte_tokenizer, dataclasses.replace(config, heal_dataset="generated"), teacher, tmp_path / "cache.pt"
+        None, byte_tokenizer, dataclasses.replace(settings, heal_dataset="generated"), teacher, tmp_path / "cache.pt"
     )
     assert text.train_ids.shape == (10, 16) and text.validation_ids.shape == (4, 16)
     assert text.generation_seconds > 0 and "generated" in text.source and str(corpus) in text.source
@@ -162,7 +164,7 @@ def test_generated_and_corpus_text_come_in_equal_parts(tmp_path, byte_tokenizer)
         again = teacher_targets(model, ids, 4, progress_bar=False)  # each row's targets, in the rows' order
         torch.testing.assert_close(targets.log_probs, again.log_probs, rtol=1e-4, atol=1e-4)
     with pytest.raises(InvalidInputError, match="dense model"):
-        heal_sequences(None, byte_tokenizer, config)
+        heal_sequences(None, byte_tokenizer, settings)
 
 
 def test_prune_heals_on_the_dense_model_s_own_text_and_counts_its_time(tmp_path, byte_tokenizer):
@@ -240,9 +242,15 @@ def _auto_heal(monkeypatch, budget: float, slow_down: float = 1.0, warm_up: floa
     )  # fmt: skip
     start = clock()
     result = heal_stage(
-        student, lambda: contextlib.nullcontext(teacher_model), config, None, [0, 1], 4, [], data=random_ids(400, 16, seed=1),
-        stage1_seconds=budget, checkpoint=checkpoint,
-    )  # fmt: skip
+        student,
+        lambda: contextlib.nullcontext(teacher_model),
+        HealSettings.from_config(config),
+        None,
+        PrunedLayout((0, 1), 4),
+        data=random_ids(400, 16, seed=1),
+        stage1_seconds=budget,
+        checkpoint=checkpoint,
+    )
     return result, clock() - start
 
 
@@ -279,8 +287,9 @@ def test_auto_tokens_need_a_stage1_time(monkeypatch):
 
     model = tiny_model("llama", num_layers=2)
     config = small_config(heal_tokens="auto", heal_seq_len=16, heal_validation_sequences=4, heal_autocast=False)
+    settings, teacher = HealSettings.from_config(config), lambda: contextlib.nullcontext(model)
     with pytest.raises(InvalidInputError, match="Stage 1"):
-        heal_stage(model, lambda: contextlib.nullcontext(model), config, None, [0, 1], 2, [], data=random_ids(40, 16))
+        heal_stage(model, teacher, settings, None, PrunedLayout.unpruned(2), data=random_ids(40, 16))
     assert GradMAPConfig(pruning_ratio=0.25, heal_tokens="auto").heal_tokens == "auto"
     with pytest.raises(InvalidInputError, match="heal_tokens"):
         GradMAPConfig(pruning_ratio=0.25, heal_tokens="many")
@@ -305,7 +314,7 @@ CHAT_TEMPLATE = (
 
 
 def test_chat_prompts_start_every_sequence_from_the_template_s_user_turn(tmp_path, byte_tokenizer):
-    from optimum_gradmap.generation import chat_prompt
+    from optimum_gradmap.heal.generation import chat_prompt
 
     with pytest.raises(InvalidInputError, match="heal_prompts='documents'"):
         chat_prompt(byte_tokenizer)  # no chat template
@@ -439,4 +448,4 @@ def test_prompts_longer_than_the_heal_sequences_are_refused_before_any_work(
 
     short = dataclasses.replace(SETTINGS, seq_len=3)  # 4-token prompts
     with pytest.raises(InvalidInputError, match="more than the 3"):
-        generate_sequences(teacher, documents(), 1, 4, short, tmp_path / "cache.pt", progress_bar=False)
+        generate_sequences(teacher, documents(), 4, short, tmp_path / "cache.pt", progress_bar=False)

@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -10,15 +11,21 @@ from transformers import AutoModelForCausalLM
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner
 from optimum_gradmap.adapters import get_adapter
-from optimum_gradmap.data import prepare_heal_data
 from optimum_gradmap.distillation import TOP_K, teacher_targets
 from optimum_gradmap.errors import InvalidInputError
-from optimum_gradmap.heal import heal
+from optimum_gradmap.heal import HealSettings, PrunedLayout, heal
+from optimum_gradmap.heal.text import prepare_heal_data
 from optimum_gradmap.objectives import TeacherTargets, rest_log_prob, top_k_kl
 
 from .conftest import random_ids, small_config, tiny_model
 
 HEAL = dict(heal_seq_len=16, heal_validation_sequences=8, heal_batch_size=4, heal_check_every=4, heal_autocast=False)
+
+
+def heal_settings(**fields) -> HealSettings:
+    """A small config's heal settings with `fields` (`GradMAPConfig`'s names) set as given, unchecked: what `heal`
+    refuses reaches it."""
+    return dataclasses.replace(HealSettings.from_config(small_config()), **fields)
 
 
 def peaked_model(num_layers: int = 6, seed: int = 0) -> nn.Module:
@@ -157,10 +164,10 @@ def test_ctrl_c_keeps_the_best_state_so_far_and_a_checkpoint_resumes_to_the_unin
     train, validation = random_ids(40, 16, seed=1), random_ids(8, 16, seed=2)
 
     def run(model, teacher, kept, checkpoint=None):
-        return heal(
-            model, get_adapter(model), lambda: contextlib.nullcontext(teacher), train, validation, "all", 1e-4, 4, 2,
-            autocast=False, kept=kept, num_layers=6, checkpoint=checkpoint, progress_bar=False,
-        )  # fmt: skip
+        settings = heal_settings(heal_trainable="all", heal_lr=1e-4, heal_batch_size=4, heal_check_every=2, heal_autocast=False)
+        layout = PrunedLayout(kept, 6)
+        teacher_context = lambda: contextlib.nullcontext(teacher)  # noqa: E731
+        return heal(model, teacher_context, train, validation, settings, layout, checkpoint=checkpoint, progress_bar=False)
 
     model, teacher, kept = pruned()
     uninterrupted = run(model, teacher, kept)
@@ -329,8 +336,8 @@ def test_a_refused_checkpoint_file_leaves_no_lora_wrapper_and_the_model_as_it_wa
     train, validation = random_ids(16, 16, seed=1), random_ids(4, 16, seed=2)
     torch.save({"fingerprint": {"trainable": "lora"}}, tmp_path / "other.pt")
     with pytest.raises(InvalidInputError, match="comes from another run"):
-        heal(model, get_adapter(model), lambda: contextlib.nullcontext(peaked_model()), train, validation, "lora",
-             checkpoint=tmp_path / "other.pt", progress_bar=False)  # fmt: skip
+        teacher = lambda: contextlib.nullcontext(peaked_model())  # noqa: E731
+        heal(model, teacher, train, validation, heal_settings(), checkpoint=tmp_path / "other.pt", progress_bar=False)
     assert all(type(module) is nn.Linear for name, module in model.named_modules() if name.endswith("proj"))
     assert not hasattr(model, "peft_config") and set(model.state_dict()) == set(state)
     assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
@@ -339,18 +346,17 @@ def test_a_refused_checkpoint_file_leaves_no_lora_wrapper_and_the_model_as_it_wa
 
 @pytest.mark.parametrize("family", ["gpt2", "opt"])
 def test_lora_finds_gpt2s_conv1d_maps_and_norms_include_the_final_norm_whatever_its_name(family):
-    from optimum_gradmap.heal.trainable import _choose, _norm_parameters
+    from optimum_gradmap.heal.trainable import _norm_parameters, choose_trainable
 
     model = tiny_model(family, num_layers=4)
     adapter = get_adapter(model)
     final = model.transformer.ln_f if family == "gpt2" else model.model.decoder.final_layer_norm
     assert {id(p) for p in final.parameters()} <= {id(p) for p in _norm_parameters(model, [], adapter)}
-    targets = _choose(model, adapter, "lora", [0, 1, 2, 3], 4, []).lora_targets
+    targets = choose_trainable(model, adapter, "lora", PrunedLayout.unpruned(4)).lora_targets
     assert len(targets) == 4 * (4 if family == "gpt2" else 6)  # GPT-2: c_attn, c_proj, c_fc, mlp.c_proj; OPT: q k v out fc1 fc2
-    result = heal(
-        model, adapter, lambda: contextlib.nullcontext(copy.deepcopy(model)), random_ids(8, 16, seed=1),
-        random_ids(4, 16, seed=2), "lora", 1e-4, 4, 1, autocast=False, progress_bar=False,
-    )  # fmt: skip
+    teacher = lambda: contextlib.nullcontext(copy.deepcopy(model))  # noqa: E731
+    settings = heal_settings(heal_lr=1e-4, heal_batch_size=4, heal_check_every=1, heal_autocast=False)
+    result = heal(model, teacher, random_ids(8, 16, seed=1), random_ids(4, 16, seed=2), settings, progress_bar=False)
     assert result.num_trainable_parameters > 0 and not hasattr(model, "peft_config")
 
 
@@ -375,14 +381,15 @@ def test_pruner_heal_keeps_the_results_stage2_settings_and_checks_its_compensate
 # --- the teacher, the adapters' dtype, the checkpoint, the digest, the merge, the checks, the seed ----------------------
 
 
-def heal_tiny(model, teacher=None, trainable="norms", **settings):
-    """`heal` on a tiny Llama of two layers, its teacher another one unless given (no pruning needed)."""
+def heal_tiny(model, teacher=None, trainable="norms", train=None, validation=None, checkpoint=None, **fields):
+    """`heal` on a tiny Llama of two layers, its teacher another one unless given (no pruning needed); `fields` are heal
+    settings (`GradMAPConfig`'s names)."""
     if teacher is None:
         teacher = lambda: contextlib.nullcontext(peaked_model(num_layers=2, seed=1))  # noqa: E731
-    arguments = dict(learning_rate=1e-2, batch_size=4, check_every=1, autocast=False, progress_bar=False)
-    arguments.update(settings)
-    train, validation = arguments.pop("train", random_ids(8, 16, seed=1)), arguments.pop("validation", random_ids(4, 16, seed=2))
-    return heal(model, get_adapter(model), teacher, train, validation, trainable, **arguments)
+    fields = dict(heal_trainable=trainable, heal_lr=1e-2, heal_batch_size=4, heal_check_every=1, heal_autocast=False) | fields
+    train = random_ids(8, 16, seed=1) if train is None else train
+    validation = random_ids(4, 16, seed=2) if validation is None else validation
+    return heal(model, teacher, train, validation, heal_settings(**fields), checkpoint=checkpoint, progress_bar=False)
 
 
 def test_no_reference_to_the_teacher_outlives_its_pass(monkeypatch):
@@ -446,7 +453,7 @@ def test_lora_adapters_are_float32_on_a_bfloat16_model_and_merge_into_its_bfloat
         return adamw(parameters, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim, "AdamW", record)
-    result = heal_tiny(model, trainable="lora", learning_rate=1e-3)
+    result = heal_tiny(model, trainable="lora", heal_lr=1e-3)
     assert seen["dtypes"] == {torch.float32} and result.num_trainable_parameters > 0
     assert {parameter.dtype for parameter in model.parameters()} == {torch.bfloat16} and not hasattr(model, "peft_config")
 
@@ -527,7 +534,7 @@ def test_an_error_in_the_merge_puts_the_model_back_as_it_came_without_lora_wrapp
 
     monkeypatch.setattr(lora_layer.Linear, "merge", merge_twice_then_fail)
     with pytest.raises(RuntimeError, match="the merge failed"):
-        heal_tiny(model, trainable="lora", learning_rate=1e-2)
+        heal_tiny(model, trainable="lora", heal_lr=1e-2)
     assert len(updates) == 2 and min(updates) > 0  # two layers had a trained update merged before the error
     assert not hasattr(model, "peft_config") and set(model.state_dict()) == set(state)
     assert all(type(module) is nn.Linear for name, module in model.named_modules() if name.endswith("proj"))
@@ -545,7 +552,7 @@ def test_no_held_out_sequence_and_a_check_every_below_1_are_refused_before_the_t
     with pytest.raises(InvalidInputError, match="0 held-out sequence"):
         heal_tiny(model, teacher, validation=random_ids(4, 16)[:0])
     with pytest.raises(InvalidInputError, match="heal_check_every=0"):
-        heal_tiny(model, teacher, check_every=0)
+        heal_tiny(model, teacher, heal_check_every=0)
 
 
 def test_the_held_out_kl_reads_the_device_once_per_check_not_once_per_batch(monkeypatch):
@@ -573,27 +580,22 @@ def test_the_held_out_kl_reads_the_device_once_per_check_not_once_per_batch(monk
         return value
 
     monkeypatch.setattr(heal_loop, "_held_out_kl", counted)
-    result = heal_tiny(peaked_model(num_layers=2), batch_size=2, validation=random_ids(8, 16, seed=2))
+    result = heal_tiny(peaked_model(num_layers=2), heal_batch_size=2, validation=random_ids(8, 16, seed=2))
     assert len(reads) == len(result.kl_curve) >= 2 and set(reads) == {1}
 
 
 def test_lora_initialisation_follows_the_configs_seed(monkeypatch):
     """LoRA's initialisation follows `seed`."""
-    from optimum_gradmap.heal import heal_as_configured
-    from optimum_gradmap.heal.trainable import _Trainable
+    from optimum_gradmap.heal.trainable import Trainable
 
-    init, seeds = _Trainable.__init__, []
+    init, seeds = Trainable.__init__, []
 
     def record(self, model, choice, lora_rank, seed=0):
         seeds.append(seed)
         init(self, model, choice, lora_rank, seed)
 
-    monkeypatch.setattr(_Trainable, "__init__", record)
-    model = peaked_model(num_layers=2)
-    config = small_config(seed=7, heal_tokens=128, heal_trainable="lora", **HEAL)
-    teacher = lambda: contextlib.nullcontext(peaked_model(num_layers=2, seed=1))  # noqa: E731
-    heal_as_configured(model, teacher, random_ids(8, 16, seed=1), random_ids(4, 16, seed=2), config, [0, 1], 2, [], "x",
-                       progress_bar=False)  # fmt: skip
+    monkeypatch.setattr(Trainable, "__init__", record)
+    heal_tiny(peaked_model(num_layers=2), trainable="lora", seed=7)
     assert seeds == [7]
 
 

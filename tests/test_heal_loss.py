@@ -1,5 +1,5 @@
 """What the heal stage minimises (`heal_loss`): the top-K KL, the centred-logit MSE over the whole vocabulary, both, or
-the KL with the hidden states at the seams (optimum_gradmap.distillation, optimum_gradmap.heal)."""
+the KL with the hidden states at the seams (optimum_gradmap.heal.loss, optimum_gradmap.heal)."""
 
 import contextlib
 import copy
@@ -8,29 +8,25 @@ import dataclasses
 import pytest
 import torch
 
-from optimum_gradmap import GradMAPPruner, distillation, streaming
-from optimum_gradmap.adapters import get_adapter
+from optimum_gradmap import GradMAPPruner, streaming
 from optimum_gradmap.distillation import (
-    centred_logit_gram,
     head_inputs,
-    heal_loss,
-    hidden_state_mse,
     layer_outputs,
-    logit_mse,
     targets_from_logits,
     teacher_targets,
     the_head_input,
     the_layer_outputs,
 )
 from optimum_gradmap.errors import InvalidInputError
-from optimum_gradmap.generation import GenerationSettings, generate_sequences
-from optimum_gradmap.heal import heal, measure_heal_costs
-from optimum_gradmap.heal.loss import _seams
+from optimum_gradmap.heal import PrunedLayout, heal, measure_heal_costs
+from optimum_gradmap.heal import loss as heal_losses
+from optimum_gradmap.heal.generation import GenerationSettings, generate_sequences
+from optimum_gradmap.heal.loss import centred_logit_gram, heal_loss, hidden_state_mse, logit_mse
 from optimum_gradmap.objectives import TeacherTargets, top_k_kl
 from optimum_gradmap.surgery import remove_layers
 
 from .conftest import random_ids, small_config
-from .test_heal import HEAL, peaked_model
+from .test_heal import HEAL, heal_settings, peaked_model
 
 
 def centred(logits: torch.Tensor) -> torch.Tensor:
@@ -99,9 +95,9 @@ def test_the_head_inputs_kept_are_the_teacher_s_and_follow_rows_and_concatenatio
 
 def test_the_generated_text_keeps_the_head_inputs_a_teacher_pass_would():
     teacher = peaked_model(num_layers=2)
-    settings = GenerationSettings(seq_len=10, seed=3, prompt_tokens=3, bos_every=4, batch_size=4, keep_hidden=True)
+    settings = GenerationSettings(seq_len=10, seed=3, prompt_tokens=3, bos_every=4, batch_size=4, keep_hidden=True, start_token=1)
     documents = [random_ids(1, 8 + index, seed=index)[0] for index in range(4)]
-    generated = generate_sequences(lambda: contextlib.nullcontext(teacher), documents, 1, 6, settings, progress_bar=False)
+    generated = generate_sequences(lambda: contextlib.nullcontext(teacher), documents, 6, settings, progress_bar=False)
     again = teacher_targets(teacher, generated.input_ids, 4, progress_bar=False, keep_hidden=True)
     assert generated.targets.hidden.shape == again.hidden.shape == (6, 9, teacher.config.hidden_size)
     torch.testing.assert_close(generated.targets.hidden.float(), again.hidden.float(), rtol=0.02, atol=0.02)
@@ -143,9 +139,9 @@ def test_a_logit_loss_needs_the_weights_in_memory_and_an_unknown_loss_is_refused
         small_config(heal_loss="cross_entropy")
     ids = random_ids(8, 16)
     with pytest.raises(InvalidInputError, match="heal_loss"):
-        heal(model, None, lambda: contextlib.nullcontext(model), ids, ids, loss="cross_entropy")
+        heal(model, lambda: contextlib.nullcontext(model), ids, ids, heal_settings(heal_loss="cross_entropy"))
     with streaming.execution_mode("layer_streamed"), pytest.raises(InvalidInputError, match="layer-streamed"):
-        heal(model, None, lambda: contextlib.nullcontext(model), ids, ids, loss="kl_logit_mse")
+        heal(model, lambda: contextlib.nullcontext(model), ids, ids, heal_settings(heal_loss="kl_logit_mse"))
     assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
 
 
@@ -166,10 +162,11 @@ def test_a_checkpoint_names_its_loss_and_one_written_before_heal_loss_existed_re
 
         monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", interrupt)
         try:
-            return heal(
-                model, get_adapter(model), lambda: contextlib.nullcontext(teacher), train, validation, "norms", 1e-3, 4, 1,
-                loss=loss, autocast=False, num_layers=6, checkpoint=checkpoint, progress_bar=False,
-            )  # fmt: skip
+            settings = heal_settings(
+                heal_trainable="norms", heal_lr=1e-3, heal_batch_size=4, heal_check_every=1, heal_loss=loss, heal_autocast=False
+            )
+            teacher_context = lambda: contextlib.nullcontext(teacher)  # noqa: E731
+            return heal(model, teacher_context, train, validation, settings, checkpoint=checkpoint, progress_bar=False)
         finally:
             monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
 
@@ -222,9 +219,9 @@ def test_the_hidden_state_mse_is_each_seam_s_squared_distance_relative_to_both_n
 
 
 def test_the_seams_are_the_kept_layers_right_after_a_removed_run():
-    assert _seams([0, 1, 3, 4, 7]) == [2, 4]  # positions (among the kept layers) of layers 3 and 7
-    assert _seams([1, 2, 5]) == [0, 2]  # layer 0 removed: layer 1 follows a removed run
-    assert _seams([0, 1, 2]) == [] and _seams(list(range(6))) == []  # only the last layers removed, or none
+    assert PrunedLayout((0, 1, 3, 4, 7), 8).seams() == [2, 4]  # positions (among the kept layers) of layers 3 and 7
+    assert PrunedLayout((1, 2, 5), 6).seams() == [0, 2]  # layer 0 removed: layer 1 follows a removed run
+    assert PrunedLayout((0, 1, 2), 6).seams() == [] and PrunedLayout.unpruned(6).seams() == []  # the last removed, or none
 
 
 def test_the_layer_outputs_kept_are_the_teacher_s_and_follow_rows_and_concatenation():
@@ -259,7 +256,7 @@ def test_a_heal_on_the_seams_brings_them_closer_to_the_dense_model_on_unseen_tex
         pruner = GradMAPPruner(config, model, progress_bar=False)
         result = pruner.select_layers(model, random_ids(16, 16))
         pruner.compensate(result)
-        positions = _seams(result.kept_layers)
+        positions = PrunedLayout(result.kept_layers, 6).seams()
         assert positions  # GradMAP kept a layer after a removed one
         teacher_layers = [dense.model.layers[result.kept_layers[position]] for position in positions]
         teacher = teacher_targets(dense, probe, batch_size=8, progress_bar=False, layers=teacher_layers)
@@ -294,7 +291,7 @@ def test_the_seams_loss_is_refused_where_it_has_no_seam_or_no_weights_in_memory_
     assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
     ids = random_ids(8, 16)
     with pytest.raises(InvalidInputError, match="leave none"):  # every layer kept: no seam
-        heal(model, get_adapter(model), lambda: contextlib.nullcontext(model), ids, ids, loss="kl_hidden_mse")
+        heal(model, lambda: contextlib.nullcontext(model), ids, ids, heal_settings(heal_loss="kl_hidden_mse"))
     assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
     remove_layers(model, [2, 3])
     seams_measured = []
@@ -303,20 +300,20 @@ def test_the_seams_loss_is_refused_where_it_has_no_seam_or_no_weights_in_memory_
         seams_measured.append(states.shape[-2])
         return hidden_state_mse(states, teacher_states)
 
-    monkeypatch.setattr(distillation, "hidden_state_mse", counted)
-    costs = measure_heal_costs(model, small_config(heal_loss="kl_hidden_mse", **HEAL), kept=[0, 1, 4, 5], num_layers=6)
+    monkeypatch.setattr(heal_losses, "hidden_state_mse", counted)
+    costs = measure_heal_costs(model, heal_settings(heal_loss="kl_hidden_mse", **HEAL), PrunedLayout((0, 1, 4, 5), 6))
     assert costs.step_seconds > 0 and seams_measured == [1, 1]  # the step (warm-up, timed) with the one seam, layer 4
 
 
 def test_the_generated_text_keeps_the_seams_outputs_a_teacher_pass_would_and_its_cache_is_told_apart(tmp_path):
     teacher = peaked_model(num_layers=4)
     documents = [random_ids(1, 8 + index, seed=index)[0] for index in range(4)]
-    plain = GenerationSettings(seq_len=10, seed=3, prompt_tokens=3, bos_every=4, batch_size=4)
+    plain = GenerationSettings(seq_len=10, seed=3, prompt_tokens=3, bos_every=4, batch_size=4, start_token=1)
     settings = dataclasses.replace(plain, keep_layers=(1, 3))
     cache = tmp_path / "text.pt"
 
     def generated(settings):
-        return generate_sequences(lambda: contextlib.nullcontext(teacher), documents, 1, 8, settings, cache, progress_bar=False)
+        return generate_sequences(lambda: contextlib.nullcontext(teacher), documents, 8, settings, cache, progress_bar=False)
 
     without = generated(plain)
     assert without.targets.layer_states is None
@@ -336,8 +333,10 @@ def test_a_heal_on_the_dense_model_s_own_text_keeps_the_seams_outputs_as_it_writ
     from .test_generation import _text_file
 
     passes = []
-    teacher_pass = heal_loop._teacher_pass
-    monkeypatch.setattr(heal_loop, "_teacher_pass", lambda *args, **kwargs: passes.append(1) or teacher_pass(*args, **kwargs))
+    teacher_pass = heal_loop._Training._teacher_pass
+    monkeypatch.setattr(
+        heal_loop._Training, "_teacher_pass", lambda *args, **kwargs: passes.append(1) or teacher_pass(*args, **kwargs)
+    )
     model = peaked_model()
     config = small_config(
         num_samples=16, dataset=_text_file(tmp_path, byte_tokenizer), heal_dataset="generated", heal_tokens=16 * 16,
@@ -348,5 +347,5 @@ def test_a_heal_on_the_dense_model_s_own_text_keeps_the_seams_outputs_as_it_writ
     assert result.heal.loss == "kl_hidden_mse" and result.heal.steps == result.heal.num_steps
     assert passes == []  # no second pass of the dense model over its text
     saved = torch.load(tmp_path / "cache.pt", weights_only=True)
-    seams = [result.kept_layers[position] for position in _seams(result.kept_layers)]
+    seams = [result.kept_layers[position] for position in PrunedLayout(result.kept_layers, 6).seams()]
     assert saved["fingerprint"]["keep_layers"] == seams and saved["layer_states"].shape[2] == len(seams)

@@ -17,8 +17,8 @@ from optimum_gradmap import GradMAPPruner, streaming
 from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.distillation import TOP_K, teacher_targets
 from optimum_gradmap.errors import InvalidInputError
-from optimum_gradmap.heal import check_heal_settings, heal
-from optimum_gradmap.heal.trainable import _choose, _Trainable
+from optimum_gradmap.heal import PlannedPruning, PrunedLayout, check_heal_settings, heal
+from optimum_gradmap.heal.trainable import Trainable, choose_trainable
 from optimum_gradmap.objectives import (
     TeacherTargets,
     rest_log_prob,
@@ -30,10 +30,10 @@ from optimum_gradmap.passes import calibration_mode
 from optimum_gradmap.weights import stored_state_dict, weights_digest
 
 from .conftest import random_ids, small_config, tiny_model
-from .test_heal import HEAL, peaked_model
+from .test_heal import HEAL, heal_settings, peaked_model
 from .test_streaming import _counting_streamed_batches, _offloaded, _sha256
 
-SETTINGS = dict(learning_rate=1e-2, batch_size=4, check_every=1, autocast=False, progress_bar=False)
+SETTINGS = dict(heal_lr=1e-2, heal_batch_size=4, heal_check_every=1, heal_autocast=False)
 
 
 def _flat(curve: list[list[float]]) -> list[float]:
@@ -75,7 +75,7 @@ def _gradients(model: nn.Module, ids: torch.LongTensor, targets: TeacherTargets,
     """One step's gradients of LoRA adapters set to the same random values, in memory or layer-streamed."""
     adapter = get_adapter(model)
     with calibration_mode(model, grad=True, freeze_parameters=True):
-        chosen = _Trainable(model, _choose(model, adapter, "lora", [0, 1, 2, 3], 4, []), 4)
+        chosen = Trainable(model, choose_trainable(model, adapter, "lora", PrunedLayout.unpruned(4)), 4)
         with torch.no_grad():
             for index, parameter in enumerate(chosen.parameters):
                 parameter.copy_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(index)) * 0.1)
@@ -127,7 +127,7 @@ def test_an_offloaded_heal_equals_the_heal_in_memory_one_layer_at_a_time(tmp_pat
     teacher = lambda: contextlib.nullcontext(teacher_model)  # noqa: E731
     train, validation = random_ids(8, 16, seed=1), random_ids(4, 16, seed=2)
     in_memory = copy.deepcopy(dense)
-    expected = heal(in_memory, get_adapter(in_memory), teacher, train, validation, "lora", **SETTINGS)
+    expected = heal(in_memory, teacher, train, validation, heal_settings(heal_trainable="lora", **SETTINGS), progress_bar=False)
 
     model = _offloaded(folder, max_cpu_bytes=max_cpu_bytes)
     assert streaming.is_offloaded(model) and model.hf_device_map.get("model.layers.3", "disk") == "disk"
@@ -135,7 +135,7 @@ def test_an_offloaded_heal_equals_the_heal_in_memory_one_layer_at_a_time(tmp_pat
     calls = []
     try:
         with _counting_streamed_batches(calls):
-            result = heal(model, get_adapter(model), teacher, train, validation, "lora", **SETTINGS)
+            result = heal(model, teacher, train, validation, heal_settings(heal_trainable="lora", **SETTINGS), progress_bar=False)
     finally:
         for handle in handles:
             handle.remove()
@@ -169,7 +169,9 @@ def test_a_layer_streamed_heal_in_memory_equals_the_heal_in_memory(trainable):
     calls = []
     for model, mode in zip(models, ["in_memory", "layer_streamed"]):
         with streaming.execution_mode(mode), _counting_streamed_batches(calls):
-            results.append(heal(model, get_adapter(model), teacher, train, validation, trainable, **SETTINGS))
+            results.append(
+                heal(model, teacher, train, validation, heal_settings(heal_trainable=trainable, **SETTINGS), progress_bar=False)
+            )
     assert len(calls) == 2  # the second heal's two steps
     assert _flat(results[1].kl_curve) == pytest.approx(_flat(results[0].kl_curve), rel=1e-6)
     assert results[1].best_tokens == results[0].best_tokens > 0
@@ -203,17 +205,25 @@ def test_training_offloaded_weights_is_refused_before_anything_runs_and_lora_is_
     folder = str(tmp_path / "pruned")
     tiny_model("llama", num_layers=4).save_pretrained(folder)
     model = _offloaded(folder, max_cpu_bytes=1)
-    check_heal_settings(model, small_config(heal_tokens=128, heal_trainable="lora"))
+    before_pruning = PlannedPruning(compensation=True)
+    check_heal_settings(model, heal_settings(heal_trainable="lora"), before_pruning)
     with pytest.raises(InvalidInputError, match="heal_trainable='norms' trains the model's own weights, and Accelerate"):
-        check_heal_settings(model, small_config(heal_tokens=128, heal_trainable="norms"))
+        check_heal_settings(model, heal_settings(heal_trainable="norms"), before_pruning)
     with pytest.raises(InvalidInputError, match="execution='in_memory' with offloaded weights"):  # a whole copy kept
-        check_heal_settings(model, small_config(heal_tokens=128, heal_trainable="lora", execution="in_memory"))
+        check_heal_settings(model, heal_settings(execution="in_memory"), before_pruning)
 
     def teacher():
         raise AssertionError("the teacher ran")
 
     with pytest.raises(InvalidInputError, match="heal_trainable='all' .* heal_trainable='lora'"):
-        heal(model, get_adapter(model), teacher, random_ids(8, 16), random_ids(4, 16), "all", **SETTINGS)
+        heal(
+            model,
+            teacher,
+            random_ids(8, 16),
+            random_ids(4, 16),
+            heal_settings(heal_trainable="all", **SETTINGS),
+            progress_bar=False,
+        )
 
 
 def test_the_weights_digest_reads_offloaded_weights_where_they_live(tmp_path):

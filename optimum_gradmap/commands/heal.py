@@ -71,7 +71,7 @@ def default_heal_checkpoint(output: str) -> str:
 def default_heal_text_cache(output: str) -> str:
     """Where `heal` and `prune` keep the dense model's own text (`--heal-dataset generated`): a hidden file beside the
     output folder, kept after the run, so that a rerun or a resume reads it instead of generating again (its
-    fingerprint says when it no longer applies: [`~optimum_gradmap.generation`])."""
+    fingerprint says when it no longer applies: [`~optimum_gradmap.heal.generation`])."""
     target = os.path.abspath(output)
     return os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.heal-text.pt")
 
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     """`optimum-gradmap heal`: heals a pruned checkpoint and saves it with its report."""
     from .. import distributed
     from ..checkpoint import save_checkpoint
-    from ..heal import changed_parameters, check_generation_prompts, check_heal_settings, heal_stage
+    from ..heal import HealSettings, PrunedLayout, changed_parameters, check_generation_prompts, check_heal_settings, heal_stage
     from ..heal.quantized import dequantized_loading, stored_quantization, stored_weights_writer
 
     progress = set_verbosity(args)
@@ -92,21 +92,22 @@ def run(args: argparse.Namespace) -> int:
     quantized = stored_quantization(path) is not None  # healed on its dequantized weights, saved as stored
     model, tokenizer = loading.load(path, **(dequantized_loading() if quantized else {}))
     compensated = (report.get("compensation") or {}).get("compensated_layers", [])
-    check_heal_settings(model, config, compensated)
-    layout = (report["kept_layers"], report["original_num_layers"], compensated)
-    trained = list(changed_parameters(model, config.heal_trainable, *layout)) if quantized else []
-    check_generation_prompts(config, tokenizer)  # before the teacher loads
+    settings, layout = (
+        HealSettings.from_config(config),
+        PrunedLayout(report["kept_layers"], report["original_num_layers"], compensated),
+    )
+    check_heal_settings(model, settings, layout)
+    trained = list(changed_parameters(model, settings.heal_trainable, layout)) if quantized else []
+    check_generation_prompts(settings, tokenizer)  # before the teacher loads
     teacher = _teacher(teacher_loading, teacher_path)
     stage1_seconds, stage1_basis = _stage1_seconds(report, config, teacher_path, model)
     shown = progress and distributed.is_main_process()
     healed = heal_stage(
         model,
         teacher,
-        config,
+        settings,
         tokenizer,
-        report["kept_layers"],
-        report["original_num_layers"],
-        compensated,
+        layout,
         stage1_seconds=stage1_seconds,
         stage1_basis=stage1_basis,
         checkpoint=checkpoint,

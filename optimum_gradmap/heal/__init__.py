@@ -11,24 +11,18 @@ adapters merged into the weights.
 
 **Teacher.** The dense model is the pruned one with its removed layers put back and every fold undone: the pruner's
 snapshot holds the layers and the folds' backups hold the weights, so no second copy of the model is loaded
-([`LayerSnapshot.dense_model`]); a checkpoint healed later takes its teacher as a separate model. The teacher runs once, before
-training, over every training and held-out sequence, and keeps at each position its `TOP_K` most likely next tokens'
-log-probabilities and the log of the probability left to all other tokens ([`~optimum_gradmap.distillation`];
-LinearPatch's "offline" teacher). No reference to the teacher outlives its pass, so a teacher loaded on its own (the
-`heal` command's) is freed before training, which holds the student, its optimizer state and these targets; and any
-part of the student may be trained, the layers the teacher shares included.
+([`LayerSnapshot.dense_model`]); a checkpoint healed later takes its teacher as a separate model. The teacher runs once,
+before training, over every training and held-out sequence, and keeps its top-K next-token targets
+([`~optimum_gradmap.distillation`]). No reference to the teacher outlives its pass, so a teacher loaded on its own
+(the `heal` command's) is freed before training, which holds the student, its optimizer state and these targets; and
+any part of the student may be trained, the layers the teacher shares included.
 
-**Loss.** The forward KL divergence KL(p_dense || p_pruned) over `TOP_K + 1` outcomes
-([`~optimum_gradmap.objectives.top_k_kl`]): the teacher's top-K tokens and "any other token", whose probabilities
-are the sums of the rest:
-
-    sum_{k in top-K} p_k (log p_k - log q_k) + p_rest (log p_rest - log q_rest)
-
-It is the full-vocabulary KL of the two distributions with the tail merged into one outcome: exact where the teacher
-puts its mass on its top-K, never larger than the full KL, and, unlike the cross-entropy to the renormalised top-K
-(`refinement_steps`), it also penalises a student that moves mass out of the top-K. Forward KL (the teacher's
-distribution weighs the errors) is Minitron's and LinearPatch's choice: the student must cover what the dense model
-predicts. The held-out KL reported beside it is the same quantity.
+**Loss.** The forward KL divergence KL(p_dense || p_pruned) over the teacher's top-K tokens and "any other token"
+([`~optimum_gradmap.objectives.top_k_kl`], which says what it bounds), or another `heal_loss`
+([`~optimum_gradmap.heal.loss`]). Unlike the cross-entropy to the renormalised top-K (`refinement_steps`), the KL also
+penalises a student that moves mass out of the top-K. Forward KL (the teacher's distribution weighs the errors) is
+Minitron's and LinearPatch's choice: the student must cover what the dense model predicts. The held-out KL reported
+beside it is the same quantity.
 
 **What is trained** (`heal_trainable`): `lora` (default; LoRA adapters of rank `heal_lora_rank` on every linear map
 of the kept layers, through PEFT, merged into the weights with `merge_and_unload`: the optimizer holds two small
@@ -61,18 +55,14 @@ adapters live in memory, on the device each map computes on, and the merge write
 other choices would train offloaded weights, which accumulate no gradient: they are refused. The teacher's pass and
 the held-out KL are forward passes, which Accelerate's hooks already run one module at a time.
 
-**Modules.** [`~optimum_gradmap.heal.checks`]: the refusals made before any work; [`~optimum_gradmap.heal.text`]: the
-corpus windows and the dense model's own text; [`~optimum_gradmap.heal.budget`]: `heal_tokens="auto"`;
-[`~optimum_gradmap.heal.trainable`]: what is trained, its merge and rollback; [`~optimum_gradmap.heal.loss`]: what the
-loss compares; [`~optimum_gradmap.heal.loop`]: the training loop; [`~optimum_gradmap.heal.state`]: the resumable
-checkpoint; [`~optimum_gradmap.heal.stage`]: the stage's entry; [`~optimum_gradmap.heal.result`]: what it did;
-The pipeline's heal step ([`optimum_gradmap.pipeline.heal`]) runs it on a pruned result.
+**Modules**, one per concept: `settings`, `checks`, `text` (with `generation`), `cost` (with `budget`, for
+`heal_tokens="auto"`), `trainable`, `loss`, `loop`, `state`, `stage` (the entry), `result` and `quantized`. The
+pipeline's heal step ([`optimum_gradmap.pipeline.heal`]) runs it on a pruned result.
 """
 
 from ..distributed import GRADIENT_BUCKET_BYTES
-from .budget import AUTO_TIME_SHARE, HealCosts, choose_heal_tokens, measure_heal_costs
+from .budget import choose_heal_tokens, measure_heal_costs
 from .checks import (
-    HEAL_SETTINGS,
     check_generation_prompts,
     check_heal_arguments,
     check_heal_checkpoint,
@@ -80,12 +70,21 @@ from .checks import (
     check_heal_dataset_name,
     check_heal_settings,
 )
+from .cost import AUTO_TIME_SHARE, HealCosts, HealCounts
 from .loop import FINAL_LR_FRACTION, MAX_GRAD_NORM, REFIT_AFTER_STEPS, WARMUP_FRACTION, heal
-from .loss import HEAL_LOSS_CHOICES
 from .result import HealResult
-from .stage import heal_as_configured, heal_stage, prepare_heal_text
+from .settings import (
+    DEFAULT_LEARNING_RATES,
+    HEAL_LOSS_CHOICES,
+    HEAL_SETTINGS,
+    HEAL_TRAINABLE_CHOICES,
+    HealSettings,
+    PlannedPruning,
+    PrunedLayout,
+)
+from .stage import heal_stage, prepare_heal_text
 from .text import HealText, generation_seconds_per_sequence, heal_sequences
-from .trainable import DEFAULT_LEARNING_RATES, HEAL_TRAINABLE_CHOICES, LORA_ADAPTER, changed_parameters, heal_backup
+from .trainable import LORA_ADAPTER, changed_parameters, heal_backup
 
 __all__ = [
     "AUTO_TIME_SHARE",
@@ -100,8 +99,12 @@ __all__ = [
     "REFIT_AFTER_STEPS",
     "WARMUP_FRACTION",
     "HealCosts",
+    "HealCounts",
     "HealResult",
+    "HealSettings",
     "HealText",
+    "PlannedPruning",
+    "PrunedLayout",
     "check_generation_prompts",
     "check_heal_arguments",
     "check_heal_checkpoint",
@@ -112,7 +115,6 @@ __all__ = [
     "choose_heal_tokens",
     "generation_seconds_per_sequence",
     "heal",
-    "heal_as_configured",
     "heal_backup",
     "heal_sequences",
     "heal_stage",

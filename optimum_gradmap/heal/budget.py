@@ -1,81 +1,31 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
 """`heal_tokens="auto"`: the heal's time is a share `AUTO_TIME_SHARE` of Stage 1's, and the number of tokens is the
-one whose heal fits in it, from the costs of the heal's parts measured on the pruned model ([`choose_heal_tokens`])."""
+one whose heal fits in it ([`choose_heal_tokens`]), from the costs of the heal's parts measured on the pruned model
+([`measure_heal_costs`]) and the cost model of [`~optimum_gradmap.heal.cost`]."""
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from .. import distributed, streaming
 from ..adapters import get_adapter
-from ..configuration import GradMAPConfig
-from ..distillation import centred_logit_gram, distillation_loss, teacher_targets, uses_head_inputs
-from ..generation import corpus_part, is_generated
+from ..distillation import teacher_targets
 from ..passes import calibration_mode, input_device
 from ..precision import uses_bfloat16_autocast
+from .cost import HealCosts, num_batches
 from .loop import MAX_GRAD_NORM
-from .loss import _seam_layers
-from .trainable import _choose, _Trainable
-
-# `heal_tokens="auto"`: the heal's time (the dense model's text included) as a share of Stage 1's measured time.
-AUTO_TIME_SHARE = 1.0
+from .loss import centred_logit_gram, distillation_loss, seam_layers, uses_head_inputs
+from .settings import HealSettings, PrunedLayout
+from .trainable import Trainable, choose_trainable
 
 
-@dataclass
-class HealCosts:
-    """The seconds of the heal's parts, measured on the pruned model before an `auto` budget is chosen
-    ([`choose_heal_tokens`]).
-
-    Attributes:
-        forward_seconds (`float`): The pruned model's forward pass over one batch.
-        step_seconds (`float`): One training step over one batch (forward and backward).
-        teacher_seconds (`float`): The dense model's forward pass over one batch: `forward_seconds` times its number
-            of layers over the pruned model's.
-        check_seconds (`float`): One held-out check.
-        generation_seconds (`float`): One sequence of the dense model's own text (0 for corpus text).
-    """
-
-    forward_seconds: float
-    step_seconds: float
-    teacher_seconds: float
-    check_seconds: float
-    generation_seconds: float = 0.0
-
-    def sequences_within(self, seconds: float, config: GradMAPConfig, generated_share: float) -> int:
-        """The training sequences whose heal fits in `seconds`: per sequence its share of a step, of the held-out
-        checks, and of the teacher's pass (corpus text) or its generation (the dense model's own text, a
-        `generated_share` of them, whose targets come with it); once, the held-out sequences' and the first check.
-        Whole batches, at least one."""
-        batch = config.heal_batch_size
-        corpus_share = 1.0 - generated_share  # the dense model's own text comes with its targets: no teacher pass
-        fixed = (
-            self.check_seconds
-            + self.teacher_seconds * corpus_share * -(-config.heal_validation_sequences // batch)
-            + self.generation_seconds * math.ceil(generated_share * config.heal_validation_sequences)
-        )
-        per_sequence = (
-            (self.step_seconds + self.teacher_seconds * corpus_share) / batch
-            + self.check_seconds / (batch * config.heal_check_every)
-            + self.generation_seconds * generated_share
-        )
-        return max(1, math.floor((seconds - fixed) / per_sequence) // batch) * batch
-
-
-def measure_heal_costs(
-    model: PreTrainedModel,
-    config: GradMAPConfig,
-    kept: Sequence[int],
-    num_layers: int,
-    compensated: Sequence[int] = (),
-) -> HealCosts:
+def measure_heal_costs(model: PreTrainedModel, settings: HealSettings, layout: PrunedLayout) -> HealCosts:
     """Times the heal's parts on one batch of random tokens, each after one warm-up run, under the heal's autocast
     rule: the pruned model's forward pass as it is (the teacher's pass is that, scaled by the dense model's layers),
     and, with what `heal_trainable` trains set up as the heal sets it up (LoRA's adapters injected), a held-out
@@ -85,17 +35,17 @@ def measure_heal_costs(
 
     Args:
         model (`PreTrainedModel`): The pruned model.
-        config ([`GradMAPConfig`]): Its `heal_*` settings are read.
-        kept (`Sequence[int]`), num_layers (`int`), compensated (`Sequence[int]`): As in [`heal`].
+        settings ([`HealSettings`]): The heal's settings.
+        layout ([`PrunedLayout`]): The model's layers in the dense model.
 
     Returns:
         [`HealCosts`] (without the generation's seconds).
     """
     device = input_device(model)
-    autocast = uses_bfloat16_autocast(config.heal_autocast, model)
+    autocast = uses_bfloat16_autocast(settings.heal_autocast, model)
     vocab_size = model.config.get_text_config(decoder=True).vocab_size
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab_size, (config.heal_batch_size, config.heal_seq_len), generator=generator)
+    ids = torch.randint(0, vocab_size, (settings.heal_batch_size, settings.heal_seq_len), generator=generator)
     batch = ids.to(device)
 
     def passes() -> AbstractContextManager[None]:
@@ -114,22 +64,22 @@ def measure_heal_costs(
     with calibration_mode(model):
         teacher_forward = timed(forward)
     adapter = get_adapter(model)
-    keep_hidden = uses_head_inputs(config.heal_loss)
-    seam_layers = _seam_layers(model, adapter, config.heal_loss, kept)
+    keep_hidden = uses_head_inputs(settings.heal_loss)
+    layers = seam_layers(model, adapter, settings.heal_loss, layout)
     # a stand-in for the teacher's targets (the pruned model's own, of the same shapes)
-    targets = teacher_targets(model, ids, config.heal_batch_size, False, autocast, keep_hidden, seam_layers)
+    targets = teacher_targets(model, ids, settings.heal_batch_size, False, autocast, keep_hidden, layers)
     gram = centred_logit_gram(model.get_output_embeddings().weight) if keep_hidden else None
-    choice = _choose(model, adapter, config.heal_trainable, list(kept), num_layers, list(compensated))
+    choice = choose_trainable(model, adapter, settings.heal_trainable, layout)
     streamed = streaming.streams(model)
     with calibration_mode(model, grad=True, freeze_parameters=True):
-        chosen = _Trainable(model, choice, config.heal_lora_rank, config.seed)
+        chosen = Trainable(model, choice, settings.heal_lora_rank, settings.seed)
         start = chosen.state()
         try:
             optimizer = torch.optim.AdamW(chosen.parameters, lr=0.0, weight_decay=0.0)
 
             def step() -> None:
                 optimizer.zero_grad(set_to_none=True)
-                distillation_loss(model, batch, config.heal_loss, targets, gram, seam_layers, passes).backward()
+                distillation_loss(model, batch, settings.heal_loss, targets, gram, layers, passes).backward()
                 torch.nn.utils.clip_grad_norm_(chosen.parameters, MAX_GRAD_NORM)
                 optimizer.step()
 
@@ -140,18 +90,16 @@ def measure_heal_costs(
     return HealCosts(
         forward_seconds=forward_seconds,
         step_seconds=step_seconds,
-        teacher_seconds=teacher_forward * num_layers / max(1, len(kept)),
-        check_seconds=forward_seconds * -(-config.heal_validation_sequences // config.heal_batch_size),
+        teacher_seconds=teacher_forward * layout.num_layers / max(1, len(layout.kept)),
+        check_seconds=forward_seconds * num_batches(settings.heal_validation_sequences, settings.heal_batch_size),
     )
 
 
 def choose_heal_tokens(
     model: PreTrainedModel,
-    config: GradMAPConfig,
+    settings: HealSettings,
+    layout: PrunedLayout,
     budget_seconds: float,
-    kept: Sequence[int],
-    num_layers: int,
-    compensated: Sequence[int] = (),
     generation_seconds_per_sequence: float = 0.0,
 ) -> tuple[int, HealCosts]:
     """`heal_tokens="auto"`: the tokens whose heal fits in `budget_seconds`, from [`measure_heal_costs`] (the
@@ -160,9 +108,9 @@ def choose_heal_tokens(
 
     Args:
         model (`PreTrainedModel`): The pruned model.
-        config ([`GradMAPConfig`]): Its `heal_*` settings are read.
+        settings ([`HealSettings`]): The heal's settings.
+        layout ([`PrunedLayout`]): The model's layers in the dense model.
         budget_seconds (`float`): The heal's time.
-        kept (`Sequence[int]`), num_layers (`int`), compensated (`Sequence[int]`): As in [`heal`].
         generation_seconds_per_sequence (`float`, defaults to 0): Seconds per sequence of the dense model's own text,
             for `generated` in `heal_dataset`.
 
@@ -172,10 +120,9 @@ def choose_heal_tokens(
 
     def choose() -> tuple[int, HealCosts]:
         started = time.perf_counter()
-        costs = measure_heal_costs(model, config, kept, num_layers, compensated)
+        costs = measure_heal_costs(model, settings, layout)
         costs.generation_seconds = generation_seconds_per_sequence
-        share = (1.0 if corpus_part(config.heal_dataset) is None else 0.5) if is_generated(config.heal_dataset) else 0.0
         remaining = budget_seconds - (time.perf_counter() - started)
-        return costs.sequences_within(remaining, config, share) * config.heal_seq_len, costs
+        return costs.sequences_within(remaining, settings) * settings.heal_seq_len, costs
 
     return distributed.on_main_process(choose)

@@ -8,7 +8,6 @@ the teacher loads)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -16,55 +15,30 @@ from transformers import PreTrainedTokenizerBase
 
 from .. import distributed, streaming
 from ..adapters import get_adapter
-from ..configuration import GradMAPConfig
 from ..data import calibration_sha256, check_dataset_name
-from ..distillation import reads_hidden_states, uses_layer_states
 from ..errors import InvalidInputError
-from ..generation import PROMPT_TOKENS, chat_prompt, corpus_part, is_generated
-from .loss import HEAL_LOSS_CHOICES, _no_seam_refusal, _seams, _streamed_loss_refusal
-from .state import _fingerprint_before_pruning, _read_saved
-from .trainable import (
-    DEFAULT_LEARNING_RATES,
-    HEAL_TRAINABLE_CHOICES,
-    _check_no_peft_adapters,
-    _choose,
-    _layer_before_each_run,
-    _offloaded_refusal,
-)
-
-# The GradMAPConfig fields the heal stage reads: the ones `GradMAPPruner.heal` may override.
-HEAL_SETTINGS = (
-    "heal_tokens",
-    "heal_dataset",
-    "heal_prompts",
-    "heal_temperature",
-    "heal_trainable",
-    "heal_loss",
-    "heal_lr",
-    "heal_batch_size",
-    "heal_seq_len",
-    "heal_lora_rank",
-    "heal_validation_sequences",
-    "heal_check_every",
-    "heal_autocast",
-)
+from .generation import PROMPT_TOKENS, chat_prompt, corpus_part, is_generated
+from .loss import no_seam_refusal, reads_hidden_states, streamed_loss_refusal, uses_layer_states
+from .settings import HEAL_LOSS_CHOICES, HEAL_TRAINABLE_CHOICES, HealSettings, PlannedPruning, PrunedLayout
+from .state import fingerprint_before_pruning, read_heal_checkpoint
+from .trainable import check_no_peft_adapters, choose_trainable, offloaded_refusal
 
 
-def check_heal_settings(model: nn.Module, config: GradMAPConfig, compensated: Sequence[int] | None = None) -> None:
-    """Refuses, before anything changes, a heal the model or the environment cannot run as `config` says.
+def check_heal_settings(model: nn.Module, settings: HealSettings, pruning: PrunedLayout | PlannedPruning) -> None:
+    """Refuses, before anything changes, a heal the model or the environment cannot run as `settings` say.
 
     Args:
         model (`nn.Module`): The model to prune (or pruned).
-        config ([`GradMAPConfig`]): Its `heal_*` settings are read.
-        compensated (`Sequence[int]`, *optional*): For a model pruned already, the layers Stage 2 compensated; without
-            it, `config.compensation` says whether Stage 2 will run.
+        settings ([`HealSettings`]): The heal's settings.
+        pruning ([`PrunedLayout`] or [`PlannedPruning`]): For a model pruned already, its layers; before the pruning,
+            what is known of it (whether Stage 2 will run, the layers given to remove).
 
-    Before pruning (`compensated` not given) it also refuses what would leave the heal nothing to train, where the
-    dense model and `config` tell it already: no linear map for `lora`, no normalisation for `norms`, and for
-    `before_removed` a `layers_to_prune` whose removed runs all start at layer 0. Which layers Stage 1 removes and Stage 2
-    compensates is known only once they ran: `before_removed` when Stage 1 removes only a run from layer 0 (possible
-    where layer 0 is not protected), and `down_projections` when Stage 2 compensates no layer (its compensation undone
-    by `validation_data`, or `span_end` with no kept layer before a removed run), are refused when the heal starts.
+    Before pruning it also refuses what would leave the heal nothing to train, where the dense model and the pruning
+    tell it already: no linear map for `lora`, no normalisation for `norms`, and for `before_removed` a
+    `layers_to_prune` whose removed runs all start at layer 0. Which layers Stage 1 removes and Stage 2 compensates is
+    known only once they ran: `before_removed` when Stage 1 removes only a run from layer 0 (possible where layer 0 is
+    not protected), and `down_projections` when Stage 2 compensates no layer (its compensation undone by
+    `validation_data`, or `span_end` with no kept layer before a removed run), are refused when the heal starts.
 
     Raises:
         InvalidInputError: for a model that carries PEFT adapters, `lora` without PEFT, `down_projections` without a
@@ -72,8 +46,9 @@ def check_heal_settings(model: nn.Module, config: GradMAPConfig, compensated: Se
             weights, a loss that reads hidden states layer-streamed, `kl_hidden_mse` with a `layers_to_prune` that
             leaves no kept layer after a removed run, or nothing to train.
     """
-    _check_no_peft_adapters(model)
-    if config.heal_trainable == "lora":
+    check_no_peft_adapters(model)
+    trainable, planned = settings.heal_trainable, isinstance(pruning, PlannedPruning)
+    if trainable == "lora":
         try:
             import peft  # noqa: F401
         except ImportError as error:
@@ -81,51 +56,55 @@ def check_heal_settings(model: nn.Module, config: GradMAPConfig, compensated: Se
                 "heal_trainable='lora' needs PEFT: `pip install peft` (or `pip install optimum-gradmap[heal]`), or choose "
                 "heal_trainable='norms'."
             ) from error
-    if config.heal_trainable == "down_projections" and not (config.compensation if compensated is None else compensated):
+    if trainable == "down_projections" and not (pruning.compensation if planned else pruning.compensated):
         raise InvalidInputError(
             "heal_trainable='down_projections' trains the down projections of Stage 2's compensated layers, and "
-            + ("Stage 2 is off (`compensation=False`)" if compensated is None else "Stage 2 compensated no layer")
+            + ("Stage 2 is off (`compensation=False`)" if planned else "Stage 2 compensated no layer")
             + ": choose another `heal_trainable`."
         )
     dtype = next(model.parameters()).dtype
-    if config.heal_trainable != "lora" and dtype in (torch.bfloat16, torch.float16):
+    if trainable != "lora" and dtype in (torch.bfloat16, torch.float16):
         raise InvalidInputError(
-            f"heal_trainable={config.heal_trainable!r} would train {str(dtype).replace('torch.', '')} weights in place, "
+            f"heal_trainable={trainable!r} would train {str(dtype).replace('torch.', '')} weights in place, "
             "where AdamW's small steps round away: load the model in float32 (`--dtype float32`), or heal with "
             "heal_trainable='lora' (its adapters are float32 whatever the model's dtype)."
         )
-    if config.heal_trainable != "lora" and streaming.is_offloaded(model):
-        raise InvalidInputError(_offloaded_refusal(config.heal_trainable))
-    if reads_hidden_states(config.heal_loss) and (config.execution == "layer_streamed" or streaming.is_offloaded(model)):
-        raise InvalidInputError(_streamed_loss_refusal(config.heal_loss))
-    if config.execution == "in_memory" and streaming.is_offloaded(model):
+    if trainable != "lora" and streaming.is_offloaded(model):
+        raise InvalidInputError(offloaded_refusal(trainable))
+    if reads_hidden_states(settings.heal_loss) and (settings.execution == "layer_streamed" or streaming.is_offloaded(model)):
+        raise InvalidInputError(streamed_loss_refusal(settings.heal_loss))
+    if settings.execution == "in_memory" and streaming.is_offloaded(model):
         raise InvalidInputError(
             "execution='in_memory' with offloaded weights: the heal's backward pass would keep every weight Accelerate "
             "brings in until it runs, a whole copy of the model. Use execution='auto' (layer-streamed), or load the "
             "model without offload."
         )
-    if config.heal_batch_size < distributed.world_size():
+    if settings.heal_batch_size < distributed.world_size():
         raise InvalidInputError(
-            f"heal_batch_size={config.heal_batch_size} cannot be shared by {distributed.world_size()} processes: use a "
+            f"heal_batch_size={settings.heal_batch_size} cannot be shared by {distributed.world_size()} processes: use a "
             "batch at least as large as the number of processes."
         )
-    if compensated is None:  # before pruning: what the dense model already shows there will be nothing to train
-        adapter = get_adapter(model)
-        num_layers = adapter.num_layers(model)
-        if config.heal_trainable in ("lora", "norms", "all"):  # the kept layers are of the dense model's kinds
-            _choose(model, adapter, config.heal_trainable, list(range(num_layers)), num_layers, [])
-        elif config.heal_trainable == "before_removed" and config.layers_to_prune is not None:
-            kept = [index for index in range(num_layers) if index not in set(config.layers_to_prune)]
-            if not _layer_before_each_run(kept, num_layers):
-                raise InvalidInputError(
-                    f"heal_trainable='before_removed' trains the kept layer before each removed run, and "
-                    f"layers_to_prune={config.layers_to_prune} removes only a run that starts at layer 0: choose another "
-                    "`heal_trainable`."
-                )
-        if uses_layer_states(config.heal_loss) and config.layers_to_prune is not None:
-            kept = [index for index in range(num_layers) if index not in set(config.layers_to_prune)]
-            if not _seams(kept):
-                raise InvalidInputError(_no_seam_refusal(kept))
+    if planned:
+        _check_planned_layers(model, settings, pruning)
+
+
+def _check_planned_layers(model: nn.Module, settings: HealSettings, pruning: PlannedPruning) -> None:
+    """Before pruning: nothing to train, or no seam, where the dense model and the layers given show it already."""
+    adapter = get_adapter(model)
+    num_layers = adapter.num_layers(model)
+    if settings.heal_trainable in ("lora", "norms", "all"):  # the kept layers are of the dense model's kinds
+        choose_trainable(model, adapter, settings.heal_trainable, PrunedLayout.unpruned(num_layers))
+    if pruning.layers_to_prune is None:
+        return
+    layout = PrunedLayout.without(pruning.layers_to_prune, num_layers)
+    if settings.heal_trainable == "before_removed" and not layout.before_removed_runs():
+        raise InvalidInputError(
+            f"heal_trainable='before_removed' trains the kept layer before each removed run, and "
+            f"layers_to_prune={pruning.layers_to_prune} removes only a run that starts at layer 0: choose another "
+            "`heal_trainable`."
+        )
+    if uses_layer_states(settings.heal_loss) and not layout.seams():
+        raise InvalidInputError(no_seam_refusal(layout.kept))
 
 
 def check_heal_checkpoint_origin(
@@ -133,7 +112,7 @@ def check_heal_checkpoint_origin(
     model: nn.Module,
     train_ids: torch.LongTensor | None,
     validation_ids: torch.LongTensor | None,
-    config: GradMAPConfig,
+    settings: HealSettings,
 ) -> None:
     """Refuses, before pruning starts, a heal checkpoint file that comes from another run.
 
@@ -154,7 +133,7 @@ def check_heal_checkpoint_origin(
         model (`nn.Module`): The dense model to prune.
         train_ids (`torch.LongTensor`, *optional*), validation_ids (`torch.LongTensor`, *optional*): The heal's
             sequences ([`heal_sequences`]), where they are known before Stage 1.
-        config ([`GradMAPConfig`]): Its `heal_*` settings are read.
+        settings ([`HealSettings`]): The heal's settings.
 
     Raises:
         InvalidInputError: for a path that cannot be written ([`check_heal_checkpoint`]), a file that cannot be read, or
@@ -163,18 +142,14 @@ def check_heal_checkpoint_origin(
     if checkpoint is None:
         return
     distributed.on_main_process(lambda: check_heal_checkpoint(checkpoint))  # a path it cannot write: refused here too
-    saved = _read_saved(checkpoint)
+    saved = read_heal_checkpoint(checkpoint)
     if saved is None:
         return
-    expected = _fingerprint_before_pruning(
+    expected = fingerprint_before_pruning(
         calibration_sha256(train_ids) if train_ids is not None else None,
         calibration_sha256(validation_ids) if validation_ids is not None else None,
-        config.heal_trainable,
-        config.heal_lr if config.heal_lr is not None else DEFAULT_LEARNING_RATES[config.heal_trainable],
-        config.heal_batch_size,
-        config.heal_lora_rank,
+        settings,
         get_adapter(model).num_layers(model),
-        config.heal_loss,
     )
     compared = {key: value for key, value in expected.items() if value is not None}  # the sequences, where known
     differs = [key for key, value in compared.items() if saved["fingerprint"].get(key) != value]
@@ -197,63 +172,56 @@ def check_heal_dataset_name(name: str) -> None:
         check_dataset_name(corpus, "calibration")
 
 
-def check_generation_prompts(config: GradMAPConfig, tokenizer: PreTrainedTokenizerBase | None) -> None:
+def check_generation_prompts(settings: HealSettings, tokenizer: PreTrainedTokenizerBase | None) -> None:
     """Refuses, before any work, the dense model's own text (`generated` in `heal_dataset`) with prompts longer than
     `heal_seq_len`: the first `PROMPT_TOKENS` tokens of the calibration documents, or with `heal_prompts="chat"` the
-    chat template's opening of a user's turn ([`~optimum_gradmap.generation.chat_prompt`], which refuses a tokenizer
+    chat template's opening of a user's turn ([`~optimum_gradmap.heal.generation.chat_prompt`], which refuses a tokenizer
     without a template).
 
     Args:
-        config ([`GradMAPConfig`]): Its `heal_dataset`, `heal_prompts` and `heal_seq_len` are read.
+        settings ([`HealSettings`]): Its `heal_dataset`, `heal_prompts` and `heal_seq_len` are read.
         tokenizer (`PreTrainedTokenizerBase`, *optional*): The dense model's tokenizer (for the chat template).
 
     Raises:
         InvalidInputError: for a prompt longer than `heal_seq_len`, or `heal_prompts="chat"` without a chat template.
     """
-    if not is_generated(config.heal_dataset):
+    if not is_generated(settings.heal_dataset):
         return
-    if config.heal_prompts == "chat":
+    if settings.heal_prompts == "chat":
         length, what = chat_prompt(tokenizer).numel(), "the chat template's opening of a user's turn"
     else:
         length, what = PROMPT_TOKENS, "the first tokens of a calibration document"
-    if length > config.heal_seq_len:
+    if length > settings.heal_seq_len:
         raise InvalidInputError(
-            f"heal_seq_len={config.heal_seq_len} is shorter than the dense model's prompts ({what}: {length} tokens), "
+            f"heal_seq_len={settings.heal_seq_len} is shorter than the dense model's prompts ({what}: {length} tokens), "
             f"which start each sequence it writes: use heal_seq_len > {length}"
-            + (f", or heal_prompts='documents' ({PROMPT_TOKENS}-token prompts)." if config.heal_prompts == "chat" else ".")
+            + (f", or heal_prompts='documents' ({PROMPT_TOKENS}-token prompts)." if settings.heal_prompts == "chat" else ".")
         )
 
 
-def check_heal_arguments(
-    model: nn.Module,
-    validation_ids: torch.LongTensor,
-    trainable: str,
-    loss: str,
-    batch_size: int,
-    check_every: int,
-) -> None:
-    """Refuses, before the teacher runs, arguments of [`heal`] a training run cannot take: an unknown `trainable` or
-    `loss`, a loss that reads hidden states layer-streamed, a batch smaller than the number of processes,
-    `check_every` below 1, or no held-out sequence of 2 tokens or more.
+def check_heal_arguments(model: nn.Module, validation_ids: torch.LongTensor, settings: HealSettings) -> None:
+    """Refuses, before the teacher runs, what [`heal`] cannot train as `settings` say: an unknown `heal_trainable` or
+    `heal_loss`, a loss that reads hidden states layer-streamed, a batch smaller than the number of processes,
+    `heal_check_every` below 1, or no held-out sequence of 2 tokens or more.
 
     Raises:
         InvalidInputError: saying what and how to fix it.
     """
-    if trainable not in HEAL_TRAINABLE_CHOICES:
-        raise InvalidInputError(f"`heal_trainable` must be one of {HEAL_TRAINABLE_CHOICES}, got {trainable!r}.")
-    if loss not in HEAL_LOSS_CHOICES:
-        raise InvalidInputError(f"`heal_loss` must be one of {HEAL_LOSS_CHOICES}, got {loss!r}.")
-    if reads_hidden_states(loss) and streaming.streams(model):
-        raise InvalidInputError(_streamed_loss_refusal(loss))
-    if batch_size < distributed.world_size():
+    if settings.heal_trainable not in HEAL_TRAINABLE_CHOICES:
+        raise InvalidInputError(f"`heal_trainable` must be one of {HEAL_TRAINABLE_CHOICES}, got {settings.heal_trainable!r}.")
+    if settings.heal_loss not in HEAL_LOSS_CHOICES:
+        raise InvalidInputError(f"`heal_loss` must be one of {HEAL_LOSS_CHOICES}, got {settings.heal_loss!r}.")
+    if reads_hidden_states(settings.heal_loss) and streaming.streams(model):
+        raise InvalidInputError(streamed_loss_refusal(settings.heal_loss))
+    if settings.heal_batch_size < distributed.world_size():
         raise InvalidInputError(
-            f"heal_batch_size={batch_size} cannot be shared by {distributed.world_size()} processes: every process takes "
-            "at least one sequence of each step. Use a batch at least as large as the number of processes."
+            f"heal_batch_size={settings.heal_batch_size} cannot be shared by {distributed.world_size()} processes: every "
+            "process takes at least one sequence of each step. Use a batch at least as large as the number of processes."
         )
-    if check_every < 1:
+    if settings.heal_check_every < 1:
         raise InvalidInputError(
-            f"heal_check_every={check_every}: the held-out KL is measured every `heal_check_every` steps, which must be "
-            "at least 1. Use a positive number of steps (e.g. 25)."
+            f"heal_check_every={settings.heal_check_every}: the held-out KL is measured every `heal_check_every` steps, "
+            "which must be at least 1. Use a positive number of steps (e.g. 25)."
         )
     if validation_ids.shape[0] == 0 or validation_ids.shape[1] < 2:
         raise InvalidInputError(

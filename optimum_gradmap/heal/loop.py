@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -19,9 +19,9 @@ from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from .. import distributed, streaming
-from ..adapters import DecoderAdapter
+from ..adapters import get_adapter
 from ..data import calibration_sha256
-from ..distillation import centred_logit_gram, distillation_loss, teacher_targets, uses_head_inputs, uses_layer_states
+from ..distillation import teacher_targets
 from ..errors import InvalidInputError
 from ..objectives import TeacherTargets, chunked_top_k_kl, top_k_kl, top_k_kl_gradient, vocab_sliced_top_k_kl_gradient
 from ..passes import calibration_mode, input_device
@@ -30,10 +30,20 @@ from ..streaming import DecoderGradient
 from ..vocabulary import vocabulary_head
 from ..weights import weights_digest
 from .checks import check_heal_arguments, check_heal_checkpoint
-from .loss import _no_seam_refusal, _seam_indices, _seam_layers, _seams
+from .cost import num_batches
+from .loss import (
+    centred_logit_gram,
+    distillation_loss,
+    no_seam_refusal,
+    seam_indices,
+    seam_layers,
+    uses_head_inputs,
+    uses_layer_states,
+)
 from .result import HealResult
-from .state import _fingerprint_before_pruning, _load_checkpoint, _save_checkpoint
-from .trainable import DEFAULT_LEARNING_RATES, _Choice, _choose, _Trainable
+from .settings import HealSettings, PrunedLayout
+from .state import fingerprint_before_pruning, load_heal_state, save_heal_state
+from .trainable import Trainable, TrainableChoice, choose_trainable
 
 logger = logging.get_logger(__name__)
 
@@ -49,44 +59,32 @@ REFIT_AFTER_STEPS = 5
 
 def heal(
     model: PreTrainedModel,
-    adapter: DecoderAdapter,
     teacher: Callable[[], AbstractContextManager[nn.Module]],
     train_ids: torch.LongTensor,
     validation_ids: torch.LongTensor,
-    trainable: str = "lora",
-    learning_rate: float | None = None,
-    batch_size: int = 8,
-    check_every: int = 25,
-    loss: str = "kl",
-    lora_rank: int = 8,
-    autocast: bool = True,
-    kept: Sequence[int] | None = None,
-    num_layers: int | None = None,
-    compensated: Sequence[int] = (),
+    settings: HealSettings,
+    layout: PrunedLayout | None = None,
     dataset: str = "",
     checkpoint: str | os.PathLike | None = None,
     progress_bar: bool = True,
-    seed: int = 0,
     deadline: float | None = None,
     spent_seconds: float = 0.0,
     targets: tuple[TeacherTargets, TeacherTargets] | None = None,
 ) -> HealResult:
     """Distils the teacher into `model` in place (see [`optimum_gradmap.heal`]); each training step runs
     layer-streamed ([`~optimum_gradmap.streaming.streamed_backward`]: the same gradients, one layer's weights in memory at
-    a time) under execution mode `"layer_streamed"`, or `"auto"` on offloaded weights ([`heal_as_configured`]).
+    a time) under execution mode `"layer_streamed"`, or `"auto"` on offloaded weights ([`heal_stage`] enters the mode
+    `settings.execution` names).
 
     Args:
-        model (`PreTrainedModel`), adapter (`DecoderAdapter`): The pruned model and its family's adapter.
+        model (`PreTrainedModel`): The pruned model.
         teacher (`Callable`): Returns a context manager that gives the dense model for its block.
         train_ids (`torch.LongTensor` of shape `(N, T)`), validation_ids (`torch.LongTensor` of shape `(M, T)`): The
             training sequences, in the order they are trained on, and the held-out ones.
-        trainable (`str`), loss (`str`), lora_rank (`int`), autocast (`bool`), seed (`int`): `heal_trainable`,
-            `heal_loss` (the held-out check is the KL whatever it is), `heal_lora_rank`, `heal_autocast` and LoRA's seed.
-        learning_rate (`float`, *optional*): AdamW's peak rate; defaults to `DEFAULT_LEARNING_RATES[trainable]`.
-        batch_size (`int`), check_every (`int`): Sequences per step (over all processes); steps between two checks.
-        kept (`Sequence[int]`, *optional*), num_layers (`int`, *optional*), compensated (`Sequence[int]`): The original
-            indices of the kept layers (default: all), the dense model's number of layers (default `max(kept) + 1`),
-            Stage 2's compensated layers.
+        settings ([`HealSettings`]): Its `heal_trainable`, `heal_lr` (defaults to `DEFAULT_LEARNING_RATES`),
+            `heal_batch_size` (sequences per step, over all processes), `heal_check_every`, `heal_loss` (the held-out
+            check is the KL whatever it is), `heal_lora_rank`, `heal_autocast` and `seed` (LoRA's) are read.
+        layout ([`PrunedLayout`], *optional*): The model's layers in the dense model; defaults to every layer kept.
         dataset (`str`): The text's name, for the result.
         checkpoint (`str` or `os.PathLike`, *optional*): A file saved at every check, from which an interrupted run
             with the same sequences and settings resumes (missing folders are created).
@@ -96,7 +94,7 @@ def heal(
             step starts that would end, with a last check, after it (`stopped_at_budget`).
         spent_seconds (`float`): Seconds spent on the heal before this call, added to `seconds`.
         targets (`tuple[TeacherTargets, TeacherTargets]`, *optional*): The teacher's targets on both sets of sequences,
-            kept while the dense model wrote them: no teacher pass, unless `loss` needs states they lack.
+            kept while the dense model wrote them: no teacher pass, unless `heal_loss` needs states they lack.
 
     Returns:
         [`HealResult`]. The model holds the trained weights with the lowest held-out KL (the start's if none was
@@ -104,54 +102,47 @@ def heal(
 
     Raises:
         InvalidInputError: what [`check_heal_arguments`] refuses, nothing of that kind to train, weights it cannot train
-            ([`_choose`]), a checkpoint path that cannot be written or a checkpoint file from another run, before the
-            teacher runs. Any other error once training was set up (the merge included) leaves the model as it was,
-            without LoRA's wrappers; Ctrl-C during the steps keeps the best state so far (`interrupted`; every process
-            stops after the same step), before them it propagates.
+            ([`choose_trainable`]), a checkpoint path that cannot be written or a checkpoint file from another run,
+            before the teacher runs. Any other error once training was set up (the merge included) leaves the model as
+            it was, without LoRA's wrappers; Ctrl-C during the steps keeps the best state so far (`interrupted`; every
+            process stops after the same step), before them it propagates.
     """
-    check_heal_arguments(model, validation_ids, trainable, loss, batch_size, check_every)
+    check_heal_arguments(model, validation_ids, settings)
     distributed.on_main_process(lambda: check_heal_checkpoint(checkpoint))  # the main process alone writes it
     started = time.perf_counter() - spent_seconds
-    kept = list(range(adapter.num_layers(model))) if kept is None else list(kept)
-    num_layers = num_layers if num_layers is not None else kept[-1] + 1
-    if uses_layer_states(loss) and not _seams(kept):
-        raise InvalidInputError(_no_seam_refusal(kept))
-    learning_rate = learning_rate if learning_rate is not None else DEFAULT_LEARNING_RATES[trainable]
-    choice = _choose(model, adapter, trainable, kept, num_layers, compensated)  # refusals before any compute
-    result = _new_result(train_ids, validation_ids, trainable, dataset, learning_rate, batch_size, loss)
-    training = _Training(model, adapter, train_ids, validation_ids, result, batch_size, check_every, deadline)
-    resumed = training.resumable(checkpoint, lora_rank, num_layers, kept, compensated)
-    training.make_targets(teacher, targets, kept, autocast, progress_bar)
+    adapter = get_adapter(model)
+    layout = layout if layout is not None else PrunedLayout.unpruned(adapter.num_layers(model))
+    if uses_layer_states(settings.heal_loss) and not layout.seams():
+        raise InvalidInputError(no_seam_refusal(layout.kept))
+    choice = choose_trainable(model, adapter, settings.heal_trainable, layout)  # refusals before any compute
+    result = _new_result(train_ids, validation_ids, settings, dataset)
+    training = _Training(model, train_ids, validation_ids, result, settings, deadline)
+    resumed = training.resumable(checkpoint, layout)
+    training.make_targets(teacher, targets, layout, progress_bar)
     result.teacher_seconds = time.perf_counter() - started - spent_seconds
-    training.train(choice, lora_rank, seed, resumed, progress_bar)
+    training.train(choice, resumed, progress_bar)
     result.seconds = time.perf_counter() - started
     logger.info(result.summary())
     return result
 
 
 def _new_result(
-    train_ids: torch.LongTensor,
-    validation_ids: torch.LongTensor,
-    trainable: str,
-    dataset: str,
-    learning_rate: float,
-    batch_size: int,
-    loss: str,
+    train_ids: torch.LongTensor, validation_ids: torch.LongTensor, settings: HealSettings, dataset: str
 ) -> HealResult:
     """The result of a heal on these sequences and settings, before it runs."""
     num_train = train_ids.shape[0]
     return HealResult(
-        trainable=trainable,
+        trainable=settings.heal_trainable,
         num_trainable_parameters=0,
         dataset=dataset,
         train_sha256=calibration_sha256(train_ids),
         validation_sha256=calibration_sha256(validation_ids),
         budget_tokens=num_train * train_ids.shape[1],
-        num_steps=-(-num_train // batch_size),
-        learning_rate=learning_rate,
-        batch_size=batch_size,
+        num_steps=num_batches(num_train, settings.heal_batch_size),
+        learning_rate=settings.learning_rate,
+        batch_size=settings.heal_batch_size,
         seq_len=train_ids.shape[1],
-        loss=loss,
+        loss=settings.heal_loss,
     )
 
 
@@ -160,53 +151,45 @@ class _Training:
     parameters, AdamW and its schedule, the held-out checks, the deadline, Ctrl-C and the checkpoint.
 
     Args:
-        model, adapter, train_ids, validation_ids, batch_size, check_every, deadline: As in [`heal`].
+        model, train_ids, validation_ids, settings, deadline: As in [`heal`].
         result ([`HealResult`]): Filled in as training goes.
     """
 
     def __init__(
         self,
         model: PreTrainedModel,
-        adapter: DecoderAdapter,
         train_ids: torch.LongTensor,
         validation_ids: torch.LongTensor,
         result: HealResult,
-        batch_size: int,
-        check_every: int,
+        settings: HealSettings,
         deadline: float | None,
     ):
-        self.model, self.adapter, self.result = model, adapter, result
+        self.model, self.adapter, self.result, self.settings = model, get_adapter(model), result, settings
         self.train_ids, self.validation_ids = train_ids, validation_ids
-        self.batch_size, self.check_every, self.deadline = batch_size, check_every, deadline
-        self.loss = result.loss
+        self.batch_size, self.check_every, self.deadline = settings.heal_batch_size, settings.heal_check_every, deadline
+        self.loss = settings.heal_loss
         self.num_train = train_ids.shape[0]
         self.num_steps = result.num_steps
         self.device = input_device(model)
         self.checkpoint: str | os.PathLike | None = None
         self.fingerprint: dict[str, Any] = {}
 
-    def resumable(
-        self, checkpoint: str | os.PathLike | None, lora_rank: int, num_layers: int, kept: list[int], compensated: Sequence[int]
-    ) -> dict[str, Any] | None:
+    def resumable(self, checkpoint: str | os.PathLike | None, layout: PrunedLayout) -> dict[str, Any] | None:
         """Fingerprints this run (what Stage 1 and 2 made included: the kept and compensated layers, and with a
         checkpoint the weights) and returns the state an interrupted run of it saved in `checkpoint`, if any."""
         result = self.result
-        fingerprint = _fingerprint_before_pruning(
-            result.train_sha256, result.validation_sha256, result.trainable, result.learning_rate, self.batch_size,
-            lora_rank, num_layers, self.loss,
-        )  # fmt: skip
-        fingerprint.update(kept=kept, compensated=list(compensated))  # what Stage 1 and 2 made
+        fingerprint = fingerprint_before_pruning(result.train_sha256, result.validation_sha256, self.settings, layout.num_layers)
+        fingerprint.update(kept=list(layout.kept), compensated=list(layout.compensated))  # what Stage 1 and 2 made
         if checkpoint is not None:  # the model the run started from (Stage 1 and 2 as they were): only a resume compares it
             fingerprint["weights"] = weights_digest(self.model)
         self.checkpoint, self.fingerprint = checkpoint, fingerprint
-        return _load_checkpoint(checkpoint, fingerprint)  # a stale file is refused before the teacher runs
+        return load_heal_state(checkpoint, fingerprint)  # a stale file is refused before the teacher runs
 
     def make_targets(
         self,
         teacher: Callable[[], AbstractContextManager[nn.Module]],
         targets: tuple[TeacherTargets, TeacherTargets] | None,
-        kept: list[int],
-        autocast: bool,
+        layout: PrunedLayout,
         progress_bar: bool,
     ) -> None:
         """This process's share of the teacher's targets: its rows of `targets` (kept while the dense model wrote the
@@ -215,9 +198,9 @@ class _Training:
         self.my_rows = [row for step in range(self.num_steps) for row in _batch_rows(step, self.batch_size, self.num_train)]
         self.position = {row: index for index, row in enumerate(self.my_rows)}
         self.my_validation, validation_start = distributed.shard_any(self.validation_ids)
-        result.autocast = uses_bfloat16_autocast(autocast, model)
+        result.autocast = uses_bfloat16_autocast(self.settings.heal_autocast, model)
         keep_hidden = uses_head_inputs(loss)
-        self.seam_layers = _seam_layers(model, self.adapter, loss, kept)
+        self.seam_layers = seam_layers(model, self.adapter, loss, layout)
         seam_states = None if targets is None else targets[0].layer_states
         if targets is not None and (
             (keep_hidden and targets[0].hidden is None)
@@ -233,19 +216,37 @@ class _Training:
             self.targets, self.validation_targets = targets[0].rows(self.my_rows), targets[1].rows(validation_rows)
             self.validation_targets.hidden = self.validation_targets.layer_states = None  # the held-out check is the KL
         else:
-            self.targets, self.validation_targets = _teacher_pass(
-                teacher, self.train_ids[self.my_rows], self.my_validation, self.batch_size, progress_bar,
-                result.autocast, keep_hidden, _seam_indices(loss, kept), self.adapter,
-            )  # fmt: skip
+            self.targets, self.validation_targets = self._teacher_pass(teacher, keep_hidden, layout, progress_bar)
         self.gram = centred_logit_gram(model.get_output_embeddings().weight) if keep_hidden else None
 
-    def train(self, choice: _Choice, lora_rank: int, seed: int, resumed: dict[str, Any] | None, progress_bar: bool) -> None:
+    def _teacher_pass(
+        self,
+        teacher: Callable[[], AbstractContextManager[nn.Module]],
+        keep_hidden: bool,
+        layout: PrunedLayout,
+        progress_bar: bool,
+    ) -> tuple[TeacherTargets, TeacherTargets]:
+        """The teacher's targets on this process's training and held-out rows (with, on the training ones, its head
+        inputs where `keep_hidden`, and its seam layers' outputs where the loss reads them). The teacher is bound here
+        only, so that no reference to it outlives its block: a teacher loaded for the pass is freed before training
+        starts."""
+        batch_size, autocast = self.batch_size, self.result.autocast
+        with teacher() as dense_model:
+            layers = self.adapter.layers_at(dense_model, seam_indices(self.loss, layout))
+            train_ids = self.train_ids[self.my_rows]
+            train_targets = teacher_targets(dense_model, train_ids, batch_size, progress_bar, autocast, keep_hidden, layers)
+            del layers
+            validation_targets = teacher_targets(dense_model, self.my_validation, batch_size, progress_bar, autocast)
+            del dense_model  # before the context's cleanup runs: a teacher it loaded is freed there, not at a later collection
+        return train_targets, validation_targets
+
+    def train(self, choice: TrainableChoice, resumed: dict[str, Any] | None, progress_bar: bool) -> None:
         """Trains what `choice` names and leaves the best state as plain weights; any error once it is set up (the
         merge included) puts the model back as it came."""
         chosen = None
         with calibration_mode(self.model, grad=True, freeze_parameters=True):
             try:
-                chosen = _Trainable(self.model, choice, lora_rank, seed)
+                chosen = Trainable(self.model, choice, self.settings.heal_lora_rank, self.settings.seed)
                 start_state = self.best_state = chosen.state()  # before anything else can fail: an error restores it
                 self.result.num_trainable_parameters = chosen.num_parameters()
                 self._set_up(chosen, resumed)
@@ -257,7 +258,7 @@ class _Training:
                     chosen.restore(start_state)
                 raise
 
-    def _set_up(self, chosen: _Trainable, resumed: dict[str, Any] | None) -> None:
+    def _set_up(self, chosen: Trainable, resumed: dict[str, Any] | None) -> None:
         """The optimizer and its schedule, then the resumed state, or the start's held-out KL."""
         result = self.result
         self.chosen = chosen
@@ -300,9 +301,12 @@ class _Training:
         or with the checkpoint write's outcome."""
         result = self.result
         self.bar = logging.tqdm(
-            total=self.num_steps, initial=self.first_step, desc=f"Heal ({result.trainable})", leave=False,
+            total=self.num_steps,
+            initial=self.first_step,
+            desc=f"Heal ({result.trainable})",
+            leave=False,
             disable=not progress_bar,
-        )  # fmt: skip
+        )
         result.steps = self.first_step
         result.trained_tokens = min(self.num_train, self.first_step * self.batch_size) * self.train_ids.shape[1]
         self.seconds, self.tokens_timed, self.warm_seconds = 0.0, 0, 0.0
@@ -400,10 +404,25 @@ class _Training:
         self.check_seconds = time.perf_counter() - check_tick
         self._record_check(kl)
         self.bar.set_postfix(tokens_per_s=f"{self.tokens_timed / self.seconds:.0f}", held_out_kl=f"{kl:.4f}")
-        saved = _save_checkpoint(
-            self.checkpoint, self.fingerprint, self.chosen, self.optimizer, self.scheduler, self.best_state, result
-        )
-        return not saved
+        return not save_heal_state(self.checkpoint, self._saved_state)
+
+    def _saved_state(self) -> dict[str, Any]:
+        """What the checkpoint file holds: the fingerprint, the trained parameters, the optimizer, the schedule, the
+        best state and the held-out curve."""
+        result = self.result
+        return {
+            "fingerprint": self.fingerprint,
+            "step": result.steps,
+            "state": self.chosen.state(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "best_state": self.best_state,
+            "kl_curve": result.kl_curve,
+            "start_kl": result.start_kl,
+            "best_kl": result.best_kl,
+            "best_tokens": result.best_tokens,
+            "budget_tokens": result.budget_tokens,  # what a resumed `heal_tokens="auto"` run trains again
+        }
 
     def _record_check(self, kl: float) -> None:
         """Adds a held-out KL to the curve, and keeps the state if it is the lowest so far."""
@@ -471,30 +490,6 @@ def _past(deadline: float, seconds_needed: float) -> bool:
     """Whether work of `seconds_needed` started now would end after `deadline` (the main process's clock decides, so
     that every process stops after the same step)."""
     return distributed.on_main_process(lambda: time.perf_counter() + seconds_needed > deadline)
-
-
-def _teacher_pass(
-    teacher: Callable[[], AbstractContextManager[nn.Module]],
-    train_ids: torch.LongTensor,
-    validation_ids: torch.LongTensor,
-    batch_size: int,
-    progress_bar: bool,
-    autocast: bool,
-    keep_hidden: bool = False,
-    layer_indices: Sequence[int] = (),
-    adapter: DecoderAdapter | None = None,
-) -> tuple[TeacherTargets, TeacherTargets]:
-    """The teacher's targets on the training and the held-out sequences (with, on the training ones, its head inputs
-    where `keep_hidden`, and the outputs of its layers `layer_indices`, found by `adapter`). The teacher is bound here
-    only, so that no reference to it outlives its block: a teacher loaded for the pass is freed before training
-    starts."""
-    with teacher() as dense_model:
-        layers = adapter.layers_at(dense_model, layer_indices)
-        train_targets = teacher_targets(dense_model, train_ids, batch_size, progress_bar, autocast, keep_hidden, layers)
-        del layers
-        validation_targets = teacher_targets(dense_model, validation_ids, batch_size, progress_bar, autocast)
-        del dense_model  # before the context's cleanup runs: a teacher it loaded is freed there, not at a later collection
-    return train_targets, validation_targets
 
 
 def _held_out_kl(

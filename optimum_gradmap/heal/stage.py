@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
@@ -18,17 +18,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
 from .. import distributed, streaming
-from ..adapters import get_adapter
-from ..configuration import GradMAPConfig
 from ..data import CalibrationData
 from ..errors import InvalidInputError
-from ..generation import is_generated
-from ..objectives import TeacherTargets
-from .budget import AUTO_TIME_SHARE, choose_heal_tokens
+from .budget import choose_heal_tokens
 from .checks import check_generation_prompts, check_heal_dataset_name, check_heal_settings
+from .cost import AUTO_TIME_SHARE, HealCosts
+from .generation import is_generated
 from .loop import heal
 from .result import HealResult
-from .state import _read_saved
+from .settings import HealSettings, PlannedPruning, PrunedLayout
+from .state import read_heal_checkpoint
 from .text import HealText, generation_seconds_per_sequence, heal_sequences
 
 logger = logging.get_logger(__name__)
@@ -37,11 +36,9 @@ logger = logging.get_logger(__name__)
 def heal_stage(
     model: PreTrainedModel,
     teacher: Callable[[], AbstractContextManager[nn.Module]],
-    config: GradMAPConfig,
+    settings: HealSettings,
     tokenizer: PreTrainedTokenizerBase | None,
-    kept: Sequence[int],
-    num_layers: int,
-    compensated: Sequence[int],
+    layout: PrunedLayout,
     data: CalibrationData = None,
     text: HealText | None = None,
     stage1_seconds: float | None = None,
@@ -52,58 +49,67 @@ def heal_stage(
     prompt_data: CalibrationData = None,
     stage1_basis: str = "measured",
 ) -> HealResult:
-    """The heal stage as `config` says, from its text to the merged weights (the pruner's, the CLI's and the
+    """The heal stage as `settings` say, from its text to the merged weights (the pruner's, the CLI's and the
     benchmarks' one call): the budget (`heal_tokens`, or `"auto"`: [`choose_heal_tokens`] for a share
     `AUTO_TIME_SHARE` of `stage1_seconds`, the text included, with a deadline), the text ([`heal_sequences`], the
-    dense model's own where `heal_dataset` says `generated`), then [`heal`].
+    dense model's own where `heal_dataset` says `generated`), then [`heal`] in the execution mode `execution` names.
 
     Args:
-        model, teacher, kept, num_layers, compensated, checkpoint, progress_bar: As in [`heal`].
-        config ([`GradMAPConfig`]): Its `heal_*` settings, `seed`, `dataset`, `text_column` and `execution` are read.
+        model, teacher, settings, layout, checkpoint, progress_bar: As in [`heal`].
         tokenizer (`PreTrainedTokenizerBase`, *optional*): For text.
-        data (*optional*): The heal text (any form calibration data takes); defaults to `config.heal_dataset`.
+        data (*optional*): The heal text (any form calibration data takes); defaults to `settings.heal_dataset`.
         text ([`HealText`], *optional*): Sequences prepared already (for a number of tokens): used as they are.
         stage1_seconds (`float`, *optional*): Stage 1's time, the unit of `heal_tokens="auto"`.
         text_cache (`str` or `os.PathLike`, *optional*): The cache file of the dense model's own text.
-        check_ids (`Callable`, *optional*): Called on each set of sequences prepared here (the pruner's token-id
-            check).
+        check_ids (`Callable`, *optional*): Called on each set of sequences prepared here (a token-id check).
         prompt_data (*optional*): The calibration data that prompts the dense model's own text ([`heal_sequences`]).
         stage1_basis (`str`, defaults to `"measured"`): Where `stage1_seconds` comes from: `"measured"` (a Stage 1 that
             ran) or `"predicted"` (the plan's, where no Stage 1 scored); logged and kept in `budget_basis`.
 
     Returns:
-        [`HealResult`], with the text's seconds in `generation_seconds` and `seconds`, and for `"auto"` the time given
-        in `budget_seconds`, the tokens chosen in `budget_tokens` and where they came from in `budget_basis` (an
-        interrupted `"auto"` heal resumes with the tokens its checkpoint holds, `"resumed"`).
+        [`HealResult`], with the text's seconds in `generation_seconds` and `seconds`; for `"auto"`, the time given in
+        `budget_seconds`, the tokens chosen in `budget_tokens` and their basis in `budget_basis` (`"resumed"`: those of
+        the interrupted run whose checkpoint it resumes).
 
     Raises:
-        InvalidInputError: for `heal_tokens="auto"` without Stage 1's time, and what [`heal_sequences`] and [`heal`]
-            refuse.
+        InvalidInputError: for `heal_tokens="auto"` without Stage 1's time, and what [`heal_sequences`] and [`heal`] refuse.
     """
     started = time.perf_counter()
-    budget, basis, generated_before = None, None, 0.0
-    if config.heal_tokens == "auto":
+    budget, deadline, basis, generated_before = None, None, None, 0.0
+    if settings.heal_tokens == "auto":
         budget = _auto_budget_seconds(stage1_seconds)
+        deadline = started + budget
         tokens, basis = _resumed_tokens(checkpoint), "resumed"
         if tokens is None:
-            tokens, generated_before = _auto_tokens(
-                model, teacher, config, tokenizer, kept, num_layers, compensated, data, budget, started, text_cache,
-                prompt_data, stage1_basis,
-            )  # fmt: skip
+            tokens, costs, generated_before = _auto_tokens(
+                model, teacher, settings, tokenizer, layout, deadline, data, text_cache, prompt_data
+            )
+            logger.info(
+                f"Heal: heal_tokens='auto' chose {tokens:,} tokens for {budget:.0f} s, Stage 1's {stage1_basis} time ({costs})."
+            )
             basis = stage1_basis
-        config = dataclasses.replace(config, heal_tokens=tokens)
+        settings = dataclasses.replace(settings, heal_tokens=tokens)
         text = None
     if text is None:
-        text = heal_sequences(data, tokenizer, config, teacher, text_cache, progress_bar, prompt_data, kept)
+        text = heal_sequences(data, tokenizer, settings, teacher, text_cache, progress_bar, prompt_data, layout)
         for ids in (text.train_ids, text.validation_ids):
             if check_ids is not None:
                 check_ids(ids)
-    result = heal_as_configured(
-        model, teacher, text.train_ids, text.validation_ids, config, kept, num_layers, compensated, text.source,
-        checkpoint, progress_bar, deadline=started + budget if budget is not None else None,
-        spent_seconds=time.perf_counter() - started,
-        targets=(text.train_targets, text.validation_targets) if text.train_targets is not None else None,
-    )  # fmt: skip
+    with streaming.execution_mode(settings.execution):
+        result = heal(
+            model,
+            teacher,
+            text.train_ids,
+            text.validation_ids,
+            settings,
+            layout,
+            text.source,
+            checkpoint,
+            progress_bar,
+            deadline,
+            spent_seconds=time.perf_counter() - started,
+            targets=(text.train_targets, text.validation_targets) if text.train_targets is not None else None,
+        )
     result.generation_seconds = generated_before + text.generation_seconds
     result.budget_seconds, result.budget_basis = budget, basis
     return result
@@ -123,7 +129,7 @@ def _resumed_tokens(checkpoint: str | os.PathLike | None) -> int | None:
     """The training tokens of the interrupted heal whose state `checkpoint` holds (`None` without a file, or in a file
     that does not record them): a resumed `heal_tokens="auto"` heal trains the same sequences again rather than
     timing the heal anew (another count would be another run, whose file the resume refuses)."""
-    saved = _read_saved(checkpoint) if checkpoint is not None else None
+    saved = read_heal_checkpoint(checkpoint) if checkpoint is not None else None
     tokens = saved and saved["budget_tokens"]
     if tokens:
         logger.info(f"Heal: heal_tokens='auto' resumes the {tokens:,} tokens its interrupted run chose ({checkpoint}).")
@@ -133,120 +139,60 @@ def _resumed_tokens(checkpoint: str | os.PathLike | None) -> int | None:
 def _auto_tokens(
     model: PreTrainedModel,
     teacher: Callable[[], AbstractContextManager[nn.Module]],
-    config: GradMAPConfig,
+    settings: HealSettings,
     tokenizer: PreTrainedTokenizerBase | None,
-    kept: Sequence[int],
-    num_layers: int,
-    compensated: Sequence[int],
-    data: CalibrationData,
-    budget: float,
-    started: float,
-    text_cache: str | os.PathLike | None,
-    prompt_data: CalibrationData,
-    stage1_basis: str,
-) -> tuple[int, float]:
-    """`heal_tokens="auto"`: the tokens whose heal fits in `budget` seconds from `started` (what a sequence of the
-    dense model's own text costs is measured first, where it writes the text), and the seconds spent on its text."""
-    rate, generated_before = 0.0, 0.0
-    if data is None and is_generated(config.heal_dataset):
-        rate = generation_seconds_per_sequence(teacher, tokenizer, config, text_cache, prompt_data, kept)
-        generated_before = time.perf_counter() - started
-    remaining = budget - (time.perf_counter() - started)
-    tokens, costs = choose_heal_tokens(model, config, remaining, kept, num_layers, compensated, rate)
-    logger.info(f"Heal: heal_tokens='auto' chose {tokens:,} tokens for {budget:.0f} s, Stage 1's {stage1_basis} time ({costs}).")
-    return tokens, generated_before
+    layout: PrunedLayout,
+    deadline: float,
+    data: CalibrationData = None,
+    text_cache: str | os.PathLike | None = None,
+    prompt_data: CalibrationData = None,
+) -> tuple[int, HealCosts, float]:
+    """`heal_tokens="auto"`: the tokens whose heal fits before `deadline` (what a sequence of the dense model's own
+    text costs is measured first, where it writes the text), the costs they come from, and the seconds spent on the
+    text."""
+    started, rate, generated = time.perf_counter(), 0.0, 0.0
+    if data is None and is_generated(settings.heal_dataset):
+        rate = generation_seconds_per_sequence(teacher, tokenizer, settings, text_cache, prompt_data, layout)
+        generated = time.perf_counter() - started
+    tokens, costs = choose_heal_tokens(model, settings, layout, deadline - time.perf_counter(), rate)
+    return tokens, costs, generated
 
 
 def prepare_heal_text(
     model: PreTrainedModel,
     heal_data: CalibrationData,
-    config: GradMAPConfig,
+    settings: HealSettings,
+    pruning: PrunedLayout | PlannedPruning,
     tokenizer_for: Callable[[CalibrationData], PreTrainedTokenizerBase | None],
     check_ids: Callable[[torch.LongTensor], None],
-    compensated: list[int] | None = None,
 ) -> HealText | None:
-    """The heal stage's training and held-out sequences (`heal_data`, else `config.heal_dataset`), drawn with seed
-    `seed + 2`, after the checks of its settings on `model` (pruned already when `compensated`, the layers Stage 2
-    compensated, is given) and of the dense model's prompts. `None` where the heal makes them when it starts: the
-    dense model's own text, and `heal_tokens="auto"` (only the names are checked here).
+    """The heal stage's training and held-out sequences (`heal_data`, else `settings.heal_dataset`), drawn with seed
+    `seed + 2`, after the checks of its settings on `model` ([`check_heal_settings`]: the model pruned already, or
+    before its pruning) and of the dense model's prompts. `None` where the heal makes them when it starts: the dense
+    model's own text, and `heal_tokens="auto"` (only the names are checked here).
 
     Args:
         model (`PreTrainedModel`): The model to prune (or pruned).
         heal_data (*optional*): The heal text (any form calibration data takes).
-        config ([`GradMAPConfig`]): The run's settings.
+        settings ([`HealSettings`]): The heal's settings.
+        pruning ([`PrunedLayout`] or [`PlannedPruning`]): As in [`check_heal_settings`].
         tokenizer_for (`Callable`): The tokenizer for some data (the pruner's rule).
         check_ids (`Callable`): Called on each set of sequences (the pruner's token-id check).
-        compensated (`list[int]`, *optional*): For a pruned model, the layers Stage 2 compensated.
 
     Returns:
         [`HealText`], or `None`.
     """
-    check_heal_settings(model, config, compensated)
-    data = heal_data if heal_data is not None else config.heal_dataset
+    check_heal_settings(model, settings, pruning)
+    data = heal_data if heal_data is not None else settings.heal_dataset
     if isinstance(data, str) and not os.path.exists(data):
         check_heal_dataset_name(data)  # a name: refused before a tokenizer is looked for
-    generated = heal_data is None and is_generated(config.heal_dataset)
+    generated = heal_data is None and is_generated(settings.heal_dataset)
     if generated:  # prompts longer than the sequences, or no chat template: refused before Stage 1
-        check_generation_prompts(config, tokenizer_for(config.dataset) if config.heal_prompts == "chat" else None)
-    if config.heal_tokens == "auto" or generated:
+        check_generation_prompts(settings, tokenizer_for(settings.dataset) if settings.heal_prompts == "chat" else None)
+    if settings.heal_tokens == "auto" or generated:
         return None
-    text = heal_sequences(data, tokenizer_for(data), config)
+    text = heal_sequences(data, tokenizer_for(data), settings)
     for ids in (text.train_ids, text.validation_ids):
         check_ids(ids)
     distributed.shard_bounds(text.train_ids.shape[0])
     return text
-
-
-def heal_as_configured(
-    model: PreTrainedModel,
-    teacher: Callable[[], AbstractContextManager[nn.Module]],
-    train_ids: torch.LongTensor,
-    validation_ids: torch.LongTensor,
-    config: GradMAPConfig,
-    kept: Sequence[int],
-    num_layers: int,
-    compensated: Sequence[int],
-    dataset: str,
-    checkpoint: str | os.PathLike | None = None,
-    progress_bar: bool = True,
-    deadline: float | None = None,
-    spent_seconds: float = 0.0,
-    targets: tuple[TeacherTargets, TeacherTargets] | None = None,
-) -> HealResult:
-    """[`heal`] with the `heal_*` settings of `config`, on given sequences ([`heal_stage`] prepares them).
-
-    Args:
-        model, teacher, train_ids, validation_ids, kept, num_layers, compensated, dataset, checkpoint, progress_bar,
-            deadline, spent_seconds, targets: As in [`heal`].
-        config ([`GradMAPConfig`]): Its `heal_trainable`, `heal_lr`, `heal_batch_size`, `heal_check_every`,
-            `heal_lora_rank`, `heal_loss`, `heal_autocast`, `execution` (whether the training steps run layer-streamed, see
-            [`heal`]) and `seed` (LoRA's initialisation) are read.
-
-    Returns:
-        [`HealResult`].
-    """
-    with streaming.execution_mode(config.execution):
-        return heal(
-            model,
-            get_adapter(model),
-            teacher,
-            train_ids,
-            validation_ids,
-            trainable=config.heal_trainable,
-            learning_rate=config.heal_lr,
-            batch_size=config.heal_batch_size,
-            check_every=config.heal_check_every,
-            loss=config.heal_loss,
-            lora_rank=config.heal_lora_rank,
-            autocast=config.heal_autocast,
-            kept=kept,
-            num_layers=num_layers,
-            compensated=compensated,
-            dataset=dataset,
-            checkpoint=checkpoint,
-            progress_bar=progress_bar,
-            seed=config.seed,
-            deadline=deadline,
-            spent_seconds=spent_seconds,
-            targets=targets,
-        )

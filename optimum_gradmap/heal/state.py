@@ -6,44 +6,36 @@ to), and its reading by the main process alone, sent to the others (nodes need n
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from .. import distributed
 from ..errors import InvalidInputError
-from .result import HealResult
-
-if TYPE_CHECKING:
-    from .trainable import _Trainable
+from .settings import HealSettings
 
 
-def _fingerprint_before_pruning(
-    train_sha256: str,
-    validation_sha256: str,
-    trainable: str,
-    learning_rate: float,
-    batch_size: int,
-    lora_rank: int,
-    num_layers: int,
-    loss: str = "kl",
+def fingerprint_before_pruning(
+    train_sha256: str | None, validation_sha256: str | None, settings: HealSettings, num_layers: int
 ) -> dict[str, Any]:
-    """The part of a heal checkpoint's fingerprint known before Stage 1 (see [`check_heal_checkpoint_origin`]): the
-    heal's text, its settings, the number of processes and the dense model's number of layers."""
+    """The part of a heal checkpoint's fingerprint known before Stage 1 (see
+    [`~optimum_gradmap.heal.check_heal_checkpoint_origin`]): the heal's text (`None` where it is not known yet), the
+    settings that decide its training, the number of processes and the dense model's number of layers."""
     return {
         "train_sha256": train_sha256,
         "validation_sha256": validation_sha256,
-        "trainable": trainable,
-        "learning_rate": learning_rate,
-        "batch_size": batch_size,
-        "lora_rank": lora_rank,
-        "loss": loss,
+        "trainable": settings.heal_trainable,
+        "learning_rate": settings.learning_rate,
+        "batch_size": settings.heal_batch_size,
+        "lora_rank": settings.heal_lora_rank,
+        "loss": settings.heal_loss,
         "world_size": distributed.world_size(),
         "num_layers": num_layers,
     }
 
 
-def _read_saved(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
+def read_heal_checkpoint(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
     """The fingerprint of the heal checkpoint file `checkpoint` (with the default loss) and the training tokens of its
     run (`budget_tokens`, `None` in files that do not record it); `None` without a file. Read by the main process
     alone, mapped rather than read (the state is not needed), and sent to the others.
@@ -74,7 +66,7 @@ def _with_default_loss(fingerprint: dict[str, Any]) -> dict[str, Any]:
     return {"loss": "kl", **fingerprint}
 
 
-def _load_checkpoint(path: str | os.PathLike | None, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
+def load_heal_state(path: str | os.PathLike | None, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
     """The state an interrupted run with this `fingerprint` saved in `path` (`None` without a file). The main process
     reads it and sends it to the others, which need not see the file (nodes without a shared file system): every
     process resumes from the same state."""
@@ -95,44 +87,19 @@ def _load_checkpoint(path: str | os.PathLike | None, fingerprint: dict[str, Any]
     return saved
 
 
-def _save_checkpoint(
-    path: str | os.PathLike | None,
-    fingerprint: dict[str, Any],
-    chosen: _Trainable,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    best_state: list[torch.Tensor],
-    result: HealResult,
-) -> bool:
-    """Saves the state in `path` (by the main process). Returns `False` on every process when Ctrl-C stopped the main
-    process's write (the last complete file stays): the processes stop after this step together, rather than the main
-    process alone. Another error raises on every process ([`distributed.on_main_process`])."""
+def save_heal_state(path: str | os.PathLike | None, state: Callable[[], dict[str, Any]]) -> bool:
+    """Saves `state()` (the training's state, made by the main process alone) in `path`. Returns `False` on every
+    process when Ctrl-C stopped the main process's write (the last complete file stays): the processes stop after this
+    step together, rather than the main process alone. Another error raises on every process
+    ([`distributed.on_main_process`])."""
     if path is None:
         return True
-
-    def write(temporary: str) -> None:
-        torch.save(
-            {
-                "fingerprint": fingerprint,
-                "step": result.steps,
-                "state": chosen.state(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "best_state": best_state,
-                "kl_curve": result.kl_curve,
-                "start_kl": result.start_kl,
-                "best_kl": result.best_kl,
-                "best_tokens": result.best_tokens,
-                "budget_tokens": result.budget_tokens,  # what a resumed `heal_tokens="auto"` run trains again
-            },
-            temporary,
-        )
 
     def save() -> bool:
         temporary = f"{os.fspath(path)}.tmp"
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # check_heal_checkpoint: it can be created
         try:
-            write(temporary)
+            torch.save(state(), temporary)
             os.replace(temporary, path)
         except BaseException as error:  # no half-written file left behind
             if os.path.exists(temporary):

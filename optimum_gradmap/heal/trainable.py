@@ -2,14 +2,13 @@
 # Licensed under the Apache License, Version 2.0.
 """What the heal trains (`heal_trainable`): LoRA's adapters on the kept layers' linear maps, injected through PEFT, or
 the model's own parameters (norms, down projections, layers), found and refused before anything changes
-([`_choose`]); their setup, their merge into plain weights, and the rollback that puts the model back as it came
-([`_Trainable`])."""
+([`choose_trainable`]); their setup, their merge into plain weights, and the rollback that puts the model back as it
+came ([`Trainable`])."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import get_args
 
 import torch
 from torch import nn
@@ -17,21 +16,10 @@ from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from ..adapters import DecoderAdapter, get_adapter, get_submodule
-from ..configuration import HealTrainable
 from ..errors import InvalidInputError
 from ..weights import WeightBackup, execution_device, is_offloaded_module, materialized
+from .settings import PrunedLayout
 
-HEAL_TRAINABLE_CHOICES: tuple[str, ...] = get_args(HealTrainable)
-# The learning rate of each choice of `heal_trainable` when `heal_lr` is None. LoRA and the norms: the better of two
-# rates measured on SmolLM2-135M 25% with 40,960 tokens (held-out Wikipedia KL from the dense model, lower is better:
-# LoRA 0.869 at 1e-3 against 0.980 at 2e-4; norms 0.917 at 3e-3 against 0.958 at 1e-3; docs/benchmarks/heal.md).
-DEFAULT_LEARNING_RATES: dict[str, float] = {
-    "lora": 1e-3,
-    "norms": 3e-3,
-    "down_projections": 3e-5,
-    "before_removed": 3e-5,
-    "all": 3e-5,
-}
 # The name of the heal stage's LoRA adapter (in its parameters' names).
 LORA_ADAPTER = "heal"
 
@@ -56,66 +44,54 @@ def _norm_parameters(model: nn.Module, kept_layers: Sequence[nn.Module], adapter
     return [parameter for module in modules for parameter in module.parameters(recurse=False)]
 
 
-def _layer_before_each_run(kept: Sequence[int], num_layers: int) -> list[int]:
-    """The original indices of the kept layers directly before a run of removed ones."""
-    kept_set = set(kept)
-    return [index for index in kept if index + 1 < num_layers and index + 1 not in kept_set]
-
-
 @dataclass
-class _Choice:
+class TrainableChoice:
     """What `heal_trainable` names in a model, found without changing it: LoRA's target maps, or the parameters."""
 
     lora_targets: list[str]
     parameters: list[nn.Parameter]
 
 
-def _choose(
-    model: PreTrainedModel,
-    adapter: DecoderAdapter,
-    trainable: str,
-    kept: Sequence[int],
-    num_layers: int,
-    compensated: Sequence[int],
-) -> _Choice:
-    """What to train, refused (before anything runs) where the model has nothing of that kind.
+def choose_trainable(model: PreTrainedModel, adapter: DecoderAdapter, trainable: str, layout: PrunedLayout) -> TrainableChoice:
+    """What to train (`heal_trainable`) in `model`, whose layers `layout` describes, refused (before anything runs)
+    where the model has nothing of that kind.
 
     Raises:
         InvalidInputError: nothing to train, a model that carries PEFT adapters already, or full weights in a dtype
             AdamW cannot update finely (bfloat16, float16).
     """
-    _check_no_peft_adapters(model)
+    check_no_peft_adapters(model)
     layers = list(adapter.get_layers(model))
-    by_index = dict(zip(kept, layers))
+    by_index = dict(zip(layout.kept, layers))
     if trainable == "lora":
-        choice = _Choice(_linear_names(model, layers), [])
+        choice = TrainableChoice(_linear_names(model, layers), [])
     elif trainable == "norms":
-        choice = _Choice([], _norm_parameters(model, layers, adapter))
+        choice = TrainableChoice([], _norm_parameters(model, layers, adapter))
     elif trainable == "down_projections":
-        if not compensated:
+        if not layout.compensated:
             raise InvalidInputError(
                 "heal_trainable='down_projections' trains the down projections of Stage 2's compensated layers, and no "
                 "layer was compensated: turn Stage 2 on, or choose another `heal_trainable`."
             )
-        choice = _Choice(
+        choice = TrainableChoice(
             [],
             [
                 tensor
-                for index in compensated
+                for index in layout.compensated
                 for target in adapter.get_down_projections(by_index[index])
                 for tensor in ([target] if isinstance(target, nn.Parameter) else [target.weight])
             ],
         )
     elif trainable == "before_removed":
-        chosen = _layer_before_each_run(kept, num_layers)
+        chosen = layout.before_removed_runs()
         if not chosen:
             raise InvalidInputError(
                 "heal_trainable='before_removed' trains the kept layer before each removed run, and every removed run "
                 "starts at layer 0: choose another `heal_trainable`."
             )
-        choice = _Choice([], [parameter for index in chosen for parameter in by_index[index].parameters()])
+        choice = TrainableChoice([], [parameter for index in chosen for parameter in by_index[index].parameters()])
     else:  # "all"
-        choice = _Choice([], [parameter for layer in layers for parameter in layer.parameters()])
+        choice = TrainableChoice([], [parameter for layer in layers for parameter in layer.parameters()])
         choice.parameters += _norm_parameters(model, [], adapter)
     if not choice.lora_targets and not choice.parameters:
         raise InvalidInputError(f"heal_trainable={trainable!r} finds nothing to train in this model: choose another.")
@@ -126,7 +102,7 @@ def _choose(
         for parameter in module.parameters(recurse=False)
     }
     if any(id(parameter) in offloaded for parameter in choice.parameters):
-        raise InvalidInputError(_offloaded_refusal(trainable))
+        raise InvalidInputError(offloaded_refusal(trainable))
     low_precision = sorted({str(p.dtype) for p in choice.parameters if p.dtype in (torch.bfloat16, torch.float16)})
     if low_precision:
         raise InvalidInputError(
@@ -137,7 +113,8 @@ def _choose(
     return choice
 
 
-def _offloaded_refusal(trainable: str) -> str:
+def offloaded_refusal(trainable: str) -> str:
+    """The refusal of training the model's own weights (any `heal_trainable` but `lora`) where some are offloaded."""
     return (
         f"heal_trainable={trainable!r} trains the model's own weights, and Accelerate offloaded some of them to the CPU "
         "or disk, where no gradient can accumulate (each forward pass brings a new copy): heal an offloaded model with "
@@ -146,7 +123,7 @@ def _offloaded_refusal(trainable: str) -> str:
     )
 
 
-def _check_no_peft_adapters(model: nn.Module) -> None:
+def check_no_peft_adapters(model: nn.Module) -> None:
     """Refuses a model that carries PEFT adapters: the heal stage adds its own and merges them."""
     if hasattr(model, "peft_config"):
         raise InvalidInputError(
@@ -154,18 +131,18 @@ def _check_no_peft_adapters(model: nn.Module) -> None:
         )
 
 
-class _Trainable:
+class Trainable:
     """The parameters the heal stage trains (LoRA's adapters, injected here, or the model's own) and how they end as
     plain weights.
 
     Args:
         model (`PreTrainedModel`): The model.
-        choice (`_Choice`): From `_choose`.
+        choice ([`TrainableChoice`]): From [`choose_trainable`].
         lora_rank (`int`): The adapters' rank.
         seed (`int`): LoRA's initialisation seed (the same on every process).
     """
 
-    def __init__(self, model: PreTrainedModel, choice: _Choice, lora_rank: int, seed: int = 0):
+    def __init__(self, model: PreTrainedModel, choice: TrainableChoice, lora_rank: int, seed: int = 0):
         self.model, self.lora, self.lora_layers = model, None, []
         if choice.lora_targets:
             try:
@@ -270,32 +247,27 @@ class _Trainable:
         self.finish(merge=False)
 
 
-def changed_parameters(
-    model: PreTrainedModel, trainable: str, kept: Sequence[int], num_layers: int, compensated: Sequence[int]
-) -> dict[str, nn.Parameter]:
+def changed_parameters(model: PreTrainedModel, trainable: str, layout: PrunedLayout) -> dict[str, nn.Parameter]:
     """Every parameter a heal of `trainable` changes, by its name in `model`: the trained parameters, or for LoRA the
     weights of the maps its adapters merge into.
 
     Args:
         model (`PreTrainedModel`): The pruned model, before the heal.
         trainable (`str`): `heal_trainable`.
-        kept (`Sequence[int]`), num_layers (`int`), compensated (`Sequence[int]`): The kept layers (dense indices), the
-            dense model's layer count and the layers Stage 2 compensated.
+        layout ([`PrunedLayout`]): Its layers.
 
     Returns:
         `dict[str, nn.Parameter]`.
     """
-    choice = _choose(model, get_adapter(model), trainable, kept, num_layers, compensated)
+    choice = choose_trainable(model, get_adapter(model), trainable, layout)
     changed = [model.get_submodule(name).weight for name in choice.lora_targets] + list(choice.parameters)
     wanted = {id(parameter) for parameter in changed}
     return {name: parameter for name, parameter in model.named_parameters() if id(parameter) in wanted}
 
 
-def heal_backup(
-    model: PreTrainedModel, trainable: str, kept: Sequence[int], num_layers: int, compensated: Sequence[int]
-) -> WeightBackup:
+def heal_backup(model: PreTrainedModel, trainable: str, layout: PrunedLayout) -> WeightBackup:
     """A copy, on the CPU, of every parameter a heal of `trainable` changes ([`changed_parameters`]): what puts the
     model back as the heal found it when a later step fails. It costs as many bytes as those parameters."""
-    wanted = {id(parameter) for parameter in changed_parameters(model, trainable, kept, num_layers, compensated).values()}
+    wanted = {id(parameter) for parameter in changed_parameters(model, trainable, layout).values()}
     owners = [module for module in model.modules() if any(id(p) in wanted for p in module.parameters(recurse=False))]
     return WeightBackup(owners, lambda module: [p for p in module.parameters(recurse=False) if id(p) in wanted])

@@ -16,26 +16,29 @@ from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from ..configuration import GradMAPConfig
-from ..data import CalibrationData, check_token_ids
+from ..data import check_token_ids
 from ..errors import InvalidInputError
-from ..heal import HealText, check_heal_checkpoint_origin, heal_backup, heal_stage, prepare_heal_text
+from ..heal import (
+    HealSettings,
+    HealText,
+    PlannedPruning,
+    PrunedLayout,
+    check_heal_checkpoint_origin,
+    heal_backup,
+    heal_stage,
+    prepare_heal_text,
+)
 from ..planning import Planner
 from ..result import PruningResult, refuse_after_heal
 from ..weights import WeightBackup
-from .run import Run, Step, TokenizerFor
+from .run import Run, Step
 
 logger = logging.get_logger(__name__)
 
 
-def heal_text(
-    model: PreTrainedModel,
-    heal_data: CalibrationData,
-    config: GradMAPConfig,
-    tokenizer_for: TokenizerFor,
-    compensated: list[int] | None = None,
-) -> HealText | None:
-    """[`~optimum_gradmap.heal.prepare_heal_text`] with the token-id check of `model`'s vocabulary."""
-    return prepare_heal_text(model, heal_data, config, tokenizer_for, lambda ids: check_token_ids(ids, model), compensated)
+def pruned_layout(result: PruningResult) -> PrunedLayout:
+    """The layers of `result`'s model: the kept ones, the dense model's number and those Stage 2 compensated."""
+    return PrunedLayout(result.kept_layers, result.original_num_layers, result.compensated_layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,25 +47,36 @@ class Heal(Step):
     into plain weights ([`optimum_gradmap.heal`]).
 
     Args:
-        config ([`GradMAPConfig`]): Its `heal_*` settings are read, with the run's seed, execution and data.
+        settings ([`~optimum_gradmap.heal.HealSettings`]): How it heals.
         undoable (`bool`, defaults to `False`): Keep a copy of every weight the heal changes, so that a later step's
             failure puts the model back (a step after the heal can fail: quantization). It costs as many host bytes as
             those weights (for LoRA, the linear maps of the kept layers), which the plan counts.
+        pruning ([`~optimum_gradmap.heal.PlannedPruning`], *optional*): In a run that starts with Stage 1, what is known
+            of its pruning (whether Stage 2 runs, the layers given): the heal is checked against it before Stage 1.
+            `None`: a heal of a pruned result (checked against its layers).
     """
 
     name = "Heal"
-    config: GradMAPConfig
+    settings: HealSettings
     undoable: bool = False
+    pruning: PlannedPruning | None = None
+
+    @classmethod
+    def from_config(cls, config: GradMAPConfig) -> Heal:
+        """The heal of a run that starts with Stage 1; it keeps what undoes it where a step after it can fail and
+        change weights (quantization)."""
+        pruning = PlannedPruning(config.compensation, config.layers_to_prune)
+        return cls(HealSettings.from_config(config), undoable=bool(config.quantization), pruning=pruning)
 
     def check(self, run: Run) -> None:
         """Before Stage 1: the heal's settings, text and prompts, and its checkpoint file's origin. On a pruned result
         (a later heal): a result healed already, a teacher, the settings against its layers, and the text. The text
         known before the heal starts is kept in `run.heal_text`."""
-        config, inputs = self.config, run.inputs
-        if run.result is None:
-            text = heal_text(run.model, inputs.heal_data, config, run.tokenizer_for)
+        settings, inputs = self.settings, run.inputs
+        if self.pruning is not None:
+            text = self.text(run, self.pruning)
             ids = (text.train_ids, text.validation_ids) if text is not None else (None, None)
-            check_heal_checkpoint_origin(inputs.heal_checkpoint, run.model, *ids, config)
+            check_heal_checkpoint_origin(inputs.heal_checkpoint, run.model, *ids, settings)
         else:
             refuse_after_heal(run.result, "a second heal")
             if inputs.teacher is None and run.dense is None:
@@ -70,29 +84,32 @@ class Heal(Step):
                     "The heal's teacher is the dense model: give it as `teacher=`, or heal the result of this pruner's "
                     "last `select_layers` before `prune` or `release` drops its dense layers."
                 )
-            text = heal_text(run.model, inputs.heal_data, config, run.tokenizer_for, run.result.compensated_layers)
+            text = self.text(run, pruned_layout(run.result))
         run.heal_text = text
+
+    def text(self, run: Run, pruning: PrunedLayout | PlannedPruning) -> HealText | None:
+        """[`~optimum_gradmap.heal.prepare_heal_text`] with the token-id check of the model's vocabulary."""
+        model, data = run.model, run.inputs.heal_data
+        return prepare_heal_text(model, data, self.settings, pruning, run.tokenizer_for, lambda ids: check_token_ids(ids, model))
 
     def plan(self, planner) -> None:
         planner.plan_heal()
 
     def run(self, run: Run) -> None:
         """Heals `run.result`'s model in place: `result.heal`, `.config` and `.timings["heal"]` say what it did."""
-        result, config, inputs = run.result, self.config, run.inputs
+        result, settings, inputs = run.result, self.settings, run.inputs
+        layout = pruned_layout(result)
         if self.undoable:
-            run.heal_backup = heal_backup(
-                result.model, config.heal_trainable, result.kept_layers, result.original_num_layers, result.compensated_layers
-            )
-        data = inputs.heal_data if inputs.heal_data is not None else config.heal_dataset
+            run.heal_backup = heal_backup(result.model, settings.heal_trainable, layout)
+        config = dataclasses.replace(result.config or run.config, **dataclasses.asdict(settings))
+        data = inputs.heal_data if inputs.heal_data is not None else settings.heal_dataset
         seconds, basis = stage1_seconds(result, config, inputs.teacher)
         result.heal = heal_stage(
             result.model,
             self.teacher(run),
-            config,
+            settings,
             run.tokenizer_for(data) if run.heal_text is None else None,
-            result.kept_layers,
-            result.original_num_layers,
-            result.compensated_layers,
+            layout,
             data=inputs.heal_data,
             text=run.heal_text,
             stage1_seconds=seconds,
@@ -150,14 +167,10 @@ def predicted_stage1_seconds(dense_model: Any, config: GradMAPConfig, num_remove
     `heal_tokens="auto"` is sized by where no Stage 1 ran (`layers_to_prune`, a cut replayed from an earlier run).
 
     Args:
-        dense_model (`PretrainedConfig` or `str`):
-            The dense model's config, or its Hub id or folder.
-        config ([`GradMAPConfig`]):
-            The run's settings; Stage 1's are planned with `num_layers_to_prune=num_removed`.
-        num_removed (`int`):
-            How many layers the run removed.
-        parameter (`torch.nn.Parameter`):
-            A parameter of the model: its dtype and device are the plan's.
+        dense_model (`PretrainedConfig` or `str`): The dense model's config, or its Hub id or folder.
+        config ([`GradMAPConfig`]): The run's settings; Stage 1's are planned with `num_layers_to_prune=num_removed`.
+        num_removed (`int`): How many layers the run removed.
+        parameter (`torch.nn.Parameter`): A parameter of the model: its dtype and device are the plan's.
 
     Returns:
         `float`: the predicted seconds (Stage 1's stage of a [`~optimum_gradmap.planning.Planner`], its throughput

@@ -24,13 +24,12 @@ from .stage2 import Compensate
 
 def pruning_steps(config: GradMAPConfig) -> list[Step]:
     """The steps `config` asks for, in the order they run: Stage 1, then Stage 2 (`compensation`), the heal
-    (`heal_tokens`) and quantization (`quantization`). The heal keeps what undoes it only where a step after it can
-    fail and change weights (quantization)."""
+    (`heal_tokens`) and quantization (`quantization`)."""
     steps: list[Step] = [SelectLayers.from_config(config)]
     if config.compensation:
         steps.append(Compensate.from_config(config))
     if config.heal_tokens:
-        steps.append(Heal(config, undoable=bool(config.quantization)))
+        steps.append(Heal.from_config(config))
     if config.quantization:
         steps.append(Quantize.from_config(config))
     return steps

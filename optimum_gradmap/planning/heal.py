@@ -1,7 +1,8 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""The heal's cost: the teacher's pass, the training steps and the held-out checks, what the heal holds (on the device
-and on the host), and [`plan_heal`], the plan of `optimum-gradmap heal` on a pruned checkpoint."""
+"""The heal's work in the plan's units ([`heal_work`]: the teacher's pass, the training steps and the held-out checks,
+from the counts of [`~optimum_gradmap.heal.cost`], which also says what the heal holds), and [`plan_heal`], the plan of
+`optimum-gradmap heal` on a pruned checkpoint."""
 
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ..configuration import GradMAPConfig
-from ..distillation import TOP_K, uses_head_inputs, uses_layer_states
 from ..errors import InvalidInputError
-from ..generation import GENERATION_BATCH_SIZE, corpus_part, is_generated
-from ..vocabulary import MAX_LOGIT_ELEMENTS
+from ..heal import HealCounts, HealSettings, PrunedLayout
+from ..heal.cost import heal_memory
 from .counts import ZERO, Count, Work
 from .placement import allocator_overhead, offloaded_shares, process_bytes, transfer_seconds, weights_kept_on_device
 from .plan import REPORT_BYTES, PruningPlan, described, stage_plan, tokenizer_bytes
@@ -25,24 +25,17 @@ from .stage1 import SPLIT_CHECK_TOKENS, logits_bytes
 from .text import count_text
 from .throughput import DeviceThroughput
 
-# heal_tokens="auto" is planned from the cost of this many heal steps, scaled to Stage 1's planned time.
-AUTO_REFERENCE_STEPS = 64
-
 
 def heal_work(
-    config: GradMAPConfig, shape: ModelShape, num_kept: int, teacher_layers: int, streamed: bool = False
-) -> tuple[Work, dict[str, int]]:
+    settings: HealSettings, shape: ModelShape, num_kept: int, teacher_layers: int, streamed: bool = False
+) -> tuple[Work, HealCounts]:
     """The heal stage's work: the teacher's targets (its pass over corpus sequences; the dense model's own text is
     written a position at a time and its targets come with it), the held-out checks and the training steps
     (layer-streamed: each step's forward pass that stores the layers' inputs, and the head split's check, two passes
-    over at most 16 tokens of one sequence)."""
-    seq_len, batch = config.heal_seq_len, config.heal_batch_size
-    train = -(-config.heal_tokens // seq_len)
-    validation = config.heal_validation_sequences
-    steps = -(-train // batch)
-    checks = 1 + steps // config.heal_check_every + (1 if steps % config.heal_check_every else 0)
-    generated = generated_sequences(config, train, validation)
-    corpus = train + validation - generated
+    over at most 16 tokens of one sequence), with the counts ([`~optimum_gradmap.heal.HealCounts`]) they come from."""
+    counts = HealCounts.of(settings)
+    seq_len, train, validation, checks = settings.heal_seq_len, counts.train_sequences, counts.validation_sequences, counts.checks
+    corpus = train + validation - counts.generated_sequences
     split_check = 2 * min(SPLIT_CHECK_TOKENS, seq_len)
     streaming_forward = num_kept * (train * seq_len + split_check) if streamed else 0
     work = Work(
@@ -50,99 +43,10 @@ def heal_work(
         head_forward=Count.of(corpus * seq_len + checks * validation * seq_len + (split_check if streamed else 0)),
         layer_gradient=Count.of(num_kept * train * seq_len),
         head_gradient=Count.of(train * (seq_len - 1 if streamed else seq_len)),  # streamed: the predicting positions
-        generated_tokens=Count.of(generated * seq_len),
-        weight_gradients=config.heal_trainable == "all",
+        generated_tokens=Count.of(counts.generated_sequences * seq_len),
+        weight_gradients=settings.heal_trainable == "all",
     )
-    counts = {"train_sequences": train, "validation_sequences": validation, "steps": steps, "checks": checks}
-    return work, counts | {"generated_sequences": generated}
-
-
-def generated_sequences(config: GradMAPConfig, train: int, validation: int) -> int:
-    """How many of the heal's sequences the dense model writes itself: all of them for `generated`, half of the
-    training and half of the held-out ones (rounded up) for `generated` joined to corpus names, none otherwise."""
-    if not is_generated(config.heal_dataset):
-        return 0
-    if corpus_part(config.heal_dataset) is None:
-        return train + validation
-    return -(-train // 2) + -(-validation // 2)
-
-
-def heal_memory(
-    config: GradMAPConfig,
-    shape: ModelShape,
-    num_kept: int,
-    counts: dict[str, int],
-    trained_layers: tuple[int, int] = (1, 1),
-    teacher_layers: int | None = None,
-) -> dict[str, float]:
-    """The heal's peak beyond the weights: the training batch's activations and logits, the trained parameters'
-    gradients and AdamW state (float32), or, before training, the generation's KV cache and logits (the dense model's
-    own text, `teacher_layers` layers); and on the host the teacher's targets (the generated text's held twice: the
-    text's and the heal's rows; with its head inputs for a logit loss, whose `d x d` matrix is on the device; its seam
-    layers' outputs for `kl_hidden_mse`) and two copies of the trained state. `trained_layers`: the kept layers
-    before a removed run and the compensated layers ([`trained_parameters`])."""
-    batch, seq_len = config.heal_batch_size, config.heal_seq_len
-    tokens = batch * seq_len
-    mean_activation = shape.mean("activation_bytes", heal=True) + (
-        shape.mean("linear_input_bytes", heal=True) if config.heal_trainable == "lora" else 0.0
-    )
-    activations = tokens * num_kept * mean_activation
-    logits = tokens * shape.vocab_size * (4 * 3 + shape.dtype_bytes)
-    trained = trained_parameters(config, shape, num_kept, *trained_layers)
-    optimizer = trained * 4 * (3 if config.heal_trainable != "lora" else 4)  # (the adapters) + gradient + two moments
-    sequences = counts["train_sequences"] + counts["validation_sequences"] + counts.get("generated_sequences", 0)
-    targets = sequences * (seq_len - 1) * (TOP_K * 8 + 4)
-    gram = 0
-    if uses_head_inputs(config.heal_loss):  # the teacher's head inputs, bfloat16, held twice (the text's, the heal's rows)
-        targets += 2 * counts["train_sequences"] * (seq_len - 1) * shape.hidden_size * 2
-        gram = shape.hidden_size**2 * 4  # the logit loss's d x d matrix, on the device
-    if uses_layer_states(config.heal_loss):  # the teacher's outputs of the seam layers, bfloat16, held twice likewise
-        seams = min(num_kept, shape.num_layers - num_kept)  # at most one kept layer after each removed one
-        targets += 2 * counts["train_sequences"] * (seq_len - 1) * seams * shape.hidden_size * 2
-    generation = _generation_bytes(config, shape, teacher_layers or shape.num_layers) if counts.get("generated_sequences") else 0
-    # layer-streamed steps (an offloaded model): the kept layers' inputs and one layer's activations, the head by slices
-    stored_inputs = num_kept * tokens * shape.hidden_size * shape.dtype_bytes
-    one_layer = tokens * max(layer.activation_bytes for layer in shape.layers)
-    logits_chunk = min(MAX_LOGIT_ELEMENTS, shape.vocab_size * tokens) * 4 * 3
-    streamed = max(stored_inputs + one_layer + logits_chunk + optimizer, generation)
-    return {
-        "device": max(activations + logits + optimizer + gram, generation),
-        "streamed": streamed,
-        "host": targets + 2 * trained * 4,
-        "trained": trained,
-    }
-
-
-def _generation_bytes(config: GradMAPConfig, shape: ModelShape, teacher_layers: int) -> float:
-    """What the dense model holds while it writes its own text: the KV cache of `GENERATION_BATCH_SIZE` sequences of
-    `heal_seq_len` tokens over its `teacher_layers` layers, and a step's logits with their float32 log-softmax."""
-    rows = GENERATION_BATCH_SIZE
-    cache = rows * config.heal_seq_len * teacher_layers * 2 * shape.kv_width * shape.dtype_bytes
-    return cache + rows * shape.vocab_size * (4 * 3 + shape.dtype_bytes)
-
-
-def trained_parameters(
-    config: GradMAPConfig, shape: ModelShape, num_kept: int, before_removed: int = 1, compensated: int = 1
-) -> int:
-    """How many parameters the heal trains: LoRA's adapters, or the weights `heal_trainable` names (every weight of
-    the `before_removed` kept layers before a removed run; the down projections of the `compensated` layers)."""
-    mean_layer = sum(shape.layer_parameters) / shape.num_layers
-    if config.heal_trainable == "lora":
-        return config.heal_lora_rank * shape.lora_parameters_per_rank * num_kept
-    if config.heal_trainable == "norms":
-        return 2 * shape.hidden_size * (num_kept + 1)
-    if config.heal_trainable == "all":
-        return int(mean_layer * num_kept)
-    if config.heal_trainable == "down_projections":
-        return shape.down_projection_parameters * compensated
-    return int(mean_layer * before_removed)
-
-
-def layers_before_removed_runs(kept: list[int], num_layers: int) -> int:
-    """How many kept layers come directly before a run of removed ones (what `heal_trainable="before_removed"`
-    trains)."""
-    kept_set = set(kept)
-    return sum(1 for index in kept if index + 1 < num_layers and index + 1 not in kept_set)
+    return work, counts
 
 
 def _stored_weight_bytes(pruned: Any, student: ModelShape) -> int:
@@ -184,35 +88,36 @@ def plan_heal(
         [`PruningPlan`] with the heal stage alone.
     """
     _check_heal_budget(config)
+    settings = HealSettings.from_config(config)
     pruned_config, teacher_config = load_model_config(pruned), load_model_config(teacher)
     dtype = resolve_dtype(dtype, teacher_config)
     device = torch.device(device if device is not None else "cpu")
     name = os.fspath(pruned) if isinstance(pruned, (str, os.PathLike)) else getattr(pruned_config, "_name_or_path", "")
-    teacher_shape = describe_model(teacher_config, dtype, config.heal_batch_size, config.heal_seq_len, name=str(teacher))
-    student = describe_model(pruned_config, dtype, config.heal_batch_size, config.heal_seq_len, name=name)
+    teacher_shape = describe_model(teacher_config, dtype, settings.heal_batch_size, settings.heal_seq_len, name=str(teacher))
+    student = describe_model(pruned_config, dtype, settings.heal_batch_size, settings.heal_seq_len, name=name)
     process = process_bytes() if device.type == "cpu" else 0
     if throughput is None and measure:
-        throughput = DeviceThroughput.measure(teacher_config, dtype, device, config.heal_batch_size, config.heal_seq_len)
+        throughput = DeviceThroughput.measure(teacher_config, dtype, device, settings.heal_batch_size, settings.heal_seq_len)
     shares = offloaded_shares(student, pruned_config, device_map, max_memory)
-    work, counts = heal_work(config, teacher_shape, student.num_layers, teacher_shape.num_layers, streamed=bool(shares))
+    work, counts = heal_work(settings, teacher_shape, student.num_layers, teacher_shape.num_layers, streamed=bool(shares))
     layout = _pruned_layout(pruned, student.num_layers, teacher_shape.num_layers)
-    memory = heal_memory(config, student, student.num_layers, counts, layout, teacher_shape.num_layers)
+    memory = heal_memory(settings, student, student.num_layers, counts, layout, teacher_shape.num_layers)
     host = memory["host"] if device.type == "cpu" else 0.0
     training = student.weight_bytes + allocator_overhead(device, host_allocator_overhead) * memory["device"]
     peak = Count.of(max(student.weight_bytes + teacher_shape.weight_bytes, training) + host)
     streamed = None
     if shares:
         placement = (pruned_config, teacher_config, device_map, max_memory, device)
-        streamed = _streamed_heal_peak(config, student, teacher_shape, memory, placement) + host + process
-    passes = f"{counts['steps']} steps, {counts['checks']} checks"
-    tokens = (counts["train_sequences"] + counts["validation_sequences"]) * config.heal_seq_len
+        streamed = _streamed_heal_peak(settings, student, teacher_shape, memory, placement) + host + process
+    passes = f"{counts.steps} steps, {counts.checks} checks"
+    tokens = (counts.train_sequences + counts.validation_sequences) * settings.heal_seq_len
     stage = stage_plan(
         "Heal", passes, tokens, work, teacher_shape, throughput, peak.low + process, streamed, memory["host"], heal=True
     )
     if stage.seconds is not None and shares:  # both models' offloaded layers, brought to the device call by call
-        heal_batch = config.heal_batch_size * config.heal_seq_len
+        heal_batch = settings.heal_batch_size * settings.heal_seq_len
         stage.seconds = stage.seconds + transfer_seconds(work, teacher_shape, heal_batch, shares)
-    trained = f"{config.heal_trainable} ({count_text(memory['trained'])} parameters)"
+    trained = f"{settings.heal_trainable} ({count_text(memory['trained'])} parameters)"
     return PruningPlan(
         model=name,
         **described(student, dtype),
@@ -220,7 +125,7 @@ def plan_heal(
         rounds=ZERO,
         budget=None,
         stage1=f"none (the checkpoint was pruned from {teacher_shape.name}'s {teacher_shape.num_layers} layers)",
-        stage2=f"none; heal trains {trained} on {config.heal_tokens:,} tokens of {config.heal_dataset}",
+        stage2=f"none; heal trains {trained} on {settings.heal_tokens:,} tokens of {settings.heal_dataset}",
         execution="layer_streamed" if streamed is not None else "in_memory",
         stages=[stage],
         output_bytes=Count.of(_stored_weight_bytes(pruned, student) + (tokenizer_bytes(pruned) or 0) + REPORT_BYTES),
@@ -241,7 +146,7 @@ def _pruned_layout(pruned: Any, num_kept: int, num_layers: int) -> tuple[int, in
         report = json.load(file)
     kept = report.get("kept_layers") or list(range(num_kept))
     compensated = (report.get("compensation") or {}).get("compensated_layers") or []
-    return layers_before_removed_runs(kept, report.get("original_num_layers", num_layers)), len(compensated)
+    return len(PrunedLayout(kept, report.get("original_num_layers", num_layers)).before_removed_runs()), len(compensated)
 
 
 def _check_heal_budget(config: GradMAPConfig) -> None:
@@ -256,7 +161,7 @@ def _check_heal_budget(config: GradMAPConfig) -> None:
 
 
 def _streamed_heal_peak(
-    config: GradMAPConfig, student: ModelShape, teacher: ModelShape, memory: dict[str, float], placement: tuple
+    settings: HealSettings, student: ModelShape, teacher: ModelShape, memory: dict[str, float], placement: tuple
 ) -> float:
     """The device's peak when both models are offloaded: the teacher's pass (what the device maps keep on the device,
     one layer and a batch's logits), or a layer-streamed training step."""
@@ -264,5 +169,5 @@ def _streamed_heal_peak(
     largest = max(teacher.layer_parameters) * teacher.dtype_bytes
     student_kept = weights_kept_on_device(student, pruned_config, device_map, max_memory, device) or 0.0
     teacher_kept = weights_kept_on_device(teacher, teacher_config, device_map, max_memory, device) or 0.0
-    teacher_pass = student_kept + teacher_kept + largest + logits_bytes(teacher, config.heal_batch_size, config.heal_seq_len)
+    teacher_pass = student_kept + teacher_kept + largest + logits_bytes(teacher, settings.heal_batch_size, settings.heal_seq_len)
     return max(teacher_pass, student_kept + largest + memory["streamed"])

@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 
 from ..adapters import get_adapter
 from ..errors import InvalidInputError
-from ..generation import GENERATION_BATCH_SIZE
+from ..heal.generation import GENERATION_BATCH_SIZE
 from .counts import ZERO, Count, Work
 from .shape import ModelShape, empty_model
 

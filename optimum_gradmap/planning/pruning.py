@@ -17,9 +17,10 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ..adapters import get_adapter
 from ..configuration import GradMAPConfig
 from ..errors import InvalidInputError
-from ..heal import AUTO_TIME_SHARE
+from ..heal import HealSettings, PrunedLayout
+from ..heal.cost import AUTO_REFERENCE_STEPS, AUTO_TIME_SHARE, heal_memory
 from .counts import Count, Work
-from .heal import AUTO_REFERENCE_STEPS, heal_memory, heal_work, layers_before_removed_runs
+from .heal import heal_work
 from .placement import (
     ASSUMED_OFFLOAD_BYTES_PER_SECOND,
     allocator_overhead,
@@ -246,33 +247,32 @@ class Planner:
         one before each) and the most layers Stage 2 compensates: what `heal_trainable` may train."""
         num_layers, removed_layers = self.shape.num_layers, self.removed_layers
         if removed_layers is not None:
-            kept = [index for index in range(num_layers) if index not in set(removed_layers)]
-            return layers_before_removed_runs(kept, num_layers), self.compensated
+            return len(PrunedLayout.without(removed_layers, num_layers).before_removed_runs()), self.compensated
         most = int(self.removable.high)
         return min(most, num_layers - most), self.compensated
 
     def plan_heal(self) -> None:
         """The heal's stage (an `auto` budget sized to Stage 1's planned time first)."""
-        config, shape = self.config, self.shape
+        settings, shape = HealSettings.from_config(self.config), self.shape
         num_kept, trained_layers = int(self.num_kept.high), self.trained_layers()
-        if config.heal_tokens == "auto":
-            config = self.auto_heal_config(num_kept)
-        work, counts = heal_work(config, shape, num_kept, shape.num_layers, self.streamed)
-        memory = heal_memory(config, shape, num_kept, counts, trained_layers)
+        if settings.heal_tokens == "auto":
+            settings = self.auto_heal_settings(settings, num_kept)
+        work, counts = heal_work(settings, shape, num_kept, shape.num_layers, self.streamed)
+        memory = heal_memory(settings, shape, num_kept, counts, trained_layers)
         host = memory["host"] if self.on_cpu else 0.0
-        tokens = (counts["train_sequences"] + counts["validation_sequences"]) * config.heal_seq_len
-        passes = f"{counts['steps']} steps, {counts['checks']} checks"
+        tokens = (counts.train_sequences + counts.validation_sequences) * settings.heal_seq_len
+        passes = f"{counts.steps} steps, {counts.checks} checks"
         streamed = self.resident + memory["streamed"] + host
         self.stages.append(self.stage("Heal", passes, tokens, work, memory["device"] + host, streamed, memory["host"], heal=True))
 
-    def auto_heal_config(self, num_kept: int) -> GradMAPConfig:
+    def auto_heal_settings(self, settings: HealSettings, num_kept: int) -> HealSettings:
         """`heal_tokens="auto"`: as many tokens as fit in Stage 1's planned time. The heal's time is a fixed part (the
         held-out sequences' teacher pass, the first check) and a part per step: two budgets give both."""
-        config, shape = self.config, self.shape
-        batch_tokens = config.heal_batch_size * config.heal_seq_len
+        shape = self.shape
+        batch_tokens = settings.heal_batch_size * settings.heal_seq_len
 
         def heal_seconds(steps: int) -> Count | None:
-            budget = dataclasses.replace(config, heal_tokens=steps * batch_tokens)
+            budget = dataclasses.replace(settings, heal_tokens=steps * batch_tokens)
             work, _ = heal_work(budget, shape, num_kept, shape.num_layers, self.streamed)
             return self.stage("Heal", "", 0, work, 0.0, None, 0.0, heal=True).seconds
 
@@ -280,16 +280,16 @@ class Planner:
         stage1_plan = next((done.seconds for done in self.stages if done.name == "Stage 1"), None)
         if first is None or second is None or stage1_plan is None:
             self.notes.append("heal_tokens='auto': planned at a reference budget (no Stage 1 time to size it by).")
-            config = dataclasses.replace(config, heal_tokens=AUTO_REFERENCE_STEPS * batch_tokens)
+            settings = dataclasses.replace(settings, heal_tokens=AUTO_REFERENCE_STEPS * batch_tokens)
         else:
             per_step = (second.high - first.high) / AUTO_REFERENCE_STEPS
             fixed = first.high - per_step * AUTO_REFERENCE_STEPS
             steps = max(1, math.floor((AUTO_TIME_SHARE * stage1_plan.high - fixed) / per_step))
-            config = dataclasses.replace(config, heal_tokens=steps * batch_tokens)
+            settings = dataclasses.replace(settings, heal_tokens=steps * batch_tokens)
             self.notes.append(
-                f"heal_tokens='auto': about {config.heal_tokens:,} tokens, Stage 1's planned time (the run measures its own)."
+                f"heal_tokens='auto': about {settings.heal_tokens:,} tokens, Stage 1's planned time (the run measures its own)."
             )
-        return config
+        return settings
 
     def plan_quantization(self) -> None:
         """The quantization step, after the heal: llm-compressor over the kept layers, on as many calibration sequences

@@ -21,7 +21,7 @@ from transformers.utils import logging
 from .. import streaming
 from ..adapters import DecoderAdapter, get_adapter
 from ..errors import InvalidInputError
-from ..generation import GENERATION_BATCH_SIZE
+from ..heal.generation import GENERATION_BATCH_SIZE
 from ..importance.gradient import PerSampleGradientNorms
 from ..objectives import causal_lm_loss_gradient, summed_next_token_loss
 from .counts import EIGH_FLOPS_PER_CUBE, SECONDS_PER_SEQUENTIAL_STEP, Count, Work

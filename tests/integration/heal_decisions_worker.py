@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from optimum_gradmap import GradMAPConfig, distributed, generation  # noqa: E402
-from optimum_gradmap.heal import heal_stage  # noqa: E402
+from optimum_gradmap import GradMAPConfig, distributed  # noqa: E402
+from optimum_gradmap.heal import HealSettings, PrunedLayout, generation, heal_stage  # noqa: E402
 from optimum_gradmap.surgery import remove_layers  # noqa: E402
 from tests.conftest import random_ids, tiny_model  # noqa: E402
 
@@ -53,9 +53,15 @@ def auto_tokens(folder: str) -> None:
     )  # fmt: skip
     stage1_seconds = 2.0 if distributed.rank() == 0 else 20.0
     result = heal_stage(
-        student, lambda: contextlib.nullcontext(teacher), config, None, [0, 1], 4, [], data=random_ids(20_000, 8, seed=1),
-        stage1_seconds=stage1_seconds, progress_bar=False,
-    )  # fmt: skip
+        student,
+        lambda: contextlib.nullcontext(teacher),
+        HealSettings.from_config(config),
+        None,
+        PrunedLayout((0, 1), 4),
+        data=random_ids(20_000, 8, seed=1),
+        stage1_seconds=stage1_seconds,
+        progress_bar=False,
+    )
     found = {"budget_tokens": result.budget_tokens, "steps": result.steps, "kl_curve": result.kl_curve}
     write(folder, found)
 
@@ -68,11 +74,10 @@ def generated_text(folder: str, output: str) -> None:
     try:
         model = tiny_model("llama", num_layers=2)
         documents = [random_ids(1, 10 + index, seed=index)[0] for index in range(5)]
-        settings = generation.GenerationSettings(seq_len=12, prompt_tokens=4, bos_every=4, batch_size=4, seed=3)
-        text = generation.generate_sequences(
-            lambda: contextlib.nullcontext(model), documents, 1, 8, settings, os.path.join(output, "text-cache.pt"),
-            progress_bar=False,
-        )  # fmt: skip
+        settings = generation.GenerationSettings(seq_len=12, prompt_tokens=4, bos_every=4, batch_size=4, seed=3, start_token=1)
+        cache = os.path.join(output, "text-cache.pt")
+        teacher = lambda: contextlib.nullcontext(model)  # noqa: E731
+        text = generation.generate_sequences(teacher, documents, 8, settings, cache, progress_bar=False)
     finally:
         generation.sample_batch, generation._write_cache = sample_batch, write_cache
     digest = hashlib.sha256(text.input_ids.numpy().tobytes() + text.targets.log_probs.numpy().tobytes()).hexdigest()

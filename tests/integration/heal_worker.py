@@ -19,6 +19,7 @@ The process group times out in two minutes, so that ranks that part (the failure
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -32,8 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from optimum_gradmap import distributed  # noqa: E402
 from optimum_gradmap import heal as heal_module  # noqa: E402
-from optimum_gradmap.adapters import get_adapter  # noqa: E402
-from tests.conftest import random_ids, tiny_model  # noqa: E402
+from tests.conftest import random_ids, small_config, tiny_model  # noqa: E402
 
 TRAIN, VALIDATION = random_ids(24, 16, seed=1), random_ids(3, 16, seed=2)  # 6 steps of 4 rows, checks every 2
 BUCKET_SHAPES = [((3, 5), torch.float32), ((7,), torch.float32), ((2, 2, 2), torch.float32), ((11, 4), torch.float32)]
@@ -51,10 +51,16 @@ def run_heal(checkpoint: str | None = None, hook=None) -> tuple[heal_module.Heal
     model, teacher = peaked(1), peaked(0)
     if hook is not None:
         model.register_forward_pre_hook(hook)
-    result = heal_module.heal(
-        model, get_adapter(model), lambda: contextlib.nullcontext(teacher), TRAIN, VALIDATION, "lora", 1e-3, 4, 2,
-        autocast=False, checkpoint=checkpoint, progress_bar=False,
-    )  # fmt: skip
+    settings = dataclasses.replace(
+        heal_module.HealSettings.from_config(small_config()),
+        heal_trainable="lora",
+        heal_lr=1e-3,
+        heal_batch_size=4,
+        heal_check_every=2,
+        heal_autocast=False,
+    )
+    teacher_context = lambda: contextlib.nullcontext(teacher)  # noqa: E731
+    result = heal_module.heal(model, teacher_context, TRAIN, VALIDATION, settings, checkpoint=checkpoint, progress_bar=False)
     return result, model
 
 

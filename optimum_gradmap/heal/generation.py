@@ -48,14 +48,14 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from . import distillation, distributed
-from .adapters import get_adapter
-from .distillation import head_inputs, layer_outputs, targets_from_logits, the_head_input, the_layer_outputs
-from .errors import InvalidInputError
-from .objectives import TeacherTargets
-from .passes import calibration_mode, input_device
-from .precision import uses_bfloat16_autocast
-from .weights import weights_digest
+from .. import distillation, distributed
+from ..adapters import get_adapter
+from ..distillation import head_inputs, layer_outputs, targets_from_logits, the_head_input, the_layer_outputs
+from ..errors import InvalidInputError
+from ..objectives import TeacherTargets
+from ..passes import calibration_mode, input_device
+from ..precision import uses_bfloat16_autocast
+from ..weights import weights_digest
 
 logger = logging.get_logger(__name__)
 
@@ -76,7 +76,8 @@ GENERATION_VERSION = 3  # 2: the targets are kept with the sequences; 3: tokens 
 
 @dataclass
 class GenerationSettings:
-    """How the teacher's text is drawn (everything but the teacher and the prompts' documents).
+    """How the teacher's text is drawn (everything but the teacher and the prompts' documents): all of it but `autocast`
+    is part of the cache's fingerprint.
 
     Attributes:
         seq_len (`int`): Tokens per sequence, the prompt included.
@@ -89,6 +90,10 @@ class GenerationSettings:
             logit loss).
         keep_layers (`tuple[int, ...]`): The teacher's layers (their indices) whose outputs are kept at every position
             too (`TeacherTargets.layer_states`, for `heal_loss="kl_hidden_mse"`).
+        start_token (`int`, *optional*): The token an unprompted sequence starts from ([`start_token_of`]); without
+            one, every sequence starts from a document's prompt.
+        autocast (`bool`): Sample under bfloat16 autocast where the hardware computes bfloat16 natively and the
+            teacher is float32 (the heal's `heal_autocast` rule).
     """
 
     seq_len: int
@@ -99,6 +104,8 @@ class GenerationSettings:
     batch_size: int = GENERATION_BATCH_SIZE
     keep_hidden: bool = False
     keep_layers: tuple[int, ...] = ()
+    start_token: int | None = None
+    autocast: bool = False
 
 
 def is_generated(heal_dataset: Any) -> bool:
@@ -113,9 +120,7 @@ def corpus_part(heal_dataset: str) -> str | None:
     return "+".join(names) or None
 
 
-def prompt_starts(
-    documents: Sequence[torch.LongTensor], start_token: int | None, settings: GenerationSettings
-) -> list[torch.LongTensor]:
+def prompt_starts(documents: Sequence[torch.LongTensor], settings: GenerationSettings) -> list[torch.LongTensor]:
     """The distinct prompts, in the order sequences take them (cycled): the first `prompt_tokens` tokens of each
     document long enough (shuffled with the seed). Sequence `j` takes `[start_token]` when `j % bos_every ==
     bos_every - 1`, else the next document prompt ([`sequence_prompt`]).
@@ -126,7 +131,7 @@ def prompt_starts(
     long_enough = [document[: settings.prompt_tokens] for document in documents if document.numel() >= settings.prompt_tokens]
     order = torch.randperm(len(long_enough), generator=torch.Generator().manual_seed(settings.seed)).tolist()
     prompts = [long_enough[index] for index in order]
-    if not prompts and start_token is None:
+    if not prompts and settings.start_token is None:
         raise InvalidInputError(
             f"The teacher's text needs prompts: no calibration document has {settings.prompt_tokens} tokens and the "
             "tokenizer has no beginning- or end-of-sequence token. Give longer calibration text (`dataset`)."
@@ -153,11 +158,10 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase | None) -> torch.LongTensor:
     return tokenizer(text[: text.index(marker)], add_special_tokens=False, return_tensors="pt").input_ids[0]
 
 
-def sequence_prompt(
-    index: int, prompts: Sequence[torch.LongTensor], start_token: int | None, settings: GenerationSettings
-) -> torch.LongTensor:
+def sequence_prompt(index: int, prompts: Sequence[torch.LongTensor], settings: GenerationSettings) -> torch.LongTensor:
     """The prompt of generated sequence `index`: `[start_token]` for one in `bos_every` (every one without document
     prompts), else the next document prompt, cycled."""
+    start_token = settings.start_token
     from_start = start_token is not None and (not prompts or index % settings.bos_every == settings.bos_every - 1)
     if from_start:
         return torch.tensor([start_token], dtype=torch.long)
@@ -249,23 +253,21 @@ def sample_batch(
     return sequences, TeacherTargets.concatenate(targets, dim=1)
 
 
-def fingerprint(
-    teacher: nn.Module, prompts: Sequence[torch.LongTensor], start_token: int | None, settings: GenerationSettings
-) -> dict[str, Any]:
-    """What decides the generated sequences: the teacher's weights (a digest), the prompts, the settings and the seed.
-    The number of sequences is left out: the first N are the same whatever the number asked for."""
+def fingerprint(teacher: nn.Module, prompts: Sequence[torch.LongTensor], settings: GenerationSettings) -> dict[str, Any]:
+    """What decides the generated sequences: the teacher's weights (a digest), the prompts, the settings (but
+    `autocast`) and the seed. The number of sequences is left out: the first N are the same whatever the number asked
+    for."""
     prompt_bytes = json.dumps([prompt.tolist() for prompt in prompts]).encode()
     return {
         "version": GENERATION_VERSION,
         "teacher_weights": weights_digest(teacher),
         "prompts_sha256": hashlib.sha256(prompt_bytes).hexdigest(),
-        "start_token": start_token,
         "top_k": distillation.TOP_K,
         # `keep_hidden` and `keep_layers` only where set: the caches written before they existed stay valid
         **{
             key: list(value) if isinstance(value, tuple) else value
             for key, value in asdict(settings).items()
-            if key not in ("keep_hidden", "keep_layers") or value
+            if key != "autocast" and (key not in ("keep_hidden", "keep_layers") or value)
         },
     }
 
@@ -345,11 +347,9 @@ def start_token_of(tokenizer: PreTrainedTokenizerBase | None) -> int | None:
 def generate_sequences(
     teacher: Callable[[], AbstractContextManager[nn.Module]],
     documents: Sequence[torch.LongTensor],
-    start_token: int | None,
     num_sequences: int,
     settings: GenerationSettings,
     cache: str | os.PathLike | None = None,
-    autocast: bool = False,
     progress_bar: bool = True,
 ) -> GeneratedText:
     """The teacher's own text: `num_sequences` sequences it samples from the prompts (see the module docstring), read
@@ -360,13 +360,10 @@ def generate_sequences(
     Args:
         teacher (`Callable`): Returns a context manager that gives the dense model for its block.
         documents (`Sequence[torch.LongTensor]`): Tokenized calibration documents, whose first tokens are the prompts.
-        start_token (`int`, *optional*): The token an unprompted sequence starts from ([`start_token_of`]).
         num_sequences (`int`): Sequences wanted.
         settings ([`GenerationSettings`]): How they are drawn.
         cache (`str` or `os.PathLike`, *optional*): The cache file (created, extended or replaced here); defaults to
             a file named by the fingerprint in the user cache.
-        autocast (`bool`, defaults to `False`): Sample under bfloat16 autocast where the hardware computes bfloat16
-            natively and the teacher is float32 (the heal's `heal_autocast` rule).
         progress_bar (`bool`, defaults to `True`): Show a progress bar.
 
     Returns:
@@ -380,38 +377,34 @@ def generate_sequences(
         raise InvalidInputError(f"The generation temperature must be a finite number > 0, got {settings.temperature!r}.")
     if settings.seq_len < 2:
         raise InvalidInputError(f"Generated sequences need at least 2 tokens, got seq_len={settings.seq_len}.")
-    prompts = prompt_starts(documents, start_token, settings)
-    longest = max([prompt.numel() for prompt in prompts] + [1 if start_token is not None else 0])
+    prompts = prompt_starts(documents, settings)
+    longest = max([prompt.numel() for prompt in prompts] + [1 if settings.start_token is not None else 0])
     if longest > settings.seq_len:
         raise InvalidInputError(
             f"The dense model's prompts have up to {longest} tokens, more than the {settings.seq_len} of a generated "
             f"sequence (`heal_seq_len`): use sequences longer than the prompts, or shorter prompts."
         )
-    return distributed.on_main_process(
-        lambda: _generate_or_read(teacher, prompts, start_token, num_sequences, settings, cache, autocast, progress_bar)
-    )
+    return distributed.on_main_process(lambda: _generate_or_read(teacher, prompts, num_sequences, settings, cache, progress_bar))
 
 
 def _generate_or_read(
     teacher: Callable[[], AbstractContextManager[nn.Module]],
     prompts: Sequence[torch.LongTensor],
-    start_token: int | None,
     num_sequences: int,
     settings: GenerationSettings,
     cache: str | os.PathLike | None,
-    autocast: bool,
     progress_bar: bool,
 ) -> GeneratedText:
     """[`generate_sequences`] on one process: the cache's sequences, and those it lacks generated and saved in it."""
     started = time.perf_counter()
     with teacher() as model:
-        expected = fingerprint(model, prompts, start_token, settings)
+        expected = fingerprint(model, prompts, settings)
         if cache is None:
-            from .assets import cache_dir  # the assets module loads only where a cache folder is needed
+            from ..assets import cache_dir  # the assets module loads only where a cache folder is needed
 
             name = hashlib.sha256(json.dumps(expected, sort_keys=True).encode()).hexdigest()[:16]
             cache = os.path.join(cache_dir(), "heal_text", f"{name}.pt")
-        autocast = uses_bfloat16_autocast(autocast, model)
+        autocast = uses_bfloat16_autocast(settings.autocast, model)
         saved = _read_cache(cache, expected) or {}
         have = saved.get("input_ids", torch.zeros(0, settings.seq_len, dtype=torch.long))
         have_targets = [TeacherTargets(*saved["targets"], layer_states=saved.get("layer_states"))] if saved else []
@@ -421,9 +414,7 @@ def _generate_or_read(
             first_batch = have.shape[0] // settings.batch_size  # a cache always holds whole batches
             last_batch = -(-num_sequences // settings.batch_size)
             tick = time.perf_counter()
-            batches, targets = _sample_batches(
-                model, prompts, start_token, settings, range(first_batch, last_batch), autocast, progress_bar
-            )
+            batches, targets = _sample_batches(model, prompts, settings, range(first_batch, last_batch), autocast, progress_bar)
             seconds_per_sequence = (time.perf_counter() - tick) / ((last_batch - first_batch) * settings.batch_size)
             have = torch.cat([have[: first_batch * settings.batch_size], *batches])
             have_targets += targets
@@ -436,25 +427,23 @@ def _generate_or_read(
 def _sample_batches(
     model: nn.Module,
     prompts: Sequence[torch.LongTensor],
-    start_token: int | None,
     settings: GenerationSettings,
     batches: range,
     autocast: bool,
     progress_bar: bool,
 ) -> tuple[list[torch.LongTensor], list[TeacherTargets]]:
     """The generation batches `batches` (each drawn from its own generator, seeded from the seed and its index), with
-    the targets kept while the model wrote them."""
+    the targets kept while the model wrote them (under bfloat16 autocast where `autocast`)."""
     layers = get_adapter(model).layers_at(model, settings.keep_layers)
     sequences, targets = [], []
     with calibration_mode(model):
         for batch in logging.tqdm(batches, desc="Heal: the dense model writes its text", leave=False, disable=not progress_bar):
             indices = range(batch * settings.batch_size, (batch + 1) * settings.batch_size)
             generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + batch)
-            batch_prompts = [sequence_prompt(index, prompts, start_token, settings) for index in indices]
+            batch_prompts = [sequence_prompt(index, prompts, settings) for index in indices]
             batch_sequences, batch_targets = sample_batch(
-                model, batch_prompts, settings.seq_len, settings.temperature, generator, autocast, settings.keep_hidden,
-                layers,
-            )  # fmt: skip
+                model, batch_prompts, settings.seq_len, settings.temperature, generator, autocast, settings.keep_hidden, layers
+            )
             sequences.append(batch_sequences)
             targets.append(batch_targets)
     return sequences, targets
