@@ -148,6 +148,15 @@ def trained_parameters(settings: HealSettings, shape: Any, num_kept: int, before
     return int(mean_layer * before_removed)
 
 
+def changed_parameters(settings: HealSettings, shape: Any, num_kept: int, before_removed: int = 1, compensated: int = 1) -> int:
+    """How many of the model's own parameters the heal changes, what a copy that undoes it holds: for LoRA, the weights
+    of the kept layers' linear maps its adapters merge into; else the weights it trains ([`trained_parameters`])."""
+    if settings.heal_trainable != "lora":
+        return trained_parameters(settings, shape, num_kept, before_removed, compensated)
+    linear = [sum(width * height for width, height in maps) for maps in shape.layer_linear_maps]
+    return int(sum(linear) / shape.num_layers * num_kept)
+
+
 @dataclass
 class HealCosts:
     """The seconds of the heal's parts, measured on the pruned model before an `auto` budget is chosen

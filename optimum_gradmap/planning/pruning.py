@@ -18,7 +18,7 @@ from ..adapters import get_adapter
 from ..configuration import GradMAPConfig
 from ..errors import InvalidInputError
 from ..heal import HealSettings, PrunedLayout
-from ..heal.cost import AUTO_REFERENCE_STEPS, AUTO_TIME_SHARE, heal_memory
+from ..heal.cost import AUTO_REFERENCE_STEPS, AUTO_TIME_SHARE, changed_parameters, heal_memory
 from .counts import Count, Work
 from .heal import heal_work
 from .placement import (
@@ -263,7 +263,14 @@ class Planner:
         tokens = (counts.train_sequences + counts.validation_sequences) * settings.heal_seq_len
         passes = f"{counts.steps} steps, {counts.checks} checks"
         streamed = self.resident + memory["streamed"] + host
-        self.stages.append(self.stage("Heal", passes, tokens, work, memory["device"] + host, streamed, memory["host"], heal=True))
+        plan = self.stage("Heal", passes, tokens, work, memory["device"] + host, streamed, memory["host"], heal=True)
+        if self.config.quantization:  # the copy that undoes the heal if the quantization fails (few large blocks)
+            copy = changed_parameters(settings, shape, num_kept, *trained_layers) * shape.dtype_bytes
+            plan.host_bytes += copy
+            if self.on_cpu:
+                plan.peak_bytes_in_memory = plan.peak_bytes_in_memory + copy
+                plan.peak_bytes_streamed = plan.peak_bytes_streamed + copy
+        self.stages.append(plan)
 
     def auto_heal_settings(self, settings: HealSettings, num_kept: int) -> HealSettings:
         """`heal_tokens="auto"`: as many tokens as fit in Stage 1's planned time. The heal's time is a fixed part (the
