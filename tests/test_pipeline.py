@@ -285,3 +285,19 @@ def test_verify_serving_refuses_a_logprob_tolerance_for_a_quantized_checkpoint(t
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "compressed-tensors"}}))
     assert main(["verify-serving", str(tmp_path), "--logprob-tolerance", "0.1", "-q"]) == 2
     assert "Leave --logprob-tolerance out" in capsys.readouterr().err
+
+
+def test_where_the_undoing_copies_do_not_fit_the_checks_say_so_and_a_failure_says_what_is_left(
+    fake_llmcompressor, monkeypatch, byte_tokenizer, caplog
+):
+    from optimum_gradmap.pipeline import heal as heal_step
+    from optimum_gradmap.pipeline import quantize as quantize_step
+
+    monkeypatch.setattr(heal_step, "available_host_bytes", lambda: 1)
+    monkeypatch.setattr(quantize_step, "available_host_bytes", lambda: 1)
+    model = tiny_model("llama", vocab_size=256)
+    pruner = GradMAPPruner(small_config(quantization="w8a8", **NORMS_HEAL), model=model, tokenizer=byte_tokenizer)
+    with caplog.at_level("WARNING"), pytest.raises(InvalidInputError, match="left partly quantized: load it again"):
+        pruner.prune(calibration_data=random_ids(8, 16), heal_data=random_ids(64, 16, seed=1))
+    warned = [record.getMessage() for record in caplog.records if "cannot keep a copy" in record.getMessage()]
+    assert len(warned) == 2 and "the model keeps the heal's changes" in warned[0] and "partly quantized" in warned[1]

@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
+from ..adapters import get_adapter
 from ..configuration import GradMAPConfig
 from ..data import check_token_ids
 from ..errors import InvalidInputError
@@ -30,7 +31,7 @@ from ..heal import (
 )
 from ..planning import Planner
 from ..result import PruningResult, refuse_after_heal
-from ..weights import WeightBackup
+from ..weights import WeightBackup, available_host_bytes, is_linear_map
 from .run import Run, Step
 
 logger = logging.get_logger(__name__)
@@ -50,7 +51,9 @@ class Heal(Step):
         settings ([`~optimum_gradmap.heal.HealSettings`]): How it heals.
         undoable (`bool`, defaults to `False`): Keep a copy of every weight the heal changes, so that a later step's
             failure puts the model back (a step after the heal can fail: quantization). It costs as many host bytes as
-            those weights (for LoRA, the linear maps of the kept layers), which the plan counts.
+            those weights (for LoRA, the linear maps of the kept layers), which the plan counts; where they do not fit
+            in the host memory available, the check says so and the heal keeps none (a later failure leaves its
+            changes).
         pruning ([`~optimum_gradmap.heal.PlannedPruning`], *optional*): In a run that starts with Stage 1, what is known
             of its pruning (whether Stage 2 runs, the layers given): the heal is checked against it before Stage 1.
             `None`: a heal of a pruned result (checked against its layers).
@@ -86,6 +89,27 @@ class Heal(Step):
                 )
             text = self.text(run, pruned_layout(run.result))
         run.heal_text = text
+        if self.undoable:
+            self.check_copy(run)
+
+    def check_copy(self, run: Run) -> None:
+        """Whether the copy that undoes the heal fits in the host memory available (`run.heal_undoable`), measured on
+        the weights of the kind the heal changes in every layer (the most it may copy); says so where it does not."""
+        layers = get_adapter(run.model).get_layers(run.model)
+        modules = [module for layer in layers for module in layer.modules()]
+        if self.settings.heal_trainable == "lora":
+            tensors = [module.weight for module in modules if is_linear_map(module)]
+        elif self.settings.heal_trainable == "norms":
+            tensors = [p for module in modules if "norm" in type(module).__name__.lower() for p in module.parameters(False)]
+        else:
+            tensors = [parameter for layer in layers for parameter in layer.parameters()]
+        needed, available = sum(tensor.numel() * tensor.element_size() for tensor in tensors), available_host_bytes()
+        run.heal_undoable = available is None or needed <= available
+        if not run.heal_undoable:
+            logger.warning(
+                f"The heal cannot keep a copy of the weights it changes ({needed / 2**30:.1f} GiB, {available / 2**30:.1f} "
+                "GiB available): if the quantization after it fails, the model keeps the heal's changes."
+            )
 
     def text(self, run: Run, pruning: PrunedLayout | PlannedPruning) -> HealText | None:
         """[`~optimum_gradmap.heal.prepare_heal_text`] with the token-id check of the model's vocabulary."""
@@ -99,7 +123,7 @@ class Heal(Step):
         """Heals `run.result`'s model in place: `result.heal`, `.config` and `.timings["heal"]` say what it did."""
         result, settings, inputs = run.result, self.settings, run.inputs
         layout = pruned_layout(result)
-        if self.undoable:
+        if self.undoable and run.heal_undoable:
             run.heal_backup = heal_backup(result.model, settings.heal_trainable, layout)
         config = dataclasses.replace(result.config or run.config, **dataclasses.asdict(settings))
         data = inputs.heal_data if inputs.heal_data is not None else settings.heal_dataset

@@ -91,6 +91,7 @@ class Run:
     dense: LayerSnapshot | None = field(default=None, repr=False)
     run_compensations: list[RunCompensation] = field(default_factory=list, repr=False)
     # What undoes a step that changed weights outside the dense stack and the folds: the heal's and the quantization's.
+    heal_undoable: bool = True
     heal_backup: WeightBackup | None = field(default=None, repr=False)
     quantization_undoable: bool = True
     quantization_backup: ModelBackup | None = field(default=None, repr=False)
