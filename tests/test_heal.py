@@ -758,6 +758,6 @@ def test_the_heal_commands_evaluation_frees_the_teacher_in_its_cleanup_before_th
 
     entry = {"dataset": "offline:wikipedia", "segment_length": 16, "num_segments": 2, "kl_to_reference": 1.0}
     report = {"evaluation": {"perplexities": [entry]}}
-    result = healed_evaluation(report, peaked_model(num_layers=2), byte_tokenizer, teacher, "dense", "healed", False)
+    result = healed_evaluation(report, peaked_model(num_layers=2), byte_tokenizer, teacher, "dense", progress_bar=False)
     assert freed == [True]
     assert result.perplexities[0].kl_to_reference > 0 and result.perplexities[0].num_segments == 2

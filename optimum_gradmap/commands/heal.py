@@ -117,9 +117,9 @@ def run(args: argparse.Namespace) -> int:
     evaluation = None
     if args.evaluate and not healed.interrupted:  # after Ctrl-C the best state is saved now; the resume evaluates
         name = os.path.basename(os.path.abspath(args.output))
-        evaluation = healed_evaluation(report, model, tokenizer, teacher, args.teacher, name, shown)
+        evaluation = healed_evaluation(report, model, tokenizer, teacher, args.teacher, name=name, progress_bar=shown)
     before = {key: report.get(key) for key in ("evaluation", "zero_shot_against_dense", "flips_against_dense")}
-    report = _healed_report(report, config, healed, evaluation, before, model, args)
+    report = _healed_report(report, config, healed, evaluation, model, args)
     writer = stored_weights_writer(path, model, trained) if quantized else None
     save_checkpoint(args.output, model, tokenizer, config, report, overwrite=args.overwrite, write_weights=writer)
     if not distributed.is_main_process():
@@ -201,18 +201,13 @@ def _stage1_seconds(report: dict[str, Any], config: Any, teacher_path: str, mode
 
 
 def _healed_report(
-    report: dict[str, Any],
-    config: Any,
-    healed: Any,
-    evaluation: Any,
-    before: dict[str, Any],
-    model: Any,
-    args: argparse.Namespace,
+    report: dict[str, Any], config: Any, healed: Any, evaluation: Any, model: Any, args: argparse.Namespace
 ) -> dict[str, Any]:
     """The healed checkpoint's report: every top-level figure describes the healed weights, and what the pruning run
     measured is kept, labelled (`evaluation_before_heal`)."""
     from ..report import environment, reproduction, stage_before_heal
 
+    before = {key: report.get(key) for key in ("evaluation", "zero_shot_against_dense", "flips_against_dense")}
     made = reproduction(command_line(args), step="heal", earlier=report.get("reproduce"))  # after the pruning's run
     report = {**report, "gradmap_config": config.to_dict(), "reproduce": made, "heal": healed.to_dict()}
     if report.get("quantization"):  # quantized first: the heal trained what the quantized checkpoint stores as it is
@@ -222,6 +217,7 @@ def _healed_report(
     report["zero_shot_against_dense"] = report["flips_against_dense"] = None  # zero-shot is not run again
     report["environment"] = environment(model)  # this run's
     report["timings"] = {**report.get("timings", {}), "heal": healed.seconds}
+    report["steps"] = [*(report.get("steps") or []), "Heal"]
     return report
 
 
@@ -246,8 +242,8 @@ def healed_evaluation(
     tokenizer: Any,
     teacher: Callable[[], AbstractContextManager[Any]],
     teacher_name: str,
-    name: str,
-    progress: bool,
+    name: str = "healed",
+    progress_bar: bool = True,
 ) -> Any:
     """The pruning report's evaluation run again on the healed model, so that the healed checkpoint's report and card
     give its own figures: each perplexity on the same dataset with the same segment length and number of segments (the
@@ -268,8 +264,8 @@ def healed_evaluation(
         tokenizer (`PreTrainedTokenizerBase`): Its tokenizer (the checkpoint's).
         teacher (`Callable`): A context manager factory that loads the dense model and frees it on exit.
         teacher_name (`str`): The dense model's name, stored beside each KL divergence.
-        name (`str`): The healed model's name in the result.
-        progress (`bool`): Show progress bars.
+        name (`str`, defaults to `"healed"`): The healed model's name in the result.
+        progress_bar (`bool`, defaults to `True`): Show progress bars.
 
     Returns:
         [`~optimum_gradmap.evaluation.EvaluationResult`], or `None` when the report has no perplexity to measure again.
@@ -290,7 +286,7 @@ def healed_evaluation(
                 segment_length=entry["segment_length"],
                 max_segments=entry["num_segments"],
                 model_name=name,
-                progress_bar=progress,
+                progress_bar=progress_bar,
                 shared_by_processes=True,
                 reference_model=dense if entry.get("kl_to_reference") is not None else None,
                 reference_model_name=teacher_name,
