@@ -153,9 +153,11 @@ class GradMAPPruner:
         heal_checkpoint: str | os.PathLike | None = None,
         heal_text_cache: str | os.PathLike | None = None,
     ) -> PruningResult:
-        """Prunes `model` in place: Stage 1, then Stage 2 if `config.compensation`, then the heal stage if
-        `config.heal_tokens` ([`~GradMAPPruner.heal`]), then quantization if `config.quantization`
-        ([`optimum_gradmap.quantize`]). Every text is read and checked before Stage 1 starts.
+        """Prunes `model` in place with the steps `config` asks for ([`~optimum_gradmap.pipeline.pruning_steps`]):
+        Stage 1, then Stage 2 if `config.compensation`, the heal if `config.heal_tokens` ([`~GradMAPPruner.heal`]) and
+        quantization if `config.quantization` ([`optimum_gradmap.quantize`]). Every check of every step (its settings,
+        the model, every text) runs before Stage 1 starts; when a step fails, every step that ran is undone, the last
+        first.
 
         Args:
             model (`PreTrainedModel`, *optional*): Defaults to the pruner's model.
@@ -180,7 +182,8 @@ class GradMAPPruner:
                 removes is refused where it becomes known, and what Stage 1 and 2 did is undone: with a budget, a
                 `num_compensated_layers` larger than the layers Stage 1 leaves; a `heal_trainable` that finds nothing to
                 train, and a heal checkpoint that matches this run's heal but not its pruning.
-            Exception: any other error once Stage 1 started propagates after the model was put back as it came.
+            Exception: any other error once Stage 1 started propagates after every step that ran was undone (the
+                model as it came; see [`~optimum_gradmap.pipeline.Quantize`] for the one case it cannot be).
                 Ctrl-C during the heal's training keeps its best state (`result.heal.interrupted`).
         """
         inputs = RunInputs(
