@@ -1166,7 +1166,7 @@ def test_the_next_token_selection_run_from_the_fitted_layer_chooses_as_the_whole
     random models the held-out loss is flat to 1e-5 and may have several minima, where golden may choose another
     strength than the grid; the real models' choices are compared on docs/benchmarks/stage1-cost.md)."""
     from optimum_gradmap.compensation import AUTO_RIDGE_GRID, learn_by_next_token_loss
-    from optimum_gradmap.compensation.next_token import _choose, searched_losses
+    from optimum_gradmap.compensation.lambda_search import choose_strength, searched_losses
     from optimum_gradmap.configuration import GradMAPConfig
     from optimum_gradmap.testing import reference_next_token_choice
 
@@ -1182,7 +1182,7 @@ def test_the_next_token_selection_run_from_the_fitted_layer_chooses_as_the_whole
     reference = reference_next_token_choice(model, adapter, dense_layers[fitted], original, ids, config)
     if search == "golden":  # the search replayed on the reference's losses
         replayed = searched_losses(reference.heldout_error.__getitem__, AUTO_RIDGE_GRID, "golden")
-        reference = _choose(replayed, reference.identity_error)
+        reference = choose_strength(replayed, reference.identity_error)
     assert fit.cross_validation.alpha == reference.alpha
     assert fit.cross_validation.identity_error == pytest.approx(reference.identity_error, rel=1e-6)
     scored = fit.cross_validation.heldout_error
@@ -1224,8 +1224,7 @@ def test_a_held_out_loss_over_no_sequence_adds_nothing_instead_of_dividing_by_ze
 @pytest.mark.parametrize("minimum", range(9))
 @pytest.mark.parametrize("plateau", [0, 2])  # strengths after the minimum whose loss ties it (up to rounding)
 def test_the_golden_section_search_chooses_as_the_grid_does_with_fewer_passes(minimum, plateau):
-    from optimum_gradmap.compensation.lambda_search import LOSS_TIE_TOLERANCE
-    from optimum_gradmap.compensation.next_token import _choose, searched_losses
+    from optimum_gradmap.compensation.lambda_search import LOSS_TIE_TOLERANCE, choose_strength, searched_losses
     from optimum_gradmap.compensation.solvers import AUTO_RIDGE_GRID
 
     grid = AUTO_RIDGE_GRID
@@ -1244,7 +1243,7 @@ def test_the_golden_section_search_chooses_as_the_grid_does_with_fewer_passes(mi
     every = searched_losses(curve.__getitem__, grid, "grid")
     assert len(every) == len(grid) and len(scored) == len(set(scored)) == len(golden)  # each strength scored once at most
     for identity in (4.0, 6.0):  # W' = I better than every strength, or worse
-        assert _choose(golden, identity).alpha == _choose(every, identity).alpha
+        assert choose_strength(golden, identity).alpha == choose_strength(every, identity).alpha
     assert len(golden) <= 5 + plateau + 1
 
 

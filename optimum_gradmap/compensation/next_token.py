@@ -35,7 +35,7 @@ from ..vocabulary import vocabulary_head
 from .activations import CompensationBatch
 from .folding import apply_compensation, down_projection_backup
 from .lambda_search import GOLDEN_SECTION as GOLDEN_SECTION  # planning estimates the search's passes from it
-from .lambda_search import _choose, searched_losses
+from .lambda_search import choose_strength, searched_losses
 from .settings import Stage2Settings
 from .solvers import AUTO_NUM_FOLDS, AUTO_RIDGE_GRID, CompensationFit, closed_form_at_strength, relative_ridge, ridge_solver
 from .statistics import CompensationStatistics, compensation_statistics, summed_over_processes
@@ -206,7 +206,7 @@ def learn_by_next_token_loss(
 
     identity_loss = loss()
     losses = searched_losses(lambda alpha: loss_with(solve(relative_ridge(train, alpha))), AUTO_RIDGE_GRID, config.lambda_search)
-    choice = _choose(losses, identity_loss)
+    choice = choose_strength(losses, identity_loss)
     size = original_outputs.shape[-1]
     if choice.alpha is None:
         return CompensationFit.identity(size, choice)
