@@ -322,52 +322,37 @@ def save_checkpoint(
     Raises:
         FileExistsError, PermissionError: from [`check_output_location`], before anything is written.
     """
-    return distributed.on_main_process(
-        lambda: _write_checkpoint(
-            save_directory, model, tokenizer, config, report, repo_id, overwrite, save_kwargs, write_weights
-        )
-    )
 
+    def write() -> str:  # on one process
+        quantization = getattr(model.config, "quantization_config", None)
+        if quantization is not None and (
+            getattr(quantization, "quant_method", None) == "gguf"
+            or (isinstance(quantization, dict) and quantization.get("quant_method") == "gguf")
+        ):
+            raise InvalidInputError(
+                "This model was loaded from a GGUF file and transformers cannot save it back. Convert it first "
+                "(see `optimum_gradmap.assets.get_model_path`, which does this for the offline models)."
+            )
+        target = check_output_location(save_directory, overwrite)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.saving-", dir=os.path.dirname(target))
+        try:
+            if write_weights is not None:
+                write_weights(staging)
+            else:
+                model.save_pretrained(staging, **{"max_shard_size": DEFAULT_MAX_SHARD_SIZE, **save_kwargs})
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
+            config.save_pretrained(staging)
+            if report is not None:
+                write_report(report, staging, repo_id, title=repo_id or os.path.basename(target))
+            validate_checkpoint(staging)
+            _give_umask_modes(staging)
+            replace_folder(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        logger.info(f"Saved pruned checkpoint to {save_directory}")
+        return str(save_directory)
 
-def _write_checkpoint(
-    save_directory: str | os.PathLike,
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase | None,
-    config: GradMAPConfig,
-    report: dict[str, Any] | None,
-    repo_id: str | None,
-    overwrite: bool,
-    save_kwargs: dict[str, Any],
-    write_weights: Callable[[str], None] | None = None,
-) -> str:
-    """[`save_checkpoint`]'s work, on one process."""
-    quantization = getattr(model.config, "quantization_config", None)
-    if quantization is not None and (
-        getattr(quantization, "quant_method", None) == "gguf"
-        or (isinstance(quantization, dict) and quantization.get("quant_method") == "gguf")
-    ):
-        raise InvalidInputError(
-            "This model was loaded from a GGUF file and transformers cannot save it back. Convert it first "
-            "(see `optimum_gradmap.assets.get_model_path`, which does this for the offline models)."
-        )
-    target = check_output_location(save_directory, overwrite)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.saving-", dir=os.path.dirname(target))
-    try:
-        if write_weights is not None:
-            write_weights(staging)
-        else:
-            model.save_pretrained(staging, **{"max_shard_size": DEFAULT_MAX_SHARD_SIZE, **save_kwargs})
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        config.save_pretrained(staging)
-        if report is not None:
-            write_report(report, staging, repo_id, title=repo_id or os.path.basename(target))
-        validate_checkpoint(staging)
-        _give_umask_modes(staging)
-        replace_folder(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    logger.info(f"Saved pruned checkpoint to {save_directory}")
-    return str(save_directory)
+    return distributed.on_main_process(write)

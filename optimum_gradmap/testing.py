@@ -56,18 +56,12 @@ def reference_removal_losses(
     return losses
 
 
-def reference_next_token_choice(
-    model: nn.Module,
-    adapter: object,
-    layer: nn.Module,
-    original_outputs: torch.Tensor,
-    input_ids: torch.LongTensor,
-    config: object,
-) -> object:
-    """The next-token selection of lambda ([`optimum_gradmap.compensation.learn_by_next_token_loss`]) by its
-    definition, at the cost it had before the held-out inputs were recorded: every candidate W' (each strength of the
-    grid, fitted on the three training folds) folded into `layer` in turn and scored by a pass of the whole model over
-    the held-out sequences; W' = I scored the same way. One process.
+def reference_next_token_choice(data: object, config: object) -> object:
+    """The next-token selection of lambda ([`optimum_gradmap.compensation.learn_by_next_token_loss`]) for a
+    [`~optimum_gradmap.compensation.FitData`] by its definition, at the cost it had before the held-out inputs were
+    recorded: every candidate W' (each strength of the grid, fitted on the three training folds) folded into the layer
+    in turn and scored by a pass of the whole model over the held-out sequences; W' = I scored the same way. One
+    process.
 
     Returns:
         [`~optimum_gradmap.compensation.RidgeChoice`]: The chosen strength (`None`: the layer is left alone), each
@@ -89,17 +83,10 @@ def reference_next_token_choice(
     )
     from .compensation.lambda_search import LOSS_TIE_TOLERANCE
 
+    model, adapter, layer, input_ids = data.model, data.adapter, data.layer, data.input_ids
     config = resolve_selection(replace(config, compensation_selection="next_token_loss"), adapter)
     folds = compensation_statistics(
-        model,
-        adapter,
-        layer,
-        original_outputs,
-        input_ids,
-        config.batch_size,
-        progress_bar=False,
-        num_folds=AUTO_NUM_FOLDS,
-        outliers=config.outlier_tokens,
+        data, config.batch_size, progress_bar=False, num_folds=AUTO_NUM_FOLDS, outliers=config.outlier_tokens
     )
     train = sum(folds[1:-1], folds[0])
     held_out = input_ids[AUTO_NUM_FOLDS - 1 :: AUTO_NUM_FOLDS]

@@ -6,6 +6,7 @@ import torch
 from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.compensation import (
     CompensationStatistics,
+    FitData,
     compensation_statistics,
     record_layer_outputs,
     solve_adam,
@@ -98,7 +99,7 @@ def test_statistics_on_a_model_match_captured_activations_and_fit_improves_the_l
     (original,) = record_layer_outputs(dense, [target], ids, batch_size=4, progress_bar=False)
     remove_layers(dense, [1])  # now `target` is at position 2 and sees a drifted input
     adapter = get_adapter(dense)
-    statistics = compensation_statistics(dense, adapter, target, original, ids, batch_size=4, progress_bar=False)
+    statistics = compensation_statistics(FitData(dense, adapter, target, original, ids), batch_size=4, progress_bar=False)
     (pruned_output,) = record_layer_outputs(dense, [target], ids, batch_size=6, progress_bar=False)
     # at W' = I the objective is the squared distance between pruned and original layer outputs
     identity = torch.eye(32, dtype=torch.float64)
@@ -130,7 +131,7 @@ def test_fit_through_a_post_mlp_norm_lowers_its_objective_and_matches_a_direct_c
     remove_layers(model, [1])
     (pruned_output,) = record_layer_outputs(model, [target], ids, batch_size=6, progress_bar=False)
     config = GradMAPConfig(num_layers_to_prune=1, reg_lambda=1e-3, adam_lr=1e-2, adam_steps=300, batch_size=4)
-    fit = learn_compensation(model, adapter, target, original, ids, config, progress_bar=False)
+    fit = learn_compensation(FitData(model, adapter, target, original, ids), config, progress_bar=False)
 
     mse = torch.nn.functional.mse_loss
     assert fit.objective_identity == pytest.approx(mse(pruned_output.double(), original.double()).item(), rel=1e-5)
@@ -344,11 +345,12 @@ def test_auto_lambda_fit_uses_the_chosen_strength_on_all_folds():
     remove_layers(dense, [1])
     adapter = get_adapter(dense)
     config = GradMAPConfig(num_layers_to_prune=1, reg_lambda="auto", batch_size=3)  # batches straddle the folds
-    fit = learn_compensation(dense, adapter, target, original, ids, config, progress_bar=False)
-    folds = compensation_statistics(dense, adapter, target, original, ids, 8, progress_bar=False, num_folds=AUTO_NUM_FOLDS)
+    data = FitData(dense, adapter, target, original, ids)
+    fit = learn_compensation(data, config, progress_bar=False)
+    folds = compensation_statistics(data, 8, progress_bar=False, num_folds=AUTO_NUM_FOLDS)
     # fold j holds sequences j, j + 4: the same statistics as computing each fold on its own sequences
     for fold, statistics in enumerate(folds):
-        alone = compensation_statistics(dense, adapter, target, original[fold::4], ids[fold::4], 8, progress_bar=False)
+        alone = compensation_statistics(FitData(dense, adapter, target, original[fold::4], ids[fold::4]), 8, progress_bar=False)
         torch.testing.assert_close(statistics.gram, alone.gram, rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(statistics.cross, alone.cross, rtol=1e-9, atol=1e-9)
     choice = cross_validate_ridge(folds)
@@ -743,7 +745,7 @@ def test_auto_outlier_tokens_mean_what_the_fit_function_chooses_lambda_by():
 
     def fitted(learn, **settings) -> torch.Tensor:
         config = GradMAPConfig(num_layers_to_prune=1, batch_size=4, **settings)
-        return learn(dense, adapter, target, original, ids, config, progress_bar=False).matrix
+        return learn(FitData(dense, adapter, target, original, ids), config, progress_bar=False).matrix
 
     keep = fitted(learn_compensation, reg_lambda=1e-3, outlier_tokens="keep")
     torch.testing.assert_close(fitted(learn_compensation, reg_lambda=1e-3, outlier_tokens="auto"), keep)
@@ -753,9 +755,9 @@ def test_auto_outlier_tokens_mean_what_the_fit_function_chooses_lambda_by():
     )
 
 
-def _without_layer_three(batch_size: int, massive: bool = False):
-    """A tiny Llama without its layer 3, the dense output of that layer on 8 random sequences (with massive
-    activations on some tokens if asked), and its adapter and layer 2, the one to fit."""
+def _without_layer_three(batch_size: int, massive: bool = False) -> FitData:
+    """A tiny Llama without its layer 3, its layer 2 to fit, and the dense output of layer 3 on 8 random sequences
+    (with massive activations on some tokens if asked)."""
     model = tiny_model("llama", num_layers=6)
     adapter = get_adapter(model)
     ids = random_ids(8, 16)
@@ -766,13 +768,13 @@ def _without_layer_three(batch_size: int, massive: bool = False):
         original[:, 0] *= 40
         original[2, 5] *= 40
     remove_layers(model, [3])
-    return model, adapter, dense_layers[2], original, ids
+    return FitData(model, adapter, dense_layers[2], original, ids)
 
 
 def test_statistics_without_outliers_count_only_the_kept_tokens():
-    model, adapter, target, original, ids = _without_layer_three(4)
-    every = compensation_statistics(model, adapter, target, original, ids, 4, progress_bar=False)
-    kept = compensation_statistics(model, adapter, target, original, ids, 4, progress_bar=False, outliers="exclude")
+    data = _without_layer_three(4)
+    every = compensation_statistics(data, 4, progress_bar=False)
+    kept = compensation_statistics(data, 4, progress_bar=False, outliers="exclude")
     assert every.num_tokens == 8 * 16
     assert kept.num_tokens <= 8 * 15  # the first token of each sequence at least
     assert not torch.equal(every.gram, kept.gram)
@@ -781,10 +783,10 @@ def test_statistics_without_outliers_count_only_the_kept_tokens():
 def test_clipped_statistics_are_the_weighted_sums_and_their_fit_zeroes_the_weighted_objective_gradient():
     from optimum_gradmap.compensation import collect_rows, outlier_token_weights
 
-    model, adapter, target, original, ids = _without_layer_three(8, massive=True)
-    clipped = compensation_statistics(model, adapter, target, original, ids, 8, progress_bar=False, outliers="clip")
-    rows = collect_rows(model, adapter, target, original, ids, 8, progress_bar=False)  # one batch: one median
-    weight = outlier_token_weights(original.double(), "clip").reshape(-1)
+    data = _without_layer_three(8, massive=True)
+    clipped = compensation_statistics(data, 8, progress_bar=False, outliers="clip")
+    rows = collect_rows(data, 8, progress_bar=False)  # one batch: one median
+    weight = outlier_token_weights(data.original_outputs.double(), "clip").reshape(-1)
     assert weight.min() < 0.01 and int((weight < 1).sum()) >= 8
     y, r = rows.mlp_output, rows.target
     assert torch.allclose(clipped.gram, y.T @ (weight[:, None] * y))
@@ -799,7 +801,7 @@ def test_clipped_statistics_are_the_weighted_sums_and_their_fit_zeroes_the_weigh
     assert float(brute_force.detach()) == pytest.approx(float(clipped.objective(matrix.detach(), reg_lambda)))
     (gradient,) = torch.autograd.grad(brute_force, matrix)
     assert gradient.abs().max() < 1e-10
-    every = compensation_statistics(model, adapter, target, original, ids, 8, progress_bar=False)
+    every = compensation_statistics(data, 8, progress_bar=False)
     unweighted, identity = solve_closed_form(every, reg_lambda), torch.eye(32, dtype=torch.float64)
     assert (unweighted - matrix.detach()).norm() > 0.1 * (unweighted - identity).norm()  # the weights change the fit
 
@@ -846,7 +848,7 @@ def test_lambda_chosen_by_the_held_out_next_token_loss_is_the_candidate_with_the
     remove_layers(model, [3])
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     config = GradMAPConfig(num_layers_to_prune=1, compensation_selection="next_token_loss", batch_size=4)
-    fit = learn_by_next_token_loss(model, adapter, dense_layers[2], original, ids, config, progress_bar=False)
+    fit = learn_by_next_token_loss(FitData(model, adapter, dense_layers[2], original, ids), config, progress_bar=False)
     assert all(torch.equal(tensor, state[name]) for name, tensor in model.state_dict().items())  # candidates undone
     losses = fit.cross_validation.heldout_error
     assert set(losses) <= set(AUTO_RIDGE_GRID) and len(losses) >= 3
@@ -890,7 +892,7 @@ def test_the_default_stage2_chooses_lambda_by_the_next_token_loss_without_outlie
         learn = getattr(fit, name)
 
         def spy(*args, learn=learn, learner=learner):
-            calls.append((learner, args[5].outlier_tokens))  # args[5]: the config the fit reads
+            calls.append((learner, args[1].outlier_tokens))  # args[1]: the config the fit reads
             return learn(*args)
 
         monkeypatch.setattr(fit, name, spy)
@@ -1065,10 +1067,10 @@ def test_compensation_dataset_is_a_stage2_setting_that_compensate_can_change(tmp
 def test_preserved_outliers_are_fitted_to_stay_as_they_are():
     from optimum_gradmap.compensation import collect_rows, outlier_tokens
 
-    model, adapter, target, original, ids = _without_layer_three(8, massive=True)
-    preserved = compensation_statistics(model, adapter, target, original, ids, 8, progress_bar=False, outliers="preserve")
-    rows = collect_rows(model, adapter, target, original, ids, 8, progress_bar=False)  # one batch: one median
-    held = outlier_tokens(original.double()).reshape(-1)
+    data = _without_layer_three(8, massive=True)
+    preserved = compensation_statistics(data, 8, progress_bar=False, outliers="preserve")
+    rows = collect_rows(data, 8, progress_bar=False)  # one batch: one median
+    held = outlier_tokens(data.original_outputs.double()).reshape(-1)
     assert int(held.sum()) >= 9  # the first token of each of the 8 sequences, and the massive one inside
     y, r = rows.mlp_output, rows.target
     r_held = torch.where(held[:, None], y, r)  # no norm after a Llama MLP: what the layer adds now is y
@@ -1077,7 +1079,7 @@ def test_preserved_outliers_are_fitted_to_stay_as_they_are():
     assert preserved.target_energy == pytest.approx(float(r_held.pow(2).sum()))
     assert preserved.num_tokens == 8 * 16
 
-    excluded = compensation_statistics(model, adapter, target, original, ids, 8, progress_bar=False, outliers="exclude")
+    excluded = compensation_statistics(data, 8, progress_bar=False, outliers="exclude")
     change = {}
     for name, statistics in (("preserve", preserved), ("exclude", excluded)):
         matrix = solve_closed_form(statistics, 1e-7)
@@ -1102,15 +1104,15 @@ def test_validation_after_refinement_keeps_exactly_the_model_it_validated(monkey
     pruner = GradMAPPruner(config, progress_bar=False)
     result = pruner.select_layers(model, ids)
     validated = {}
-    keep_if_validated = stage2._keep_if_validated
+    keep_if_validated = stage2._Stage2Run.keep_if_validated
 
-    def record_the_validated_model(dense, *args, **kwargs):
-        validated["state"] = {name: tensor.clone() for name, tensor in dense.model.state_dict().items()}
+    def record_the_validated_model(run, *args, **kwargs):
+        validated["state"] = {name: tensor.clone() for name, tensor in run.dense.model.state_dict().items()}
         with torch.no_grad():
-            validated["logits"] = dense.model(probe).logits
-        return keep_if_validated(dense, *args, **kwargs)
+            validated["logits"] = run.dense.model(probe).logits
+        return keep_if_validated(run, *args, **kwargs)
 
-    monkeypatch.setattr(stage2, "_keep_if_validated", record_the_validated_model)
+    monkeypatch.setattr(stage2._Stage2Run, "keep_if_validated", record_the_validated_model)
     pruner.compensate(result, validation_data=ids)
     assert result.compensation.refinement["step"] > 0  # the refinement changed the fits: R is not the identity
     assert result.compensation.validation["kept"] and result.compensated_layers
@@ -1134,10 +1136,10 @@ def test_a_fit_between_removals_that_fails_mid_fold_leaves_the_weights_as_they_w
     layers, config_before = list(model.model.layers), model.config.to_dict()
     folded = []
 
-    def fold_one_then_fail(model, adapter, layer, *args, **kwargs):
-        target = adapter.get_down_projections(layer)[0]
-        fold_into(target, 2 * torch.eye(model.config.hidden_size, dtype=torch.float64))
-        folded.append(layer)
+    def fold_one_then_fail(data, *args, **kwargs):
+        target = data.adapter.get_down_projections(data.layer)[0]
+        fold_into(target, 2 * torch.eye(data.model.config.hidden_size, dtype=torch.float64))
+        folded.append(data.layer)
         raise RuntimeError("out of memory (simulated)")
 
     monkeypatch.setattr(each_round, "fit_and_fold", fold_one_then_fail)
@@ -1166,7 +1168,7 @@ def test_the_next_token_selection_run_from_the_fitted_layer_chooses_as_the_whole
     random models the held-out loss is flat to 1e-5 and may have several minima, where golden may choose another
     strength than the grid; the real models' choices are compared on docs/benchmarks/stage1-cost.md)."""
     from optimum_gradmap.compensation import AUTO_RIDGE_GRID, learn_by_next_token_loss
-    from optimum_gradmap.compensation.next_token import _choose, searched_losses
+    from optimum_gradmap.compensation.lambda_search import choose_strength, searched_losses
     from optimum_gradmap.configuration import GradMAPConfig
     from optimum_gradmap.testing import reference_next_token_choice
 
@@ -1178,11 +1180,12 @@ def test_the_next_token_selection_run_from_the_fitted_layer_chooses_as_the_whole
         (original,) = record_layer_outputs(model, [dense_layers[removed]], ids, 4, progress_bar=False)
     remove_layers(model, [removed])
     config = GradMAPConfig(num_layers_to_prune=1, batch_size=4, lambda_search=search)
-    fit = learn_by_next_token_loss(model, adapter, dense_layers[fitted], original, ids, config, progress_bar=False)
-    reference = reference_next_token_choice(model, adapter, dense_layers[fitted], original, ids, config)
+    data = FitData(model, adapter, dense_layers[fitted], original, ids)
+    fit = learn_by_next_token_loss(data, config, progress_bar=False)
+    reference = reference_next_token_choice(data, config)
     if search == "golden":  # the search replayed on the reference's losses
         replayed = searched_losses(reference.heldout_error.__getitem__, AUTO_RIDGE_GRID, "golden")
-        reference = _choose(replayed, reference.identity_error)
+        reference = choose_strength(replayed, reference.identity_error)
     assert fit.cross_validation.alpha == reference.alpha
     assert fit.cross_validation.identity_error == pytest.approx(reference.identity_error, rel=1e-6)
     scored = fit.cross_validation.heldout_error
@@ -1196,13 +1199,11 @@ def test_the_next_token_selection_run_from_the_fitted_layer_chooses_as_the_whole
 @pytest.mark.parametrize("outliers", ["exclude", "clip", "preserve"])
 def test_the_outlier_threshold_is_a_property_of_the_calibration_set_not_of_the_batch(outliers):
     """One median over every calibration token: the statistics do not depend on how the sequences are batched."""
-    model, adapter, target, original, ids = _without_layer_three(8, massive=True)
-    original[6:] *= 10  # the last quarter of the sequences has larger norms: a per-batch median would differ
-    whole = compensation_statistics(model, adapter, target, original, ids, 8, progress_bar=False, outliers=outliers)
+    data = _without_layer_three(8, massive=True)
+    data.original_outputs[6:] *= 10  # the last quarter of the sequences has larger norms: a per-batch median would differ
+    whole = compensation_statistics(data, 8, progress_bar=False, outliers=outliers)
     for batch_size in (1, 3):
-        batched = compensation_statistics(
-            model, adapter, target, original, ids, batch_size, progress_bar=False, outliers=outliers
-        )
+        batched = compensation_statistics(data, batch_size, progress_bar=False, outliers=outliers)
         assert batched.num_tokens == whole.num_tokens
         torch.testing.assert_close(batched.gram, whole.gram)
         torch.testing.assert_close(batched.cross, whole.cross)
@@ -1224,8 +1225,7 @@ def test_a_held_out_loss_over_no_sequence_adds_nothing_instead_of_dividing_by_ze
 @pytest.mark.parametrize("minimum", range(9))
 @pytest.mark.parametrize("plateau", [0, 2])  # strengths after the minimum whose loss ties it (up to rounding)
 def test_the_golden_section_search_chooses_as_the_grid_does_with_fewer_passes(minimum, plateau):
-    from optimum_gradmap.compensation.lambda_search import LOSS_TIE_TOLERANCE
-    from optimum_gradmap.compensation.next_token import _choose, searched_losses
+    from optimum_gradmap.compensation.lambda_search import LOSS_TIE_TOLERANCE, choose_strength, searched_losses
     from optimum_gradmap.compensation.solvers import AUTO_RIDGE_GRID
 
     grid = AUTO_RIDGE_GRID
@@ -1244,7 +1244,7 @@ def test_the_golden_section_search_chooses_as_the_grid_does_with_fewer_passes(mi
     every = searched_losses(curve.__getitem__, grid, "grid")
     assert len(every) == len(grid) and len(scored) == len(set(scored)) == len(golden)  # each strength scored once at most
     for identity in (4.0, 6.0):  # W' = I better than every strength, or worse
-        assert _choose(golden, identity).alpha == _choose(every, identity).alpha
+        assert choose_strength(golden, identity).alpha == choose_strength(every, identity).alpha
     assert len(golden) <= 5 + plateau + 1
 
 

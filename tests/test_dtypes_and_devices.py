@@ -148,7 +148,7 @@ def test_the_dtype_option_auto_loads_the_model_in_the_dtype_the_hardware_compute
 
 
 def test_stage2_statistics_and_losses_of_a_bfloat16_model_are_computed_in_float64_and_float32():
-    from optimum_gradmap.compensation import compensation_statistics, record_layer_outputs
+    from optimum_gradmap.compensation import FitData, compensation_statistics, record_layer_outputs
     from optimum_gradmap.objectives import next_token_loss_sum
     from optimum_gradmap.surgery import remove_layers
 
@@ -158,7 +158,7 @@ def test_stage2_statistics_and_losses_of_a_bfloat16_model_are_computed_in_float6
     (original,) = record_layer_outputs(model, [model.model.layers[2]], ids, 4, progress_bar=False)
     assert original.dtype == torch.float32
     remove_layers(model, [2])
-    statistics = compensation_statistics(model, get_adapter(model), target, original, ids, 4, progress_bar=False)
+    statistics = compensation_statistics(FitData(model, get_adapter(model), target, original, ids), 4, progress_bar=False)
     assert statistics.gram.dtype == statistics.cross.dtype == torch.float64
     total, count = next_token_loss_sum(model, ids, 4, progress_bar=False)
     assert total.dtype == torch.float64 and count == 8 * 15 and torch.isfinite(total)

@@ -601,14 +601,14 @@ def test_lora_initialisation_follows_the_configs_seed(monkeypatch):
 
 def test_the_report_says_whose_weights_a_heal_that_beat_nothing_kept():
     """A heal that beat nothing names whose weights the model keeps (not Stage 2's when Stage 2 changed nothing)."""
-    from optimum_gradmap.report import _heal_sentence
+    from optimum_gradmap.report.model_card import heal_sentence
 
     healed = dict(trainable="norms", num_trainable_parameters=10, trained_tokens=64, dataset="d", train_sha256="0" * 64,
                   start_kl=1.0, best_kl=1.0, best_tokens=0)  # fmt: skip
-    assert _heal_sentence({"heal": healed, "compensation": {"compensated_layers": [2]}}).endswith("the weights are Stage 2's.")
-    assert _heal_sentence({"heal": healed, "compensation": None}).endswith("Stage 1's (Stage 2 was not run).")
+    assert heal_sentence({"heal": healed, "compensation": {"compensated_layers": [2]}}).endswith("the weights are Stage 2's.")
+    assert heal_sentence({"heal": healed, "compensation": None}).endswith("Stage 1's (Stage 2 was not run).")
     no_layer = {"heal": healed, "compensation": {"compensated_layers": []}}
-    assert _heal_sentence(no_layer).endswith("Stage 1's (Stage 2 compensated no layer).")
+    assert heal_sentence(no_layer).endswith("Stage 1's (Stage 2 compensated no layer).")
 
 
 # --- heal refusals inside `prune` come before Stage 1 ----------------------------------------------------------------

@@ -47,6 +47,7 @@ runs [`compensate`] on the pruned result.
 from .activations import (
     OUTLIER_NORM_FACTOR,
     CompensationBatch,
+    FitData,
     check_outlier_tokens,
     for_each_compensation_batch,
     hidden_state_means,
@@ -102,6 +103,7 @@ __all__ = [
     "OUTLIER_NORM_FACTOR",
     "CompensationBatch",
     "CompensationRows",
+    "FitData",
     "collect_rows",
     "cosine_distance",
     "hadamard_matrix",

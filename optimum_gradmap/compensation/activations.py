@@ -182,6 +182,31 @@ def check_outlier_tokens(config: Stage2Settings, adapter: DecoderAdapter) -> Non
         )
 
 
+@dataclass(frozen=True)
+class FitData:
+    """What W' for one kept layer is fitted on: the layer in the pruned model, and the dense hidden states it is
+    fitted to on this process's calibration sequences.
+
+    Args:
+        model (`nn.Module`): The pruned model.
+        adapter (`DecoderAdapter`): Its family's adapter.
+        layer (`nn.Module`): The kept layer to fit.
+        original_outputs (`torch.Tensor` of shape `(num_samples, seq_len, d)`): X_O, the target hidden states on
+            `input_ids`: the dense model's output of the same layer, or of the last layer of the span removed after it.
+        input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences: with several
+            processes, this process's share of them ([`optimum_gradmap.distributed`]).
+        first_sample (`int`, defaults to 0): The index of `input_ids[0]` in the whole calibration set, which sets the
+            cross-validation folds (sequence j in fold j mod the number of folds).
+    """
+
+    model: nn.Module
+    adapter: DecoderAdapter
+    layer: nn.Module
+    original_outputs: torch.Tensor
+    input_ids: torch.LongTensor
+    first_sample: int = 0
+
+
 @dataclass
 class CompensationBatch:
     """One batch of Stage 2's data for a kept layer, each tensor `(samples, tokens, d)` in float64 on the
@@ -214,22 +239,15 @@ class CompensationBatch:
 
 
 def for_each_compensation_batch(
-    model: nn.Module,
-    adapter: DecoderAdapter,
-    layer: nn.Module,
-    original_outputs: torch.Tensor,
-    input_ids: torch.LongTensor,
-    batch_size: int,
-    progress_bar: bool,
-    consume: Callable[[CompensationBatch], None],
-    outliers: str = "keep",
+    data: FitData, batch_size: int, progress_bar: bool, consume: Callable[[CompensationBatch], None], outliers: str = "keep"
 ) -> None:
-    """Runs the pruned model and calls `consume` with each batch's [`CompensationBatch`], its tokens weighed by
+    """Runs the pruned model of `data` and calls `consume` with each batch's [`CompensationBatch`], its tokens weighed by
     [`outlier_token_weights`] under `outliers` (`Stage2Settings.outlier_tokens`), against the median norm of the whole
     calibration set ([`median_token_norm`]: neither the batch size nor the number of processes changes a weight).
     With `outliers="preserve"`, the [`outlier_tokens`]' dense hidden states are replaced by the pruned layer's outputs
     for them: their target is to stay as they are (W' = I fits them exactly). Each forward pass ends after `layer`:
     the layers after it and the head are not run."""
+    model, adapter, layer, original_outputs = data.model, data.adapter, data.layer, data.original_outputs
     captured: dict[str, object] = {}
     mlp = adapter.get_mlp(layer)
     contribution_module = adapter.get_mlp_output_norm(layer) or mlp  # its output is what the layer adds to the residual
@@ -248,7 +266,7 @@ def for_each_compensation_batch(
     description = "Collecting compensation data"
     handle = layer.register_forward_hook(capture_layer, with_kwargs=True)
     try:
-        with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches, forward_hooks(hooks):
+        with calibration_batches(model, data.input_ids, batch_size, description, progress_bar) as batches, forward_hooks(hooks):
             with stop_after(layer):
                 for batch in batches:
                     run_model(model, batch)

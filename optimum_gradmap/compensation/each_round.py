@@ -12,7 +12,7 @@ import torch
 from .. import distributed
 from ..surgery import LayerSnapshot
 from ..weights import WeightBackup
-from .activations import record_layer_outputs
+from .activations import FitData, record_layer_outputs
 from .fit import fit_and_fold
 from .folding import down_projection_backup
 from .next_token import resolve_selection
@@ -67,7 +67,7 @@ def compensate_run(
     try:
         with dense.temporarily(range(dense.num_layers)):
             (original,) = record_layer_outputs(model, [dense.layers[end]], shared_ids, config.batch_size, progress_bar)
-        fit = fit_and_fold(model, adapter, layer, original, shared_ids, config, progress_bar, first_sample)
+        fit = fit_and_fold(FitData(model, adapter, layer, original, shared_ids, first_sample), config, progress_bar)
     except BaseException:  # a fit that failed mid-fold (one down projection of several, or one of its tensors)
         backup.restore()
         raise

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from .. import distributed
-from ..adapters import DecoderAdapter
 from ..errors import InvalidInputError
 from ..weights import materialized
+from .activations import FitData
 from .cosine import learn_cosine
 from .folding import apply_compensation
 from .next_token import chooses_by_next_token_loss, learn_by_next_token_loss, resolve_selection
@@ -50,17 +50,8 @@ def check_auto_lambda_data(input_ids: torch.LongTensor) -> None:
         )
 
 
-def learn_compensation(
-    model: nn.Module,
-    adapter: DecoderAdapter,
-    layer: nn.Module,
-    original_outputs: torch.Tensor,
-    input_ids: torch.LongTensor,
-    config: Stage2Settings,
-    progress_bar: bool = True,
-    first_sample: int = 0,
-) -> CompensationFit:
-    """Learns W' for one kept layer of the pruned `model` (Eq. 12-14) with the configured solver.
+def learn_compensation(data: FitData, config: Stage2Settings, progress_bar: bool = True) -> CompensationFit:
+    """Learns W' for one kept layer of the pruned model (Eq. 12-14) with the configured solver.
 
     Where the MLP output reaches the residual stream directly, the objective is quadratic and is
     solved from its sufficient statistics (`config.solver`: exact closed form, or Adam). Where a
@@ -71,52 +62,34 @@ def learn_compensation(
     ([`choose_ridge`]: `AUTO_NUM_FOLDS` folds, `AUTO_RIDGE_GRID` strengths relative to the data); when
     no strength beats W' = I on the held-out sequences, the fit is `skipped`.
 
-    With several processes ([`optimum_gradmap.distributed`]), `input_ids` and `original_outputs` are
-    this process's share of the calibration set, starting at its sequence `first_sample`: the statistics
+    With several processes ([`optimum_gradmap.distributed`]), the sequences and hidden states of `data` are
+    this process's share of the calibration set, starting at its sequence `data.first_sample`: the statistics
     are summed over processes (the stored activations gathered, where a norm follows the MLP), so every
     process fits the same W'.
 
     Args:
-        model (`nn.Module`): The pruned model.
-        adapter (`DecoderAdapter`): Its family's adapter.
-        layer (`nn.Module`): The kept layer to fit.
-        original_outputs (`torch.Tensor` of shape `(num_samples, seq_len, d)`): The dense hidden states it
-            is fitted to.
-        input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
+        data ([`FitData`]): The kept layer to fit, and what it is fitted to.
         config ([`Stage2Settings`]): `solver`, `reg_lambda`, `compensation_form`, `compensation_objective`,
             `outlier_tokens` (`"auto"` is `"keep"` here: this fit chooses lambda by the hidden state's error, see
             [`resolve_selection`]), `adam_lr`, `adam_steps` and `batch_size` are read.
         progress_bar (`bool`, defaults to `True`): Show progress bars.
-        first_sample (`int`, defaults to 0): The index of `input_ids[0]` in the whole calibration set.
 
     Returns:
         [`CompensationFit`].
     """
     if config.reg_lambda == "auto" and not distributed.is_distributed():  # the pruner checks the whole set
-        check_auto_lambda_data(input_ids)
-    config = resolve_selection(replace(config, compensation_selection="hidden_state"), adapter)
-    norm = adapter.get_mlp_output_norm(layer)
+        check_auto_lambda_data(data.input_ids)
+    config = resolve_selection(replace(config, compensation_selection="hidden_state"), data.adapter)
+    norm = data.adapter.get_mlp_output_norm(data.layer)
     if norm is not None or config.compensation_objective == "cosine":
-        rows = collect_rows(
-            model,
-            adapter,
-            layer,
-            original_outputs,
-            input_ids,
-            config.batch_size,
-            progress_bar,
-            first_sample,
-            config.outlier_tokens,
-        )
+        rows = collect_rows(data, config.batch_size, progress_bar, config.outlier_tokens)
         if config.compensation_objective == "cosine":
             return learn_cosine(rows, config, progress_bar, norm)
         return _learn_through_norm(rows, norm, config, progress_bar)
 
-    statistics, reg_lambda, choice = _statistics_and_lambda(
-        model, adapter, layer, original_outputs, input_ids, config, progress_bar, first_sample
-    )
+    statistics, reg_lambda, choice = _statistics_and_lambda(data, config, progress_bar)
     if statistics is None:  # no strength beat W' = I
-        return CompensationFit.identity(original_outputs.shape[-1], choice)
+        return CompensationFit.identity(data.original_outputs.shape[-1], choice)
     if config.solver == "closed_form":
         matrix = solve_closed_form(statistics, reg_lambda, config.compensation_form)
     else:
@@ -125,43 +98,18 @@ def learn_compensation(
 
 
 def _statistics_and_lambda(
-    model: nn.Module,
-    adapter: DecoderAdapter,
-    layer: nn.Module,
-    original_outputs: torch.Tensor,
-    input_ids: torch.LongTensor,
-    config: Stage2Settings,
-    progress_bar: bool,
-    first_sample: int,
+    data: FitData, config: Stage2Settings, progress_bar: bool
 ) -> tuple[CompensationStatistics | None, float | None, RidgeChoice | None]:
     """The statistics W' is solved from (summed over processes), its lambda, and with `reg_lambda="auto"` the
     cross-validation that chose it ([`cross_validate_ridge`] over `AUTO_NUM_FOLDS` folds); the statistics are `None`
     where no strength beats W' = I on the held-out sequences."""
     if config.reg_lambda != "auto":
         statistics = summed_over_processes(
-            compensation_statistics(
-                model,
-                adapter,
-                layer,
-                original_outputs,
-                input_ids,
-                config.batch_size,
-                progress_bar,
-                outliers=config.outlier_tokens,
-            )
+            compensation_statistics(data, config.batch_size, progress_bar, outliers=config.outlier_tokens)
         )
         return statistics, config.reg_lambda, None
     folds = compensation_statistics(
-        model,
-        adapter,
-        layer,
-        original_outputs,
-        input_ids,
-        config.batch_size,
-        progress_bar,
-        num_folds=AUTO_NUM_FOLDS,
-        first_sample=first_sample,
-        outliers=config.outlier_tokens,
+        data, config.batch_size, progress_bar, num_folds=AUTO_NUM_FOLDS, outliers=config.outlier_tokens
     )
     folds = [summed_over_processes(fold) for fold in folds]
     choice = cross_validate_ridge(folds, form=config.compensation_form)
@@ -171,32 +119,22 @@ def _statistics_and_lambda(
     return statistics, lambda_for_strength(choice.alpha, statistics.mean_eigenvalue, statistics.num_elements), choice
 
 
-def fit_and_fold(
-    model: nn.Module,
-    adapter: DecoderAdapter,
-    layer: nn.Module,
-    original_outputs: torch.Tensor,
-    input_ids: torch.LongTensor,
-    config: Stage2Settings,
-    progress_bar: bool = True,
-    first_sample: int = 0,
-) -> CompensationFit:
+def fit_and_fold(data: FitData, config: Stage2Settings, progress_bar: bool = True) -> CompensationFit:
     """Learns W' for one kept layer the way `config` chooses lambda, and folds it into the layer's down
     projection unless the fit was `skipped` (no lambda beat W' = I). The choice: the held-out next-token loss
     ([`learn_by_next_token_loss`]) where `config.compensation_selection` resolves to it, else the held-out
     hidden-state error ([`learn_compensation`]).
 
     Args:
-        model, adapter, layer, original_outputs, input_ids, config, progress_bar, first_sample: As in
-            [`learn_compensation`].
+        data, config, progress_bar: As in [`learn_compensation`].
 
     Returns:
         [`CompensationFit`]: The fit, folded unless `skipped`.
     """
     learn = learn_by_next_token_loss if chooses_by_next_token_loss(config) else learn_compensation
-    fit = learn(model, adapter, layer, original_outputs, input_ids, config, progress_bar, first_sample)
+    fit = learn(data, config, progress_bar)
     if not fit.skipped:
-        apply_compensation(adapter, layer, fit.matrix)
+        apply_compensation(data.adapter, data.layer, fit.matrix)
     return fit
 
 

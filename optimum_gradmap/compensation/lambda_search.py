@@ -72,7 +72,7 @@ def _tied(loss: float, lowest: float) -> bool:
     return loss <= lowest + LOSS_TIE_TOLERANCE * abs(lowest)
 
 
-def _choose(losses: dict[float, float], identity_loss: float) -> RidgeChoice:
+def choose_strength(losses: dict[float, float], identity_loss: float) -> RidgeChoice:
     """The strongest lambda among those whose held-out loss is the lowest up to float rounding (processes that sum
     the loss in another order, [`optimum_gradmap.distributed`], then choose alike); `None` unless it beats W' = I."""
     lowest = min(losses.values())

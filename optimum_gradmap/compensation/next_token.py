@@ -32,10 +32,10 @@ from ..errors import InvalidInputError
 from ..objectives import next_token_loss_sum, summed_loss
 from ..passes import calibration_batches
 from ..vocabulary import vocabulary_head
-from .activations import CompensationBatch
+from .activations import CompensationBatch, FitData
 from .folding import apply_compensation, down_projection_backup
 from .lambda_search import GOLDEN_SECTION as GOLDEN_SECTION  # planning estimates the search's passes from it
-from .lambda_search import _choose, searched_losses
+from .lambda_search import choose_strength, searched_losses
 from .settings import Stage2Settings
 from .solvers import AUTO_NUM_FOLDS, AUTO_RIDGE_GRID, CompensationFit, closed_form_at_strength, relative_ridge, ridge_solver
 from .statistics import CompensationStatistics, compensation_statistics, summed_over_processes
@@ -97,40 +97,31 @@ def is_held_out(sample: int) -> bool:
 
 
 class HeldOutLoss:
-    """The model's next-token loss on the held-out sequences, computed from `layer` on: the input `layer` receives on
-    them does not depend on what is folded into `layer` or the layers after it, so it is recorded once (in the pass
-    that collects the fit's statistics) and every candidate runs only `layer`, the layers after it, the final norm
-    and the head, over every predicted position ([`LayerSnapshot.replaying`]). Exact: the same computation as the
-    whole model's pass ([`held_out_next_token_loss`]) for every layer from `layer` on, batch by batch.
+    """The model's next-token loss on the held-out sequences ([`is_held_out`]) of `data`, computed from its layer on:
+    the input the layer receives on them does not depend on what is folded into it or the layers after it, so it is
+    recorded once (in the pass that collects the fit's statistics) and every candidate runs only the layer, the layers
+    after it, the final norm and the head, over every predicted position ([`LayerSnapshot.replaying`]). Exact: the same
+    computation as the whole model's pass ([`held_out_next_token_loss`]) for every layer from the fitted one on, batch
+    by batch.
 
     Args:
-        model (`nn.Module`): The pruned model.
-        adapter (`DecoderAdapter`): Its family's adapter.
-        layer (`nn.Module`): The kept layer whose fits are scored.
-        input_ids (`torch.LongTensor` of shape `(num_held_out, seq_len)`): This process's held-out sequences (maybe
-            none).
-        layer_inputs (`torch.Tensor` of shape `(num_held_out, seq_len, d)`, *optional*): What `layer` received on
-            them (`None` with no sequence).
+        data ([`FitData`]): The kept layer whose fits are scored, and this process's calibration sequences (maybe
+            without a held-out one).
+        layer_inputs (`torch.Tensor` of shape `(num_held_out, seq_len, d)`, *optional*): What the layer received on
+            the held-out sequences (`None` with no sequence).
         returns_tuple (`bool`): Whether the model's layers return a tuple.
         batch_size (`int`): Sequences per pass.
         progress_bar (`bool`): Show a progress bar.
     """
 
     def __init__(
-        self,
-        model: nn.Module,
-        adapter: DecoderAdapter,
-        layer: nn.Module,
-        input_ids: torch.LongTensor,
-        layer_inputs: torch.Tensor | None,
-        returns_tuple: bool,
-        batch_size: int,
-        progress_bar: bool,
+        self, data: FitData, layer_inputs: torch.Tensor | None, returns_tuple: bool, batch_size: int, progress_bar: bool
     ):
-        self.model = model
-        self.stack = surgery.snapshot(model, adapter)
-        self.position = next(position for position, kept in enumerate(self.stack.layers) if kept is layer)
-        self.input_ids = input_ids
+        self.model = data.model
+        self.stack = surgery.snapshot(data.model, data.adapter)
+        self.position = next(position for position, kept in enumerate(self.stack.layers) if kept is data.layer)
+        rows = range(data.input_ids.shape[0])
+        self.input_ids = data.input_ids[[row for row in rows if is_held_out(data.first_sample + row)]]
         self.layer_inputs = layer_inputs
         self.returns_tuple = returns_tuple
         self.batch_size = batch_size
@@ -155,44 +146,29 @@ class HeldOutLoss:
         return distributed.mean_from_sums(total, count)
 
 
-def learn_by_next_token_loss(
-    model: nn.Module,
-    adapter: DecoderAdapter,
-    layer: nn.Module,
-    original_outputs: torch.Tensor,
-    input_ids: torch.LongTensor,
-    config: Stage2Settings,
-    progress_bar: bool = True,
-    first_sample: int = 0,
-) -> CompensationFit:
+def learn_by_next_token_loss(data: FitData, config: Stage2Settings, progress_bar: bool = True) -> CompensationFit:
     """W' for one kept layer, its lambda chosen by the next-token loss on held-out calibration sequences (see
     the module docstring): this function always chooses lambda, whatever `config.reg_lambda` says, so
     `config.outlier_tokens="auto"` is `"exclude"` here ([`resolve_selection`] with `reg_lambda="auto"`). The model is
     left as it was (the candidates are folded and undone in turn).
 
     One pass over the calibration sequences collects the statistics of every fold and, for the held-out sequences,
-    the input of `layer`; each candidate is then scored from `layer` on ([`HeldOutLoss`]), every strength of the grid
+    the input of the layer; each candidate is then scored from `layer` on ([`HeldOutLoss`]), every strength of the grid
     or those `config.lambda_search` scores ([`searched_losses`]).
 
     Args:
-        model (`nn.Module`): The pruned model.
-        adapter (`DecoderAdapter`): Its family's adapter.
-        layer (`nn.Module`): The kept layer to fit.
-        original_outputs (`torch.Tensor` of shape `(num_samples, seq_len, d)`): The dense hidden states it is fitted to.
-        input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): This process's calibration sequences.
+        data ([`FitData`]): The kept layer to fit, and what it is fitted to.
         config ([`Stage2Settings`]): `compensation_form`, `outlier_tokens`, `lambda_search` and `batch_size` are read.
         progress_bar (`bool`, defaults to `True`): Show progress bars.
-        first_sample (`int`, defaults to 0): The index of `input_ids[0]` in the whole calibration set.
 
     Returns:
         [`CompensationFit`]: its `cross_validation.heldout_error` holds each scored strength's held-out next-token
         loss, and `identity_error` the loss with the layer left alone.
     """
+    adapter, layer = data.adapter, data.layer
     config = resolve_selection(replace(config, compensation_selection="next_token_loss", reg_lambda="auto"), adapter)
     check_next_token_selection(config, adapter)
-    folds, loss = _statistics_and_held_out_loss(
-        model, adapter, layer, original_outputs, input_ids, config, progress_bar, first_sample
-    )
+    folds, loss = _statistics_and_held_out_loss(data, config, progress_bar)
     train = sum(folds[1:-1], folds[0])
     solve = ridge_solver(train, config.compensation_form)  # one candidate W' at a time, formed when scored
     backup = down_projection_backup(adapter, [layer])
@@ -206,8 +182,8 @@ def learn_by_next_token_loss(
 
     identity_loss = loss()
     losses = searched_losses(lambda alpha: loss_with(solve(relative_ridge(train, alpha))), AUTO_RIDGE_GRID, config.lambda_search)
-    choice = _choose(losses, identity_loss)
-    size = original_outputs.shape[-1]
+    choice = choose_strength(losses, identity_loss)
+    size = data.original_outputs.shape[-1]
     if choice.alpha is None:
         return CompensationFit.identity(size, choice)
     total = sum(folds[1:], folds[0])
@@ -216,50 +192,29 @@ def learn_by_next_token_loss(
 
 
 def _statistics_and_held_out_loss(
-    model: nn.Module,
-    adapter: DecoderAdapter,
-    layer: nn.Module,
-    original_outputs: torch.Tensor,
-    input_ids: torch.LongTensor,
-    config: Stage2Settings,
-    progress_bar: bool,
-    first_sample: int,
+    data: FitData, config: Stage2Settings, progress_bar: bool
 ) -> tuple[list[CompensationStatistics], HeldOutLoss]:
     """One pass over the calibration sequences: the statistics of every cross-validation fold (summed over processes),
-    and the input `layer` receives on the held-out sequences, from which [`HeldOutLoss`] scores each candidate."""
+    and the input the layer receives on the held-out sequences, from which [`HeldOutLoss`] scores each candidate."""
     held_out_inputs: list[torch.Tensor] = []
     returns_tuple: list[bool] = []
 
     def keep_held_out_inputs(batch: CompensationBatch) -> None:
-        first = first_sample + batch.first_sample
+        first = data.first_sample + batch.first_sample
         rows = [row for row in range(batch.mlp_output.shape[0]) if is_held_out(first + row)]
         if rows:
             held_out_inputs.append(batch.layer_input[rows])
         returns_tuple[:] = [batch.layer_returns_tuple]
 
     folds = compensation_statistics(
-        model,
-        adapter,
-        layer,
-        original_outputs,
-        input_ids,
+        data,
         config.batch_size,
         progress_bar,
         num_folds=AUTO_NUM_FOLDS,
-        first_sample=first_sample,
         outliers=config.outlier_tokens,
         on_batch=keep_held_out_inputs,
     )
     folds = [summed_over_processes(fold) for fold in folds]
-    held_out = input_ids[[row for row in range(input_ids.shape[0]) if is_held_out(first_sample + row)]]
-    loss = HeldOutLoss(
-        model,
-        adapter,
-        layer,
-        held_out,
-        torch.cat(held_out_inputs) if held_out_inputs else None,
-        bool(returns_tuple and returns_tuple[0]),
-        config.batch_size,
-        progress_bar,
-    )
+    layer_inputs = torch.cat(held_out_inputs) if held_out_inputs else None
+    loss = HeldOutLoss(data, layer_inputs, bool(returns_tuple and returns_tuple[0]), config.batch_size, progress_bar)
     return folds, loss

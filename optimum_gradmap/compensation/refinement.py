@@ -28,7 +28,6 @@ from torch import nn
 from transformers.utils import logging
 
 from .. import distributed
-from ..adapters import DecoderAdapter
 from ..distillation import TOP_K as TOP_K  # the teacher keeps the top-K the heal stage keeps
 from ..distillation import teacher_targets
 from ..errors import InvalidInputError
@@ -36,6 +35,7 @@ from ..passes import calibration_mode, forward_hooks, input_device
 from ..surgery import LayerSnapshot
 from ..weights import WeightBackup
 from .folding import apply_compensation
+from .settings import Stage2Settings
 from .solvers import AUTO_NUM_FOLDS
 
 logger = logging.get_logger(__name__)
@@ -91,12 +91,9 @@ def _distillation_loss(
 def refine(
     dense: LayerSnapshot,
     layers: Sequence[nn.Module],
-    adapter: DecoderAdapter,
     input_ids: torch.LongTensor,
     first_sample: int,
-    num_steps: int,
-    learning_rate: float,
-    batch_size: int,
+    config: Stage2Settings,
     fold_backups: Sequence[WeightBackup],
     progress_bar: bool = True,
 ) -> dict[str, float]:
@@ -110,10 +107,10 @@ def refine(
     Args:
         dense ([`LayerSnapshot`]): The dense stack of the pruned model.
         layers (`Sequence[nn.Module]`): The compensated layers.
-        adapter (`DecoderAdapter`): The family's adapter.
         input_ids (`torch.LongTensor`): Calibration sequences (this process's share, from `first_sample`).
         first_sample (`int`): The index of `input_ids[0]` in the calibration set (which sets the folds).
-        num_steps (`int`), learning_rate (`float`), batch_size (`int`): Adam's steps, step size and batches.
+        config ([`Stage2Settings`]): Adam's steps, step size and batches (`refinement_steps`, `refinement_lr`,
+            `batch_size`) are read.
         fold_backups (`Sequence[WeightBackup]`): The backups of Stage 2's folds (those of `layers`): the teacher is the
             snapshot's stack with them undone: the dense model as it was, not one that carries Stage 2's W'. The fits
             `compensate_each_round` made between Stage 1's removals stay in, as in the rest of Stage 2.
@@ -125,7 +122,7 @@ def refine(
     Raises:
         InvalidInputError: with fewer than `AUTO_NUM_FOLDS` sequences over all processes (no held-out fold).
     """
-    model = dense.model
+    model, adapter, num_steps, batch_size = dense.model, dense.adapter, config.refinement_steps, config.batch_size
     train, held_out, num_held_out, num_batch_rows = _folds(input_ids, first_sample, batch_size)
     indices, probabilities = dense_top_k(dense, input_ids, batch_size, fold_backups)
     device, hidden_size = input_device(model), adapter.get_text_config(model).hidden_size  # the residual stream's width
@@ -135,7 +132,7 @@ def refine(
         (adapter.get_mlp(layer), lambda module, args, output, factor=factor: _scaled(output, factor))
         for layer, factor in zip(layers, factors)
     ]
-    optimizer = torch.optim.Adam(factors, lr=learning_rate)
+    optimizer = torch.optim.Adam(factors, lr=config.refinement_lr)
     generator = torch.Generator().manual_seed(0)
     with calibration_mode(model, grad=True, freeze_parameters=True), forward_hooks(hooks):
         start_loss = best_loss = teacher.held_out_loss(held_out, batch_size, num_held_out)

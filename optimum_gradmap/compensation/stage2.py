@@ -21,7 +21,7 @@ from ..data import calibration_sha256
 from ..evaluation.perplexity import perplexity
 from ..passes import RecordedLayerInputs
 from ..surgery import LayerSnapshot
-from .activations import check_outlier_tokens, hidden_state_means, hidden_state_means_and_outputs, record_layer_outputs
+from .activations import FitData, check_outlier_tokens, hidden_state_means, hidden_state_means_and_outputs, record_layer_outputs
 from .fit import fit_and_fold
 from .folding import down_projection_backup
 from .next_token import check_next_token_selection, resolve_selection
@@ -87,7 +87,8 @@ def compensate(
     started = time.perf_counter()
     config, kept = _checked(dense, config)
     shared_ids, first_sample = distributed.shard(calibration_ids)  # all of them with one process
-    passes = _drift_passes(dense, kept, shared_ids, config, progress_bar)
+    run = _Stage2Run(dense, config, shared_ids, first_sample, progress_bar)
+    passes = run.drift_passes(kept)
     result = CompensationResult(drift=passes.drift(passes.pruned_means), calibration_sha256=calibration_sha256(calibration_ids))
     warn_if_few_tokens(calibration_ids, passes.dense_means.shape[-1], config)
     targets = compensation_targets(
@@ -100,7 +101,7 @@ def compensate(
 
     result.backup = down_projection_backup(dense.adapter, [dense.layers[index] for index, _ in targets])
     try:
-        _fold(dense, targets, passes, shared_ids, first_sample, config, progress_bar, validation_ids, result)
+        run.fold(targets, passes, validation_ids, result)
     except BaseException:
         result.undo()
         raise
@@ -152,156 +153,150 @@ class _DriftPasses:
         return {index: float((self.dense_means[index] - means[p]).norm()) for p, index in enumerate(self.kept)}
 
 
-def _drift_passes(
-    dense: LayerSnapshot, kept: list[int], shared_ids: torch.LongTensor, config: Stage2Settings, progress_bar: bool
-) -> _DriftPasses:
-    """The dense pass (the dense stack run from `dense`, then the pruned one put back) and the pruned pass. Where the
-    targets do not depend on the drift, the dense outputs they are fitted to are recorded in the dense pass, and what
-    the first target receives in the pruned pass: its fit starts there."""
-    model = dense.model
-    originals: dict[int, torch.Tensor] = {}
-    early: list[tuple[int, int]] = []
-    if not targets_need_drift(config.compensation_target):
-        early = compensation_targets(kept, {}, dense.num_layers, config.compensation_target, config.num_compensated_layers)
-        originals = dict.fromkeys(sorted({end for _, end in early}))
-    with dense.temporarily(range(dense.num_layers)):
-        local_means, recorded = hidden_state_means_and_outputs(
-            model, dense.layers, shared_ids, config.batch_size, list(originals), progress_bar, "Dense hidden states"
+@dataclass(frozen=True)
+class _Stage2Run:
+    """One run of Stage 2: the dense stack of the pruned model, the settings (their `"auto"` choices made), this
+    process's calibration sequences (`shared_ids`, from its sequence `first_sample`) and whether progress bars show."""
+
+    dense: LayerSnapshot
+    config: Stage2Settings
+    shared_ids: torch.LongTensor
+    first_sample: int
+    progress_bar: bool
+
+    def drift_passes(self, kept: list[int]) -> _DriftPasses:
+        """The dense pass (the dense stack run from `dense`, then the pruned one put back) and the pruned pass. Where
+        the targets do not depend on the drift, the dense outputs they are fitted to are recorded in the dense pass,
+        and what the first target receives in the pruned pass: its fit starts there."""
+        dense, config, shared_ids, progress_bar = self.dense, self.config, self.shared_ids, self.progress_bar
+        model = dense.model
+        originals: dict[int, torch.Tensor] = {}
+        early: list[tuple[int, int]] = []
+        if not targets_need_drift(config.compensation_target):
+            early = compensation_targets(kept, {}, dense.num_layers, config.compensation_target, config.num_compensated_layers)
+            originals = dict.fromkeys(sorted({end for _, end in early}))
+        with dense.temporarily(range(dense.num_layers)):
+            local_means, recorded = hidden_state_means_and_outputs(
+                model, dense.layers, shared_ids, config.batch_size, list(originals), progress_bar, "Dense hidden states"
+            )
+        originals.update(zip(originals, recorded))
+        dense_means = distributed.average(local_means, shared_ids.numel())
+        first = early[0][0] if early else None
+        with RecordedLayerInputs(model, {first: dense.layers[first]} if first is not None else {}, shared_ids) as recorder:
+            local = hidden_state_means(
+                model, dense.adapter.get_layers(model), shared_ids, config.batch_size, progress_bar, "Pruned hidden states"
+            )
+            pruned_means = distributed.average(local, shared_ids.numel())
+        return _DriftPasses(kept, dense_means, pruned_means, originals, _start_of(first, recorder))
+
+    def fold(
+        self,
+        targets: list[tuple[int, int]],
+        passes: _DriftPasses,
+        validation_ids: torch.LongTensor | None,
+        result: CompensationResult,
+    ) -> None:
+        """Fits and folds the targets, refines them (`refinement_steps`), keeps them only if they lower the validation
+        perplexity (with `validation_ids`), and measures the drift after them, all recorded in `result`."""
+        folds = self.fit_targets(targets, passes.originals, passes.start, result)
+        if self.config.refinement_steps and folds:
+            layers = [layer for layer, _ in folds]
+            result.refinement = refine(
+                self.dense, layers, self.shared_ids, self.first_sample, self.config, [result.backup], self.progress_bar
+            )
+        if validation_ids is not None and folds:
+            self.keep_if_validated(folds, validation_ids, result)
+        result.drift_after_compensation = passes.drift(self.compensated_means(passes.pruned_means, passes.start))
+
+    def compensated_means(self, pruned_means: torch.Tensor, start: _Start | None) -> torch.Tensor:
+        """The mean output of every kept layer after the folds (for the drift after compensation). Stage 2 changes no
+        layer before the first target: there the means are the pruned model's, and the pass starts at the first target
+        from what it received (`start`, recorded in the pruned pass) where that was recorded."""
+        dense, shared_ids = self.dense, self.shared_ids
+        model, kept = dense.model, dense.kept_layers()
+        first = kept.index(start.layer) if start is not None else 0
+        layers = [dense.layers[index] for index in kept[first:]]
+        with dense.starting_at(start.layer, shared_ids, start.hidden_states, start.returns_tuple) if start else nullcontext():
+            description = "Compensated hidden states"
+            local = hidden_state_means(model, layers, shared_ids, self.config.batch_size, self.progress_bar, description)
+        return torch.cat([pruned_means[:first], distributed.average(local, shared_ids.numel())])
+
+    def fit_targets(
+        self,
+        targets: list[tuple[int, int]],
+        originals: dict[int, torch.Tensor],
+        start: _Start | None,
+        result: CompensationResult,
+    ) -> list[tuple[nn.Module, torch.Tensor]]:
+        """Fits and folds every target in forward order (recording each in `result`); returns the folds made.
+        `originals` holds the dense outputs already recorded, by layer; the others are recorded first.
+
+        A fit changes only its layer, and the targets come in forward order: the layers before a target are the same
+        as when the previous target ran. So every pass of a fit starts at the previous target
+        ([`LayerSnapshot.starting_at`], from what it received, recorded during the previous fit's own statistics pass;
+        `start` for the first), not at the first layer: the same numbers, without running the layers before it
+        again."""
+        dense, config, shared_ids, progress_bar = self.dense, self.config, self.shared_ids, self.progress_bar
+        model, adapter = dense.model, dense.adapter
+        missing = sorted({end for _, end in targets} - set(originals))
+        if missing:
+            with dense.temporarily(range(dense.num_layers)):
+                layers = [dense.layers[end] for end in missing]
+                originals = {
+                    **originals,
+                    **dict(zip(missing, record_layer_outputs(model, layers, shared_ids, config.batch_size, progress_bar))),
+                }
+        folds = []
+        for index, end in targets:
+            layer = dense.layers[index]
+            with ExitStack() as passes:
+                if start is not None:
+                    passes.enter_context(dense.starting_at(start.layer, shared_ids, start.hidden_states, start.returns_tuple))
+                recorder = passes.enter_context(RecordedLayerInputs(model, {index: layer}, shared_ids))
+                data = FitData(model, adapter, layer, originals[end], shared_ids, self.first_sample)
+                fit = fit_and_fold(data, config, progress_bar)
+            start = _start_of(index, recorder)
+            result.targets[index] = end
+            if fit.skipped:
+                result.skipped_layers[index] = "no lambda beat W' = I on held-out calibration sequences"
+                logger.info(f"Layer {index} left uncompensated: no lambda beat W' = I on held-out calibration sequences.")
+                continue
+            folds.append((layer, fit.matrix))
+            result.compensated_layers.append(index)
+            result.objective[index] = {"identity": fit.objective_identity, "fitted": fit.objective_fitted}
+            result.reg_lambda[index] = fit.reg_lambda
+            logger.info(
+                f"Compensated layer {index} (fitted to the dense output of layer {end}, lambda {fit.reg_lambda:.3g}): "
+                f"objective {fit.objective_identity:.6g} -> {fit.objective_fitted:.6g}"
+            )
+        return folds
+
+    def keep_if_validated(
+        self, folds: list[tuple[nn.Module, torch.Tensor]], validation_ids: torch.LongTensor, result: CompensationResult
+    ) -> None:
+        """Perplexity on `validation_ids` with the folds and without them; leaves the better model and says so in
+        `result`.
+
+        The model validated with the compensation is kept exactly as it was measured: its folded tensors (the fits' W'
+        and, with `refinement_steps`, the refinement's R) are copied before they are undone, and copied back if kept.
+        """
+        dense, batch_size, progress_bar = self.dense, self.config.batch_size, self.progress_bar
+        validated = down_projection_backup(dense.adapter, [layer for layer, _ in folds])
+        with_compensation = perplexity(dense.model, validation_ids, batch_size, progress_bar, shared_by_processes=True)
+        result.undo()
+        without = perplexity(dense.model, validation_ids, batch_size, progress_bar, shared_by_processes=True)
+        kept = with_compensation < without
+        result.validation = {"without": without, "with": with_compensation, "kept": kept}
+        if kept:
+            validated.restore()
+            return
+        result.skipped_layers.update(
+            {index: "the compensation raised the validation perplexity" for index in result.compensated_layers}
         )
-    originals.update(zip(originals, recorded))
-    dense_means = distributed.average(local_means, shared_ids.numel())
-    first = early[0][0] if early else None
-    with RecordedLayerInputs(model, {first: dense.layers[first]} if first is not None else {}, shared_ids) as recorder:
-        local = hidden_state_means(
-            model, dense.adapter.get_layers(model), shared_ids, config.batch_size, progress_bar, "Pruned hidden states"
-        )
-        pruned_means = distributed.average(local, shared_ids.numel())
-    return _DriftPasses(kept, dense_means, pruned_means, originals, _start_of(first, recorder))
-
-
-def _fold(
-    dense: LayerSnapshot,
-    targets: list[tuple[int, int]],
-    passes: _DriftPasses,
-    shared_ids: torch.LongTensor,
-    first_sample: int,
-    config: Stage2Settings,
-    progress_bar: bool,
-    validation_ids: torch.LongTensor | None,
-    result: CompensationResult,
-) -> None:
-    """Fits and folds the targets, refines them (`refinement_steps`), keeps them only if they lower the validation
-    perplexity (with `validation_ids`), and measures the drift after them, all recorded in `result`."""
-    folds = _fit_targets(dense, targets, passes.originals, passes.start, shared_ids, first_sample, config, progress_bar, result)
-    if config.refinement_steps and folds:
-        layers, steps = [layer for layer, _ in folds], (config.refinement_steps, config.refinement_lr, config.batch_size)
-        result.refinement = refine(dense, layers, dense.adapter, shared_ids, first_sample, *steps, [result.backup], progress_bar)
-    if validation_ids is not None and folds:
-        _keep_if_validated(dense, folds, validation_ids, config.batch_size, progress_bar, result)
-    compensated_means = _compensated_means(dense, passes.pruned_means, passes.start, shared_ids, config, progress_bar)
-    result.drift_after_compensation = passes.drift(compensated_means)
-
-
-def _compensated_means(
-    dense: LayerSnapshot,
-    pruned_means: torch.Tensor,
-    start: _Start | None,
-    shared_ids: torch.LongTensor,
-    config: Stage2Settings,
-    progress_bar: bool,
-) -> torch.Tensor:
-    """The mean output of every kept layer after the folds (for the drift after compensation). Stage 2 changes no
-    layer before the first target: there the means are the pruned model's, and the pass starts at the first target
-    from what it received (`start`, recorded in the pruned pass) where that was recorded."""
-    model, kept = dense.model, dense.kept_layers()
-    first = kept.index(start.layer) if start is not None else 0
-    layers = [dense.layers[index] for index in kept[first:]]
-    with dense.starting_at(start.layer, shared_ids, start.hidden_states, start.returns_tuple) if start else nullcontext():
-        local = hidden_state_means(model, layers, shared_ids, config.batch_size, progress_bar, "Compensated hidden states")
-    return torch.cat([pruned_means[:first], distributed.average(local, shared_ids.numel())])
+        result.compensated_layers, result.objective, result.reg_lambda = [], {}, {}
 
 
 def _start_of(layer: int | None, recorder: RecordedLayerInputs) -> _Start | None:
     """What `recorder` kept of `layer`'s inputs, as a [`_Start`]; `None` where it kept nothing."""
     inputs = recorder.inputs() if layer is not None else None
     return _Start(layer, inputs[layer], recorder.returns_tuple) if inputs is not None else None
-
-
-def _fit_targets(
-    dense: LayerSnapshot,
-    targets: list[tuple[int, int]],
-    originals: dict[int, torch.Tensor],
-    start: _Start | None,
-    shared_ids: torch.LongTensor,
-    first_sample: int,
-    config: Stage2Settings,
-    progress_bar: bool,
-    result: CompensationResult,
-) -> list[tuple[nn.Module, torch.Tensor]]:
-    """Fits and folds every target in forward order (recording each in `result`); returns the folds made. `originals`
-    holds the dense outputs already recorded, by layer; the others are recorded first.
-
-    A fit changes only its layer, and the targets come in forward order: the layers before a target are the same as
-    when the previous target ran. So every pass of a fit starts at the previous target ([`LayerSnapshot.starting_at`],
-    from what it received, recorded during the previous fit's own statistics pass; `start` for the first), not at
-    the first layer: the same numbers, without running the layers before it again."""
-    model, adapter = dense.model, dense.adapter
-    missing = sorted({end for _, end in targets} - set(originals))
-    if missing:
-        with dense.temporarily(range(dense.num_layers)):
-            layers = [dense.layers[end] for end in missing]
-            originals = {
-                **originals,
-                **dict(zip(missing, record_layer_outputs(model, layers, shared_ids, config.batch_size, progress_bar))),
-            }
-    folds = []
-    for index, end in targets:
-        layer = dense.layers[index]
-        with ExitStack() as passes:
-            if start is not None:
-                passes.enter_context(dense.starting_at(start.layer, shared_ids, start.hidden_states, start.returns_tuple))
-            recorder = passes.enter_context(RecordedLayerInputs(model, {index: layer}, shared_ids))
-            fit = fit_and_fold(model, adapter, layer, originals[end], shared_ids, config, progress_bar, first_sample)
-        start = _start_of(index, recorder)
-        result.targets[index] = end
-        if fit.skipped:
-            result.skipped_layers[index] = "no lambda beat W' = I on held-out calibration sequences"
-            logger.info(f"Layer {index} left uncompensated: no lambda beat W' = I on held-out calibration sequences.")
-            continue
-        folds.append((layer, fit.matrix))
-        result.compensated_layers.append(index)
-        result.objective[index] = {"identity": fit.objective_identity, "fitted": fit.objective_fitted}
-        result.reg_lambda[index] = fit.reg_lambda
-        logger.info(
-            f"Compensated layer {index} (fitted to the dense output of layer {end}, lambda {fit.reg_lambda:.3g}): "
-            f"objective {fit.objective_identity:.6g} -> {fit.objective_fitted:.6g}"
-        )
-    return folds
-
-
-def _keep_if_validated(
-    dense: LayerSnapshot,
-    folds: list[tuple[nn.Module, torch.Tensor]],
-    validation_ids: torch.LongTensor,
-    batch_size: int,
-    progress_bar: bool,
-    result: CompensationResult,
-) -> None:
-    """Perplexity on `validation_ids` with the folds and without them; leaves the better model and says so in `result`.
-
-    The model validated with the compensation is kept exactly as it was measured: its folded tensors (the fits' W'
-    and, with `refinement_steps`, the refinement's R) are copied before they are undone, and copied back if kept.
-    """
-    validated = down_projection_backup(dense.adapter, [layer for layer, _ in folds])
-    with_compensation = perplexity(dense.model, validation_ids, batch_size, progress_bar, shared_by_processes=True)
-    result.undo()
-    without = perplexity(dense.model, validation_ids, batch_size, progress_bar, shared_by_processes=True)
-    kept = with_compensation < without
-    result.validation = {"without": without, "with": with_compensation, "kept": kept}
-    if kept:
-        validated.restore()
-        return
-    result.skipped_layers.update(
-        {index: "the compensation raised the validation perplexity" for index in result.compensated_layers}
-    )
-    result.compensated_layers, result.objective, result.reg_lambda = [], {}, {}

@@ -15,12 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from .. import distributed
-from ..adapters import DecoderAdapter
 from ..errors import InvalidInputError
-from .activations import CompensationBatch, for_each_compensation_batch
+from .activations import CompensationBatch, FitData, for_each_compensation_batch
 
 
 @dataclass
@@ -79,34 +77,21 @@ class CompensationStatistics:
 
 
 def compensation_statistics(
-    model: nn.Module,
-    adapter: DecoderAdapter,
-    layer: nn.Module,
-    original_outputs: torch.Tensor,
-    input_ids: torch.LongTensor,
+    data: FitData,
     batch_size: int,
     progress_bar: bool = True,
     num_folds: int = 1,
-    first_sample: int = 0,
     outliers: str = "keep",
     on_batch: Callable[[CompensationBatch], None] | None = None,
 ) -> CompensationStatistics | list[CompensationStatistics]:
-    """Runs the pruned model on the calibration data and accumulates the Stage 2 statistics of `layer`.
+    """Runs the pruned model on the calibration data and accumulates the Stage 2 statistics of the layer of `data`.
 
     Args:
-        model (`nn.Module`): The pruned model.
-        adapter (`DecoderAdapter`): Its family's adapter.
-        layer (`nn.Module`): The kept layer to compensate.
-        original_outputs (`torch.Tensor` of shape `(num_samples, seq_len, d)`):
-            The target hidden states on `input_ids` (X_O): the dense model's output of the same layer,
-            or of the last layer of the span removed after it.
-        input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
+        data ([`FitData`]): The kept layer to compensate, and what it is fitted to.
         batch_size (`int`): Sequences per forward pass.
         progress_bar (`bool`, defaults to `True`): Show a progress bar.
         num_folds (`int`, defaults to 1): With more than one, the statistics of each fold of the
-            calibration sequences (sequence j in fold j mod `num_folds`), for cross-validation.
-        first_sample (`int`, defaults to 0): The index of `input_ids[0]` in the whole calibration set
-            (a process's share of it, see [`optimum_gradmap.distributed`]), which sets the folds.
+            calibration sequences (sequence j in fold j mod `num_folds`, from `data.first_sample`), for cross-validation.
         outliers (`str`, defaults to `"keep"`): `Stage2Settings.outlier_tokens`: each token's weight in the sums
             ([`outlier_token_weights`]).
         on_batch (`Callable`, *optional*): Called with every [`CompensationBatch`] too, to keep what else a caller
@@ -115,7 +100,7 @@ def compensation_statistics(
     Returns:
         [`CompensationStatistics`] on CPU, or a list of one per fold when `num_folds > 1`.
     """
-    hidden_size = original_outputs.shape[-1]
+    hidden_size = data.original_outputs.shape[-1]
     sums: dict[str, torch.Tensor] = {}  # created on the device of the first batch
     tokens = [0] * num_folds
 
@@ -126,7 +111,7 @@ def compensation_statistics(
             sums["gram"] = torch.zeros(num_folds, hidden_size, hidden_size, **options)
             sums["cross"] = torch.zeros(num_folds, hidden_size, hidden_size, **options)
             sums["energy"] = torch.zeros(num_folds, **options)
-        first = first_sample + batch.first_sample
+        first = data.first_sample + batch.first_sample
         folds = [(first + position) % num_folds for position in range(mlp_output.shape[0])]
         for fold in sorted(set(folds)):
             rows = [position for position, sample_fold in enumerate(folds) if sample_fold == fold]
@@ -148,9 +133,7 @@ def compensation_statistics(
         if on_batch is not None:
             on_batch(batch)
 
-    for_each_compensation_batch(
-        model, adapter, layer, original_outputs, input_ids, batch_size, progress_bar, accumulate, outliers
-    )
+    for_each_compensation_batch(data, batch_size, progress_bar, accumulate, outliers)
     gram, cross, energy = (sums[name].cpu() for name in ("gram", "cross", "energy"))
     folds = [CompensationStatistics(gram[f], cross[f], float(energy[f]), tokens[f]) for f in range(num_folds)]
     return folds if num_folds > 1 else folds[0]
@@ -188,18 +171,8 @@ class CompensationRows:
         return CompensationStatistics((y.T @ y).cpu(), (r.T @ y).cpu(), float(r.pow(2).sum()), y.shape[0])
 
 
-def collect_rows(
-    model: nn.Module,
-    adapter: DecoderAdapter,
-    layer: nn.Module,
-    original_outputs: torch.Tensor,
-    input_ids: torch.LongTensor,
-    batch_size: int,
-    progress_bar: bool = True,
-    first_sample: int = 0,
-    outliers: str = "keep",
-) -> CompensationRows:
-    """Every calibration token's Y, X_F and X_O for `layer` (those `outliers="exclude"` leaves out excepted), on
+def collect_rows(data: FitData, batch_size: int, progress_bar: bool = True, outliers: str = "keep") -> CompensationRows:
+    """Every calibration token's Y, X_F and X_O for the layer of `data` (those `outliers="exclude"` leaves out excepted), on
     the model's device; with several processes, every process's rows, gathered as tensors in the order of the
     sequences. The fits on rows weigh every row alike: `outliers="clip"` is refused ([`check_outlier_tokens`])."""
     if outliers == "clip":
@@ -209,13 +182,13 @@ def collect_rows(
     parts: list[CompensationRows] = []
 
     def store(batch: CompensationBatch) -> None:
-        first = first_sample + batch.first_sample
+        first = data.first_sample + batch.first_sample
         y = batch.mlp_output
         sample = torch.arange(first, first + y.shape[0], device=y.device)[:, None].expand(y.shape[:2])
         kept = batch.weight > 0 if batch.weight is not None else torch.ones(y.shape[:2], dtype=torch.bool, device=y.device)
         parts.append(CompensationRows(y[kept], batch.ffn_input[kept], batch.original[kept], sample[kept]))
 
-    for_each_compensation_batch(model, adapter, layer, original_outputs, input_ids, batch_size, progress_bar, store, outliers)
+    for_each_compensation_batch(data, batch_size, progress_bar, store, outliers)
     gathered = (
         distributed.gather_rows(torch.cat([getattr(part, name) for part in parts]))
         for name in ("mlp_output", "ffn_input", "original", "sample")

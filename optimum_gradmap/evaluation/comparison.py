@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import InvalidInputError
-from .fidelity import _check_reference_covers, _check_same_data, _records
+from .fidelity import check_reference_covers, check_same_data, question_records
 from .margins import format_margin_edges, margin_quartiles_by_task, question_margin
 from .zero_shot import ZeroShotResult
 
@@ -283,7 +283,7 @@ def _retained(accuracy: float, reference_accuracy: float) -> float | None:
 
 def _answers(result: ZeroShotResult, name: str) -> dict[str, dict[int, int]]:
     """Every task's right (1) / wrong (0) answers by question id."""
-    return {task: {i: record.acc for i, record in questions.items()} for task, questions in _records(result, name).items()}
+    return {task: {i: record.acc for i, record in records.items()} for task, records in question_records(result, name).items()}
 
 
 def _compare_by_margin(
@@ -344,14 +344,14 @@ def compare_zero_shot(
             f"{names[0]} and {names[1]} were not evaluated on the same questions: evaluate both with the same tasks, "
             "task data, limit and subsets."
         )
-    _check_same_data(result_a, result_b, names[0], names[1])
+    check_same_data(result_a, result_b, names[0], names[1])
     if reference is not None:
-        _check_same_data(result_a, reference, names[0], names[2])
-        _check_reference_covers(answers_a, answers_reference, f"{names[0]} and {names[1]} were", names[2])
+        check_same_data(result_a, reference, names[0], names[2])
+        check_reference_covers(answers_a, answers_reference, f"{names[0]} and {names[1]} were", names[2])
     comparison = ZeroShotComparison(names[0], names[1], reference=names[2] if reference is not None else None)
     pooled_a, pooled_b, pooled_flips_a, pooled_flips_b, pooled_tasks, pooled_margins = [], [], [], [], [], []
     if reference is not None:
-        reference_records = _records(reference, names[2])
+        reference_records = question_records(reference, names[2])
     for task, questions in answers_a.items():
         ids = sorted(questions)
         right_a, right_b = [questions[i] for i in ids], [answers_b[task][i] for i in ids]

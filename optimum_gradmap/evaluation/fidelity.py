@@ -218,7 +218,7 @@ def _margin_split(
 
 # Pairing two results' records, shared with comparison.py (which imports them from here: fidelity imports nothing
 # from comparison, so the two modules do not import each other).
-def _records(result: ZeroShotResult, name: str) -> dict[str, dict[int, QuestionRecord]]:
+def question_records(result: ZeroShotResult, name: str) -> dict[str, dict[int, QuestionRecord]]:
     """Every task's questions' records by question id; refuses a result with a task without records."""
     records = {task.task: {question.doc_id: question for question in task.questions} for task in result.tasks}
     missing = [task for task, questions in records.items() if not questions]
@@ -230,7 +230,7 @@ def _records(result: ZeroShotResult, name: str) -> dict[str, dict[int, QuestionR
     return records
 
 
-def _check_same_data(result: ZeroShotResult, other: ZeroShotResult, name: str, other_name: str) -> None:
+def check_same_data(result: ZeroShotResult, other: ZeroShotResult, name: str, other_name: str) -> None:
     """Refuses to pair tasks that `result` and `other` scored on another split or from another source."""
     scored = {task.task: task for task in other.tasks}
     for task in result.tasks:
@@ -246,7 +246,7 @@ def _check_same_data(result: ZeroShotResult, other: ZeroShotResult, name: str, o
                 )
 
 
-def _check_reference_covers(answers: dict[str, dict], reference: dict[str, dict], evaluated: str, reference_name: str) -> None:
+def check_reference_covers(answers: dict[str, dict], reference: dict[str, dict], evaluated: str, reference_name: str) -> None:
     """Refuses a reference that did not answer every question `answers` holds (by task, then question id); `evaluated`
     says who answered them ("A and B were", "the model was")."""
     for task, questions in answers.items():
@@ -308,9 +308,9 @@ def flips(
         InvalidInputError: when either result has a task without records, a task was scored on another split or from
             another source, or the reference misses some of the model's questions (or tasks).
     """
-    records, reference_records = _records(result, names[0]), _records(reference, names[1])
-    _check_same_data(result, reference, names[0], names[1])
-    _check_reference_covers(records, reference_records, f"{names[0]} was", names[1])
+    records, reference_records = question_records(result, names[0]), question_records(reference, names[1])
+    check_same_data(result, reference, names[0], names[1])
+    check_reference_covers(records, reference_records, f"{names[0]} was", names[1])
     outcome = FlipsResult(reference=names[1])
     pooled, pooled_tasks = [], []
     for task, questions in records.items():

@@ -229,15 +229,15 @@ def evaluate(
     _check_before_running(tasks, task_data, task_limit, task_subsets, reference)
     if reference_model is not None:
         reference_model_name = reference_model_name or _name_of(reference_model)
+    evaluation = _Evaluation(
+        model, tokenizer, name, batch_size, progress_bar, shared_by_processes, reference_model, reference_model_name
+    )
     result = EvaluationResult(model=name)
     for dataset in [check_dataset_name(name, "evaluation") for name in perplexity_datasets]:  # all checked first
         segments = load_evaluation_segments(dataset, tokenizer, segment_length, max_segments)
-        measure = (model, segments, batch_size, progress_bar, shared_by_processes, reference_model, reference_model_name)
-        result.perplexities.append(_perplexity_entry(name, dataset, segment_length, *measure))
+        result.perplexities.append(evaluation.perplexity_entry(dataset, segment_length, segments))
     if tasks:
-        result.zero_shot, result.flips = _zero_shot_and_flips(
-            model, tokenizer, name, tasks, task_limit, task_data, task_subsets, batch_size, progress_bar, reference
-        )
+        result.zero_shot, result.flips = evaluation.zero_shot_and_flips(tasks, task_limit, task_data, task_subsets, reference)
     if speed:
         result.speed = inference_speed(model)
         logger.info(f"{name}: decoding {result.speed.decode_tokens_per_second:.1f} tokens/s")
@@ -269,66 +269,66 @@ def _check_before_running(
         check_flips_reference(reference.zero_shot, tasks, task_data, task_limit, task_subsets, name=reference.model)
 
 
-def _perplexity_entry(
-    name: str,
-    dataset: str,
-    segment_length: int,
-    model: nn.Module,
-    segments: torch.LongTensor,
-    batch_size: int,
-    progress_bar: bool,
-    shared_by_processes: bool,
-    reference_model: nn.Module | None,
-    reference_model_name: str | None,
-) -> PerplexityResult:
-    """The perplexity of `model` on one dataset's segments and, with `reference_model`, its KL divergence from it (one
-    pass of the model for both), logged."""
-    if reference_model is not None:  # one pass of the model for both
-        value, kl = perplexity_and_kl(model, reference_model, segments, batch_size, progress_bar, shared_by_processes)
-    else:
-        value = perplexity(model, segments, batch_size, progress_bar, shared_by_processes)
-    entry = PerplexityResult(
-        dataset=dataset,
-        protocol=protocol_name(segment_length),
-        segment_length=segment_length,
-        num_segments=segments.shape[0],
-        num_predicted_tokens=segments.shape[0] * (segment_length - 1),
-        perplexity=value,
-    )
-    logger.info(f"{name}: {dataset} perplexity {value:.3f} ({protocol_name(segment_length)}, {segments.shape[0]} segments)")
-    if reference_model is not None:
-        entry.kl_to_reference, entry.kl_stderr, entry.reference = kl.mean, kl.stderr, reference_model_name
-        logger.info(f"{name}: {dataset} KL divergence from {reference_model_name} {kl.mean:.4f} nats/token")
-    return entry
+@dataclass(frozen=True)
+class _Evaluation:
+    """What every measurement of one model shares: the model, its tokenizer and label, how its passes run, and the
+    dense model whose next-token distribution it is compared with (see [`evaluate`])."""
 
+    model: nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    batch_size: int
+    progress_bar: bool
+    shared_by_processes: bool
+    reference_model: nn.Module | None
+    reference_model_name: str | None
 
-def _zero_shot_and_flips(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    name: str,
-    tasks: Sequence[str],
-    task_limit: int | None,
-    task_data: str,
-    task_subsets: Mapping[str, int],
-    batch_size: int,
-    progress_bar: bool,
-    reference: EvaluationResult | None,
-) -> tuple[ZeroShotResult, FlipsResult | None]:
-    """The zero-shot accuracies of `model` on `tasks` ([`zero_shot_accuracy`]) and, with `reference`, its flips
-    against the reference's answers, logged."""
-    zero_shot = zero_shot_accuracy(
-        model,
-        tokenizer,
-        tasks,
-        limit=task_limit,
-        task_data=task_data,
-        batch_size=batch_size,
-        progress_bar=progress_bar,
-        subsets=task_subsets,
-    )
-    logger.info(f"{name}: zero-shot average accuracy {zero_shot.average_acc:.4f} over {len(tasks)} tasks")
-    if reference is None:
-        return zero_shot, None
-    result_flips = flips(zero_shot, reference.zero_shot, names=(name, reference.model))
-    logger.info(f"{name}: {result_flips.pooled.flips:.2%} of the zero-shot answers flipped against {reference.model}")
-    return zero_shot, result_flips
+    def perplexity_entry(self, dataset: str, segment_length: int, segments: torch.LongTensor) -> PerplexityResult:
+        """The perplexity of the model on one dataset's segments and, with a reference model, its KL divergence from it
+        (one pass of the model for both), logged."""
+        if self.reference_model is not None:  # one pass of the model for both
+            value, kl = perplexity_and_kl(
+                self.model, self.reference_model, segments, self.batch_size, self.progress_bar, self.shared_by_processes
+            )
+        else:
+            value = perplexity(self.model, segments, self.batch_size, self.progress_bar, self.shared_by_processes)
+        entry = PerplexityResult(
+            dataset=dataset,
+            protocol=protocol_name(segment_length),
+            segment_length=segment_length,
+            num_segments=segments.shape[0],
+            num_predicted_tokens=segments.shape[0] * (segment_length - 1),
+            perplexity=value,
+        )
+        logger.info(f"{self.name}: {dataset} perplexity {value:.3f} ({entry.protocol}, {entry.num_segments} segments)")
+        if self.reference_model is not None:
+            entry.kl_to_reference, entry.kl_stderr, entry.reference = kl.mean, kl.stderr, self.reference_model_name
+            logger.info(f"{self.name}: {dataset} KL divergence from {self.reference_model_name} {kl.mean:.4f} nats/token")
+        return entry
+
+    def zero_shot_and_flips(
+        self,
+        tasks: Sequence[str],
+        task_limit: int | None,
+        task_data: str,
+        task_subsets: Mapping[str, int],
+        reference: EvaluationResult | None,
+    ) -> tuple[ZeroShotResult, FlipsResult | None]:
+        """The zero-shot accuracies of the model on `tasks` ([`zero_shot_accuracy`]) and, with `reference`, its flips
+        against the reference's answers, logged."""
+        zero_shot = zero_shot_accuracy(
+            self.model,
+            self.tokenizer,
+            tasks,
+            limit=task_limit,
+            task_data=task_data,
+            batch_size=self.batch_size,
+            progress_bar=self.progress_bar,
+            subsets=task_subsets,
+        )
+        logger.info(f"{self.name}: zero-shot average accuracy {zero_shot.average_acc:.4f} over {len(tasks)} tasks")
+        if reference is None:
+            return zero_shot, None
+        result_flips = flips(zero_shot, reference.zero_shot, names=(self.name, reference.model))
+        logger.info(f"{self.name}: {result_flips.pooled.flips:.2%} of the zero-shot answers flipped against {reference.model}")
+        return zero_shot, result_flips

@@ -325,37 +325,46 @@ def _gold_index(task: Any, doc: dict[str, Any], choices: Sequence[str]) -> int:
     return int(gold[0] if isinstance(gold, list) else gold)
 
 
-def _score_task(model, tokenizer, task, name: str, ids: list[int], batch_size: int, progress_bar: bool) -> list[QuestionRecord]:
-    """Every question `ids` of an lm-eval task: its requests, their log-likelihoods, and lm-eval's metrics."""
-    docs = task.eval_docs
-    prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    requests, chosen_docs = [], []
-    for doc_id in ids:
-        doc = docs[doc_id]
-        context = task.fewshot_context(doc, num_fewshot=0, gen_prefix=task.doc_to_prefix(doc))
-        instances = task.construct_requests(doc=doc, ctx=context, metadata=(name, doc_id, 1))
-        instances = instances if isinstance(instances, list) else [instances]
-        requests.append([encode_pair(tokenizer, *instance.arguments, prefix) for instance in instances])
-        chosen_docs.append(doc)
-    scored = score_questions(model, requests, batch_size, progress_bar, description=f"Zero-shot: {name}")
-    records = []
-    for doc_id, doc, results in zip(ids, chosen_docs, scored):
-        metrics = task.process_results(doc, results)
-        choices = task.doc_to_choice(doc)
-        loglikelihoods = [loglikelihood for loglikelihood, _ in results]
-        lengths = np.array([float(len(choice)) for choice in choices])
-        records.append(
-            QuestionRecord(
-                doc_id=doc_id,
-                loglikelihoods=loglikelihoods,
-                choice=int(np.argmax(loglikelihoods)),
-                choice_norm=int(np.argmax(np.array(loglikelihoods) / lengths)) if "acc_norm" in metrics else None,
-                gold=_gold_index(task, doc, choices),
-                acc=int(metrics["acc"]),
-                acc_norm=int(metrics["acc_norm"]) if "acc_norm" in metrics else None,
+@dataclass(frozen=True)
+class _Scorer:
+    """What scoring every task shares: the model, its tokenizer, and how the questions are batched and shown."""
+
+    model: nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    batch_size: int
+    progress_bar: bool
+
+    def score_task(self, task: Any, name: str, ids: list[int]) -> list[QuestionRecord]:
+        """Every question `ids` of an lm-eval task: its requests, their log-likelihoods, and lm-eval's metrics."""
+        docs = task.eval_docs
+        prefix = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.tokenizer.eos_token_id
+        requests, chosen_docs = [], []
+        for doc_id in ids:
+            doc = docs[doc_id]
+            context = task.fewshot_context(doc, num_fewshot=0, gen_prefix=task.doc_to_prefix(doc))
+            instances = task.construct_requests(doc=doc, ctx=context, metadata=(name, doc_id, 1))
+            instances = instances if isinstance(instances, list) else [instances]
+            requests.append([encode_pair(self.tokenizer, *instance.arguments, prefix) for instance in instances])
+            chosen_docs.append(doc)
+        scored = score_questions(self.model, requests, self.batch_size, self.progress_bar, description=f"Zero-shot: {name}")
+        records = []
+        for doc_id, doc, results in zip(ids, chosen_docs, scored):
+            metrics = task.process_results(doc, results)
+            choices = task.doc_to_choice(doc)
+            loglikelihoods = [loglikelihood for loglikelihood, _ in results]
+            lengths = np.array([float(len(choice)) for choice in choices])
+            records.append(
+                QuestionRecord(
+                    doc_id=doc_id,
+                    loglikelihoods=loglikelihoods,
+                    choice=int(np.argmax(loglikelihoods)),
+                    choice_norm=int(np.argmax(np.array(loglikelihoods) / lengths)) if "acc_norm" in metrics else None,
+                    gold=_gold_index(task, doc, choices),
+                    acc=int(metrics["acc"]),
+                    acc_norm=int(metrics["acc_norm"]) if "acc_norm" in metrics else None,
+                )
             )
-        )
-    return records
+        return records
 
 
 def scored_split_and_source(task: str, task_data: str) -> tuple[str, str]:
@@ -433,6 +442,7 @@ def zero_shot_accuracy(
     previous_level = lm_eval_logger.level
     lm_eval_logger.setLevel(python_logging.WARNING if progress_bar else python_logging.ERROR)
     result = ZeroShotResult(limit=limit, seed=seed, lm_eval_version=lm_eval.__version__)
+    scorer = _Scorer(model, tokenizer, batch_size, progress_bar)
     try:
         with tempfile.TemporaryDirectory() as task_dir:
             if task_data == "offline":
@@ -455,7 +465,7 @@ def zero_shot_accuracy(
                 ids = question_ids(task, split_size, limit, subsets, seed)
                 if limit is None and len(ids) < split_size:
                     result.subsets[task] = len(ids)
-                records = _score_task(model, tokenizer, lm_task, names[task], ids, batch_size, progress_bar)
+                records = scorer.score_task(lm_task, names[task], ids)
                 acc, acc_stderr = _mean_and_stderr([record.acc for record in records])
                 norms = [record.acc_norm for record in records if record.acc_norm is not None]
                 acc_norm, acc_norm_stderr = _mean_and_stderr(norms) if norms else (None, None)

@@ -52,7 +52,7 @@ from ..weights import is_linear_map
 _MAX_MATERIALISED_ELEMENTS = 2**26
 
 
-def _uses_gram_form(tokens: int, d_in: int, d_out: int) -> bool:
+def uses_gram_form(tokens: int, d_in: int, d_out: int) -> bool:
     """Whether the Gram ("ghost norm") form is cheaper than forming per-sample weight gradients."""
     return tokens * (d_in + d_out) <= d_in * d_out
 
@@ -82,7 +82,7 @@ def linear_per_sample_sq_norms(
     a = inputs.reshape(batch, -1, inputs.shape[-1]).float()
     g = output_grads.reshape(batch, -1, output_grads.shape[-1]).float()
     tokens, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
-    if _uses_gram_form(tokens, d_in, d_out):
+    if uses_gram_form(tokens, d_in, d_out):
         sq_norms = (per_sample_gram(a, batch) * per_sample_gram(g, batch)).sum(dim=(1, 2))
     else:
         chunk = max(1, _MAX_MATERIALISED_ELEMENTS // (d_in * d_out))
@@ -255,7 +255,7 @@ class PerSampleGradientNorms:
             )
         if is_linear_map(module) and module not in self.units:
             inputs = args[0]
-            if _uses_gram_form(inputs.numel() // (self._batch_size * inputs.shape[-1]), inputs.shape[-1], output.shape[-1]):
+            if uses_gram_form(inputs.numel() // (self._batch_size * inputs.shape[-1]), inputs.shape[-1], output.shape[-1]):
                 # Keep only the small (batch, T, T) Gram of the inputs until the backward pass.
                 if inputs is not self._last_input:
                     self._last_input, self._last_gram = inputs, per_sample_gram(inputs.detach(), self._batch_size)

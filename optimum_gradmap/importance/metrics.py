@@ -88,51 +88,17 @@ class GradMAPImportance(ImportanceMetric):
         return scores.tolist()
 
 
-def _mean_over_tokens(
-    model: PreTrainedModel,
-    layers: Sequence[nn.Module],
-    input_ids: torch.LongTensor,
-    batch_size: int,
-    per_token: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    progress_bar: bool,
-    description: str,
-) -> list[float]:
-    """Mean over all calibration tokens of `per_token(layer_input, layer_output)` for each layer."""
-    inputs: dict[int, torch.Tensor] = {}
-    sums: list[torch.Tensor] = []  # on the model's device: no host synchronisation per batch
+class _MeanOverTokens(ImportanceMetric):
+    """A one-shot metric whose score of a layer is the mean over every calibration token of [`per_token`] of the hidden
+    state entering the layer and the one leaving it, from one forward pass."""
 
-    def remember_input(position: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        inputs[position] = layer_input(args, kwargs)
-
-    def accumulate(position: int, module: nn.Module, args: tuple, output: object) -> None:
-        values = per_token(inputs.pop(position).double(), layer_output(output).double())
-        if not sums:
-            sums.extend(torch.zeros((), dtype=torch.float64, device=values.device) for _ in layers)
-        sums[position] += values.sum()
-
-    pre_hooks = [(layer, lambda m, a, k, p=p: remember_input(p, m, a, k)) for p, layer in enumerate(layers)]
-    hooks = [(layer, lambda m, a, o, p=p: accumulate(p, m, a, o)) for p, layer in enumerate(layers)]
-    with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
-        with forward_pre_hooks(pre_hooks), forward_hooks(hooks):
-            for batch in batches:
-                model(input_ids=batch, use_cache=False)
-    return (torch.stack(sums).cpu() / input_ids.numel()).tolist()
-
-
-@register_importance_metric
-class BlockInfluence(ImportanceMetric):
-    """ShortGPT's Block Influence (Men et al., 2024, "ShortGPT: Layers in Large Language Models are
-    More Redundant Than You Expect", Eq. 1):
-
-        BI_i = 1 - E_{X, t} [ X_{i,t}^T X_{i+1,t} / (||X_{i,t}||_2 ||X_{i+1,t}||_2) ]
-
-    where X_{i,t} is the hidden state entering layer i at token t and X_{i+1,t} the one leaving it;
-    the expectation runs over every calibration token. Scored once (one-shot), as in the paper.
-    """
-
-    name = "block_influence"
     mean_over_samples = True
     scoring_pass = "forward"
+
+    @staticmethod
+    def per_token(hidden_in: torch.Tensor, hidden_out: torch.Tensor) -> torch.Tensor:
+        """Each token's value, from the hidden states entering and leaving the layer (float64)."""
+        raise NotImplementedError
 
     def score(
         self,
@@ -143,11 +109,44 @@ class BlockInfluence(ImportanceMetric):
         progress_bar: bool = True,
         description: str = "Scoring layers",
     ) -> list[float]:
-        def influence(hidden_in: torch.Tensor, hidden_out: torch.Tensor) -> torch.Tensor:
-            return 1.0 - F.cosine_similarity(hidden_in, hidden_out, dim=-1)
-
         layers = adapter.get_layers(model)
-        return _mean_over_tokens(model, layers, input_ids, batch_size, influence, progress_bar, description)
+        inputs: dict[int, torch.Tensor] = {}
+        sums: list[torch.Tensor] = []  # on the model's device: no host synchronisation per batch
+
+        def remember_input(position: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+            inputs[position] = layer_input(args, kwargs)
+
+        def accumulate(position: int, module: nn.Module, args: tuple, output: object) -> None:
+            values = self.per_token(inputs.pop(position).double(), layer_output(output).double())
+            if not sums:
+                sums.extend(torch.zeros((), dtype=torch.float64, device=values.device) for _ in layers)
+            sums[position] += values.sum()
+
+        pre_hooks = [(layer, lambda m, a, k, p=p: remember_input(p, m, a, k)) for p, layer in enumerate(layers)]
+        hooks = [(layer, lambda m, a, o, p=p: accumulate(p, m, a, o)) for p, layer in enumerate(layers)]
+        with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
+            with forward_pre_hooks(pre_hooks), forward_hooks(hooks):
+                for batch in batches:
+                    model(input_ids=batch, use_cache=False)
+        return (torch.stack(sums).cpu() / input_ids.numel()).tolist()
+
+
+@register_importance_metric
+class BlockInfluence(_MeanOverTokens):
+    """ShortGPT's Block Influence (Men et al., 2024, "ShortGPT: Layers in Large Language Models are
+    More Redundant Than You Expect", Eq. 1):
+
+        BI_i = 1 - E_{X, t} [ X_{i,t}^T X_{i+1,t} / (||X_{i,t}||_2 ||X_{i+1,t}||_2) ]
+
+    where X_{i,t} is the hidden state entering layer i at token t and X_{i+1,t} the one leaving it;
+    the expectation runs over every calibration token. Scored once (one-shot), as in the paper.
+    """
+
+    name = "block_influence"
+
+    @staticmethod
+    def per_token(hidden_in: torch.Tensor, hidden_out: torch.Tensor) -> torch.Tensor:
+        return 1.0 - F.cosine_similarity(hidden_in, hidden_out, dim=-1)
 
 
 def removal_losses(
@@ -328,7 +327,7 @@ class TaylorImportance(ImportanceMetric):
 
 
 @register_importance_metric
-class RelativeMagnitude(ImportanceMetric):
+class RelativeMagnitude(_MeanOverTokens):
     """Relative magnitude of a layer's update (Samragh et al., 2023, "Weight subcloning: direct
     initialization of transformers using larger pretrained ones", Sec. 3):
 
@@ -339,23 +338,10 @@ class RelativeMagnitude(ImportanceMetric):
     """
 
     name = "relative_magnitude"
-    mean_over_samples = True
-    scoring_pass = "forward"
 
-    def score(
-        self,
-        model: PreTrainedModel,
-        adapter: DecoderAdapter,
-        input_ids: torch.LongTensor,
-        batch_size: int,
-        progress_bar: bool = True,
-        description: str = "Scoring layers",
-    ) -> list[float]:
-        def magnitude(hidden_in: torch.Tensor, hidden_out: torch.Tensor) -> torch.Tensor:
-            return (hidden_out - hidden_in).norm(dim=-1) / hidden_out.norm(dim=-1).clamp_min(1e-12)
-
-        layers = adapter.get_layers(model)
-        return _mean_over_tokens(model, layers, input_ids, batch_size, magnitude, progress_bar, description)
+    @staticmethod
+    def per_token(hidden_in: torch.Tensor, hidden_out: torch.Tensor) -> torch.Tensor:
+        return (hidden_out - hidden_in).norm(dim=-1) / hidden_out.norm(dim=-1).clamp_min(1e-12)
 
 
 @register_importance_metric

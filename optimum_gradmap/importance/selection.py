@@ -111,7 +111,7 @@ def remove_by_importance(
     Raises:
         ValueError: when the protected layers leave fewer than K candidates (before any change).
     """
-    protected, candidates, num_to_prune = _candidates(dense, plan)
+    candidates, num_to_prune = _candidates(dense, plan)
     selection = Selection(kept_layers=list(range(dense.num_layers)))
     num_rounds = num_to_prune if plan.one_per_round else 1
     saved_rounds = checkpoint.rounds if checkpoint is not None else []
@@ -120,7 +120,6 @@ def remove_by_importance(
     if plan.measures_loss:
         selection.dense_loss = _calibration_loss(dense, plan, calibration_ids, progress_bar)
         logger.info(f"Dense model: calibration loss {selection.dense_loss:.6g}")
-    previous_scores: dict[int, float] = {}
     for round_index in logging.tqdm(range(num_rounds), desc=f"Stage 1 ({plan.metric.name})", disable=not progress_bar):
         description = f"Round {round_index + 1}/{num_rounds}"
         if _reached_target(dense, plan, selection):
@@ -131,11 +130,7 @@ def remove_by_importance(
             finished = Round.from_saved(saved_rounds[round_index])
             selection.resumed_seconds += finished.seconds
         else:
-            remaining = [index for index in selection.kept_layers if index not in protected]
-            finished = _score_round(
-                dense, plan, selection.kept_layers, remaining, previous_scores, calibration_ids, progress_bar, description
-            )
-        previous_scores = finished.scores
+            finished = _score_round(dense, plan, selection, calibration_ids, progress_bar, description)
         if not _remove(dense, plan, selection, finished, calibration_ids, progress_bar):
             break  # the removal is refused: the model stays as the last round left it
         if after_removal is not None:
@@ -149,9 +144,9 @@ def remove_by_importance(
     return selection
 
 
-def _candidates(dense: LayerSnapshot, plan: Stage1Plan) -> tuple[set[int], list[int], int]:
-    """The protected layers, the candidates (the other layers) and the number of removals to make (with a budget or a
-    target, at most every candidate); refuses protected layers that leave fewer candidates than removals."""
+def _candidates(dense: LayerSnapshot, plan: Stage1Plan) -> tuple[list[int], int]:
+    """The candidates (the layers not protected) and the number of removals to make (with a budget or a target, at
+    most every candidate); refuses protected layers that leave fewer candidates than removals."""
     protected = plan.protected_layers(dense.num_layers)
     candidates = [index for index in range(dense.num_layers) if index not in protected]
     num_to_prune = min(plan.num_to_prune, len(candidates)) if plan.has_budget else plan.num_to_prune
@@ -160,7 +155,7 @@ def _candidates(dense: LayerSnapshot, plan: Stage1Plan) -> tuple[set[int], list[
             f"importance={plan.metric.name!r} never removes layers {sorted(protected)}, which leaves "
             f"{len(candidates)} candidates for {plan.num_to_prune} removals: prune fewer layers, or set `protected_layers`."
         )
-    return protected, candidates, num_to_prune
+    return candidates, num_to_prune
 
 
 def _reached_target(dense: LayerSnapshot, plan: Stage1Plan, selection: Selection) -> bool:
@@ -293,16 +288,17 @@ def _records_layer_inputs(plan: Stage1Plan, model: PreTrainedModel) -> bool:
 def _score_round(
     dense: LayerSnapshot,
     plan: Stage1Plan,
-    kept: list[int],
-    remaining: list[int],
-    previous_scores: dict[int, float],
+    selection: Selection,
     calibration_ids: torch.LongTensor,
     progress_bar: bool,
     description: str,
 ) -> Round:
-    """Scores the model as it is now (or, for a one-shot metric after its first round, reuses the first
-    scores), verifies a shortlist if the plan says so, and says which layer(s) to remove."""
-    model, adapter = dense.model, dense.adapter
+    """Scores the layers `selection` kept (or, for a one-shot metric after its first round, reuses the first
+    scores), verifies a shortlist of those not protected if the plan says so, and says which layer(s) to remove."""
+    model, adapter, kept = dense.model, dense.adapter, selection.kept_layers
+    protected = plan.protected_layers(dense.num_layers)
+    remaining = [index for index in kept if index not in protected]
+    previous_scores = selection.scores[-1] if selection.scores else {}
     recorder = None
     if plan.iterative or not previous_scores:
         positions = [kept.index(index) for index in remaining]

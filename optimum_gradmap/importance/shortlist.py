@@ -6,7 +6,6 @@ by successive halving (`verify_halving`), and the layer whose removal raises it 
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -84,72 +83,55 @@ def verify_shortlist(
     Raises:
         ValueError: with several processes, when a rung has fewer sequences than there are processes.
     """
-    race = _Race.prepare(
-        model, adapter, calibration_ids, batch_size, positions, halving, progress_bar, layer_inputs, returns_tuple
-    )
+    num_rungs = halving_rungs(len(positions), calibration_ids.shape[0]) if halving else 1
+    rungs = torch.tensor_split(calibration_ids, num_rungs)
+    race = _Race(model, adapter, rungs, batch_size, progress_bar, layer_inputs, returns_tuple)
     if len(race.rungs) == 1:  # every candidate on every sequence: the losses as measured
         losses = race.measure(0, positions, description)
         return losses, min(positions, key=lambda position: (losses[position], position))
     return race.run(positions, description)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Race:
-    """The calibration sequences split into rungs, and how a candidate's loss is measured on one of them.
+    """The calibration sequences split into rungs, and how a candidate's loss is measured on one of them; refuses
+    rungs the processes cannot share, and recorded layer inputs under several processes (they cover one process's
+    sequences).
 
     Args:
-        model (`PreTrainedModel`), adapter (`DecoderAdapter`), batch_size (`int`), progress_bar (`bool`): As in
-            [`verify_shortlist`].
-        rungs (`tuple[torch.LongTensor, ...]`): The calibration sequences, split into contiguous rungs.
-        offsets (`list[int]`): The index of each rung's first sequence, and the number of sequences last.
-        layer_inputs (`Mapping[int, torch.Tensor]`, *optional*), returns_tuple (`bool`, *optional*): As in
-            [`verify_shortlist`].
+        model (`PreTrainedModel`), adapter (`DecoderAdapter`): As in [`verify_shortlist`].
+        rungs (`tuple[torch.LongTensor, ...]`): The calibration sequences, split into [`halving_rungs`] contiguous
+            rungs (one without `halving`).
+        batch_size (`int`), progress_bar (`bool`), layer_inputs (`Mapping[int, torch.Tensor]`, *optional*),
+            returns_tuple (`bool`, *optional*): As in [`verify_shortlist`].
     """
 
     model: PreTrainedModel
     adapter: DecoderAdapter
     rungs: tuple[torch.LongTensor, ...]
-    offsets: list[int]
     batch_size: int
     progress_bar: bool
     layer_inputs: Mapping[int, torch.Tensor] | None = None
     returns_tuple: bool | None = None
 
-    @classmethod
-    def prepare(
-        cls,
-        model: PreTrainedModel,
-        adapter: DecoderAdapter,
-        calibration_ids: torch.LongTensor,
-        batch_size: int,
-        positions: list[int],
-        halving: bool,
-        progress_bar: bool,
-        layer_inputs: Mapping[int, torch.Tensor] | None,
-        returns_tuple: bool | None,
-    ) -> _Race:
-        """Splits the sequences into [`halving_rungs`] rungs (one without `halving`); refuses rungs the processes
-        cannot share, and recorded layer inputs under several processes (they cover one process's sequences)."""
-        num_rungs = halving_rungs(len(positions), calibration_ids.shape[0]) if halving else 1
-        rungs = torch.tensor_split(calibration_ids, num_rungs)
-        if distributed.world_size() > rungs[-1].shape[0]:
+    def __post_init__(self) -> None:
+        num_rungs, world_size = len(self.rungs), distributed.world_size()
+        if world_size > self.rungs[-1].shape[0]:
             raise InvalidInputError(
-                f"verify_halving splits the {calibration_ids.shape[0]} calibration sequences into {num_rungs} rungs of "
-                f"{rungs[-1].shape[0]} or more, fewer than the {distributed.world_size()} processes that share each "
-                f"rung: use at least {num_rungs * distributed.world_size()} calibration sequences, or fewer processes."
+                f"verify_halving splits the {sum(rung.shape[0] for rung in self.rungs)} calibration sequences into "
+                f"{num_rungs} rungs of {self.rungs[-1].shape[0]} or more, fewer than the {world_size} processes that "
+                f"share each rung: use at least {num_rungs * world_size} calibration sequences, or fewer processes."
             )
-
-        if layer_inputs is not None and distributed.world_size() > 1:
+        if self.layer_inputs is not None and world_size > 1:
             raise InvalidInputError(
                 "Recorded layer inputs cover one process's sequences: verify without them under several processes."
             )
-        offsets = [0, *itertools.accumulate(rung.shape[0] for rung in rungs)]
-        return cls(model, adapter, rungs, offsets, batch_size, progress_bar, layer_inputs, returns_tuple)
 
     def measure(self, rung_index: int, candidates: list[int], label: str) -> dict[int, float]:
         """The loss without each of `candidates`, over the sequences of rung `rung_index` (shared among the processes)."""
         if self.layer_inputs is not None:
-            start, end = self.offsets[rung_index], self.offsets[rung_index + 1]
+            start = sum(rung.shape[0] for rung in self.rungs[:rung_index])
+            end = start + self.rungs[rung_index].shape[0]
             return removal_losses(
                 self.model,
                 self.adapter,

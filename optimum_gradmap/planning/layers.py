@@ -16,7 +16,7 @@ from transformers.utils import logging
 
 from .. import streaming
 from ..adapters import DecoderAdapter
-from ..importance.gradient import _uses_gram_form
+from ..importance.gradient import uses_gram_form
 from ..weights import is_linear_map
 
 logger = logging.get_logger(__name__)
@@ -128,7 +128,7 @@ def _per_sample_cost(
     previous_input = None
     for linear_input, d_in, d_out in linear_calls:
         linear_input_bytes += d_in * dtype_bytes
-        if _uses_gram_form(seq_len, d_in, d_out):  # the Grams of the inputs (shared by consecutive maps) and gradients
+        if uses_gram_form(seq_len, d_in, d_out):  # the Grams of the inputs (shared by consecutive maps) and gradients
             if linear_input is not previous_input:
                 per_sample_flops += 2 * seq_len * seq_len * d_in
                 per_sample_bytes += seq_len * seq_len * 4

@@ -33,7 +33,7 @@ from .plan import REPORT_BYTES, PruningPlan, StagePlan, shard_bytes, stage_plan,
 from .quantization import passes_text, quantization_memory, quantization_work, stored_layer_bytes
 from .shape import ModelShape, describe_model, load_model_config, resolve_dtype
 from .stage1 import Stage1Outline, logits_bytes, stage1, stage1_memory
-from .stage2 import stage2, stage2_memory
+from .stage2 import layouts, stage2, stage2_memory
 from .text import budget_text, bytes_text, stage1_passes, stage1_text, stage2_passes, stage2_text
 from .throughput import DeviceThroughput
 
@@ -56,30 +56,12 @@ class Planner:
     one model's shape and placement, and [`finish`] gives the [`PruningPlan`]. [`Planner.for_model`] builds one as
     [`~optimum_gradmap.pipeline.plan_pruning`] takes its arguments."""
 
-    def __init__(
-        self,
-        model_config: PretrainedConfig,
-        config: GradMAPConfig,
-        dtype: torch.dtype,
-        device: str | torch.device | None,
-        name: str,
-        execution: str | None,
-        device_map: str | dict[str, Any] | None,
-        max_memory: dict[int | str, str] | None,
-    ):
+    def __init__(self, model_config: PretrainedConfig, config: GradMAPConfig, dtype: torch.dtype, name: str):
         self.config, self.model_config, self.dtype = config, model_config, dtype
-        self.device = torch.device(device if device is not None else "cpu")
         self.adapter = get_adapter(model_config)
         self.heal = bool(config.heal_tokens)
         heal_shape = (config.heal_batch_size, config.heal_seq_len) if self.heal else (None, None)
         self.shape = describe_model(model_config, dtype, config.batch_size, config.seq_len, *heal_shape, name)
-        self.shares = offloaded_shares(self.shape, model_config, device_map, max_memory)
-        mode = execution or config.execution
-        self.streamed = mode == "layer_streamed" or (mode == "auto" and bool(self.shares))
-        self.on_cpu = self.device.type == "cpu"
-        # on the CPU the process itself counts: the interpreter and its libraries, read before the throughput's measurement
-        self.process = process_bytes() if self.on_cpu else 0
-        self.placement = (device_map, max_memory)
         self.notes: list[str] = []
         self.stages: list[StagePlan] = []
         self.throughput: DeviceThroughput | None = None
@@ -90,6 +72,24 @@ class Planner:
         self.outline1: Stage1Outline | None = None
         self.removable = self.num_kept = Count.of(0)
         self.stage2_line, self.compensated = "", 0
+
+    def place(
+        self,
+        device: str | torch.device | None,
+        execution: str | None,
+        device_map: str | dict[str, Any] | None,
+        max_memory: dict[int | str, str] | None,
+    ) -> None:
+        """Where the model runs: the device, the layers offloaded by `device_map` and `max_memory`, and whether the
+        gradient passes run layer-streamed (`execution`, else the config's: `"auto"` streams an offloaded model)."""
+        self.device = torch.device(device if device is not None else "cpu")
+        self.shares = offloaded_shares(self.shape, self.model_config, device_map, max_memory)
+        mode = execution or self.config.execution
+        self.streamed = mode == "layer_streamed" or (mode == "auto" and bool(self.shares))
+        self.on_cpu = self.device.type == "cpu"
+        # on the CPU the process itself counts: the interpreter and its libraries, read before the throughput's measurement
+        self.process = process_bytes() if self.on_cpu else 0
+        self.placement = (device_map, max_memory)
 
     def measure(self, throughput: DeviceThroughput | None, measure: bool, host_allocator_overhead: float | None) -> None:
         """The device's rates: `throughput`, else measured where `measure` is on; what stays on the device; and what
@@ -112,10 +112,11 @@ class Planner:
         work: Work,
         beside_weights: float,
         streamed_peak: float | None,
-        host: float,
+        host: float = 0.0,
         heal: bool = False,
     ) -> StagePlan:
-        """A stage's plan: `beside_weights` bytes held beside the weights in memory, `streamed_peak` layer-streamed."""
+        """A stage's plan: `beside_weights` bytes held beside the weights in memory, `streamed_peak` layer-streamed,
+        `host` on the host beside the device (none by default)."""
         in_memory = self.weights + self.overhead * beside_weights + self.process
         streamed_peak = streamed_peak + self.process if streamed_peak is not None else None
         plan = stage_plan(name, passes, tokens, work, self.shape, self.throughput, in_memory, streamed_peak, host, heal)
@@ -180,7 +181,8 @@ class Planner:
         _check_removal(config, model_config)
         if config.layers_to_prune is not None:
             removed_layers = list(config.layers_to_prune)
-        planner = cls(model_config, config, resolve_dtype(dtype, model_config), device, name, execution, device_map, max_memory)
+        planner = cls(model_config, config, resolve_dtype(dtype, model_config), name)
+        planner.place(device, execution, device_map, max_memory)
         planner.measure(throughput, measure, host_allocator_overhead)
         planner.model_or_path, planner.removed_layers, planner.validation = model_or_path, removed_layers, validation
         planner.evaluation_tokens, planner.tokenizer_size = evaluation_tokens, tokenizer_bytes
@@ -220,7 +222,7 @@ class Planner:
             tokens = config.num_samples * config.seq_len
             passes = stage1_passes(outline)
             self.stages.append(
-                self.stage("Stage 1", passes, tokens, work, memory["in_memory"], self.resident + memory["streamed"], 0.0)
+                self.stage("Stage 1", passes, tokens, work, memory["in_memory"], self.resident + memory["streamed"])
             )
         if removed_layers is not None:
             removable = Count.of(len(removed_layers))
@@ -231,10 +233,13 @@ class Planner:
 
     def plan_stage2(self) -> None:
         """Stage 2's stage, its outline in words and the most layers it may compensate."""
-        config = self.config
-        removed = list(self.removed_layers) if self.removed_layers is not None else None
-        protected = self.outline1.protected
-        work, outline = stage2(config, self.shape, self.adapter, removed, protected, self.removable, self.validation)
+        config, num_layers, protected = self.config, self.shape.num_layers, set(self.outline1.protected)
+        if self.removed_layers is not None:
+            removals = [sorted(self.removed_layers)]
+        else:  # the layouts Stage 1 may leave
+            counts = sorted({int(self.removable.low), int(self.removable.high)})
+            removals = [removed for count in counts for removed in layouts(num_layers, count, protected)]
+        work, outline = stage2(config, self.shape, self.adapter, removals, self.validation)
         memory = stage2_memory(config, self.shape, outline)
         beside = memory["device"] + (memory["host"] if self.on_cpu else 0.0)
         tokens = config.num_samples * config.seq_len
@@ -308,7 +313,7 @@ class Planner:
         beside = quantization_memory(shape, scheme, config.num_samples, config.seq_len)
         passes = passes_text(scheme, config.num_samples, config.seq_len)
         used = tokens if work.layer_forward.high else 0
-        plan = self.stage("Quantize", passes, used, work, beside, self.resident + beside, 0.0)
+        plan = self.stage("Quantize", passes, used, work, beside, self.resident + beside)
         # the copy that undoes it: the pruned weights, a few large blocks (no allocator overhead measured)
         plan.host_bytes = copy = _kept_bytes(shape, self.removable, self.outline1.protected, None).high
         if self.on_cpu:
@@ -323,9 +328,7 @@ class Planner:
             return
         logits = logits_bytes(shape, self.config.batch_size, self.config.seq_len)
         work = Work(layer_forward=(num_kept + shape.num_layers) * tokens, head_forward=Count.of(2 * tokens))
-        self.stages.append(
-            self.stage("Evaluation", "dense and pruned perplexity", tokens, work, logits, self.resident + logits, 0.0)
-        )
+        self.stages.append(self.stage("Evaluation", "dense and pruned perplexity", tokens, work, logits, self.resident + logits))
 
     def plan_save(self) -> None:
         """Saving: the output's bytes on disk (the kept layers' weights, as the quantization stores them where it runs,
@@ -340,7 +343,7 @@ class Planner:
         output_bytes = _kept_bytes(shape, self.removable, self.outline1.protected, config.quantization)
         self.output_bytes = output_bytes = output_bytes + (tokenizer_size or 0) + REPORT_BYTES
         shard = min(shard_bytes(), output_bytes.high)
-        save = self.stage("Save", "the checkpoint, shard by shard", 0, Work(), 0.0, self.resident + shard, 0.0)
+        save = self.stage("Save", "the checkpoint, shard by shard", 0, Work(), 0.0, self.resident + shard)
         disk = ASSUMED_OFFLOAD_BYTES_PER_SECOND["disk"]
         save.seconds = Count.of(output_bytes.high / disk) if self.throughput is not None else None
         self.stages.append(save)

@@ -63,17 +63,6 @@ def stage1(config: GradMAPConfig, shape: ModelShape, streamed: bool) -> tuple[Wo
         if config.verify_top_k and config.verify_halving
         else 1
     )
-    low = _rounds_work(config, shape, metric, protected, iterative, fewest, streamed)
-    high = _rounds_work(config, shape, metric, protected, iterative, most, streamed)
-    work = Work(
-        **{
-            item.name: Count(getattr(low, item.name).low, getattr(high, item.name).high)
-            for item in fields(Work)
-            if is_count(item)
-        },
-        per_sample_norms=scoring_pass == "per_sample_gradient",
-        weight_gradients=scoring_pass == "parameter_gradient",
-    )
     scoring_rounds = Count(fewest if iterative else 1, most if iterative else 1)
     outline = Stage1Outline(
         metric.name,
@@ -85,6 +74,17 @@ def stage1(config: GradMAPConfig, shape: ModelShape, streamed: bool) -> tuple[Wo
         config.verify_top_k,
         rungs,
         sorted(protected),
+    )
+    low = _rounds_work(config, shape, metric, outline, fewest, streamed)
+    high = _rounds_work(config, shape, metric, outline, most, streamed)
+    work = Work(
+        **{
+            item.name: Count(getattr(low, item.name).low, getattr(high, item.name).high)
+            for item in fields(Work)
+            if is_count(item)
+        },
+        per_sample_norms=scoring_pass == "per_sample_gradient",
+        weight_gradients=scoring_pass == "parameter_gradient",
     )
     return work, outline, notes
 
@@ -121,18 +121,11 @@ def _round_range(
 
 
 def _rounds_work(
-    config: GradMAPConfig,
-    shape: ModelShape,
-    metric: ImportanceMetric,
-    protected: set[int],
-    iterative: bool,
-    count: int,
-    streamed: bool,
+    config: GradMAPConfig, shape: ModelShape, metric: ImportanceMetric, outline: Stage1Outline, count: int, streamed: bool
 ) -> Work:
     """The work of `count` rounds: each round's scoring (every round, or the first), its shortlist's check and the
     loss a budget follows; with a loss followed, the dense model's loss before the first round."""
-    num_layers, samples, seq_len = shape.num_layers, config.num_samples, config.seq_len
-    tokens = samples * seq_len
+    num_layers, tokens, protected = shape.num_layers, config.num_samples * config.seq_len, set(outline.protected)
     recorded = config.verify_from_scoring_pass and not streamed
     measures_loss = _measures_loss(config)
     work = Work()
@@ -141,8 +134,8 @@ def _rounds_work(
     for index in range(count):
         present = num_layers - index
         round_work = Work()
-        if iterative or index == 0:
-            round_work = round_work + scoring(metric.scoring_pass, num_layers, present, protected, samples, seq_len, streamed)
+        if outline.iterative or index == 0:
+            round_work = round_work + scoring(config, outline.scoring_pass, num_layers, present, protected, streamed)
         if config.verify_top_k is not None:
             round_work = round_work + _verification(config, num_layers, present, protected, recorded)
         if measures_loss and config.verify_top_k is None and not metric.scores_are_losses:
@@ -152,9 +145,11 @@ def _rounds_work(
 
 
 def scoring(
-    scoring_pass: str | None, num_layers: int, present: int, protected: set[int], samples: int, seq_len: int, streamed: bool
+    config: GradMAPConfig, scoring_pass: str | None, num_layers: int, present: int, protected: set[int], streamed: bool
 ) -> Work:
-    """One scoring pass of a metric over a stack of `present` layers (see `ImportanceMetric.scoring_pass`)."""
+    """One scoring pass of a metric over a stack of `present` layers (see `ImportanceMetric.scoring_pass`), on the
+    calibration sequences of `config`."""
+    samples, seq_len = config.num_samples, config.seq_len
     tokens = samples * seq_len
     if scoring_pass in GRADIENT_PASSES:
         check = min(SPLIT_CHECK_TOKENS, seq_len)  # split_at_lm_head: the whole model and decoder + head, on one sequence

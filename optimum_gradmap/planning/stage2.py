@@ -70,43 +70,30 @@ def stage2(
     config: GradMAPConfig,
     shape: ModelShape,
     adapter: DecoderAdapter,
-    removed_layers: list[int] | None,
-    protected: list[int],
-    removable: Count,
+    removals: list[list[int]],
     validation: bool,
 ) -> tuple[Work, Stage2Outline]:
-    """Stage 2's work over the layouts Stage 1 may leave (exact for a known one), and its outline."""
+    """Stage 2's work over `removals`, the layouts Stage 1 may leave (its removed layers: one, exact, where it is
+    known), and its outline."""
     resolved = resolve_selection(config, adapter)
     selection = "next_token_loss" if chooses_by_next_token_loss(resolved) else "hidden_state"
     post_norm = adapter.mlp_output_norm_path is not None
     num_layers = shape.num_layers
-    if removed_layers is not None:
-        all_layouts = [sorted(removed_layers)]
-    else:
-        all_layouts = []
-        for count in sorted({int(removable.low), int(removable.high)}):
-            all_layouts += layouts(num_layers, count, set(protected))
     works: list[Work] = []
     fits: list[Count] = []
-    for removed in all_layouts:
+    for removed in removals:
         kept = [index for index in range(num_layers) if index not in removed]
         for targets in _target_sets(resolved, kept, num_layers):
-            works.append(_layout_work(resolved, shape, kept, targets, selection, post_norm, validation))
+            works.append(_layout_work(resolved, shape, kept, targets, post_norm, validation))
             fits.append(Count.of(len(targets)))
     work, fits = _median_over(works), _median_over(fits)
     rows_fit = post_norm or resolved.compensation_objective == "cosine"
-    outline = Stage2Outline(resolved.compensation_target, selection, fits, _evaluations(resolved, selection, rows_fit), rows_fit)
+    outline = Stage2Outline(resolved.compensation_target, selection, fits, _evaluations(resolved, rows_fit), rows_fit)
     return work, outline
 
 
 def _layout_work(
-    config: GradMAPConfig,
-    shape: ModelShape,
-    kept: list[int],
-    targets: list[tuple[int, int]],
-    selection: str,
-    post_norm: bool,
-    validation: bool,
+    config: GradMAPConfig, shape: ModelShape, kept: list[int], targets: list[tuple[int, int]], post_norm: bool, validation: bool
 ) -> Work:
     """Stage 2's work for one layout: the kept layers and the targets fitted (see `compensation.stage2.compensate`)."""
     samples, seq_len = config.num_samples, config.seq_len
@@ -125,7 +112,7 @@ def _layout_work(
         first = position[start] if start is not None else 0
         run = position[index] - first + 1
         work = work + Work(layer_forward=Count.of(run * tokens))
-        work = work + _fit_work(config, shape, num_kept - position[index], selection, post_norm, rows_fit)
+        work = work + _fit_work(config, shape, num_kept - position[index], post_norm, rows_fit)
         start = index
     work = work + _refinement_work(config, num_layers, num_kept)
     if validation:  # the validation perplexity with and without the compensation
@@ -134,7 +121,7 @@ def _layout_work(
     return work + Work(layer_forward=Count.of(after_first * tokens))  # the drift after compensation
 
 
-def _fit_work(config: GradMAPConfig, shape: ModelShape, after: int, selection: str, post_norm: bool, rows_fit: bool) -> Work:
+def _fit_work(config: GradMAPConfig, shape: ModelShape, after: int, post_norm: bool, rows_fit: bool) -> Work:
     """One target's fit: its statistics and solve, and the held-out losses of the next-token selection over the `after`
     kept layers from the target on."""
     samples, seq_len = config.num_samples, config.seq_len
@@ -146,8 +133,8 @@ def _fit_work(config: GradMAPConfig, shape: ModelShape, after: int, selection: s
             work = work + Work(host_eigh=Count.of(AUTO_NUM_FOLDS), host_float64_flops=Count.of(28 * AUTO_NUM_FOLDS * 2 * d**3))
         return work
     work = Work(device_float64_flops=Count.of(4 * d * d * tokens))
-    if selection == "next_token_loss":
-        evaluations = _evaluations(config, selection, rows_fit)
+    if chooses_by_next_token_loss(config):
+        evaluations = _evaluations(config, rows_fit)
         return work + Work(
             layer_forward=evaluations * (after * held_out * seq_len),
             head_forward=evaluations * (held_out * seq_len),
@@ -177,9 +164,10 @@ def _refinement_work(config: GradMAPConfig, num_layers: int, num_kept: int) -> W
     )
 
 
-def _evaluations(config: GradMAPConfig, selection: str, rows_fit: bool) -> Count:
-    """The held-out next-token losses one fit of the next-token selection scores: W' = I, then the strengths."""
-    if selection != "next_token_loss" or rows_fit:
+def _evaluations(config: GradMAPConfig, rows_fit: bool) -> Count:
+    """The held-out next-token losses one fit of the next-token selection scores (`config` resolved for the family):
+    W' = I, then the strengths."""
+    if not chooses_by_next_token_loss(config) or rows_fit:
         return ZERO
     searched = (
         Count.of(len(AUTO_RIDGE_GRID)) if config.lambda_search == "grid" else golden_search_evaluations(len(AUTO_RIDGE_GRID))

@@ -165,7 +165,7 @@ class DeviceThroughput:
             shape = describe_model(config, dtype, batch_size, seq_len)
         representative = max(range(shape.num_layers), key=lambda index: (shape.layer_parameters[index], -index))
         model = _one_layer_model(config, adapter, representative, shape.vocab_size, dtype, device)
-        bench = _Bench(model, adapter, shape, dtype, device, batch_size, seq_len)
+        bench = _Bench(model, adapter, shape, device, batch_size, seq_len)
         seconds = bench.timings(min_seconds)
         elapsed = time.perf_counter() - started
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
@@ -250,7 +250,6 @@ class _Bench:
         model: PreTrainedModel,
         adapter: DecoderAdapter,
         shape: ModelShape,
-        dtype: torch.dtype,
         device: torch.device,
         batch_size: int,
         seq_len: int,
@@ -259,13 +258,13 @@ class _Bench:
         self.batch_size, self.seq_len = batch_size, seq_len
         self.layers = adapter.get_layers(model)
         generator = torch.Generator(device=device).manual_seed(0)
-        self.hidden = torch.randn(batch_size, seq_len, shape.hidden_size, generator=generator, device=device, dtype=dtype)
+        self.hidden = torch.randn(batch_size, seq_len, shape.hidden_size, generator=generator, device=device, dtype=shape.dtype)
         decoder = lambda inputs_embeds: adapter.final_hidden_states(model, inputs_embeds=inputs_embeds, use_cache=False)  # noqa: E731
         with torch.no_grad():
             self.calls = streaming.LayerCalls(decoder, self.layers, self.hidden)
         self.gradient = torch.randn_like(self.hidden)
         self.width = min(shape.vocab_size, 8192)
-        self.head = nn.Linear(shape.hidden_size, self.width, bias=False, device=device, dtype=dtype)
+        self.head = nn.Linear(shape.hidden_size, self.width, bias=False, device=device, dtype=shape.dtype)
         self.labels = torch.randint(0, self.width, (batch_size, seq_len), generator=generator, device=device)
         self.side = min(shape.hidden_size, 1024)
         self.rows = torch.randn(batch_size * seq_len, self.side, generator=generator, device=device, dtype=torch.float64)

@@ -41,7 +41,6 @@ from .content import (
 )
 from .cost_table import cost_table
 from .folder import load_report, write_report
-from .model_card import _heal_sentence as _heal_sentence  # the heal's tests read its sentence
 from .model_card import build_model_card
 from .pictures import write_pictures
 from .summary import curve_lines, format_report

@@ -39,7 +39,7 @@ def _stage2_sentence(report: dict) -> str:
     return sentence
 
 
-def _heal_sentence(report: dict[str, Any]) -> str:
+def heal_sentence(report: dict[str, Any]) -> str:
     """What the heal stage did, in words; empty without it."""
     heal = report.get("heal")
     if not heal:
@@ -162,7 +162,7 @@ def build_model_card(
     name = repo_id or "path/to/this/checkpoint"
     removed, num_layers = report["removed_layers"], report["original_num_layers"]
     metric = report["gradmap_config"].get("importance", "gradmap")
-    steps = (_heal_sentence(report), _quantization_sentence(report))
+    steps = (heal_sentence(report), _quantization_sentence(report))
     if (report.get("heal") or {}).get("after_quantization"):
         steps = steps[::-1]  # the order the runs came in
     stage2 = " ".join(part for part in (_stage2_sentence(report), *steps) if part)

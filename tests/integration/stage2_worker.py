@@ -44,23 +44,23 @@ def stage2_case_inputs(case: str) -> tuple[torch.nn.Module, GradMAPConfig, torch
 def main() -> None:
     output = sys.argv[1]
     assert distributed.init_from_environment(), "run me with torchrun --nproc-per-node 2"
-    keep_if_validated = stage2._keep_if_validated
+    keep_if_validated = stage2._Stage2Run.keep_if_validated
     seen: list[list[int]] = []
 
-    def recording_what_is_validated(dense, folds, validation_ids, *args, **kwargs):
+    def recording_what_is_validated(run, folds, validation_ids, *args, **kwargs):
         rows = {tuple(row.tolist()): index for index, row in enumerate(validation_ids)}
 
         def record(module, args, kwargs):
             batch = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
             seen.append([rows[tuple(row.tolist())] for row in batch])
 
-        handle = dense.model.register_forward_pre_hook(record, with_kwargs=True)
+        handle = run.dense.model.register_forward_pre_hook(record, with_kwargs=True)
         try:
-            return keep_if_validated(dense, folds, validation_ids, *args, **kwargs)
+            return keep_if_validated(run, folds, validation_ids, *args, **kwargs)
         finally:
             handle.remove()
 
-    stage2._keep_if_validated = recording_what_is_validated
+    stage2._Stage2Run.keep_if_validated = recording_what_is_validated
     probe_ids = random_ids(2, 16, seed=1)
     for case in STAGE2_CASES:
         folder = os.path.join(output, case)
