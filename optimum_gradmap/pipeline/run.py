@@ -129,7 +129,7 @@ class Step:
     [`GradMAPConfig`] and holds its own frozen settings; [`run_steps`] walks a list of them.
 
     - [`check_settings`]: what its settings alone decide (extras installed, hardware, names), before any weight is
-      read: the command line and the dry run call it before loading the model.
+      read: the command line calls it before loading the model, its dry run included.
     - [`check`]: everything else that can refuse it, before any step changes a weight (the model, data, tokenizer);
       it may read and tokenize its text, and keeps what it read in the [`Run`] for [`run`].
     - [`plan`]: what it will do and cost, on the dry run's [`~optimum_gradmap.planning.Planner`].
