@@ -11,7 +11,7 @@ with a small lifecycle: `check_settings` (what its settings alone decide, before
 |---|---|---|---|
 | [`SelectLayers`] (Stage 1) | [`stage1`] | [`~optimum_gradmap.importance.Stage1Settings`] | the removed layers put back |
 | [`Compensate`] (Stage 2) | [`stage2`] | [`~optimum_gradmap.compensation.Stage2Settings`] | W' unfolded |
-| [`Heal`] | [`heal`] | the `heal_*` fields | the trained weights put back from a copy |
+| [`Heal`] | [`heal`] | [`~optimum_gradmap.heal.HealSettings`] | the trained weights put back from a copy |
 | [`Quantize`] | [`quantize`] | [`~optimum_gradmap.quantize.QuantizationSettings`] | the model put back from a copy |
 
 and the `prune` command ends its list with [`Evaluate`] and [`Save`] ([`output`]). [`run_steps`] checks every step
