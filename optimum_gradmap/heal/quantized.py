@@ -28,7 +28,7 @@ import shutil
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from safetensors.torch import load_file, save_file
+import safetensors.torch  # the module: a function bound at import would keep whatever stood in for it then
 from transformers import PreTrainedModel
 
 from ..errors import InvalidInputError
@@ -118,10 +118,10 @@ def stored_weights_writer(source: str, model: PreTrainedModel, trained: Iterable
                 continue
             shutil.copy2(os.path.join(source, name), os.path.join(folder, name))
         for shard in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
-            stored = load_file(shard)
+            stored = safetensors.torch.load_file(shard)
             for name, tensor in stored.items():
                 if name in values and tensor.is_floating_point() and values[name].shape == tensor.shape:
                     stored[name] = values[name].to(device="cpu", dtype=tensor.dtype).contiguous()
-            save_file(stored, shard, metadata={"format": "pt"})
+            safetensors.torch.save_file(stored, shard, metadata={"format": "pt"})
 
     return write
