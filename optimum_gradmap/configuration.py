@@ -42,6 +42,8 @@ CompensationSelection = Literal["auto", "hidden_state", "next_token_loss"]
 OutlierTokens = Literal["auto", "keep", "exclude", "clip", "preserve"]
 # How the next-token selection searches the strengths of the grid (`GradMAPConfig.lambda_search`).
 LambdaSearch = Literal["grid", "golden"]
+# How the passes behind Stage 1's and Stage 2's decisions compute (`optimum_gradmap.precision`).
+PassPrecision = Literal["auto", "float32"]
 # What the heal stage trains (see `optimum_gradmap.heal`).
 HealTrainable = Literal["lora", "norms", "down_projections", "before_removed", "all"]
 # What the heal stage minimises (see `optimum_gradmap.heal.loss`).
@@ -392,6 +394,15 @@ class GradMAPConfig(LayerAmount):
     num_samples: int = _setting(128, "Number of calibration sequences (paper: 128).", minimum=1)
     seq_len: int = _setting(128, "Tokens per calibration sequence (paper: 128).", minimum=2)
     batch_size: int = _setting(8, "Sequences per forward/backward pass. Changes speed and memory, not the result.", minimum=1)
+    precision: PassPrecision = _setting(
+        "auto",
+        "How Stage 1's and Stage 2's passes compute on a float32 model: `auto`, in bfloat16 (autocast; the weights "
+        "stay float32) where the hardware computes it natively (CUDA compute capability 8.0 or more, CPUs with "
+        "AVX512-BF16 or AMX), with every decision made as float32 makes it: a choice whose margin lies within the "
+        "measured bound of bfloat16's error is recomputed in float32 (the result's `precision` says how often, "
+        "`timings` what it cost); float32 elsewhere, and for scores and choices with no measured bound. `float32`: "
+        "float32 throughout. See [`optimum_gradmap.precision`].",
+    )
     execution: ExecutionMode = _setting(
         "auto",
         "How the gradient passes of Stage 1 run (see [`optimum_gradmap.streaming`]): `in_memory`, one autograd "

@@ -41,6 +41,10 @@ class ImportanceMetric:
     # whether a layer's score is the calibration loss of the model without it (SLEB): the loss after a removal
     # is then known without another pass
     scores_are_losses: ClassVar[bool] = False
+    # How far (relative) a score computed in bfloat16 passes may lie from its float32 value, where it was measured
+    # ([`optimum_gradmap.precision`]): under `precision="auto"` the metric then scores in bfloat16 and a round whose margin
+    # lies within it is recomputed in float32. None (not measured): the metric scores in the model's dtype.
+    precision_bound: ClassVar[float | None] = None
     # What one scoring pass runs, for the cost told before a run ([`optimum_gradmap.planning`]): "per_sample_gradient"
     # (a forward and an input-gradient backward pass with per-sample gradient norms, GradMAP's), "gradient" (a forward and
     # an input-gradient backward pass), "parameter_gradient" (a forward and a backward pass that forms the parameters'

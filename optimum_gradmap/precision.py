@@ -24,6 +24,13 @@ the float32 model's (docs/benchmarks/stage1-cost.md measures both on the same ch
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
 import torch
 
 from .errors import InvalidInputError
@@ -107,3 +114,152 @@ def uses_bfloat16_autocast(requested: bool, model: torch.nn.Module) -> bool:
     from .passes import input_device
 
     return bool(requested) and has_native_bfloat16(input_device(model)) and model.dtype == torch.float32
+
+
+# Decisions in bfloat16 passes, recomputed in float32 where the margin is within the bound (`precision="auto"`).
+
+PrecisionSetting = Literal["auto", "float32"]
+
+# How far (relative) a value computed in bfloat16 passes (autocast, float32 weights) may lie from the same value
+# computed in float32; measured, not derived: docs/benchmarks/stage1-cost.md#decisions-in-bfloat16 gives the runs.
+SCORE_BOUND = 0.05  # GradMAP's Stage 1 scores (Eq. 5)
+LOSS_BOUND = 0.002  # mean next-token losses: SLEB's removal losses, the shortlist's, the budget's, Stage 2's lambda
+
+
+@dataclass
+class PrecisionLog:
+    """What a run's decisions cost in float32: how many decisions were made on bfloat16 passes, and each one whose
+    margin lay within the bound and was recomputed in float32 (what, the candidates, the seconds)."""
+
+    decisions: int = 0
+    recomputed: list[dict[str, Any]] = field(default_factory=list)
+    within_bound: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        """The seconds spent recomputing in float32."""
+        return sum(event["seconds"] for event in self.recomputed)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "decisions": self.decisions,
+            "recomputed": list(self.recomputed),
+            "recompute_seconds": self.seconds,
+            "within_bound": list(self.within_bound),
+        }
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a step's passes compute (`GradMAPConfig.precision`) and what its decisions cost: `low` is bfloat16 where the
+    passes run under bfloat16 autocast (the model's weights stay float32: the saved checkpoint is the same), `None`
+    where they compute in the model's own dtype. Built by [`Precision.for_model`].
+
+    A decision compares values computed in the passes (scores, losses). With `low` set, each value lies within a
+    bound of its float32 value (`SCORE_BOUND`, `LOSS_BOUND`): where the low-precision values cannot tell which
+    candidates are the lowest under that bound ([`settled_lowest`]), the undecided candidates are recomputed in float32
+    ([`Precision.exact`]) and the decision is made on those values ([`Precision.lowest`]); `log` counts both.
+    """
+
+    low: torch.dtype | None = None
+    device_type: str = "cpu"
+    log: PrecisionLog = field(default_factory=PrecisionLog, compare=False)
+
+    @classmethod
+    def for_model(cls, setting: str, model: torch.nn.Module) -> Precision:
+        """`"auto"`: bfloat16 autocast where the device that takes the model's inputs computes bfloat16 natively
+        ([`has_native_bfloat16`]) and the model's weights are float32; otherwise (and for `"float32"`) the model's own
+        dtype."""
+        from .passes import input_device
+
+        device = input_device(model)
+        native = sys.modules[__name__].bfloat16_passes_available(device)  # looked up here: the tests turn it off
+        if setting == "auto" and native and model.dtype == torch.float32:
+            return cls(torch.bfloat16, device.type)
+        return cls(None, device.type)
+
+    @property
+    def computed_in(self) -> str:
+        """How the passes computed, for the report: `"bfloat16 autocast"` or `"model dtype"`."""
+        return "bfloat16 autocast" if self.low is not None else "model dtype"
+
+    def passes(self) -> contextlib.AbstractContextManager:
+        """The context the step's passes run in: bfloat16 autocast, or nothing."""
+        if self.low is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.low)
+
+    def exact(self) -> contextlib.AbstractContextManager:
+        """The context of a float32 recomputation (and of statistics kept in float32): autocast off."""
+        return torch.autocast(self.device_type, enabled=False)
+
+    def lowest(
+        self,
+        values: dict[Any, float],
+        k: int,
+        bound: float,
+        exact_values: Callable[[list[Any]], dict[Any, float]],
+        what: str,
+    ) -> tuple[list[Any], dict[Any, float]]:
+        """The `k` candidates with the lowest values (ties to the lower key), decided as float32 decides them.
+
+        Args:
+            values (`dict`): Each candidate's value (positive), computed in the passes.
+            k (`int`): How many to choose.
+            bound (`float`): How far (relative) each value may lie from its float32 value.
+            exact_values (`Callable`): The float32 values of the candidates given (one recomputation).
+            what (`str`): The decision, for the log.
+
+        Returns:
+            `(chosen, values)`: the chosen keys, lowest first, and the values with the recomputed ones replaced.
+        """
+        undecided: list[Any] = []
+        if self.low is not None:
+            self.log.decisions += 1
+            _, undecided = settled_lowest(values, k, bound)
+        if undecided:
+            values = {**values, **self.recomputed(what, undecided, lambda: exact_values(undecided))}
+        ranked = sorted(values, key=lambda key: (values[key], key))
+        return ranked[:k], values
+
+    def recomputed(self, what: str, candidates: list[Any], compute: Callable[[], Any]) -> Any:
+        """`compute()` in float32, logged as the recomputation of decision `what` among `candidates`."""
+        started = time.perf_counter()
+        with self.exact():
+            value = compute()
+        self.log.recomputed.append(
+            {"decision": what, "candidates": [str(key) for key in candidates], "seconds": time.perf_counter() - started}
+        )
+        return value
+
+
+def bfloat16_passes_available(device: torch.device) -> bool:
+    """Whether `precision="auto"` runs the passes in bfloat16 on `device`: where it computes bfloat16 natively
+    ([`has_native_bfloat16`]). The test suite answers `False` here (float32 passes, as on a CPU without bfloat16),
+    except in the tests of the bfloat16 passes."""
+    return has_native_bfloat16(device)
+
+
+def settled_lowest(values: dict[Any, float], k: int, bound: float) -> tuple[list[Any], list[Any]]:
+    """Which of `values` are the `k` lowest whatever their float32 values are, when each value `v` lies within
+    `bound` (relative) of its float32 value `x` (`|v - x| <= bound * x`, so `x` is in `[v / (1 + bound), v / (1 - bound)]`).
+
+    Returns:
+        `(certain, undecided)`: the candidates certainly among the `k` lowest, and those whose place the bound leaves
+        open (empty when the low-precision values decide). The `k` lowest are the certain ones and the lowest
+        `k - len(certain)` of the undecided by their float32 values.
+    """
+    ranked = sorted(values, key=lambda key: (values[key], key))
+    if k >= len(ranked):
+        return ranked, []
+    low = {key: values[key] / (1 + bound) for key in ranked}
+    high = {key: values[key] / (1 - bound) for key in ranked}
+    inside, outside = ranked[:k], ranked[k:]
+    lowest_outside = min(low[key] for key in outside)
+    highest_inside = max(high[key] for key in inside)
+    undecided_inside = [key for key in inside if high[key] >= lowest_outside]
+    undecided_outside = [key for key in outside if low[key] <= highest_inside]
+    if not undecided_inside or not undecided_outside:
+        return inside, []
+    certain = [key for key in inside if key not in undecided_inside]
+    return certain, undecided_inside + undecided_outside

@@ -58,6 +58,11 @@ class PruningResult:
         loss_curve (`list[float]`): The calibration loss after each removal, in removal order (the curve).
         stopped (`str`, *optional*): Why Stage 1 stopped before K removals (a budget, a parameter target).
         rejected (`dict[str, float]`, *optional*): The removal a budget refused: its layer and the loss it gave.
+        precision (`dict`, *optional*): How Stage 1's and Stage 2's passes computed (`computed_in`), how many
+            decisions they made (`decisions`), each one recomputed in float32 because its margin lay within the bound
+            (`recomputed`: the decision, its candidates, the seconds) and the seconds of those (`recompute_seconds`),
+            and Stage 2's lambdas chosen among strengths the bound cannot tell apart (`within_bound`)
+            ([`optimum_gradmap.precision`]).
         heal ([`~optimum_gradmap.heal.HealResult`], *optional*): What the heal stage did (what it trained, on which
             text, the held-out KL curve); `None` without it.
         quantization ([`~optimum_gradmap.quantize.QuantizationResult`], *optional*): What the quantization step did
@@ -85,6 +90,7 @@ class PruningResult:
     dense_loss: float | None = None
     loss_curve: list[float] = field(default_factory=list)
     stopped: str | None = None
+    precision: dict[str, Any] | None = None
     rejected: dict[str, float] | None = None
     heal: HealResult | None = None
     quantization: QuantizationResult | None = None
@@ -118,6 +124,7 @@ class PruningResult:
             "loss_curve": self.loss_curve,
             "stopped": self.stopped,
             "rejected": self.rejected,
+            "precision": self.precision,
             "heal": self.heal.to_dict() if self.heal is not None else None,
             "quantization": self.quantization.to_dict() if self.quantization is not None else None,
             "steps": self.steps,

@@ -8,7 +8,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from optimum_gradmap import GradMAPConfig
+from optimum_gradmap import GradMAPConfig, precision
 from optimum_gradmap.adapters import get_adapter
 
 VOCAB_SIZE = 256
@@ -38,6 +38,15 @@ TINY_SETTINGS = {
 }
 ARCHITECTURES = ["llama", "mistral", "qwen2"]  # the first three families, used where one of each layout suffices
 FAMILIES = sorted(TINY_SETTINGS)
+
+
+@pytest.fixture(autouse=True)
+def float32_passes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stage 1 and Stage 2 compute in float32 (as on hardware without native bfloat16, where `precision="auto"` is
+    float32), so that the suite's figures are exact on every machine; tests marked `bfloat16_passes` see the
+    hardware as it is."""
+    if "bfloat16_passes" not in request.keywords:
+        monkeypatch.setattr(precision, "bfloat16_passes_available", lambda device: False)
 
 
 def tiny_model(model_type: str, num_layers: int = 6, seed: int = 0, **overrides) -> torch.nn.Module:

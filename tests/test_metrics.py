@@ -294,7 +294,7 @@ def test_successive_halving_races_the_shortlist_over_rungs_and_compares_the_fina
     model, ids = tiny_model("llama", num_layers=9), random_ids(13, 12)
     adapter = get_adapter(model)
     positions = [1, 2, 3, 4, 5, 6, 7]  # 7 candidates: ceil(log2 7) = 3 rungs, of 5, 4 and 4 sequences
-    raced, best = verify_shortlist(model, adapter, ids, 5, positions, halving=True, progress_bar=False)
+    raced, best, _ = verify_shortlist(model, adapter, ids, 5, positions, halving=True, progress_bar=False)
     on_first_rung = removal_losses(model, adapter, ids[:5], 5, positions, progress_bar=False)
     on_two_rungs = removal_losses(model, adapter, ids[:9], 5, positions, progress_bar=False)  # weighted 5 : 4
     on_all = removal_losses(model, adapter, ids, 5, positions, progress_bar=False)
@@ -304,7 +304,7 @@ def test_successive_halving_races_the_shortlist_over_rungs_and_compares_the_fina
         expected = on_all if position in finalists else on_two_rungs if position in after_first else on_first_rung
         assert raced[position] == pytest.approx(expected[position], rel=1e-6)
     assert best == min(finalists, key=lambda p: (on_all[p], p))
-    plain, plain_best = verify_shortlist(model, adapter, ids, 5, positions, halving=False, progress_bar=False)
+    plain, plain_best, _ = verify_shortlist(model, adapter, ids, 5, positions, halving=False, progress_bar=False)
     assert plain == on_all and plain_best == min(positions, key=lambda p: (on_all[p], p))  # exactly as measured
 
 
@@ -318,7 +318,7 @@ def test_successive_halving_never_removes_a_candidate_dropped_on_an_easier_rung(
         return {position: 1.0 + 0.01 * position if rung == 0 else 3.0 - 0.03 * position for position in positions}
 
     monkeypatch.setattr("optimum_gradmap.importance.shortlist.removal_losses", fake_removal_losses)
-    losses, best = verify_shortlist(None, None, ids, 4, list(range(8)), halving=True, progress_bar=False)
+    losses, best, _ = verify_shortlist(None, None, ids, 4, list(range(8)), halving=True, progress_bar=False)
     # rung 1 keeps 0-3 (lowest there), rung 2 keeps 2 and 3, the finalists; 7 was dropped at 1.07
     assert best == 3 and losses[3] == pytest.approx((1.03 + 2 * 2.91) / 3)
     assert losses[7] == pytest.approx(1.07) and losses[7] < losses[best]

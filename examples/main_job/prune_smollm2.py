@@ -11,7 +11,7 @@ measured.
 
     python examples/main_job/prune_smollm2.py             # the README's main job (about 12 minutes on 2 CPU cores)
     python examples/main_job/prune_smollm2.py --num-samples 32 --max-eval-segments 64   # a quick look
-    python examples/main_job/prune_smollm2.py --dtype auto    # bfloat16 where the hardware computes it natively
+    python examples/main_job/prune_smollm2.py --precision float32   # float32 passes throughout (the same layers, slower)
 
 With Hub access, `--model HuggingFaceTB/SmolLM2-135M` (any Hub id or local folder) works too.
 """
@@ -83,8 +83,15 @@ def main() -> None:
         "--dtype",
         default="float32",
         choices=DTYPE_CHOICES,
-        help="the dtype the model computes in (default: float32; auto is bfloat16 where the hardware computes it "
-        "natively, which on SmolLM2 at 25%% removed another eighth layer: docs/benchmarks/stage1-cost.md)",
+        help="the dtype the weights are loaded in (default: float32; bfloat16 halves their memory, and the decisions "
+        "are then those of the rounded weights)",
+    )
+    parser.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "float32"],
+        help="how Stage 1's and Stage 2's passes compute (default: auto, bfloat16 where the hardware computes it "
+        "natively, each near tie recomputed in float32; float32: float32 throughout)",
     )
     parser.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default: 128, as in the paper)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per calibration sequence (default: 128)")
@@ -116,7 +123,7 @@ def main() -> None:
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-    print(f"computing in {str(model.dtype).replace('torch.', '')} (--dtype {args.dtype})", flush=True)
+    print(f"weights in {str(model.dtype).replace('torch.', '')} (--dtype {args.dtype}), passes --precision {args.precision}", flush=True)
     logging.basicConfig(format="%(message)s", level=logging.WARNING)
     logging.getLogger("optimum_gradmap").setLevel(logging.INFO)  # each removed layer, as soon as it is known
     max_segments = args.max_eval_segments or None
@@ -124,7 +131,9 @@ def main() -> None:
     dense = perplexity(model, segments)
     print(f"dense held-out Wikipedia perplexity: {dense:.3f} ({segments.shape[0]} segments of 128 tokens)", flush=True)
 
-    settings = dict(pruning_ratio=args.ratio, solver=args.solver, num_samples=args.num_samples, seq_len=args.seq_len)
+    settings = dict(
+        pruning_ratio=args.ratio, solver=args.solver, num_samples=args.num_samples, seq_len=args.seq_len, precision=args.precision
+    )
     config = GradMAPConfig.from_preset(args.preset, **settings) if args.preset else GradMAPConfig(**settings)
     pruner = GradMAPPruner(config, tokenizer=tokenizer)
     result = pruner.select_layers(model, "offline:wikipedia")  # Stage 1, on the offline copy of Wikipedia
@@ -172,6 +181,9 @@ def main() -> None:
         print(f"left alone: layer {layer} ({reason})")
     heal = f"   heal: {result.timings['heal']:.1f} s" if result.heal else ""
     print(f"stage 1: {result.timings['stage1']:.1f} s   stage 2 ({args.solver}): {result.timings['stage2']:.1f} s{heal}")
+    passes = result.precision
+    recomputed = f", {len(passes['recomputed'])} recomputed in float32 ({passes['recompute_seconds']:.1f} s)"
+    print(f"passes: {passes['computed_in']}; {passes['decisions']} decisions checked against the bound{recomputed}")
     if result.heal:
         print(result.heal.summary())
     print(f"held-out Wikipedia perplexity ({segments.shape[0]} segments of 128 tokens, articles never used for calibration):")

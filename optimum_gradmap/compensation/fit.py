@@ -12,6 +12,7 @@ from torch import nn
 
 from .. import distributed
 from ..errors import InvalidInputError
+from ..precision import Precision
 from ..weights import materialized
 from .activations import FitData
 from .cosine import learn_cosine
@@ -119,7 +120,9 @@ def _statistics_and_lambda(
     return statistics, lambda_for_strength(choice.alpha, statistics.mean_eigenvalue, statistics.num_elements), choice
 
 
-def fit_and_fold(data: FitData, config: Stage2Settings, progress_bar: bool = True) -> CompensationFit:
+def fit_and_fold(
+    data: FitData, config: Stage2Settings, progress_bar: bool = True, precision: Precision | None = None
+) -> CompensationFit:
     """Learns W' for one kept layer the way `config` chooses lambda, and folds it into the layer's down
     projection unless the fit was `skipped` (no lambda beat W' = I). The choice: the held-out next-token loss
     ([`learn_by_next_token_loss`]) where `config.compensation_selection` resolves to it, else the held-out
@@ -127,12 +130,15 @@ def fit_and_fold(data: FitData, config: Stage2Settings, progress_bar: bool = Tru
 
     Args:
         data, config, progress_bar: As in [`learn_compensation`].
+        precision ([`~optimum_gradmap.precision.Precision`], *optional*): As in [`learn_by_next_token_loss`].
 
     Returns:
         [`CompensationFit`]: The fit, folded unless `skipped`.
     """
-    learn = learn_by_next_token_loss if chooses_by_next_token_loss(config) else learn_compensation
-    fit = learn(data, config, progress_bar)
+    if chooses_by_next_token_loss(config):
+        fit = learn_by_next_token_loss(data, config, progress_bar, precision)
+    else:
+        fit = learn_compensation(data, config, progress_bar)
     if not fit.skipped:
         apply_compensation(data.adapter, data.layer, fit.matrix)
     return fit

@@ -31,6 +31,7 @@ from ..adapters import DecoderAdapter
 from ..errors import InvalidInputError
 from ..objectives import next_token_loss_sum, summed_loss
 from ..passes import calibration_batches
+from ..precision import LOSS_BOUND, Precision, settled_lowest
 from ..vocabulary import vocabulary_head
 from .activations import CompensationBatch, FitData
 from .folding import apply_compensation, down_projection_backup
@@ -146,7 +147,9 @@ class HeldOutLoss:
         return distributed.mean_from_sums(total, count)
 
 
-def learn_by_next_token_loss(data: FitData, config: Stage2Settings, progress_bar: bool = True) -> CompensationFit:
+def learn_by_next_token_loss(
+    data: FitData, config: Stage2Settings, progress_bar: bool = True, precision: Precision | None = None
+) -> CompensationFit:
     """W' for one kept layer, its lambda chosen by the next-token loss on held-out calibration sequences (see
     the module docstring): this function always chooses lambda, whatever `config.reg_lambda` says, so
     `config.outlier_tokens="auto"` is `"exclude"` here ([`resolve_selection`] with `reg_lambda="auto"`). The model is
@@ -160,6 +163,10 @@ def learn_by_next_token_loss(data: FitData, config: Stage2Settings, progress_bar
         data ([`FitData`]): The kept layer to fit, and what it is fitted to.
         config ([`Stage2Settings`]): `compensation_form`, `outlier_tokens`, `lambda_search` and `batch_size` are read.
         progress_bar (`bool`, defaults to `True`): Show progress bars.
+        precision ([`~optimum_gradmap.precision.Precision`], *optional*): With bfloat16 passes, whether the layer is
+            fitted at all (a lambda against W' = I) is decided as float32 decides it: where W' = I's held-out loss lies
+            within `LOSS_BOUND` of the lowest, the layer's fit is made again in float32. The strengths the bound cannot
+            tell apart from the one chosen are logged (`precision.log.within_bound`): lambda is chosen within the bound.
 
     Returns:
         [`CompensationFit`]: its `cross_validation.heldout_error` holds each scored strength's held-out next-token
@@ -183,6 +190,19 @@ def learn_by_next_token_loss(data: FitData, config: Stage2Settings, progress_bar
     identity_loss = loss()
     losses = searched_losses(lambda alpha: loss_with(solve(relative_ridge(train, alpha))), AUTO_RIDGE_GRID, config.lambda_search)
     choice = choose_strength(losses, identity_loss)
+    if precision is not None and precision.low is not None:
+        precision.log.decisions += 1
+        _, undecided = settled_lowest(
+            {**{str(alpha): loss for alpha, loss in losses.items()}, "identity": identity_loss}, 1, LOSS_BOUND
+        )
+        if "identity" in undecided:  # fitted or left alone: decided in float32
+            return precision.recomputed(
+                "Stage 2: fit or W' = I", undecided, lambda: learn_by_next_token_loss(data, config, progress_bar)
+            )
+        if undecided:
+            precision.log.within_bound.append(
+                {"decision": "Stage 2: lambda", "chosen": str(choice.alpha), "candidates": undecided}
+            )
     size = data.original_outputs.shape[-1]
     if choice.alpha is None:
         return CompensationFit.identity(size, choice)

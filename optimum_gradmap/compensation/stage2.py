@@ -20,11 +20,12 @@ from ..adapters import DecoderAdapter
 from ..data import calibration_sha256
 from ..evaluation.perplexity import perplexity
 from ..passes import RecordedLayerInputs
+from ..precision import Precision
 from ..surgery import LayerSnapshot
 from .activations import FitData, check_outlier_tokens, hidden_state_means, hidden_state_means_and_outputs, record_layer_outputs
 from .fit import fit_and_fold
 from .folding import down_projection_backup
-from .next_token import check_next_token_selection, resolve_selection
+from .next_token import check_next_token_selection, chooses_by_next_token_loss, resolve_selection
 from .refinement import refine
 from .result import CompensationResult
 from .settings import Stage2Settings, warn_if_few_tokens
@@ -51,6 +52,7 @@ def compensate(
     config: Stage2Settings,
     progress_bar: bool = True,
     validation_ids: torch.LongTensor | None = None,
+    precision: Precision | None = None,
 ) -> CompensationResult:
     """Stage 2 as one call, on the model `dense` was taken from, now pruned (Eq. 10-15 of the paper):
 
@@ -80,14 +82,34 @@ def compensate(
         config ([`Stage2Settings`]): The settings in `STAGE2_SETTINGS` are read.
         progress_bar (`bool`, defaults to `True`): Show progress bars.
         validation_ids (`torch.LongTensor`, *optional*): Sequences that decide whether to keep the result.
+        precision ([`~optimum_gradmap.precision.Precision`], *optional*): How the passes compute. With bfloat16
+            passes (the next-token selection only, where the bound was measured), the drift that chooses the targets
+            and the validation are computed in float32, and each fit's choice as
+            [`learn_by_next_token_loss`] says. By default the model's own dtype.
 
     Returns:
         [`CompensationResult`].
     """
     started = time.perf_counter()
     config, kept = _checked(dense, config)
+    if precision is None or not chooses_by_next_token_loss(config):
+        precision = Precision()  # the model's dtype: no bound was measured for the other choices of lambda
+    with precision.passes():
+        return _compensate(dense, calibration_ids, config, kept, progress_bar, validation_ids, precision, started)
+
+
+def _compensate(
+    dense: LayerSnapshot,
+    calibration_ids: torch.LongTensor,
+    config: Stage2Settings,
+    kept: list[int],
+    progress_bar: bool,
+    validation_ids: torch.LongTensor | None,
+    precision: Precision,
+    started: float,
+) -> CompensationResult:
     shared_ids, first_sample = distributed.shard(calibration_ids)  # all of them with one process
-    run = _Stage2Run(dense, config, shared_ids, first_sample, progress_bar)
+    run = _Stage2Run(dense, config, shared_ids, first_sample, progress_bar, precision)
     passes = run.drift_passes(kept)
     result = CompensationResult(drift=passes.drift(passes.pruned_means), calibration_sha256=calibration_sha256(calibration_ids))
     warn_if_few_tokens(calibration_ids, passes.dense_means.shape[-1], config)
@@ -163,18 +185,26 @@ class _Stage2Run:
     shared_ids: torch.LongTensor
     first_sample: int
     progress_bar: bool
+    precision: Precision
 
     def drift_passes(self, kept: list[int]) -> _DriftPasses:
         """The dense pass (the dense stack run from `dense`, then the pruned one put back) and the pruned pass. Where
         the targets do not depend on the drift, the dense outputs they are fitted to are recorded in the dense pass,
         and what the first target receives in the pruned pass: its fit starts there."""
-        dense, config, shared_ids, progress_bar = self.dense, self.config, self.shared_ids, self.progress_bar
-        model = dense.model
+        dense, config = self.dense, self.config
         originals: dict[int, torch.Tensor] = {}
         early: list[tuple[int, int]] = []
         if not targets_need_drift(config.compensation_target):
             early = compensation_targets(kept, {}, dense.num_layers, config.compensation_target, config.num_compensated_layers)
             originals = dict.fromkeys(sorted({end for _, end in early}))
+        with nullcontext() if early else self.precision.exact():  # where the drift chooses the targets: in float32
+            return self._drift_passes(kept, originals, early)
+
+    def _drift_passes(
+        self, kept: list[int], originals: dict[int, torch.Tensor | None], early: list[tuple[int, int]]
+    ) -> _DriftPasses:
+        dense, config, shared_ids, progress_bar = self.dense, self.config, self.shared_ids, self.progress_bar
+        model = dense.model
         with dense.temporarily(range(dense.num_layers)):
             local_means, recorded = hidden_state_means_and_outputs(
                 model, dense.layers, shared_ids, config.batch_size, list(originals), progress_bar, "Dense hidden states"
@@ -205,7 +235,8 @@ class _Stage2Run:
                 self.dense, layers, self.shared_ids, self.first_sample, self.config, [result.backup], self.progress_bar
             )
         if validation_ids is not None and folds:
-            self.keep_if_validated(folds, validation_ids, result)
+            with self.precision.exact():  # a decision: keep the folds or not
+                self.keep_if_validated(folds, validation_ids, result)
         result.drift_after_compensation = passes.drift(self.compensated_means(passes.pruned_means, passes.start))
 
     def compensated_means(self, pruned_means: torch.Tensor, start: _Start | None) -> torch.Tensor:
@@ -254,7 +285,7 @@ class _Stage2Run:
                     passes.enter_context(dense.starting_at(start.layer, shared_ids, start.hidden_states, start.returns_tuple))
                 recorder = passes.enter_context(RecordedLayerInputs(model, {index: layer}, shared_ids))
                 data = FitData(model, adapter, layer, originals[end], shared_ids, self.first_sample)
-                fit = fit_and_fold(data, config, progress_bar)
+                fit = fit_and_fold(data, config, progress_bar, self.precision)
             start = _start_of(index, recorder)
             result.targets[index] = end
             if fit.skipped:

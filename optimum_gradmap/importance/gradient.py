@@ -58,9 +58,11 @@ def uses_gram_form(tokens: int, d_in: int, d_out: int) -> bool:
 
 
 def per_sample_gram(tensor: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """The `(batch, T, T)` float32 Gram matrices of each sample's rows of `tensor` (`(batch, T, d)` or `(batch * T, d)`)."""
+    """The `(batch, T, T)` float32 Gram matrices of each sample's rows of `tensor` (`(batch, T, d)` or `(batch * T, d)`),
+    in float32 under autocast too."""
     rows = tensor.reshape(batch_size, -1, tensor.shape[-1]).float()
-    return torch.bmm(rows, rows.transpose(1, 2))
+    with torch.autocast(rows.device.type, enabled=False):
+        return torch.bmm(rows, rows.transpose(1, 2))
 
 
 def linear_per_sample_sq_norms(
@@ -78,6 +80,13 @@ def linear_per_sample_sq_norms(
     Returns:
         `torch.Tensor` of shape `(batch,)`, float32.
     """
+    with torch.autocast(inputs.device.type, enabled=False):  # a statistic: float32 under autocast too
+        return _linear_per_sample_sq_norms(inputs, output_grads, has_bias, batch_size)
+
+
+def _linear_per_sample_sq_norms(
+    inputs: torch.Tensor, output_grads: torch.Tensor, has_bias: bool, batch_size: int | None
+) -> torch.Tensor:
     batch = batch_size or inputs.shape[0]
     a = inputs.reshape(batch, -1, inputs.shape[-1]).float()
     g = output_grads.reshape(batch, -1, output_grads.shape[-1]).float()

@@ -54,6 +54,7 @@ from ..passes import (
     run_model,
     stop_after,
 )
+from ..precision import LOSS_BOUND, SCORE_BOUND
 from ..vocabulary import vocabulary_head
 from . import residual
 from .gradient import gradient_importance, loss_gradient_passes
@@ -71,6 +72,7 @@ class GradMAPImportance(ImportanceMetric):
     name = "gradmap"
     mean_over_samples = True
     iterative = True
+    precision_bound = SCORE_BOUND
     scoring_pass = "per_sample_gradient"
 
     def score(
@@ -236,6 +238,7 @@ class SLEBImportance(ImportanceMetric):
     mean_over_samples = True
     iterative = True
     scores_are_losses = True
+    precision_bound = LOSS_BOUND
     scoring_pass = "removal_losses"
 
     def protected_layers(self, num_layers: int) -> set[int]:

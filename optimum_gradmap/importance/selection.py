@@ -35,6 +35,7 @@ from ..errors import InvalidInputError
 from ..metric_registry import ImportanceMetric
 from ..objectives import mean_next_token_loss
 from ..passes import RecordedLayerInputs
+from ..precision import LOSS_BOUND, Precision
 from ..surgery import LayerSnapshot
 from .rounds import Round, Selection, Stage1Checkpoint, Stage1Plan
 from .shortlist import halving_rungs, verify_shortlist
@@ -88,6 +89,7 @@ def remove_by_importance(
     checkpoint: Stage1Checkpoint | None = None,
     progress_bar: bool = True,
     after_removal: Callable[[int], None] | None = None,
+    precision: Precision | None = None,
 ) -> Selection:
     """Algorithm 1: removes `plan.num_to_prune` layers from the model of `dense`, lowest score first.
 
@@ -104,6 +106,9 @@ def remove_by_importance(
         progress_bar (`bool`, defaults to `True`): Show progress bars.
         after_removal (`Callable[[int], None]`, *optional*): Called with each removed layer once it is gone
             (before the next round scores the model), e.g. to compensate between removals.
+        precision ([`~optimum_gradmap.precision.Precision`], *optional*): How the passes compute; with bfloat16
+            passes, each round's choice (and the shortlist's, and the budget's stop) is recomputed in float32 where
+            its margin lies within the bound ([`Precision.lowest`]). By default the model's own dtype.
 
     Returns:
         [`Selection`].
@@ -111,6 +116,21 @@ def remove_by_importance(
     Raises:
         ValueError: when the protected layers leave fewer than K candidates (before any change).
     """
+    if precision is None or plan.metric.precision_bound is None:
+        precision = Precision()  # the model's dtype: no bound was measured for this metric
+    with precision.passes():
+        return _remove_by_importance(dense, plan, calibration_ids, checkpoint, progress_bar, after_removal, precision)
+
+
+def _remove_by_importance(
+    dense: LayerSnapshot,
+    plan: Stage1Plan,
+    calibration_ids: torch.LongTensor,
+    checkpoint: Stage1Checkpoint | None,
+    progress_bar: bool,
+    after_removal: Callable[[int], None] | None,
+    precision: Precision,
+) -> Selection:
     candidates, num_to_prune = _candidates(dense, plan)
     selection = Selection(kept_layers=list(range(dense.num_layers)))
     num_rounds = num_to_prune if plan.one_per_round else 1
@@ -118,7 +138,8 @@ def remove_by_importance(
     if saved_rounds:
         logger.info(f"Resuming Stage 1 from {checkpoint.path}: {len(saved_rounds)} of {num_rounds} rounds are done.")
     if plan.measures_loss:
-        selection.dense_loss = _calibration_loss(dense, plan, calibration_ids, progress_bar)
+        with precision.exact():  # the budget's limit, in float32
+            selection.dense_loss = _calibration_loss(dense, plan, calibration_ids, progress_bar)
         logger.info(f"Dense model: calibration loss {selection.dense_loss:.6g}")
     for round_index in logging.tqdm(range(num_rounds), desc=f"Stage 1 ({plan.metric.name})", disable=not progress_bar):
         description = f"Round {round_index + 1}/{num_rounds}"
@@ -130,8 +151,8 @@ def remove_by_importance(
             finished = Round.from_saved(saved_rounds[round_index])
             selection.resumed_seconds += finished.seconds
         else:
-            finished = _score_round(dense, plan, selection, calibration_ids, progress_bar, description)
-        if not _remove(dense, plan, selection, finished, calibration_ids, progress_bar):
+            finished = _score_round(dense, plan, selection, calibration_ids, progress_bar, description, precision)
+        if not _remove(dense, plan, selection, finished, calibration_ids, progress_bar, precision):
             break  # the removal is refused: the model stays as the last round left it
         if after_removal is not None:
             for index in finished.removed:
@@ -173,13 +194,21 @@ def _remove(
     finished: Round,
     calibration_ids: torch.LongTensor,
     progress_bar: bool,
+    precision: Precision,
 ) -> bool:
     """Removes the round's layers and records the round in `selection`, unless the removal breaks the budget (measured
-    after it): the layers are then put back, and `False` returned."""
+    after it, in float32 where the loss lies within the bound of the budget's limit): the layers are then put back,
+    and `False` returned."""
     kept = [index for index in selection.kept_layers if index not in finished.removed]
     dense.keep(kept)
     if plan.measures_loss and finished.loss is None:
         finished.loss = _loss_after(dense, plan, finished, calibration_ids, progress_bar)
+    if plan.max_loss_increase is not None and finished.loss is not None:
+        limit = selection.dense_loss * (1 + plan.max_loss_increase)
+        exact_loss = lambda _: {"loss": _calibration_loss(dense, plan, calibration_ids, progress_bar)}  # noqa: E731
+        # the budget's stop as a choice between the loss and the limit: recomputed where they lie within the bound
+        _, values = precision.lowest({"loss": finished.loss, "limit": limit}, 1, LOSS_BOUND, exact_loss, "budget")
+        finished.loss = values["loss"]
     if _over_budget(plan, selection, finished):
         dense.keep(selection.kept_layers)
         return False
@@ -292,9 +321,11 @@ def _score_round(
     calibration_ids: torch.LongTensor,
     progress_bar: bool,
     description: str,
+    precision: Precision,
 ) -> Round:
     """Scores the layers `selection` kept (or, for a one-shot metric after its first round, reuses the first
-    scores), verifies a shortlist of those not protected if the plan says so, and says which layer(s) to remove."""
+    scores), verifies a shortlist of those not protected if the plan says so, and says which layer(s) to remove; each
+    choice as float32 makes it ([`Precision.lowest`])."""
     model, adapter, kept = dense.model, dense.adapter, selection.kept_layers
     protected = plan.protected_layers(dense.num_layers)
     remaining = [index for index in kept if index not in protected]
@@ -312,16 +343,32 @@ def _score_round(
         scores = {kept[position]: float(score) for position, score in scored.items()}
     else:  # a one-shot metric: the first round's scores of the layers that remain
         scores = {index: previous_scores[index] for index in kept if index in previous_scores}
-    ranked = sorted(remaining, key=lambda index: (scores[index], index))
+
+    def exact_scores(layers: list[int]) -> dict[int, float]:
+        positions = [kept.index(index) for index in layers]
+        scored = score_on_shares(
+            plan.metric, model, adapter, calibration_ids, plan.batch_size, positions, progress_bar, description
+        )
+        return {kept[position]: float(score) for position, score in scored.items()}
+
+    size = plan.verify_top_k if plan.verify_top_k is not None else 1 if plan.one_per_round else plan.num_to_prune
+    candidates = {index: scores[index] for index in remaining}
+    if plan.iterative or not previous_scores:
+        ranked, candidates = precision.lowest(
+            candidates, size, plan.metric.precision_bound, exact_scores, f"{description}: scores"
+        )
+        scores = {**scores, **candidates}
+    else:  # the first round's scores, as they were decided
+        ranked = sorted(candidates, key=lambda index: (candidates[index], index))[:size]
     if plan.verify_top_k is None:
-        return Round(scores, ranked[:1] if plan.one_per_round else ranked[: plan.num_to_prune])
-    shortlist = ranked[: plan.verify_top_k]
+        return Round(scores, ranked)
+    shortlist = ranked
     layer_inputs = recorder.inputs() if recorder is not None else None
     if recorder is not None and layer_inputs is None:
         logger.info("The scoring pass did not run every calibration sequence in order: the shortlist check runs its own pass.")
     if layer_inputs is not None:  # keep the shortlist's inputs only
         layer_inputs = {kept.index(index): layer_inputs[kept.index(index)] for index in shortlist}
-    losses, best = verify_shortlist(
+    losses, best, finalists = verify_shortlist(
         model,
         adapter,
         calibration_ids,
@@ -333,4 +380,15 @@ def _score_round(
         layer_inputs=layer_inputs,
         returns_tuple=recorder.returns_tuple if recorder is not None else None,
     )
-    return Round(scores, [kept[best]], verified={kept[position]: loss for position, loss in losses.items()})
+    verified = {kept[position]: loss for position, loss in losses.items()}
+    finalists = {kept[position]: losses[position] for position in finalists}
+
+    def exact_losses(layers: list[int]) -> dict[int, float]:
+        positions = [kept.index(index) for index in layers]
+        exact, _, _ = verify_shortlist(
+            model, adapter, calibration_ids, plan.batch_size, positions, progress_bar=progress_bar, description=description
+        )
+        return {kept[position]: loss for position, loss in exact.items()}
+
+    (chosen,), finalists = precision.lowest(finalists, 1, LOSS_BOUND, exact_losses, f"{description}: shortlist")
+    return Round(scores, [chosen], verified={**verified, **finalists})

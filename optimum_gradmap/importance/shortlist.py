@@ -45,9 +45,9 @@ def verify_shortlist(
     description: str = "Verifying removals",
     layer_inputs: Mapping[int, torch.Tensor] | None = None,
     returns_tuple: bool | None = None,
-) -> tuple[dict[int, float], int]:
-    """The calibration loss without each shortlisted layer ([`removal_losses`], SLEB's criterion), and the
-    layer to remove.
+) -> tuple[dict[int, float], int, list[int]]:
+    """The calibration loss without each shortlisted layer ([`removal_losses`], SLEB's criterion), the
+    layer to remove, and the finalists it was chosen among.
 
     With `halving=False`, every candidate is measured on every calibration sequence. With `halving=True`,
     successive halving (Jamieson & Talwalkar, AISTATS 2016, "Non-stochastic Best Arm Identification and
@@ -76,9 +76,9 @@ def verify_shortlist(
         returns_tuple (`bool`, *optional*): With `layer_inputs`: whether the model's layers return a tuple.
 
     Returns:
-        `tuple[dict[int, float], int]`: Position -> mean calibration loss without that layer (over the
-        sequences it was measured on), and the position of the layer to remove (the lowest loss over every
-        sequence; ties go to the lower position).
+        `tuple[dict[int, float], int, list[int]]`: Position -> mean calibration loss without that layer (over the
+        sequences it was measured on), the position of the layer to remove (the lowest loss over every
+        sequence; ties go to the lower position), and the positions measured on every sequence (the finalists).
 
     Raises:
         ValueError: with several processes, when a rung has fewer sequences than there are processes.
@@ -88,7 +88,7 @@ def verify_shortlist(
     race = _Race(model, adapter, rungs, batch_size, progress_bar, layer_inputs, returns_tuple)
     if len(race.rungs) == 1:  # every candidate on every sequence: the losses as measured
         losses = race.measure(0, positions, description)
-        return losses, min(positions, key=lambda position: (losses[position], position))
+        return losses, min(positions, key=lambda position: (losses[position], position)), list(positions)
     return race.run(positions, description)
 
 
@@ -156,7 +156,7 @@ class _Race:
             self.rungs[rung_index],
         )
 
-    def run(self, positions: list[int], description: str) -> tuple[dict[int, float], int]:
+    def run(self, positions: list[int], description: str) -> tuple[dict[int, float], int, list[int]]:
         """Successive halving over the rungs: after every rung but the last, the better half (by the mean loss over
         every rung seen) goes on; the finalist with the lowest loss over every sequence is the one removed."""
         totals = dict.fromkeys(positions, 0.0)
@@ -171,4 +171,4 @@ class _Race:
                 ranked = sorted(racing, key=lambda position: (totals[position] / counts[position], position))
                 racing = ranked[: max(2, math.ceil(len(racing) / 2))]
         means = {position: totals[position] / counts[position] for position in positions}
-        return means, min(racing, key=lambda position: (means[position], position))
+        return means, min(racing, key=lambda position: (means[position], position)), racing

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..configuration import GradMAPConfig
 from ..data import CalibrationData, check_token_ids, is_text_data, prepare_calibration_data
 from ..loading import saved_tokenizer
+from ..precision import Precision
 
 if TYPE_CHECKING:
     from ..compensation import RunCompensation
@@ -88,6 +89,7 @@ class Run:
     # Made by the steps: the result, the dense stack (between Stage 1 and the end of the run) and the fits made between
     # Stage 1's removals (`compensate_each_round`), with their backups.
     result: PruningResult | None = None
+    precision: Precision | None = field(default=None, repr=False)
     dense: LayerSnapshot | None = field(default=None, repr=False)
     run_compensations: list[RunCompensation] = field(default_factory=list, repr=False)
     # What undoes a step that changed weights outside the dense stack and the folds: the heal's and the quantization's.
@@ -111,6 +113,21 @@ class Run:
         if self.tokenizer is None:
             self.tokenizer = saved_tokenizer(self.model, self.location, why=why)
         return self.tokenizer
+
+    def pass_precision(self) -> Precision:
+        """How Stage 1's and Stage 2's passes compute (`config.precision`, resolved for the model once), with the log
+        of their decisions, which the result records ([`record_precision`])."""
+        if self.precision is None:
+            self.precision = Precision.for_model(self.config.precision, self.model)
+        return self.precision
+
+    def record_precision(self) -> None:
+        """Writes how the passes computed and what their decisions cost into the result (`precision`, and
+        `timings["float32_recompute"]` where a decision was recomputed)."""
+        precision = self.pass_precision()
+        self.result.precision = {"computed_in": precision.computed_in, **precision.log.as_dict()}
+        if precision.log.recomputed:
+            self.result.timings["float32_recompute"] = precision.log.seconds
 
     def read(self, data: CalibrationData, seed: int | None = None) -> torch.LongTensor:
         """`data` (any form calibration data takes) as `num_samples` windows of `seq_len` tokens drawn with `seed`

@@ -172,6 +172,7 @@ class SelectLayers(Step):
             stopped=selection.stopped,
             rejected=selection.rejected,
         )
+        run.record_precision()
         logger.info(
             f"Stage 1 removed layers {selection.removed_layers} of {dense.num_layers} in {timings['stage1']:.1f}s; "
             f"{len(selection.kept_layers)} remain."
@@ -185,15 +186,18 @@ class SelectLayers(Step):
         def after_removal(removed: int) -> None:
             if stage2 is not None and settings.has_budget:  # K is known only as Stage 1 goes: checked at each removal
                 check_layers_left_for_stage2(stage2, dense, removed, plan.num_to_prune)
-            if settings.compensate_each_round:  # Prune&Comp's repair between removals
-                done = compensate_run(dense, run.calibration_ids, stage2, removed, run.progress_bar)
+            if settings.compensate_each_round:  # Prune&Comp's repair between removals, in float32
+                with run.pass_precision().exact():
+                    done = compensate_run(dense, run.calibration_ids, stage2, removed, run.progress_bar)
                 if done is not None:
                     run.run_compensations.append(done)
 
         if settings.layers_to_prune is not None:
             return remove_explicit_layers(dense, settings.layers_to_prune)
         with streaming.execution_mode(settings.execution):
-            return remove_by_importance(dense, plan, run.calibration_ids, checkpoint, run.progress_bar, after_removal)
+            return remove_by_importance(
+                dense, plan, run.calibration_ids, checkpoint, run.progress_bar, after_removal, run.pass_precision()
+            )
 
     def undo(self, run: Run) -> None:
         """Puts back the fits made between removals and the removed layers, with the config values surgery rewrote."""

@@ -94,10 +94,11 @@ class Compensate(Step):
         if result.compensation is not None:  # back to the Stage 1 model, which the result then describes
             self.undo(run)
         fit_ids = run.fit_ids if run.fit_ids is not None else result.calibration_ids
-        outcome = compensate(run.dense, fit_ids, self.settings, run.progress_bar, run.validation_ids)
+        outcome = compensate(run.dense, fit_ids, self.settings, run.progress_bar, run.validation_ids, run.pass_precision())
         result.config = dataclasses.replace(result.config, compensation=True, **dataclasses.asdict(self.settings))
         result.compensation = outcome
         result.timings["stage2"] = outcome.seconds
+        run.record_precision()
         logger.info(f"Stage 2 compensated layer(s) {outcome.compensated_layers} in {outcome.seconds:.1f}s.")
 
     def undo(self, run: Run) -> None:
