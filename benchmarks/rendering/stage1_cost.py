@@ -47,6 +47,68 @@ def stage1_peers(context: Context) -> str:
     return table.markdown()
 
 
+# --- the default passes against float32 passes ----------------------------------------------------------------------
+
+PRECISION_RECORDS = (
+    ("precision-smollm2-135m-0.25", "dtype-smollm2-135m-0.25"),
+    ("precision-smollm2-135m-0.4", "dtype-smollm2-135m-0.4"),
+    ("precision-qwen2.5-coder-0.5b-0.25", "dtype-qwen2.5-coder-0.5b-0.25"),
+)
+
+
+def _float32_layers(record: dict, reference: str) -> tuple[list[int], str]:
+    """float32's removed layers for a precision record: its own float32 row, else the float32 row of the dtype record of
+    the same setting (benchmarks/dtype.py, an earlier commit), and where they come from."""
+    own = [row for row in record["rows"] if row["precision"] == "float32"]
+    if own:
+        return own[0]["removed_layers"], "this run"
+    row = next(row for row in load(reference)["rows"] if row["dtype"] == "float32")
+    return row["removed_layers"], f"`{reference}.json`, commit `{row['provenance']['commit'][:7]}`"
+
+
+def precision(context: Context) -> str:
+    """The main job with the default passes (`--precision auto`) and with float32 passes (benchmarks/precision.py):
+    one row each, then the default against float32."""
+    rows = Table(
+        "precision",
+        (
+            "setting | passes | removed layers | fitted layers (lambda) | Stage 1 s | Stage 2 s | recomputed in float32 "
+            "(s) | Wikipedia ppl | wall s | peak RSS GiB | quiet"
+        ),
+        ["---", "---", "---", "---", "---:", "---:", "---", "---:", "---:", "---:", "---"],
+    )
+    against = Table(
+        "precision",
+        "default against float32 | float32's layers from | same removed layers | same fitted layers | wall time ratio",
+    )
+    against.notes = rows.notes
+    for source, reference in PRECISION_RECORDS:
+        record = load(source)
+        setting = f"{MODEL_NAMES.get(record['model'], record['model'])}, {record['ratio']:.0%}"
+        by_setting = {}
+        for index, row in enumerate(record["rows"]):
+            by_setting[row["precision"]] = row
+            fitted = ", ".join(f"{layer} ({value:.2g})" for layer, value in row["compensation_lambda"].items()) or "none"
+            passes = row["passes"]
+            recomputed = f"{len(passes['recomputed'])} of {passes['decisions']} ({passes['recompute_seconds']:.1f})"
+            if passes["computed_in"] == "model dtype":
+                recomputed = "none: float32"
+            cells = [setting if index == 0 else "", f"`{row['precision']}`", str(row["removed_layers"]), fitted]
+            cells += [f"{row['stage1_seconds']:.1f}", f"{row['stage2_seconds']:.1f}", recomputed]
+            cells += [f"{row['wikipedia_perplexity']['stage 1 + 2']:.3f}", f"{row['wall_seconds']:.0f}"]
+            cells += [f"{row['peak_rss_kib'] / 2**20:.2f}", "yes" if row["provenance"]["quiet"] else "no"]
+            rows.add(cells, row["provenance"], source, cell=1)
+        auto = by_setting["auto"]
+        layers, origin = _float32_layers(record, reference)
+        full = by_setting.get("float32")
+        same_fits = "yes" if full and full["compensated_layers"] == auto["compensated_layers"] else "no" if full else "-"
+        ratio = f"{auto['wall_seconds'] / full['wall_seconds']:.2f}" if full else "-"
+        cells = [setting, origin, "yes" if layers == auto["removed_layers"] else "no", same_fits, ratio]
+        more = [(0, full["provenance"], source)] if full else []
+        against.add(cells, auto["provenance"], source, more=more)
+    return rows.markdown(notes=False) + "\n" + against.markdown()
+
+
 # --- float32 against bfloat16 ----------------------------------------------------------------------------------------
 
 DTYPE_RECORDS = (
@@ -114,6 +176,7 @@ def dtype(context: Context) -> str:
 
 
 TABLES = {
+    "precision": precision,
     "stage1-peers": stage1_peers,
     "dtype": dtype,
 }
