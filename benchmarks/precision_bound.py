@@ -69,7 +69,8 @@ def stage2_losses(dense: surgery.LayerSnapshot, removed: list[int], ids: torch.L
             with bfloat16(name == "bfloat16"):
                 result = stage2.compensate(dense, ids, settings, progress_bar=False)
             lambdas = {str(layer): value for layer, value in result.reg_lambda.items()}
-            measured[name] = {"fits": list(calls), "compensated_layers": result.compensated_layers, "lambda": lambdas}
+            measured[name] = {"fits": list(calls), "targets": list(result.targets), "lambda": lambdas}
+            measured[name]["compensated_layers"] = result.compensated_layers
             measured[name]["seconds"] = time.perf_counter() - started
             result.undo()
     finally:

@@ -1,25 +1,45 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""Which dtype the model computes in: `dtype="auto"` ([`resolve_dtype`]) is bfloat16 where the hardware computes it
-natively ([`has_native_bfloat16`]: CUDA GPUs of compute capability 8.0 or more, CPUs with AVX512-BF16 or AMX) and
-float32 elsewhere. The CLI's `--dtype` and `GradMAPPruner.from_pretrained(..., dtype=...)` take it.
+"""Which dtype the weights are stored in, and which precision the passes compute in.
 
-What a bfloat16 model computes in bfloat16: the forward and backward passes of its layers and head (the weights
-are stored in bfloat16, which halves their memory). What stays in float32 or float64 whatever the model's dtype,
-because rounding there would change a decision or a figure rather than the model:
+**The weights** (`dtype`, the CLI's `--dtype`, `GradMAPPruner.from_pretrained(..., dtype=...)`): `"float32"` by
+default; `dtype="auto"` ([`resolve_dtype`]) is bfloat16 where the hardware computes it natively
+([`has_native_bfloat16`]: CUDA GPUs of compute capability 8.0 or more, CPUs with AVX512-BF16 or AMX) and float32
+elsewhere. Weights stored in bfloat16 halve their memory; the decisions are then those of the rounded weights.
 
-- **Stage 1's scores**: each per-sample squared gradient norm is summed in float32 from the (bfloat16) gradients, and
-  the scores accumulate over samples in float64 (`optimum_gradmap.importance.gradient`); the losses behind them
-  (next-token cross-entropy, SLEB's removal losses) are computed from float32 logits.
+**The passes** (`GradMAPConfig.precision`, the CLI's `--precision`): with `"auto"` (the default), Stage 1's and
+Stage 2's passes over a float32 model run under bfloat16 autocast where the hardware computes bfloat16 natively
+([`Precision.for_model`]); the weights stay float32, so the saved checkpoint is what float32 passes would save up to
+Stage 2's fits. Every decision is made as float32 makes it:
+
+- each value a decision compares has a bound on how far bfloat16 moves it from its float32 value, measured (not
+  derived) on the main job's settings by `benchmarks/precision_bound.py`: `SCORE_BOUND` for GradMAP's Stage 1 scores,
+  `LOSS_BOUND` for mean next-token losses (SLEB's scores, the verified shortlist's losses, the budget's loss, Stage 2's
+  held-out losses). docs/benchmarks/stage1-cost.md gives the measurement;
+- where the bound cannot order the candidates ([`settled_lowest`]), only the undecided ones are recomputed in float32
+  and the decision is made on those values ([`Precision.lowest`]): which layer each round removes, the verified
+  shortlist and its choice, the budget's stop, and whether Stage 2 fits a layer at all (a lambda against W' = I);
+  the drift that chooses Stage 2's targets and the validation that keeps its folds are computed in float32;
+- Stage 2's lambda is chosen on bfloat16 losses, among the strengths the bound cannot tell apart (logged as
+  `within_bound`), and its W' is fitted on statistics of bfloat16 activations;
+- metrics and choices with no measured bound (the other Stage 1 metrics, the hidden-state choice of lambda, the
+  Adam solver) compute in float32, as does the evaluation;
+- the result says how often a decision was recomputed and what it cost (`result.precision`,
+  `result.timings["float32_recompute"]`, the report and the card). `precision="float32"` computes in float32
+  throughout.
+
+Whatever the passes compute in, these stay in float32 or float64, because rounding there would change a decision or a
+figure rather than the model:
+
+- **Stage 1's scores**: each per-sample squared gradient norm is summed in float32 from the (bfloat16) gradients
+  (the Gram matrices in float32 under autocast too), and the scores accumulate over samples in float64
+  (`optimum_gradmap.importance.gradient`); the losses behind them are computed from float32 logits.
 - **Stage 2's sufficient statistics and solves**: the MLP outputs, residual streams and dense targets are cast to
   float64 before A = sum y y^T, C = sum r y^T and sum ||r||^2 are accumulated; W' is solved in float64 and folded into
   the down projection in float64 before the result is rounded once to the weights' dtype
-  (`optimum_gradmap.compensation`); the dense hidden states recorded for the fits are kept in float32.
+  (`optimum_gradmap.compensation`).
 - **Losses, perplexity and KL**: the cross-entropy (and any divergence) is computed from logits cast to float32 and
   summed in float64 (`optimum_gradmap.objectives.summed_next_token_loss`).
-
-The logits themselves come out of a bfloat16 head in bfloat16: a bfloat16 model's perplexity is that model's, not
-the float32 model's (docs/benchmarks/stage1-cost.md measures both on the same checkpoints).
 """
 
 from __future__ import annotations

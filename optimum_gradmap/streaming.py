@@ -335,6 +335,7 @@ class DecoderGradient:
         batch: torch.LongTensor,
         loss_gradient: Callable[[torch.Tensor], torch.Tensor],
         parameters: Sequence[nn.Parameter] = (),
+        first_layer: nn.Module | None = None,
     ) -> None:
         """One batch's forward and backward passes.
 
@@ -342,6 +343,9 @@ class DecoderGradient:
             batch (`torch.LongTensor` of shape `(batch, seq_len)`): The tokens, on the model's input device.
             loss_gradient (`Callable`): Maps the final hidden states to the loss gradient there.
             parameters (`Sequence[nn.Parameter]`, *optional*): Parameters whose `.grad` accumulates.
+            first_layer (`nn.Module`, *optional*): With the weights in memory and no `parameters`, the backward pass
+                stops at this layer's input: the layers before it run forward only (what the gradients of this layer
+                and the later ones need).
         """
         embeddings = self._model.get_input_embeddings()
         if self.sliced_head is not None and is_offloaded_module(embeddings):
@@ -352,9 +356,24 @@ class DecoderGradient:
             layers = self._adapter.get_layers(self._model)
             calls = LayerCalls(self._decoder, layers, inputs_embeds.detach())
             streamed_backward(calls, layers, loss_gradient, parameters)
-        else:
+            return
+        if first_layer is None or parameters:
             hidden_states = self._decoder(inputs_embeds)
             torch.autograd.backward(hidden_states, loss_gradient(hidden_states), inputs=[inputs_embeds, *parameters])
+            return
+        started: list[torch.Tensor] = []
+
+        def start_gradient(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            hidden = (args[0] if args else kwargs["hidden_states"]).detach().requires_grad_(True)
+            started.append(hidden)
+            return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+
+        handle = first_layer.register_forward_pre_hook(start_gradient, with_kwargs=True)
+        try:  # nothing before the first layer requires a gradient: those layers build no graph
+            hidden_states = self._decoder(inputs_embeds.detach())
+        finally:
+            handle.remove()
+        torch.autograd.backward(hidden_states, loss_gradient(hidden_states), inputs=started)
 
     def loss_gradient(self, plain: Callable, sliced: Callable, **inputs: Any) -> Callable[[torch.Tensor], torch.Tensor]:
         """A loss's gradient at the final hidden states, for [`~DecoderGradient.backward`].

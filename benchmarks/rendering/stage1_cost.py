@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .common import Context, Table, load, number
+import os
+
+from .common import RESULTS, Context, Table, load, number
 
 PEER_RECORDS = (
     ("SmolLM2-135M, 25%, 16 x 128", "stage1_peers-smollm2-135m-0.25-16"),
@@ -83,6 +85,8 @@ def precision(context: Context) -> str:
     )
     against.notes = rows.notes
     for source, reference in PRECISION_RECORDS:
+        if not os.path.exists(os.path.join(RESULTS, source + ".json")):
+            continue
         record = load(source)
         setting = f"{MODEL_NAMES.get(record['model'], record['model'])}, {record['ratio']:.0%}"
         by_setting = {}
@@ -107,6 +111,70 @@ def precision(context: Context) -> str:
         more = [(0, full["provenance"], source)] if full else []
         against.add(cells, auto["provenance"], source, more=more)
     return rows.markdown(notes=False) + "\n" + against.markdown()
+
+
+BOUND_RECORDS = (("SmolLM2-135M", "precision-bound-smollm2-135m"), ("Qwen2.5-Coder-0.5B", "precision-bound-qwen2.5-coder-0.5b"))
+NEAR_LOWEST = 1.5  # the layers whose float32 score is within this factor of the round's lowest: those a choice compares
+
+
+def _relative(low: float, exact: float) -> float:
+    return abs(low - exact) / abs(exact)
+
+
+def precision_bound(context: Context) -> str:
+    """Each Stage 1 round scored in float32 and under bfloat16 autocast on the same model (benchmarks/precision_bound.py):
+    the largest relative difference over the layers near the lowest score and over all layers, whether bfloat16 alone
+    chooses float32's layer, and the candidates `SCORE_BOUND` leaves to float32."""
+    from optimum_gradmap.precision import SCORE_BOUND, settled_lowest
+
+    table = Table(
+        "bound",
+        (
+            f"model | round | float32 removes | bfloat16 alone removes | largest difference, layers within {NEAR_LOWEST}x "
+            f"of the lowest | largest difference, all layers | left to float32 by the bound ({SCORE_BOUND:g})"
+        ),
+        ["---", "---:", "---:", "---:", "---:", "---:", "---"],
+    )
+    for name, source in BOUND_RECORDS:
+        if not os.path.exists(os.path.join(RESULTS, source + ".json")):
+            continue
+        for index, done in enumerate(load(source)["rounds"]):
+            kept, exact, low = done["kept"], done["float32"], done["bfloat16"]
+            lowest = min(exact)
+            near = [_relative(b, f) for b, f in zip(low, exact) if f <= NEAR_LOWEST * lowest]
+            alone = kept[min(range(len(kept)), key=lambda position: (low[position], kept[position]))]
+            _, undecided = settled_lowest({kept[p]: low[p] for p in range(len(kept))}, 1, SCORE_BOUND)
+            cells = [name if index == 0 else "", str(index + 1), str(done["removed"]), str(alone)]
+            cells += [f"{max(near):.2%}", f"{max(_relative(b, f) for b, f in zip(low, exact)):.2%}"]
+            table.add(cells + [", ".join(map(str, undecided)) or "none"], done["provenance"], source, cell=1)
+    return table.markdown()
+
+
+def stage2_bound(context: Context) -> str:
+    """Stage 2's held-out losses of every strength and of W' = I in float32 and in bfloat16
+    (benchmarks/precision_bound.py): the largest relative difference, and the lambdas each chooses."""
+    from optimum_gradmap.precision import LOSS_BOUND
+
+    table = Table(
+        "bound",
+        f"model | fitted layer | lambda, float32 | lambda, bfloat16 | largest loss difference | within the bound ({LOSS_BOUND:g})",
+        ["---", "---:", "---:", "---:", "---:", "---"],
+    )
+    for name, source in BOUND_RECORDS:
+        if not os.path.exists(os.path.join(RESULTS, source + ".json")):
+            continue
+        measured = load(source)["stage2"]
+        exact, low = measured["float32"], measured["bfloat16"]
+        for index, (fit_exact, fit_low) in enumerate(zip(exact["fits"], low["fits"])):
+            pairs = [(fit_low["identity"], fit_exact["identity"])]
+            pairs += [(fit_low["losses"][alpha], loss) for alpha, loss in fit_exact["losses"].items()]
+            largest = max(_relative(b, f) for b, f in pairs)
+            targets = exact.get("targets", exact["compensated_layers"])  # the fitted layers, in the order of the fits
+            layer = targets[index] if index < len(targets) else "-"
+            cells = [name if index == 0 else "", str(layer), f"{exact['lambda'].get(str(layer), 0):.2g}"]
+            cells += [f"{low['lambda'].get(str(layer), 0):.2g}", f"{largest:.4%}", "yes" if largest <= LOSS_BOUND else "no"]
+            table.add(cells, measured["provenance"], source, cell=1)
+    return table.markdown()
 
 
 # --- float32 against bfloat16 ----------------------------------------------------------------------------------------
@@ -177,6 +245,8 @@ def dtype(context: Context) -> str:
 
 TABLES = {
     "precision": precision,
+    "precision-bound": precision_bound,
+    "stage2-bound": stage2_bound,
     "stage1-peers": stage1_peers,
     "dtype": dtype,
 }

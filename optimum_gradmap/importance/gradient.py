@@ -341,6 +341,7 @@ def loss_gradient_passes(
     on_batch_start: Callable[[torch.LongTensor], None] | None = None,
     on_batch_end: Callable[[torch.LongTensor], None] | None = None,
     parameters: Sequence[nn.Parameter] = (),
+    first_layer: nn.Module | None = None,
 ) -> None:
     """The passes every gradient score makes, batch by batch: a forward pass from the input
     embeddings to the final hidden states, the gradient of the sum of the per-sample losses there
@@ -361,6 +362,7 @@ def loss_gradient_passes(
         on_batch_start, on_batch_end (`Callable`, *optional*): Called with each batch before its
             forward pass and after its backward pass.
         parameters (`Sequence[nn.Parameter]`, *optional*): Parameters whose gradient is accumulated.
+        first_layer (`nn.Module`, *optional*): Where the backward pass may stop ([`DecoderGradient.backward`]).
     """
     with calibration_batches(
         model, input_ids, batch_size, description, progress_bar, grad=True, freeze_parameters=True
@@ -378,7 +380,7 @@ def loss_gradient_passes(
             if on_batch_start is not None:
                 on_batch_start(batch)
             loss_gradient = gradient_pass.loss_gradient(causal_lm_loss_gradient, vocab_sliced_loss_gradient, input_ids=batch)
-            gradient_pass.backward(batch, loss_gradient, parameters)
+            gradient_pass.backward(batch, loss_gradient, parameters, first_layer)
             if on_batch_end is not None:
                 on_batch_end(batch)
 
@@ -418,6 +420,9 @@ def gradient_importance(
         squared gradient norm over all parameters of each layer.
     """
     adapter = adapter or get_adapter(model)
+    order = {id(layer): position for position, layer in enumerate(adapter.get_layers(model))}
+    in_stack = all(id(layer) in order for layer in layers)  # else the check below refuses them
+    first_layer = min(layers, key=lambda layer: order[id(layer)]) if in_stack and layers else None
     totals = torch.zeros(len(layers), dtype=torch.float64)
     with PerSampleGradientNorms(layers, units) as collector:
 
@@ -441,5 +446,6 @@ def gradient_importance(
             progress_bar,
             on_batch_start=lambda batch: collector.start_batch(batch.shape[0], batch.shape[1]),
             on_batch_end=collect,
+            first_layer=first_layer,  # the backward pass stops at the first scored layer's input
         )
     return totals.cpu() / input_ids.shape[0]

@@ -84,10 +84,25 @@ class GradMAPImportance(ImportanceMetric):
         progress_bar: bool = True,
         description: str = "Scoring layers",
     ) -> list[float]:
-        layers = adapter.get_layers(model)
+        positions = range(adapter.num_layers(model))
+        scores = self.score_layers(model, adapter, input_ids, batch_size, positions, progress_bar, description)
+        return [scores[position] for position in positions]
+
+    def score_layers(
+        self,
+        model: PreTrainedModel,
+        adapter: DecoderAdapter,
+        input_ids: torch.LongTensor,
+        batch_size: int,
+        positions: Sequence[int],
+        progress_bar: bool = True,
+        description: str = "Scoring layers",
+    ) -> dict[int, float]:
+        """The layers at `positions` only: hooks on those, and a backward pass that stops at the first of them."""
+        layers = [adapter.get_layers(model)[position] for position in positions]
         units = [unit for layer in layers for unit in adapter.get_per_sample_units(layer)]
         scores = gradient_importance(model, layers, input_ids, batch_size, progress_bar, description, units, adapter)
-        return scores.tolist()
+        return dict(zip(positions, scores.tolist()))
 
 
 class _MeanOverTokens(ImportanceMetric):
