@@ -32,7 +32,8 @@ from optimum_gradmap.importance.gradient import gradient_importance
 
 
 def bfloat16(enabled: bool = True) -> torch.autocast:
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+    """The library's bfloat16 passes (`Precision.passes`): autocast without a cache of the cast weights."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled, cache_enabled=False)
 
 
 def stage1_round(dense: surgery.LayerSnapshot, removed: list[int], ids: torch.LongTensor) -> dict:

@@ -207,7 +207,8 @@ class Precision:
         """The context the step's passes run in: bfloat16 autocast, or nothing."""
         if self.low is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.low)
+        # No cache of the cast weights: Stage 2 folds W' into weights between passes, which a cached copy would hide.
+        return torch.autocast(self.device_type, dtype=self.low, cache_enabled=False)
 
     def exact(self) -> contextlib.AbstractContextManager:
         """The context of a float32 recomputation (and of statistics kept in float32): autocast off."""

@@ -156,3 +156,17 @@ def test_both_stages_in_bfloat16_decide_as_float32(family):
 def test_precision_names_are_checked():
     with pytest.raises(InvalidInputError, match="precision"):
         GradMAPConfig(pruning_ratio=0.25, precision="bfloat16")
+
+
+def test_the_passes_see_weights_changed_between_them():
+    """Stage 2 folds W' into a weight between two passes: bfloat16 passes must compute with the new weight, not a
+    cached cast of the old one (autocast caches casts of weights that require a gradient)."""
+    layer = torch.nn.Linear(8, 8)
+    inputs = torch.randn(4, 8)
+    with Precision(torch.bfloat16).passes():
+        before = layer(inputs)
+        with torch.no_grad():
+            layer.weight.mul_(2)
+        after = layer(inputs)
+    assert before.dtype == torch.bfloat16
+    assert not torch.allclose(before, after)
