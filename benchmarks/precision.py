@@ -64,6 +64,9 @@ def main() -> None:
     arguments.add_argument("--ratio", type=float, default=0.25)
     arguments.add_argument("--precisions", nargs="+", default=["auto", "float32"], choices=["auto", "float32"])
     arguments.add_argument("--resume", action="store_true")
+    arguments.add_argument(
+        "--no-wait", action="store_true", help="start without waiting for a quiet machine (for layers, not times)"
+    )
     args = arguments.parse_args()
 
     path = os.path.join(RESULTS, f"precision-{args.model}-{args.ratio:g}.json")
@@ -71,7 +74,8 @@ def main() -> None:
     for setting in args.precisions:
         if any(row["precision"] == setting for row in record["rows"]):
             continue
-        wait_until_quiet()
+        if not args.no_wait:
+            wait_until_quiet()
         started = provenance()
         with tempfile.TemporaryDirectory() as output:
             row = {"precision": setting, **run_main_job(args.model, args.ratio, setting, output)}

@@ -8,6 +8,7 @@
 
     python benchmarks/precision_bound.py --model smollm2-135m --rounds 12 --resume
     python benchmarks/precision_bound.py --model qwen2.5-coder-0.5b --rounds 6 --resume
+    python benchmarks/precision_bound.py --rounds 2 --stage2-removed 26 25 21 18 14 13 17 10 --resume  # the main job's layers
 
 Writes benchmarks/results/precision-bound-<model>.json, a round at a time; with `--resume`, the rounds and the Stage 2
 part already there are kept (`--rounds` may grow between runs).
@@ -84,7 +85,16 @@ def main() -> None:
     arguments = parser(__doc__)
     arguments.add_argument("--model", default="smollm2-135m")
     arguments.add_argument("--rounds", type=int, default=8, help="Stage 1 rounds (the layers of the largest ratio wanted)")
-    arguments.add_argument("--stage2-layers", type=int, default=None, help="Stage 2 on float32's first N removals (default: --rounds)")
+    arguments.add_argument(
+        "--stage2-layers", type=int, default=None, help="Stage 2 on float32's first N removals (default: --rounds)"
+    )
+    arguments.add_argument(
+        "--stage2-removed",
+        type=int,
+        nargs="+",
+        default=None,
+        help="Stage 2 on these removed layers (float32's, from another run)",
+    )
     arguments.add_argument("--resume", action="store_true")
     args = arguments.parse_args()
     path = os.path.join(RESULTS, f"precision-bound-{args.model}.json")
@@ -99,7 +109,7 @@ def main() -> None:
         record["rounds"].append(measured)
         records.write(path, record)
         print(f"round {len(record['rounds'])}: float32 removes {measured['removed']}", flush=True)
-    removed = [done["removed"] for done in record["rounds"]][: args.stage2_layers or args.rounds]
+    removed = args.stage2_removed or [done["removed"] for done in record["rounds"]][: args.stage2_layers or args.rounds]
     if record["stage2"] is None or record["stage2"]["removed"] != removed:
         record["stage2"] = stage2_losses(dense, removed, ids)
         records.write(path, record)

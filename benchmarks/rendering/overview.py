@@ -126,31 +126,32 @@ def readme_table(context: Context) -> Table:
 
 
 def main_job(context: Context) -> str:
-    """The main job's last measured run (benchmarks/results/main_job-smollm2-135m.json)."""
-    source = "main_job-smollm2-135m"
-    run = load(source)["runs"][-1]
-    perplexities = run["perplexity_128_segments"]
-    provenance = {
-        "commit": run["commit"],
-        "date": run["date"],
-        "command": run["command"],
-        "machine": run["machine"],
-        "quiet": run["others_running"].startswith("none"),
-        "note": f"load before {run['load_before']}, after {run['load_after']}; other processes: {run['others_running']}",
-    }
+    """The main job's last measured run with its defaults (the `auto` row of
+    benchmarks/results/precision-smollm2-135m-0.25.json, benchmarks/precision.py)."""
+    source = "precision-smollm2-135m-0.25"
+    run = next(row for row in load(source)["rows"] if row["precision"] == "auto")
+    perplexities = run["wikipedia_perplexity"]
+    fitted = ", ".join(f"{layer} (lambda {value:.2g})" for layer, value in run["compensation_lambda"].items()) or "none"
+    left_alone = ", ".join(f"layer {layer} ({reason})" for layer, reason in run["skipped_layers"].items()) or "none"
+    passes = run["passes"]
     table = Table("main-job", "what | figure")
     rows = [
         ("removed layers, in removal order", str(run["removed_layers"])),
-        ("compensated layers (Stage 2)", run["compensated"]),
-        ("left alone", run["left_alone"]),
+        ("compensated layers (Stage 2)", fitted),
+        ("left alone", left_alone),
         ("held-out Wikipedia perplexity, dense", f"{perplexities['dense']:.3f}"),
-        ("... Stage 1 only", f"{perplexities['stage1']:.3f}"),
-        ("... Stage 1 + 2 (the checkpoint reloaded)", f"{perplexities['both_stages']:.3f}"),
+        ("... Stage 1 only", f"{perplexities['stage 1 only']:.3f}"),
+        ("... Stage 1 + 2 (the checkpoint reloaded)", f"{perplexities['stage 1 + 2']:.3f}"),
         ("Stage 1 / Stage 2 seconds", f"{run['stage1_seconds']:.1f} / {run['stage2_seconds']:.1f}"),
-        ("wall time, peak memory", f"{run['elapsed']}, {run['max_rss_kb'] / 2**20:.1f} GiB"),
+        (
+            "passes",
+            f"{passes['computed_in']}: {len(passes['recomputed'])} of {passes['decisions']} decisions recomputed in "
+            f"float32 ({passes['recompute_seconds']:.0f} s)",
+        ),
+        ("wall time, peak memory", f"{run['wall_seconds'] / 60:.1f} min, {run['peak_rss_kib'] / 2**20:.1f} GiB"),
     ]
     for index, cells in enumerate(rows):
-        table.add(list(cells), provenance if index == 0 else None, source, ("stage2",))
+        table.add(list(cells), run["provenance"] if index == 0 else None, source)
     return table.markdown()
 
 

@@ -157,7 +157,8 @@ def stage2_bound(context: Context) -> str:
 
     table = Table(
         "bound",
-        f"model | fitted layer | lambda, float32 | lambda, bfloat16 | largest loss difference | within the bound ({LOSS_BOUND:g})",
+        "model | fitted layer | lambda, float32 | lambda, bfloat16 | largest loss difference | "
+        f"within the bound ({LOSS_BOUND:g})",
         ["---", "---:", "---:", "---:", "---:", "---"],
     )
     for name, source in BOUND_RECORDS:
