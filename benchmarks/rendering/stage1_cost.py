@@ -165,6 +165,8 @@ def stage2_bound(context: Context) -> str:
         if not os.path.exists(os.path.join(RESULTS, source + ".json")):
             continue
         measured = load(source)["stage2"]
+        if measured is None:  # Stage 2 not measured yet
+            continue
         exact, low = measured["float32"], measured["bfloat16"]
         for index, (fit_exact, fit_low) in enumerate(zip(exact["fits"], low["fits"])):
             pairs = [(fit_low["identity"], fit_exact["identity"])]
