@@ -9,7 +9,7 @@ the paper's gradient score (the default); Stage 2 is the default one (the layer 
 held-out next-token loss); `--preset paper` runs GradMAP exactly as published, `--preset quality` the best selection
 measured.
 
-    python examples/main_job/prune_smollm2.py             # the README's main job (about 12 minutes on 2 CPU cores)
+    python examples/main_job/prune_smollm2.py             # the README's main job (about 14 minutes on 2 CPU cores)
     python examples/main_job/prune_smollm2.py --num-samples 32 --max-eval-segments 64   # a quick look
     python examples/main_job/prune_smollm2.py --precision float32   # float32 passes throughout (the same layers, slower)
 
