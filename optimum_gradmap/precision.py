@@ -257,7 +257,7 @@ class Precision:
 def bfloat16_passes_available(device: torch.device) -> bool:
     """Whether `precision="auto"` runs the passes in bfloat16 on `device`: where it computes bfloat16 natively
     ([`has_native_bfloat16`]). The test suite answers `False` here (float32 passes, as on a CPU without bfloat16),
-    except in the tests of the bfloat16 passes."""
+    except where it tests the bfloat16 passes."""
     return has_native_bfloat16(device)
 
 

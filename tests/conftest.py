@@ -40,13 +40,18 @@ ARCHITECTURES = ["llama", "mistral", "qwen2"]  # the first three families, used 
 FAMILIES = sorted(TINY_SETTINGS)
 
 
+def use_float32_passes() -> None:
+    """Stage 1 and Stage 2 compute in float32 in this process: the worker processes of the data-parallel tests call
+    it, since the one-process runs they are compared with compute so (the fixture below)."""
+    precision.bfloat16_passes_available = lambda device: False
+
+
 @pytest.fixture(autouse=True)
-def float32_passes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+def float32_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stage 1 and Stage 2 compute in float32 (as on hardware without native bfloat16, where `precision="auto"` is
-    float32), so that the suite's figures are exact on every machine; tests marked `bfloat16_passes` see the
-    hardware as it is."""
-    if "bfloat16_passes" not in request.keywords:
-        monkeypatch.setattr(precision, "bfloat16_passes_available", lambda device: False)
+    float32), so that the suite's figures are exact on every machine; tests/test_precision.py turns the bfloat16
+    passes on where it tests them."""
+    monkeypatch.setattr(precision, "bfloat16_passes_available", lambda device: False)
 
 
 def tiny_model(model_type: str, num_layers: int = 6, seed: int = 0, **overrides) -> torch.nn.Module:

@@ -170,3 +170,18 @@ def test_the_passes_see_weights_changed_between_them():
         after = layer(inputs)
     assert before.dtype == torch.bfloat16
     assert not torch.allclose(before, after)
+
+
+@pytest.mark.usefixtures("bfloat16_passes")
+def test_the_report_and_card_say_how_the_passes_computed(tmp_path):
+    from optimum_gradmap import load_report
+    from optimum_gradmap.report.summary import format_report
+
+    config = GradMAPConfig(num_layers_to_prune=1, importance=_NearTie(), compensation=False)
+    result = GradMAPPruner(config, progress_bar=False).prune(tiny_model("llama", num_layers=6), torch.randint(3, 200, (4, 16)))
+    result.save_pretrained(tmp_path)
+    report = load_report(tmp_path)
+    assert report["precision"]["recomputed"][0]["candidates"] == ["2", "3"]
+    expected = "bfloat16 autocast; 1 of 1 decisions lay within the bound and were recomputed in float32"
+    assert expected in format_report(report)
+    assert f"Passes: {expected}" in (tmp_path / "README.md").read_text()

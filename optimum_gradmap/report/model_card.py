@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from .content import API_SNIPPET, REPORT_NAME, run_steps
 from .cost_table import cost_table
+from .summary import passes_sentence
 
 if TYPE_CHECKING:
     from huggingface_hub import ModelCard
@@ -168,6 +169,8 @@ def build_model_card(
     stage2 = " ".join(part for part in (_stage2_sentence(report), *steps) if part)
     picture_lines = "\n\n".join(f"![{picture}]({picture})" for picture in pictures)
     timings = ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in report["timings"].items())
+    if report.get("precision"):
+        timings += f". Passes: {passes_sentence(report['precision'])}"
     content = f"""---
 {data.to_yaml()}
 ---

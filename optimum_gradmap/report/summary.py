@@ -24,6 +24,17 @@ def curve_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def passes_sentence(precision: dict[str, Any]) -> str:
+    """How Stage 1's and Stage 2's passes computed and what their decisions cost (`PruningResult.precision`)."""
+    if precision["computed_in"] == "model dtype":
+        return "in the model's dtype"
+    recomputed = precision["recomputed"]
+    return (
+        f"{precision['computed_in']}; {len(recomputed)} of {precision['decisions']} decisions lay within the bound and "
+        f"were recomputed in float32 ({precision['recompute_seconds']:.1f} s)"
+    )
+
+
 def format_report(report: dict[str, Any]) -> str:
     """A summary of a pruning report, for the terminal (`optimum-gradmap inspect`)."""
     config = report.get("gradmap_config", {})
@@ -41,6 +52,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"calibration:         {config.get('num_samples')} x {config.get('seq_len')} tokens of "
         f"{report.get('calibration_source') or config.get('dataset')}",
     ]
+    if report.get("precision"):
+        lines.append(f"passes:              {passes_sentence(report['precision'])}")
     fitted_on = compensation.get("calibration_sha256")
     if fitted_on and fitted_on != report.get("calibration_sha256"):
         source = config.get("compensation_dataset") or "the compensation_data given"

@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner, distributed  # noqa: E402
+from tests.conftest import use_float32_passes  # noqa: E402
 from tests.distributed_cases import CASES, EVALUATION, case_heal_data, case_inputs, evaluation_inputs  # noqa: E402
 
 
@@ -38,6 +39,7 @@ def _forbidden(*args, **kwargs):
 
 
 def main() -> None:
+    use_float32_passes()
     output = sys.argv[1]
     # a rank left waiting for another (the failure this checks for) fails in minutes, not the default half hour
     torch.distributed.init_process_group(backend="gloo", timeout=datetime.timedelta(seconds=300))

@@ -19,11 +19,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from optimum_gradmap import distributed  # noqa: E402
 from optimum_gradmap.evaluation import evaluate  # noqa: E402
+from tests.conftest import use_float32_passes  # noqa: E402
 from tests.distributed_cases import evaluation_inputs  # noqa: E402
 from tests.test_fidelity import SHARED_EVALUATION, changed_copy  # noqa: E402
 
 
 def main() -> None:
+    use_float32_passes()
     output = sys.argv[1]
     torch.distributed.init_process_group(backend="gloo", timeout=datetime.timedelta(seconds=300))
     assert distributed.init_from_environment(), "run me with torchrun --nproc-per-node 2"

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from optimum_gradmap import GradMAPConfig, distributed  # noqa: E402
 from optimum_gradmap.heal import HealSettings, PrunedLayout, generation, heal_stage  # noqa: E402
 from optimum_gradmap.surgery import remove_layers  # noqa: E402
-from tests.conftest import random_ids, tiny_model  # noqa: E402
+from tests.conftest import random_ids, tiny_model, use_float32_passes  # noqa: E402
 
 
 def write(folder: str, found: dict) -> None:
@@ -85,6 +85,7 @@ def generated_text(folder: str, output: str) -> None:
 
 
 def main() -> None:
+    use_float32_passes()
     output = sys.argv[1]
     torch.distributed.init_process_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
     assert distributed.init_from_environment(), "run me with torchrun --nproc-per-node 2"

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from optimum_gradmap import GradMAPConfig, GradMAPPruner, distributed  # noqa: E402
 from optimum_gradmap.compensation import stage2  # noqa: E402
-from tests.conftest import random_ids, tiny_model  # noqa: E402
+from tests.conftest import random_ids, tiny_model, use_float32_passes  # noqa: E402
 
 # A fixed lambda and the hidden-state selection: what is checked here is the refinement and the validation.
 _FIT = dict(layers_to_prune=[3], reg_lambda=1e-3, compensation_selection="hidden_state", outlier_tokens="keep")
@@ -42,6 +42,7 @@ def stage2_case_inputs(case: str) -> tuple[torch.nn.Module, GradMAPConfig, torch
 
 
 def main() -> None:
+    use_float32_passes()
     output = sys.argv[1]
     assert distributed.init_from_environment(), "run me with torchrun --nproc-per-node 2"
     keep_if_validated = stage2._Stage2Run.keep_if_validated
