@@ -177,6 +177,8 @@ def stage2_bound(context: Context) -> str:
             cells = [name if index == 0 else "", str(layer), f"{exact['lambda'].get(str(layer), 0):.2g}"]
             cells += [f"{low['lambda'].get(str(layer), 0):.2g}", f"{largest:.4%}", "yes" if largest <= LOSS_BOUND else "no"]
             table.add(cells, measured["provenance"], source, cell=1)
+    if not table.rows:
+        return "Stage 2's losses: not measured by this script yet.\n"
     return table.markdown()
 
 
