@@ -123,7 +123,8 @@ def main() -> None:
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-    print(f"weights in {str(model.dtype).replace('torch.', '')} (--dtype {args.dtype}), passes --precision {args.precision}", flush=True)
+    weights = str(model.dtype).replace("torch.", "")
+    print(f"weights in {weights} (--dtype {args.dtype}), passes --precision {args.precision}", flush=True)
     logging.basicConfig(format="%(message)s", level=logging.WARNING)
     logging.getLogger("optimum_gradmap").setLevel(logging.INFO)  # each removed layer, as soon as it is known
     max_segments = args.max_eval_segments or None
