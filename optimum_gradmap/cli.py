@@ -3,7 +3,8 @@
 """The `optimum-gradmap` command line (also `optimum-cli gradmap`): the commands of
 [`optimum_gradmap.commands`] (`prune`, `evaluate`, `heal`, `quantize`, `compare`, `inspect`, `verify-serving`), their
 parser, and what their errors become. Every `GradMAPConfig` field is a `prune` option under its own name
-(`--pruning_ratio` or `--pruning-ratio`), with the config's default and help.
+(`--pruning-ratio`, also accepted as `--pruning_ratio`), with the config's default and help. `--help` lists the
+options a user sets, grouped by step; `--help-all` lists every option.
 
     optimum-gradmap prune offline:smollm2-135m --pruning-ratio 0.25 --dataset offline:wikipedia --output out/s
 
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from transformers.utils import logging
 
 from .adapters import UnsupportedArchitectureError
+from .arguments import finish_help
 from .commands import COMMANDS
 from .commands.common import LIBRARY_LOGGER
 from .commands.prune import default_stage1_checkpoint
@@ -67,6 +69,7 @@ def add_command_arguments(parser: argparse.ArgumentParser, name: str, argv: Sequ
     its settings their defaults, so that options given on the command line still override them (an unknown
     preset changes nothing here; `prune` refuses it)."""
     COMMANDS[name][1](parser)
+    finish_help(parser, full="--help-all" in argv)
     if name == "prune":
         parser.set_defaults(**PRESETS.get(preset_in(argv), {}))
 

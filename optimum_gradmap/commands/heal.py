@@ -19,9 +19,9 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from ..arguments import add_config_arguments, config_from_arguments
+from ..arguments import add_config_arguments, brief, config_from_arguments, option_groups
 from ..loading import ModelLoading
-from .common import InputError, add_logging_arguments, command_line, set_verbosity
+from .common import MODEL_SECTION, InputError, add_logging_arguments, command_line, set_verbosity, step_sections
 
 HELP = "Heal a pruned checkpoint: distil the dense model back into it (the heal stage) and save a standard checkpoint"
 
@@ -30,29 +30,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `heal`: the checkpoint and its loading, the teacher, the heal settings, the output."""
     from ..configuration import GradMAPConfig
     from ..heal import HEAL_SETTINGS
+    from ..pipeline import Heal
 
-    add_config_arguments(parser, ModelLoading)
-    parser.add_argument("--teacher", required=True, metavar="MODEL", help="the dense model the checkpoint was pruned from")
-    add_config_arguments(parser, GradMAPConfig, only=HEAL_SETTINGS)
-    parser.add_argument("--output", "-o", required=True, help="folder for the healed checkpoint, report and model card")
-    parser.add_argument("--overwrite", action="store_true", help="replace the contents of an existing non-empty --output")
-    parser.add_argument(
-        "--heal-checkpoint",
-        metavar="FILE",
-        default=None,
-        help="save the heal's state at every held-out check and resume from it when it exists (None: a hidden file "
-        "beside --output, removed once the checkpoint is saved)",
+    groups = option_groups(parser, [MODEL_SECTION, *step_sections([Heal])])
+    add_config_arguments(parser, ModelLoading, groups=groups)
+    groups["model"].add_argument(
+        "--teacher", required=True, metavar="MODEL", help="the dense model the checkpoint was pruned from"
     )
-    parser.add_argument(
-        "--no-evaluate",
-        dest="evaluate",
-        action="store_false",
-        help="do not evaluate the healed model. By default the evaluation in the checkpoint's report is run again on it "
-        "(each perplexity on the same dataset and segments, with the KL divergence from --teacher where the report has "
-        "one; zero-shot tasks are not run again) and its figures replace those measured before the heal, which the "
-        "report keeps under evaluation_before_heal; with this option the card labels those 'before heal'",
+    add_config_arguments(parser, GradMAPConfig, only=HEAL_SETTINGS, groups=groups)
+    output = parser.add_argument_group("output", "where the healed checkpoint goes, and what is measured on it")
+    output.add_argument("--output", "-o", required=True, help="folder for the healed checkpoint, report and model card")
+    output.add_argument("--overwrite", action="store_true", help="replace the contents of an existing non-empty --output")
+    brief(
+        output.add_argument(
+            "--heal-checkpoint",
+            metavar="FILE",
+            default=None,
+            help="save the heal's state at every held-out check and resume from it when it exists (None: a hidden file "
+            "beside --output, removed once the checkpoint is saved)",
+        )
     )
-    parser.add_argument(
+    brief(
+        output.add_argument(
+            "--no-evaluate",
+            dest="evaluate",
+            action="store_false",
+            help="do not evaluate the healed model. By default the evaluation in the checkpoint's report is run again on "
+            "it (each perplexity on the same dataset and segments, with the KL divergence from --teacher where the report "
+            "has one; zero-shot tasks are not run again) and its figures replace those measured before the heal, which "
+            "the report keeps under evaluation_before_heal; with this option the card labels those 'before heal'",
+        ),
+        "skip the evaluation the checkpoint's report had, run again on the healed model by default",
+    )
+    output.add_argument(
         "--dry-run",
         action="store_true",
         help="print what the heal would do and cost (its tokens, steps, FLOPs, peak memory and time on this device) and "

@@ -14,10 +14,18 @@ from typing import TYPE_CHECKING, Any
 
 from transformers.utils import logging
 
-from ..arguments import add_config_arguments, config_from_arguments
+from ..arguments import add_config_arguments, brief, config_from_arguments, option_groups
 from ..configuration import PRESETS, GradMAPConfig
 from ..loading import ModelLoading
-from .common import InputError, add_logging_arguments, command_line, set_verbosity
+from .common import (
+    DATA_SECTION,
+    MODEL_SECTION,
+    InputError,
+    add_logging_arguments,
+    command_line,
+    set_verbosity,
+    step_sections,
+)
 from .heal import default_heal_checkpoint, default_heal_text_cache, finish_heal_checkpoint
 
 if TYPE_CHECKING:
@@ -29,74 +37,105 @@ HELP = "Prune a model's decoder layers with GradMAP and save a standard checkpoi
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `prune`: every `GradMAPConfig` field, plus where to read and write."""
+    """The options of `prune`: every `GradMAPConfig` field, plus where to read and write, in one help section per
+    step of the run (a step's section holds the fields its settings read)."""
     from ..importance import importance_metric_names
+    from ..pipeline import Compensate, Heal, Quantize, SelectLayers
 
-    add_config_arguments(parser, ModelLoading)
+    groups = option_groups(
+        parser,
+        [
+            MODEL_SECTION,
+            DATA_SECTION,
+            *step_sections([SelectLayers, Compensate, Heal, Quantize], first={Compensate: ["compensation"]}),
+        ],
+    )
     described = "; ".join(
         f"{name}: {', '.join(f'{key}={value}' for key, value in settings.items())}" for name, settings in PRESETS.items()
     )
-    parser.add_argument(
-        "--preset", choices=PRESETS, default=None, help=f"named settings, which the options below override: {described}"
+    brief(
+        parser.add_argument(
+            "--preset", choices=PRESETS, default=None, help=f"named settings, which the options below override: {described}"
+        ),
+        "named settings for every step, which the other options override: paper (GradMAP as published), quality, fast",
     )
-    add_config_arguments(parser, GradMAPConfig, choices={"importance": importance_metric_names()})
-    parser.add_argument(
-        "--cut-from",
-        metavar="CHECKPOINT",
-        default=None,
-        help="cut an earlier run at --num-layers-to-prune K without scoring again: remove the first K layers that "
-        "CHECKPOINT's Stage 1 removed (its pruning_report.json; removal is nested, so they are the layers a run with K "
-        "removes), then run Stage 2 for that K (no Stage 1 round runs: --max-loss-increase, --target-num-parameters "
-        "and --loss-curve are refused)",
+    add_config_arguments(parser, ModelLoading, groups=groups)
+    add_config_arguments(parser, GradMAPConfig, choices={"importance": importance_metric_names()}, groups=groups)
+    brief(
+        groups["importance"].add_argument(
+            "--cut-from",
+            metavar="CHECKPOINT",
+            default=None,
+            help="cut an earlier run at --num-layers-to-prune K without scoring again: remove the first K layers that "
+            "CHECKPOINT's Stage 1 removed (its pruning_report.json; removal is nested, so they are the layers a run with "
+            "K removes), then run Stage 2 for that K (no Stage 1 round runs: --max-loss-increase, "
+            "--target-num-parameters and --loss-curve are refused)",
+        )
     )
-    parser.add_argument(
-        "--validation-dataset",
-        default=None,
-        metavar="DATASET",
-        help="keep Stage 2's compensation only if it lowers the perplexity on this dataset (read like --dataset; "
-        "needs Stage 2: refused with --no-compensation)",
+    brief(
+        groups["compensation"].add_argument(
+            "--validation-dataset",
+            default=None,
+            metavar="DATASET",
+            help="keep Stage 2's compensation only if it lowers the perplexity on this dataset (read like --dataset; "
+            "needs Stage 2: refused with --no-compensation)",
+        )
     )
-    parser.add_argument("--output", "-o", required=True, help="folder for the pruned checkpoint, report and model card")
-    parser.add_argument(
+    output = parser.add_argument_group("output and the Hub", "where the pruned checkpoint goes, and what is measured on it")
+    output.add_argument("--output", "-o", required=True, help="folder for the pruned checkpoint, report and model card")
+    output.add_argument(
         "--overwrite",
         action="store_true",
         help="replace the contents of an existing non-empty --output folder (never the input model's)",
     )
-    parser.add_argument(
-        "--stage1-checkpoint",
-        metavar="FILE",
-        default=None,
-        help="save Stage 1's progress to this JSON file after every round, and resume from it when it exists "
-        "(None: a hidden file beside --output, removed once the checkpoint is saved, unless the heal was interrupted)",
+    brief(
+        output.add_argument(
+            "--evaluate",
+            nargs="*",
+            metavar="DATASET",
+            default=None,
+            help="also measure perplexity on these datasets (none given: those of `evaluate`), of the dense model and of "
+            "the model saved (after the heal when --heal-tokens is given: the card labels its figures 'after heal')",
+        ),
+        "also measure perplexity before and after on these datasets (none given: those of `evaluate`)",
     )
-    parser.add_argument(
-        "--evaluate",
-        nargs="*",
-        metavar="DATASET",
-        default=None,
-        help="also measure perplexity on these datasets (none given: those of `evaluate`), of the dense model and of the "
-        "model saved (after the heal when --heal-tokens is given: the card labels its figures 'after heal')",
+    brief(
+        output.add_argument(
+            "--max-segments", type=int, default=None, help="with --evaluate: only the first segments of each dataset (None: all)"
+        )
     )
-    parser.add_argument(
-        "--max-segments", type=int, default=None, help="with --evaluate: only the first segments of each dataset (None: all)"
+    output.add_argument("--push-to-hub", metavar="REPO", default=None, help="also upload the checkpoint to this Hub repository")
+    output.add_argument("--private", action="store_true", help="create the Hub repository as private (with --push-to-hub)")
+    brief(
+        output.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="print what the run would do and cost (layers, rounds and passes, tokens, FLOPs, peak memory, disk, and "
+            "the time on this device from a few seconds' measurement of its throughput) and exit, without loading a "
+            "weight; the model and the calibration text are read as the run reads them, so that a run that cannot start "
+            "fails here",
+        ),
+        "print what the run would do and cost (time, memory, disk) and exit, without loading a weight",
     )
-    parser.add_argument("--push-to-hub", metavar="REPO", default=None, help="also upload the checkpoint to this Hub repository")
-    parser.add_argument("--private", action="store_true", help="create the Hub repository as private (with --push-to-hub)")
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print what the run would do and cost (layers, rounds and passes, tokens, FLOPs, peak memory, disk, and the "
-        "time on this device from a few seconds' measurement of its throughput) and exit, without loading a weight; "
-        "the model and the calibration text are read as the run reads them, so that a run that cannot start fails here",
+    brief(
+        output.add_argument(
+            "--stage1-checkpoint",
+            metavar="FILE",
+            default=None,
+            help="save Stage 1's progress to this JSON file after every round, and resume from it when it exists "
+            "(None: a hidden file beside --output, removed once the checkpoint is saved, unless the heal was interrupted)",
+        )
     )
-    parser.add_argument(
-        "--host-allocator-overhead",
-        type=float,
-        default=None,
-        metavar="FACTOR",
-        help="with --dry-run on a CPU device: the resident bytes one byte of a pass's tensors takes, an assumption about "
-        "the C allocator (default 1.48, measured with glibc's malloc on one machine, docs/benchmarks/scale.md; "
-        "1.0 for an allocator that returns freed memory, e.g. with MALLOC_MMAP_THRESHOLD_=131072)",
+    brief(
+        output.add_argument(
+            "--host-allocator-overhead",
+            type=float,
+            default=None,
+            metavar="FACTOR",
+            help="with --dry-run on a CPU device: the resident bytes one byte of a pass's tensors takes, an assumption "
+            "about the C allocator (default 1.48, measured with glibc's malloc on one machine, docs/benchmarks/scale.md; "
+            "1.0 for an allocator that returns freed memory, e.g. with MALLOC_MMAP_THRESHOLD_=131072)",
+        )
     )
     add_logging_arguments(parser)
 

@@ -14,9 +14,9 @@ import argparse
 import os
 from typing import Any
 
-from ..arguments import add_config_arguments, config_from_arguments
+from ..arguments import add_config_arguments, config_from_arguments, option_groups
 from ..loading import ModelLoading
-from .common import InputError, add_logging_arguments, command_line, set_verbosity
+from .common import MODEL_SECTION, InputError, add_logging_arguments, command_line, set_verbosity
 
 HELP = "Quantize a pruned or healed checkpoint with LLM Compressor, for vLLM to serve"
 
@@ -25,8 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `quantize`: the checkpoint and its loading, the scheme, the calibration text, the output."""
     from ..quantize import SCHEMES
 
-    add_config_arguments(parser, ModelLoading)
-    parser.add_argument(
+    groups = option_groups(parser, [MODEL_SECTION])
+    add_config_arguments(parser, ModelLoading, groups=groups)
+    scheme = parser.add_argument_group("Quantize", "the scheme, and the text it calibrates on")
+    scheme.add_argument(
         "--scheme",
         required=True,
         choices=list(SCHEMES),
@@ -35,17 +37,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "GPUs); fp8: FP8 weights and activations (no calibration; NVIDIA GPUs of "
         "compute capability 8.9 or newer)",
     )
-    parser.add_argument(
+    scheme.add_argument(
         "--dataset",
         default=None,
         help="calibration text (any name prune's --dataset takes). Default: the checkpoint's own calibration set "
         "(dataset, count, length and seed from its gradmap_config.json), checked against the SHA-256 in its report",
     )
-    parser.add_argument("--num-samples", type=int, default=None, help="calibration sequences (default: the checkpoint's)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per calibration sequence (default: the checkpoint's)")
-    parser.add_argument("--output", "-o", required=True, help="folder for the quantized checkpoint, report and model card")
-    parser.add_argument("--overwrite", action="store_true", help="replace the contents of an existing non-empty --output")
-    parser.add_argument(
+    scheme.add_argument("--num-samples", type=int, default=None, help="calibration sequences (default: the checkpoint's)")
+    scheme.add_argument("--seq-len", type=int, default=None, help="tokens per calibration sequence (default: the checkpoint's)")
+    output = parser.add_argument_group("output")
+    output.add_argument("--output", "-o", required=True, help="folder for the quantized checkpoint, report and model card")
+    output.add_argument("--overwrite", action="store_true", help="replace the contents of an existing non-empty --output")
+    output.add_argument(
         "--dry-run",
         action="store_true",
         help="print the plan (time, peak memory, the quantized checkpoint's size on disk) from the config alone and exit",

@@ -60,6 +60,7 @@ class Heal(Step):
     """
 
     name = "Heal"
+    summary = "optional: the dense model distilled into the pruned one, merged into plain weights"
     settings: HealSettings
     undoable: bool = False
     pruning: PlannedPruning | None = None

@@ -43,6 +43,7 @@ class Quantize(Step):
     """
 
     name = "Quantize"
+    summary = "optional, last: llm-compressor's quantization, a checkpoint vLLM serves"
     settings: QuantizationSettings
 
     @classmethod

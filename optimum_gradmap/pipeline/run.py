@@ -155,6 +155,8 @@ class Step:
     """
 
     name: ClassVar[str]
+    # What the step does, in a line: the heading of its settings' section in the command line's help.
+    summary: ClassVar[str] = ""
     # Whether the step makes the model (recorded in `PruningResult.steps`): not the evaluation or the save.
     changes_weights: ClassVar[bool] = True
 

@@ -97,6 +97,7 @@ class SelectLayers(Step):
     """
 
     name = "Stage 1"
+    summary = "which layers go: each layer scored, the lowest removed, the rest scored again (Algorithm 1)"
     settings: Stage1Settings
     stage2: Stage2Settings | None = None
     unused: tuple[str, ...] = ()

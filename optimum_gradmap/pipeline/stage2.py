@@ -55,6 +55,7 @@ class Compensate(Step):
     """
 
     name = "Stage 2"
+    summary = "the repair: a matrix W' fitted where the hidden state drifted, folded into a down projection"
     settings: Stage2Settings
     stage1: Stage1Settings | None = None
 
