@@ -427,7 +427,8 @@ class GradMAPConfig(LayerAmount):
         "stay float32) where the hardware computes it natively (CUDA compute capability 8.0 or more, CPUs with "
         "AVX512-BF16 or AMX), with every decision made as float32 makes it: a choice whose margin lies within the "
         "measured bound of bfloat16's error is recomputed in float32 (the result's `precision` says how often, "
-        "`timings` what it cost); float32 elsewhere, and for scores and choices with no measured bound. `float32`: "
+        "`timings` what it cost); float32 elsewhere, for scores and choices with no measured bound, and for GradMAP's "
+        "Stage 1 on a CPU, where its bfloat16 passes do not pay for their recomputations. `float32`: "
         "float32 throughout. See [`optimum_gradmap.precision`].",
         brief="auto: native bfloat16 passes where the hardware has them, decided as float32 decides; float32: float32 "
         "throughout.",

@@ -45,6 +45,9 @@ class ImportanceMetric:
     # ([`optimum_gradmap.precision`]): under `precision="auto"` the metric then scores in bfloat16 and a round whose margin
     # lies within it is recomputed in float32. None (not measured): the metric scores in the model's dtype.
     precision_bound: ClassVar[float | None] = None
+    # The device types ("cuda", "cpu") where its bfloat16 passes pay for the float32 recomputations its bound leaves;
+    # elsewhere it scores in float32 under `precision="auto"` too.
+    bfloat16_devices: ClassVar[tuple[str, ...]] = ("cuda", "cpu")
     # What one scoring pass runs, for the cost told before a run ([`optimum_gradmap.planning`]): "per_sample_gradient"
     # (a forward and an input-gradient backward pass with per-sample gradient norms, GradMAP's), "gradient" (a forward and
     # an input-gradient backward pass), "parameter_gradient" (a forward and a backward pass that forms the parameters'

@@ -114,6 +114,7 @@ def test_float32_precision_computes_in_float32_throughout():
         "recomputed": [],
         "recompute_seconds": 0,
         "within_bound": [],
+        "float32": [],
     }
     assert "float32_recompute" not in result.timings
 
@@ -135,10 +136,17 @@ def test_bfloat16_weights_compute_in_their_own_dtype():
 
 
 @pytest.mark.usefixtures("bfloat16_passes")
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_both_stages_in_bfloat16_decide_as_float32(family):
+def test_both_stages_in_bfloat16_decide_as_float32(family, device, monkeypatch):
     """GradMAP's score and the next-token choice of Stage 2 on bfloat16 passes: the same removed and fitted layers as
-    float32's, the checkpoint's weights still float32."""
+    float32's, the checkpoint's weights still float32. On a CPU, GradMAP's Stage 1 scores in float32 (its bfloat16
+    passes do not pay for their recomputations there) and says so; where they do (a GPU, here played by the CPU),
+    its rounds are decided in bfloat16 too."""
+    from optimum_gradmap.importance.metrics import GradMAPImportance
+
+    if device == "cuda":
+        monkeypatch.setattr(GradMAPImportance, "bfloat16_devices", ("cuda", "cpu"))
     ids = torch.randint(3, 200, (16, 24))
     dense = tiny_model(family, num_layers=6)
     results = {}
@@ -148,7 +156,13 @@ def test_both_stages_in_bfloat16_decide_as_float32(family):
         results[setting] = GradMAPPruner(config, progress_bar=False).prune(model, ids)
         assert model.dtype == torch.float32
     auto, exact = results["auto"], results["float32"]
-    assert auto.precision["computed_in"] == "bfloat16 autocast" and auto.precision["decisions"] >= 3
+    assert auto.precision["computed_in"] == "bfloat16 autocast"
+    if device == "cuda":
+        assert auto.precision["decisions"] >= 3 and auto.precision["float32"] == []
+    else:  # Stage 2's decisions only
+        assert auto.precision["decisions"] >= 1 and auto.precision["float32"] == [
+            "Stage 1 (gradmap): bfloat16 does not pay for its recomputations here"
+        ]
     assert auto.removed_layers == exact.removed_layers
     assert auto.compensated_layers == exact.compensated_layers
 

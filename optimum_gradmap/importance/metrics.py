@@ -73,6 +73,9 @@ class GradMAPImportance(ImportanceMetric):
     mean_over_samples = True
     iterative = True
     precision_bound = SCORE_BOUND
+    # On a CPU a bfloat16 round took 0.69 of a float32 one (AVX512-BF16, no AMX), and the bound left 7 of the main
+    # job's 8 rounds to recompute (about 0.7 of a round each): slower than float32 (docs/benchmarks/stage1-cost.md).
+    bfloat16_devices = ("cuda",)
     scoring_pass = "per_sample_gradient"
 
     def score(

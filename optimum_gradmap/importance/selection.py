@@ -116,8 +116,10 @@ def remove_by_importance(
     Raises:
         ValueError: when the protected layers leave fewer than K candidates (before any change).
     """
-    if precision is None or plan.metric.precision_bound is None:
-        precision = Precision()  # the model's dtype: no bound was measured for this metric
+    if precision is not None and precision.low is not None and precision.device_type not in plan.metric.bfloat16_devices:
+        precision.log.float32.append(f"Stage 1 ({plan.metric.name}): bfloat16 does not pay for its recomputations here")
+    if precision is None or plan.metric.precision_bound is None or precision.device_type not in plan.metric.bfloat16_devices:
+        precision = Precision()  # the model's dtype: no bound was measured for this metric, or it does not pay here
     with precision.passes():
         return _remove_by_importance(dense, plan, calibration_ids, checkpoint, progress_bar, after_removal, precision)
 

@@ -29,9 +29,10 @@ def passes_sentence(precision: dict[str, Any]) -> str:
     if precision["computed_in"] == "model dtype":
         return "in the model's dtype"
     recomputed = precision["recomputed"]
+    in_float32 = "".join(f"; in float32: {reason}" for reason in precision.get("float32", []))
     return (
         f"{precision['computed_in']}; {len(recomputed)} of {precision['decisions']} decisions lay within the bound and "
-        f"were recomputed in float32 ({precision['recompute_seconds']:.1f} s)"
+        f"were recomputed in float32 ({precision['recompute_seconds']:.1f} s){in_float32}"
     )
 
 
