@@ -14,6 +14,8 @@ import time
 
 import records
 
+import optimum_gradmap.experimental  # noqa: F401  registers `random`, the tables' baseline
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 sys.path.insert(1, ROOT)  # `optimum_gradmap` from this checkout, installed or not

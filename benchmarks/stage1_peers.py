@@ -4,14 +4,13 @@ selection runs on a fresh copy of the dense model, Stage 1 only (the layers alon
 - `sleb_reference`: SLEB's criterion as SLEB's code computes it, one full forward pass over the calibration set per
   candidate block (`optimum_gradmap.testing.reference_removal_losses`);
 - `sleb`: our SLEB, each candidate started from its recorded input: the same layers, less work;
-- `quality`, `fast`, `paper`: those presets' Stage 1; `quality_from_scoring_pass`: `quality` with its shortlist
-  check started from the scoring pass's layer inputs (`verify_from_scoring_pass=True`).
+- `quality`, `fast`, `paper`: those presets' Stage 1.
 
 Each row: the removed layers, Stage 1 seconds, held-out perplexity on Wikipedia and web text (128-token segments),
 and its provenance (the machine's load and the other busy processes: timings mean something only on a quiet one).
 
     python benchmarks/stage1_peers.py --model smollm2-135m --ratio 0.25 --num-samples 16 --resume \
-        --methods sleb_reference sleb quality fast paper quality_from_scoring_pass
+        --methods sleb_reference sleb quality fast paper
     python benchmarks/stage1_peers.py --model qwen2.5-coder-0.5b --ratio 0.25 --num-samples 8 --resume
 
 Writes benchmarks/results/stage1_peers-<model>-<ratio>-<num samples>.json, after every row; `--resume` keeps the
@@ -50,8 +49,6 @@ METHODS = {
     "sleb": lambda: {"importance": "sleb"},
     "quality": lambda: dict(QUALITY_SELECTION),  # its Stage 1 (the preset heals too)
     "fast": lambda: dict(PRESETS["fast"]),
-    # the preset with its shortlist check started from the scoring pass's layer inputs instead of a pass of its own
-    "quality_from_scoring_pass": lambda: {**QUALITY_SELECTION, "verify_from_scoring_pass": True},
     "paper": lambda: {"importance": PRESETS["paper"]["importance"]},
 }
 

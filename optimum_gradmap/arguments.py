@@ -154,3 +154,16 @@ def finish_help(parser: argparse.ArgumentParser, full: bool) -> None:
             action.help = action.brief or argparse.SUPPRESS
     if any(action.help == argparse.SUPPRESS for action in parser._actions):
         parser.epilog = "Every option, with the fine control of each step: --help-all."
+
+
+def add_retired_arguments(parser: argparse.ArgumentParser, retired: Mapping[str, str]) -> None:
+    """Options of retired settings (name -> the message that says what retired it and what to use instead), unshown:
+    given on the command line, each is refused with its message rather than as an unknown option."""
+
+    class Retired(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(retired[self.dest])
+
+    for name in retired:
+        spellings = {f"--{name}", f"--{name.replace('_', '-')}", f"--no-{name}", f"--no-{name.replace('_', '-')}"}
+        parser.add_argument(*sorted(spellings), dest=name, nargs="?", action=Retired, help=argparse.SUPPRESS)

@@ -11,6 +11,7 @@ depend on the file system (a calibration folder) are checked when they are used.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -21,7 +22,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from .errors import InvalidInputError
-from .metric_registry import ImportanceMetric, importance_metric_names
+from .metric_registry import RETIRED_METRICS, ImportanceMetric, importance_metric_names, retired_metric_message
 from .settings import LayerAmount
 
 CONFIG_NAME = "gradmap_config.json"
@@ -61,7 +62,6 @@ STAGE1_SELECTION_SETTINGS: tuple[str, ...] = (
     "iterative",
     "verify_top_k",
     "verify_halving",
-    "verify_from_scoring_pass",
     "execution",
 )
 # Named settings ([`GradMAPConfig.from_preset`], `--preset` on the command line), chosen from the measurements
@@ -98,6 +98,24 @@ PRESETS: dict[str, dict[str, Any]] = {
     # then the default Stage 2.
     "fast": {"importance": "relative_magnitude"},
 }
+
+
+# Settings taken off the public surface: name -> (the one value it has now, what retired it and what to use instead).
+# `GradMAPConfig` and the command line refuse them with that message; a saved config that holds one at that value
+# (a checkpoint made before) still loads.
+RETIRED_SETTINGS: dict[str, tuple[Any, str]] = {
+    "verify_from_scoring_pass": (
+        False,
+        "starting the shortlist's check from the scoring pass saved no time: 221.9 s of Stage 1 against 209.5 s without "
+        "it, with the same layers (SmolLM2-135M at 25%, the quality preset's Stage 1, 16 x 128 tokens, "
+        "docs/benchmarks/stage1-cost.md). The check runs its own pass; remove the setting",
+    ),
+}
+
+
+def retired_setting_message(name: str) -> str:
+    """The error for a retired setting: what retired it and what to use instead."""
+    return f"The setting `{name}` was retired: {RETIRED_SETTINGS[name][1]}."
 
 
 def _setting(default: Any, help: str, minimum: int | None = None, **metadata: Any) -> Any:
@@ -151,7 +169,7 @@ class GradMAPConfig(LayerAmount):
         "gradmap",
         "Which layer-importance metric Stage 1 uses: the name of a registered metric (`gradmap`, Eq. 5, the paper's; "
         "`gradmap_bound_token`, the paper's bound per token; `block_influence`, ShortGPT; `sleb`, SLEB; `taylor`, "
-        "Shortened LLaMA's Taylor+; `relative_magnitude`, Subcloning; `random`; see "
+        "Shortened LLaMA's Taylor+; `relative_magnitude`, Subcloning; see "
         "[`optimum_gradmap.importance.metrics`] for all of them), or an `ImportanceMetric` instance of your own "
         "(saved as its name).",
         brief="Stage 1's score: gradmap (the paper's); sleb, block_influence, taylor or relative_magnitude to choose as "
@@ -182,16 +200,6 @@ class GradMAPConfig(LayerAmount):
         "Algorithm 1): the calibration sequences are split into ceil(log2 k) rungs, and after each rung only the "
         "better half of the candidates goes on. A shortlist of 8 then measures 58% of what verifying all 8 on every "
         "sequence does (see [`optimum_gradmap.importance.selection.verify_shortlist`]).",
-    )
-    verify_from_scoring_pass: bool = _setting(
-        False,
-        "With `verify_top_k`, the shortlist's check starts from the layer inputs the round's scoring pass computed "
-        "(kept for every remaining layer while it runs: remaining layers x num_samples x seq_len x hidden values, "
-        "in the model's dtype; the shortlist's only, after it), instead of a pass of its own through the layers "
-        "before the candidates: the same losses up to float rounding, and that pass saved. Measured on SmolLM2-135M "
-        "(CPU, the quality preset, 16 x 128): no gain within noise (24.5 s against 24.1 s a round, best of three), the "
-        "pass being under a tenth of a round there; off by default. Used with one process and the weights in memory; "
-        "elsewhere the check runs its own pass.",
     )
     compensation: bool = _setting(
         True,
@@ -520,6 +528,8 @@ class GradMAPConfig(LayerAmount):
         """The settings of Stage 1's selection: a registered metric (or an instance), protected layers as a list
         of indices, and the verified shortlist's options only with a shortlist."""
         if isinstance(self.importance, str) and self.importance not in importance_metric_names():
+            if self.importance in RETIRED_METRICS:
+                raise InvalidInputError(retired_metric_message(self.importance))
             raise InvalidInputError(
                 f"`importance` must be the name of a registered metric ({', '.join(importance_metric_names())}) or an "
                 f"`ImportanceMetric` instance, got {self.importance!r}."
@@ -534,11 +544,6 @@ class GradMAPConfig(LayerAmount):
             raise InvalidInputError(
                 "`verify_halving=True` changes how a verified shortlist is checked, and there is none: "
                 "set `verify_top_k` too (e.g. verify_top_k=8), or leave `verify_halving` off."
-            )
-        if self.verify_from_scoring_pass and self.verify_top_k is None:
-            raise InvalidInputError(
-                "`verify_from_scoring_pass=True` starts a verified shortlist's check from the scoring pass, and there is "
-                "no shortlist: set `verify_top_k` too (e.g. verify_top_k=8), or leave `verify_from_scoring_pass` off."
             )
 
     def _check_numbers(self) -> None:
@@ -676,6 +681,12 @@ class GradMAPConfig(LayerAmount):
             [`GradMAPConfig`].
         """
         known = {f.name for f in fields(cls)}
+        # a checkpoint made before a setting was retired holds it at the value it now always has
+        config_dict = {
+            name: value
+            for name, value in config_dict.items()
+            if not (name in RETIRED_SETTINGS and value == RETIRED_SETTINGS[name][0])
+        }
         unknown = sorted(set(config_dict) - known)
         if unknown:
             raise InvalidInputError(f"Unknown GradMAPConfig fields: {unknown}. Known fields: {sorted(known)}.")
@@ -792,3 +803,20 @@ def _docstring() -> str:
 
 
 GradMAPConfig.__doc__ = _docstring()
+
+
+def _refusing_retired_settings(init: Any) -> Any:
+    """The dataclass's `__init__`, refusing a retired setting ([`RETIRED_SETTINGS`]) with what retired it rather than
+    as an unexpected argument (its signature stays the dataclass's)."""
+
+    @functools.wraps(init)
+    def checked(self: GradMAPConfig, *args: Any, **kwargs: Any) -> None:
+        retired = [name for name in kwargs if name in RETIRED_SETTINGS]
+        if retired:
+            raise InvalidInputError(retired_setting_message(retired[0]))
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+GradMAPConfig.__init__ = _refusing_retired_settings(GradMAPConfig.__init__)

@@ -197,6 +197,8 @@ def test_every_option_with_a_value_states_its_default(capsys):
 
 @pytest.mark.parametrize("command", ["prune", "heal", "quantize", "evaluate"])
 def test_help_shows_what_a_user_sets_grouped_by_step_each_option_once_and_help_all_shows_every_option(command, capsys):
+    import argparse
+
     parser, commands = _subparsers(command)
     with pytest.raises(SystemExit):
         main([command, "--help"])
@@ -225,7 +227,12 @@ def test_help_shows_what_a_user_sets_grouped_by_step_each_option_once_and_help_a
     # one spelling each, hyphenated, in the help and in the usage line
     assert "_" not in "".join(word for word in full.split() if word.startswith("--"))
     assert "[options]" in short.splitlines()[0] and len(short.split("usage:")[1].split("\n\n")[0].splitlines()) == 1
-    every = {option for action in commands[command]._actions for option in action.option_strings if "_" not in option}
+    every = {
+        option
+        for action in commands[command]._actions
+        for option in action.option_strings
+        if "_" not in option and action.help != argparse.SUPPRESS  # a retired setting's option: refused, unshown
+    }
     assert every <= set(full.replace(",", " ").split())
     for text in (short, full):
         invocations = [line.split()[0].rstrip(",") for line in text.splitlines() if line.startswith("  -")]

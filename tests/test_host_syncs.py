@@ -93,7 +93,6 @@ STAGE1_ROUNDS = {
     "taylor": {"importance": "taylor", "protected_layers": []},
     "sleb": {"importance": "sleb"},
     "verified_halving": {"importance": "gradmap_bound_token", "verify_top_k": 3, "verify_halving": True},
-    "verified_from_scoring_pass": {"verify_top_k": 3, "verify_from_scoring_pass": True},
     "loss_curve": {"loss_curve": True},
 }
 

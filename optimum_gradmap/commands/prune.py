@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from transformers.utils import logging
 
-from ..arguments import add_config_arguments, brief, config_from_arguments, option_groups
-from ..configuration import PRESETS, GradMAPConfig
+from ..arguments import add_config_arguments, add_retired_arguments, brief, config_from_arguments, option_groups
+from ..configuration import PRESETS, RETIRED_SETTINGS, GradMAPConfig, retired_setting_message
 from ..loading import ModelLoading
 from .common import (
     DATA_SECTION,
@@ -39,7 +39,6 @@ HELP = "Prune a model's decoder layers with GradMAP and save a standard checkpoi
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `prune`: every `GradMAPConfig` field, plus where to read and write, in one help section per
     step of the run (a step's section holds the fields its settings read)."""
-    from ..importance import importance_metric_names
     from ..pipeline import Compensate, Heal, Quantize, SelectLayers
 
     groups = option_groups(
@@ -60,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "named settings for every step, which the other options override: paper (GradMAP as published), quality, fast",
     )
     add_config_arguments(parser, ModelLoading, groups=groups)
-    add_config_arguments(parser, GradMAPConfig, choices={"importance": importance_metric_names()}, groups=groups)
+    add_config_arguments(parser, GradMAPConfig, groups=groups)
+    add_retired_arguments(parser, {name: retired_setting_message(name) for name in RETIRED_SETTINGS})
     brief(
         groups["importance"].add_argument(
             "--cut-from",

@@ -30,7 +30,6 @@ from .gradient import (
 from .metrics import (
     BlockInfluence,
     GradMAPImportance,
-    RandomImportance,
     RelativeMagnitude,
     SLEBImportance,
     TaylorImportance,
@@ -45,7 +44,6 @@ __all__ = [
     "GradMAPImportance",
     "ImportanceMetric",
     "PerSampleGradientNorms",
-    "RandomImportance",
     "RelativeMagnitude",
     "SLEBImportance",
     "Round",

@@ -374,7 +374,7 @@ def loss_gradient_passes(
             raise NotImplementedError(
                 "This score needs parameter gradients, which offloaded weights cannot accumulate (Accelerate "
                 "brings a new copy of them for every forward pass). Load the model without CPU/disk offload, "
-                "or use a score that needs no parameter gradient (gradmap, gradmap_bound, taylor_gate, ...)."
+                "or use a score that needs no parameter gradient (gradmap, gradmap_bound_token, ...)."
             )
         for batch in batches:
             if on_batch_start is not None:

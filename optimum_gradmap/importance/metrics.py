@@ -3,24 +3,25 @@
 """Layer-importance metrics behind one interface, selected by `GradMAPConfig(importance=...)`.
 
 Every metric scores the decoder layers currently in the model; Stage 1 removes the lowest-scoring
-layer (and re-scores, for iterative metrics) until K layers are gone. Each follows its paper:
+layer (and re-scores, for iterative metrics) until K layers are gone. Each follows its paper, and each has its
+reason to be public:
 
-| name | method | score of layer i | iterative |
-|---|---|---|---|
-| `"gradmap"` | GradMAP, Eq. 5 (the default) | mean over samples of the squared norm of the per-sample weight gradient | yes |
-| `"gradmap_bound"` | GradMAP's bound, Eq. 9-11, M_i kept | mean over samples of norm(dL/dH_i) norm(f_i) | yes |
-| `"gradmap_bound_token"` | the same bound, per token | mean over samples of sum_t norm(dL/dH_i,t) norm(f_i,t) | yes |
-| `"gradmap_bound_squared"` | the bound squared (Eq. 11) | mean over samples of norm(dL/dH_i)^2 norm(f_i)^2 | yes |
-| `"taylor_gate"` | Molchanov et al. (CVPR 2019), Eq. 3-4, gate a_i | mean over samples of -(dL/dH_i . f_i) | yes |
-| `"taylor_gate_abs"` | the same, absolute value | mean over samples of abs(dL/dH_i . f_i) | yes |
-| `"taylor_gate_squared"` | the same, squared | mean over samples of (dL/dH_i . f_i)^2 | yes |
-| `"block_influence"` | ShortGPT (Men et al., 2024), Eq. 1 | 1 - mean over tokens of cos(x_i, x_{i+1}) | no |
-| `"sleb"` | SLEB (Song et al., 2024), Sec. 4 | calibration loss of the model without layer i | yes |
-| `"taylor"` | Shortened LLaMA (Kim et al., 2024), Sec. 3.2, Taylor+ | sum over the layer's weights of abs(w * dL/dw) | no |
-| `"relative_magnitude"` | Subcloning (Samragh et al., 2023), Sec. 3 | mean over tokens of norm(f(x)) / norm(x + f(x)) | no |
-| `"random"` | baseline | seeded uniform random numbers | no |
+| name | method | score of layer i | iterative | public as |
+|---|---|---|---|---|
+| `"gradmap"` | GradMAP, Eq. 5 | mean over samples of the squared norm of the per-sample gradient | yes | paper, default |
+| `"gradmap_bound_token"` | GradMAP's bound, Eq. 9-11 | mean of sum_t norm(dL/dH_i,t) norm(f_i,t) | yes | preset, best row |
+| `"block_influence"` | ShortGPT (Men et al., 2024), Eq. 1 | 1 - mean over tokens of cos(x_i, x_{i+1}) | no | peer |
+| `"sleb"` | SLEB (Song et al., 2024), Sec. 4 | calibration loss of the model without layer i | yes | peer |
+| `"taylor"` | Shortened LLaMA (Kim et al., 2024), Taylor+ | sum over the layer's weights of abs(w * dL/dw) | no | peer |
+| `"relative_magnitude"` | Subcloning (Samragh et al., 2023) | mean over tokens of norm(f(x)) / norm(x+f(x)) | no | peer, preset |
 
-f_i = H_i - H_{i-1} is what layer i adds to the residual stream; the residual-branch scores need one
+The presets: `paper` (gradmap), `quality` (gradmap_bound_token), `fast` (relative_magnitude). "Best row":
+`gradmap_bound_token` with a verified shortlist of 8 has the lowest perplexity of the layer-selection
+page's shortlists on SmolLM2-135M at 25% (docs/benchmarks/layer-selection.md). The retired metrics, and the figures
+that retired them, are in `optimum_gradmap.metric_registry.RETIRED_METRICS`; `random`, the tables' baseline, lives in
+[`optimum_gradmap.experimental`].
+
+f_i = H_i - H_{i-1} is what layer i adds to the residual stream; the residual-branch score needs one
 forward and one activation-gradient backward pass per round (see [`optimum_gradmap.importance.residual`]).
 
 `GradMAPConfig(iterative=...)` overrides the method's own choice. A metric of your own: subclass
@@ -31,7 +32,7 @@ The removal loop that calls the metrics is [`optimum_gradmap.importance.selectio
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
@@ -43,7 +44,13 @@ from transformers.utils import logging
 from .. import surgery
 from ..adapters import DecoderAdapter
 from ..errors import InvalidInputError
-from ..metric_registry import IMPORTANCE_METRICS, ImportanceMetric, register_importance_metric
+from ..metric_registry import (
+    IMPORTANCE_METRICS,
+    RETIRED_METRICS,
+    ImportanceMetric,
+    register_importance_metric,
+    retired_metric_message,
+)
 from ..objectives import summed_loss
 from ..passes import (
     calibration_batches,
@@ -177,8 +184,6 @@ def removal_losses(
     positions: Sequence[int],
     progress_bar: bool = True,
     description: str = "Verifying removals",
-    layer_inputs: Mapping[int, torch.Tensor] | None = None,
-    returns_tuple: bool | None = None,
 ) -> dict[int, float]:
     """The calibration loss (mean next-token cross-entropy over all calibration tokens) of the model
     without the layer at each of `positions`, one layer at a time: SLEB's criterion.
@@ -187,8 +192,6 @@ def removal_losses(
     compute the same thing with or without it, so one pass per batch records each candidate's input
     (and stops after the deepest one), and the model without the candidate starts from its recorded
     input (a stand-in module at the head of the layer list returns it) and runs only the layers after it.
-    Given `layer_inputs` (what another pass over the same sequences recorded,
-    [`~optimum_gradmap.passes.RecordedLayerInputs`]), that first pass is not run at all.
 
     Args:
         model (`PreTrainedModel`): The model as it is now.
@@ -196,9 +199,6 @@ def removal_losses(
         input_ids (`torch.LongTensor` of shape `(num_samples, seq_len)`): Calibration sequences.
         batch_size (`int`): Sequences per pass.
         positions (`Sequence[int]`): Positions, in the current stack, of the layers to try removing.
-        layer_inputs (`Mapping[int, torch.Tensor]`, *optional*): Position -> the `(num_samples, seq_len, hidden)`
-            input of that layer on `input_ids`, for every position in `positions`.
-        returns_tuple (`bool`, *optional*): With `layer_inputs`: whether the model's layers return a tuple.
 
     Returns:
         `dict[int, float]`: Position -> loss without that layer.
@@ -208,12 +208,7 @@ def removal_losses(
     deepest = positions[-1]
     totals: dict[int, torch.Tensor] = {}
     inputs: dict[int, torch.Tensor] = {}
-    recorded = layer_inputs is not None
-    if recorded and (returns_tuple is None or any(layer_inputs[p].shape[0] != input_ids.shape[0] for p in positions)):
-        raise InvalidInputError(
-            "`layer_inputs` needs `returns_tuple` and one input row per calibration sequence for each position."
-        )
-    returns_tuple = [returns_tuple] if recorded else []
+    returns_tuple: list[bool] = []
 
     def remember_input(position: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         inputs[position] = layer_input(args, kwargs)
@@ -224,13 +219,10 @@ def removal_losses(
     pre_hooks = [(stack.layers[p], lambda m, a, k, p=p: remember_input(p, m, a, k)) for p in positions]
     head = vocabulary_head(model)
     with calibration_batches(model, input_ids, batch_size, description, progress_bar) as batches:
-        for start, batch in zip(range(0, input_ids.shape[0], batch_size), batches):
-            if recorded:
-                inputs = {position: layer_inputs[position][start : start + batch.shape[0]] for position in positions}
-            else:
-                with forward_pre_hooks(pre_hooks), forward_hooks([(stack.layers[deepest], note_output)]):
-                    with stop_after(stack.layers[deepest]):
-                        run_model(model, batch)
+        for batch in batches:
+            with forward_pre_hooks(pre_hooks), forward_hooks([(stack.layers[deepest], note_output)]):
+                with stop_after(stack.layers[deepest]):
+                    run_model(model, batch)
             for position in positions:
                 # run layers position+1.. from the recorded input of the layer at `position`
                 with stack.replaying(position, inputs[position], returns_tuple[0]):
@@ -365,27 +357,6 @@ class RelativeMagnitude(_MeanOverTokens):
         return (hidden_out - hidden_in).norm(dim=-1) / hidden_out.norm(dim=-1).clamp_min(1e-12)
 
 
-@register_importance_metric
-class RandomImportance(ImportanceMetric):
-    """Random layer selection (a baseline): uniform random scores from a generator seeded with
-    `GradMAPConfig.seed`, so a run is reproducible. Scored once."""
-
-    name = "random"
-    scoring_pass = "none"
-
-    def score(
-        self,
-        model: PreTrainedModel,
-        adapter: DecoderAdapter,
-        input_ids: torch.LongTensor,
-        batch_size: int,
-        progress_bar: bool = True,
-        description: str = "Scoring layers",
-    ) -> list[float]:
-        generator = torch.Generator().manual_seed(self.seed)
-        return torch.rand(adapter.num_layers(model), generator=generator, dtype=torch.float64).tolist()
-
-
 class ResidualBranchMetric(ImportanceMetric):
     """A score from each layer's residual contribution f_i and the loss gradient g_i at its output, per
     sample, averaged over samples: one forward and one activation-gradient backward pass per round,
@@ -413,58 +384,15 @@ class ResidualBranchMetric(ImportanceMetric):
 
 
 @register_importance_metric
-class GradMAPBound(ResidualBranchMetric):
-    """The bound GradMAP derives for its score, with the factor the paper drops kept (Eq. 9-11):
-    |dL| <= ||dL/dH_i|| ||f_i||, f_i = H_i - H_{i-1} the layer's residual contribution. The paper
-    drops M_i = max ||f_i|| as not depending on the pruning decision; it varies across layers by
-    orders of magnitude. Score: the mean over samples j of ||dL_j/dH_i|| ||f_i(x_j)||, the norms
-    over all of sample j's tokens. Iterative (Algorithm 1). Not the paper's score: that is `"gradmap"`."""
-
-    name = "gradmap_bound"
-    statistic = staticmethod(residual.norm_product)
-
-
-@register_importance_metric
 class GradMAPBoundPerToken(ResidualBranchMetric):
-    """[`GradMAPBound`] applied token by token: the mean over samples of sum_t ||dL_j/dH_{i,t}|| ||f_{i,t}||."""
+    """The bound GradMAP derives for its score (Eq. 9-11), with the factor the paper drops kept, applied token by
+    token: |dL| <= sum_t ||dL/dH_{i,t}|| ||f_{i,t}||, f_i = H_i - H_{i-1} the layer's residual contribution (the paper
+    drops M_i = max ||f_i|| as not depending on the pruning decision; it varies across layers by orders of
+    magnitude). Score: the mean over samples j of sum_t ||dL_j/dH_{i,t}|| ||f_{i,t}(x_j)||. Iterative (Algorithm 1).
+    Not the paper's score (that is `"gradmap"`): the `quality` preset's, with a verified shortlist."""
 
     name = "gradmap_bound_token"
     statistic = staticmethod(residual.token_norm_product)
-
-
-@register_importance_metric
-class GradMAPBoundSquared(ResidualBranchMetric):
-    """[`GradMAPBound`] squared, as Eq. 11 bounds E[(dL)^2]: the mean over samples of ||dL_j/dH_i||^2 ||f_i(x_j)||^2."""
-
-    name = "gradmap_bound_squared"
-    statistic = staticmethod(residual.squared_norm_product)
-
-
-@register_importance_metric
-class TaylorGate(ResidualBranchMetric):
-    """First-order estimate of the loss change when a layer's residual branch is removed (Molchanov
-    et al., CVPR 2019, "Importance Estimation for Neural Network Pruning", Eq. 3-4, applied to a gate
-    a on the branch, H_i = H_{i-1} + a f_i, at a = 1): dL ~ -(dL/dH_i . f_i). Score: its mean over
-    samples (signed: a layer whose removal is estimated to lower the loss goes first). Iterative."""
-
-    name = "taylor_gate"
-    statistic = staticmethod(residual.removal_estimate)
-
-
-@register_importance_metric
-class TaylorGateAbsolute(ResidualBranchMetric):
-    """[`TaylorGate`] with the absolute value per sample: the mean of |dL_j/dH_i . f_i(x_j)|."""
-
-    name = "taylor_gate_abs"
-    statistic = staticmethod(residual.absolute_removal_estimate)
-
-
-@register_importance_metric
-class TaylorGateSquared(ResidualBranchMetric):
-    """[`TaylorGate`] squared per sample (Molchanov et al.'s squared form): the mean of (dL_j/dH_i . f_i(x_j))^2."""
-
-    name = "taylor_gate_squared"
-    statistic = staticmethod(residual.squared_removal_estimate)
 
 
 def get_importance_metric(name_or_metric: str | ImportanceMetric, seed: int = 0) -> ImportanceMetric:
@@ -475,6 +403,8 @@ def get_importance_metric(name_or_metric: str | ImportanceMetric, seed: int = 0)
     """
     if isinstance(name_or_metric, ImportanceMetric):
         return name_or_metric
+    if name_or_metric in RETIRED_METRICS and name_or_metric not in IMPORTANCE_METRICS:
+        raise InvalidInputError(retired_metric_message(name_or_metric))
     if name_or_metric not in IMPORTANCE_METRICS:
         raise InvalidInputError(
             f"Unknown importance metric {name_or_metric!r}. Available: {', '.join(IMPORTANCE_METRICS)}. "

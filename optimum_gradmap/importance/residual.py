@@ -5,18 +5,12 @@ gradient at its output.
 
 A decoder layer adds f_i to the residual stream, H_i = H_{i-1} + f_i(H_{i-1}). Removing it takes f_i
 away. With g_i = dL/dH_i the gradient of a sample's loss at the layer's output, the paper bounds the
-change of the loss (GradMAP, Eq. 9-11, before it drops the factor M_i = max ||f_i||):
+change of the loss (GradMAP, Eq. 9-11, before it drops the factor M_i = max ||f_i||), here token by token:
 
-    |dL| <= ||g_i|| ||f_i||
+    |dL| <= sum_t ||g_{i,t}|| ||f_{i,t}||
 
-and the first-order Taylor expansion of the loss in a gate a on the branch, H_i = H_{i-1} + a f_i,
-at a = 1 (Molchanov et al., CVPR 2019, "Importance Estimation for Neural Network Pruning", Eq. 3-4)
-estimates it:
-
-    dL = L(a=0) - L(a=1) ~ -(g_i . f_i)
-
-Both need, per sample, only f_i (from the forward pass) and g_i (from a backward pass that computes
-activation gradients only): [`residual_branch_scores`] computes any such per-sample statistic for
+It needs, per sample, only f_i (from the forward pass) and g_i (from a backward pass that computes
+activation gradients only): [`residual_branch_scores`] computes such a per-sample statistic for
 every layer in one batched forward and backward pass, nothing per parameter. The per-sample loss is
 the mean next-token cross-entropy of the sample, as in GradMAP's score.
 """
@@ -34,49 +28,13 @@ from ..errors import InvalidInputError
 from ..passes import forward_hooks, forward_pre_hooks, layer_input, layer_output
 from .gradient import loss_gradient_passes
 
-# (g, f), each (batch, tokens, hidden) -> one value per sample, (batch,), or a row of values per
-# sample, (batch, num_statistics), to take several statistics from one pass
+# (g, f), each (batch, tokens, hidden) -> one value per sample, (batch,)
 SampleStatistic = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def norm_product(gradient: torch.Tensor, contribution: torch.Tensor) -> torch.Tensor:
-    """||g|| ||f|| per sample, the norms over all of the sample's tokens (the paper's bound)."""
-    return gradient.flatten(1).norm(dim=1) * contribution.flatten(1).norm(dim=1)
 
 
 def token_norm_product(gradient: torch.Tensor, contribution: torch.Tensor) -> torch.Tensor:
     """sum over tokens of ||g_t|| ||f_t|| per sample (the bound applied token by token)."""
     return (gradient.norm(dim=-1) * contribution.norm(dim=-1)).sum(dim=1)
-
-
-def squared_norm_product(gradient: torch.Tensor, contribution: torch.Tensor) -> torch.Tensor:
-    """||g||^2 ||f||^2 per sample (the bound on the squared loss change, as Eq. 11 states it)."""
-    return norm_product(gradient, contribution).pow(2)
-
-
-def removal_estimate(gradient: torch.Tensor, contribution: torch.Tensor) -> torch.Tensor:
-    """-(g . f) per sample: the first-order estimate of the loss change when the branch is removed."""
-    return -(gradient * contribution).flatten(1).sum(dim=1)
-
-
-def absolute_removal_estimate(gradient: torch.Tensor, contribution: torch.Tensor) -> torch.Tensor:
-    """|g . f| per sample."""
-    return removal_estimate(gradient, contribution).abs()
-
-
-def squared_removal_estimate(gradient: torch.Tensor, contribution: torch.Tensor) -> torch.Tensor:
-    """(g . f)^2 per sample."""
-    return removal_estimate(gradient, contribution).pow(2)
-
-
-def stacked_statistics(statistics: Sequence[SampleStatistic]) -> SampleStatistic:
-    """One statistic whose value per sample is the row of `statistics`' values, `(batch, len(statistics))`:
-    passed to [`residual_branch_scores`], it gives every one of them from a single pass."""
-
-    def stacked(gradient: torch.Tensor, contribution: torch.Tensor) -> torch.Tensor:
-        return torch.stack([statistic(gradient, contribution) for statistic in statistics], dim=1)
-
-    return stacked
 
 
 class _ResidualBranchCollector:

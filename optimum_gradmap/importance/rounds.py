@@ -37,7 +37,6 @@ class Stage1Settings(StepSettings, LayerAmount):
     protected_layers: list[int] | None
     verify_top_k: int | None
     verify_halving: bool
-    verify_from_scoring_pass: bool
     compensate_each_round: bool
     execution: ExecutionMode
     batch_size: int
@@ -56,8 +55,6 @@ class Stage1Plan:
             ([`ImportanceMetric.protected_layers`]).
         verify_top_k (`int`, *optional*): Size of the shortlist verified each round ([`verify_shortlist`]).
         verify_halving (`bool`, defaults to `False`): Verify the shortlist by successive halving.
-        verify_from_scoring_pass (`bool`, defaults to `False`): Start the shortlist's check from the layer inputs the
-            round's scoring pass computed (one process, weights in memory; elsewhere the check runs its own pass).
         batch_size (`int`, defaults to 8): Sequences per pass.
         seed (`int`, defaults to 0): The seed of the calibration draw and of random metrics.
         compensate_each_round (`bool`, defaults to `False`): Stage 2 runs after every removal (recorded in
@@ -74,7 +71,6 @@ class Stage1Plan:
     protected: set[int] | None = None
     verify_top_k: int | None = None
     verify_halving: bool = False
-    verify_from_scoring_pass: bool = False
     batch_size: int = 8
     seed: int = 0
     compensate_each_round: bool = False

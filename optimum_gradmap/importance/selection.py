@@ -22,19 +22,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from functools import partial
 
 import torch
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from .. import distributed, streaming
+from .. import distributed
 from ..adapters import DecoderAdapter
 from ..errors import InvalidInputError
 from ..metric_registry import ImportanceMetric
 from ..objectives import mean_next_token_loss
-from ..passes import RecordedLayerInputs
 from ..precision import LOSS_BOUND, Precision
 from ..surgery import LayerSnapshot
 from .rounds import Round, Selection, Stage1Checkpoint, Stage1Plan
@@ -305,17 +303,6 @@ def _log_round(description: str, finished: Round, dense_loss: float | None) -> N
         logger.info(f"{description}: removed layer {index} ({how}){curve}")
 
 
-def _records_layer_inputs(plan: Stage1Plan, model: PreTrainedModel) -> bool:
-    """Whether this round's scoring pass keeps the layer inputs for the shortlist's check: asked for, with a
-    shortlist, one process and the weights in memory (layer streaming exists to hold one layer at a time)."""
-    return (
-        plan.verify_from_scoring_pass
-        and plan.verify_top_k is not None
-        and distributed.world_size() == 1
-        and not streaming.streams(model)
-    )
-
-
 def _score_round(
     dense: LayerSnapshot,
     plan: Stage1Plan,
@@ -332,16 +319,11 @@ def _score_round(
     protected = plan.protected_layers(dense.num_layers)
     remaining = [index for index in kept if index not in protected]
     previous_scores = selection.scores[-1] if selection.scores else {}
-    recorder = None
     if plan.iterative or not previous_scores:
         positions = [kept.index(index) for index in remaining]
-        if _records_layer_inputs(plan, model):
-            layers = adapter.get_layers(model)
-            recorder = RecordedLayerInputs(model, {position: layers[position] for position in positions}, calibration_ids)
-        with recorder or nullcontext():
-            scored = score_on_shares(
-                plan.metric, model, adapter, calibration_ids, plan.batch_size, positions, progress_bar, description
-            )
+        scored = score_on_shares(
+            plan.metric, model, adapter, calibration_ids, plan.batch_size, positions, progress_bar, description
+        )
         scores = {kept[position]: float(score) for position, score in scored.items()}
     else:  # a one-shot metric: the first round's scores of the layers that remain
         scores = {index: previous_scores[index] for index in kept if index in previous_scores}
@@ -365,11 +347,6 @@ def _score_round(
     if plan.verify_top_k is None:
         return Round(scores, ranked)
     shortlist = ranked
-    layer_inputs = recorder.inputs() if recorder is not None else None
-    if recorder is not None and layer_inputs is None:
-        logger.info("The scoring pass did not run every calibration sequence in order: the shortlist check runs its own pass.")
-    if layer_inputs is not None:  # keep the shortlist's inputs only
-        layer_inputs = {kept.index(index): layer_inputs[kept.index(index)] for index in shortlist}
     losses, best, finalists = verify_shortlist(
         model,
         adapter,
@@ -379,8 +356,6 @@ def _score_round(
         halving=plan.verify_halving,
         progress_bar=progress_bar,
         description=description,
-        layer_inputs=layer_inputs,
-        returns_tuple=recorder.returns_tuple if recorder is not None else None,
     )
     verified = {kept[position]: loss for position, loss in losses.items()}
     finalists = {kept[position]: losses[position] for position in finalists}

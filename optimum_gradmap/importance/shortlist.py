@@ -7,7 +7,6 @@ by successive halving (`verify_halving`), and the layer whose removal raises it 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -43,8 +42,6 @@ def verify_shortlist(
     halving: bool = False,
     progress_bar: bool = True,
     description: str = "Verifying removals",
-    layer_inputs: Mapping[int, torch.Tensor] | None = None,
-    returns_tuple: bool | None = None,
 ) -> tuple[dict[int, float], int, list[int]]:
     """The calibration loss without each shortlisted layer ([`removal_losses`], SLEB's criterion), the
     layer to remove, and the finalists it was chosen among.
@@ -70,10 +67,6 @@ def verify_shortlist(
         halving (`bool`, defaults to `False`): Use successive halving.
         progress_bar (`bool`, defaults to `True`): Show a progress bar per rung.
         description (`str`, defaults to `"Verifying removals"`): The progress bar's label.
-        layer_inputs (`Mapping[int, torch.Tensor]`, *optional*): Position -> that layer's input on every calibration
-            sequence, recorded by the scoring pass ([`~optimum_gradmap.passes.RecordedLayerInputs`]): the candidates
-            then start from them, and no pass runs the layers before them. One process only.
-        returns_tuple (`bool`, *optional*): With `layer_inputs`: whether the model's layers return a tuple.
 
     Returns:
         `tuple[dict[int, float], int, list[int]]`: Position -> mean calibration loss without that layer (over the
@@ -85,7 +78,7 @@ def verify_shortlist(
     """
     num_rungs = halving_rungs(len(positions), calibration_ids.shape[0]) if halving else 1
     rungs = torch.tensor_split(calibration_ids, num_rungs)
-    race = _Race(model, adapter, rungs, batch_size, progress_bar, layer_inputs, returns_tuple)
+    race = _Race(model, adapter, rungs, batch_size, progress_bar)
     if len(race.rungs) == 1:  # every candidate on every sequence: the losses as measured
         losses = race.measure(0, positions, description)
         return losses, min(positions, key=lambda position: (losses[position], position)), list(positions)
@@ -95,15 +88,13 @@ def verify_shortlist(
 @dataclass(frozen=True)
 class _Race:
     """The calibration sequences split into rungs, and how a candidate's loss is measured on one of them; refuses
-    rungs the processes cannot share, and recorded layer inputs under several processes (they cover one process's
-    sequences).
+    rungs the processes cannot share.
 
     Args:
         model (`PreTrainedModel`), adapter (`DecoderAdapter`): As in [`verify_shortlist`].
         rungs (`tuple[torch.LongTensor, ...]`): The calibration sequences, split into [`halving_rungs`] contiguous
             rungs (one without `halving`).
-        batch_size (`int`), progress_bar (`bool`), layer_inputs (`Mapping[int, torch.Tensor]`, *optional*),
-            returns_tuple (`bool`, *optional*): As in [`verify_shortlist`].
+        batch_size (`int`), progress_bar (`bool`): As in [`verify_shortlist`].
     """
 
     model: PreTrainedModel
@@ -111,8 +102,6 @@ class _Race:
     rungs: tuple[torch.LongTensor, ...]
     batch_size: int
     progress_bar: bool
-    layer_inputs: Mapping[int, torch.Tensor] | None = None
-    returns_tuple: bool | None = None
 
     def __post_init__(self) -> None:
         num_rungs, world_size = len(self.rungs), distributed.world_size()
@@ -122,27 +111,9 @@ class _Race:
                 f"{num_rungs} rungs of {self.rungs[-1].shape[0]} or more, fewer than the {world_size} processes that "
                 f"share each rung: use at least {num_rungs * world_size} calibration sequences, or fewer processes."
             )
-        if self.layer_inputs is not None and world_size > 1:
-            raise InvalidInputError(
-                "Recorded layer inputs cover one process's sequences: verify without them under several processes."
-            )
 
     def measure(self, rung_index: int, candidates: list[int], label: str) -> dict[int, float]:
         """The loss without each of `candidates`, over the sequences of rung `rung_index` (shared among the processes)."""
-        if self.layer_inputs is not None:
-            start = sum(rung.shape[0] for rung in self.rungs[:rung_index])
-            end = start + self.rungs[rung_index].shape[0]
-            return removal_losses(
-                self.model,
-                self.adapter,
-                self.rungs[rung_index],
-                self.batch_size,
-                candidates,
-                self.progress_bar,
-                label,
-                layer_inputs={position: self.layer_inputs[position][start:end] for position in candidates},
-                returns_tuple=self.returns_tuple,
-            )
         return distributed.mean_over_samples(
             partial(
                 removal_losses,

@@ -73,7 +73,6 @@ def stage1_plan(settings: Stage1Settings, num_layers: int) -> Stage1Plan:
         protected=protected,
         verify_top_k=settings.verify_top_k,
         verify_halving=settings.verify_halving,
-        verify_from_scoring_pass=settings.verify_from_scoring_pass,
         batch_size=settings.batch_size,
         seed=settings.seed,
         compensate_each_round=settings.compensate_each_round,

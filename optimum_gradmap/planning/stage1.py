@@ -126,7 +126,6 @@ def _rounds_work(
     """The work of `count` rounds: each round's scoring (every round, or the first), its shortlist's check and the
     loss a budget follows; with a loss followed, the dense model's loss before the first round."""
     num_layers, tokens, protected = shape.num_layers, config.num_samples * config.seq_len, set(outline.protected)
-    recorded = config.verify_from_scoring_pass and not streamed
     measures_loss = _measures_loss(config)
     work = Work()
     if measures_loss:  # the dense model's calibration loss, before the first round
@@ -137,7 +136,7 @@ def _rounds_work(
         if outline.iterative or index == 0:
             round_work = round_work + scoring(config, outline.scoring_pass, num_layers, present, protected, streamed)
         if config.verify_top_k is not None:
-            round_work = round_work + _verification(config, num_layers, present, protected, recorded)
+            round_work = round_work + _verification(config, num_layers, present, protected)
         if measures_loss and config.verify_top_k is None and not metric.scores_are_losses:
             round_work = round_work + Work(layer_forward=Count.of((present - 1) * tokens), head_forward=Count.of(tokens))
         work = work + round_work
@@ -166,12 +165,12 @@ def scoring(
         return Work(layer_forward=Count.of(present * tokens), head_forward=Count.of(tokens))
     if scoring_pass == "removal_losses":  # SLEB: every candidate
         candidates = present - len(protected)
-        layers = _removal_range(num_layers, present, protected, candidates, recorded=False)
+        layers = _removal_range(num_layers, present, protected, candidates)
         return Work(layer_forward=layers * tokens, head_forward=Count.of(candidates * tokens))
     return Work()
 
 
-def _verification(config: GradMAPConfig, num_layers: int, present: int, protected: set[int], recorded: bool) -> Work:
+def _verification(config: GradMAPConfig, num_layers: int, present: int, protected: set[int]) -> Work:
     """The check of a round's shortlist ([`verify_shortlist`]): every racing candidate's removal loss on each rung
     (the better half goes on after each rung but the last)."""
     shortlist = min(config.verify_top_k, present - len(protected))
@@ -179,7 +178,7 @@ def _verification(config: GradMAPConfig, num_layers: int, present: int, protecte
     work, racing = Work(), shortlist
     for index, part in enumerate(_split(config.num_samples, rungs)):
         tokens = len(part) * config.seq_len
-        layers = _removal_range(num_layers, present, protected, racing, recorded)
+        layers = _removal_range(num_layers, present, protected, racing)
         work = work + Work(layer_forward=layers * tokens, head_forward=Count.of(racing * tokens))
         if index < rungs - 1:
             racing = max(2, math.ceil(racing / 2))
@@ -207,23 +206,22 @@ def _protected_positions(num_layers: int, protected: set[int]) -> tuple[int, int
     return bottom, top, len(protected) > bottom + top
 
 
-def _removal_layers(present: int, positions: Sequence[int], recorded: bool) -> int:
+def _removal_layers(present: int, positions: Sequence[int]) -> int:
     """Layer runs per sequence of [`removal_losses`] for candidates at `positions` of a stack of `present` layers: the
-    pass up to the deepest candidate (unless its inputs were recorded), then, for each candidate, the layers after it."""
-    before = 0 if recorded else max(positions) + 1
-    return before + sum(present - 1 - position for position in positions)
+    pass up to the deepest candidate, then, for each candidate, the layers after it."""
+    return max(positions) + 1 + sum(present - 1 - position for position in positions)
 
 
-def _removal_range(num_layers: int, present: int, protected: set[int], candidates: int, recorded: bool) -> Count:
+def _removal_range(num_layers: int, present: int, protected: set[int], candidates: int) -> Count:
     """[`_removal_layers`] for `candidates` of the non-protected layers of the current stack: exact when they are all
     of them and the protected layers sit at the ends of the stack, else between the deepest and the shallowest
     placements (the candidates then lie among the positions between the end-protected layers)."""
     bottom, top, scattered = _protected_positions(num_layers, protected)
     free = list(range(bottom, present - top))
     if candidates == len(free) and not scattered:
-        return Count.of(_removal_layers(present, free, recorded))
-    deepest = _removal_layers(present, free[len(free) - candidates :], recorded)
-    shallowest = _removal_layers(present, free[:candidates], recorded)
+        return Count.of(_removal_layers(present, free))
+    deepest = _removal_layers(present, free[len(free) - candidates :])
+    shallowest = _removal_layers(present, free[:candidates])
     return Count(deepest, shallowest)
 
 
@@ -252,8 +250,6 @@ def stage1_memory(config: GradMAPConfig, shape: ModelShape, outline: Stage1Outli
     if outline.verify_top_k:
         check = logits_bytes(shape, batch, seq_len) + outline.verify_top_k * tokens * d * size + one_layer / 2
         in_memory, streamed = max(in_memory, check), max(streamed, check)
-        if config.verify_from_scoring_pass:
-            in_memory += shape.num_layers * config.num_samples * seq_len * d * size
     return {"in_memory": in_memory, "streamed": streamed}
 
 
