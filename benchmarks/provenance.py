@@ -1,7 +1,8 @@
 """Where a benchmark figure comes from: every row a benchmark writes carries `provenance()`, taken when the
 row's measurement starts and finished when it ends (`finish(...)`):
 
-- `commit` (and `dirty`: uncommitted changes to tracked files), both taken when this module is first imported, at the
+- `commit` (and `dirty`: uncommitted changes to tracked files other than the records of benchmarks/results/, which
+  a benchmark writes itself), both taken when this module is first imported, at the
   start of the benchmark's process: the code it runs is that commit's, however HEAD moves during a long run (a row
   measured hours later still ran the code loaded then); `date` (UTC), this process's `command`, its paths relative
   (`records.relative_paths`);
@@ -102,7 +103,7 @@ def wait_until_quiet(max_seconds: float = 300.0, poll: float = 5.0) -> float:
 
 # The commit and local changes of the code this process loaded (see the module docstring).
 PROCESS_COMMIT = os.environ.get("PROVENANCE_COMMIT") or _git("rev-parse", "HEAD")
-PROCESS_DIRTY = bool(_git("status", "--porcelain", "--untracked-files=no"))
+PROCESS_DIRTY = bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"))
 
 
 def provenance() -> dict:

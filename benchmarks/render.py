@@ -4,13 +4,15 @@
     python benchmarks/render.py --check  # changes nothing; exit status 1 and a diff where a committed table differs
 
 A table lives in a markdown file between two markers, `<!-- render: NAME -->` and `<!-- /render -->`; NAME is a key of
-`TABLES`, whose function (in the module of benchmarks/rendering/ for that page) writes the table from its records.
+`TABLES`, whose function (in the module of benchmarks/rendering/ for that page) writes the table from its records. A
+chart is the same: NAME is a key of a module's `CHARTS`, whose function draws it from the records as SVG
+(`rendering.charts`) into docs/benchmarks/charts/NAME.svg, and the block holds the picture's link.
 Nothing between the markers is typed by hand: the prose around them is. Every row carries a footnote with its
 provenance (commit, date, command, machine, quiet or not, from benchmarks/provenance.py), a copied row says what it
 copies, and a row measured by code older than a change of the library's behaviour that concerns it
 (`rendering.common.CHANGES`) is marked with that change; a record written before rows carried their provenance says
 so. The README's table carries no footnotes: its rows link to the pages that carry them. tests/test_docs.py fails
-when a committed table differs from what this script writes.
+when a committed table or chart differs from what this script writes.
 """
 
 from __future__ import annotations
@@ -43,7 +45,27 @@ def tables() -> dict[str, Callable[[Context], str]]:
     return found
 
 
-TABLES = tables()
+def charts() -> dict[str, Callable[[], tuple[str, str]]]:
+    """Every chart's function, `() -> (its alt text, its SVG)`: the `CHARTS` of each module of benchmarks/rendering/."""
+    found: dict[str, Callable[[], tuple[str, str]]] = {}
+    for module in pkgutil.iter_modules(rendering.__path__):
+        found.update(getattr(importlib.import_module(f"rendering.{module.name}"), "CHARTS", {}))
+    return found
+
+
+CHARTS = charts()
+CHART_FOLDER = os.path.join("docs", "benchmarks", "charts")
+
+
+def _chart_link(name: str) -> Callable[[Context], str]:
+    def link(context: Context) -> str:
+        alt, _ = CHARTS[name]()
+        return f"![{alt}]({context.link(f'{CHART_FOLDER}/{name}.svg')})\n"
+
+    return link
+
+
+TABLES = {**tables(), **{name: _chart_link(name) for name in CHARTS}}
 
 
 # --- writing ------------------------------------------------------------------------------------------------------
@@ -70,8 +92,18 @@ def render_text(text: str, page: str) -> str:
 
 
 def differences() -> dict[str, tuple[str, str]]:
-    """`{page: (committed text, rendered text)}` for every page whose tables differ from their rendering."""
+    """`{path: (committed text, rendered text)}` for every page whose tables differ from their rendering, and every
+    chart whose file differs from its drawing (an empty text for a chart not written yet)."""
     changed = {}
+    for name, draw in CHARTS.items():
+        path = os.path.join(CHART_FOLDER, f"{name}.svg")
+        committed = ""
+        if os.path.exists(os.path.join(ROOT, path)):
+            with open(os.path.join(ROOT, path), encoding="utf-8") as file:
+                committed = file.read()
+        drawn = draw()[1]
+        if drawn != committed:
+            changed[path] = (committed, drawn)
     for page in pages():
         with open(os.path.join(ROOT, page), encoding="utf-8") as file:
             text = file.read()
@@ -90,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.check:
             sys.stdout.writelines(difflib.unified_diff(text.splitlines(True), rendered.splitlines(True), page, page))
         else:
+            os.makedirs(os.path.dirname(os.path.join(ROOT, page)), exist_ok=True)
             with open(os.path.join(ROOT, page), "w", encoding="utf-8") as file:
                 file.write(rendered)
             print(f"rendered {page}")

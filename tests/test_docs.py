@@ -133,6 +133,27 @@ def test_render_rewrites_a_table_edited_by_hand():
     assert render.render_text(edited, "README.md") != edited
 
 
+def test_a_stale_chart_is_found_and_drawn_again(tmp_path, monkeypatch):
+    """A chart is drawn from its records by the renderer: a chart file that differs from its drawing is reported, and
+    the same records draw the same bytes."""
+    render = load_render()
+    assert {"deploy-chart", "layers-chart", "heal-chart"} <= set(render.CHARTS)
+    name = "deploy-chart"
+    alt, drawn = render.CHARTS[name]()
+    assert drawn == render.CHARTS[name]()[1] and drawn.startswith("<svg") and "<title>" in drawn
+    monkeypatch.setattr(render, "ROOT", str(tmp_path))
+    for chart in render.CHARTS:  # every other chart as drawn, this one edited by hand
+        path = tmp_path / render.CHART_FOLDER / f"{chart}.svg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(render.CHARTS[chart]()[1].replace("#1f77b4", "#000000") if chart == name else render.CHARTS[chart]()[1])
+    monkeypatch.setattr(render, "pages", lambda: [])
+    assert list(render.differences()) == [f"{render.CHART_FOLDER}/{name}.svg"]
+    assert render.main([]) == 0 and (tmp_path / render.CHART_FOLDER / f"{name}.svg").read_text() == drawn
+    assert render.differences() == {}
+    page = render.render_text("<!-- render: deploy-chart -->\n<!-- /render -->\n", "docs/benchmarks/deploy.md")
+    assert f"![{alt}](charts/deploy-chart.svg)" in page
+
+
 def test_the_readme_table_carries_no_footnotes_and_the_pages_it_links_carry_its_provenance():
     render = load_render()
     overview = importlib.import_module("rendering.overview")

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from common import SELECTIONS  # benchmarks/common.py: the selections of benchmarks/accuracy.py
 
+from .charts import Panel, Point, scatter
 from .common import (
     CHANGES,
     Context,
@@ -281,7 +282,58 @@ def decision(context: Context) -> str:
     return table.markdown()
 
 
+# --- the page's opening: the chart and the short table --------------------------------------------------------------
+
+SHORT_SETTINGS = {"SmolLM2-135M, 25%": "SmolLM2 25%", "SmolLM2-135M, 40%": "SmolLM2 40%", "Qwen2.5-Coder-0.5B, 25%": "Qwen 25%"}
+
+
+def _headline_rows() -> list[tuple[str, str, dict, dict]]:
+    """`(setting, source, record, row)` of the headline rows with a comparison against the dense model."""
+    return [
+        (SHORT_SETTINGS[setting], source, record, row)
+        for setting, source in HEADLINE_RECORDS
+        for record in [load(source)]
+        for row in record["rows"]
+        if row["variant"] != "dense" and row.get("against_dense")
+    ]
+
+
+SHORT_VARIANTS = {"stage1": "Stage 1 alone", "default": "+ default Stage 2", "paper": "+ paper's Stage 2"}
+
+
+def _label(row: dict) -> str:
+    return f"{'quality' if row['selection'] == 'quality' else 'GradMAP'}, {SHORT_VARIANTS[row['variant']]}"
+
+
+def opening_table(context: Context) -> str:
+    """Per headline row: web-text perplexity, accuracy and the flips against the dense model (BoolQ left out)."""
+    table = Table("accuracy-opening", "setting | row | web ppl | accuracy | flips, no BoolQ")
+    previous = None
+    for setting, source, record, row in _headline_rows():
+        accuracy, _ = mean_accuracy(row["evaluation"]["zero_shot"])
+        cells = [setting if setting != previous else "", _label(row), number(perplexity(row["evaluation"], WEB))]
+        cells += [f"{100 * accuracy:.1f}", f"{100 * flips_without_boolq(row['against_dense']):.1f}%"]
+        table.add(cells, row_provenance(row, record), source, row_kinds(row), cell=1)
+        previous = setting
+    return table.markdown()
+
+
+def opening_chart() -> tuple[str, str]:
+    """Flips against the dense model (BoolQ left out) against web-text perplexity, per headline row."""
+    points = []
+    for setting, _, _, row in _headline_rows():
+        web, flips = perplexity(row["evaluation"], WEB), 100 * flips_without_boolq(row["against_dense"])
+        label = f"{setting}, {_label(row)}: web-text perplexity {web:,.1f}, flips {flips:.1f}%"
+        points.append(Point(web, flips, SHORT_VARIANTS[row["variant"]], setting, label))
+    title = "Flips against the dense model against web-text perplexity: Stage 1 alone and with each Stage 2"
+    panel = Panel("Fidelity against perplexity", "web-text perplexity", "flips, no BoolQ (%)", points, True)
+    return title, scatter([panel], title)
+
+
+CHARTS = {"accuracy-chart": opening_chart}
+
 TABLES = {
+    "accuracy-opening": opening_table,
     "accuracy-headline": accuracy_headline,
     "accuracy-standard-paired": standard_paired,
     "accuracy-decision": decision,

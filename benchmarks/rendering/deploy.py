@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from .charts import Panel, Point, scatter
 from .common import RESULTS, Context, Table, load
 
 MODELS = {"smollm2-135m": "SmolLM2-135M", "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B"}
@@ -129,4 +130,53 @@ def order(context: Context) -> str:
     return table.markdown()
 
 
-TABLES = {"deploy": deploy_table, "deploy-composition": composition, "deploy-order": order}
+# The forms the page opens with, by short name: dense, pruned (GradMAP 25%), and pruned then healed (LoRA).
+SHORT = {"dense": "dense", "gradmap-25": "pruned", "gradmap-25-healed": "healed"}
+SHORT_MODELS = {"SmolLM2-135M": "SmolLM2", "Qwen2.5-Coder-0.5B": "Qwen"}
+
+
+def _summary_rows() -> list[tuple[str, str, dict]]:
+    """`(model, source, row)` for the dense, pruned and healed forms in every precision that was served."""
+    return [
+        (model, source, row)
+        for model, source, record in _records()
+        for row in _in_order(record["rows"])
+        if row["variant"] in SHORT and "refused" not in row
+    ]
+
+
+def _form(model: str, row: dict) -> str:
+    return f"{SHORT_MODELS[model]} {SHORT[row['variant']]}, {row['precision']}"
+
+
+def summary(context: Context) -> str:
+    """The page's opening table, five columns: each form's size, decode speed, web-text KL and zero-shot accuracy."""
+    table = Table("deploy-summary", "model and form | MB on disk | decode tok/s, batch 1 | web-text KL | zero-shot acc")
+    for model, source, row in _summary_rows():
+        cells = [_form(model, row), f"{row['bytes_on_disk'] / 1e6:,.0f}"]
+        cells += [f"{row['vllm']['batch1']['decode_tokens_per_second']:,.1f}", f"{row['kl_to_dense']['offline:web_text']:.3f}"]
+        cells += [f"{100 * row['accuracy']:.1f}"]
+        table.add(
+            cells, row["provenance"], source, more=[(2, row["vllm_provenance"], source)] if "vllm_provenance" in row else []
+        )
+    return table.markdown()
+
+
+def chart() -> tuple[str, str]:
+    """Web-text KL from the dense model against the size on disk and against vLLM's decode speed on this CPU."""
+    size, speed = [], []
+    for model, _, row in _summary_rows():
+        series, kl = f"{SHORT_MODELS[model]} {SHORT[row['variant']]}", row["kl_to_dense"]["offline:web_text"]
+        label = f"{_form(model, row)}: web-text KL {kl:.3f}"
+        size.append(Point(row["bytes_on_disk"] / 1e6, kl, series, row["precision"], label))
+        speed.append(Point(row["vllm"]["batch1"]["decode_tokens_per_second"], kl, series, row["precision"], label))
+    title = "Web-text KL from the dense model against size on disk and decode speed, each model dense, pruned, healed"
+    panels = [
+        Panel("Quality against size", "MB on disk", "web-text KL (lower is better)", size),
+        Panel("Quality against speed", "decode tokens/s, batch 1", "", speed),
+    ]
+    return title, scatter(panels, title)
+
+
+TABLES = {"deploy": deploy_table, "deploy-composition": composition, "deploy-order": order, "deploy-summary": summary}
+CHARTS = {"deploy-chart": chart}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from .charts import Panel, Point, scatter
 from .common import Context, Table, kl_cell, load, number, paired, paired_without_boolq, perplexity
 
 HEAL_RECORDS = (
@@ -235,7 +236,80 @@ def _row_name(variant: str) -> str:
     return names.get(variant, f"+ heal `{variant}`")
 
 
+# --- the page's opening: the chart and the short table --------------------------------------------------------------
+
+OPENING_RECORDS = (
+    ("SmolLM2 25%", "heal-smollm2-135m-0.25-gradmap-screening"),
+    ("SmolLM2 40%", "heal-smollm2-135m-0.4-gradmap-screening"),
+    ("SmolLM2 25%, quality", "heal-smollm2-135m-0.25-quality-screening"),
+    ("Qwen 25%", "heal-qwen2.5-coder-0.5b-0.25-gradmap-screening"),
+)
+
+
+def _opening_label(variant: str) -> str | None:
+    """The short name of a row the page opens with, None for the others: Stage 1 alone, Stage 1 + 2, the default heal
+    on corpus text at about Stage 1's time, and the recommended one on the dense model's own text."""
+    if variant in ("stage1", "default"):
+        return {"stage1": "Stage 1 alone", "default": "Stage 1 + 2"}[variant]
+    if variant.startswith("lora@") and "+" not in variant and not is_timed_budget(variant):
+        return "heal, corpus text"
+    return "heal, own text" if variant == "lora@1.5x+text=generated" else None
+
+
+def _opening_rows() -> list[tuple[str, str, str, dict, float]]:
+    """`(setting, source, label, row, heal time in Stage 1's)` of the rows the page opens with."""
+    found = []
+    for setting, source in OPENING_RECORDS:
+        unit, _ = stage1_unit(source)
+        for row in load(source)["rows"]:
+            label = _opening_label(row["variant"])
+            if label:
+                found.append((setting, source, label, row, (row.get("heal") or {}).get("seconds", 0.0) / unit))
+    return found
+
+
+def _alone(row: dict) -> bool:
+    return not row["provenance"]["others_running_before"] and not row["provenance"]["others_running_after"]
+
+
+def opening_table(context: Context) -> str:
+    """Per setting: Stage 1 alone, Stage 1 + 2 and two heals, with the heal's time, the KL and the flips."""
+    table = Table("heal-opening", "setting | row | heal time (x Stage 1) | KL web text | flips, no BoolQ")
+    previous = None
+    for setting, source, label, row, share in _opening_rows():
+        time = "-" if not row.get("heal") else f"{share:.2f}x" if _alone(row) else "shared machine"
+        cells = [setting if setting != previous else "", label, time, f"{kl_on(row['evaluation'], 'offline:web_text'):.3f}"]
+        table.add(
+            cells + [f"{100 * row['flips_without_boolq']['flips']:.1f}%"], row["provenance"], source, row_kinds(row), cell=1
+        )
+        previous = setting
+    return table.markdown()
+
+
+def opening_chart() -> tuple[str, str]:
+    """The KL from the dense model on web text and the flips against it, against the heal's time (in Stage 1's)."""
+    kl, flips = [], []
+    for setting, _, label, row, share in _opening_rows():
+        if row.get("heal") and not _alone(row):  # its time was shared with other work
+            continue
+        kind = label if not row.get("heal") else "heal"
+        value = kl_on(row["evaluation"], "offline:web_text")
+        flipped = 100 * row["flips_without_boolq"]["flips"]
+        tip = f"{setting}, {label}: KL {value:.3f}, flips {flipped:.1f}%, heal {share:.2f}x Stage 1's time"
+        kl.append(Point(share, value, setting, kind, tip))
+        flips.append(Point(share, flipped, setting, kind, tip))
+    title = "KL from the dense model and flips against it, against the heal's time in units of Stage 1's"
+    panels = [
+        Panel("KL on web text", "heal time / Stage 1's", "KL from the dense model", kl),
+        Panel("Flips against the dense model", "heal time / Stage 1's", "flips, no BoolQ (%)", flips),
+    ]
+    return title, scatter(panels, title)
+
+
+CHARTS = {"heal-chart": opening_chart}
+
 TABLES = {
+    "heal-opening": opening_table,
     "heal-trainables": heal_kl_rows("heal", HEAL_RECORDS),
     "heal-smollm2-25-gradmap": heal_rows("heal-smollm2-135m-0.25-gradmap-screening"),
     "heal-smollm2-25-gradmap-text": heal_text_rows("heal-smollm2-135m-0.25-gradmap-screening"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+from .charts import Panel, Point, scatter
 from .common import Context, Table, load, older_record, option_values
 
 QWEN = "compare-qwen2.5-coder-0.5b-0.25"
@@ -205,7 +206,60 @@ def every_shortlist(context: Context) -> str:
 
 # --- the page's tables -----------------------------------------------------------------------------------------------
 
+# --- the page's opening: the chart and the short table --------------------------------------------------------------
+
+# The methods the page opens with, by the name a user gives them.
+OPENING = (
+    ("sleb", "sleb"),
+    ("gradmap_bound_token+top8+halving", "quality preset"),
+    ("gradmap", "gradmap (the paper)"),
+    ("block_influence", "block_influence"),
+    ("relative_magnitude", "fast preset"),
+    ("taylor", "taylor"),
+)
+
+
+def _opening_rows() -> list[tuple[str, str, str, dict, dict]]:
+    """`(setting, source, label, row, SLEB's row)` of Stage 1 alone, for the methods the page opens with."""
+    found = []
+    for setting, source in SETTINGS:
+        rows = _rows(source)
+        found += [(setting, source, label, rows[method, False], rows["sleb", False]) for method, label in OPENING]
+    return found
+
+
+def opening_table(context: Context) -> str:
+    """Stage 1 alone at the three settings: each method's web-text perplexity, Stage 1 seconds and share of SLEB's."""
+    table = Table("layers-opening", "setting | method | web-text ppl | Stage 1 s | of SLEB's time")
+    for setting, source, label, row, sleb in _opening_rows():
+        method = next(method for method, name in OPENING if name == label)
+        cells = [setting if label == OPENING[0][1] else "", label, f"{_perplexities(row)[1]:,.1f}"]
+        cells += [_seconds(row["stage1_seconds"]), f"{row['stage1_seconds'] / sleb['stage1_seconds']:.1%}"]
+        table.add(cells, compare_provenance(source, method), source, cell=1)
+    return table.markdown()
+
+
+def opening_chart() -> tuple[str, str]:
+    """Web-text perplexity against Stage 1's time, both as a multiple of SLEB's at the same setting (log scales)."""
+    points = [
+        Point(
+            row["stage1_seconds"] / sleb["stage1_seconds"],
+            _perplexities(row)[1] / _perplexities(sleb)[1],
+            label,
+            setting,
+            f"{setting}, {label}: web-text perplexity {_perplexities(row)[1]:,.1f} in {row['stage1_seconds']:,.0f} s",
+        )
+        for setting, _, label, row, sleb in _opening_rows()
+    ]
+    title = "Web-text perplexity after Stage 1 against Stage 1's time, each as a multiple of SLEB's"
+    panel = Panel("Quality against Stage 1 time", "Stage 1 time / SLEB's", "web-text ppl / SLEB's", points, True, True)
+    return title, scatter([panel], title)
+
+
+CHARTS = {"layers-chart": opening_chart}
+
 TABLES = {
+    "layers-opening": opening_table,
     "layers-every-shortlist": every_shortlist,
     # every importance metric, with and without the paper's Stage 2
     "layers-metrics-smollm2-25": functools.partial(

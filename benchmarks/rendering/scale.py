@@ -8,6 +8,7 @@ import json
 import os
 import re
 
+from .charts import Panel, Point, scatter
 from .common import RESULTS, Context, Table, load
 
 FLOAT32_BYTES = 4
@@ -71,7 +72,52 @@ def prune_from_disk(context: Context) -> str:
     return table.markdown()
 
 
+def _pruned_rows() -> list[tuple[str, dict]]:
+    return [(source, row) for source, row in scale_records() if row.get("exit_code") == 0 and "round_seconds" in row]
+
+
+def _run_names() -> list[str]:
+    """A short name per pruned run, numbered per model and dtype in the records' order (the full table below says what
+    each run changed)."""
+    names, seen = [], {}
+    for _, row in _pruned_rows():
+        key = f"{row['model']}, {row['dtype']}"
+        seen[key] = seen.get(key, 0) + 1
+        names.append(f"{key}, run {seen[key]}" + ("" if row["round_seconds"] else ", layers given"))
+    return names
+
+
+def opening_table(context: Context) -> str:
+    """Each run pruned from disk: its peak resident memory, over the float32 weight bytes, its seconds, its reload."""
+    table = Table("scale-opening", "run | peak resident GiB | / fp32 weights | Stage 1 + 2 s | reload")
+    for (source, row), name in zip(_pruned_rows(), _run_names()):
+        float32_gib = _parameters(row) * FLOAT32_BYTES / 2**30
+        peak = row["memory"]["peak_resident_gib"]
+        seconds = row["timings"].get("stage1", 0) + row["timings"].get("stage2", 0)
+        reload = "equal" if row.get("reload", {}).get("equal") else "differ"
+        cells = [name, gib(peak), f"{peak / float32_gib:.3f}", f"{seconds:,.0f}", reload]
+        table.add(cells, row["provenance"], source)
+    return table.markdown()
+
+
+def opening_chart() -> tuple[str, str]:
+    """Peak resident memory over the float32 weight bytes against Stage 1 + 2's seconds, per run pruned from disk."""
+    points = []
+    for (_, row), name in zip(_pruned_rows(), _run_names()):
+        float32_gib = _parameters(row) * FLOAT32_BYTES / 2**30
+        peak = row["memory"]["peak_resident_gib"]
+        seconds = row["timings"].get("stage1", 0) + row["timings"].get("stage2", 0)
+        label = f"{name}: peak {peak:.2f} GiB ({peak / float32_gib:.3f}x the fp32 weights), {seconds:,.0f} s"
+        points.append(Point(seconds, peak / float32_gib, row["model"], row["dtype"], label))
+    title = "Peak resident memory over the float32 weight bytes against the seconds of Stage 1 and 2, pruned from disk"
+    panel = Panel("Memory against time (random weights)", "Stage 1 + 2 seconds", "peak memory / fp32 weights", points)
+    return title, scatter([panel], title)
+
+
+CHARTS = {"scale-chart": opening_chart}
+
 TABLES = {
+    "scale-opening": opening_table,
     "scale-prune": prune_from_disk,
 }
 

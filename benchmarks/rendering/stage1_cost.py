@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from .charts import Panel, Point, scatter
 from .common import RESULTS, Context, Table, load, number
 
 PEER_RECORDS = (
@@ -248,7 +249,50 @@ def dtype(context: Context) -> str:
     return rows.markdown(notes=False) + "\n" + against.markdown()
 
 
+# --- the page's opening: the chart and the short table --------------------------------------------------------------
+
+PEER_NAMES = {
+    "sleb_reference": "SLEB's own code",
+    "sleb": "our SLEB",
+    "quality": "quality preset",
+    "paper": "gradmap (the paper)",
+    "fast": "fast preset",
+}
+
+
+def opening_chart() -> tuple[str, str]:
+    """Web-text perplexity after Stage 1 against its time as a share of SLEB's own code's, per method and setting."""
+    points = []
+    for setting, source in PEER_RECORDS:
+        rows = load(source)["rows"]
+        reference = next(row for row in rows if row["method"] == "sleb_reference")
+        for row in rows:
+            share, web = row["stage1_seconds"] / reference["stage1_seconds"], row["perplexity"]["offline:web_text"]
+            label = f"{setting}, {PEER_NAMES[row['method']]}: {row['stage1_seconds']:,.0f} s, web-text perplexity {web:,.1f}"
+            points.append(Point(share, web, PEER_NAMES[row["method"]], ", ".join(setting.split(", ")[:2]), label))
+    title = "Web-text perplexity after Stage 1 against Stage 1's time as a share of SLEB's own code's"
+    panel = Panel("Quality against Stage 1 time", "Stage 1 time / SLEB's own code's", "web-text perplexity", points, True, True)
+    return title, scatter([panel], title)
+
+
+def precision_opening(context: Context) -> str:
+    """The main job's seconds per stage and wall time with the default passes and with float32 passes."""
+    table = Table("precision-opening", "setting | passes | Stage 1 s | Stage 2 s | wall s")
+    for source, _ in PRECISION_RECORDS:
+        if not os.path.exists(os.path.join(RESULTS, source + ".json")):
+            continue
+        record = load(source)
+        setting = f"{MODEL_NAMES.get(record['model'], record['model'])}, {record['ratio']:.0%}"
+        for index, row in enumerate(record["rows"]):
+            cells = [setting if index == 0 else "", f"`{row['precision']}`", f"{row['stage1_seconds']:.1f}"]
+            table.add(cells + [f"{row['stage2_seconds']:.1f}", f"{row['wall_seconds']:.0f}"], row["provenance"], source, cell=1)
+    return table.markdown()
+
+
+CHARTS = {"stage1-cost-chart": opening_chart}
+
 TABLES = {
+    "precision-opening": precision_opening,
     "precision": precision,
     "precision-bound": precision_bound,
     "stage2-bound": stage2_bound,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .charts import Panel, Point, scatter
 from .common import Context, Table, load, machine_text, older_record, option_values
 
 # --- benchmarks/stage2.py's records ----------------------------------------------------------------------------
@@ -244,7 +245,66 @@ def stage2_each_round(context: Context) -> str:
     return table.markdown()
 
 
+# --- the page's opening: the chart and the short table --------------------------------------------------------------
+
+OPENING_RECORDS = (
+    ("SmolLM2 25%", "stage2-smollm2-135m-0.25"),
+    ("SmolLM2 40%", "stage2-smollm2-135m-0.4"),
+    ("Qwen 25%", "stage2-qwen2.5-coder-0.5b-0.25"),
+)
+OPENING_VARIANTS = {"none": "no Stage 2", "paper": "the paper's Stage 2", "span_end+auto": "span_end, lambda auto"}
+
+
+def _opening_rows() -> list[tuple[str, str, dict, str, dict]]:
+    """`(setting, source, record, selection, {variant: row})` for the public selections each record has every variant of."""
+    found = []
+    for setting, source in OPENING_RECORDS:
+        record = load(source)
+        for method in SELECTIONS:
+            rows = {row["variant"]: row for row in record["rows"] if row["method"] == method and row["variant"] in VARIANTS}
+            if method != "random" and len(rows) == len(VARIANTS):
+                found.append((setting, source, record, method, rows))
+    return found
+
+
+def _web_text(row: dict) -> float:
+    return row["evaluation"]["perplexities"][1]["perplexity"]
+
+
+def opening_table(context: Context) -> str:
+    """Web-text perplexity of each selection with no Stage 2, the paper's and the span-end fits with lambda chosen."""
+    table = Table("stage2-opening", "setting | selection | " + " | ".join(OPENING_VARIANTS.values()))
+    previous = None
+    for setting, source, record, method, rows in _opening_rows():
+        cells = [setting if setting != previous else "", method]
+        cells += [f"{_web_text(rows[variant]):,.1f}" for variant in OPENING_VARIANTS]
+        table.add(cells, stage2_provenance(record, rows["span_end+auto"]), source, cell=1)
+        previous = setting
+    return table.markdown()
+
+
+def opening_chart() -> tuple[str, str]:
+    """Each selection's Wikipedia against web-text perplexity, with no Stage 2, the paper's and the span-end fits."""
+    points = [
+        Point(
+            row["evaluation"]["perplexities"][0]["perplexity"],
+            _web_text(row),
+            OPENING_VARIANTS[variant],
+            setting,
+            f"{setting}, {method}, {OPENING_VARIANTS[variant]}: web-text perplexity {_web_text(row):,.1f}",
+        )
+        for setting, _, _, method, rows in _opening_rows()
+        for variant, row in rows.items()
+    ]
+    title = "Wikipedia against web-text perplexity of each Stage 1 selection, with no Stage 2, the paper's and span_end's"
+    panel = Panel("Held-out perplexity", "Wikipedia perplexity", "web-text perplexity", points, True, True)
+    return title, scatter([panel], title)
+
+
+CHARTS = {"stage2-chart": opening_chart}
+
 TABLES = {
+    "stage2-opening": opening_table,
     "stage2-variants-smollm2-25": stage2_variants_smollm2_25,
     "stage2-variants-smollm2-40": stage2_variants_smollm2_40,
     "stage2-variants-qwen-25": stage2_variants_qwen_25,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .charts import Panel, Point, scatter
 from .common import Context, Table, load, machine_text, older_record, scientific
 
 STREAMING_RECORDS = (
@@ -56,6 +57,23 @@ def layer_streamed(context: Context) -> str:
         )
     return table.markdown()
 
+
+def opening_chart() -> tuple[str, str]:
+    """Peak memory over the weight bytes against the seconds of a round, in memory and layer-streamed."""
+    points = []
+    for model, source in STREAMING_RECORDS:
+        record = load(source)
+        results, figures = record["results"], record["figures"]
+        for mode, name in (("in_memory", "in memory"), ("layer_streamed", "layer-streamed")):
+            peak = figures[f"{'in_memory' if mode == 'in_memory' else 'streamed'}_peak_over_weight_bytes"]
+            label = f"{model}, {name}: {results[mode]['seconds']:.1f} s a round, peak {peak:.2f}x the weights"
+            points.append(Point(results[mode]["seconds"], peak, model, name, label))
+    title = "Peak memory over the weight bytes against the seconds of a Stage 1 round, in memory and layer-streamed"
+    panel = Panel("Memory against time", "seconds per Stage 1 round", "peak memory / weight bytes", points)
+    return title, scatter([panel], title)
+
+
+CHARTS = {"streaming-chart": opening_chart}
 
 TABLES = {
     "layer-streamed": layer_streamed,
