@@ -77,13 +77,13 @@ def _pruned_rows() -> list[tuple[str, dict]]:
 
 
 def _run_names() -> list[str]:
-    """A short name per pruned run, numbered per model and dtype in the records' order (the full table below says what
+    """A short name per pruned run, numbered per model in the records' order (the full table below says what
     each run changed)."""
     names, seen = [], {}
     for _, row in _pruned_rows():
-        key = f"{row['model']}, {row['dtype']}"
+        key = row["model"]
         seen[key] = seen.get(key, 0) + 1
-        names.append(f"{key}, run {seen[key]}" + ("" if row["round_seconds"] else ", layers given"))
+        names.append(f"{key} run {seen[key]}" + ("" if row["round_seconds"] else ", layers given"))
     return names
 
 
