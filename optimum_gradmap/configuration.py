@@ -11,7 +11,6 @@ depend on the file system (a calibration folder) are checked when they are used.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -22,7 +21,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from .errors import InvalidInputError
-from .metric_registry import RETIRED_METRICS, ImportanceMetric, importance_metric_names, retired_metric_message
+from .metric_registry import ImportanceMetric, importance_metric_names
+from .retired import RETIRED_METRICS, RETIRED_SETTINGS, refusing_retired_settings, retired_metric_message
 from .settings import LayerAmount
 
 CONFIG_NAME = "gradmap_config.json"
@@ -98,24 +98,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     # then the default Stage 2.
     "fast": {"importance": "relative_magnitude"},
 }
-
-
-# Settings taken off the public surface: name -> (the one value it has now, what retired it and what to use instead).
-# `GradMAPConfig` and the command line refuse them with that message; a saved config that holds one at that value
-# (a checkpoint made before) still loads.
-RETIRED_SETTINGS: dict[str, tuple[Any, str]] = {
-    "verify_from_scoring_pass": (
-        False,
-        "starting the shortlist's check from the scoring pass saved no time: 221.9 s of Stage 1 against 209.5 s without "
-        "it, with the same layers (SmolLM2-135M at 25%, the quality preset's Stage 1, 16 x 128 tokens, "
-        "docs/benchmarks/stage1-cost.md). The check runs its own pass; remove the setting",
-    ),
-}
-
-
-def retired_setting_message(name: str) -> str:
-    """The error for a retired setting: what retired it and what to use instead."""
-    return f"The setting `{name}` was retired: {RETIRED_SETTINGS[name][1]}."
 
 
 def _setting(default: Any, help: str, minimum: int | None = None, **metadata: Any) -> Any:
@@ -805,18 +787,4 @@ def _docstring() -> str:
 GradMAPConfig.__doc__ = _docstring()
 
 
-def _refusing_retired_settings(init: Any) -> Any:
-    """The dataclass's `__init__`, refusing a retired setting ([`RETIRED_SETTINGS`]) with what retired it rather than
-    as an unexpected argument (its signature stays the dataclass's)."""
-
-    @functools.wraps(init)
-    def checked(self: GradMAPConfig, *args: Any, **kwargs: Any) -> None:
-        retired = [name for name in kwargs if name in RETIRED_SETTINGS]
-        if retired:
-            raise InvalidInputError(retired_setting_message(retired[0]))
-        init(self, *args, **kwargs)
-
-    return checked
-
-
-GradMAPConfig.__init__ = _refusing_retired_settings(GradMAPConfig.__init__)
+GradMAPConfig.__init__ = refusing_retired_settings(GradMAPConfig.__init__)

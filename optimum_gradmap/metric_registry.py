@@ -121,33 +121,6 @@ BUILTIN_METRIC_NAMES: tuple[str, ...] = (
     "gradmap_bound_token",
 )
 
-# Metrics taken off the public surface: none is a default, a preset, the paper's or a peer's method, or the best row
-# of a published table. Name -> what retired it and what to use instead (docs/changelog.md).
-RETIRED_METRICS: dict[str, str] = {
-    "random": "a baseline, never a best row (SmolLM2-135M at 25%: Wikipedia / web-text perplexity 99,783.79 / "
-    "378,713.49 against gradmap's 171.01 / 322.20, docs/benchmarks/layer-selection.md). The benchmarks' baseline rows "
-    "register it with `import optimum_gradmap.experimental`",
-    "gradmap_bound": "in no published table; it ranked the layers' removal losses below gradmap_bound_token on "
-    "SmolLM2-135M (Spearman 0.895 against 0.935). Use gradmap_bound_token, the same bound per token",
-    "gradmap_bound_squared": "in no published table; Spearman 0.889 with the layers' removal losses on SmolLM2-135M "
-    "against gradmap_bound_token's 0.935. Use gradmap_bound_token",
-    "taylor_gate": "in no published table; Spearman 0.514 with the layers' removal losses on SmolLM2-135M against "
-    "gradmap_bound_token's 0.935. Use gradmap_bound_token, or taylor (Shortened LLaMA's Taylor+)",
-    "taylor_gate_abs": "in no published table; Spearman 0.670 with the layers' removal losses on SmolLM2-135M against "
-    "gradmap_bound_token's 0.935. Use gradmap_bound_token, or taylor (Shortened LLaMA's Taylor+)",
-    "taylor_gate_squared": "in no published table; Spearman 0.669 with the layers' removal losses on SmolLM2-135M "
-    "against gradmap_bound_token's 0.935. Use gradmap_bound_token, or taylor (Shortened LLaMA's Taylor+)",
-}
-
-
-def retired_metric_message(name: str) -> str:
-    """The error for a retired metric's name: what retired it and what to use instead."""
-    return (
-        f"The importance metric {name!r} was retired from the public metrics: {RETIRED_METRICS[name]}. "
-        f"The metrics are {', '.join(importance_metric_names())}."
-    )
-
-
 # The registry: metric name -> class. Fed by `register_importance_metric`, read by `GradMAPConfig`,
 # the command line and `get_importance_metric`.
 IMPORTANCE_METRICS: dict[str, type[ImportanceMetric]] = {}

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 from transformers.utils import logging
 
 from ..arguments import add_config_arguments, add_retired_arguments, brief, config_from_arguments, option_groups
-from ..configuration import PRESETS, RETIRED_SETTINGS, GradMAPConfig, retired_setting_message
+from ..configuration import PRESETS, GradMAPConfig
 from ..loading import ModelLoading
+from ..retired import RETIRED_SETTINGS, retired_setting_message
 from .common import (
     DATA_SECTION,
     MODEL_SECTION,
@@ -81,6 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "needs Stage 2: refused with --no-compensation)",
         )
     )
+    _add_output_arguments(parser)
+    add_logging_arguments(parser)
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the output and the Hub: where the checkpoint goes, what is measured on it, the dry run."""
     output = parser.add_argument_group("output and the Hub", "where the pruned checkpoint goes, and what is measured on it")
     output.add_argument("--output", "-o", required=True, help="folder for the pruned checkpoint, report and model card")
     output.add_argument(
@@ -137,7 +144,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "1.0 for an allocator that returns freed memory, e.g. with MALLOC_MMAP_THRESHOLD_=131072)",
         )
     )
-    add_logging_arguments(parser)
 
 
 def default_stage1_checkpoint(output: str) -> str:

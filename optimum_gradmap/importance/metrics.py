@@ -18,7 +18,7 @@ reason to be public:
 The presets: `paper` (gradmap), `quality` (gradmap_bound_token), `fast` (relative_magnitude). "Best row":
 `gradmap_bound_token` with a verified shortlist of 8 has the lowest perplexity of the layer-selection
 page's shortlists on SmolLM2-135M at 25% (docs/benchmarks/layer-selection.md). The retired metrics, and the figures
-that retired them, are in `optimum_gradmap.metric_registry.RETIRED_METRICS`; `random`, the tables' baseline, lives in
+that retired them, are in `optimum_gradmap.retired.RETIRED_METRICS`; `random`, the tables' baseline, lives in
 [`optimum_gradmap.experimental`].
 
 f_i = H_i - H_{i-1} is what layer i adds to the residual stream; the residual-branch score needs one
@@ -44,13 +44,7 @@ from transformers.utils import logging
 from .. import surgery
 from ..adapters import DecoderAdapter
 from ..errors import InvalidInputError
-from ..metric_registry import (
-    IMPORTANCE_METRICS,
-    RETIRED_METRICS,
-    ImportanceMetric,
-    register_importance_metric,
-    retired_metric_message,
-)
+from ..metric_registry import IMPORTANCE_METRICS, ImportanceMetric, register_importance_metric
 from ..objectives import summed_loss
 from ..passes import (
     calibration_batches,
@@ -62,6 +56,7 @@ from ..passes import (
     stop_after,
 )
 from ..precision import LOSS_BOUND, SCORE_BOUND
+from ..retired import RETIRED_METRICS, retired_metric_message
 from ..vocabulary import vocabulary_head
 from . import residual
 from .gradient import gradient_importance, loss_gradient_passes
