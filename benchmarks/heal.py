@@ -13,7 +13,7 @@ A variant is `dense`, `stage1` (Stage 1 alone), `default` (Stage 1 and the defau
 `TRAINABLE@TOKENS` (`heal_trainable`, `heal_tokens`), optionally `+lr=VALUE` (`heal_lr`), `+rank=R`
 (`heal_lora_rank`), `+topk=K` (`optimum_gradmap.distillation.TOP_K`, the teacher's most likely tokens the loss keeps
 apart), `+text=generated` (the dense model's own text, generated afresh for the row and timed) or `+text=mix` (it and
-the corpus in equal parts), `+temp=T` (`heal_temperature`), `+prompts=chat` (`heal_prompts`), `+loss=NAME`
+the corpus in equal parts), `+temp=T` (`heal_temperature`), `+loss=NAME`
 (`heal_loss`) and `+from=stage1` (the heal on Stage 1 alone). A budget `FACTORx` in place of TOKENS (`lora@1.5x`) is
 `heal_tokens="auto"` for FACTOR times Stage 1's quiet time on this machine (`STAGE1_SECONDS`). The removed layers
 are those benchmarks/compare.py recorded for `--selection`; calibration, 128 x 128 tokens of offline Wikipedia (its
@@ -116,8 +116,6 @@ def parse_variant(name: str) -> dict | None:
             settings["heal_dataset"] = HEAL_TEXTS[value]
         elif key == "temp":
             settings["heal_temperature"] = float(value)
-        elif key == "prompts" and value in ("documents", "chat"):
-            settings["heal_prompts"] = value
         elif key == "loss" and value in HEAL_LOSS_CHOICES:
             settings["heal_loss"] = value
         elif key == "from" and value in ("stage1", "default"):
@@ -125,7 +123,7 @@ def parse_variant(name: str) -> dict | None:
         else:
             raise SystemExit(
                 f"unknown option {option!r} in {name!r}: lr=VALUE, topk=K, rank=R, text={'|'.join(HEAL_TEXTS)}, "
-                f"temp=T, prompts=documents|chat, loss={'|'.join(HEAL_LOSS_CHOICES)} or from=stage1"
+                f"temp=T, loss={'|'.join(HEAL_LOSS_CHOICES)} or from=stage1"
             )
     return settings
 

@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import MISSING, fields
 from typing import Any, Literal
 
+from .retired import refused_value
+
 
 def _value_parser(kinds: Sequence[Any]) -> Any:
     """The `type=` of an option whose value may be a number or one of some words (`reg_lambda`: a float or `auto`)."""
@@ -30,6 +32,19 @@ def _value_parser(kinds: Sequence[Any]) -> Any:
         return value if value in words else number(value)
 
     parse.__name__ = f"{number.__name__} or {' or '.join(words)}"  # what argparse names in its error message
+    return parse
+
+
+def _word_parser(name: str) -> Any:
+    """The `type=` of an option whose value is one of some words: a retired word is refused with what retired it and
+    what to use instead ([`~optimum_gradmap.retired.RETIRED_VALUES`]), before argparse checks the choices."""
+
+    def parse(value: str) -> str:
+        refusal = refused_value(name, value)
+        if refusal:
+            raise argparse.ArgumentTypeError(refusal)
+        return value
+
     return parse
 
 
@@ -71,7 +86,7 @@ def add_config_arguments(
         elif typing.get_origin(kinds[0]) is list:
             options.update(type=typing.get_args(kinds[0])[0], nargs="+", metavar="INDEX")
         elif literals and len(kinds) == 1:
-            options["choices"] = literals
+            options.update(choices=literals, type=_word_parser(setting.name))
         elif literals:
             options["type"] = _value_parser(kinds)
         elif setting.name in (choices or {}):

@@ -22,7 +22,13 @@ from typing import Any, Literal
 
 from .errors import InvalidInputError
 from .metric_registry import ImportanceMetric, importance_metric_names
-from .retired import RETIRED_METRICS, RETIRED_SETTINGS, refusing_retired_settings, retired_metric_message
+from .retired import (
+    RETIRED_METRICS,
+    RETIRED_SETTINGS,
+    refused_value,
+    refusing_retired_settings,
+    retired_metric_message,
+)
 from .settings import LayerAmount
 
 CONFIG_NAME = "gradmap_config.json"
@@ -30,27 +36,25 @@ CONFIG_NAME = "gradmap_config.json"
 Solver = Literal["closed_form", "adam"]
 # Which kept layers Stage 2 fits: the paper's largest drift (Eq. 10), or the layer before each removed run.
 CompensationTarget = Literal["max_drift", "span_end"]
-# What W' may be: any d x d matrix (the paper), a channel-wise scaling, or one in a Hadamard-rotated basis (LinearPatch's).
-CompensationForm = Literal["full", "diagonal", "rotated_diagonal"]
+# What W' may be: any d x d matrix (the paper), or a channel-wise scaling in a Hadamard-rotated basis (LinearPatch's).
+CompensationForm = Literal["full", "rotated_diagonal"]
 # What Stage 2 minimises: the paper's mean squared error (Eq. 12), or the per-token cosine distance (ReplaceMe's).
 CompensationObjective = Literal["mse", "cosine"]
 # How reg_lambda="auto" chooses lambda: held-out hidden-state error, the held-out next-token loss of the model, or
 # the next-token loss where the family and objective allow it and the hidden-state error elsewhere.
 CompensationSelection = Literal["auto", "hidden_state", "next_token_loss"]
-# What Stage 2's fit does with the tokens that carry massive activations: keep them (the paper), leave them out,
-# weigh them as if their norm were clipped, fit them to stay as they are, or leave them out where the next-token loss
-# chooses lambda and keep them elsewhere.
-OutlierTokens = Literal["auto", "keep", "exclude", "clip", "preserve"]
+# What Stage 2's fit does with the tokens that carry massive activations: keep them (the paper), leave them out, or
+# leave them out where the next-token loss chooses lambda and keep them elsewhere.
+OutlierTokens = Literal["auto", "keep", "exclude"]
 # How the next-token selection searches the strengths of the grid (`GradMAPConfig.lambda_search`).
 LambdaSearch = Literal["grid", "golden"]
 # How the passes behind Stage 1's and Stage 2's decisions compute (`optimum_gradmap.precision`).
 PassPrecision = Literal["auto", "float32"]
 # What the heal stage trains (see `optimum_gradmap.heal`).
-HealTrainable = Literal["lora", "norms", "down_projections", "before_removed", "all"]
+HealTrainable = Literal["lora", "norms", "all"]
 # What the heal stage minimises (see `optimum_gradmap.heal.loss`).
-HealLoss = Literal["kl", "logit_mse", "kl_logit_mse", "kl_hidden_mse"]
+HealLoss = Literal["kl", "kl_hidden_mse"]
 # Where the dense model's own heal text starts (see `optimum_gradmap.heal.generation`).
-HealPrompts = Literal["documents", "chat"]
 # The llm-compressor schemes of the quantization step (see `optimum_gradmap.quantize`).
 QuantizationScheme = Literal["w8a8", "w4a16", "fp8"]
 # How Stage 1's gradient passes run (see `optimum_gradmap.streaming`).
@@ -222,13 +226,12 @@ class GradMAPConfig(LayerAmount):
     )
     compensation_form: CompensationForm = _setting(
         "full",
-        "What W' may be: `full`, any d x d matrix (the paper, Eq. 12); `diagonal`, a scaling of each channel (d "
-        "numbers instead of d^2: the channel-wise scaling of LinearPatch, Chen et al., NeurIPS 2025, Sec. 3.2, without "
-        "its rotation); or `rotated_diagonal`, a scaling of each channel in a Hadamard-rotated basis, W' = Q^T diag(s) Q "
-        "with Q the normalised Hadamard matrix (LinearPatch's form, Sec. 3.2: the rotation spreads the few massive "
-        "channels over all of them). Each is fitted to the same objective with the same lambda, solver and folds, and "
-        "folded into the down projection like any W' (LinearPatch applies its patch to the whole residual stream, "
-        "which no weight can absorb; here it scales the MLP's contribution).",
+        "What W' may be: `full`, any d x d matrix (the paper, Eq. 12); or `rotated_diagonal`, a scaling of each channel "
+        "in a Hadamard-rotated basis, W' = Q^T diag(s) Q with Q the normalised Hadamard matrix (d numbers instead of "
+        "d^2: LinearPatch's form, Chen et al., NeurIPS 2025, Sec. 3.2: the rotation spreads the few massive channels "
+        "over all of them). Each is fitted to the same objective with the same lambda, solver and folds, and folded "
+        "into the down projection like any W' (LinearPatch applies its patch to the whole residual stream, which no "
+        "weight can absorb; here it scales the MLP's contribution).",
     )
     compensation_objective: CompensationObjective = _setting(
         "mse",
@@ -264,23 +267,15 @@ class GradMAPConfig(LayerAmount):
         "What Stage 2's fit does with the tokens that carry massive activations (Sun et al., COLM 2024; LinearPatch, "
         "Chen et al., NeurIPS 2025, Sec. 3.1), those whose dense hidden state's norm exceeds 5 times the median norm "
         "over every calibration token (one threshold for the calibration set, whatever the batch size or number of "
-        "processes): "
-        "`keep` them like every token (the paper's fit); `exclude` them, with the first "
-        "token of every calibration sequence; "
-        "or `clip` their weight: each token's squared error counts min(1, (5 x median / norm)^2), as if its norm were "
-        "clipped to 5 times the median (the influence clipping of robust regression, Huber 1964). On SmolLM2-135M the "
-        "first token's norm is about 150 times the median: kept, one such token weighs as much as 20,000 others; "
-        "clipped, as much as 25. `clip` needs the `mse` objective and no norm after the MLP. Or `preserve` them: the "
-        "same tokens stay in the fit with what the pruned layer gives them now as their target, so that W' leaves "
-        "them (nearly) as they are while the other tokens are fitted to the dense hidden state (a constraint of the "
-        "least-squares fit, met in the least-squares sense). Those tokens act as the model's attention sinks (Sun et "
-        "al.): `exclude` leaves W' free to change them, and on SmolLM2-135M (Block Influence's layers at 25%, fitted on "
+        "processes): `keep` them like every token (the paper's fit), or `exclude` them, with the first token of every "
+        "calibration sequence. On SmolLM2-135M the first token's norm is about 150 times the median: kept, one such "
+        "token weighs as much as 20,000 others. Those tokens act as the model's attention sinks (Sun et al.): "
+        "`exclude` leaves W' free to change them, and on SmolLM2-135M (Block Influence's layers at 25%, fitted on "
         "Wikipedia and web text) the fit of layer 11 changed the first token's MLP output by three times its norm and "
         "held-out Wikipedia perplexity rose from 102.8 (Stage 1 alone) to 3,788.6 "
         "(docs/benchmarks/accuracy-and-fidelity.md); with "
         '`compensation_selection="next_token_loss"`, which judges each fit by the whole model\'s loss, the fit of '
-        "that layer was left out (measured on Wikipedia alone). `preserve` measured as `keep` there (the same "
-        "perplexities, the same answers to 0.1 point). `auto` (the default): `exclude` where lambda is "
+        "that layer was left out (measured on Wikipedia alone). `auto` (the default): `exclude` where lambda is "
         "chosen by the next-token loss, which guards against such a fit, and `keep` elsewhere (on GradMAP's layers of "
         "SmolLM2-135M at 25%, `exclude` with the hidden-state selection did not lower web-text perplexity).",
     )
@@ -332,13 +327,6 @@ class GradMAPConfig(LayerAmount):
         "[`optimum_gradmap.heal.generation`]); joined to corpus names by '+' (`generated+offline:web_text`), equal parts.",
         brief="The heal's text: c4 (web text), or generated for the dense model's own text.",
     )
-    heal_prompts: HealPrompts = _setting(
-        "documents",
-        "Where the dense model's own text (`heal_dataset` `generated`) starts: `documents` (the first tokens of the "
-        "calibration documents, and one sequence in 8 from the beginning-of-sequence token), or `chat` (the tokenizer's "
-        "chat template up to where a user's message starts, for an instruct model: it writes a user's question, then "
-        "its own answer; Magpie, Xu et al., 2024).",
-    )
     heal_temperature: float = _setting(
         1.0,
         "The sampling temperature of the dense model's own text (`heal_dataset` `generated`): 1.0 samples its own distribution.",
@@ -346,24 +334,22 @@ class GradMAPConfig(LayerAmount):
     heal_trainable: HealTrainable = _setting(
         "lora",
         "What the heal stage trains: `lora` (LoRA adapters of rank `heal_lora_rank` on every linear map of the kept "
-        "layers, merged into the weights; needs PEFT), `norms` (every normalisation weight), `down_projections` (the "
-        "down projections of Stage 2's compensated layers), `before_removed` (every weight of the kept layer before "
-        "each removed run), or `all` (every weight of the kept layers: small models only, AdamW holds three copies).",
+        "layers, merged into the weights; needs PEFT), `norms` (every normalisation weight), or `all` (every weight of "
+        "the kept layers: small models only, AdamW holds three copies).",
     )
     heal_loss: HealLoss = _setting(
         "kl",
         "What the heal stage minimises: `kl` (the forward KL from the dense model over its top-64 tokens and the rest), "
-        "`logit_mse` (the mean squared difference of the two models' centred logits over the whole vocabulary, every "
-        "token weighted alike: Kim et al., IJCAI 2021), `kl_logit_mse` (their sum), or `kl_hidden_mse` (the KL plus, "
-        "at each kept layer directly after a removed run, the relative distance of its output to the dense model's "
-        "output of the same layer, weighted to equal the KL: Minitron's intermediate-state loss, Muralidharan et al., "
-        "NeurIPS 2024). The held-out check that chooses the state kept is the KL in every case. The losses other than "
-        "`kl` run with the model's weights in memory (not layer-streamed). See [`optimum_gradmap.distillation`].",
+        "or `kl_hidden_mse` (the KL plus, at each kept layer directly after a removed run, the relative distance of its "
+        "output to the dense model's output of the same layer, weighted to equal the KL: Minitron's intermediate-state "
+        "loss, Muralidharan et al., NeurIPS 2024). The held-out check that chooses the state kept is the KL in both "
+        "cases. `kl_hidden_mse` runs with the model's weights in memory (not layer-streamed). See "
+        "[`optimum_gradmap.heal.loss`].",
     )
     heal_lr: float | None = _setting(
         None,
         "The heal stage's peak AdamW learning rate (linear warm-up over 5% of the steps, cosine decay to a tenth). "
-        "None: 1e-3 for `lora`, 3e-3 for `norms`, 3e-5 for the others.",
+        "None: 1e-3 for `lora`, 3e-3 for `norms`, 3e-5 for `all`.",
     )
     heal_batch_size: int = _setting(8, "Sequences per heal step (over all processes).", minimum=1)
     heal_seq_len: int = _setting(128, "Tokens per heal sequence.", minimum=2)
@@ -457,7 +443,6 @@ class GradMAPConfig(LayerAmount):
         self._check_layers()
         self._check_selection()
         self._check_numbers()
-        self._check_outlier_tokens()
         self._check_rates()
         self._check_data()
 
@@ -545,15 +530,6 @@ class GradMAPConfig(LayerAmount):
         ):
             raise InvalidInputError(f"`max_loss_increase` must be a fraction > 0 (0.1: +10%), got {self.max_loss_increase!r}.")
 
-    def _check_outlier_tokens(self) -> None:
-        """`outlier_tokens="clip"` weighs each token's squared error: it needs the `mse` objective."""
-        if self.outlier_tokens == "clip" and self.compensation_objective != "mse":
-            raise InvalidInputError(
-                "outlier_tokens='clip' weighs each token's squared error, and compensation_objective="
-                f"{self.compensation_objective!r} has none: use compensation_objective='mse' with it, or "
-                "outlier_tokens='exclude'."
-            )
-
     def _check_rates(self) -> None:
         """The learning rates and the sampling temperature: finite numbers > 0 (`heal_lr` may be `None`)."""
         for name in ("adam_lr", "refinement_lr", "heal_lr", "heal_temperature"):
@@ -599,6 +575,8 @@ class GradMAPConfig(LayerAmount):
             value, kinds = getattr(self, setting.name), _kinds(hints[setting.name])
             if value is None and type(None) in kinds:
                 continue
+            if refused_value(setting.name, value):
+                raise InvalidInputError(refused_value(setting.name, value))
             choices = [choice for kind in kinds if typing.get_origin(kind) is Literal for choice in typing.get_args(kind)]
             if choices and len([kind for kind in kinds if kind is not type(None)]) == 1 and value not in choices:
                 raise InvalidInputError(f"`{setting.name}` must be one of {tuple(choices)}, got {value!r}.")

@@ -7,8 +7,8 @@ losses to it are in [`~optimum_gradmap.heal.loss`]) distil from.
 The teacher runs once over the sequences and keeps, at every position but the last, its `TOP_K` most likely next
 tokens' log-probabilities and the log of the probability left to all other tokens ([`teacher_targets`]; LinearPatch's
 "offline" teacher, Chen et al., NeurIPS 2025, Sec. 3.3): the student's training then needs neither the teacher's
-weights nor its full-vocabulary distribution. Where a loss reads hidden states, the teacher keeps its head's input
-([`head_inputs`]) or some layers' outputs ([`layer_outputs`]) beside them.
+weights nor its full-vocabulary distribution. Where a loss reads hidden states, the teacher keeps some layers' outputs
+([`layer_outputs`]) beside them.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ def teacher_targets(
     batch_size: int,
     progress_bar: bool = True,
     autocast: bool = False,
-    keep_hidden: bool = False,
     layers: Sequence[nn.Module] = (),
 ) -> TeacherTargets:
     """Runs `teacher` over `input_ids` and keeps its top-`TOP_K` next-token log-probabilities and the rest's.
@@ -48,8 +47,6 @@ def teacher_targets(
         progress_bar (`bool`, defaults to `True`): Show a progress bar.
         autocast (`bool`, defaults to `False`): Run the teacher under bfloat16 autocast (the log-softmax stays in
             float32).
-        keep_hidden (`bool`, defaults to `False`): Keep its head's input too (`TeacherTargets.hidden`, for
-            [`~optimum_gradmap.heal.loss.logit_mse`]).
         layers (`Sequence[nn.Module]`, defaults to `()`): Decoder layers of `teacher`, in the order they run, whose
             outputs are kept too (`TeacherTargets.layer_states`, for [`~optimum_gradmap.heal.loss.hidden_state_mse`]).
 
@@ -61,19 +58,14 @@ def teacher_targets(
     if input_ids.shape[0] == 0:  # a process with no sequence of its own (torchrun): nothing to keep
         top_k, width = min(TOP_K, head.weight.shape[0]), head.weight.shape[1]
         shape = (0, max(0, input_ids.shape[1] - 1))
-        hidden = torch.zeros(*shape, width, dtype=torch.bfloat16) if keep_hidden else None
         states = torch.zeros(*shape, len(layers), width, dtype=torch.bfloat16) if layers else None
         return TeacherTargets(
-            torch.zeros(*shape, top_k, dtype=torch.int32), torch.zeros(*shape, top_k), torch.zeros(*shape), hidden, states
+            torch.zeros(*shape, top_k, dtype=torch.int32), torch.zeros(*shape, top_k), torch.zeros(*shape), states
         )
     device = input_device(teacher)
     vocabulary = vocabulary_head(teacher)  # the logits a few at a time, where the split is known exact
     chunked = vocabulary.final_hidden_states is not None
-    with (
-        calibration_mode(teacher),
-        head_inputs(head if keep_hidden and not chunked else None) as inputs,
-        layer_outputs(layers) as outputs,
-    ):
+    with calibration_mode(teacher), layer_outputs(layers) as outputs:
         for start in logging.tqdm(
             range(0, input_ids.shape[0], batch_size),
             desc="Heal: the dense model's targets",
@@ -88,50 +80,10 @@ def teacher_targets(
                     targets = TeacherTargets(indices.int().cpu(), log_probs.cpu(), rest.cpu())
                 else:
                     targets = targets_from_logits(teacher(input_ids=batch, use_cache=False).logits[:, :-1])
-            if keep_hidden:
-                head_input = hidden if chunked else the_head_input(inputs)
-                targets.hidden = head_input[:, :-1].to(torch.bfloat16).cpu()
             if layers:
                 targets.layer_states = the_layer_outputs(outputs, len(layers))[:, :-1].to(torch.bfloat16).cpu()
             parts.append(targets)
     return TeacherTargets.concatenate(parts)
-
-
-@contextmanager
-def head_inputs(head: nn.Module | None) -> Iterator[list[torch.Tensor]]:
-    """Collects the input of every call of `head` inside the block (by a forward pre-hook, removed on exit).
-
-    Args:
-        head (`nn.Module`, *optional*): The output embedding; `None` collects nothing.
-
-    Returns:
-        `Iterator[list[torch.Tensor]]`: the list the inputs are appended to, as the block's value.
-    """
-    inputs: list[torch.Tensor] = []
-    if head is None:
-        yield inputs
-        return
-    handle = head.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
-    try:
-        yield inputs
-    finally:
-        handle.remove()
-
-
-def the_head_input(inputs: list[torch.Tensor]) -> torch.Tensor:
-    """The one input [`head_inputs`] collected over a forward pass, taken out of the list (which the next pass then
-    fills again).
-
-    Raises:
-        InvalidInputError: the head was not called exactly once (a model that computes its logits without calling its
-            output embedding, or calls it twice), where the logit loss cannot know the hidden states it scores.
-    """
-    if len(inputs) != 1:
-        raise InvalidInputError(
-            f"heal_loss reads the input of the model's output embedding, and a forward pass called it {len(inputs)} "
-            "times (once expected): this model computes its logits another way. Heal it with heal_loss='kl'."
-        )
-    return inputs.pop()
 
 
 @contextmanager

@@ -249,8 +249,6 @@ class TeacherTargets:
         indices (`torch.Tensor` of shape `(N, T - 1, TOP_K)`): Its most likely tokens (int32).
         log_probs (`torch.Tensor` of shape `(N, T - 1, TOP_K)`): Their log-probabilities (float32).
         rest_log_prob (`torch.Tensor` of shape `(N, T - 1)`): The log of the probability of every other token.
-        hidden (`torch.Tensor` of shape `(N, T - 1, hidden_size)`, *optional*): The input of its head (bfloat16), kept
-            for [`~optimum_gradmap.heal.loss.logit_mse`].
         layer_states (`torch.Tensor` of shape `(N, T - 1, S, hidden_size)`, *optional*): The outputs of `S` of its
             decoder layers (bfloat16), kept for [`~optimum_gradmap.heal.loss.hidden_state_mse`].
     """
@@ -258,19 +256,17 @@ class TeacherTargets:
     indices: torch.Tensor
     log_probs: torch.Tensor
     rest_log_prob: torch.Tensor
-    hidden: torch.Tensor | None = None
     layer_states: torch.Tensor | None = None
 
     def rows(self, rows: Sequence[int] | slice) -> TeacherTargets:
         """The targets of some of the sequences."""
-        hidden = None if self.hidden is None else self.hidden[rows]
         layer_states = None if self.layer_states is None else self.layer_states[rows]
-        return TeacherTargets(self.indices[rows], self.log_probs[rows], self.rest_log_prob[rows], hidden, layer_states)
+        return TeacherTargets(self.indices[rows], self.log_probs[rows], self.rest_log_prob[rows], layer_states)
 
     @staticmethod
     def concatenate(parts: Sequence[TeacherTargets], dim: int = 0) -> TeacherTargets:
-        """The targets of `parts` together: their sequences (`dim=0`), or their positions (`dim=1`). The head inputs
-        and the layers' outputs are kept where every part has them."""
+        """The targets of `parts` together: their sequences (`dim=0`), or their positions (`dim=1`). The layers'
+        outputs are kept where every part has them."""
 
         def joined(values: list[torch.Tensor | None]) -> torch.Tensor | None:
             return torch.cat(values, dim) if values and all(value is not None for value in values) else None
@@ -279,7 +275,6 @@ class TeacherTargets:
             torch.cat([part.indices for part in parts], dim),
             torch.cat([part.log_probs for part in parts], dim),
             torch.cat([part.rest_log_prob for part in parts], dim),
-            joined([part.hidden for part in parts]),
             joined([part.layer_states for part in parts]),
         )
 

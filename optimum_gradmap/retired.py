@@ -1,9 +1,9 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
-"""What left the public surface, and why: the Stage 1 metrics and the `GradMAPConfig` settings retired because none
-was a default or a preset's, the paper's method or a named peer's, or the best row of a published table. Each name
-maps to the figure that retired it and what to use instead, the message it is refused with (docs/changelog.md lists
-them). A leaf: it imports only the errors and the metric registry."""
+"""What left the public surface, and why: the Stage 1 metrics, the `GradMAPConfig` settings and the settings' values
+retired because none was a default or a preset's, the paper's method or a named peer's, or the best row of a published
+table. Each maps to the figure that retired it and what to use instead, the message it is refused with
+(docs/changelog.md lists them). A leaf: it imports only the errors and the metric registry."""
 
 from __future__ import annotations
 
@@ -44,6 +44,13 @@ def retired_metric_message(name: str) -> str:
 # `GradMAPConfig` and the command line refuse them with that message; a saved config that holds one at that value
 # (a checkpoint made before) still loads.
 RETIRED_SETTINGS: dict[str, tuple[Any, str]] = {
+    "heal_prompts": (
+        "documents",
+        "the dense model's text started from a chat template (heal_prompts='chat') healed less than text started from "
+        "documents: Wikipedia / web-text KL 0.8928 / 1.0406 against 0.8302 / 0.9911, +2.59 against +3.08 points of "
+        "zero-shot accuracy over Stage 1 alone (SmolLM2-135M at 25%, docs/changelog.md). The dense model's text starts "
+        "from the calibration documents; remove the setting",
+    ),
     "verify_from_scoring_pass": (
         False,
         "starting the shortlist's check from the scoring pass saved no time: 221.9 s of Stage 1 against 209.5 s without "
@@ -51,6 +58,42 @@ RETIRED_SETTINGS: dict[str, tuple[Any, str]] = {
         "docs/benchmarks/stage1-cost.md). The check runs its own pass; remove the setting",
     ),
 }
+
+
+# Values taken off a setting's choices: (setting, value) -> what retired it and what to use instead. `GradMAPConfig`
+# and the command line refuse them with that message.
+RETIRED_VALUES: dict[tuple[str, Any], str] = {
+    ("heal_loss", "logit_mse"): "alone, the logit MSE cost web-text KL and accuracy against the KL: Wikipedia / web-text "
+    "KL 0.9757 / 1.1561 against 0.8302 / 0.9911, +0.67 against +3.08 points of zero-shot accuracy over Stage 1 alone "
+    "(SmolLM2-135M at 25%, a heal on the dense model's text, docs/changelog.md). Use heal_loss='kl', the default",
+    ("heal_loss", "kl_logit_mse"): "the KL plus the logit MSE did no better than the KL alone: Wikipedia / web-text KL "
+    "0.8528 / 1.0106 against 0.8302 / 0.9911, +2.37 against +3.08 points of zero-shot accuracy over Stage 1 alone "
+    "(SmolLM2-135M at 25%, a heal on the dense model's text, docs/changelog.md). Use heal_loss='kl', the default",
+    ("heal_trainable", "down_projections"): "training the compensated layers' down projections healed least: "
+    "Wikipedia / web-text KL 1.1149 / 1.4176 against LoRA's 0.8688 / 1.0667 on the same 40,960 tokens (SmolLM2-135M "
+    "at 25%, docs/changelog.md). Use heal_trainable='lora', the default",
+    ("heal_trainable", "before_removed"): "training the layers before each removed run healed less than LoRA: "
+    "Wikipedia / web-text KL 1.0350 / 1.3090 against LoRA's 0.8688 / 1.0667 on the same 40,960 tokens (SmolLM2-135M "
+    "at 25%, docs/changelog.md). Use heal_trainable='lora', the default",
+    ("outlier_tokens", "clip"): "weighing the outlier tokens as if their norm were clipped was in no published table: "
+    "in the Stage 2 screening (SmolLM2-135M at 25%, GradMAP's layers) it had the lowest perplexity, Wikipedia / web "
+    "text 76.7 / 210.1 against the default's 83.7 / 233.1, but a lower mean zero-shot accuracy, 35.1% against 36.0%. "
+    "Use outlier_tokens='auto', the default, or 'exclude'",
+    ("outlier_tokens", "preserve"): "fitting the outlier tokens to stay as they are measured as keeping them: the same "
+    "perplexities, Wikipedia / web text 63.3 / 162.9, and a mean zero-shot accuracy of 36.27% against 36.30% "
+    "(SmolLM2-135M at 25%, Block Influence's layers). Use outlier_tokens='keep' or 'auto', the default",
+    ("compensation_form", "diagonal"): "a channel-wise scaling without LinearPatch's rotation was in no published "
+    "table. Use compensation_form='rotated_diagonal' (LinearPatch's form) or 'full' (the paper's)",
+}
+
+
+def refused_value(name: str, value: Any) -> str | None:
+    """The error for a retired value of the setting `name` ([`RETIRED_VALUES`]), or `None` where `value` is not one."""
+    try:
+        reason = RETIRED_VALUES.get((name, value))
+    except TypeError:  # an unhashable value (a list of layers) is no retired word
+        return None
+    return None if reason is None else f"`{name}={value!r}` was retired: {reason}."
 
 
 def retired_setting_message(name: str) -> str:

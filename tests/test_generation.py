@@ -307,43 +307,6 @@ def test_the_targets_kept_while_generating_are_the_teacher_pass_s():
     assert (generated.targets.indices == again.indices).float().mean() > 0.99  # ties may order differently
 
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
-
-def test_chat_prompts_start_every_sequence_from_the_template_s_user_turn(tmp_path, byte_tokenizer):
-    from optimum_gradmap.heal.generation import chat_prompt
-
-    with pytest.raises(InvalidInputError, match="heal_prompts='documents'"):
-        chat_prompt(byte_tokenizer)  # no chat template
-    byte_tokenizer.chat_template = CHAT_TEMPLATE
-    prompt = chat_prompt(byte_tokenizer)
-    assert byte_tokenizer.decode(prompt) == "<|user|>\n"  # up to where the user's message starts
-    model = peaked_model()
-    config = small_config(
-        num_samples=16, dataset=_text_file(tmp_path, byte_tokenizer), heal_dataset="generated", heal_prompts="chat",
-        heal_tokens=16 * 16, heal_lr=1e-3, **HEAL,
-    )  # fmt: skip
-    pruner = GradMAPPruner(config, model, tokenizer=byte_tokenizer, progress_bar=False)
-    result = pruner.prune(model, random_ids(16, 16), heal_text_cache=tmp_path / "cache.pt")
-    cached = torch.load(tmp_path / "cache.pt", weights_only=True)["input_ids"]
-    assert cached.shape[0] >= 8 + 16 and torch.equal(cached[:, : prompt.numel()], prompt.expand(cached.shape[0], -1))
-    assert "chat template" in result.heal.dataset and len({tuple(row.tolist()) for row in cached}) == cached.shape[0]
-
-
-def test_chat_prompts_without_a_chat_template_are_refused_before_stage_1(tmp_path, byte_tokenizer):
-    model = peaked_model()
-    state = copy.deepcopy(model.state_dict())
-    config = small_config(
-        dataset=_text_file(tmp_path, byte_tokenizer), heal_dataset="generated", heal_prompts="chat", heal_tokens=256, **HEAL
-    )
-    with pytest.raises(InvalidInputError, match="chat template"):
-        GradMAPPruner(config, model, tokenizer=byte_tokenizer, progress_bar=False).prune(model, random_ids(16, 16))
-    assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
-
-
 def test_an_interrupted_auto_heal_resumes_with_the_tokens_it_chose(monkeypatch, tmp_path):
     """The resumed run would time the heal anew and choose another number of tokens, which its checkpoint refuses: it
     trains the count the interrupted run chose (the checkpoint keeps it) from where it stopped."""
@@ -426,19 +389,13 @@ def test_a_heal_checkpoint_from_another_run_is_refused_before_stage_1_with_auto_
     assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
 
 
-@pytest.mark.parametrize("prompts, seq_len", [("documents", 4), ("chat", 8)])
-def test_prompts_longer_than_the_heal_sequences_are_refused_before_any_work(
-    tmp_path, byte_tokenizer, monkeypatch, prompts, seq_len
-):
+def test_prompts_longer_than_the_heal_sequences_are_refused_before_any_work(tmp_path, byte_tokenizer, monkeypatch):
     monkeypatch.setattr("optimum_gradmap.pipeline.stage1.remove_by_importance", _stage1_refused)
-    byte_tokenizer.chat_template = CHAT_TEMPLATE  # "<|user|>\n": 9 tokens
     model = peaked_model()
     state = copy.deepcopy(model.state_dict())
+    seq_len = 4
     settings = {**HEAL, "heal_seq_len": seq_len}
-    config = small_config(
-        dataset=_text_file(tmp_path, byte_tokenizer), heal_dataset="generated", heal_prompts=prompts, heal_tokens=64,
-        **settings,
-    )  # fmt: skip
+    config = small_config(dataset=_text_file(tmp_path, byte_tokenizer), heal_dataset="generated", heal_tokens=64, **settings)
     with pytest.raises(InvalidInputError, match=f"heal_seq_len={seq_len} is shorter than the dense model's prompts"):
         GradMAPPruner(config, model, tokenizer=byte_tokenizer, progress_bar=False).prune(model, random_ids(16, 16))
     assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())

@@ -104,7 +104,7 @@ def test_the_teacher_is_the_dense_model_with_the_removed_layers_back_and_the_fol
     torch.testing.assert_close(model(input_ids=probe).logits, before, rtol=0, atol=0)  # the pruned model is back
 
 
-@pytest.mark.parametrize("trainable, learning_rate", [("lora", 1e-4), ("norms", 1e-3), ("before_removed", 1e-4), ("all", 1e-4)])
+@pytest.mark.parametrize("trainable, learning_rate", [("lora", 1e-4), ("norms", 1e-3), ("all", 1e-4)])
 def test_heal_lowers_the_held_out_kl_and_keeps_the_best_state_as_plain_weights(trainable, learning_rate):
     model = peaked_model()
     dense = copy.deepcopy(model)
@@ -213,9 +213,11 @@ def test_refusals_leave_the_model_untouched():
     state = copy.deepcopy(model.state_dict())
     with pytest.raises(InvalidInputError, match="heal stage is off"):
         GradMAPPruner(small_config(), model, progress_bar=False).prune(model, random_ids(), heal_data=random_ids(32, 16))
-    with pytest.raises(InvalidInputError, match="Stage 2 is off"):
-        config = small_config(compensation=False, heal_tokens=256, heal_trainable="down_projections", **HEAL)
-        GradMAPPruner(config, model, progress_bar=False).prune(model, random_ids(), heal_data=random_ids(32, 16))
+    for retired in ("down_projections", "before_removed"):
+        with pytest.raises(InvalidInputError, match=f"heal_trainable='{retired}'` was retired: .*heal_trainable='lora'"):
+            small_config(heal_tokens=256, heal_trainable=retired, **HEAL)
+    with pytest.raises(InvalidInputError, match="The setting `heal_prompts` was retired"):
+        small_config(heal_tokens=256, heal_dataset="generated", heal_prompts="chat", **HEAL)
     with pytest.raises(InvalidInputError, match="heal_lr"):
         small_config(heal_lr=-1.0)
     with pytest.raises(InvalidInputError, match="heal_tokens"):
@@ -252,7 +254,7 @@ def test_heal_settings_are_config_fields_and_cli_options():
     fields = set(GradMAPConfig.__dataclass_fields__)
     assert set(HEAL_SETTINGS) <= fields and {name for name in fields if name.startswith("heal_")} == set(HEAL_SETTINGS)
     assert GradMAPConfig(pruning_ratio=0.25).heal_tokens == 0  # off by default
-    assert set(HEAL_TRAINABLE_CHOICES) == {"lora", "norms", "down_projections", "before_removed", "all"}
+    assert set(HEAL_TRAINABLE_CHOICES) == {"lora", "norms", "all"}
 
 
 def test_the_refinement_distils_from_the_dense_model_not_from_the_folded_one(monkeypatch):
@@ -352,7 +354,7 @@ def test_lora_finds_gpt2s_conv1d_maps_and_norms_include_the_final_norm_whatever_
     adapter = get_adapter(model)
     final = model.transformer.ln_f if family == "gpt2" else model.model.decoder.final_layer_norm
     assert {id(p) for p in final.parameters()} <= {id(p) for p in _norm_parameters(model, [], adapter)}
-    targets = choose_trainable(model, adapter, "lora", PrunedLayout.unpruned(4)).lora_targets
+    targets = choose_trainable(model, adapter, "lora").lora_targets
     assert len(targets) == 4 * (4 if family == "gpt2" else 6)  # GPT-2: c_attn, c_proj, c_fc, mlp.c_proj; OPT: q k v out fc1 fc2
     teacher = lambda: contextlib.nullcontext(copy.deepcopy(model))  # noqa: E731
     settings = heal_settings(heal_lr=1e-4, heal_batch_size=4, heal_check_every=1, heal_autocast=False)
@@ -368,13 +370,13 @@ def test_full_weights_in_bfloat16_are_refused_before_stage_1_and_lora_is_not():
     assert len(model.model.layers) == 6
 
 
-def test_pruner_heal_keeps_the_results_stage2_settings_and_checks_its_compensated_layers():
+def test_pruner_heal_keeps_the_results_stage2_settings():
     model = peaked_model()
     pruner = GradMAPPruner(small_config(num_samples=16, compensation=False, **HEAL), model, progress_bar=False)
     result = pruner.select_layers(model, random_ids(16, 16))
     pruner.compensate(result, reg_lambda=0.5)
     assert result.compensated_layers
-    pruner.heal(result, heal_data=random_ids(32, 16), heal_tokens=128, heal_trainable="down_projections", heal_lr=1e-4)
+    pruner.heal(result, heal_data=random_ids(32, 16), heal_tokens=128, heal_trainable="norms", heal_lr=1e-4)
     assert result.config.reg_lambda == 0.5 and result.config.compensation and result.config.heal_tokens == 128
 
 
@@ -637,7 +639,6 @@ def without_norms(model: nn.Module) -> nn.Module:
     [
         ("peft_config", dict(heal_trainable="lora"), "carries PEFT adapters"),
         ("no_norms", dict(heal_trainable="norms"), "finds nothing to train"),
-        ("before_removed_from_layer_0", dict(heal_trainable="before_removed", layers_to_prune=[0, 1]), "starts at layer 0"),
         ("stale_checkpoint", dict(heal_trainable="norms"), "comes from another run .*trainable.*before pruning started"),
         ("checkpoint_under_a_file", dict(heal_trainable="norms"), "is a file, not a folder"),
     ],

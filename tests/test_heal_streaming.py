@@ -17,7 +17,7 @@ from optimum_gradmap import GradMAPPruner, streaming
 from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.distillation import TOP_K, teacher_targets
 from optimum_gradmap.errors import InvalidInputError
-from optimum_gradmap.heal import PlannedPruning, PrunedLayout, check_heal_settings, heal
+from optimum_gradmap.heal import PlannedPruning, check_heal_settings, heal
 from optimum_gradmap.heal.trainable import Trainable, choose_trainable
 from optimum_gradmap.objectives import (
     TeacherTargets,
@@ -75,7 +75,7 @@ def _gradients(model: nn.Module, ids: torch.LongTensor, targets: TeacherTargets,
     """One step's gradients of LoRA adapters set to the same random values, in memory or layer-streamed."""
     adapter = get_adapter(model)
     with calibration_mode(model, grad=True, freeze_parameters=True):
-        chosen = Trainable(model, choose_trainable(model, adapter, "lora", PrunedLayout.unpruned(4)), 4)
+        chosen = Trainable(model, choose_trainable(model, adapter, "lora"), 4)
         with torch.no_grad():
             for index, parameter in enumerate(chosen.parameters):
                 parameter.copy_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(index)) * 0.1)

@@ -63,7 +63,7 @@ def test_chunked_loss_targets_and_kl_equal_those_of_the_whole_logits(tmp_path, s
     kl = objectives.chunked_top_k_kl(hidden, targets, head)
     # a small difference of float32 logs summed over the positions: float32's rounding, relatively larger
     torch.testing.assert_close(kl, top_k_kl(logits[:, :-1], targets).double().sum(), rtol=1e-4, atol=0)
-    chunked_targets = teacher_targets(model, ids, batch_size=2, progress_bar=False, keep_hidden=not offloaded)
+    chunked_targets = teacher_targets(model, ids, batch_size=2, progress_bar=False)
     assert torch.equal(chunked_targets.indices, expected.indices)
     torch.testing.assert_close(chunked_targets.log_probs, expected.log_probs, rtol=1e-5, atol=1e-5)
 

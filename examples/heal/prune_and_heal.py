@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument(
         "--heal-trainable",
         default="lora",
-        choices=["lora", "norms", "down_projections", "before_removed", "all"],
+        choices=["lora", "norms", "all"],
         help="what the heal trains (default: lora, through PEFT, a dependency of the package)",
     )
     parser.add_argument(

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from ..arguments import add_config_arguments, brief, config_from_arguments, option_groups
+from ..arguments import add_config_arguments, add_retired_arguments, brief, config_from_arguments, option_groups
 from ..loading import ModelLoading
+from ..retired import RETIRED_SETTINGS, retired_setting_message
 from .common import MODEL_SECTION, InputError, add_logging_arguments, command_line, set_verbosity, step_sections
 
 HELP = "Heal a pruned checkpoint: distil the dense model back into it (the heal stage) and save a standard checkpoint"
@@ -38,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--teacher", required=True, metavar="MODEL", help="the dense model the checkpoint was pruned from"
     )
     add_config_arguments(parser, GradMAPConfig, only=HEAL_SETTINGS, groups=groups)
+    retired = [name for name in RETIRED_SETTINGS if name.startswith("heal_")]
+    add_retired_arguments(parser, {name: retired_setting_message(name) for name in retired})
     output = parser.add_argument_group("output", "where the healed checkpoint goes, and what is measured on it")
     output.add_argument("--output", "-o", required=True, help="folder for the healed checkpoint, report and model card")
     output.add_argument("--overwrite", action="store_true", help="replace the contents of an existing non-empty --output")
@@ -107,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
         PrunedLayout(report["kept_layers"], report["original_num_layers"], compensated),
     )
     check_heal_settings(model, settings, layout)
-    trained = list(changed_parameters(model, settings.heal_trainable, layout)) if quantized else []
-    check_generation_prompts(settings, tokenizer)  # before the teacher loads
+    trained = list(changed_parameters(model, settings.heal_trainable)) if quantized else []
+    check_generation_prompts(settings)  # before the teacher loads
     teacher = _teacher(teacher_loading, teacher_path)
     stage1_seconds, stage1_basis = _stage1_seconds(report, config, teacher_path, model)
     shown = progress and distributed.is_main_process()

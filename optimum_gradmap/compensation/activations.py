@@ -14,7 +14,6 @@ from torch import nn
 
 from .. import distributed
 from ..adapters import DecoderAdapter
-from ..errors import InvalidInputError
 from ..passes import (
     calibration_batches,
     for_each_layer_output,
@@ -24,7 +23,6 @@ from ..passes import (
     run_model,
     stop_after,
 )
-from .settings import Stage2Settings
 
 
 def hidden_state_means(
@@ -142,44 +140,21 @@ def outlier_token_weights(
 
     Args:
         original (`torch.Tensor` of shape `(samples, tokens, d)`): The dense hidden states.
-        handling (`str`): `"keep"` (every token weighs 1: the paper), `"exclude"` (0 for the [`outlier_tokens`],
-            1 for the others), `"clip"` (min(1, (`factor` x median norm / norm)^2): a token's squared error counts
-            as if its dense hidden state's norm were clipped to `factor` times the calibration set's median; the first
-            token is weighed by its norm like any other) or `"preserve"` (every token weighs 1: the outliers' targets
-            change instead, see [`for_each_compensation_batch`]).
+        handling (`str`): `"keep"` (every token weighs 1: the paper) or `"exclude"` (0 for the [`outlier_tokens`], 1
+            for the others).
         median_norm (`float`, *optional*): As in [`outlier_tokens`].
         factor (`float`, defaults to `OUTLIER_NORM_FACTOR`): As in [`outlier_tokens`].
 
     Returns:
-        `torch.Tensor` of shape `(samples, tokens)`, float64, or `None` for `"keep"` and `"preserve"`.
+        `torch.Tensor` of shape `(samples, tokens)`, float64, or `None` for `"keep"`.
     """
-    if handling in ("keep", "preserve"):
+    if handling == "keep":
         return None
-    if handling == "exclude":
-        return (~outlier_tokens(original, median_norm, factor)).double()
-    if handling != "clip":
+    if handling != "exclude":
         raise ValueError(
-            f"outlier_tokens={handling!r}: expected 'keep', 'exclude', 'clip' or 'preserve' ('auto' is resolved first, "
-            "by `resolve_selection`)."
+            f"outlier_tokens={handling!r}: expected 'keep' or 'exclude' ('auto' is resolved first, by `resolve_selection`)."
         )
-    norms = original.double().norm(dim=-1)
-    median_norm = float(norms.median()) if median_norm is None else median_norm
-    return (factor * median_norm / norms.clamp_min(torch.finfo(torch.float64).tiny)).pow(2).clamp(max=1.0)
-
-
-def check_outlier_tokens(config: Stage2Settings, adapter: DecoderAdapter) -> None:
-    """Refuses, before anything changes, `outlier_tokens="clip"` for a family whose MLP is followed by a norm
-    (its fit runs through the norm on every token's rows, which weighs tokens alike).
-
-    Raises:
-        InvalidInputError: for `"clip"` with a norm after the MLP.
-    """
-    if config.outlier_tokens == "clip" and adapter.mlp_output_norm_path is not None:
-        raise InvalidInputError(
-            f"outlier_tokens='clip' weighs each token's squared error in the closed-form fit, and {type(adapter).__name__}'s "
-            "layers apply a norm after the MLP, whose fit weighs every token alike: use outlier_tokens='exclude' "
-            "(or 'keep') for this family."
-        )
+    return (~outlier_tokens(original, median_norm, factor)).double()
 
 
 @dataclass(frozen=True)
@@ -244,8 +219,7 @@ def for_each_compensation_batch(
     """Runs the pruned model of `data` and calls `consume` with each batch's [`CompensationBatch`], its tokens weighed by
     [`outlier_token_weights`] under `outliers` (`Stage2Settings.outlier_tokens`), against the median norm of the whole
     calibration set ([`median_token_norm`]: neither the batch size nor the number of processes changes a weight).
-    With `outliers="preserve"`, the [`outlier_tokens`]' dense hidden states are replaced by the pruned layer's outputs
-    for them: their target is to stay as they are (W' = I fits them exactly). Each forward pass ends after `layer`:
+    Each forward pass ends after `layer`:
     the layers after it and the head are not run."""
     model, adapter, layer, original_outputs = data.model, data.adapter, data.layer, data.original_outputs
     captured: dict[str, object] = {}
@@ -277,8 +251,6 @@ def for_each_compensation_batch(
                     original = original_outputs[start : start + batch.shape[0]].to(ffn_input)
                     mlp_output = captured["mlp_output"].double().reshape(original.shape)
                     weight = outlier_token_weights(original, outliers, median_norm)
-                    if outliers == "preserve":
-                        original = torch.where(outlier_tokens(original, median_norm)[..., None], pruned_output, original)
                     consume(
                         CompensationBatch(
                             mlp_output,

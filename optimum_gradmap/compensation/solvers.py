@@ -9,7 +9,7 @@
   fold's error under the W' fitted on the others, for each strength of a grid measured relative to the
   data ([`lambda_for_strength`]), and W' = I as the baseline it must beat.
 
-With `form="diagonal"` W' is a channel-wise scaling (d numbers instead of d^2).
+With `form="rotated_diagonal"` W' is a channel-wise scaling in a Hadamard-rotated basis (d numbers instead of d^2).
 """
 
 from __future__ import annotations
@@ -91,27 +91,24 @@ def relative_ridge(statistics: CompensationStatistics, alpha: float) -> float:
     return alpha * statistics.mean_eigenvalue
 
 
-def _diagonal_solutions(statistics: CompensationStatistics, ridges: Sequence[float], form: str) -> list[torch.Tensor]:
-    """The channel-wise scalings minimising the objective, w_k = (C_kk + rho) / (A_kk + rho), as matrices; with
-    `form="rotated_diagonal"`, in the rotated basis (A and C rotated to Q A Q^T and Q C Q^T), W' = Q^T diag(w) Q:
-    the objective is invariant under the rotation, and ||W' - I||_F = ||w - 1||."""
-    if form == "rotated_diagonal":
-        rotated = rotation(statistics.gram.shape[0]).to(statistics.gram)
-        gram, cross = (rotated @ statistics.gram * rotated).sum(1), (rotated @ statistics.cross * rotated).sum(1)
-    else:
-        gram, cross, rotated = statistics.gram.diagonal(), statistics.cross.diagonal(), None
+def _diagonal_solutions(statistics: CompensationStatistics, ridges: Sequence[float]) -> list[torch.Tensor]:
+    """The channel-wise scalings in the rotated basis minimising the objective (A and C rotated to Q A Q^T and
+    Q C Q^T), w_k = (C_kk + rho) / (A_kk + rho), as matrices W' = Q^T diag(w) Q: the objective is invariant under the
+    rotation, and ||W' - I||_F = ||w - 1||."""
+    rotated = rotation(statistics.gram.shape[0]).to(statistics.gram)
+    gram, cross = (rotated @ statistics.gram * rotated).sum(1), (rotated @ statistics.cross * rotated).sum(1)
     solutions = []
     for ridge in ridges:
         scaling = torch.where(gram + ridge > 0, (cross + ridge) / (gram + ridge), torch.ones_like(gram))
-        solutions.append(torch.diag(scaling) if rotated is None else rotated.T @ (scaling[:, None] * rotated))
+        solutions.append(rotated.T @ (scaling[:, None] * rotated))
     return solutions
 
 
 def ridge_solutions(statistics: CompensationStatistics, ridges: Sequence[float], form: str = "full") -> list[torch.Tensor]:
     """W' = (C + rho I)(A + rho I)^-1 for each ridge rho, from one eigendecomposition of A; with
-    `form="diagonal"` or `"rotated_diagonal"`, the channel-wise scalings (C_kk + rho) / (A_kk + rho)."""
+    `form="rotated_diagonal"`, the channel-wise scalings in the rotated basis, (C_kk + rho) / (A_kk + rho)."""
     if form != "full":
-        return _diagonal_solutions(statistics, ridges, form)
+        return _diagonal_solutions(statistics, ridges)
     solve = ridge_solver(statistics)
     return [solve(ridge) for ridge in ridges]
 
@@ -128,7 +125,7 @@ def ridge_solver(statistics: CompensationStatistics, form: str = "full") -> Call
         `Callable`: a ridge rho -> its W'.
     """
     if form != "full":
-        return lambda ridge: _diagonal_solutions(statistics, [ridge], form)[0]
+        return lambda ridge: _diagonal_solutions(statistics, [ridge])[0]
     eigenvalues, eigenvectors = torch.linalg.eigh(statistics.gram)
 
     def solve(ridge: float) -> torch.Tensor:
@@ -193,11 +190,11 @@ def cross_validate_ridge(
 
 def solve_closed_form(statistics: CompensationStatistics, reg_lambda: float, form: str = "full") -> torch.Tensor:
     """Exact minimiser of the Stage 2 objective, W' = (C + M lambda I)(A + M lambda I)^-1, in float64; with
-    `form="diagonal"` (or `"rotated_diagonal"`), over channel-wise scalings (in the rotated basis):
+    `form="rotated_diagonal"`, over channel-wise scalings in the rotated basis:
     w_k = (C_kk + M lambda) / (A_kk + M lambda)."""
     ridge = statistics.num_elements * reg_lambda
     if form != "full":
-        return _diagonal_solutions(statistics, [ridge], form)[0]
+        return _diagonal_solutions(statistics, [ridge])[0]
     identity = torch.eye(statistics.gram.shape[0], dtype=torch.float64)
     lhs = statistics.gram + ridge * identity
     rhs = statistics.cross + ridge * identity
@@ -234,8 +231,7 @@ def adam_minimize(
     patience: int = 5,
 ) -> torch.Tensor:
     """Minimises `objective(W')` with full-batch Adam from W' = `start` (the identity by default), in float64:
-    over every d x d matrix, or over channel-wise scalings (in the rotated basis) with `form="diagonal"`
-    (`"rotated_diagonal"`).
+    over every d x d matrix, or over channel-wise scalings in the rotated basis with `form="rotated_diagonal"`.
 
     Args:
         objective (`Callable`): W' -> the loss to minimise (a scalar tensor).
@@ -258,15 +254,13 @@ def adam_minimize(
         parameter = initial.to(device).clone().requires_grad_(True)
         as_matrix = lambda matrix: matrix  # noqa: E731
     else:
-        rotated = rotation(size).to(device) if form == "rotated_diagonal" else None
+        rotated = rotation(size).to(device)
         if start is None:
             initial = torch.ones(size, dtype=torch.float64)
         else:  # the scaling of a W' of this form: its diagonal, in the rotated basis
-            initial = (
-                start.to(device).double() if rotated is None else rotated @ start.to(device).double() @ rotated.T
-            ).diagonal()
+            initial = (rotated @ start.to(device).double() @ rotated.T).diagonal()
         parameter = initial.to(device).clone().requires_grad_(True)
-        as_matrix = torch.diag if rotated is None else (lambda scaling: rotated.T @ (scaling[:, None] * rotated))
+        as_matrix = lambda scaling: rotated.T @ (scaling[:, None] * rotated)  # noqa: E731
     optimizer = torch.optim.Adam([parameter], lr=learning_rate)
     best = (held_out(as_matrix(parameter.detach())), as_matrix(parameter.detach())) if held_out is not None else None
     checks_without_improvement = 0

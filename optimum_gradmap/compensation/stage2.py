@@ -22,7 +22,7 @@ from ..evaluation.perplexity import perplexity
 from ..passes import RecordedLayerInputs
 from ..precision import Precision
 from ..surgery import LayerSnapshot
-from .activations import FitData, check_outlier_tokens, hidden_state_means, hidden_state_means_and_outputs, record_layer_outputs
+from .activations import FitData, hidden_state_means, hidden_state_means_and_outputs, record_layer_outputs
 from .fit import fit_and_fold
 from .folding import down_projection_backup
 from .next_token import check_next_token_selection, chooses_by_next_token_loss, resolve_selection
@@ -36,14 +36,12 @@ logger = logging.get_logger(__name__)
 
 def check_stage2_settings(config: Stage2Settings, adapter: DecoderAdapter) -> None:
     """Refuses, before anything changes, Stage 2 settings that `adapter`'s family cannot run: a next-token
-    selection ([`check_next_token_selection`]) or clipped outlier weights ([`check_outlier_tokens`]) with a
-    norm after the MLP.
+    selection with a norm after the MLP ([`check_next_token_selection`]).
 
     Raises:
         InvalidInputError: saying which setting and what to use instead.
     """
     check_next_token_selection(config, adapter)
-    check_outlier_tokens(config, adapter)
 
 
 def compensate(

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from .. import distributed
-from ..errors import InvalidInputError
 from .activations import CompensationBatch, FitData, for_each_compensation_batch
 
 
@@ -174,11 +173,7 @@ class CompensationRows:
 def collect_rows(data: FitData, batch_size: int, progress_bar: bool = True, outliers: str = "keep") -> CompensationRows:
     """Every calibration token's Y, X_F and X_O for the layer of `data` (those `outliers="exclude"` leaves out excepted), on
     the model's device; with several processes, every process's rows, gathered as tensors in the order of the
-    sequences. The fits on rows weigh every row alike: `outliers="clip"` is refused ([`check_outlier_tokens`])."""
-    if outliers == "clip":
-        raise InvalidInputError(
-            "outlier_tokens='clip' weighs tokens in the closed-form fit only: the fits on rows weigh every token alike."
-        )
+    sequences."""
     parts: list[CompensationRows] = []
 
     def store(batch: CompensationBatch) -> None:

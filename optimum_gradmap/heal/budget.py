@@ -20,7 +20,7 @@ from ..passes import calibration_mode, input_device
 from ..precision import uses_bfloat16_autocast
 from .cost import HealCosts, num_batches
 from .loop import MAX_GRAD_NORM
-from .loss import centred_logit_gram, distillation_loss, seam_layers, uses_head_inputs
+from .loss import distillation_loss, seam_layers
 from .settings import HealSettings, PrunedLayout
 from .trainable import Trainable, choose_trainable
 
@@ -64,12 +64,10 @@ def measure_heal_costs(model: PreTrainedModel, settings: HealSettings, layout: P
     with calibration_mode(model):
         teacher_forward = timed(forward)
     adapter = get_adapter(model)
-    keep_hidden = uses_head_inputs(settings.heal_loss)
     layers = seam_layers(model, adapter, settings.heal_loss, layout)
     # a stand-in for the teacher's targets (the pruned model's own, of the same shapes)
-    targets = teacher_targets(model, ids, settings.heal_batch_size, False, autocast, keep_hidden, layers)
-    gram = centred_logit_gram(model.get_output_embeddings().weight) if keep_hidden else None
-    choice = choose_trainable(model, adapter, settings.heal_trainable, layout)
+    targets = teacher_targets(model, ids, settings.heal_batch_size, False, autocast, layers)
+    choice = choose_trainable(model, adapter, settings.heal_trainable)
     streamed = streaming.streams(model)
     with calibration_mode(model, grad=True, freeze_parameters=True):
         chosen = Trainable(model, choice, settings.heal_lora_rank, settings.seed)
@@ -79,7 +77,7 @@ def measure_heal_costs(model: PreTrainedModel, settings: HealSettings, layout: P
 
             def step() -> None:
                 optimizer.zero_grad(set_to_none=True)
-                distillation_loss(model, batch, settings.heal_loss, targets, gram, layers, passes).backward()
+                distillation_loss(model, batch, settings.heal_loss, targets, layers, passes).backward()
                 torch.nn.utils.clip_grad_norm_(chosen.parameters, MAX_GRAD_NORM)
                 optimizer.step()
 

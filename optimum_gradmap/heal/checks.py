@@ -11,13 +11,13 @@ import os
 
 import torch
 from torch import nn
-from transformers import PreTrainedTokenizerBase
 
 from .. import distributed, streaming
 from ..adapters import get_adapter
 from ..data import calibration_sha256, check_dataset_name
 from ..errors import InvalidInputError
-from .generation import PROMPT_TOKENS, chat_prompt, corpus_part, is_generated
+from ..retired import refused_value
+from .generation import PROMPT_TOKENS, corpus_part, is_generated
 from .loss import no_seam_refusal, reads_hidden_states, streamed_loss_refusal, uses_layer_states
 from .settings import HEAL_LOSS_CHOICES, HEAL_TRAINABLE_CHOICES, HealSettings, PlannedPruning, PrunedLayout
 from .state import fingerprint_before_pruning, read_heal_checkpoint
@@ -33,18 +33,14 @@ def check_heal_settings(model: nn.Module, settings: HealSettings, pruning: Prune
         pruning ([`PrunedLayout`] or [`PlannedPruning`]): For a model pruned already, its layers; before the pruning,
             what is known of it (whether Stage 2 will run, the layers given to remove).
 
-    Before pruning it also refuses what would leave the heal nothing to train, where the dense model and the pruning
-    tell it already: no linear map for `lora`, no normalisation for `norms`, and for `before_removed` a
-    `layers_to_prune` whose removed runs all start at layer 0. Which layers Stage 1 removes and Stage 2 compensates is
-    known only once they ran: `before_removed` when Stage 1 removes only a run from layer 0 (possible where layer 0 is
-    not protected), and `down_projections` when Stage 2 compensates no layer (its compensation undone by
-    `validation_data`, or `span_end` with no kept layer before a removed run), are refused when the heal starts.
+    Before pruning it also refuses what would leave the heal nothing to train, where the dense model tells it already:
+    no linear map for `lora`, no normalisation for `norms`.
 
     Raises:
-        InvalidInputError: for a model that carries PEFT adapters, `lora` without PEFT, `down_projections` without a
-            compensated layer, full weights in bfloat16 or float16, a choice other than `lora` on a model with offloaded
-            weights, a loss that reads hidden states layer-streamed, `kl_hidden_mse` with a `layers_to_prune` that
-            leaves no kept layer after a removed run, or nothing to train.
+        InvalidInputError: for a model that carries PEFT adapters, `lora` without PEFT, full weights in bfloat16 or
+            float16, a choice other than `lora` on a model with offloaded weights, a loss that reads hidden states
+            layer-streamed, `kl_hidden_mse` with a `layers_to_prune` that leaves no kept layer after a removed run, or
+            nothing to train.
     """
     check_no_peft_adapters(model)
     trainable, planned = settings.heal_trainable, isinstance(pruning, PlannedPruning)
@@ -56,12 +52,6 @@ def check_heal_settings(model: nn.Module, settings: HealSettings, pruning: Prune
                 "heal_trainable='lora' needs PEFT: `pip install peft` (or `pip install optimum-gradmap[heal]`), or choose "
                 "heal_trainable='norms'."
             ) from error
-    if trainable == "down_projections" and not (pruning.compensation if planned else pruning.compensated):
-        raise InvalidInputError(
-            "heal_trainable='down_projections' trains the down projections of Stage 2's compensated layers, and "
-            + ("Stage 2 is off (`compensation=False`)" if planned else "Stage 2 compensated no layer")
-            + ": choose another `heal_trainable`."
-        )
     dtype = next(model.parameters()).dtype
     if trainable != "lora" and dtype in (torch.bfloat16, torch.float16):
         raise InvalidInputError(
@@ -92,17 +82,10 @@ def _check_planned_layers(model: nn.Module, settings: HealSettings, pruning: Pla
     """Before pruning: nothing to train, or no seam, where the dense model and the layers given show it already."""
     adapter = get_adapter(model)
     num_layers = adapter.num_layers(model)
-    if settings.heal_trainable in ("lora", "norms", "all"):  # the kept layers are of the dense model's kinds
-        choose_trainable(model, adapter, settings.heal_trainable, PrunedLayout.unpruned(num_layers))
+    choose_trainable(model, adapter, settings.heal_trainable)  # the kept layers are of the dense model's kinds
     if pruning.layers_to_prune is None:
         return
     layout = PrunedLayout.without(pruning.layers_to_prune, num_layers)
-    if settings.heal_trainable == "before_removed" and not layout.before_removed_runs():
-        raise InvalidInputError(
-            f"heal_trainable='before_removed' trains the kept layer before each removed run, and "
-            f"layers_to_prune={pruning.layers_to_prune} removes only a run that starts at layer 0: choose another "
-            "`heal_trainable`."
-        )
     if uses_layer_states(settings.heal_loss) and not layout.seams():
         raise InvalidInputError(no_seam_refusal(layout.kept))
 
@@ -172,30 +155,21 @@ def check_heal_dataset_name(name: str) -> None:
         check_dataset_name(corpus, "calibration")
 
 
-def check_generation_prompts(settings: HealSettings, tokenizer: PreTrainedTokenizerBase | None) -> None:
+def check_generation_prompts(settings: HealSettings) -> None:
     """Refuses, before any work, the dense model's own text (`generated` in `heal_dataset`) with prompts longer than
-    `heal_seq_len`: the first `PROMPT_TOKENS` tokens of the calibration documents, or with `heal_prompts="chat"` the
-    chat template's opening of a user's turn ([`~optimum_gradmap.heal.generation.chat_prompt`], which refuses a tokenizer
-    without a template).
+    `heal_seq_len`: the first `PROMPT_TOKENS` tokens of the calibration documents.
 
     Args:
-        settings ([`HealSettings`]): Its `heal_dataset`, `heal_prompts` and `heal_seq_len` are read.
-        tokenizer (`PreTrainedTokenizerBase`, *optional*): The dense model's tokenizer (for the chat template).
+        settings ([`HealSettings`]): Its `heal_dataset` and `heal_seq_len` are read.
 
     Raises:
-        InvalidInputError: for a prompt longer than `heal_seq_len`, or `heal_prompts="chat"` without a chat template.
+        InvalidInputError: for a prompt longer than `heal_seq_len`.
     """
-    if not is_generated(settings.heal_dataset):
-        return
-    if settings.heal_prompts == "chat":
-        length, what = chat_prompt(tokenizer).numel(), "the chat template's opening of a user's turn"
-    else:
-        length, what = PROMPT_TOKENS, "the first tokens of a calibration document"
-    if length > settings.heal_seq_len:
+    if is_generated(settings.heal_dataset) and PROMPT_TOKENS > settings.heal_seq_len:
         raise InvalidInputError(
-            f"heal_seq_len={settings.heal_seq_len} is shorter than the dense model's prompts ({what}: {length} tokens), "
-            f"which start each sequence it writes: use heal_seq_len > {length}"
-            + (f", or heal_prompts='documents' ({PROMPT_TOKENS}-token prompts)." if settings.heal_prompts == "chat" else ".")
+            f"heal_seq_len={settings.heal_seq_len} is shorter than the dense model's prompts (the first tokens of a "
+            f"calibration document: {PROMPT_TOKENS} tokens), which start each sequence it writes: use heal_seq_len > "
+            f"{PROMPT_TOKENS}."
         )
 
 
@@ -208,9 +182,15 @@ def check_heal_arguments(model: nn.Module, validation_ids: torch.LongTensor, set
         InvalidInputError: saying what and how to fix it.
     """
     if settings.heal_trainable not in HEAL_TRAINABLE_CHOICES:
-        raise InvalidInputError(f"`heal_trainable` must be one of {HEAL_TRAINABLE_CHOICES}, got {settings.heal_trainable!r}.")
+        raise InvalidInputError(
+            refused_value("heal_trainable", settings.heal_trainable)
+            or f"`heal_trainable` must be one of {HEAL_TRAINABLE_CHOICES}, got {settings.heal_trainable!r}."
+        )
     if settings.heal_loss not in HEAL_LOSS_CHOICES:
-        raise InvalidInputError(f"`heal_loss` must be one of {HEAL_LOSS_CHOICES}, got {settings.heal_loss!r}.")
+        raise InvalidInputError(
+            refused_value("heal_loss", settings.heal_loss)
+            or f"`heal_loss` must be one of {HEAL_LOSS_CHOICES}, got {settings.heal_loss!r}."
+        )
     if reads_hidden_states(settings.heal_loss) and streaming.streams(model):
         raise InvalidInputError(streamed_loss_refusal(settings.heal_loss))
     if settings.heal_batch_size < distributed.world_size():

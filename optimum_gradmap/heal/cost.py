@@ -14,7 +14,7 @@ from typing import Any
 from ..distillation import TOP_K
 from ..vocabulary import MAX_LOGIT_ELEMENTS
 from .generation import GENERATION_BATCH_SIZE, corpus_part, is_generated
-from .loss import uses_head_inputs, uses_layer_states
+from .loss import uses_layer_states
 from .settings import HealSettings
 
 # `heal_tokens="auto"`: the heal's time (the dense model's text included) as a share of Stage 1's measured time.
@@ -83,16 +83,13 @@ def heal_memory(
     shape: Any,
     num_kept: int,
     counts: HealCounts,
-    trained_layers: tuple[int, int] = (1, 1),
     teacher_layers: int | None = None,
 ) -> dict[str, float]:
     """The heal's peak beyond the weights of a model of `shape` ([`~optimum_gradmap.planning.ModelShape`]) with
     `num_kept` layers: the training batch's activations and logits, the trained parameters' gradients and AdamW state
     (float32), or, before training, the generation's KV cache and logits (the dense model's own text, `teacher_layers`
     layers); and on the host the teacher's targets (the generated text's held twice: the text's and the heal's rows;
-    with its head inputs for a logit loss, whose `d x d` matrix is on the device; its seam layers' outputs for
-    `kl_hidden_mse`) and two copies of the trained state. `trained_layers`: the kept layers before a removed run and
-    the compensated layers ([`trained_parameters`])."""
+    with its seam layers' outputs for `kl_hidden_mse`) and two copies of the trained state."""
     batch, seq_len = settings.heal_batch_size, settings.heal_seq_len
     tokens = batch * seq_len
     mean_activation = shape.mean("activation_bytes", heal=True) + (
@@ -100,14 +97,10 @@ def heal_memory(
     )
     activations = tokens * num_kept * mean_activation
     logits = tokens * shape.vocab_size * (4 * 3 + shape.dtype_bytes)
-    trained = trained_parameters(settings, shape, num_kept, *trained_layers)
+    trained = trained_parameters(settings, shape, num_kept)
     optimizer = trained * 4 * (3 if settings.heal_trainable != "lora" else 4)  # (the adapters) + gradient + two moments
     sequences = counts.train_sequences + counts.validation_sequences + counts.generated_sequences
     targets = sequences * (seq_len - 1) * (TOP_K * 8 + 4)
-    gram = 0
-    if uses_head_inputs(settings.heal_loss):  # the teacher's head inputs, bfloat16, held twice (the text's, the heal's rows)
-        targets += 2 * counts.train_sequences * (seq_len - 1) * shape.hidden_size * 2
-        gram = shape.hidden_size**2 * 4  # the logit loss's d x d matrix, on the device
     if uses_layer_states(settings.heal_loss):  # the teacher's outputs of the seam layers, bfloat16, held twice likewise
         seams = min(num_kept, shape.num_layers - num_kept)  # at most one kept layer after each removed one
         targets += 2 * counts.train_sequences * (seq_len - 1) * seams * shape.hidden_size * 2
@@ -118,7 +111,7 @@ def heal_memory(
     logits_chunk = min(MAX_LOGIT_ELEMENTS, shape.vocab_size * tokens) * 4 * 3
     streamed = max(stored_inputs + one_layer + logits_chunk + optimizer, generation)
     return {
-        "device": max(activations + logits + optimizer + gram, generation),
+        "device": max(activations + logits + optimizer, generation),
         "streamed": streamed,
         "host": targets + 2 * trained * 4,
         "trained": trained,
@@ -133,26 +126,20 @@ def _generation_bytes(settings: HealSettings, shape: Any, teacher_layers: int) -
     return cache + rows * shape.vocab_size * (4 * 3 + shape.dtype_bytes)
 
 
-def trained_parameters(settings: HealSettings, shape: Any, num_kept: int, before_removed: int = 1, compensated: int = 1) -> int:
-    """How many parameters the heal trains: LoRA's adapters, or the weights `heal_trainable` names (every weight of
-    the `before_removed` kept layers before a removed run; the down projections of the `compensated` layers)."""
-    mean_layer = sum(shape.layer_parameters) / shape.num_layers
+def trained_parameters(settings: HealSettings, shape: Any, num_kept: int) -> int:
+    """How many parameters the heal trains: LoRA's adapters, or the weights `heal_trainable` names."""
     if settings.heal_trainable == "lora":
         return settings.heal_lora_rank * shape.lora_parameters_per_rank * num_kept
     if settings.heal_trainable == "norms":
         return 2 * shape.hidden_size * (num_kept + 1)
-    if settings.heal_trainable == "all":
-        return int(mean_layer * num_kept)
-    if settings.heal_trainable == "down_projections":
-        return shape.down_projection_parameters * compensated
-    return int(mean_layer * before_removed)
+    return int(sum(shape.layer_parameters) / shape.num_layers * num_kept)  # "all"
 
 
-def changed_parameters(settings: HealSettings, shape: Any, num_kept: int, before_removed: int = 1, compensated: int = 1) -> int:
+def changed_parameters(settings: HealSettings, shape: Any, num_kept: int) -> int:
     """How many of the model's own parameters the heal changes, what a copy that undoes it holds: for LoRA, the weights
     of the kept layers' linear maps its adapters merge into; else the weights it trains ([`trained_parameters`])."""
     if settings.heal_trainable != "lora":
-        return trained_parameters(settings, shape, num_kept, before_removed, compensated)
+        return trained_parameters(settings, shape, num_kept)
     linear = [sum(width * height for width, height in maps) for maps in shape.layer_linear_maps]
     return int(sum(linear) / shape.num_layers * num_kept)
 

@@ -11,9 +11,7 @@ contexts: on the teacher's samples, those contexts are the ones the dense model 
 **Prompts.** Each sequence starts from the first `PROMPT_TOKENS` tokens of a calibration document (the documents
 shuffled with the seed, cycled when there are fewer documents than sequences), and one sequence in `BOS_EVERY`
 starts from the beginning-of-sequence token alone (the end-of-sequence token for a tokenizer without one), so that
-part of the text is what the model writes unprompted. With `heal_prompts="chat"` every sequence starts from the
-chat template's opening of a user's turn instead ([`chat_prompt`]; Magpie, Xu et al., 2024): an instruct model
-writes a question and answers it.
+part of the text is what the model writes unprompted.
 
 **Sampling.** Plain ancestral sampling from the teacher's next-token distribution at `temperature` (no top-k or
 top-p truncation: at 1.0 the contexts follow the teacher's own distribution, which is what the KL objective weighs;
@@ -50,7 +48,7 @@ from transformers.utils import logging
 
 from .. import distillation, distributed
 from ..adapters import get_adapter
-from ..distillation import head_inputs, layer_outputs, targets_from_logits, the_head_input, the_layer_outputs
+from ..distillation import layer_outputs, targets_from_logits, the_layer_outputs
 from ..errors import InvalidInputError
 from ..objectives import TeacherTargets
 from ..passes import calibration_mode, input_device
@@ -86,8 +84,6 @@ class GenerationSettings:
         prompt_tokens (`int`): Tokens of a document that start a sequence.
         bos_every (`int`): One sequence in this many starts from the beginning-of-sequence token alone.
         batch_size (`int`): Sequences sampled together.
-        keep_hidden (`bool`): Keep the teacher's head input at every position too (`TeacherTargets.hidden`, for a
-            logit loss).
         keep_layers (`tuple[int, ...]`): The teacher's layers (their indices) whose outputs are kept at every position
             too (`TeacherTargets.layer_states`, for `heal_loss="kl_hidden_mse"`).
         start_token (`int`, *optional*): The token an unprompted sequence starts from ([`start_token_of`]); without
@@ -102,7 +98,6 @@ class GenerationSettings:
     prompt_tokens: int = PROMPT_TOKENS
     bos_every: int = BOS_EVERY
     batch_size: int = GENERATION_BATCH_SIZE
-    keep_hidden: bool = False
     keep_layers: tuple[int, ...] = ()
     start_token: int | None = None
     autocast: bool = False
@@ -137,25 +132,6 @@ def prompt_starts(documents: Sequence[torch.LongTensor], settings: GenerationSet
             "tokenizer has no beginning- or end-of-sequence token. Give longer calibration text (`dataset`)."
         )
     return prompts
-
-
-def chat_prompt(tokenizer: PreTrainedTokenizerBase | None) -> torch.LongTensor:
-    """The tokens of the tokenizer's chat template up to where a user's message starts (with the template's default
-    system turn, if it has one): Magpie's "pre-query template" (Xu et al., 2024, Sec. 2.1). From it an instruct model
-    writes a user's question, then, through the turn markers it was trained on, its own answer: the teacher's text in
-    the shape of questions and answers, with no question given.
-
-    Raises:
-        InvalidInputError: for a tokenizer without a chat template.
-    """
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise InvalidInputError(
-            "heal_prompts='chat' starts the dense model's text from its chat template, and its tokenizer has none (a base "
-            "model, not an instruct one): use heal_prompts='documents'."
-        )
-    marker = "\u2063heal-prompt\u2063"  # text no template contains: where the user's message would start
-    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
-    return tokenizer(text[: text.index(marker)], add_special_tokens=False, return_tensors="pt").input_ids[0]
 
 
 def sequence_prompt(index: int, prompts: Sequence[torch.LongTensor], settings: GenerationSettings) -> torch.LongTensor:
@@ -198,7 +174,6 @@ def sample_batch(
     temperature: float,
     generator: torch.Generator,
     autocast: bool = False,
-    keep_hidden: bool = False,
     layers: Sequence[nn.Module] = (),
 ) -> tuple[torch.LongTensor, TeacherTargets]:
     """Samples one batch of sequences of `seq_len` tokens, each starting with its prompt (prompts may differ in
@@ -214,7 +189,6 @@ def sample_batch(
         temperature (`float`): The sampling temperature (> 0).
         generator (`torch.Generator`): The draws' generator (on the CPU).
         autocast (`bool`, defaults to `False`): Run the passes under bfloat16 autocast.
-        keep_hidden (`bool`, defaults to `False`): Keep the model's head input too (`TeacherTargets.hidden`).
         layers (`Sequence[nn.Module]`, defaults to `()`): Decoder layers of `model`, in the order they run, whose outputs
             are kept too (`TeacherTargets.layer_states`).
 
@@ -235,16 +209,10 @@ def sample_batch(
     cache = {cache_keyword: DynamicCache(config=model.config)}
     passes = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
     targets: list[TeacherTargets] = []
-    with (
-        passes,
-        head_inputs(model.get_output_embeddings() if keep_hidden else None) as inputs,
-        layer_outputs(layers) as outputs,
-    ):
+    with passes, layer_outputs(layers) as outputs:
         for position in range(seq_len - 1):
             output = model(input_ids=sequences[:, position : position + 1].to(device), use_cache=True, **cache)
             targets.append(targets_from_logits(output.logits[:, -1:]))
-            if keep_hidden:
-                targets[-1].hidden = the_head_input(inputs)[:, -1:].to(torch.bfloat16).cpu()
             if layers:
                 targets[-1].layer_states = the_layer_outputs(outputs, len(layers))[:, -1:].to(torch.bfloat16).cpu()
             drawn = draw_tokens(output.logits[:, -1].float().cpu(), temperature, generator)
@@ -263,11 +231,11 @@ def fingerprint(teacher: nn.Module, prompts: Sequence[torch.LongTensor], setting
         "teacher_weights": weights_digest(teacher),
         "prompts_sha256": hashlib.sha256(prompt_bytes).hexdigest(),
         "top_k": distillation.TOP_K,
-        # `keep_hidden` and `keep_layers` only where set: the caches written before they existed stay valid
+        # `keep_layers` only where set: the caches written before it existed stay valid
         **{
             key: list(value) if isinstance(value, tuple) else value
             for key, value in asdict(settings).items()
-            if key != "autocast" and (key not in ("keep_hidden", "keep_layers") or value)
+            if key != "autocast" and (key != "keep_layers" or value)
         },
     }
 
@@ -320,8 +288,7 @@ def _write_cache(
         payload = {
             "fingerprint": expected,
             "input_ids": input_ids,
-            "targets": [targets.indices, targets.log_probs, targets.rest_log_prob]
-            + ([] if targets.hidden is None else [targets.hidden]),
+            "targets": [targets.indices, targets.log_probs, targets.rest_log_prob],
             "seconds_per_sequence": seconds_per_sequence,
         }
         if targets.layer_states is not None:
@@ -442,7 +409,7 @@ def _sample_batches(
             generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + batch)
             batch_prompts = [sequence_prompt(index, prompts, settings) for index in indices]
             batch_sequences, batch_targets = sample_batch(
-                model, batch_prompts, settings.seq_len, settings.temperature, generator, autocast, settings.keep_hidden, layers
+                model, batch_prompts, settings.seq_len, settings.temperature, generator, autocast, layers
             )
             sequences.append(batch_sequences)
             targets.append(batch_targets)

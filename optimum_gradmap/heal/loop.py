@@ -32,12 +32,10 @@ from ..weights import weights_digest
 from .checks import check_heal_arguments, check_heal_checkpoint
 from .cost import num_batches
 from .loss import (
-    centred_logit_gram,
     distillation_loss,
     no_seam_refusal,
     seam_indices,
     seam_layers,
-    uses_head_inputs,
     uses_layer_states,
 )
 from .result import HealResult
@@ -114,7 +112,7 @@ def heal(
     layout = layout if layout is not None else PrunedLayout.unpruned(adapter.num_layers(model))
     if uses_layer_states(settings.heal_loss) and not layout.seams():
         raise InvalidInputError(no_seam_refusal(layout.kept))
-    choice = choose_trainable(model, adapter, settings.heal_trainable, layout)  # refusals before any compute
+    choice = choose_trainable(model, adapter, settings.heal_trainable)  # refusals before any compute
     result = _new_result(train_ids, validation_ids, settings, dataset)
     training = _Training(model, train_ids, validation_ids, result, settings, deadline)
     resumed = training.resumable(checkpoint, layout)
@@ -199,13 +197,9 @@ class _Training:
         self.position = {row: index for index, row in enumerate(self.my_rows)}
         self.my_validation, validation_start = distributed.shard_any(self.validation_ids)
         result.autocast = uses_bfloat16_autocast(self.settings.heal_autocast, model)
-        keep_hidden = uses_head_inputs(loss)
         self.seam_layers = seam_layers(model, self.adapter, loss, layout)
         seam_states = None if targets is None else targets[0].layer_states
-        if targets is not None and (
-            (keep_hidden and targets[0].hidden is None)
-            or (self.seam_layers and (seam_states is None or seam_states.shape[-2] != len(self.seam_layers)))
-        ):
+        if targets is not None and self.seam_layers and (seam_states is None or seam_states.shape[-2] != len(self.seam_layers)):
             logger.info(
                 f"Heal: heal_loss={loss!r} needs the dense model's hidden states, which its text's targets lack: the dense "
                 "model runs over the text again to keep them."
@@ -214,27 +208,25 @@ class _Training:
         if targets is not None:  # kept while the dense model wrote its text: this process's rows
             validation_rows = slice(validation_start, validation_start + self.my_validation.shape[0])
             self.targets, self.validation_targets = targets[0].rows(self.my_rows), targets[1].rows(validation_rows)
-            self.validation_targets.hidden = self.validation_targets.layer_states = None  # the held-out check is the KL
+            self.validation_targets.layer_states = None  # the held-out check is the KL
         else:
-            self.targets, self.validation_targets = self._teacher_pass(teacher, keep_hidden, layout, progress_bar)
-        self.gram = centred_logit_gram(model.get_output_embeddings().weight) if keep_hidden else None
+            self.targets, self.validation_targets = self._teacher_pass(teacher, layout, progress_bar)
 
     def _teacher_pass(
         self,
         teacher: Callable[[], AbstractContextManager[nn.Module]],
-        keep_hidden: bool,
         layout: PrunedLayout,
         progress_bar: bool,
     ) -> tuple[TeacherTargets, TeacherTargets]:
-        """The teacher's targets on this process's training and held-out rows (with, on the training ones, its head
-        inputs where `keep_hidden`, and its seam layers' outputs where the loss reads them). The teacher is bound here
+        """The teacher's targets on this process's training and held-out rows (with, on the training ones, its seam
+        layers' outputs where the loss reads them). The teacher is bound here
         only, so that no reference to it outlives its block: a teacher loaded for the pass is freed before training
         starts."""
         batch_size, autocast = self.batch_size, self.result.autocast
         with teacher() as dense_model:
             layers = self.adapter.layers_at(dense_model, seam_indices(self.loss, layout))
             train_ids = self.train_ids[self.my_rows]
-            train_targets = teacher_targets(dense_model, train_ids, batch_size, progress_bar, autocast, keep_hidden, layers)
+            train_targets = teacher_targets(dense_model, train_ids, batch_size, progress_bar, autocast, layers)
             del layers
             validation_targets = teacher_targets(dense_model, self.my_validation, batch_size, progress_bar, autocast)
             del dense_model  # before the context's cleanup runs: a teacher it loaded is freed there, not at a later collection
@@ -386,7 +378,7 @@ class _Training:
                 gradient = self.streamed.loss_gradient(top_k_kl_gradient, vocab_sliced_top_k_kl_gradient, targets=batch_targets)
                 self.streamed.backward(batch, gradient, self.chosen.parameters)
         else:
-            step_loss = distillation_loss(self.model, batch, self.loss, batch_targets, self.gram, self.seam_layers, self._passes)
+            step_loss = distillation_loss(self.model, batch, self.loss, batch_targets, self.seam_layers, self._passes)
             (step_loss * len(rows)).backward()
 
     def _after_step(self, step: int, tick: float, global_rows: int) -> bool:

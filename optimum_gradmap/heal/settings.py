@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
-from ..configuration import ExecutionMode, HealLoss, HealPrompts, HealTrainable
+from ..configuration import ExecutionMode, HealLoss, HealTrainable
 from ..settings import StepSettings
 
 HEAL_LOSS_CHOICES: tuple[str, ...] = get_args(HealLoss)
@@ -21,8 +21,6 @@ HEAL_TRAINABLE_CHOICES: tuple[str, ...] = get_args(HealTrainable)
 DEFAULT_LEARNING_RATES: dict[str, float] = {
     "lora": 1e-3,
     "norms": 3e-3,
-    "down_projections": 3e-5,
-    "before_removed": 3e-5,
     "all": 3e-5,
 }
 
@@ -36,7 +34,6 @@ class HealSettings(StepSettings):
 
     heal_tokens: int | Literal["auto"]
     heal_dataset: str
-    heal_prompts: HealPrompts
     heal_temperature: float
     heal_trainable: HealTrainable
     heal_loss: HealLoss
@@ -87,11 +84,6 @@ class PrunedLayout:
         """The layers a model of `num_layers` keeps once `removed` are removed, none compensated."""
         removed = set(removed)
         return cls(tuple(index for index in range(num_layers) if index not in removed), num_layers)
-
-    def before_removed_runs(self) -> list[int]:
-        """The kept layers directly before a run of removed ones (what `heal_trainable="before_removed"` trains)."""
-        kept = set(self.kept)
-        return [index for index in self.kept if index + 1 < self.num_layers and index + 1 not in kept]
 
     def seams(self) -> list[int]:
         """The positions, among the kept layers, of those directly after a run of removed ones (whose outputs

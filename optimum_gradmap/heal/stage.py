@@ -188,7 +188,7 @@ def prepare_heal_text(
         check_heal_dataset_name(data)  # a name: refused before a tokenizer is looked for
     generated = heal_data is None and is_generated(settings.heal_dataset)
     if generated:  # prompts longer than the sequences, or no chat template: refused before Stage 1
-        check_generation_prompts(settings, tokenizer_for(settings.dataset) if settings.heal_prompts == "chat" else None)
+        check_generation_prompts(settings)
     if settings.heal_tokens == "auto" or generated:
         return None
     text = heal_sequences(data, tokenizer_for(data), settings)

@@ -5,7 +5,6 @@ of both ([`heal_sequences`]), with the dense model's targets where they come wit
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -35,13 +34,12 @@ from .generation import (
     GENERATION_BATCH_SIZE,
     GeneratedText,
     GenerationSettings,
-    chat_prompt,
     corpus_part,
     generate_sequences,
     is_generated,
     start_token_of,
 )
-from .loss import seam_indices, uses_head_inputs
+from .loss import seam_indices
 from .settings import HealSettings, PrunedLayout
 
 
@@ -142,30 +140,21 @@ def _generate(
     layout: PrunedLayout | None = None,
 ) -> GeneratedText:
     """`num_sequences` of the dense model's own text as `settings` say: prompts from the first tokens of `prompt_data`'s
-    documents (text; `settings.dataset` by default) or sequences (token ids), or with `heal_prompts="chat"` from the
-    chat template's user turn ([`~optimum_gradmap.heal.generation.chat_prompt`]); `heal_temperature`, seed `seed + 2`.
+    documents (text; `settings.dataset` by default) or sequences (token ids); `heal_temperature`, seed `seed + 2`.
     The targets kept while it writes hold what `heal_loss` reads (the seams' outputs where `layout` is given)."""
     drawing = GenerationSettings(
         settings.heal_seq_len,
         settings.heal_temperature,
         settings.seed + 2,
-        keep_hidden=uses_head_inputs(settings.heal_loss),
         keep_layers=tuple(seam_indices(settings.heal_loss, layout)),
         start_token=start_token_of(tokenizer),
         autocast=settings.heal_autocast,
     )
-    if settings.heal_prompts == "chat":  # every sequence from the chat template's user turn
-        prompt = chat_prompt(tokenizer)
-        drawing = dataclasses.replace(drawing, prompt_tokens=prompt.numel(), start_token=None)
-        documents = [prompt]
+    data = settings.dataset if prompt_data is None else prompt_data
+    if is_text_data(data):
+        documents = tokenize_documents(text_documents(data, settings.text_column), tokenizer)
     else:
-        data = settings.dataset if prompt_data is None else prompt_data
-        if is_text_data(data):
-            documents = tokenize_documents(text_documents(data, settings.text_column), tokenizer)
-        else:
-            documents = list(
-                prepare_calibration_data(data, tokenizer, 0, settings.seq_len, settings.seed, "", settings.text_column)
-            )
+        documents = list(prepare_calibration_data(data, tokenizer, 0, settings.seq_len, settings.seed, "", settings.text_column))
     return generate_sequences(teacher, documents, num_sequences, drawing, cache, progress_bar)
 
 
@@ -267,10 +256,8 @@ def _generated_text(
     train_ids, validation_ids = generated.input_ids[num_validation:], generated.input_ids[:num_validation]
     train_targets = generated.targets.rows(slice(num_validation, None))
     validation_targets = generated.targets.rows(slice(0, num_validation))
-    validation_targets.hidden = validation_targets.layer_states = None  # the held-out check is the KL
+    validation_targets.layer_states = None  # the held-out check is the KL
     prompts = describe_calibration_data(prompt_data, settings.dataset, settings.text_column)
-    if settings.heal_prompts == "chat":
-        prompts = "its chat template's user turn"
     source = f"{GENERATED} (the dense model's own text, temperature {settings.heal_temperature:g}, prompts from {prompts})"
     return HealText(train_ids, validation_ids, source, generated.seconds, train_targets, validation_targets)
 
@@ -305,7 +292,6 @@ def _with_corpus_part(
             settings.heal_batch_size,
             progress_bar,
             autocast,
-            uses_head_inputs(settings.heal_loss),
             layers,
         )
         corpus_validation_targets = teacher_targets(dense_model, corpus_validation, settings.heal_batch_size, False, autocast)

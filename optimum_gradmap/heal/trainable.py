@@ -1,7 +1,7 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
 """What the heal trains (`heal_trainable`): LoRA's adapters on the kept layers' linear maps, injected through PEFT, or
-the model's own parameters (norms, down projections, layers), found and refused before anything changes
+the model's own parameters (norms, the kept layers), found and refused before anything changes
 ([`choose_trainable`]); their setup, their merge into plain weights, and the rollback that puts the model back as it
 came ([`Trainable`])."""
 
@@ -18,7 +18,6 @@ from transformers.pytorch_utils import Conv1D
 from ..adapters import DecoderAdapter, get_adapter, get_submodule
 from ..errors import InvalidInputError
 from ..weights import WeightBackup, execution_device, is_offloaded_module, materialized
-from .settings import PrunedLayout
 
 # The name of the heal stage's LoRA adapter (in its parameters' names).
 LORA_ADAPTER = "heal"
@@ -52,8 +51,8 @@ class TrainableChoice:
     parameters: list[nn.Parameter]
 
 
-def choose_trainable(model: PreTrainedModel, adapter: DecoderAdapter, trainable: str, layout: PrunedLayout) -> TrainableChoice:
-    """What to train (`heal_trainable`) in `model`, whose layers `layout` describes, refused (before anything runs)
+def choose_trainable(model: PreTrainedModel, adapter: DecoderAdapter, trainable: str) -> TrainableChoice:
+    """What to train (`heal_trainable`) in the pruned `model`, refused (before anything runs)
     where the model has nothing of that kind.
 
     Raises:
@@ -62,34 +61,10 @@ def choose_trainable(model: PreTrainedModel, adapter: DecoderAdapter, trainable:
     """
     check_no_peft_adapters(model)
     layers = list(adapter.get_layers(model))
-    by_index = dict(zip(layout.kept, layers))
     if trainable == "lora":
         choice = TrainableChoice(_linear_names(model, layers), [])
     elif trainable == "norms":
         choice = TrainableChoice([], _norm_parameters(model, layers, adapter))
-    elif trainable == "down_projections":
-        if not layout.compensated:
-            raise InvalidInputError(
-                "heal_trainable='down_projections' trains the down projections of Stage 2's compensated layers, and no "
-                "layer was compensated: turn Stage 2 on, or choose another `heal_trainable`."
-            )
-        choice = TrainableChoice(
-            [],
-            [
-                tensor
-                for index in layout.compensated
-                for target in adapter.get_down_projections(by_index[index])
-                for tensor in ([target] if isinstance(target, nn.Parameter) else [target.weight])
-            ],
-        )
-    elif trainable == "before_removed":
-        chosen = layout.before_removed_runs()
-        if not chosen:
-            raise InvalidInputError(
-                "heal_trainable='before_removed' trains the kept layer before each removed run, and every removed run "
-                "starts at layer 0: choose another `heal_trainable`."
-            )
-        choice = TrainableChoice([], [parameter for index in chosen for parameter in by_index[index].parameters()])
     else:  # "all"
         choice = TrainableChoice([], [parameter for layer in layers for parameter in layer.parameters()])
         choice.parameters += _norm_parameters(model, [], adapter)
@@ -247,27 +222,26 @@ class Trainable:
         self.finish(merge=False)
 
 
-def changed_parameters(model: PreTrainedModel, trainable: str, layout: PrunedLayout) -> dict[str, nn.Parameter]:
+def changed_parameters(model: PreTrainedModel, trainable: str) -> dict[str, nn.Parameter]:
     """Every parameter a heal of `trainable` changes, by its name in `model`: the trained parameters, or for LoRA the
     weights of the maps its adapters merge into.
 
     Args:
         model (`PreTrainedModel`): The pruned model, before the heal.
         trainable (`str`): `heal_trainable`.
-        layout ([`PrunedLayout`]): Its layers.
 
     Returns:
         `dict[str, nn.Parameter]`.
     """
-    choice = choose_trainable(model, get_adapter(model), trainable, layout)
+    choice = choose_trainable(model, get_adapter(model), trainable)
     changed = [model.get_submodule(name).weight for name in choice.lora_targets] + list(choice.parameters)
     wanted = {id(parameter) for parameter in changed}
     return {name: parameter for name, parameter in model.named_parameters() if id(parameter) in wanted}
 
 
-def heal_backup(model: PreTrainedModel, trainable: str, layout: PrunedLayout) -> WeightBackup:
+def heal_backup(model: PreTrainedModel, trainable: str) -> WeightBackup:
     """A copy, on the CPU, of every parameter a heal of `trainable` changes ([`changed_parameters`]): what puts the
     model back as the heal found it when a later step fails. It costs as many bytes as those parameters."""
-    wanted = {id(parameter) for parameter in changed_parameters(model, trainable, layout).values()}
+    wanted = {id(parameter) for parameter in changed_parameters(model, trainable).values()}
     owners = [module for module in model.modules() if any(id(p) in wanted for p in module.parameters(recurse=False))]
     return WeightBackup(owners, lambda module: [p for p in module.parameters(recurse=False) if id(p) in wanted])

@@ -125,7 +125,7 @@ class Heal(Step):
         result, settings, inputs = run.result, self.settings, run.inputs
         layout = pruned_layout(result)
         if self.undoable and run.heal_undoable:
-            run.heal_backup = heal_backup(result.model, settings.heal_trainable, layout)
+            run.heal_backup = heal_backup(result.model, settings.heal_trainable)
         config = dataclasses.replace(result.config or run.config, **dataclasses.asdict(settings))
         data = inputs.heal_data if inputs.heal_data is not None else settings.heal_dataset
         seconds, basis = stage1_seconds(result, config, inputs.teacher)

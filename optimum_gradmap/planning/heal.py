@@ -6,7 +6,6 @@ from the counts of [`~optimum_gradmap.heal.cost`], which also says what the heal
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -15,7 +14,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from ..configuration import GradMAPConfig
 from ..errors import InvalidInputError
-from ..heal import HealCounts, HealSettings, PrunedLayout
+from ..heal import HealCounts, HealSettings
 from ..heal.cost import heal_memory
 from .counts import ZERO, Count, Work
 from .placement import allocator_overhead, offloaded_shares, process_bytes, transfer_seconds, weights_kept_on_device
@@ -72,8 +71,7 @@ def plan_heal(
     host_allocator_overhead: float | None = None,
 ) -> PruningPlan:
     """The plan of `optimum-gradmap heal` on a pruned checkpoint: its tokens, FLOPs, peak memory (the teacher is loaded
-    for its pass beside the student) and time. Only the configs are read (and a local checkpoint's
-    `pruning_report.json`: which layers the heal may train).
+    for its pass beside the student) and time. Only the configs are read.
 
     Args:
         pruned (`PreTrainedModel`, `PretrainedConfig`, `str` or `os.PathLike`): The pruned checkpoint.
@@ -100,8 +98,7 @@ def plan_heal(
         throughput = DeviceThroughput.measure(teacher_config, dtype, device, settings.heal_batch_size, settings.heal_seq_len)
     shares = offloaded_shares(student, pruned_config, device_map, max_memory)
     work, counts = heal_work(settings, teacher_shape, student.num_layers, teacher_shape.num_layers, streamed=bool(shares))
-    layout = _pruned_layout(pruned, student.num_layers, teacher_shape.num_layers)
-    memory = heal_memory(settings, student, student.num_layers, counts, layout, teacher_shape.num_layers)
+    memory = heal_memory(settings, student, student.num_layers, counts, teacher_shape.num_layers)
     host = memory["host"] if device.type == "cpu" else 0.0
     training = student.weight_bytes + allocator_overhead(device, host_allocator_overhead) * memory["device"]
     peak = Count.of(max(student.weight_bytes + teacher_shape.weight_bytes, training) + host)
@@ -132,21 +129,6 @@ def plan_heal(
         throughput=throughput,
         notes=["The teacher is loaded for its pass beside the student: in memory, the peak holds both models' weights."],
     )
-
-
-def _pruned_layout(pruned: Any, num_kept: int, num_layers: int) -> tuple[int, int]:
-    """The kept layers before a removed run and the compensated layers of a pruned checkpoint, from the
-    `pruning_report.json` of a local folder; elsewhere the most a checkpoint of `num_kept` of `num_layers` layers
-    can have (one before each removed layer)."""
-    path = os.path.join(pruned, "pruning_report.json") if isinstance(pruned, (str, os.PathLike)) else ""
-    if not path or not os.path.isfile(path):
-        most = min(num_kept, num_layers - num_kept)
-        return most, most
-    with open(path) as file:
-        report = json.load(file)
-    kept = report.get("kept_layers") or list(range(num_kept))
-    compensated = (report.get("compensation") or {}).get("compensated_layers") or []
-    return len(PrunedLayout(kept, report.get("original_num_layers", num_layers)).before_removed_runs()), len(compensated)
 
 
 def _check_heal_budget(config: GradMAPConfig) -> None:

@@ -17,7 +17,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ..adapters import get_adapter
 from ..configuration import GradMAPConfig
 from ..errors import InvalidInputError
-from ..heal import HealSettings, PrunedLayout
+from ..heal import HealSettings
 from ..heal.cost import AUTO_REFERENCE_STEPS, AUTO_TIME_SHARE, changed_parameters, heal_memory
 from .counts import Count, Work
 from .heal import heal_work
@@ -71,7 +71,7 @@ class Planner:
         self.validation, self.evaluation_tokens, self.tokenizer_size = False, 0, None
         self.outline1: Stage1Outline | None = None
         self.removable = self.num_kept = Count.of(0)
-        self.stage2_line, self.compensated = "", 0
+        self.stage2_line = ""
 
     def place(
         self,
@@ -245,32 +245,23 @@ class Planner:
         tokens = config.num_samples * config.seq_len
         passes = stage2_passes(outline)
         self.stages.append(self.stage("Stage 2", passes, tokens, work, beside, self.resident + beside, memory["host"]))
-        self.stage2_line, self.compensated = stage2_text(outline, config), int(outline.fits.high)
-
-    def trained_layers(self) -> tuple[int, int]:
-        """The kept layers before a removed run (for a layout not known yet, the most the removable layers can leave:
-        one before each) and the most layers Stage 2 compensates: what `heal_trainable` may train."""
-        num_layers, removed_layers = self.shape.num_layers, self.removed_layers
-        if removed_layers is not None:
-            return len(PrunedLayout.without(removed_layers, num_layers).before_removed_runs()), self.compensated
-        most = int(self.removable.high)
-        return min(most, num_layers - most), self.compensated
+        self.stage2_line = stage2_text(outline, config)
 
     def plan_heal(self) -> None:
         """The heal's stage (an `auto` budget sized to Stage 1's planned time first)."""
         settings, shape = HealSettings.from_config(self.config), self.shape
-        num_kept, trained_layers = int(self.num_kept.high), self.trained_layers()
+        num_kept = int(self.num_kept.high)
         if settings.heal_tokens == "auto":
             settings = self.auto_heal_settings(settings, num_kept)
         work, counts = heal_work(settings, shape, num_kept, shape.num_layers, self.streamed)
-        memory = heal_memory(settings, shape, num_kept, counts, trained_layers)
+        memory = heal_memory(settings, shape, num_kept, counts)
         host = memory["host"] if self.on_cpu else 0.0
         tokens = (counts.train_sequences + counts.validation_sequences) * settings.heal_seq_len
         passes = f"{counts.steps} steps, {counts.checks} checks"
         streamed = self.resident + memory["streamed"] + host
         plan = self.stage("Heal", passes, tokens, work, memory["device"] + host, streamed, memory["host"], heal=True)
         if self.config.quantization:  # the copy that undoes the heal if the quantization fails (few large blocks)
-            copy = changed_parameters(settings, shape, num_kept, *trained_layers) * shape.dtype_bytes
+            copy = changed_parameters(settings, shape, num_kept) * shape.dtype_bytes
             plan.host_bytes += copy
             if self.on_cpu:
                 plan.peak_bytes_in_memory = plan.peak_bytes_in_memory + copy

@@ -46,8 +46,6 @@ class ModelShape:
         layers (`list[LayerCost]`): Each decoder layer's cost at the calibration batch's shape.
         heal_layers (`list[LayerCost]`, *optional*): The same at the heal batch's shape.
         lora_parameters_per_rank (`int`): LoRA's parameters per unit of rank over one layer's linear maps (in + out).
-        down_projection_parameters (`int`): The weights of one layer's down projections (every expert's), where
-            Stage 2 folds W' (what `heal_trainable="down_projections"` trains per compensated layer).
         kv_width (`int`): The width of one token's keys (as of its values) in one layer's KV cache.
         layer_linear_maps (`list[list[tuple[int, int]]]`): Each decoder layer's `nn.Linear` maps as (input width,
             output width): what the quantization step quantizes.
@@ -66,7 +64,6 @@ class ModelShape:
     layers: list[LayerCost] = field(default_factory=list)
     heal_layers: list[LayerCost] = field(default_factory=list)
     lora_parameters_per_rank: int = 0
-    down_projection_parameters: int = 0
     kv_width: int = 0
     layer_linear_maps: list[list[tuple[int, int]]] = field(default_factory=list)
 
@@ -187,7 +184,6 @@ def describe_model(
         head_parameters=head_parameters,
         dtype=dtype,
         lora_parameters_per_rank=lora_per_rank,
-        down_projection_parameters=_down_projection_parameters(adapter, layers[0], text),
         kv_width=_kv_width(text),
         layer_linear_maps=[
             [(module.in_features, module.out_features) for module in layer.modules() if isinstance(module, nn.Linear)]
@@ -198,15 +194,6 @@ def describe_model(
     if heal_batch_size is not None and (heal_batch_size, heal_seq_len) != (batch_size, seq_len):
         shape.heal_layers = layer_costs(model, adapter, text, heal_batch_size, heal_seq_len)
     return shape
-
-
-def _down_projection_parameters(adapter: DecoderAdapter, layer: nn.Module, text_config: PretrainedConfig) -> int:
-    """The weights of `layer`'s down projections (a d x intermediate matrix where the family names none)."""
-    try:
-        projections = adapter.get_down_projections(layer)
-    except AttributeError:
-        return text_config.hidden_size * getattr(text_config, "intermediate_size", text_config.hidden_size)
-    return sum(target.numel() if isinstance(target, nn.Parameter) else target.weight.numel() for target in projections)
 
 
 def _kv_width(text_config: PretrainedConfig) -> int:
