@@ -7,6 +7,8 @@ A table lives in a markdown file between two markers, `<!-- render: NAME -->` an
 `TABLES`, whose function (in the module of benchmarks/rendering/ for that page) writes the table from its records. A
 chart is the same: NAME is a key of a module's `CHARTS`, whose function draws it from the records as SVG
 (`rendering.charts`) into docs/benchmarks/charts/NAME.svg, and the block holds the picture's link.
+A paragraph whose figures come from the records (a results page's answer, the README's sentences on the results) is
+the same: its function writes the whole paragraph, figures computed from the records (`rendering.common.paragraph`).
 Nothing between the markers is typed by hand: the prose around them is. Every row carries a footnote with its
 provenance (commit, date, command, machine, quiet or not, from benchmarks/provenance.py), a copied row says what it
 copies, and a row measured by code older than a change of the library's behaviour that concerns it

@@ -6,8 +6,10 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import shlex
 import subprocess
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -281,3 +283,57 @@ def scientific(value: float) -> str:
     """`2.6e-5` rather than Python's `2.6e-05`."""
     mantissa, exponent = f"{value:.1e}".split("e")
     return f"{mantissa}e{int(exponent)}"
+
+
+# --- figures in words: the answers the results pages open with -----------------------------------------------------
+
+# The plain fractions an answer names a share by ("a quarter of SLEB's time").
+FRACTIONS = (
+    (1 / 10, "a tenth"),
+    (1 / 8, "an eighth"),
+    (1 / 6, "a sixth"),
+    (1 / 5, "a fifth"),
+    (1 / 4, "a quarter"),
+    (1 / 3, "a third"),
+    (3 / 8, "three eighths"),
+    (2 / 5, "two fifths"),
+    (1 / 2, "a half"),
+    (3 / 5, "three fifths"),
+    (2 / 3, "two thirds"),
+    (3 / 4, "three quarters"),
+)
+
+
+def fraction(value: float) -> str:
+    """A share (0 to 1) as the nearest plain fraction in words, `"a quarter"`; as a percentage where none is within a
+    quarter of it."""
+    share, words = min(FRACTIONS, key=lambda entry: abs(entry[0] - value))
+    return words if abs(share - value) <= share / 4 else f"{100 * value:.0f}%"
+
+
+def fraction_range(values: Sequence[float]) -> str:
+    """The smallest and the largest of some shares in words, `"a quarter to two fifths"`; one fraction where both are
+    nearest the same."""
+    low, high = fraction(min(values)), fraction(max(values))
+    return low if low == high else f"{low} to {high}"
+
+
+def typical_fraction(values: Sequence[float]) -> str:
+    """The mean of some shares in words (an answer's one figure for several settings)."""
+    return fraction(sum(values) / len(values))
+
+
+def multiple(value: float) -> str:
+    """A ratio as an answer writes it: two significant figures below 10 (`1.5`, `6`), whole numbers above."""
+    return f"{value:.2g}" if value < 10 else f"{value:,.0f}"
+
+
+UNBROKEN = re.compile(r"`[^`]*`|\[[^\]]*\]\([^)]*\)")  # a code span, a link: never broken across lines
+
+
+def paragraph(text: str) -> str:
+    """Prose written by a function (an answer between render markers), wrapped at 120 characters as the pages are,
+    never inside a code span or a link."""
+    kept = UNBROKEN.sub(lambda match: match.group(0).replace(" ", "\0"), text)
+    wrapped = textwrap.fill(kept, 120, break_long_words=False, break_on_hyphens=False)
+    return wrapped.replace("\0", " ") + "\n"

@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import glob
+import os
 from collections.abc import Callable, Sequence
 
 from .charts import Panel, Point, scatter
-from .common import Context, Table, kl_cell, load, number, paired, paired_without_boolq, perplexity
+from .common import (
+    RESULTS,
+    Context,
+    Table,
+    fraction_range,
+    kl_cell,
+    load,
+    number,
+    paired,
+    paired_without_boolq,
+    paragraph,
+    perplexity,
+    typical_fraction,
+)
 
 HEAL_RECORDS = (
     "heal-smollm2-135m-0.25-gradmap-screening-notasks-trainables",
@@ -306,9 +321,51 @@ def opening_chart() -> tuple[str, str]:
     return title, scatter(panels, title)
 
 
+def lowest_flips_ratio() -> float:
+    """The lowest flips (BoolQ left out) of any heal measured with tasks, as a multiple of its record's Stage 1 + 2's."""
+    ratios = []
+    for path in sorted(glob.glob(os.path.join(RESULTS, "heal-*.json"))):
+        rows = load(os.path.basename(path)[: -len(".json")])["rows"]
+        default = next((row for row in rows if row["variant"] == "default" and row.get("flips_without_boolq")), None)
+        if default is None:  # a record without tasks
+            continue
+        ratios += [
+            row["flips_without_boolq"]["flips"] / default["flips_without_boolq"]["flips"]
+            for row in rows
+            if row.get("heal") and row.get("flips_without_boolq")
+        ]
+    return min(ratios)
+
+
+# A heal's time "about Stage 1's": its seconds within these multiples of Stage 1's.
+ABOUT_STAGE1 = (0.75, 1.25)
+
+
+def about_stage1(shares: Sequence[float]) -> bool:
+    return all(ABOUT_STAGE1[0] <= share <= ABOUT_STAGE1[1] for share in shares)
+
+
+def answer(context: Context) -> str:
+    """The page's answer, from the opening table's heals of about Stage 1's time (`ABOUT_STAGE1`, timed alone): how much
+    they lower the web-text KL from the dense model, and the flips (BoolQ left out), against Stage 1 + 2."""
+    rows = _opening_rows()
+    default = {setting: row for setting, _, label, row, _ in rows if label == "Stage 1 + 2"}
+    heals = [
+        (default[setting], row) for setting, _, _, row, share in rows if row.get("heal") and _alone(row) and about_stage1([share])
+    ]
+    kl = [1 - kl_on(row["evaluation"], KL_TEXTS[1]) / kl_on(base["evaluation"], KL_TEXTS[1]) for base, row in heals]
+    flips = [1 - row["flips_without_boolq"]["flips"] / base["flips_without_boolq"]["flips"] for base, row in heals]
+    return paragraph(
+        f"**The heal lowers the KL from the dense model by {fraction_range(kl)} in about Stage 1's time, but not the "
+        f"flips:** the answers that differ from the dense model's fall by {typical_fraction(flips)}. Off by default, on "
+        "in `--preset quality`."
+    )
+
+
 CHARTS = {"heal-chart": opening_chart}
 
 TABLES = {
+    "heal-answer": answer,
     "heal-opening": opening_table,
     "heal-trainables": heal_kl_rows("heal", HEAL_RECORDS),
     "heal-smollm2-25-gradmap": heal_rows("heal-smollm2-135m-0.25-gradmap-screening"),

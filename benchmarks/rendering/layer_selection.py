@@ -11,7 +11,7 @@ import functools
 from collections.abc import Sequence
 
 from .charts import Panel, Point, scatter
-from .common import Context, Table, load, older_record, option_values
+from .common import Context, Table, fraction_range, load, multiple, older_record, option_values, paragraph, typical_fraction
 
 QWEN = "compare-qwen2.5-coder-0.5b-0.25"
 SMOLLM2_25 = "compare-smollm2-135m-0.25"
@@ -256,9 +256,65 @@ def opening_chart() -> tuple[str, str]:
     return title, scatter([panel], title)
 
 
+# --- pruning to a loss budget (benchmarks/budget.py) -------------------------------------------------------------
+
+
+def budget(context: Context) -> str:
+    """Prune to a loss budget: the layers each budget kept removing, and where it stopped
+    (benchmarks/results/budget-smollm2-135m-gradmap-16.json)."""
+    source = "budget-smollm2-135m-gradmap-16"
+    record = load(source)
+    dense_loss = record["dense_loss"]
+    table = Table(
+        "budget",
+        [
+            "budget",
+            "K chosen",
+            "removed layers",
+            f"calibration loss after (dense {dense_loss:.4f})",
+            "refused next",
+            "Stage 1 s",
+            "Wikipedia / web ppl",
+        ],  # fmt: skip
+        ["---", "---:", "---", "---", "---", "---:", "---"],
+    )
+    for row in record["rows"]:
+        loss = row["loss_curve"][-1]
+        rejected = row.get("rejected")
+        refused = f"layer {rejected['layer']} ({100 * (rejected['loss'] / dense_loss - 1):+.1f}%)" if rejected else "-"
+        ppl = row["perplexity"]
+        layers = row["removed_layers"]
+        cells = [f"+{100 * row['budget']:.0f}%", str(len(layers)), " ".join(str(layer) for layer in layers)]
+        cells += [f"{loss:.4f} ({100 * (loss / dense_loss - 1):+.1f}%)", refused, f"{row['stage1_seconds']:.0f}"]
+        table.add(cells + [f"{ppl['offline:wikipedia']:.2f} / {ppl['offline:web_text']:.2f}"], row["provenance"], source)
+    return table.markdown()
+
+
+def answer(context: Context) -> str:
+    """The page's answer, from the opening table's rows: the quality preset's and the paper's score's Stage 1 time as a
+    share of SLEB's, and the web-text perplexity of their layers against SLEB's."""
+    rows = _opening_rows()
+
+    def shares(label: str) -> list[float]:
+        return [row["stage1_seconds"] / sleb["stage1_seconds"] for _, _, name, row, sleb in rows if name == label]
+
+    def web_text(label: str) -> list[float]:
+        return [_perplexities(row)[1] / _perplexities(sleb)[1] for _, _, name, row, sleb in rows if name == label]
+
+    quality, paper = web_text("quality preset"), web_text("gradmap (the paper)")
+    layers = "SLEB's layers, or better ones" if max(quality) <= 1 + 1e-6 else "layers close to SLEB's"
+    return paragraph(
+        f"**`--preset quality` removes {layers}, in {fraction_range(shares('quality preset'))} of SLEB's time.** "
+        f"The paper's score (`gradmap`, the default) takes {typical_fraction(shares('gradmap (the paper)'))} of it but "
+        f"loses: web-text perplexity {multiple(min(paper))}x to {multiple(max(paper))}x SLEB's. Stage 1 alone:"
+    )
+
+
 CHARTS = {"layers-chart": opening_chart}
 
 TABLES = {
+    "layer-selection-answer": answer,
+    "budget": budget,
     "layers-opening": opening_table,
     "layers-every-shortlist": every_shortlist,
     # every importance metric, with and without the paper's Stage 2

@@ -1,7 +1,8 @@
-"""The README's results table and the main job's figures (docs/getting-started.md)."""
+"""The README: its results table, and its paragraphs whose figures come from the records."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .common import (
@@ -12,10 +13,14 @@ from .common import (
     load,
     mean_accuracy,
     number,
+    paragraph,
     perplexity,
     stage1_share_of_sleb,
 )
-from .heal import row_kinds
+from .deploy import pruned_w8a8
+from .heal import about_stage1, lowest_flips_ratio, row_kinds, stage1_unit
+from .scale import largest_machine, largest_pruned
+from .stage1_cost import main_job_passes
 
 
 @dataclass(frozen=True)
@@ -125,37 +130,117 @@ def readme_table(context: Context) -> Table:
     return table
 
 
-def main_job(context: Context) -> str:
-    """The main job's last measured run with its defaults (the `auto` row of
-    benchmarks/results/precision-smollm2-135m-0.25.json, benchmarks/precision.py)."""
-    source = "precision-smollm2-135m-0.25"
-    run = next(row for row in load(source)["rows"] if row["precision"] == "auto")
-    perplexities = run["wikipedia_perplexity"]
-    fitted = ", ".join(f"{layer} (lambda {value:.2g})" for layer, value in run["compensation_lambda"].items()) or "none"
-    left_alone = ", ".join(f"layer {layer} ({reason})" for layer, reason in run["skipped_layers"].items()) or "none"
-    passes = run["passes"]
-    table = Table("main-job", "what | figure")
-    rows = [
-        ("removed layers, in removal order", str(run["removed_layers"])),
-        ("compensated layers (Stage 2)", fitted),
-        ("left alone", left_alone),
-        ("held-out Wikipedia perplexity, dense", f"{perplexities['dense']:.3f}"),
-        ("... Stage 1 only", f"{perplexities['stage 1 only']:.3f}"),
-        ("... Stage 1 + 2 (the checkpoint reloaded)", f"{perplexities['stage 1 + 2']:.3f}"),
-        ("Stage 1 / Stage 2 seconds", f"{run['stage1_seconds']:.1f} / {run['stage2_seconds']:.1f}"),
-        (
-            "passes",
-            f"{passes['computed_in']}: {len(passes['recomputed'])} of {passes['decisions']} decisions recomputed in "
-            f"float32 ({passes['recompute_seconds']:.0f} s)",
-        ),
-        ("wall time, peak memory", f"{run['wall_seconds'] / 60:.1f} min, {run['peak_rss_kib'] / 2**20:.1f} GiB"),
-    ]
-    for index, cells in enumerate(rows):
-        table.add(list(cells), run["provenance"] if index == 0 else None, source)
-    return table.markdown()
+# --- the README's paragraphs -----------------------------------------------------------------------------------------
+
+
+def readme_main_job(context: Context) -> str:
+    """The quick start's main job, with its wall time and cores from its last run with the default passes
+    (benchmarks/results/precision-smollm2-135m-0.25.json)."""
+    auto, _ = main_job_passes()
+    cores = auto["provenance"]["machine"]["cpu_count"]
+    return paragraph(
+        "**Main job**: prune SmolLM2-135M by 25% with both stages on the paper's calibration set (128 x 128 tokens of "
+        "Wikipedia), save it, reload it with plain `AutoModelForCausalLM`, and print what was removed and the held-out "
+        f"perplexity before and after (about {auto['wall_seconds'] / 60:.0f} minutes on {cores} CPU cores; "
+        f"[its output]({context.link('docs/getting-started.md#the-main-job')})):"
+    )
+
+
+def readme_quantization(context: Context) -> str:
+    """Where quantization fits, with what pruning and W8A8 save on SmolLM2 and what the healed W8A8 model keeps of the
+    dense model's accuracy (benchmarks/results/deploy-smollm2-135m.json)."""
+    size, speed, healed = pruned_w8a8()
+    against = healed["against_dense"]
+    return paragraph(
+        "**Where quantization fits:** last, after pruning and the heal: llm-compressor quantizes the result to a "
+        "compressed-tensors checkpoint that vLLM serves (`--quantization w8a8` on `prune`, or `quantize` on a saved "
+        f"checkpoint; [guide]({context.link('docs/guides/quantization.md')})). On SmolLM2-135M, 25% pruned and W8A8: "
+        f"{size:.2f}x the dense bfloat16 bytes and {speed:.1f}x its vLLM decode speed on this CPU, the two steps' losses "
+        "adding up; healed, then W8A8, it keeps the dense model's zero-shot accuracy "
+        f"({100 * against['difference']:+.1f} +/- {100 * against['stderr']:.1f} points); INT4 (W4A16) loses its LoRA "
+        "heal's gain, keeps more of a norms heal, and on Qwen2.5-0.5B keeps the LoRA heal's and less of a norms heal "
+        f"([figures]({context.link('docs/benchmarks/deploy.md')}))."
+    )
+
+
+def _heal_shares(own_text: bool) -> list[float]:
+    """The heal time of the README table's heal rows, on corpus text or on the dense model's own, in Stage 1's."""
+    shares = []
+    for _, source, variants, _, _ in README_ROWS:
+        for entry in variants:
+            rows = {row["variant"]: row for row in load(entry.source or source)["rows"]}
+            heal = (rows.get(entry.variant) or {}).get("heal")
+            if heal and ("generated" in str(heal.get("dataset", ""))) == own_text:
+                shares.append(heal["seconds"] / stage1_unit(entry.source or source)[0])
+    return shares
+
+
+def readme_heal(context: Context) -> str:
+    """What the table says of Stage 2 and the heal: the heal rows' time in Stage 1's, and the lowest flips of any heal
+    measured against Stage 1 + 2's."""
+    corpus, own = _heal_shares(False), _heal_shares(True)
+    corpus_time = (
+        "about Stage 1's own time" if about_stage1(corpus) else f"{min(corpus):.1f}x to {max(corpus):.1f}x Stage 1's time"
+    )
+    heal_page = "docs/benchmarks/heal.md"
+    lowest = math.floor(100 * lowest_flips_ratio()) / 100  # "below" it: rounded down
+    return paragraph(
+        "Stage 2 lowers both perplexities, the KL and the flips, but costs accuracy on some rows: a d x d patch repairs "
+        f"little ([accuracy and fidelity]({context.link('docs/benchmarks/accuracy-and-fidelity.md')})). The optional "
+        f"heal stage (`--heal-tokens N`, [guide]({context.link('docs/guides/heal.md')})) distils the dense model back "
+        f"with LoRA adapters merged into plain weights; the LoRA rows above cost {corpus_time}, the rows on the dense "
+        f"model's own text {sum(own) / len(own):.1f}x (of a 1.5x budget), the text's writing included "
+        f"([heal]({context.link(heal_page)})). "
+        "The recommended pipeline, `--preset quality`, gives SmolLM2 the lowest flips and KL of the table; on Qwen the "
+        "heal on its own text lowers the flips but its accuracy falls below Stage 1's, on BoolQ alone: Stage 1 answers "
+        'BoolQ "yes" far more often than the dense model and the heal undoes most of that bias (the figures, and the '
+        "accuracy without BoolQ, on the "
+        f"[heal page]({context.link(heal_page + '#the-dense-models-own-text-on-qwen25-coder-05b')})). No heal measured "
+        f"brings the flips (BoolQ left out) below {lowest:.2f}x Stage 1 + 2's: the KL falls faster than the answers that "
+        f"differ from the dense model's come back ([why]({context.link(heal_page + '#what-it-decided')}))."
+    )
+
+
+def readme_precision(context: Context) -> str:
+    """The passes' precision, with the main job's default passes against float32 passes
+    (benchmarks/results/precision-smollm2-135m-0.25.json)."""
+    auto, full = main_job_passes()
+    same = {
+        (True, True): "removes and fits the same layers either way",
+        (True, False): "removes the same layers either way, fits others",
+        (False, True): "removes other layers, fits the same",
+        (False, False): "removes and fits other layers",
+    }[auto["removed_layers"] == full["removed_layers"], auto["compensated_layers"] == full["compensated_layers"]]
+    return paragraph(
+        "**Precision.** The weights load in float32 (`--dtype`). Stage 1's and Stage 2's passes compute in bfloat16 "
+        "where the hardware has it natively (CUDA compute capability 8.0 or more, CPUs with AVX512-BF16 or AMX), and "
+        "every choice whose margin lies within bfloat16's measured error is computed again in float32, so the layers "
+        "removed and fitted are float32's; `--precision float32` computes in float32 throughout. GradMAP's Stage 1 "
+        "passes in bfloat16 on GPUs only: on a CPU the near ties it would score again cost more than bfloat16 saves. "
+        f"On this project's CPU the main job {same} in {auto['wall_seconds'] / full['wall_seconds']:.2f} of float32's "
+        f"time, Stage 2 in {auto['stage2_seconds'] / full['stage2_seconds']:.2f} of its time "
+        f"([the figures]({context.link('docs/benchmarks/stage1-cost.md#the-default-passes-against-float32')}))."
+    )
+
+
+def readme_scale(context: Context) -> str:
+    """What has run: the largest model pruned from disk, its machine and its peak resident memory
+    (benchmarks/results/scale-*.json)."""
+    peak = max(row["memory"]["peak_resident_gib"] for row in largest_pruned())
+    return paragraph(
+        "**What has run:** real weights up to Qwen2.5-Coder-0.5B (quality figures); Llama-3.1-8B's shape with random "
+        f"weights (time, memory and correctness only), pruned from disk on a {largest_machine()} CPU machine at "
+        f"{peak:.1f} GiB peak resident memory ([scale]({context.link('docs/benchmarks/scale.md')})). `prune --dry-run` "
+        "tells the layers, passes, FLOPs, memory, disk and time of a run before it starts "
+        f"([will it fit]({context.link('docs/guides/big-models.md#will-it-fit-how-long-will-it-take')}))."
+    )
 
 
 TABLES = {
     "readme-results": readme_results,
-    "main-job": main_job,
+    "readme-main-job": readme_main_job,
+    "readme-quantization": readme_quantization,
+    "readme-heal": readme_heal,
+    "readme-precision": readme_precision,
+    "readme-scale": readme_scale,
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from .charts import Panel, Point, scatter
-from .common import RESULTS, Context, Table, load, number
+from .common import RESULTS, Context, Table, fraction_range, load, number, paragraph
 
 PEER_RECORDS = (
     ("SmolLM2-135M, 25%, 16 x 128", "stage1_peers-smollm2-135m-0.25-16"),
@@ -289,9 +289,36 @@ def precision_opening(context: Context) -> str:
     return table.markdown()
 
 
+def shares_of_sleb(method: str) -> list[float]:
+    """Stage 1's time of `method` as a share of SLEB's own code's, one per setting of `PEER_RECORDS`."""
+    shares = []
+    for _, source in PEER_RECORDS:
+        seconds = {row["method"]: row["stage1_seconds"] for row in load(source)["rows"]}
+        shares.append(seconds[method] / seconds["sleb_reference"])
+    return shares
+
+
+def main_job_passes() -> tuple[dict, dict]:
+    """The main job's `auto` and `float32` rows (benchmarks/precision.py, SmolLM2-135M at 25%)."""
+    rows = {row["precision"]: row for row in load(PRECISION_RECORDS[0][0])["rows"]}
+    return rows["auto"], rows["float32"]
+
+
+def answer(context: Context) -> str:
+    """The page's answer: the paper's score's and the quality preset's Stage 1 time as a share of SLEB's own code's, and
+    the main job's wall time with the default passes as a share of float32's."""
+    auto, full = main_job_passes()
+    return paragraph(
+        f"**GradMAP's score takes {fraction_range(shares_of_sleb('paper'))} of SLEB's time, `--preset quality` "
+        f"{fraction_range(shares_of_sleb('quality'))}.** By default Stage 2 passes in bfloat16 where the hardware has it "
+        f"(Stage 1 too, on a GPU): the main job in {auto['wall_seconds'] / full['wall_seconds']:.2f} of float32's time."
+    )
+
+
 CHARTS = {"stage1-cost-chart": opening_chart}
 
 TABLES = {
+    "stage1-cost-answer": answer,
     "precision-opening": precision_opening,
     "precision": precision,
     "precision-bound": precision_bound,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .charts import Panel, Point, scatter
-from .common import Context, Table, load, machine_text, older_record, option_values
+from .common import Context, Table, load, machine_text, older_record, option_values, paragraph
 
 # --- benchmarks/stage2.py's records ----------------------------------------------------------------------------
 
@@ -301,9 +301,31 @@ def opening_chart() -> tuple[str, str]:
     return title, scatter([panel], title)
 
 
+def answer(context: Context) -> str:
+    """The page's answer, from the opening table's selections: for how many the span-end fits lowered both perplexities
+    against Stage 1 alone, and for how many the paper's Stage 2 raised web-text perplexity."""
+    rows = [rows for _, _, _, _, rows in _opening_rows()]
+
+    def perplexities(row: dict) -> list[float]:
+        return [entry["perplexity"] for entry in row["evaluation"]["perplexities"]]
+
+    lowered = sum(
+        all(after < before for after, before in zip(perplexities(row["span_end+auto"]), perplexities(row["none"])))
+        for row in rows
+    )
+    raised = sum(_web_text(row["paper"]) > _web_text(row["none"]) for row in rows)
+    each = "every selection" if lowered == len(rows) else f"{lowered} of the {len(rows)} selections"
+    return paragraph(
+        f"**Fitting the kept layer before each removed run (`span_end`) lowered both perplexities for {each}; the "
+        f"paper's Stage 2 raised web-text perplexity for {raised} of these {len(rows)}.** Neither repairs zero-shot "
+        "accuracy."
+    )
+
+
 CHARTS = {"stage2-chart": opening_chart}
 
 TABLES = {
+    "stage2-answer": answer,
     "stage2-opening": opening_table,
     "stage2-variants-smollm2-25": stage2_variants_smollm2_25,
     "stage2-variants-smollm2-40": stage2_variants_smollm2_40,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .charts import Panel, Point, scatter
-from .common import Context, Table, load, machine_text, older_record, scientific
+from .common import Context, Table, fraction_range, load, machine_text, older_record, paragraph, scientific, typical_fraction
 
 STREAMING_RECORDS = (
     ("SmolLM2-135M", "streaming_memory-smollm2-135m-batch8"),
@@ -73,8 +73,22 @@ def opening_chart() -> tuple[str, str]:
     return title, scatter([panel], title)
 
 
+def answer(context: Context) -> str:
+    """The page's answer: the streamed round's peak memory over the weight bytes, and its time over the in-memory
+    round's, on both models."""
+    figures = [load(source)["figures"] for _, source in STREAMING_RECORDS]
+    peaks = [entry["streamed_peak_over_weight_bytes"] for entry in figures]
+    more = [entry["streamed_time_over_in_memory_time"] - 1 for entry in figures]
+    return paragraph(
+        "**Layer streaming holds one layer's weights and activations at a time: "
+        f"{fraction_range(peaks)} of the weight bytes, for {typical_fraction(more)} more time, with the in-memory "
+        "scores.** It is the path for models larger than memory."
+    )
+
+
 CHARTS = {"streaming-chart": opening_chart}
 
 TABLES = {
+    "streaming-memory-answer": answer,
     "layer-streamed": layer_streamed,
 }
