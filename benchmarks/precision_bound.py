@@ -27,7 +27,7 @@ from provenance import finish, provenance
 from optimum_gradmap import GradMAPConfig, surgery
 from optimum_gradmap.adapters import get_adapter
 from optimum_gradmap.assets import load_model
-from optimum_gradmap.compensation import Stage2Settings, next_token, stage2
+from optimum_gradmap.compensation import Stage2Settings, lambda_search, next_token, stage2
 from optimum_gradmap.data import calibration_sha256
 from optimum_gradmap.importance.gradient import gradient_importance
 
@@ -54,7 +54,7 @@ def stage1_round(dense: surgery.LayerSnapshot, removed: list[int], ids: torch.Lo
 def stage2_losses(dense: surgery.LayerSnapshot, removed: list[int], ids: torch.LongTensor) -> dict:
     """The held-out losses of every strength and of W' = I, per fitted layer, in float32 and in bfloat16."""
     dense.keep([index for index in range(dense.num_layers) if index not in removed])
-    settings = Stage2Settings.from_config(GradMAPConfig(num_layers_to_prune=len(removed), lambda_search="grid"))
+    settings = Stage2Settings.from_config(GradMAPConfig(num_layers_to_prune=len(removed)))
     calls: list[dict] = []
     choose = next_token.choose_strength
 
@@ -63,7 +63,7 @@ def stage2_losses(dense: surgery.LayerSnapshot, removed: list[int], ids: torch.L
         return choose(losses, identity_loss)
 
     measured = {"removed": removed, "provenance": provenance()}
-    next_token.choose_strength = recording
+    next_token.choose_strength, lambda_search.SEARCH = recording, "grid"  # every strength's loss, to compare
     try:
         for name in ("float32", "bfloat16"):
             calls.clear()
@@ -76,7 +76,7 @@ def stage2_losses(dense: surgery.LayerSnapshot, removed: list[int], ids: torch.L
             measured[name]["seconds"] = time.perf_counter() - started
             result.undo()
     finally:
-        next_token.choose_strength = choose
+        next_token.choose_strength, lambda_search.SEARCH = choose, "golden"
     measured["provenance"] = finish(measured["provenance"])
     return measured
 

@@ -46,8 +46,6 @@ CompensationSelection = Literal["auto", "hidden_state", "next_token_loss"]
 # What Stage 2's fit does with the tokens that carry massive activations: keep them (the paper), leave them out, or
 # leave them out where the next-token loss chooses lambda and keep them elsewhere.
 OutlierTokens = Literal["auto", "keep", "exclude"]
-# How the next-token selection searches the strengths of the grid (`GradMAPConfig.lambda_search`).
-LambdaSearch = Literal["grid", "golden"]
 # How the passes behind Stage 1's and Stage 2's decisions compute (`optimum_gradmap.precision`).
 PassPrecision = Literal["auto", "float32"]
 # What the heal stage trains (see `optimum_gradmap.heal`).
@@ -252,15 +250,6 @@ class GradMAPConfig(LayerAmount):
         "Gemma 2 and 3, OLMo 2). With the default `outlier_tokens` it "
         "kept more zero-shot accuracy than `hidden_state` did on SmolLM2-135M, for less perplexity gain and about twice "
         "the Stage 2 time (docs/benchmarks/accuracy-and-fidelity.md).",
-    )
-    lambda_search: LambdaSearch = _setting(
-        "golden",
-        'How `compensation_selection="next_token_loss"` searches the strengths of the grid: `grid` scores every one '
-        "(nine held-out passes, and W' = I); `golden` (the default) narrows a "
-        "golden-section search over log lambda (four or five passes, then the stronger neighbours a tie would choose), "
-        "which chooses as `grid` does where the held-out loss has one minimum over the grid, and chose as it did on "
-        "every fit measured (docs/benchmarks/stage1-cost.md). The hidden-state selection always scores the whole "
-        "grid (it costs no model pass).",
     )
     outlier_tokens: OutlierTokens = _setting(
         "auto",

@@ -51,6 +51,12 @@ RETIRED_SETTINGS: dict[str, tuple[Any, str]] = {
         "zero-shot accuracy over Stage 1 alone (SmolLM2-135M at 25%, docs/changelog.md). The dense model's text starts "
         "from the calibration documents; remove the setting",
     ),
+    "lambda_search": (
+        "golden",
+        "scoring every strength of the grid (lambda_search='grid') chose the lambdas the golden-section search chose "
+        "on all three settings measured, in about twice its passes (nine strengths against four or five, "
+        "docs/benchmarks/stage1-cost.md). The golden-section search runs; remove the setting",
+    ),
     "verify_from_scoring_pass": (
         False,
         "starting the shortlist's check from the scoring pass saved no time: 221.9 s of Stage 1 against 209.5 s without "

@@ -1019,7 +1019,9 @@ def _next_token_families():
 @pytest.mark.parametrize("family", _next_token_families())
 @pytest.mark.parametrize("removed, fitted", [(3, 2), (1, 0)])  # layer 0: no layer before it to skip
 @pytest.mark.parametrize("search", ["grid", "golden"])
-def test_the_next_token_selection_run_from_the_fitted_layer_chooses_as_the_whole_model_does(family, removed, fitted, search):
+def test_the_next_token_selection_run_from_the_fitted_layer_chooses_as_the_whole_model_does(
+    family, removed, fitted, search, monkeypatch
+):
     """Each candidate scored from the fitted layer on (its input recorded once) gives the losses and the choice of
     a pass of the whole model per candidate (`optimum_gradmap.testing.reference_next_token_choice`), with every
     strength scored (`grid`), or those the golden-section search scores on the reference's losses (`golden`: on these
@@ -1037,7 +1039,8 @@ def test_the_next_token_selection_run_from_the_fitted_layer_chooses_as_the_whole
     with torch.no_grad():
         (original,) = record_layer_outputs(model, [dense_layers[removed]], ids, 4, progress_bar=False)
     remove_layers(model, [removed])
-    config = GradMAPConfig(num_layers_to_prune=1, batch_size=4, lambda_search=search)
+    monkeypatch.setattr("optimum_gradmap.compensation.lambda_search.SEARCH", search)
+    config = GradMAPConfig(num_layers_to_prune=1, batch_size=4)
     data = FitData(model, adapter, dense_layers[fitted], original, ids)
     fit = learn_by_next_token_loss(data, config, progress_bar=False)
     reference = reference_next_token_choice(data, config)
@@ -1105,8 +1108,11 @@ def test_the_golden_section_search_chooses_as_the_grid_does_with_fewer_passes(mi
     assert len(golden) <= 5 + plateau + 1
 
 
-def test_an_unknown_lambda_search_is_refused_by_the_config():
+def test_the_retired_lambda_search_is_refused_and_an_unknown_search_too():
+    from optimum_gradmap.compensation.lambda_search import searched_losses
     from optimum_gradmap.configuration import GradMAPConfig
 
-    with pytest.raises(ValueError, match="lambda_search"):
-        GradMAPConfig(num_layers_to_prune=1, lambda_search="bisect")
+    with pytest.raises(ValueError, match="The setting `lambda_search` was retired: .*remove the setting"):
+        GradMAPConfig(num_layers_to_prune=1, lambda_search="grid")
+    with pytest.raises(ValueError, match="search='bisect'"):
+        searched_losses(float, [1.0, 2.0], "bisect")

@@ -105,8 +105,9 @@ def test_the_plans_pass_counts_are_the_passes_a_tiny_run_makes(preset):
     assert before.num_layers_to_remove == 2 and before.rounds == Count.of(1 if preset == "fast" else 2)
 
 
-def test_with_the_removed_layers_known_and_the_whole_grid_scored_stage_2_is_counted_exactly():
-    config = GradMAPConfig(**SMALL, lambda_search="grid")
+def test_with_the_removed_layers_known_and_the_whole_grid_scored_stage_2_is_counted_exactly(monkeypatch):
+    monkeypatch.setattr("optimum_gradmap.compensation.lambda_search.SEARCH", "grid")  # the reference search
+    config = GradMAPConfig(**SMALL)
     measured, result, dense_config = run_counted(config)
     plan = plan_pruning(dense_config, config, throughput=ASSUMED, removed_layers=result.removed_layers)
     work = plan.stage("Stage 2").work

@@ -1,9 +1,8 @@
 # Copyright 2026 The optimum-gradmap authors.
 # Licensed under the Apache License, Version 2.0.
 """The search over the grid of ridge strengths that the next-token selection scores
-([`~optimum_gradmap.compensation.next_token.learn_by_next_token_loss`], `Stage2Settings.lambda_search`): every
-strength, or a golden-section search; and the choice among the losses, ties up to float rounding going to the
-stronger lambda."""
+([`~optimum_gradmap.compensation.next_token.learn_by_next_token_loss`]): a golden-section search, or every strength
+(`SEARCH`); and the choice among the losses, ties up to float rounding going to the stronger lambda."""
 
 from __future__ import annotations
 
@@ -15,12 +14,18 @@ from .solvers import RidgeChoice
 # moves by about this much with the order of its sums (another batch split, another number of processes).
 LOSS_TIE_TOLERANCE = 1e-6
 
+# How the next-token selection searches the grid ([`searched_losses`]): "golden", what every run does. "grid" scores
+# every strength: the reference the golden-section search is checked against, which the tests and
+# benchmarks/precision_bound.py set here. It left the settings (`lambda_search`) when it chose as "golden" on every
+# fit measured (docs/benchmarks/stage1-cost.md).
+SEARCH = "golden"
+
 # The share of a bracket that a golden-section step cuts off: 1 - 1 / golden ratio.
 GOLDEN_SECTION = (3 - 5**0.5) / 2
 
 
 def searched_losses(loss_of: Callable[[float], float], grid: Sequence[float], search: str = "grid") -> dict[float, float]:
-    """The held-out losses of the strengths of `grid` (increasing) that `search` scores (`Stage2Settings.lambda_search`):
+    """The held-out losses of the strengths of `grid` (increasing) that `search` scores ([`SEARCH`]):
 
     - `"grid"`: every strength;
     - `"golden"`: a golden-section search over the grid's indices (the grid is log-spaced: a search over log lambda),
@@ -49,7 +54,7 @@ def searched_losses(loss_of: Callable[[float], float], grid: Sequence[float], se
             at(index)
         return losses
     if search != "golden":
-        raise ValueError(f"lambda_search={search!r}: expected 'grid' or 'golden'.")
+        raise ValueError(f"search={search!r}: expected 'grid' or 'golden'.")
     low, high = 0, len(grid) - 1
     while high - low > 2:
         step = round((high - low) * GOLDEN_SECTION)

@@ -33,6 +33,7 @@ from ..objectives import next_token_loss_sum, summed_loss
 from ..passes import calibration_batches
 from ..precision import LOSS_BOUND, Precision, settled_lowest
 from ..vocabulary import vocabulary_head
+from . import lambda_search
 from .activations import CompensationBatch, FitData
 from .folding import apply_compensation, down_projection_backup
 from .lambda_search import GOLDEN_SECTION as GOLDEN_SECTION  # planning estimates the search's passes from it
@@ -157,11 +158,11 @@ def learn_by_next_token_loss(
 
     One pass over the calibration sequences collects the statistics of every fold and, for the held-out sequences,
     the input of the layer; each candidate is then scored from `layer` on ([`HeldOutLoss`]), every strength of the grid
-    or those `config.lambda_search` scores ([`searched_losses`]).
+    or those the golden-section search scores ([`searched_losses`], [`~optimum_gradmap.compensation.lambda_search.SEARCH`]).
 
     Args:
         data ([`FitData`]): The kept layer to fit, and what it is fitted to.
-        config ([`Stage2Settings`]): `compensation_form`, `outlier_tokens`, `lambda_search` and `batch_size` are read.
+        config ([`Stage2Settings`]): `compensation_form`, `outlier_tokens` and `batch_size` are read.
         progress_bar (`bool`, defaults to `True`): Show progress bars.
         precision ([`~optimum_gradmap.precision.Precision`], *optional*): With bfloat16 passes, whether the layer is
             fitted at all (a lambda against W' = I) is decided as float32 decides it: where W' = I's held-out loss lies
@@ -188,7 +189,7 @@ def learn_by_next_token_loss(
             backup.restore()
 
     identity_loss = loss()
-    losses = searched_losses(lambda alpha: loss_with(solve(relative_ridge(train, alpha))), AUTO_RIDGE_GRID, config.lambda_search)
+    losses = searched_losses(lambda alpha: loss_with(solve(relative_ridge(train, alpha))), AUTO_RIDGE_GRID, lambda_search.SEARCH)
     choice = choose_strength(losses, identity_loss)
     if precision is not None and precision.low is not None:
         precision.log.decisions += 1

@@ -16,7 +16,6 @@ from ..configuration import (
     CompensationObjective,
     CompensationSelection,
     CompensationTarget,
-    LambdaSearch,
     OutlierTokens,
     Solver,
 )
@@ -39,7 +38,6 @@ class Stage2Settings(StepSettings):
     compensation_form: CompensationForm
     compensation_objective: CompensationObjective
     compensation_selection: CompensationSelection
-    lambda_search: LambdaSearch
     outlier_tokens: OutlierTokens
     compensation_dataset: str | None
     refinement_steps: int

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..adapters import DecoderAdapter
+from ..compensation import lambda_search
 from ..compensation.next_token import GOLDEN_SECTION, chooses_by_next_token_loss, resolve_selection, searched_losses
 from ..compensation.refinement import CHECK_EVERY as REFINEMENT_CHECK_EVERY
 from ..compensation.solvers import AUTO_NUM_FOLDS, AUTO_RIDGE_GRID
@@ -39,7 +40,7 @@ class Stage2Outline:
 
 
 def golden_search_evaluations(grid_size: int) -> Count:
-    """How many strengths `lambda_search="golden"` scores on a grid of `grid_size` ([`searched_losses`]): from the
+    """How many strengths the golden-section search scores on a grid of `grid_size` ([`searched_losses`]): from the
     fewest any outcome of its comparisons leaves, to the whole grid at most (each strength is scored once): a tie
     makes the search go on to the stronger strengths while their losses stay within the tolerance, and strong
     strengths all give nearly W' = I, so ties are common where W' = I is near the best. Likely: the mean count for a
@@ -170,7 +171,7 @@ def _evaluations(config: GradMAPConfig, rows_fit: bool) -> Count:
     if not chooses_by_next_token_loss(config) or rows_fit:
         return ZERO
     searched = (
-        Count.of(len(AUTO_RIDGE_GRID)) if config.lambda_search == "grid" else golden_search_evaluations(len(AUTO_RIDGE_GRID))
+        Count.of(len(AUTO_RIDGE_GRID)) if lambda_search.SEARCH == "grid" else golden_search_evaluations(len(AUTO_RIDGE_GRID))
     )
     return searched + 1
 
